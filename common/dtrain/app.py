@@ -1,0 +1,121 @@
+"""The top of every subproject: Hydra config in, run directory out.
+
+    main = hydra_main("tp_attention.conf", rank_fn=..., validate=..., finalize=...)
+
+`validate(cfg)` checks the subproject's own keys before anything starts; `rank_fn(ctx)` runs on
+every rank; `finalize(run_dir, cfg, result)` runs once after all ranks finished (plots, tables)
+and returns the summary. `summary.json` is written last. A `UserError` anywhere becomes one line
+on stderr, exit code 2, and no run directory; any other failure leaves the run directory without
+a summary (so loaders skip it) and exits 1 with the failing rank's traceback.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from dtrain import dist as ddist
+from dtrain.errors import UserError
+from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
+from dtrain.metrics import RunWriter, write_summary
+
+Finalize = Callable[[Path, DictConfig, Any], dict]
+
+
+def check_base(cfg: DictConfig) -> None:
+    """The shared keys, checked before any process starts."""
+    if cfg.launcher not in LAUNCHERS:
+        raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
+        raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
+    if cfg.backend not in ddist.BACKENDS:
+        raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
+    if mode_of(cfg) == "local":  # on Slurm the compute nodes, not this host, must have the GPUs
+        ddist.pick_backend(cfg.backend, ddist.pick_device(cfg.device, 0))
+
+
+def run_dir_for(cfg: DictConfig) -> Path:
+    """Hydra's output dir when under Hydra (runs and sweeps), else results_dir/subproject/timestamp."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.results_dir) / cfg.subproject / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+
+
+def check_writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"results path {str(path)!r} is not writable ({e.strerror}): "
+                        "pass results_dir=<a writable folder>") from None
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
+            finalize: Finalize | None = None) -> dict | None:
+    run_dir = run_dir_for(cfg)  # under Hydra it exists already; removed again on bad input
+    try:
+        check_base(cfg)
+        if validate:
+            validate(cfg)
+        check_writable(run_dir)
+        result, run_dir = launch(rank_fn, cfg, run_dir)
+        job = ddist.detect_job()
+        if job is not None and job.rank != 0:
+            return None  # rank 0 of the job finalizes
+        summary = finalize(run_dir, cfg, result) if finalize else dict(result or {})
+    except UserError as e:
+        if ddist.detect_job() is None or ddist.detect_job().rank == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)  # bad input leaves no results behind
+        fail(str(e), 2)
+    except RankFailed as e:
+        RunWriter(run_dir).event("run_failed", error=str(e).splitlines()[-1][:500])
+        print(str(e), file=sys.stderr, flush=True)
+        fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)
+    summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
+    write_summary(run_dir, summary)
+    print(f"run complete: {run_dir}  (summary.json written)", flush=True)
+    return summary
+
+
+def _precheck_results_dir(argv: list[str]) -> None:
+    """Hydra creates the output dir before our code runs; check the override first so an
+    unwritable path gets one line instead of Hydra's traceback."""
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "results_dir" and value and "," not in value and "(" not in value:
+            target = Path(value)
+            while not target.exists() and target != target.parent:
+                target = target.parent
+            try:  # access() says yes to root everywhere; only a real write tells
+                tempfile.TemporaryDirectory(dir=target).cleanup()
+            except OSError as e:
+                fail(f"results_dir={value!r} is not writable ({e.strerror}): pass results_dir=<a writable folder>")
+
+
+def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"):
+    """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`."""
+    import hydra
+
+    @hydra.main(config_path=f"pkg://{config_module}", config_name=config_name, version_base="1.3")
+    def _hydra_entry(cfg: DictConfig) -> None:
+        run_app(cfg, rank_fn=rank_fn, validate=validate, finalize=finalize)
+
+    def main() -> None:
+        _precheck_results_dir(sys.argv[1:])
+        _hydra_entry()
+
+    return main

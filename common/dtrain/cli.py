@@ -1,0 +1,50 @@
+"""`dtrain`: the project's command line.
+
+    dtrain runs [PATHS...]      list run directories and their status
+    dtrain plan ...             choose a parallelism layout (cost model)
+    dtrain guide ...            regenerate PARALLELISM_GUIDE.md
+    dtrain capstone ...         run every experiment at small size, then the guide
+
+Subcommands live beside the code they drive; each module exposes `add_parser(subparsers)` and
+the parser's `func(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+
+from dtrain.errors import UserError
+
+# module -> provides add_parser(subparsers); optional ones are skipped until they exist
+SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.guide.cli", "dtrain.capstone"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return int(args.func(args) or 0)
+    except (UserError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""dtrain.costmodel: analytic memory and step-time model of transformer training, and a search
+over DP×TP×PP, ZeRO stage, recompute, micro-batch and sequence parallelism.
+
+    from dtrain.costmodel import Cluster, ModelShape, search, explain
+    cluster = Cluster.from_profile("h100-sxm", gpus=512, gpus_per_node=8)
+    result = search(ModelShape.from_params(70e9), cluster, global_batch=1024)
+    print("\\n".join(explain(result)))
+
+Modules: ``hardware`` (GPU datasheets, links, cluster), ``memory`` (bytes per GPU),
+``timemodel`` (seconds per step, calibration inputs), ``search`` (the chooser).
+"""
+
+from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles
+from .memory import (KNOWN_SHAPES, Layout, MemoryBreakdown, ModelShape, activation_bytes_per_layer,
+                     memory_per_gpu, model_state_bytes, params_per_gpu)
+from .search import Plan, SearchResult, explain, search
+from .timemodel import (Calibration, Param, StepTime, all_gather_time, allreduce_time, p2p_time,
+                        reduce_scatter_time, step_time)
+
+__all__ = [
+    "Cluster", "GPUProfile", "LinkModel", "get_profile", "load_profiles",
+    "KNOWN_SHAPES", "Layout", "MemoryBreakdown", "ModelShape", "activation_bytes_per_layer",
+    "memory_per_gpu", "model_state_bytes", "params_per_gpu",
+    "Plan", "SearchResult", "explain", "search",
+    "Calibration", "Param", "StepTime", "all_gather_time", "allreduce_time", "p2p_time",
+    "reduce_scatter_time", "step_time",
+]

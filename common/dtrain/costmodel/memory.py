@@ -1,0 +1,270 @@
+"""Bytes per GPU of a transformer training step: model states (ZeRO) and activations.
+
+Sources
+-------
+* Model states: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models" (SC'20), §3.1 and Fig. 1. Mixed-precision Adam keeps, per parameter,
+  2 bytes bf16 weights + 2 bytes bf16 grads + K=12 bytes optimizer state (fp32 master weights,
+  momentum, variance: 4+4+4), 16Ψ in all.
+* Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (arXiv:2205.05198), §4 (Table 2) for one layer with 16-bit activations; §4.2.3 for
+  pipeline parallelism.
+
+Approximations (documented, small next to the terms kept): the activation formula is the paper's
+GPT layer (4h MLP, multi-head attention), applied unchanged to gated MLPs and grouped KV heads;
+biases, dropout masks beyond the paper's, CUDA context, NCCL buffers and allocator fragmentation
+are not counted (the search keeps a headroom fraction of HBM free for them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer. ``ffn_mult`` is MLP hidden / d_model; ``gated_mlp`` = SwiGLU."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    vocab: int
+    seq_len: int
+    ffn_mult: float = 4.0
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"{self}: n_head must divide d_model and n_kv_head must divide n_head")
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(round(self.ffn_mult * self.d_model))
+
+    def params_per_layer(self) -> int:
+        """Attention q,k,v,o + MLP (2 matrices, 3 if gated) + 2 norms; no biases.
+
+        A GPT with GELU 4x MLP and n_kv_head = n_head gives the familiar 12·h² + 2h per layer.
+        """
+        h, kv = self.d_model, self.d_model * self.n_kv_head // self.n_head
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        return attn + mlp + 2 * h
+
+    def embedding_params(self) -> int:
+        """Input embedding plus output projection (one matrix when tied); positions use RoPE."""
+        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+
+    def num_params(self) -> int:
+        return self.n_layer * self.params_per_layer() + self.embedding_params() + self.d_model
+
+    @classmethod
+    def from_params(cls, params: float, seq_len: int = 4096) -> ModelShape:
+        """A standard shape with about ``params`` parameters (``KNOWN_SHAPES`` table).
+
+        Within ±10 % of a known model's nominal size its shape is returned as is (seq_len
+        replaced), so ``from_params(70e9)`` is Llama-2-70B (69.0e9 parameters). Otherwise d_model is
+        interpolated geometrically (log-linear in parameter count) between the two neighbouring
+        known shapes, rounded to a multiple of 8 heads; head size, KV-head count, MLP ratio and
+        vocabulary come from the nearer neighbour, and n_layer is solved for the parameter count.
+        """
+        if params <= 0:
+            raise ValueError(f"params must be positive, got {params}")
+        for nominal, shape in KNOWN_SHAPES.items():
+            if abs(params / nominal - 1) <= 0.10:
+                return replace(shape, seq_len=seq_len)
+        known = sorted((s.num_params(), s) for s in KNOWN_SHAPES.values())
+        i = min(max(sum(n < params for n, _ in known), 1), len(known) - 1)
+        (n_a, a), (n_b, b) = known[i - 1], known[i]
+        f = math.log(params / n_a) / math.log(n_b / n_a)
+        style = a if f < 0.5 else b
+        head_dim = style.d_model // style.n_head
+        d_raw = math.exp(math.log(a.d_model) + f * math.log(b.d_model / a.d_model))
+        n_head = max(8, 8 * round(d_raw / head_dim / 8))
+        n_kv = n_head if style.n_kv_head == style.n_head else math.gcd(n_head, style.n_kv_head)
+        probe = replace(style, n_layer=1, d_model=n_head * head_dim, n_head=n_head,
+                        n_kv_head=n_kv, seq_len=seq_len, name="")
+        rest = params - probe.embedding_params() - probe.d_model
+        n_layer = max(1, round(rest / probe.params_per_layer()))
+        return replace(probe, n_layer=n_layer, name=f"~{params / 1e9:g}B (interpolated)")
+
+
+# Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
+#   1B    Llama 3.2 1B     16 x 2048, 32 heads / 8 KV, SwiGLU 8192, vocab 128256, tied   (1.24e9)
+#   7B    Llama 2 7B       32 x 4096, 32 / 32, SwiGLU 11008, vocab 32000                  (6.74e9)
+#   13B   Llama 2 13B      40 x 5120, 40 / 40, SwiGLU 13824, vocab 32000                  (13.0e9)
+#   34B   Code Llama 34B   48 x 8192, 64 / 8,  SwiGLU 22016, vocab 32000                  (33.7e9)
+#   70B   Llama 2 70B      80 x 8192, 64 / 8,  SwiGLU 28672, vocab 32000                  (69.0e9)
+#   175B  GPT-3 175B       96 x 12288, 96 / 96, GELU 4h, vocab 50257, tied                (174.6e9)
+#   405B  Llama 3.1 405B  126 x 16384, 128 / 8, SwiGLU 53248, vocab 128256                (405.9e9)
+# Sources: Touvron et al. 2023 (Llama 2), Rozière et al. 2023 (Code Llama), Brown et al. 2020
+# (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of Models" (Table 3), Meta's Llama 3.2
+# model card; ffn sizes as in the released config.json files.
+KNOWN_SHAPES = {  # nominal size -> shape
+    1e9: ModelShape(16, 2048, 32, 8, 128256, 4096, 8192 / 2048, True, True, "Llama-3.2-1B"),
+    7e9: ModelShape(32, 4096, 32, 32, 32000, 4096, 11008 / 4096, True, False, "Llama-2-7B"),
+    13e9: ModelShape(40, 5120, 40, 40, 32000, 4096, 13824 / 5120, True, False, "Llama-2-13B"),
+    34e9: ModelShape(48, 8192, 64, 8, 32000, 4096, 22016 / 8192, True, False, "CodeLlama-34B"),
+    70e9: ModelShape(80, 8192, 64, 8, 32000, 4096, 28672 / 8192, True, False, "Llama-2-70B"),
+    175e9: ModelShape(96, 12288, 96, 96, 50257, 2048, 4.0, False, True, "GPT-3-175B"),
+    405e9: ModelShape(126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is parallelised: dp·tp·pp GPUs; ``grad_accum`` micro-batches per DP rank.
+
+    Rank order is Megatron's: TP innermost (consecutive ranks), then DP, then PP.
+    ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021).
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int = 0
+    recompute: str = "none"
+    micro_batch: int = 1
+    grad_accum: int = 1
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU. ``buffers``: ZeRO-3 gathered-layer working set; ``total`` is the sum."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float = 0.0
+    total: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        total = self.params + self.grads + self.optimizer + self.activations + self.buffers
+        object.__setattr__(self, "total", total)
+
+    def fits(self, capacity_bytes: float, headroom: float = 0.1) -> bool:
+        """True when total ≤ capacity·(1 − headroom)."""
+        return self.total <= capacity_bytes * (1.0 - headroom)
+
+
+def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard.
+
+    ZeRO paper §5 / Fig. 1, mixed-precision Adam (2Ψ + 2Ψ + 12Ψ = 16Ψ), N_d = ``dp``:
+    stage 0 (plain DP) 16Ψ; stage 1 4Ψ + 12Ψ/N_d; stage 2 2Ψ + 14Ψ/N_d; stage 3 16Ψ/N_d.
+    """
+    nd = dp
+    if zero_stage == 0:
+        return 2 * psi, 2 * psi, 12 * psi
+    if zero_stage == 1:
+        return 2 * psi, 2 * psi, 12 * psi / nd
+    if zero_stage == 2:
+        return 2 * psi, 2 * psi / nd, 12 * psi / nd
+    if zero_stage == 3:
+        return 2 * psi / nd, 2 * psi / nd, 12 * psi / nd
+    raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", flash_attention: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, §4).
+
+    s sequence length, b micro-batch, h hidden size, a heads, t TP degree; 16-bit activations.
+      no parallelism:        s·b·h·(34 + 5·a·s/h)
+      TP, no SP:             s·b·h·(10 + 24/t + 5·a·s/(h·t))      (Eq. 2)
+      TP + SP:               s·b·h/t·(34 + 5·a·s/h)                (Eq. 4)
+      selective recompute:   the same without the 5·a·s/h attention term (§5, Eq. 6)
+      full recompute:        2·s·b·h, only the layer input (§5); with SP it is sharded, /t.
+    ``flash_attention``: FlashAttention (Dao et al. 2022, §3.1) never stores the a·s² scores
+    and recomputes them in backward, so the 5·a·s/h term is dropped as under selective recompute.
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attn = 0.0 if recompute == "selective" or flash_attention else 5 * a * s / h
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if sequence_parallel:
+        return sbh / t * (34 + attn)
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def stage_layers(shape: ModelShape, pp: int) -> int:
+    """Layers on the busiest pipeline stage, ceil(L/pp): pp need not divide L (Megatron's uneven
+    first/last stages; Llama 3 405B ran 126 layers on 16 stages)."""
+    return -(-shape.n_layer // pp)
+
+
+def params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
+    """Parameters on the most loaded GPU: ceil(L/pp) layers / tp plus embeddings / tp.
+
+    The vocab-parallel embedding and output projection are split over TP (Megatron); with pp > 1
+    the input embedding sits on the first stage and the output projection on the last (a tied
+    embedding is held by both), so a stage holds at most one V·h matrix; with pp = 1 it holds
+    both. Norm weights (replicated under TP in Megatron) are divided too: negligible.
+    """
+    matrices = (1 if shape.tied_embeddings else 2) if pp == 1 else 1
+    layers = stage_layers(shape, pp) * shape.params_per_layer() / tp
+    return layers + matrices * shape.vocab * shape.d_model / tp
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
+                     flash_attention: bool = True) -> float:
+    """Peak activation bytes on the most loaded pipeline stage.
+
+    1F1B (Narayanan et al. 2021): the first stage holds min(pp, grad_accum) micro-batches in
+    flight, each with ceil(n_layer/pp) layers; interleaving with v virtual stages multiplies this by
+    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3). The last stage holds one micro-batch plus the fp32
+    logits for the loss, 4·s·b·V/tp bytes (vocab-parallel; assumption after Korthikanti §4.3).
+    ``activation_bytes_factor`` scales the layer activations, e.g. ~0.5–0.6 when an FP8 recipe
+    caches linear-layer inputs in 1 byte instead of 2 (an approximation; fp8-train measures it).
+    """
+    lay = layout
+    per_layer = activation_bytes_per_layer(shape.seq_len, lay.micro_batch, shape.d_model, shape.n_head,
+                                           lay.tp, lay.sequence_parallel, lay.recompute, flash_attention)
+    per_layer *= activation_bytes_factor
+    layers_here = stage_layers(shape, lay.pp)
+    logits = 4 * shape.seq_len * lay.micro_batch * shape.vocab / lay.tp
+    in_flight = min(lay.pp, lay.grad_accum)
+    if lay.virtual_stages > 1:
+        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
+    first = per_layer * layers_here * in_flight
+    last = per_layer * layers_here + logits
+    return first + logits if lay.pp == 1 else max(first, last)
+
+
+def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
+                   flash_attention: bool = True) -> MemoryBreakdown:
+    """Model states (ZeRO over dp, Ψ already divided by TP and PP) plus activations.
+
+    ``flash_attention`` (default on, as in every current training stack) drops the stored
+    attention scores; pass False for the plain Korthikanti et al. formulas.
+
+    ZeRO-3 / FSDP also holds a working set (``buffers``): the bf16 weights of the block being
+    computed and of the one prefetched, plus that block's unsharded bf16 grads before the
+    reduce-scatter, 3 · 2 · Ψ_layer bytes (FSDP default: one block per unit, prefetch of one).
+    """
+    psi = params_per_gpu(shape, layout.tp, layout.pp)
+    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.dp)
+    buffers = 0.0
+    if layout.zero_stage == 3 and layout.dp > 1:
+        buffers = 3 * 2 * shape.params_per_layer() / layout.tp
+    act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention)
+    return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)

@@ -1,0 +1,192 @@
+"""Choose DP×TP×PP, ZeRO stage, recompute, micro-batch and SP for a model on a cluster.
+
+Enumerates every layout with dp·tp·pp = GPUs (tp a power of two dividing the heads, at most two
+nodes wide; pp ≤ layers, the busiest stage holding ceil(L/pp); interleaving v ∈ {1, 2, 4} when
+pp·v divides the layers and the micro-batch count is a multiple of pp, as Megatron requires),
+ZeRO 0–3, recompute none/selective/full (selective is left out under FlashAttention, which
+already drops the stored attention scores at no extra cost), keeps those whose memory fits
+HBM with headroom, and ranks them by predicted tokens/s (ties: less memory first). Nothing is
+raised when nothing fits: ``best`` is None and ``reason`` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hardware import GiB, Cluster
+from .memory import RECOMPUTE, Layout, MemoryBreakdown, ModelShape, memory_per_gpu
+from .timemodel import Calibration, StepTime, group_link, step_time
+
+__all__ = ["Cluster", "Calibration", "Plan", "SearchResult", "search", "explain"]
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (1, 2, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan(Layout):
+    """A layout with its predicted memory per GPU and step time."""
+
+    memory: MemoryBreakdown
+    time: StepTime
+
+    def describe(self) -> str:
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{v} zero={self.zero_stage} "
+                f"recompute={self.recompute} mb={self.micro_batch} ga={self.grad_accum}{sp}")
+
+
+@dataclass
+class SearchResult:
+    """``best`` is None when nothing fits; ``reason`` then says why (the CLI prints it)."""
+
+    best: Plan | None
+    ranked: list[Plan]
+    rejected_with_reasons: list[tuple[Layout, str]]
+    reason: str
+    model: ModelShape
+    cluster: Cluster
+    global_batch: int
+    calib: Calibration = field(default_factory=Calibration)
+    precision: str = "bf16"
+    headroom: float = 0.1
+
+
+def _pow2_up_to(limit: int) -> list[int]:
+    out, t = [], 1
+    while t <= limit:
+        out.append(t)
+        t *= 2
+    return out
+
+
+def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute):
+    """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections."""
+    n = cluster.gpus
+    for tp in _pow2_up_to(min(2 * cluster.node_size, model.n_head)):
+        if model.n_head % tp or n % tp:
+            continue
+        for pp in (p for p in range(1, min(model.n_layer, n // tp) + 1) if (n // tp) % p == 0):
+            dp = n // (tp * pp)
+            for mb in micro_batches:
+                if global_batch % (dp * mb):
+                    yield Layout(dp, tp, pp, micro_batch=mb), (
+                        f"global batch {global_batch} is not a multiple of dp·micro_batch = {dp * mb}")
+                    continue
+                ga = global_batch // (dp * mb)
+                vs = [v for v in VIRTUAL_STAGES
+                      if v == 1 or (pp > 1 and model.n_layer % (pp * v) == 0 and ga % pp == 0)]
+                for v in vs:
+                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                        for rc in recompute:
+                            for sp in (False, True) if tp > 1 else (False,):
+                                yield Layout(dp, tp, pp, zero, rc, mb, ga, sp, v), None
+
+
+def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibration | None = None, *,
+           precision: str = "bf16", headroom: float = 0.1, flash_attention: bool = True,
+           micro_batches: tuple[int, ...] = MICRO_BATCHES) -> SearchResult:
+    """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences."""
+    calib = calib or Calibration()
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if precision == "fp8" and cluster.gpu.fp8_tflops is None:
+        raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores; use precision='bf16'")
+    act_factor = calib.fp8_memory_factor.value if precision == "fp8" else 1.0
+    usable = cluster.gpu.hbm_bytes * (1 - headroom)
+    ranked: list[Plan] = []
+    rejected: list[tuple[Layout, str]] = []
+    smallest: tuple[float, Layout] | None = None
+    levels = tuple(r for r in RECOMPUTE if not (flash_attention and r == "selective"))
+    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels):
+        if why:
+            rejected.append((lay, why))
+            continue
+        mem = memory_per_gpu(model, lay, act_factor, flash_attention)
+        if not mem.fits(cluster.gpu.hbm_bytes, headroom):
+            rejected.append((lay, _no_fit(mem, cluster, headroom)))
+            if smallest is None or mem.total < smallest[0]:
+                smallest = (mem.total, lay)
+            continue
+        t = step_time(model, lay, cluster, calib, precision)
+        ranked.append(Plan(**vars(lay), memory=mem, time=t))
+    ranked.sort(key=lambda p: (-round(p.time.tokens_per_s, 6), p.memory.total))
+    if ranked:
+        reason = f"best of {len(ranked)} fitting plans ({len(rejected)} rejected)"
+    elif smallest is not None:
+        reason = (f"does not fit: even the smallest plan ({_short(smallest[1])}) needs "
+                  f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
+                  f"{cluster.gpus}x {cluster.gpu.name}")
+    else:
+        reason = f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} (micro-batches {micro_batches})"
+    return SearchResult(ranked[0] if ranked else None, ranked, rejected, reason, model, cluster,
+                        global_batch, calib, precision, headroom)
+
+
+def _no_fit(mem: MemoryBreakdown, cluster: Cluster, headroom: float) -> str:
+    return (f"does not fit: needs {mem.total / GiB:.1f} GiB > {cluster.gpu.hbm_bytes * (1 - headroom) / GiB:.1f}"
+            f" GiB usable ({cluster.gpu.hbm_gib:g} GiB HBM, {headroom:.0%} headroom)")
+
+
+def _short(lay: Layout) -> str:
+    sp = " sp" if lay.sequence_parallel else ""
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} recompute={lay.recompute} "
+            f"mb={lay.micro_batch}{sp}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms/step" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms/step"
+
+
+def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
+    """One clause naming the step-time component that grew most against ``best``."""
+    a, b = p.time, best.time
+    deltas = {k: getattr(a, k) - getattr(b, k)
+              for k in ("compute", "dp_comm_exposed", "tp_comm", "pp_comm", "bubble")}
+    part = max(deltas, key=deltas.get)
+    if part == "tp_comm":
+        if p.tp > cluster.node_size:
+            return f"tp={p.tp} crosses nodes: TP all-reduce over IB costs {_ms(a.tp_comm)}"
+        return f"tp={p.tp}: TP all-reduces cost {_ms(a.tp_comm)} vs {_ms(b.tp_comm)}"
+    if part == "bubble":
+        frac = (p.pp - 1) / (p.virtual_stages * p.grad_accum)
+        return f"pp={p.pp}: pipeline bubble (p-1)/(v*m) = {frac:.1%} costs {_ms(a.bubble)}"
+    if part == "pp_comm":
+        return f"pp={p.pp}: stage-to-stage sends cost {_ms(a.pp_comm)}"
+    if part == "dp_comm_exposed":
+        link = group_link(cluster, p.dp, p.tp).name or "link"
+        return (f"ZeRO-{p.zero_stage} over dp={p.dp} ({link}) exposes {_ms(a.dp_comm_exposed)} of DP "
+                f"traffic vs {_ms(b.dp_comm_exposed)}")
+    if p.recompute != best.recompute:
+        return f"recompute={p.recompute} adds {_ms(deltas['compute'])} of re-run forward"
+    return f"compute costs {_ms(deltas['compute'])} more"
+
+
+def explain(result: SearchResult, k: int = 5) -> list[str]:
+    """Sentences: the best plan, why each of the next k distinct designs lost, and which faster
+    designs were rejected for memory. A design is (tp, pp, zero stage, recompute)."""
+    if result.best is None:
+        return [result.reason]
+    best = result.best
+    out = [f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
+           f"{best.memory.total / GiB:.1f} GiB/GPU"]
+    key = lambda x: (x.tp, x.pp, x.zero_stage, x.recompute)  # noqa: E731
+    seen = {key(best)}
+    for p in result.ranked[1:]:
+        if len(seen) > k:
+            break
+        if key(p) in seen:
+            continue
+        seen.add(key(p))
+        loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
+        out.append(f"{p.describe()}: {loss:.1%} slower; {_why_slower(p, best, result.cluster)}")
+    faster: dict[tuple, tuple[float, Layout, str]] = {}
+    for lay, why in result.rejected_with_reasons:
+        if why.startswith("does not fit") and key(lay) not in seen:
+            tps = step_time(result.model, lay, result.cluster, result.calib, result.precision).tokens_per_s
+            if tps > max(best.time.tokens_per_s, faster.get(key(lay), (0.0,))[0]):
+                faster[key(lay)] = (tps, lay, why)
+    for tps, lay, why in sorted(faster.values(), key=lambda x: -x[0])[:k]:
+        out.append(f"{_short(lay)} would be {tps / best.time.tokens_per_s - 1:.1%} faster but {why}")
+    return out

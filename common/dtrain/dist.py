@@ -1,0 +1,114 @@
+"""Process-group set-up shared by every launch mode.
+
+torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+are the single convention inside a rank: Slurm tasks and locally spawned ranks are translated
+into them before `init_process_group`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtrain.errors import UserError
+
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    def export(self) -> None:
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
+
+
+def env_from_torchrun() -> DistEnv | None:
+    """torchrun (or any launcher that exports its variables)."""
+    e = os.environ
+    if not all(k in e for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(e["WORLD_SIZE"])
+    return DistEnv(int(e["RANK"]), world, int(e.get("LOCAL_RANK", 0)),
+                   int(e.get("LOCAL_WORLD_SIZE", world)), e["MASTER_ADDR"], int(e["MASTER_PORT"]))
+
+
+def env_from_slurm() -> DistEnv | None:
+    """A task of a multi-task srun step (submitit jobs run their tasks this way)."""
+    e = os.environ
+    if "SLURM_STEP_ID" not in e or int(e.get("SLURM_NTASKS", "1")) < 2:
+        return None
+    from submitit.helpers import TorchDistributedEnvironment
+
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # plain `srun python -m ...` too
+    t = TorchDistributedEnvironment()
+    return DistEnv(t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_addr, t.master_port)
+
+
+def detect_job() -> DistEnv | None:
+    """The rank this process already is, when started by torchrun or as a Slurm task."""
+    return env_from_torchrun() or env_from_slurm()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested not in DEVICES:
+        raise UserError(f"device={requested!r} is not one of {', '.join(DEVICES)}")
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    if requested == "cuda" and not has_cuda:
+        raise UserError("device=cuda but this rank sees no CUDA GPU: use device=cpu or device=auto")
+    if requested == "cuda" or (requested == "auto" and has_cuda):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    """NCCL when the rank has a GPU, gloo otherwise; an explicit choice must be possible."""
+    if requested not in BACKENDS:
+        raise UserError(f"backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+        raise UserError("backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
+                        "use backend=gloo (or auto)")
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+    return requested
+
+
+def init(env: DistEnv, backend: str, device: torch.device, timeout_s: float) -> None:
+    env.export()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def set_cpu_threads(threads_per_rank: int | None, local_world_size: int) -> int:
+    """Split the host's cores between its ranks, so ranks do not fight over them."""
+    n = threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(n)
+    return n
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

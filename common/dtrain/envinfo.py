@@ -1,0 +1,55 @@
+"""What ran where: the facts that go into env.json, so every number can be traced to a machine."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from datetime import datetime, timezone
+
+import torch
+
+
+def gpu_facts() -> list[dict]:
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 2),
+                    "capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count})
+    return out
+
+
+def nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    except Exception:  # NCCL absent from this build
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
+
+
+def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts: list[str] | None = None,
+            threads_per_rank: int | None = None) -> dict:
+    hosts = hosts or [socket.gethostname()]
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "hosts": sorted(set(hosts)),
+        "num_nodes": len(set(hosts)),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl_version(),
+        "cpu_count": os.cpu_count(),
+        "threads_per_rank": threads_per_rank,
+        "gpus": gpu_facts(),
+        "backend": backend,
+        "device": device,
+        "world_size": world_size,
+        "launcher": launcher,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "topology": {"gpus_per_node": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                     "nodes": len(set(hosts))},
+    }

@@ -1,0 +1,223 @@
+"""Run a per-rank function on `world_size` ranks: one API, three places.
+
+    in a job   torchrun variables or a multi-task Slurm step are present: become that rank
+    local      spawn `world_size` ranks on this host (gloo on CPU, NCCL on GPUs)
+    slurm      submit through submitit; ranks are Slurm tasks (they then take the "in a job" path)
+
+`rank_fn(ctx: RankContext)` runs on every rank; `launch` returns rank 0's return value and the
+run directory the ranks agreed on.
+If any rank raises, every rank stops within a bounded time (spawned peers are killed, Slurm steps
+use --kill-on-bad-exit, and the collective timeout bounds the rest) and the caller gets that
+rank's traceback.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dtrain import dist as ddist
+from dtrain import envinfo
+from dtrain.errors import UserError
+from dtrain.metrics import ENV, RunWriter, write_config, write_json_atomic
+
+LAUNCHERS = ("auto", "local", "slurm")
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+@dataclass
+class RankContext:
+    cfg: DictConfig
+    env: ddist.DistEnv
+    device: torch.device
+    backend: str
+    run_dir: Path
+    writer: RunWriter
+
+    rank = property(lambda self: self.env.rank)
+    world_size = property(lambda self: self.env.world_size)
+    local_rank = property(lambda self: self.env.local_rank)
+    is_main = property(lambda self: self.env.rank == 0)
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+
+def mode_of(cfg: DictConfig) -> str:
+    """'job' when this process already is a rank, else the configured launcher."""
+    if cfg.launcher not in LAUNCHERS:
+        raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    if ddist.detect_job() is not None:
+        return "job"
+    return "slurm" if cfg.launcher == "slurm" else "local"
+
+
+def max_local_cpu_ranks() -> int:
+    # Oversubscription is fine for correctness runs (tp=4 on 2 cores), not beyond reason.
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_local(cfg: DictConfig) -> None:
+    n = cfg.world_size
+    device = cfg.device
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and n > gpus:
+        raise UserError(f"world_size={n} but this host has {gpus} GPU(s): lower world_size or use launcher=slurm")
+    if device != "cuda" and n > max_local_cpu_ranks() and n > gpus:
+        raise UserError(f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU ranks): "
+                        "lower world_size or use launcher=slurm")
+
+
+def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path) -> tuple[Any, Path]:
+    mode = mode_of(cfg)
+    if mode == "job":
+        return run_rank(rank_fn, cfg, run_dir, ddist.detect_job(), launcher="job")
+    if mode == "local":
+        check_local(cfg)
+        return _launch_local(rank_fn, cfg, run_dir), run_dir
+    return _launch_slurm(rank_fn, cfg, run_dir), run_dir
+
+
+# ---------------------------------------------------------------- inside a rank
+
+def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launcher: str) -> tuple[Any, Path]:
+    device = ddist.pick_device(cfg.device, env.local_rank)
+    backend = ddist.pick_backend(cfg.backend, device)
+    threads = ddist.set_cpu_threads(cfg.threads_per_rank, env.local_world_size) if device.type == "cpu" else None
+    ddist.init(env, backend, device, cfg.dist_timeout_s)
+    # On an exception we deliberately skip destroy(): peers may be blocked in a collective,
+    # and the launcher (or the collective timeout) stops them.
+    run_dir = _agree_on_run_dir(run_dir, env)
+    hosts = [None] * env.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.world_size = env.world_size  # in a job, the job's size is the truth
+    if env.rank == 0:
+        write_config(run_dir, cfg)
+        write_json_atomic(run_dir / ENV, envinfo.collect(
+            backend=backend, world_size=env.world_size, device=str(device), launcher=launcher,
+            hosts=hosts, threads_per_rank=threads))
+    with RunWriter(run_dir, env.rank) as writer:
+        result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
+    if env.world_size > 1:
+        dist.barrier()
+    ddist.destroy()
+    return (result if env.rank == 0 else None), run_dir
+
+
+def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
+    """In a job each rank's Hydra picked its own timestamped dir; rank 0's wins."""
+    if env.world_size == 1:
+        return Path(run_dir)
+    box = [str(run_dir)]
+    dist.broadcast_object_list(box, src=0)
+    chosen = Path(box[0])
+    if chosen.resolve() != Path(run_dir).resolve():
+        shutil.rmtree(run_dir, ignore_errors=True)  # only Hydra's bookkeeping was in it
+    chosen.mkdir(parents=True, exist_ok=True)
+    return chosen
+
+
+# ---------------------------------------------------------------- local
+
+def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir) -> None:
+    env = ddist.DistEnv(local_rank, world_size, local_rank, world_size, "127.0.0.1", port)
+    try:
+        result, _ = run_rank(rank_fn, cfg, Path(run_dir), env, launcher="local")
+    except UserError as e:
+        Path(side_dir, f"usererror.{local_rank}").write_text(str(e))
+        sys.exit(2)
+    if local_rank == 0:
+        with open(Path(side_dir, "result.pkl"), "wb") as f:
+            pickle.dump(result, f)
+
+
+def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
+    import torch.multiprocessing as mp
+
+    side_dir = tempfile.mkdtemp(prefix="dtrain-launch-")
+    try:
+        try:
+            mp.start_processes(_local_worker, args=(rank_fn, cfg, str(run_dir), cfg.world_size, ddist.free_port(), side_dir),
+                               nprocs=cfg.world_size, join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            raise RankFailed(f"rank {e.error_index} failed:\n{e.msg}") from None
+        except mp.ProcessExitedException as e:
+            errors = sorted(Path(side_dir).glob("usererror.*"))
+            if errors:
+                raise UserError(errors[0].read_text()) from None
+            raise RankFailed(f"rank {e.error_index} exited with code {e.exit_code}") from None
+        with open(Path(side_dir, "result.pkl"), "rb") as f:
+            return pickle.load(f)
+    finally:
+        shutil.rmtree(side_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- slurm
+
+def _slurm_task(rank_fn, cfg, run_dir: str):
+    """Runs in every Slurm task: become the rank submitit describes."""
+    env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
+    return run_rank(rank_fn, cfg, Path(run_dir), env, launcher="slurm")[0]
+
+
+def slurm_executor(cfg: DictConfig, folder: Path):
+    if shutil.which("sbatch") is None:
+        raise UserError("launcher=slurm needs Slurm's sbatch on PATH: run on a login node, or start the local "
+                        "cluster (scripts/slurm-cluster start; eval \"$(scripts/slurm-cluster env)\")")
+    import submitit
+
+    s = cfg.slurm
+    tasks = s.tasks_per_node or math.ceil(cfg.world_size / s.nodes)
+    if s.nodes * tasks != cfg.world_size:
+        raise UserError(f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}")
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    params = dict(name=f"dtrain-{cfg.subproject}", nodes=s.nodes, tasks_per_node=tasks, cpus_per_task=s.cpus_per_task,
+                  timeout_min=s.time_min, slurm_srun_args=["--kill-on-bad-exit=1"],
+                  slurm_additional_parameters=OmegaConf.to_container(s.additional))
+    if s.gpus_per_node:
+        params["gpus_per_node"] = s.gpus_per_node
+    if s.mem_gb:
+        params["mem_gb"] = s.mem_gb
+    for key in ("partition", "account", "qos", "constraint"):
+        if s.get(key):
+            params[f"slurm_{key}"] = s[key]
+    ex.update_parameters(**params)
+    return ex
+
+
+def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    ex = slurm_executor(cfg, run_dir / "slurm")
+    job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+    print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
+    results, failures = [], []
+    for i in range(cfg.world_size):  # every task's outcome: the first to fail is not always task 0
+        try:
+            results.append(job.task(i).result())
+        except (FailedJobError, UncompletedJobError) as e:
+            failures.append(f"--- task {i}:\n{e}")
+    if not failures:
+        return results[0]
+    text = "\n".join(failures)
+    if "UserError: " in text:
+        raise UserError(text.split("UserError: ", 1)[1].splitlines()[0]) from None
+    raise RankFailed(f"Slurm job {job.job_id} failed:\n{text}") from None
+

@@ -1,0 +1,114 @@
+"""Writers for the run-directory contract (docs/ARCHITECTURE.md):
+
+    config.yaml    resolved config                 (rank 0)
+    env.json       host, versions, devices         (rank 0)
+    records.jsonl  one JSON object per measurement (rank 0; other ranks to records.rank<N>.jsonl when asked)
+    events.jsonl   discrete events                 (rank 0; other ranks to events.rank<N>.jsonl)
+    summary.json   written last and atomically: its presence means the run completed
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "summary.json"
+CONFIG = "config.yaml"
+ENV = "env.json"
+RECORDS = "records.jsonl"
+EVENTS = "events.jsonl"
+
+
+def _jsonable(x: Any) -> Any:
+    """numpy / torch scalars and paths into plain JSON values."""
+    if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 0) == 0:
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, default=_jsonable, sort_keys=False)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """tmp + rename, so a reader never sees half a file (and a crash leaves none)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, default=_jsonable, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def write_config(run_dir: Path, cfg) -> Path:
+    from omegaconf import OmegaConf
+
+    return write_text_atomic(Path(run_dir) / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    return write_json_atomic(Path(run_dir) / SUMMARY, summary)
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """NaN/Inf are not JSON; records keep them as null plus an event elsewhere."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+class RunWriter:
+    """Appends records and events for one rank; line-buffered so a crash loses at most a line."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 0, per_rank_records: bool = False):
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.per_rank_records = per_rank_records
+        self._files: dict[str, Any] = {}
+
+    def _append(self, name: str, obj: dict) -> None:
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(self.run_dir / name, "a", buffering=1)
+        f.write(dumps(obj) + "\n")
+
+    def _name(self, base: str) -> str:
+        return base if self.rank == 0 else base.replace(".jsonl", f".rank{self.rank}.jsonl")
+
+    def record(self, kind: str, **values) -> None:
+        """A measurement. Rank 0 always writes; other ranks only with per_rank_records."""
+        if self.rank == 0 or self.per_rank_records:
+            self._append(self._name(RECORDS), {"kind": kind, **values})
+
+    def event(self, kind: str, **values) -> None:
+        """A discrete event (NaN, skipped step, alert, ...); every rank writes its own."""
+        self._append(self._name(EVENTS), {"kind": kind, "rank": self.rank, **values})
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

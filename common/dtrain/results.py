@@ -1,0 +1,142 @@
+"""Load run directories (single runs or Hydra multirun trees) into pandas.
+
+The guide and every report read results only through here. A run directory is any folder
+holding our `config.yaml` (Hydra's own `.hydra/` copies are ignored). A run without
+`summary.json` is incomplete; one whose files do not parse is corrupt; both are skipped with a
+warning that names them, never silently mixed in.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+import yaml
+
+from dtrain.metrics import CONFIG, ENV, EVENTS, RECORDS, SUMMARY
+
+
+@dataclass
+class Run:
+    path: Path
+    status: str  # complete | incomplete | corrupt
+    reason: str = ""
+    config: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def subproject(self) -> str:
+        return self.config.get("subproject", self.path.parent.name)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'model': {'n_layer': 2}} -> {'model.n_layer': 2}; lists stay values."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path.name} line {n}: {e.msg}") from None
+    return rows
+
+
+def read_run(path: Path) -> Run:
+    path = Path(path)
+    try:
+        config = yaml.safe_load((path / CONFIG).read_text()) or {}
+        env = json.loads((path / ENV).read_text()) if (path / ENV).exists() else {}
+        if not (path / SUMMARY).exists():
+            return Run(path, "incomplete", "no summary.json", config, env)
+        summary = json.loads((path / SUMMARY).read_text())
+        if not isinstance(summary, dict):
+            raise ValueError("summary.json is not an object")
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        return Run(path, "corrupt", f"{type(e).__name__}: {e}")
+    return Run(path, "complete", "", config, env, summary)
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[Run]:
+    """Every run directory under `paths` (each may be a run dir or any folder above run dirs)."""
+    dirs: set[Path] = set()
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"no such results path: {p}")
+        candidates = [p / CONFIG] if (p / CONFIG).exists() else p.rglob(CONFIG)
+        dirs.update(c.parent for c in candidates if ".hydra" not in c.parts)
+    return [read_run(d) for d in sorted(dirs)]
+
+
+def complete_runs(paths: Iterable[str | Path], warn: bool = True) -> list[Run]:
+    good = []
+    for run in find_runs(paths):
+        if run.status == "complete":
+            good.append(run)
+        elif warn:
+            warnings.warn(f"skipping {run.status} run {run.path}: {run.reason}", stacklevel=2)
+    return good
+
+
+def _records_of(run: Run, name: str, kind: str | None) -> list[dict]:
+    files = [run.path / name] + sorted(run.path.glob(name.replace(".jsonl", ".rank*.jsonl")))
+    rows = []
+    for f in files:
+        if f.exists():
+            rows += [r for r in read_jsonl(f) if kind is None or r.get("kind") == kind]
+    return rows
+
+
+def _frame(runs: list[Run], name: str, kind: str | None, warn: bool) -> pd.DataFrame:
+    rows = []
+    for run in runs:
+        try:
+            records = _records_of(run, name, kind)
+        except (OSError, ValueError) as e:
+            if warn:
+                warnings.warn(f"skipping corrupt run {run.path}: {e}", stacklevel=3)
+            continue
+        cfg = flatten(run.config)
+        for r in records:
+            # record fields win; a config field with the same name is kept as config.<name>
+            row = {(f"config.{k}" if k in r else k): v for k, v in cfg.items()}
+            row.update(r)
+            row["run"] = str(run.path)
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def load(paths: Iterable[str | Path], kind: str | None = None, warn: bool = True) -> pd.DataFrame:
+    """records.jsonl of every complete run, one row per record, config flattened into columns."""
+    return _frame(complete_runs(paths, warn), RECORDS, kind, warn)
+
+
+def load_events(paths: Iterable[str | Path], kind: str | None = None, warn: bool = True) -> pd.DataFrame:
+    return _frame(complete_runs(paths, warn), EVENTS, kind, warn)
+
+
+def load_runs(paths: Iterable[str | Path], warn: bool = True) -> pd.DataFrame:
+    """One row per complete run: config columns, `summary.*` and `env.*`."""
+    rows = []
+    for run in complete_runs(paths, warn):
+        row = flatten(run.config)
+        row.update(flatten(run.summary, "summary."))
+        row.update(flatten(run.env, "env."))
+        row["run"] = str(run.path)
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,59 @@
+"""Shared fixtures: run a project command in a subprocess, and find the local Slurm cluster."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cmd(args: list[str], timeout: float = 120, env: dict | None = None, cwd: Path | None = None):
+    """Run `python -m ...`-style commands with this interpreter; returns CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("RANK", None)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+def py(*args: str, timeout: float = 120, **kw):
+    return run_cmd([sys.executable, *args], timeout=timeout, **kw)
+
+
+def slurm_available() -> str | None:
+    """Why Slurm tests cannot run, or None when a cluster answers."""
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed (scripts/slurm-cluster install)"
+    if not os.environ.get("SLURM_CONF"):
+        conf = REPO / ".slurm" / "etc" / "slurm.conf"
+        if not conf.exists():
+            return "no cluster: scripts/slurm-cluster start, then eval \"$(scripts/slurm-cluster env)\""
+        os.environ["SLURM_CONF"] = str(conf)
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout and "alloc" not in out.stdout:
+        return f"Slurm cluster not up: {out.stderr.strip() or out.stdout.strip()}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    reason = slurm_available()
+    if reason:
+        pytest.skip(reason)
+    return os.environ["SLURM_CONF"]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

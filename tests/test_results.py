@@ -1,0 +1,95 @@
+"""The run-directory contract: write, load back, skip what is incomplete or corrupt."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from dtrain import results
+from dtrain.metrics import RunWriter, write_config, write_json_atomic, write_summary
+
+
+def make_run(path, cfg: dict, records: list[dict], summary: dict | None = None, rank1: list[dict] = ()):
+    path.mkdir(parents=True)
+    write_config(path, OmegaConf.create(cfg))
+    write_json_atomic(path / "env.json", {"world_size": cfg.get("world_size", 1), "backend": "gloo"})
+    with RunWriter(path, 0) as w:
+        for r in records:
+            w.record(**r)
+        w.event("alert", step=3, message="grad-norm spike")
+    with RunWriter(path, 1, per_rank_records=True) as w:
+        for r in rank1:
+            w.record(**r)
+    if summary is not None:
+        write_summary(path, summary)
+    return path
+
+
+def test_round_trip_and_flattened_config(tmp_path):
+    make_run(tmp_path / "a", {"subproject": "x", "world_size": 2, "model": {"n_layer": 2}},
+             [{"kind": "step", "step": 0, "loss": 5.0}, {"kind": "step", "step": 1, "loss": 4.0}],
+             {"final_loss": 4.0}, rank1=[{"kind": "step", "step": 0, "loss": 5.5, "rank": 1}])
+    df = results.load([tmp_path], kind="step")
+    assert sorted(df["loss"]) == [4.0, 5.0, 5.5]
+    assert set(df["model.n_layer"]) == {2} and set(df["world_size"]) == {2}
+    runs = results.load_runs([tmp_path])
+    assert runs.loc[0, "summary.final_loss"] == 4.0 and runs.loc[0, "env.backend"] == "gloo"
+    events = results.load_events([tmp_path])
+    assert events.loc[0, "kind"] == "alert" and events.loc[0, "rank"] == 0
+
+
+def test_record_field_wins_over_config_field(tmp_path):
+    make_run(tmp_path / "a", {"size": 7}, [{"kind": "m", "size": 1024}], {})
+    df = results.load([tmp_path])
+    assert df.loc[0, "size"] == 1024 and df.loc[0, "config.size"] == 7
+
+
+def test_incomplete_and_corrupt_runs_are_skipped_with_named_warning(tmp_path):
+    make_run(tmp_path / "good", {"subproject": "x"}, [{"kind": "m", "v": 1}], {"ok": True})
+    make_run(tmp_path / "half", {"subproject": "x"}, [{"kind": "m", "v": 2}], None)
+    bad = make_run(tmp_path / "bad", {"subproject": "x"}, [{"kind": "m", "v": 3}], {"ok": True})
+    with open(bad / "records.jsonl", "a") as f:
+        f.write('{"kind": "m", "v": \n')
+    torn = make_run(tmp_path / "torn", {"subproject": "x"}, [], {"ok": True})
+    (torn / "summary.json").write_text('{"ok": tru')
+    with pytest.warns(UserWarning) as caught:
+        df = results.load([tmp_path])
+    assert list(df["v"]) == [1]
+    text = " ".join(str(w.message) for w in caught)
+    assert "half" in text and "no summary.json" in text and "bad" in text and "torn" in text
+    statuses = {r.path.name: r.status for r in results.find_runs([tmp_path])}
+    assert statuses == {"good": "complete", "half": "incomplete", "bad": "complete", "torn": "corrupt"}
+
+
+def test_multirun_tree_and_hydra_copies(tmp_path):
+    sweep = tmp_path / "sub" / "multirun-1"
+    for i in range(3):
+        run = make_run(sweep / str(i), {"subproject": "sub", "lr": i}, [{"kind": "m", "v": i}], {"i": i})
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "config.yaml").write_text("lr: 99\n")
+    (sweep / "multirun.yaml").write_text("x: 1\n")
+    runs = results.load_runs([tmp_path])
+    assert sorted(runs["lr"]) == [0, 1, 2] and sorted(runs["summary.i"]) == [0, 1, 2]
+
+
+def test_summary_written_atomically(tmp_path):
+    write_summary(tmp_path, {"a": 1})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no tmp file left
+
+
+def test_missing_path_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such results path"):
+        results.find_runs([tmp_path / "nope"])
+
+
+def test_runs_cli(tmp_path, capsys):
+    from dtrain.cli import main
+
+    make_run(tmp_path / "good", {"subproject": "alpha"}, [], {"ok": True})
+    make_run(tmp_path / "half", {"subproject": "alpha"}, [], None)
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "alpha" in out and "complete" in out and "1 incomplete/corrupt run(s) hidden" in out
+    assert main(["runs", str(tmp_path / "nope")]) == 2
