@@ -51,6 +51,7 @@ class SearchResult:
     calib: Calibration = field(default_factory=Calibration)
     precision: str = "bf16"
     headroom: float = 0.1
+    flash_attention: bool = True
 
 
 def _pow2_up_to(limit: int) -> list[int]:
@@ -121,7 +122,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     else:
         reason = f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} (micro-batches {micro_batches})"
     return SearchResult(ranked[0] if ranked else None, ranked, rejected, reason, model, cluster,
-                        global_batch, calib, precision, headroom)
+                        global_batch, calib, precision, headroom, flash_attention)
 
 
 def _no_fit(mem: MemoryBreakdown, cluster: Cluster, headroom: float) -> str:
@@ -181,12 +182,26 @@ def explain(result: SearchResult, k: int = 5) -> list[str]:
         seen.add(key(p))
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
         out.append(f"{p.describe()}: {loss:.1%} slower; {_why_slower(p, best, result.cluster)}")
-    faster: dict[tuple, tuple[float, Layout, str]] = {}
+    # Designs (tp, pp) with no fitting variant that would beat the best: say what they need.
+    fitting = {(x.tp, x.pp) for x in result.ranked}
+    faster: dict[tuple[int, int], list] = {}
     for lay, why in result.rejected_with_reasons:
-        if why.startswith("does not fit") and key(lay) not in seen:
-            tps = step_time(result.model, lay, result.cluster, result.calib, result.precision).tokens_per_s
-            if tps > max(best.time.tokens_per_s, faster.get(key(lay), (0.0,))[0]):
-                faster[key(lay)] = (tps, lay, why)
-    for tps, lay, why in sorted(faster.values(), key=lambda x: -x[0])[:k]:
-        out.append(f"{_short(lay)} would be {tps / best.time.tokens_per_s - 1:.1%} faster but {why}")
+        if not why.startswith("does not fit") or (lay.tp, lay.pp) in fitting:
+            continue
+        tps = step_time(result.model, lay, result.cluster, result.calib, result.precision).tokens_per_s
+        need = memory_per_gpu(result.model, lay, _act_factor(result), result.flash_attention).total
+        entry = faster.setdefault((lay.tp, lay.pp), [0.0, float("inf"), None])
+        entry[0] = max(entry[0], tps)
+        if need < entry[1]:
+            entry[1:] = [need, lay]
+    usable = result.cluster.gpu.hbm_bytes * (1 - result.headroom) / GiB
+    for tps, need, lay in sorted(faster.values(), key=lambda e: -e[0])[:k]:
+        if tps > best.time.tokens_per_s:
+            out.append(f"dp={lay.dp} tp={lay.tp} pp={lay.pp} would be up to "
+                       f"{tps / best.time.tokens_per_s - 1:.1%} faster but does not fit: its smallest "
+                       f"variant ({_short(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable")
     return out
+
+
+def _act_factor(result: SearchResult) -> float:
+    return result.calib.fp8_memory_factor.value if result.precision == "fp8" else 1.0

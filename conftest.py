@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parent
 
 
 def run_cmd(args: list[str], timeout: float = 120, env: dict | None = None, cwd: Path | None = None):
