@@ -95,3 +95,11 @@ def test_single_gpu_nccl(tmp_path):
     assert out.returncode == 0, out.stderr
     summary = json.loads((_only_run(tmp_path) / "summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["allreduce_sum"] == 1.0
+
+
+def test_local_hydra_multirun_one_run_dir_per_point(tmp_path):
+    out = py("-m", "dtrain.selftest", "-m", "numel=8,16", f"results_dir={tmp_path}", timeout=180)
+    assert out.returncode == 0, out.stderr
+    df = results.load_runs([tmp_path])
+    assert sorted(df["numel"]) == [8, 16] and set(df["summary.allreduce_sum"]) == {3.0}
+    assert all("multirun-" in r for r in df["run"])
