@@ -14,14 +14,14 @@ from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles
 from .memory import (KNOWN_SHAPES, Layout, MemoryBreakdown, ModelShape, activation_bytes_per_layer,
                      memory_per_gpu, model_state_bytes, params_per_gpu)
 from .search import Plan, SearchResult, explain, search
-from .timemodel import (Calibration, Param, StepTime, all_gather_time, allreduce_time, p2p_time,
-                        reduce_scatter_time, step_time)
+from .timemodel import (Calibration, Param, StepTime, all_gather_time, allreduce_time, bubble_fraction,
+                        group_link, p2p_time, reduce_scatter_time, step_time)
 
 __all__ = [
     "Cluster", "GPUProfile", "LinkModel", "get_profile", "load_profiles",
     "KNOWN_SHAPES", "Layout", "MemoryBreakdown", "ModelShape", "activation_bytes_per_layer",
     "memory_per_gpu", "model_state_bytes", "params_per_gpu",
     "Plan", "SearchResult", "explain", "search",
-    "Calibration", "Param", "StepTime", "all_gather_time", "allreduce_time", "p2p_time",
-    "reduce_scatter_time", "step_time",
+    "Calibration", "Param", "StepTime", "all_gather_time", "allreduce_time", "bubble_fraction",
+    "group_link", "p2p_time", "reduce_scatter_time", "step_time",
 ]

@@ -3,12 +3,13 @@
 Sources
 -------
 * Model states: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-  Parameter Models" (SC'20), §3.1 and Fig. 1. Mixed-precision Adam keeps, per parameter,
+  Parameter Models" (SC'20), §3.1 (16Ψ) and Fig. 1 / §5 (per stage). Mixed-precision Adam keeps,
+  per parameter,
   2 bytes bf16 weights + 2 bytes bf16 grads + K=12 bytes optimizer state (fp32 master weights,
   momentum, variance: 4+4+4), 16Ψ in all.
 * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models" (arXiv:2205.05198), §4 (Table 2) for one layer with 16-bit activations; §4.2.3 for
-  pipeline parallelism.
+  Models" (MLSys 2023, arXiv:2205.05198), §4 and Table 2 for one layer with 16-bit
+  activations; §4.2.3 for pipeline parallelism.
 
 Approximations (documented, small next to the terms kept): the activation formula is the paper's
 GPT layer (4h MLP, multi-head attention), applied unchanged to gated MLPs and grouped KV heads;
@@ -40,6 +41,8 @@ class ModelShape:
     name: str = ""
 
     def __post_init__(self) -> None:
+        if min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.vocab, self.seq_len) < 1:
+            raise ValueError(f"{self}: every size must be a positive integer")
         if self.d_model % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"{self}: n_head must divide d_model and n_kv_head must divide n_head")
 
@@ -79,7 +82,7 @@ class ModelShape:
         for nominal, shape in KNOWN_SHAPES.items():
             if abs(params / nominal - 1) <= 0.10:
                 return replace(shape, seq_len=seq_len)
-        known = sorted((s.num_params(), s) for s in KNOWN_SHAPES.values())
+        known = sorted(((s.num_params(), s) for s in KNOWN_SHAPES.values()), key=lambda x: x[0])
         i = min(max(sum(n < params for n, _ in known), 1), len(known) - 1)
         (n_a, a), (n_b, b) = known[i - 1], known[i]
         f = math.log(params / n_a) / math.log(n_b / n_a)
@@ -167,7 +170,7 @@ class MemoryBreakdown:
 def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard.
 
-    ZeRO paper §5 / Fig. 1, mixed-precision Adam (2Ψ + 2Ψ + 12Ψ = 16Ψ), N_d = ``dp``:
+    ZeRO paper Fig. 1 and §5, mixed-precision Adam (2Ψ + 2Ψ + 12Ψ = 16Ψ), N_d = ``dp``:
     stage 0 (plain DP) 16Ψ; stage 1 4Ψ + 12Ψ/N_d; stage 2 2Ψ + 14Ψ/N_d; stage 3 16Ψ/N_d.
     """
     nd = dp
@@ -184,14 +187,15 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", flash_attention: bool = False) -> float:
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, §4).
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
     s sequence length, b micro-batch, h hidden size, a heads, t TP degree; 16-bit activations.
-      no parallelism:        s·b·h·(34 + 5·a·s/h)
-      TP, no SP:             s·b·h·(10 + 24/t + 5·a·s/(h·t))      (Eq. 2)
-      TP + SP:               s·b·h/t·(34 + 5·a·s/h)                (Eq. 4)
-      selective recompute:   the same without the 5·a·s/h attention term (§5, Eq. 6)
-      full recompute:        2·s·b·h, only the layer input (§5); with SP it is sharded, /t.
+      no parallelism:        s·b·h·(34 + 5·a·s/h)                  (§4.1)
+      TP, no SP:             s·b·h·(10 + 24/t + 5·a·s/(h·t))       (§4.2.1)
+      TP + SP:               s·b·h/t·(34 + 5·a·s/h)                 (§4.2.2)
+      selective recompute:   the same without the 5·a·s/h attention term (§5)
+      full recompute:        2·s·b·h, only the layer input (§5, Table 2). With SP the saved input
+                             is the sequence-sharded tensor, so 2·s·b·h/t (Megatron's behaviour).
     ``flash_attention``: FlashAttention (Dao et al. 2022, §3.1) never stores the a·s² scores
     and recomputes them in backward, so the 5·a·s/h term is dropped as under selective recompute.
     """
@@ -233,8 +237,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     flight, each with ceil(n_layer/pp) layers; interleaving with v virtual stages multiplies this by
     1 + (pp−1)/(pp·v) (Korthikanti §4.2.3). The last stage holds one micro-batch plus the fp32
     logits for the loss, 4·s·b·V/tp bytes (vocab-parallel; assumption after Korthikanti §4.3).
-    ``activation_bytes_factor`` scales the layer activations, e.g. ~0.5–0.6 when an FP8 recipe
-    caches linear-layer inputs in 1 byte instead of 2 (an approximation; fp8-train measures it).
+    ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe caches the
+    linear-layer inputs (14 of the 34·s·b·h bytes) in 1 byte instead of 2, see
+    ``Calibration.fp8_memory_factor`` (an approximation; fp8-train measures it).
     """
     lay = layout
     per_layer = activation_bytes_per_layer(shape.seq_len, lay.micro_batch, shape.d_model, shape.n_head,

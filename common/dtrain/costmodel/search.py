@@ -1,12 +1,17 @@
 """Choose DP×TP×PP, ZeRO stage, recompute, micro-batch and SP for a model on a cluster.
 
-Enumerates every layout with dp·tp·pp = GPUs (tp a power of two dividing the heads, at most two
-nodes wide; pp ≤ layers, the busiest stage holding ceil(L/pp); interleaving v ∈ {1, 2, 4} when
-pp·v divides the layers and the micro-batch count is a multiple of pp, as Megatron requires),
-ZeRO 0–3, recompute none/selective/full (selective is left out under FlashAttention, which
-already drops the stored attention scores at no extra cost), keeps those whose memory fits
-HBM with headroom, and ranks them by predicted tokens/s (ties: less memory first). Nothing is
-raised when nothing fits: ``best`` is None and ``reason`` says why.
+Enumerates every layout with dp·tp·pp = GPUs:
+  * tp a power of two dividing the heads, at most two nodes wide;
+  * pp ≤ layers, the busiest stage holding ceil(L/pp); interleaving v ∈ {1, 2, 4} when pp·v
+    divides the layers and the micro-batch count is a multiple of pp, as Megatron requires;
+  * ZeRO 0–3, also with PP (torchtitan's FSDP + PP allows it, DeepSpeed refuses ZeRO-2/3 with
+    PP); the model charges their per-micro-batch traffic;
+  * recompute none / selective / full; selective is left out under FlashAttention, which already
+    drops the stored attention scores at no extra cost;
+  * micro-batch sizes dividing global_batch / dp; sequence parallelism on/off when tp > 1.
+Keeps the layouts whose memory fits HBM with headroom and ranks them by predicted tokens/s
+(ties: less memory first). Nothing is raised when nothing fits: ``best`` is None and ``reason``
+says why.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     calib = calib or Calibration()
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     if precision == "fp8" and cluster.gpu.fp8_tflops is None:
         raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores; use precision='bf16'")
     act_factor = calib.fp8_memory_factor.value if precision == "fp8" else 1.0
@@ -112,7 +119,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
             continue
         t = step_time(model, lay, cluster, calib, precision)
         ranked.append(Plan(**vars(lay), memory=mem, time=t))
-    ranked.sort(key=lambda p: (-round(p.time.tokens_per_s, 6), p.memory.total))
+    ranked.sort(key=lambda p: (-p.time.tokens_per_s, p.memory.total))
     if ranked:
         reason = f"best of {len(ranked)} fitting plans ({len(rejected)} rejected)"
     elif smallest is not None:
@@ -120,14 +127,16 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
                   f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
                   f"{cluster.gpus}x {cluster.gpu.name}")
     else:
-        reason = f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} (micro-batches {micro_batches})"
+        reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
+                  f"(micro-batches {micro_batches})")
     return SearchResult(ranked[0] if ranked else None, ranked, rejected, reason, model, cluster,
                         global_batch, calib, precision, headroom, flash_attention)
 
 
 def _no_fit(mem: MemoryBreakdown, cluster: Cluster, headroom: float) -> str:
-    return (f"does not fit: needs {mem.total / GiB:.1f} GiB > {cluster.gpu.hbm_bytes * (1 - headroom) / GiB:.1f}"
-            f" GiB usable ({cluster.gpu.hbm_gib:g} GiB HBM, {headroom:.0%} headroom)")
+    usable = cluster.gpu.hbm_bytes * (1 - headroom) / GiB
+    return (f"does not fit: needs {mem.total / GiB:.1f} GiB > {usable:.1f} GiB usable "
+            f"({cluster.gpu.hbm_gib:g} GiB HBM, {headroom:.0%} headroom)")
 
 
 def _short(lay: Layout) -> str:
@@ -137,6 +146,8 @@ def _short(lay: Layout) -> str:
 
 
 def _ms(seconds: float) -> str:
+    if seconds == 0:
+        return "0 ms/step"
     return f"{seconds * 1e3:.0f} ms/step" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms/step"
 
 
@@ -148,13 +159,15 @@ def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
     part = max(deltas, key=deltas.get)
     if part == "tp_comm":
         if p.tp > cluster.node_size:
-            return f"tp={p.tp} crosses nodes: TP all-reduce over IB costs {_ms(a.tp_comm)}"
+            return (f"tp={p.tp} crosses nodes: TP all-reduce over IB costs {_ms(a.tp_comm)} "
+                    f"vs {_ms(b.tp_comm)}")
         return f"tp={p.tp}: TP all-reduces cost {_ms(a.tp_comm)} vs {_ms(b.tp_comm)}"
     if part == "bubble":
         frac = (p.pp - 1) / (p.virtual_stages * p.grad_accum)
-        return f"pp={p.pp}: pipeline bubble (p-1)/(v*m) = {frac:.1%} costs {_ms(a.bubble)}"
+        return (f"pp={p.pp}: pipeline bubble (p-1)/(v*m) = {frac:.1%} costs {_ms(a.bubble)} "
+                f"vs {_ms(b.bubble)}")
     if part == "pp_comm":
-        return f"pp={p.pp}: stage-to-stage sends cost {_ms(a.pp_comm)}"
+        return f"pp={p.pp}: stage-to-stage sends cost {_ms(a.pp_comm)} vs {_ms(b.pp_comm)}"
     if part == "dp_comm_exposed":
         link = group_link(cluster, p.dp, p.tp).name or "link"
         return (f"ZeRO-{p.zero_stage} over dp={p.dp} ({link}) exposes {_ms(a.dp_comm_exposed)} of DP "
@@ -165,43 +178,57 @@ def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
 
 
 def explain(result: SearchResult, k: int = 5) -> list[str]:
-    """Sentences: the best plan, why each of the next k distinct designs lost, and which faster
-    designs were rejected for memory. A design is (tp, pp, zero stage, recompute)."""
+    """Sentences: the best plan; why each of the next ``k`` distinct designs (tp, pp, ZeRO stage,
+    recompute) lost; and which designs would have been faster but do not fit in memory."""
     if result.best is None:
         return [result.reason]
     best = result.best
     out = [f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
            f"{best.memory.total / GiB:.1f} GiB/GPU"]
-    key = lambda x: (x.tp, x.pp, x.zero_stage, x.recompute)  # noqa: E731
-    seen = {key(best)}
-    for p in result.ranked[1:]:
-        if len(seen) > k:
-            break
-        if key(p) in seen:
-            continue
-        seen.add(key(p))
+    for p in _runners_up(result, k):
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
         out.append(f"{p.describe()}: {loss:.1%} slower; {_why_slower(p, best, result.cluster)}")
-    # Designs (tp, pp) with no fitting variant that would beat the best: say what they need.
-    fitting = {(x.tp, x.pp) for x in result.ranked}
-    faster: dict[tuple[int, int], list] = {}
-    for lay, why in result.rejected_with_reasons:
-        if not why.startswith("does not fit") or (lay.tp, lay.pp) in fitting:
-            continue
-        tps = step_time(result.model, lay, result.cluster, result.calib, result.precision).tokens_per_s
-        need = memory_per_gpu(result.model, lay, _act_factor(result), result.flash_attention).total
-        entry = faster.setdefault((lay.tp, lay.pp), [0.0, float("inf"), None])
-        entry[0] = max(entry[0], tps)
-        if need < entry[1]:
-            entry[1:] = [need, lay]
-    usable = result.cluster.gpu.hbm_bytes * (1 - result.headroom) / GiB
-    for tps, need, lay in sorted(faster.values(), key=lambda e: -e[0])[:k]:
-        if tps > best.time.tokens_per_s:
-            out.append(f"dp={lay.dp} tp={lay.tp} pp={lay.pp} would be up to "
-                       f"{tps / best.time.tokens_per_s - 1:.1%} faster but does not fit: its smallest "
-                       f"variant ({_short(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable")
+    return out + _faster_but_too_big(result, k)
+
+
+def _runners_up(result: SearchResult, k: int) -> list[Plan]:
+    """The fastest plan of each next design; a design that only trades memory at equal speed
+    (ZeRO-0 vs ZeRO-1, same tp/pp/recompute) is not listed twice."""
+    best = result.ranked[0]
+    seen = {(best.tp, best.pp, best.zero_stage, best.recompute)}
+    speeds = {(best.tp, best.pp, best.recompute, best.time.tokens_per_s)}
+    out = []
+    for p in result.ranked[1:]:
+        design = (p.tp, p.pp, p.zero_stage, p.recompute)
+        speed = (p.tp, p.pp, p.recompute, p.time.tokens_per_s)
+        if design not in seen and speed not in speeds:
+            out.append(p)
+            if len(out) == k:
+                break
+        seen.add(design)
+        speeds.add(speed)
     return out
 
 
-def _act_factor(result: SearchResult) -> float:
-    return result.calib.fp8_memory_factor.value if result.precision == "fp8" else 1.0
+def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
+    """Designs (tp, pp, recompute) whose memory-rejected variants would beat the best, with the
+    smallest memory among those faster variants."""
+    target = result.best.time.tokens_per_s
+    act = result.calib.fp8_memory_factor.value if result.precision == "fp8" else 1.0
+    groups: dict[tuple, list] = {}  # design -> [max tokens/s, min bytes, smallest layout]
+    for lay, why in result.rejected_with_reasons:
+        if not why.startswith("does not fit"):
+            continue
+        tps = step_time(result.model, lay, result.cluster, result.calib, result.precision).tokens_per_s
+        if tps <= target:
+            continue
+        need = memory_per_gpu(result.model, lay, act, result.flash_attention).total
+        g = groups.setdefault((lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
+        g[0] = max(g[0], tps)
+        if need < g[1]:
+            g[1:] = [need, lay]
+    usable = result.cluster.gpu.hbm_bytes * (1 - result.headroom) / GiB
+    return [f"dp={lay.dp} tp={lay.tp} pp={lay.pp} recompute={lay.recompute} would be up to "
+            f"{tps / target - 1:.1%} faster but does not fit: the smallest faster variant "
+            f"({_short(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable"
+            for tps, need, lay in sorted(groups.values(), key=lambda g: -g[0])[:k]]

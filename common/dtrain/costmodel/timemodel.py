@@ -24,7 +24,8 @@ from .hardware import Cluster, LinkModel
 from .memory import Layout, ModelShape, params_per_gpu, stage_layers
 
 __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
-           "reduce_scatter_time", "p2p_time", "group_link", "model_flops_per_token", "step_time"]
+           "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link",
+           "model_flops_per_token", "step_time"]
 
 PROVENANCES = ("datasheet/published:", "measured here:")
 
@@ -51,6 +52,11 @@ def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
 def p2p_time(nbytes: float, link: LinkModel) -> float:
     """One point-to-point send: B/β + α."""
     return nbytes / link.beta_Bps + link.alpha_s
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2)."""
+    return (p - 1) / (v * m)
 
 
 def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
@@ -107,8 +113,8 @@ class Calibration:
         "(Shoeybi et al. 2019), tp-attention measures the real/modelled ratio"))
     fp8_speedup: Param = field(default_factory=lambda: _published(
         1.3, "compute speed-up over BF16; about 1.3-1.5x tokens/s reported for Llama 3 8B-405B on "
-        "H100 with float8 + FSDP2 (PyTorch blog 'Supercharging training using float8 and FSDP2', "
-        "2024) and by NVIDIA Transformer Engine; 1.3x taken"))
+        "H100 with float8 + FSDP2 vs FSDP1 bf16 (PyTorch blog 'Supercharging training using float8 "
+        "and FSDP2', IBM and Meta, 2024); 1.3x taken as the conservative end"))
     fp8_memory_factor: Param = field(default_factory=lambda: _published(
         0.8, "activation bytes factor: FP8 recipes cache the inputs of the linear layers in 1 byte; "
         "those are 14 of the 34 s*b*h bytes per layer of Korthikanti et al. 2022 (QKV, proj, fc1 "
@@ -165,10 +171,12 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
     bubble    (p−1)/(v·m) · (compute + tp_comm)
-    dp_comm   ZeRO-0/1: one all-reduce of the 2Ψ-byte bf16 grads per step; ZeRO-2: m reduce-
-              scatters + one all-gather of params; ZeRO-3: m · (2 all-gathers + 1 reduce-scatter)
-              (no gradient-accumulation no_sync for sharded grads); exposed = dp_comm − min(
-              overlap·dp_comm, compute).
+    dp_comm   over the DP group (group_link, Ψ = params_per_gpu, bf16 grads = 2Ψ bytes; an fp32
+              reduction would double it): ZeRO-0/1 one all-reduce per step; ZeRO-2 m reduce-
+              scatters + one all-gather of params; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter),
+              sharded grads being reduced every micro-batch (no no_sync); with m = 1 that is the
+              ZeRO paper's 1.5× of DP. exposed = dp_comm − min(overlap · dp_comm, compute).
+    Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     """
     calib = calib or Calibration()
     lay, s, h = layout, shape.seq_len, shape.d_model
@@ -198,7 +206,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     if lay.pp > 1:
         link = cluster.nvlink if lay.tp * lay.dp * lay.pp <= cluster.node_size else cluster.ib
         pp_comm = 2 * lay.virtual_stages * m * p2p_time(act_bytes / lay.tp, link)
-        bubble = (lay.pp - 1) / (lay.virtual_stages * m) * (compute + tp_comm)
+        bubble = bubble_fraction(lay.pp, m, lay.virtual_stages) * (compute + tp_comm)
 
     dp_comm = 0.0
     if lay.dp > 1:

@@ -1,0 +1,238 @@
+"""dtrain.costmodel: formulas against hand calculations, and properties of the chooser."""
+
+import pytest
+
+from dtrain.costmodel import (Calibration, Cluster, Layout, LinkModel, ModelShape, Param, all_gather_time,
+                              allreduce_time, bubble_fraction, explain, get_profile, group_link,
+                              load_profiles, memory_per_gpu, model_state_bytes, p2p_time, params_per_gpu,
+                              reduce_scatter_time, search, step_time)
+from dtrain.costmodel.memory import activation_bytes_per_layer
+from dtrain.costmodel.search import Plan, SearchResult
+
+GiB = 1024**3
+
+
+# ---------------------------------------------------------------- hardware profiles
+
+def test_profiles_load_with_sources_and_dense_peaks():
+    profiles = load_profiles()
+    assert set(profiles) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200"}
+    for p in profiles.values():
+        assert "NVIDIA" in p.source
+        assert p.nvlink_gbps_bidir == 2 * p.nvlink_gbps_per_dir
+    h100 = profiles["h100-sxm"]
+    assert h100.peak_bf16_flops == pytest.approx(989.4e12)  # dense, not the 1,979 sparse figure
+    assert h100.nvlink_Bps == 450e9  # the per-direction figure is the one the model uses
+    assert h100.ib_Bps == 50e9  # 400 Gbit/s
+    assert profiles["a100-40gb"].peak_fp8_flops is None
+    assert profiles["a100-80gb"].fp8_tflops is None
+    assert profiles["h200"].hbm_bytes == 141 * GiB
+
+
+def test_unknown_gpu_error_lists_known_names():
+    with pytest.raises(ValueError, match=r"unknown GPU 'v100'.*a100-40gb.*h100-sxm"):
+        get_profile("v100")
+
+
+# ---------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("stage, expected", [
+    (0, 16 * 7e9),
+    (1, 4 * 7e9 + 12 * 7e9 / 64),
+    (2, 2 * 7e9 + 14 * 7e9 / 64),
+    (3, 16 * 7e9 / 64),
+])
+def test_zero_model_states_7b_on_64_gpus(stage, expected):
+    params, grads, optimizer = model_state_bytes(7e9, stage, 64)
+    assert params + grads + optimizer == pytest.approx(expected, rel=1e-12)
+
+
+def test_zero_components():
+    psi, nd = 7e9, 64
+    assert model_state_bytes(psi, 2, nd) == pytest.approx((2 * psi, 2 * psi / nd, 12 * psi / nd))
+    assert model_state_bytes(psi, 3, nd) == pytest.approx((2 * psi / nd, 2 * psi / nd, 12 * psi / nd))
+
+
+def test_gpt_param_count_and_tp_pp_division():
+    gpt2 = ModelShape(12, 768, 12, 12, 50257, 1024, tied_embeddings=True)
+    assert gpt2.num_params() == 12 * (12 * 768**2 + 2 * 768) + 50257 * 768 + 768  # ~124M (GPT-2 small)
+    # 2 stages x 4-way TP: each stage holds 6 layers / 4 plus one V*h embedding / 4.
+    assert params_per_gpu(gpt2, tp=4, pp=2) == pytest.approx((6 * (12 * 768**2 + 2 * 768) + 50257 * 768) / 4)
+    layout = Layout(dp=8, tp=4, pp=2, zero_stage=3)
+    psi = params_per_gpu(gpt2, 4, 2)
+    assert memory_per_gpu(gpt2, layout).params == pytest.approx(2 * psi / 8)
+
+
+def test_from_params_uses_known_shapes_and_interpolates():
+    llama70 = ModelShape.from_params(70e9, seq_len=2048)
+    assert (llama70.n_layer, llama70.d_model, llama70.n_kv_head, llama70.seq_len) == (80, 8192, 8, 2048)
+    assert llama70.num_params() == pytest.approx(69e9, rel=0.01)
+    for target in (3e9, 20e9, 120e9, 250e9):
+        assert ModelShape.from_params(target).num_params() == pytest.approx(target, rel=0.05)
+
+
+S, B, H, A, T = 2048, 4, 4096, 32, 8
+
+
+@pytest.mark.parametrize("t, sp, recompute, expected", [
+    (1, False, "none", S * B * H * (34 + 5 * A * S / H)),
+    (T, False, "none", S * B * H * (10 + 24 / T + 5 * A * S / (H * T))),
+    (T, True, "none", S * B * H / T * (34 + 5 * A * S / H)),
+    (T, False, "selective", S * B * H * (10 + 24 / T)),
+    (T, True, "selective", S * B * H / T * 34),
+    (1, False, "full", 2 * S * B * H),
+    (T, False, "full", 2 * S * B * H),
+    (T, True, "full", 2 * S * B * H / T),
+])
+def test_activation_formulas_korthikanti(t, sp, recompute, expected):
+    got = activation_bytes_per_layer(S, B, H, A, t, sequence_parallel=sp, recompute=recompute)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_flash_attention_drops_the_score_term():
+    with_fa = activation_bytes_per_layer(S, B, H, A, T, True, "none", flash_attention=True)
+    assert with_fa == activation_bytes_per_layer(S, B, H, A, T, True, "selective")
+
+
+def test_pipeline_first_stage_holds_pp_microbatches():
+    shape = ModelShape(8, 1024, 8, 8, 1000, 512)
+    one = memory_per_gpu(shape, Layout(1, 1, 1, grad_accum=8)).activations
+    per_layer = activation_bytes_per_layer(512, 1, 1024, 8, flash_attention=True)
+    logits = 4 * 512 * 1000
+    assert one == pytest.approx(8 * per_layer + logits)
+    four = memory_per_gpu(shape, Layout(1, 1, 4, grad_accum=8)).activations
+    assert four == pytest.approx(2 * per_layer * 4)  # 2 layers/stage, 4 micro-batches in flight
+
+
+def test_memory_breakdown_fits():
+    from dtrain.costmodel import MemoryBreakdown
+    m = MemoryBreakdown(params=10 * GiB, grads=10 * GiB, optimizer=40 * GiB, activations=10 * GiB)
+    assert m.total == 70 * GiB
+    assert m.fits(80 * GiB, headroom=0.1) and not m.fits(80 * GiB, headroom=0.2)
+
+
+# ---------------------------------------------------------------- time model
+
+def test_collective_formulas_by_hand():
+    link = LinkModel(alpha_s=5e-6, beta_Bps=100e9)
+    nbytes, n = 2**30, 8
+    assert allreduce_time(nbytes, n, link) == pytest.approx(2 * 7 / 8 * 2**30 / 100e9 + 14 * 5e-6)
+    assert all_gather_time(nbytes, n, link) == pytest.approx(7 / 8 * 2**30 / 100e9 + 7 * 5e-6)
+    assert reduce_scatter_time(nbytes, n, link) == all_gather_time(nbytes, n, link)
+    assert p2p_time(nbytes, link) == pytest.approx(2**30 / 100e9 + 5e-6)
+    assert allreduce_time(nbytes, 1, link) == 0.0
+
+
+@pytest.mark.parametrize("p, m, v, expected", [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (8, 32, 4, 7 / 128),
+                                               (1, 4, 1, 0.0)])
+def test_bubble_fraction(p, m, v, expected):
+    assert bubble_fraction(p, m, v) == pytest.approx(expected)
+
+
+def _cluster(gpus=64, ib_alpha=5e-6):
+    return Cluster(gpus, 8, get_profile("h100-sxm"), LinkModel(1e-6, 450e9, "NVLink"),
+                   LinkModel(ib_alpha, 50e9, "IB"))
+
+
+def test_step_time_bubble_and_total():
+    shape = ModelShape.from_params(7e9)
+    for pp, m, v in [(2, 8, 1), (4, 8, 2), (8, 16, 4)]:
+        t = step_time(shape, Layout(64 // (2 * pp), 2, pp, grad_accum=m, virtual_stages=v), _cluster())
+        assert t.bubble == pytest.approx((pp - 1) / (v * m) * (t.compute + t.tp_comm))
+        assert t.total == pytest.approx(t.compute + t.tp_comm + t.pp_comm + t.bubble + t.dp_comm_exposed)
+        assert t.mfu == pytest.approx(t.model_flops / (t.total * 64 * 989.4e12))
+
+
+def test_zero3_moves_one_and_a_half_times_dp_volume():
+    shape, cluster = ModelShape.from_params(7e9), _cluster(ib_alpha=0.0)
+    no_overlap = Calibration(dp_overlap=Param(0.0, "measured here: test"))
+    dp = step_time(shape, Layout(64, 1, 1, zero_stage=0), cluster, no_overlap).dp_comm
+    z3 = step_time(shape, Layout(64, 1, 1, zero_stage=3), cluster, no_overlap).dp_comm
+    assert z3 == pytest.approx(1.5 * dp)
+    assert dp == pytest.approx(2 * 63 / 64 * 2 * shape.num_params() / 400e9)  # 8 rails x 50 GB/s
+
+
+def test_recompute_costs_extra_forward():
+    shape, cluster = ModelShape.from_params(7e9), _cluster()
+    base = step_time(shape, Layout(64, 1, 1), cluster).compute
+    full = step_time(shape, Layout(64, 1, 1, recompute="full"), cluster).compute
+    assert full == pytest.approx(base * 8 / 6)
+
+
+def test_links_nvlink_inside_node_ib_across():
+    c = _cluster()
+    assert group_link(c, 8, 1) == c.nvlink
+    assert group_link(c, 16, 1, multi_rail=False).beta_Bps == 50e9  # TP across nodes: one NIC
+    assert group_link(c, 16, 4).beta_Bps == 100e9  # DP, 2 members per node -> 2 rails
+
+
+def test_calibration_provenance_is_checked():
+    assert all(getattr(Calibration(), f).provenance.startswith("datasheet/published:")
+               for f in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"))
+    assert Param(0.41, "measured here: results/fsdp-scaling/run1").measured
+    with pytest.raises(ValueError, match="provenance"):
+        Param(0.5, "I think so")
+
+
+def test_fp8_on_a100_is_refused():
+    shape = ModelShape.from_params(7e9)
+    with pytest.raises(ValueError, match="no FP8"):
+        search(shape, Cluster.from_profile("a100-80gb", 8), 64, precision="fp8")
+
+
+# ---------------------------------------------------------------- search
+
+GRID_MODELS = (1e9, 7e9, 13e9, 70e9, 405e9)
+GRID_CLUSTERS = (("a100-40gb", 8), ("a100-80gb", 64), ("h100-sxm", 8), ("h100-sxm", 256), ("h200", 64),
+                 ("b200", 16), ("h100-pcie", 16))
+
+
+@pytest.mark.parametrize("gpu, gpus", GRID_CLUSTERS)
+def test_chooser_never_exceeds_capacity(gpu, gpus):
+    cluster = Cluster.from_profile(gpu, gpus)
+    for params in GRID_MODELS:
+        shape = ModelShape.from_params(params)
+        res = search(shape, cluster, global_batch=256, headroom=0.1)
+        usable = cluster.gpu.hbm_bytes * 0.9
+        for plan in res.ranked:
+            assert plan.dp * plan.tp * plan.pp == gpus
+            assert plan.dp * plan.micro_batch * plan.grad_accum == 256
+            again = memory_per_gpu(shape, plan).total  # recomputed, not the stored number
+            assert again == pytest.approx(plan.memory.total) and again <= usable
+        assert (res.best is None) == (not res.ranked)
+
+
+def test_nothing_fits_gives_reason_not_exception():
+    res = search(ModelShape.from_params(405e9), Cluster.from_profile("a100-40gb", 8), global_batch=64)
+    assert res.best is None and res.ranked == []
+    assert res.reason.startswith("does not fit") and "GiB" in res.reason
+    assert explain(res) == [res.reason]
+
+
+def test_7b_on_one_h100_node_prefers_no_pipeline():
+    res = search(ModelShape.from_params(7e9), Cluster.from_profile("h100-sxm", 8), global_batch=64)
+    assert res.best is not None and res.best.tp <= 8 and res.best.pp == 1
+
+
+def test_explain_names_cross_node_tp_and_memory_rejections():
+    shape, cluster = ModelShape.from_params(70e9), _cluster(64)
+    plans = []
+    for tp in (8, 16):
+        lay = Layout(64 // tp, tp, 1, zero_stage=3, recompute="full", grad_accum=tp)  # batch 64
+        mem, time = memory_per_gpu(shape, lay), step_time(shape, lay, cluster)
+        plans.append(Plan(**vars(lay), memory=mem, time=time))
+    plans.sort(key=lambda p: -p.time.tokens_per_s)
+    too_big = Layout(64, 1, 1, zero_stage=0, grad_accum=1)  # plain DP: faster, but 16 bytes/param
+    assert step_time(shape, too_big, cluster).tokens_per_s > plans[0].time.tokens_per_s
+    res = SearchResult(plans[0], plans, [(too_big, "does not fit: test")], "", shape, cluster, 64)
+    lines = explain(res)
+    assert plans[0].tp == 8
+    assert any("tp=16 crosses nodes: TP all-reduce over IB" in line for line in lines)
+    assert any("dp=64 tp=1 pp=1" in line and "does not fit" in line and "GiB > 72.0 GiB" in line
+               for line in lines)
+
+
+def test_global_batch_not_divisible_is_reported():
+    res = search(ModelShape.from_params(1e9), Cluster.from_profile("h100-sxm", 8), global_batch=3)
+    assert any("not a multiple" in why for _, why in res.rejected_with_reasons)
+    assert res.best.dp == 1 and res.best.micro_batch * res.best.grad_accum == 3  # only dp=1 divides 3
