@@ -29,7 +29,9 @@ def slurm_available() -> str | None:
         return "Slurm is not installed (scripts/slurm-cluster install)"
     if not os.environ.get("SLURM_CONF"):
         conf = REPO / ".slurm" / "etc" / "slurm.conf"
-        if not conf.exists():
+        # `status` answers in ~0.1 s; sinfo against a stopped cluster takes ~10 s to fail
+        if not conf.exists() or subprocess.run([str(REPO / "scripts" / "slurm-cluster"), "status"],
+                                               capture_output=True).returncode != 0:
             return "no cluster: scripts/slurm-cluster start, then eval \"$(scripts/slurm-cluster env)\""
         os.environ["SLURM_CONF"] = str(conf)
     try:
