@@ -103,16 +103,23 @@ class Attention(nn.Module):
         self.wo = make_linear(f"{prefix}.wo", d, d, cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # Head counts are inferred (-1) so a tensor-parallel shard with fewer local heads works too.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        if self.n_rep > 1:  # GQA: query head h reads k/v head h // n_rep
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(causal_attention(self.wq(x), self.wk(x), self.wv(x), self.head_dim))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Causal SDPA on projections (B, T, n_q*hd), (B, T, n_kv*hd) x2 -> (B, T, n_q*hd).
+
+    Head counts come from the shapes, not the config, so a tensor-parallel shard holding fewer
+    query and k/v heads (tp_attention) runs exactly this code. GQA: query head h reads k/v head
+    h // n_rep, n_rep = n_q / n_kv."""
+    B, T, _ = q.shape
+    q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):

@@ -50,16 +50,20 @@ def synchronize(device: torch.device | str | None) -> None:
 
 
 class Stopwatch:
-    """start()/stop() around a region; stop() returns seconds (synchronizing on GPU)."""
+    """start()/stop() around a region; stop() returns seconds (synchronizing on GPU).
 
-    def __init__(self, device: torch.device | str | None = None, barrier: bool = False):
+    `barrier`: True = barrier over all ranks before each start; a ProcessGroup = over its ranks
+    only (a tensor-parallel group timing while the other ranks wait)."""
+
+    def __init__(self, device: torch.device | str | None = None, barrier=False):
         self.cuda = device is not None and torch.device(device).type == "cuda"
         self.device = device
-        self.barrier = barrier and dist.is_initialized()
+        self.group = None if isinstance(barrier, bool) else barrier
+        self.barrier = (barrier if isinstance(barrier, bool) else barrier is not None) and dist.is_initialized()
 
     def start(self) -> None:
         if self.barrier:
-            dist.barrier()
+            dist.barrier(group=self.group)
         if self.cuda:
             self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -75,7 +79,7 @@ class Stopwatch:
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10,
-            device: torch.device | str | None = None, barrier: bool = False) -> TimingStats:
+            device: torch.device | str | None = None, barrier=False) -> TimingStats:
     """Time `fn` per call: `warmup` discarded calls, then `iters` timed ones."""
     for _ in range(warmup):
         fn()

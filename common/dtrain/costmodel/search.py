@@ -17,6 +17,7 @@ says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .hardware import GiB, Cluster
 from .memory import RECOMPUTE, Layout, MemoryBreakdown, ModelShape, memory_per_gpu
@@ -25,6 +26,8 @@ from .timemodel import Calibration, StepTime, group_link, step_time
 __all__ = ["Cluster", "Calibration", "Plan", "SearchResult", "search", "explain"]
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+# Memory does not depend on the links: a grid over bandwidths (the guide) reuses it.
+_memory = lru_cache(maxsize=1 << 17)(memory_per_gpu)
 VIRTUAL_STAGES = (1, 2, 4)
 
 
@@ -67,8 +70,9 @@ def _pow2_up_to(limit: int) -> list[int]:
     return out
 
 
-def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute):
-    """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections."""
+def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False):
+    """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections;
+    ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 (see ``search``)."""
     n = cluster.gpus
     for tp in _pow2_up_to(min(2 * cluster.node_size, model.n_head)):
         if model.n_head % tp or n % tp:
@@ -84,16 +88,21 @@ def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batch
                 vs = [v for v in VIRTUAL_STAGES
                       if v == 1 or (pp > 1 and model.n_layer % (pp * v) == 0 and ga % pp == 0)]
                 for v in vs:
-                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                    for zero in ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,):
                         for rc in recompute:
-                            for sp in (False, True) if tp > 1 else (False,):
+                            for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
                                 yield Layout(dp, tp, pp, zero, rc, mb, ga, sp, v), None
 
 
 def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibration | None = None, *,
            precision: str = "bf16", headroom: float = 0.1, flash_attention: bool = True,
-           micro_batches: tuple[int, ...] = MICRO_BATCHES) -> SearchResult:
-    """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences."""
+           micro_batches: tuple[int, ...] = MICRO_BATCHES, prune: bool = False) -> SearchResult:
+    """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences.
+
+    ``prune`` skips layouts that cannot be the best (same ``best``, ~10x faster; the decision
+    matrix uses it): sequence parallelism and ZeRO-1 cost the same predicted time as their
+    absence with less memory, and a higher ZeRO stage is never faster than a lower one, so per
+    (dp, tp, pp, micro-batch, v, recompute) only the lowest fitting ZeRO stage is timed."""
     calib = calib or Calibration()
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
@@ -107,16 +116,21 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     rejected: list[tuple[Layout, str]] = []
     smallest: tuple[float, Layout] | None = None
     levels = tuple(r for r in RECOMPUTE if not (flash_attention and r == "selective"))
-    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels):
+    timed: set[tuple] = set()
+    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune):
         if why:
             rejected.append((lay, why))
             continue
-        mem = memory_per_gpu(model, lay, act_factor, flash_attention)
+        group = (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.recompute)
+        if prune and group in timed:
+            continue
+        mem = _memory(model, lay, act_factor, flash_attention)
         if not mem.fits(cluster.gpu.hbm_bytes, headroom):
             rejected.append((lay, _no_fit(mem, cluster, headroom)))
             if smallest is None or mem.total < smallest[0]:
                 smallest = (mem.total, lay)
             continue
+        timed.add(group)  # _layouts yields ZeRO stages in increasing order within a group
         t = step_time(model, lay, cluster, calib, precision)
         ranked.append(Plan(**vars(lay), memory=mem, time=t))
     ranked.sort(key=lambda p: (-p.time.tokens_per_s, p.memory.total))

@@ -163,7 +163,7 @@ def _recompute_flops_per_token(shape: ModelShape, recompute: str) -> float:
 
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
-              precision: str = "bf16") -> StepTime:
+              precision: str = "bf16", value_bytes: int = 2) -> StepTime:
     """Predicted time of one step for ``layout`` (see module docstring for every term).
 
     compute   tokens per rank · FLOPs/token (+ recompute) · (L'/L) / tp / (peak_bf16 · mfu
@@ -177,6 +177,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               sharded grads being reduced every micro-batch (no no_sync); with m = 1 that is the
               ZeRO paper's 1.5× of DP. exposed = dp_comm − min(overlap · dp_comm, compute).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
+    ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
+    4 for the fp32 runs on CPU whose step times the guide predicts).
     """
     calib = calib or Calibration()
     lay, s, h = layout, shape.seq_len, shape.d_model
@@ -194,7 +196,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     if precision == "fp8":
         compute /= calib.fp8_speedup.value
 
-    act_bytes = lay.micro_batch * s * h * 2
+    act_bytes = lay.micro_batch * s * h * value_bytes
     tp_comm = 0.0
     if lay.tp > 1:
         n_coll = 6 if lay.recompute == "full" else 4
@@ -210,7 +212,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
 
     dp_comm = 0.0
     if lay.dp > 1:
-        grads = 2 * params_per_gpu(shape, lay.tp, lay.pp)  # bf16 bytes, = bf16 param bytes
+        grads = value_bytes * params_per_gpu(shape, lay.tp, lay.pp)  # bf16: 2 bytes, = param bytes
         link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
         ag = all_gather_time(grads, lay.dp, link)
         rs = reduce_scatter_time(grads, lay.dp, link)

@@ -1,0 +1,83 @@
+"""The app's three parts: validate (before any rank), rank_fn (every rank), finalize (after them).
+
+Ranks: topology report (rank 0), then the sweep (sweep.py). After them, `finalize` prints the
+nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose `guide`
+block the parallelism guide reads (schema in the README).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from allreduce_bench import groups, report, spec, sweep, topology_report
+from dtrain import dist as ddist
+from dtrain.errors import UserError
+from dtrain.launch import RankContext, mode_of
+from dtrain.metrics import ENV
+
+GUIDE_FIT_KEYS = ("collective", "link_class", "alpha_us", "beta_GBps", "r2", "n_points", "algo_factor", "dtype",
+                  "world_size", "theoretical_GBps", "beta_pct_of_theoretical")
+
+
+def expected_backend(cfg: DictConfig) -> str | None:
+    """The backend the ranks will use, when it can be known before they start."""
+    if mode_of(cfg) == "slurm":
+        return cfg.backend if cfg.backend != "auto" else ("nccl" if cfg.slurm.gpus_per_node else "gloo")
+    return ddist.pick_backend(cfg.backend, ddist.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))))
+
+
+def validate(cfg: DictConfig) -> None:
+    s = spec.parse(cfg)
+    backend = expected_backend(cfg)
+    for dtype in s.dtypes:
+        problem = spec.known_unsupported(backend, dtype, s.redop, s.collectives)
+        if problem:
+            raise UserError(problem)
+
+
+def rank_fn(ctx: RankContext) -> dict:
+    s = spec.parse(ctx.cfg)
+    hosts = groups.gather_hostnames()
+    if ctx.is_main:
+        gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+        topology_report.write(ctx.run_dir, hosts, gpu)
+    plan_hosts = groups.simulated_hosts(ctx.world_size, s.simulate_nodes) if s.simulate_nodes else hosts
+    return sweep.run(ctx, s, plan_hosts)
+
+
+def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
+    df = report.load_records(run_dir)
+    print(report.nccl_table(df), flush=True)
+    env = json.loads((run_dir / ENV).read_text())
+    topo = env.get("topology", {})
+    theoretical = dict(topo.get("theoretical_GBps") or {"intra_node": None, "inter_node": None})
+    if result.get("simulated_nodes"):  # pretend hosts share one box: no datasheet link applies
+        theoretical["inter_node"] = None
+    theoretical["world"] = theoretical["inter_node"] if "world" in set(df.link_class) else theoretical["intra_node"]
+    fitted, unfitted = report.fits(df, theoretical)
+    report.print_fits(fitted)
+    for u in unfitted:
+        print(f"no fit for {u['collective']} ({u['link_class']}, {u['dtype']}): {u['reason']}", flush=True)
+    csv = run_dir / report.CSV
+    df.drop(columns=["kind"]).to_csv(csv, index=False)
+    print(f"wrote table {csv}", flush=True)
+    plots = [report.plot_busbw(df, run_dir / report.BUSBW_PLOT), report.plot_fits(df, fitted, run_dir / report.FIT_PLOT)]
+    device = "cuda" if str(env.get("device", "cpu")).startswith("cuda") else "cpu"
+    gpus = env.get("gpus") or []
+    peak = report.peak_busbw(df)
+    guide = {"fits": [{k: f[k] for k in GUIDE_FIT_KEYS} for f in fitted if f["link_class"] in ("intra_node", "inter_node")],
+             "device": device, "backend": env.get("backend"), "gpu_name": gpus[0]["name"] if gpus else None,
+             "peak_busbw_GBps": peak}
+    print(f"see {run_dir / topology_report.REPORT} for the links behind these numbers", flush=True)
+    return {"guide": guide, "device": device, "backend": env.get("backend"), "world_size": env.get("world_size"),
+            "fits": fitted, "unfitted": unfitted, "peak_busbw_GBps": peak, "theoretical_GBps": theoretical,
+            "topology_source": topo.get("source"), "num_hosts": result["num_hosts"],
+            "simulated_nodes": result.get("simulated_nodes"), "link_classes": result["link_classes"],
+            "link_classes_not_measured": result["not_measured"], "skipped": result["skipped"],
+            "cases": len(df), "wrong_total": int(df["wrong"].fillna(0).sum()),
+            "files": {"csv": csv.name, "plots": [p.name for p in plots], "topology": topology_report.REPORT}}
+

@@ -1,0 +1,142 @@
+"""After the ranks: the nccl-tests table, CSV, plots, α–β fits and the summary's `guide` block."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from allreduce_bench import fit as abfit
+from dtrain import plots
+from dtrain.metrics import RECORDS
+from dtrain.results import read_jsonl
+
+CSV = "collectives.csv"
+BUSBW_PLOT = "busbw_vs_size.png"
+FIT_PLOT = "alpha_beta_fit.png"
+MODES = ("out_of_place", "in_place")
+BLOCK_KEYS = ["link_class", "dtype", "collective"]
+
+
+def load_records(run_dir: Path) -> pd.DataFrame:
+    rows = [r for r in read_jsonl(Path(run_dir) / RECORDS) if r.get("kind") == "collective"]
+    return pd.DataFrame(rows)
+
+
+def fit_mode(df: pd.DataFrame, collective: str) -> str:
+    """The mode a collective is fitted and plotted in: out-of-place (nccl-tests' headline) when measured."""
+    modes = set(df.loc[df.collective == collective, "mode"])
+    return "out_of_place" if "out_of_place" in modes else "in_place"
+
+
+def _cell(row) -> str:
+    if row is None:
+        return f"  {'N/A':>8}  {'N/A':>7}  {'N/A':>7}  {'N/A':>6}"
+    t = row["time_us"]
+    wrong = "N/A" if row["wrong"] is None or (isinstance(row["wrong"], float) and math.isnan(row["wrong"])) else int(row["wrong"])
+    return f"  {t:8.2f}  {row['algbw_GBps']:7.2f}  {row['busbw_GBps']:7.2f}  {wrong:>6}" if t < 1e5 else \
+        f"  {t:8.0f}  {row['algbw_GBps']:7.2f}  {row['busbw_GBps']:7.2f}  {wrong:>6}"
+
+
+def nccl_table(df: pd.DataFrame) -> str:
+    """One nccl-tests-style block per (link class, dtype, collective)."""
+    out = []
+    for (link_class, dtype, collective), block in df.groupby(BLOCK_KEYS, sort=False):
+        first = block.iloc[0]
+        out += [f"# {collective}  link_class={link_class}  {int(first.group_size)} ranks/group x {int(first.groups)} "
+                f"group(s)  dtype={dtype}  iters={int(first.iters)} warmup={int(first.warmup)}",
+                f"#{'':49}{'out-of-place':^36}{'in-place':^36}",
+                f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>4}" +
+                f"  {'time':>8}  {'algbw':>7}  {'busbw':>7}  {'#wrong':>6}" * 2,
+                f"#{'(B)':>11}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>4}" +
+                f"  {'(us)':>8}  {'(GB/s)':>7}  {'(GB/s)':>7}  {'':>6}" * 2]
+        for nbytes, rows in block.groupby("nbytes", sort=True):
+            by_mode = {r["mode"]: r for _, r in rows.iterrows()}
+            r = rows.iloc[0]
+            out.append(f"{int(nbytes):>12}  {int(r['count']):>12}  {r['type']:>8}  {r['redop']:>6}  {int(r['root']):>4}"
+                       + "".join(_cell(by_mode.get(m)) for m in MODES))
+        main = block[block["mode"] == fit_mode(df, collective)]
+        out += [f"# Avg bus bandwidth    : {main['busbw_GBps'].mean():.4g} GB/s ({fit_mode(df, collective)})", ""]
+    return "\n".join(out)
+
+
+def fits(df: pd.DataFrame, theoretical: dict[str, float | None]) -> tuple[list[dict], list[dict]]:
+    """One α–β fit per (collective, link class, dtype), in the guide's schema; and the blocks
+    that gave no line (fewer than 2 sizes, one rank, or times falling with size: noise)."""
+    out, unfitted = [], []
+    for (link_class, dtype, collective), block in df.groupby(BLOCK_KEYS, sort=False):
+        rows = block[block["mode"] == fit_mode(df, collective)].sort_values("nbytes")
+        c = float(rows["bus_factor"].iloc[0])
+        f = abfit.fit_alpha_beta(rows["nbytes"], rows["time_us"] * 1e-6, c)
+        if f is None:
+            reason = "bus factor 0 (one rank)" if c == 0 else "fewer than 2 sizes" if len(rows) < 2 else \
+                "time does not grow with size (noise or too few sizes)"
+            unfitted.append({"collective": collective, "link_class": link_class, "dtype": dtype, "reason": reason})
+            continue
+        theo = theoretical.get(link_class)
+        out.append({"collective": collective, "link_class": link_class, "alpha_us": f.alpha_us,
+                    "beta_GBps": f.beta_GBps, "r2": f.r2, "n_points": f.n_points, "algo_factor": c,
+                    "dtype": dtype, "world_size": int(rows["group_size"].iloc[0]), "theoretical_GBps": theo,
+                    "beta_pct_of_theoretical": 100 * f.beta_GBps / theo if theo else None,
+                    "mode": fit_mode(df, collective), "alpha_clamped": f.alpha_clamped,
+                    "groups": int(rows["groups"].iloc[0])})
+    return out, unfitted
+
+
+def peak_busbw(df: pd.DataFrame) -> dict[str, float]:
+    """Best busbw per collective over the widest link class measured (the whole job)."""
+    widest = "world" if "world" in set(df.link_class) else df.link_class.iloc[0]
+    part = df[df.link_class == widest]
+    return {c: float(g["busbw_GBps"].max()) for c, g in part.groupby("collective", sort=False)}
+
+
+def plot_busbw(df: pd.DataFrame, path: Path) -> Path:
+    import seaborn as sns
+
+    classes = list(dict.fromkeys(df.link_class))
+    fig, axes = plots.figure(ncols=len(classes))
+    for ax, link_class in zip(axes[0], classes):
+        part = df[(df.link_class == link_class) & (df["mode"] == df.collective.map(lambda c: fit_mode(df, c)))]
+        sns.lineplot(data=part, x="nbytes", y="busbw_GBps", hue="collective",
+                     style="dtype" if part.dtype.nunique() > 1 else None, marker="o", ax=ax)
+        plots.log2_bytes_axis(ax)
+        ax.set(xlabel="message size S", ylabel="busbw (GB/s)", title=f"busbw vs size ({link_class})")
+    return plots.save(fig, path)
+
+
+def plot_fits(df: pd.DataFrame, fitted: list[dict], path: Path) -> Path:
+    """Measured time per op and the fitted t(S) = α + S·c/β, log-log: how well the model holds."""
+    import numpy as np
+    import seaborn as sns
+
+    classes = list(dict.fromkeys(df.link_class))
+    fig, axes = plots.figure(ncols=len(classes))
+    colors = dict(zip(dict.fromkeys(df.collective), sns.color_palette("colorblind", df.collective.nunique())))
+    for ax, link_class in zip(axes[0], classes):
+        for f in (f for f in fitted if f["link_class"] == link_class):
+            rows = df[(df.link_class == link_class) & (df.collective == f["collective"]) & (df.dtype == f["dtype"])
+                      & (df["mode"] == f["mode"])].sort_values("nbytes")
+            s = np.geomspace(rows.nbytes.min(), rows.nbytes.max(), 50)
+            model = f["alpha_us"] + s * f["algo_factor"] / (f["beta_GBps"] * 1e3)
+            ax.plot(rows.nbytes, rows.time_us, "o", color=colors[f["collective"]], label=f["collective"])
+            ax.plot(s, model, "-", color=colors[f["collective"]], alpha=0.6)
+        plots.log2_bytes_axis(ax)
+        ax.set_yscale("log")
+        ax.set(xlabel="message size S", ylabel="time per op (µs)", title=f"α–β fit ({link_class}; lines = fit)")
+        ax.legend(fontsize="small")
+    return plots.save(fig, path)
+
+
+def print_fits(fitted: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="α–β fit: t(S) = α + S·c/β  (β is a bus bandwidth)")
+    for col in ("collective", "link class", "dtype", "ranks", "α (µs)", "β (GB/s)", "R²", "points", "β % of link"):
+        table.add_column(col, justify="right" if col not in ("collective", "link class", "dtype") else "left")
+    for f in fitted:
+        pct = "n/a" if f["beta_pct_of_theoretical"] is None else f"{f['beta_pct_of_theoretical']:.0f}%"
+        table.add_row(f["collective"], f["link_class"], f["dtype"], str(f["world_size"]),
+                      f"{f['alpha_us']:.1f}" + ("*" if f["alpha_clamped"] else ""), f"{f['beta_GBps']:.3g}",
+                      f"{f['r2']:.3f}", str(f["n_points"]), pct)
+    Console(width=120).print(table)

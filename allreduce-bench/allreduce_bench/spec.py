@@ -1,0 +1,125 @@
+"""The user's config, checked and turned into plain values before any rank starts.
+
+Sizes take nccl-tests' suffixes (1K = 1024, 4M, 1G); dtypes take torch names or the usual short
+names (fp32, bf16, fp16); everything wrong becomes one UserError line.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from allreduce_bench.busbw import COLLECTIVES
+from dtrain.errors import UserError
+
+DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}
+ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+           "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+           "e5m2": "float8_e5m2"}
+# nccl-tests' names for the `type` column
+NCCL_TYPE_NAMES = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "float64": "double",
+                   "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8",
+                   "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2"}
+REDOPS = ("sum", "prod", "max", "min", "avg")
+MODES = ("out_of_place", "in_place")
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30}
+
+
+def parse_bytes(value, key: str) -> int:
+    """1024, '1K', '4MiB', '1G' -> bytes (binary units, as nccl-tests' -b/-e)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise UserError(f"{key}={value!r} is not a size: use bytes or a suffix, e.g. {key}=1K, 4M, 1G")
+        n = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if n < 1:
+        raise UserError(f"{key}={value!r} must be at least 1 byte")
+    return n
+
+
+def dtype_name(value: str) -> str:
+    name = ALIASES.get(str(value).lower(), str(value).lower())
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {value!r}: choose from {', '.join(DTYPES)} (or fp32, bf16, fp16)")
+    return name
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    collectives: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    redop: str
+    modes: tuple[str, ...]
+    root: int
+    warmup_iters: int
+    iters: int
+    check: bool
+    simulate_nodes: int | None
+    inject_wrong: str | None
+
+
+def _as_list(value) -> list:
+    return [value] if isinstance(value, (str, int)) else list(value)
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> tuple[int, ...]:
+    sizes, s = [], min_bytes
+    while s <= max_bytes:
+        sizes.append(int(s))
+        s *= factor
+    return tuple(sizes)
+
+
+def parse(cfg: DictConfig) -> BenchSpec:
+    collectives = _as_list(cfg.collectives)
+    for c in collectives:
+        if c not in COLLECTIVES:
+            raise UserError(f"unknown collective {c!r}: choose from {', '.join(COLLECTIVES)}")
+    if not collectives:
+        raise UserError("collectives=[] is empty: name at least one, e.g. collectives=[all_reduce]")
+    lo, hi = parse_bytes(cfg.min_bytes, "min_bytes"), parse_bytes(cfg.max_bytes, "max_bytes")
+    if lo > hi:
+        raise UserError(f"min_bytes={cfg.min_bytes} is larger than max_bytes={cfg.max_bytes}: swap them")
+    if not isinstance(cfg.step_factor, (int, float)) or cfg.step_factor <= 1:
+        raise UserError(f"step_factor={cfg.step_factor!r} must be a number > 1 (nccl-tests -f), e.g. step_factor=2")
+    if cfg.redop not in REDOPS:
+        raise UserError(f"unknown redop {cfg.redop!r}: choose from {', '.join(REDOPS)}")
+    modes = _as_list(cfg.modes)
+    for m in modes:
+        if m not in MODES:
+            raise UserError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
+    for key in ("iters", "warmup_iters", "root"):
+        v = cfg[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):
+            raise UserError(f"{key}={v!r} must be an integer >= {1 if key == 'iters' else 0}")
+    if cfg.root >= cfg.world_size:
+        raise UserError(f"root={cfg.root} is not a rank of world_size={cfg.world_size}: use 0..{cfg.world_size - 1}")
+    nodes = cfg.debug.simulate_nodes
+    if nodes is not None and (not isinstance(nodes, int) or nodes < 2 or cfg.world_size % nodes):
+        raise UserError(f"debug.simulate_nodes={nodes!r} must be an integer >= 2 dividing world_size={cfg.world_size}")
+    inject = cfg.debug.inject_wrong
+    if inject is not None and inject not in collectives and inject != "all":
+        raise UserError(f"debug.inject_wrong={inject!r} must be one of the benchmarked collectives or 'all'")
+    return BenchSpec(tuple(collectives), size_sweep(lo, hi, cfg.step_factor), tuple(dtype_name(d) for d in _as_list(cfg.dtypes)),
+                     cfg.redop, tuple(modes), cfg.root, cfg.warmup_iters, cfg.iters, bool(cfg.check), nodes, inject)
+
+
+def known_unsupported(backend: str, dtype: str, redop: str, collectives) -> str | None:
+    """Combinations we know fail (checked in torch 2.13), caught before any rank starts; the ranks
+    still catch anything else at the first size."""
+    if backend == "gloo" and dtype.startswith("float8"):
+        return f"backend=gloo cannot move {dtype} tensors (\"Invalid scalar type\"): use dtypes=[float32] or run on GPUs with NCCL"
+    reduces = any(c in ("all_reduce", "reduce_scatter", "reduce") for c in collectives)
+    if backend == "gloo" and reduces and redop == "avg" and not DTYPES[dtype].is_floating_point:
+        return f"backend=gloo cannot reduce {dtype} with redop=avg: use a floating dtype or redop=sum"
+    return None

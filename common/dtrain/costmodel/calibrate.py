@@ -1,0 +1,312 @@
+"""Calibrate the cost model from this cluster's run directories, with provenance.
+
+Reads completed runs only through ``dtrain.results`` and only their ``summary.json["guide"]``
+(the contract each subproject writes), never a subproject's private files:
+
+    allreduce-bench   fits[] of all_reduce   -> α and achieved β per link class (intra / inter node)
+    fsdp-scaling      mfu, exposed comm      -> compute efficiency; overlap_fraction -> DP overlap
+    tp-attention      tp_overhead[]          -> measured / α–β-modelled TP communication time
+    fp8-train         compare recipes{}      -> FP8 speed factor, memory factor, layers kept in BF16
+
+Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
+"datasheet/published: <source>". Two calibrations come out:
+
+* ``cluster``: what the GPU decision matrix and ``dtrain plan`` use. Only runs whose device is
+  CUDA count: a CPU/gloo measurement says nothing about an NVLink/InfiniBand cluster, so without
+  GPU runs every value stays datasheet/published (and the guide says so).
+* ``local``: every measured value whatever the device; the guide uses it to predict the local
+  runs' step times (predicted-vs-measured table).
+Among several runs for one value the latest (env.json ``created``, then path) wins.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from dtrain.results import Run, complete_runs
+
+from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
+from .timemodel import Calibration, Param, allreduce_time
+
+SHARDED = ("zero2", "zero3", "hsdp")
+LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The run a measured value comes from."""
+
+    run: str
+    date: str
+    device: str
+    backend: str
+    world_size: int
+    gpu_name: str | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def provenance(self, detail: str = "") -> str:
+        what = self.gpu_name or self.device
+        extra = f"; {detail}" if detail else ""
+        return (f"measured here: {self.run}, {self.date}, {what} ({self.backend}, "
+                f"{self.world_size} ranks){extra}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    value: float
+    source: Source
+    detail: str = ""
+
+    def param(self) -> Param:
+        return Param(self.value, self.source.provenance(self.detail))
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """α per link class and the achieved share of the nominal rate (β measured / β datasheet)."""
+
+    intra_alpha_s: Param
+    intra_efficiency: Param
+    inter_alpha_s: Param
+    inter_efficiency: Param
+
+    def apply(self, cluster: Cluster) -> Cluster:
+        intra = LinkModel(self.intra_alpha_s.value, cluster.nvlink.beta_Bps * self.intra_efficiency.value,
+                          cluster.nvlink.name)
+        inter = LinkModel(self.inter_alpha_s.value, cluster.ib.beta_Bps * self.inter_efficiency.value,
+                          cluster.ib.name)
+        return replace(cluster, nvlink=intra, ib=inter)
+
+
+def default_links() -> LinkCalibration:
+    pub = "datasheet/published: "
+    return LinkCalibration(
+        Param(NVLINK_ALPHA_S, pub + "assumption, order of magnitude of nccl-tests small-message latency "
+              "on an NVSwitch node (dtrain.costmodel.hardware.NVLINK_ALPHA_S)"),
+        Param(1.0, pub + "datasheet per-direction NVLink/PCIe rate taken as the achievable bus bandwidth "
+              "(an upper bound until allreduce-bench measures it on GPUs)"),
+        Param(IB_ALPHA_S, pub + "assumption, a few µs per InfiniBand hop (dtrain.costmodel.hardware.IB_ALPHA_S)"),
+        Param(1.0, pub + "NIC line rate taken as the achievable bus bandwidth (upper bound)"))
+
+
+@dataclass
+class CalibrationReport:
+    cluster: Calibration
+    cluster_links: LinkCalibration
+    local: Calibration
+    local_links: dict[str, LinkModel]          # "intra" / "inter" -> measured α–β of any device
+    local_sources: dict[str, Source]           # which run each local link came from
+    keep_bf16: tuple[list[str], str]           # layers to keep in BF16 on the cluster, provenance
+    keep_bf16_local: tuple[list[str], str]     # the same from any device
+    candidates: list[Candidate] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def measured_on_gpu(self) -> bool:
+        return any(c.source.on_gpu for c in self.candidates)
+
+
+def source_of(run: Run, base: Path | None = None) -> Source:
+    env, guide = run.env, run.summary.get("guide", {}) or {}
+    device = str(guide.get("device") or run.summary.get("device") or env.get("device") or "unknown")
+    gpus = env.get("gpus") or []
+    gpu_name = guide.get("gpu_name") or (gpus[0].get("name") if gpus and device.startswith("cuda") else None)
+    return Source(run=display_path(run.path, base), date=str(env.get("created", "unknown date")), device=device,
+                  backend=str(guide.get("backend") or env.get("backend") or "?"),
+                  world_size=int(env.get("world_size") or run.config.get("world_size") or 1), gpu_name=gpu_name)
+
+
+def display_path(path: Path, base: Path | None = None) -> str:
+    """A run path relative to ``base`` (the cwd by default), so guides do not embed /home/<user>."""
+    path = Path(path).resolve()
+    base = (base or Path.cwd()).resolve()
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def _num(x) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+# ---------------------------------------------------------------- per subproject
+
+def from_allreduce(run: Run, src: Source) -> list[Candidate]:
+    out = []
+    for fit in run.summary.get("guide", {}).get("fits", []) or []:
+        cls = LINK_CLASSES.get(fit.get("link_class"))
+        alpha, beta = _num(fit.get("alpha_us")), _num(fit.get("beta_GBps"))
+        if fit.get("collective") != "all_reduce" or cls is None or alpha is None or not beta:
+            continue
+        detail = f"all_reduce {fit.get('dtype', '?')} fit, {fit.get('n_points', '?')} sizes, r²={fit.get('r2', float('nan')):.3f}"
+        out.append(Candidate(f"{cls}_alpha_s", max(alpha, 0.0) * 1e-6, src, detail))
+        out.append(Candidate(f"{cls}_beta_Bps", beta * 1e9, src, detail))
+        pct = _num(fit.get("beta_pct_of_theoretical"))
+        if pct:
+            out.append(Candidate(f"{cls}_efficiency", pct / 100, src, detail + f", {pct:.0f}% of nominal"))
+    return out
+
+
+def fsdp_entries(run: Run, single_runs: set[str] = frozenset()) -> list[dict]:
+    """The per-run guide dicts of a single run, or of a study report (fsdp_scaling.report) minus
+    the runs that are loaded on their own anyway (``single_runs``: resolved paths)."""
+    guide = run.summary.get("guide", {}) or {}
+    if "runs" not in guide:
+        return [guide] if "strategy" in guide else []
+    return [g for g in guide.get("runs") or [] if str(Path(g.get("run", "")).resolve()) not in single_runs]
+
+
+def from_fsdp(run: Run, src: Source, single_runs: set[str] = frozenset()) -> list[Candidate]:
+    out = []
+    for g in fsdp_entries(run, single_runs):
+        step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
+        exposed = _num(g.get("exposed_comm_s")) or 0.0
+        if step and mfu and step > exposed:
+            # compute-only efficiency: the time model costs communication separately
+            eff = mfu * step / (step - exposed)
+            out.append(Candidate("mfu", eff, src, f"{g.get('strategy')} x{g.get('world_size')}: MFU "
+                                 f"{mfu:.1%} with {exposed / step:.0%} of the step exposed communication"))
+        overlap = _num(g.get("overlap_fraction"))
+        if overlap is not None and g.get("strategy") in SHARDED:
+            out.append(Candidate("dp_overlap", overlap, src, f"{g.get('strategy')} x{g.get('world_size')}"))
+    return out
+
+
+def tp_regions(config: dict) -> int:
+    """TP regions per layer: a block has two (attention, MLP), attention alone one."""
+    return 1 if config.get("module") == "attention" else 2
+
+
+def tp_modelled_comm_s(row: dict, link: LinkModel, regions: int = 2) -> float:
+    """α–β time of one layer's TP collectives, forward + backward. ``comm_bytes_per_layer`` is
+    already in bus bytes (tp-attention's convention, = nccl-tests busbw bytes), so it goes over β
+    unchanged; each region issues 2 all-reduces (or all-gather + reduce-scatter pairs with SP)
+    per direction, 2(n−1) latency hops each (Megatron §3; Korthikanti §4.2.2)."""
+    tp = int(row["tp"])
+    return float(row["comm_bytes_per_layer"]) / link.beta_Bps + 4 * regions * (tp - 1) * link.alpha_s
+
+
+def from_tp(run: Run, src: Source, link: LinkModel | None) -> list[Candidate]:
+    if link is None:
+        return []
+    ratios, rows = [], run.summary.get("guide", {}).get("tp_overhead", []) or []
+    for row in rows:
+        step, share = _num(row.get("step_time_s")), _num(row.get("comm_share"))
+        if not step or share is None or int(row.get("tp", 1)) < 2 or not row.get("comm_bytes_per_layer"):
+            continue
+        ratios.append(step * share / tp_modelled_comm_s(row, link, tp_regions(run.config)))
+    if not ratios:
+        return []
+    ratios.sort()
+    med = ratios[len(ratios) // 2]
+    return [Candidate("tp_overhead", med, src, f"median over {len(ratios)} tp>1 rows of measured TP comm time "
+                      "(profile) / alpha-beta time with this device's measured link")]
+
+
+def from_fp8(run: Run, src: Source) -> tuple[list[Candidate], list[str] | None]:
+    guide = run.summary.get("guide", {}) or {}
+    recipes = guide.get("recipes")
+    if not isinstance(recipes, dict) or not recipes:
+        return [], None
+    good = {k: v for k, v in recipes.items() if v.get("within_noise")} or recipes
+    name = sorted(good, key=lambda k: (-(_num(good[k].get("speedup")) or 0), k))[0]
+    r = good[name]
+    detail = (f"recipe {name} vs {guide.get('baseline', '?')}"
+              + ("" if r.get("within_noise") else ", NOT within the loss noise band"))
+    out = []
+    if _num(r.get("speedup")):
+        out.append(Candidate("fp8_speedup", _num(r["speedup"]), src, detail))
+    if _num(r.get("memory_factor")):
+        out.append(Candidate("fp8_memory_factor", _num(r["memory_factor"]), src, detail + "; peak-memory ratio"))
+    return out, list(guide.get("keep_high_precision") or [])
+
+
+# ---------------------------------------------------------------- assembling
+
+def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | None:
+    pool = [c for c in cands if c.name == name and (c.source.on_gpu or not gpu_only)]
+    return max(pool, key=lambda c: (c.source.date, c.source.run)) if pool else None
+
+
+def _calibration(cands: list[Candidate], gpu_only: bool) -> Calibration:
+    calib = Calibration()
+    for name in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"):
+        best = _latest(cands, name, gpu_only)
+        if best is not None:
+            calib = replace(calib, **{name: best.param()})
+    return calib
+
+
+def _cluster_links(cands: list[Candidate]) -> LinkCalibration:
+    links = default_links()
+    for cls in ("intra", "inter"):
+        for what in ("alpha_s", "efficiency"):
+            best = _latest(cands, f"{cls}_{what}", gpu_only=True)
+            if best is not None:
+                links = replace(links, **{f"{cls}_{what}": best.param()})
+    return links
+
+
+def calibrate(paths, base: Path | None = None, warn: bool = True) -> CalibrationReport:
+    """Calibration from every complete run under ``paths`` (missing paths raise FileNotFoundError)."""
+    runs = complete_runs(paths, warn=warn) if paths else []
+    runs = sorted(runs, key=lambda r: str(r.path))
+    cands: list[Candidate] = []
+    kept: list[tuple[Source, list[str]]] = []
+    singles = {str(r.path.resolve()) for r in runs if "strategy" in (r.summary.get("guide") or {})}
+    for run in runs:
+        src = source_of(run, base)
+        if run.subproject == "allreduce-bench":
+            cands += from_allreduce(run, src)
+        elif run.subproject == "fsdp-scaling":
+            cands += from_fsdp(run, src, singles)
+        elif run.subproject == "fp8-train":
+            found, layers = from_fp8(run, src)
+            cands += found
+            if layers is not None:
+                kept.append((src, layers))
+    # local links: latest measured α–β per class, any device
+    local_links, local_sources = {}, {}
+    for cls in ("intra", "inter"):
+        a, b = _latest(cands, f"{cls}_alpha_s", False), _latest(cands, f"{cls}_beta_Bps", False)
+        if a and b:
+            local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node")
+            local_sources[cls] = b.source
+    # TP overhead needs the α–β of the same kind of device the TP run used
+    for run in runs:
+        if run.subproject == "tp-attention":
+            src = source_of(run, base)
+            cands += from_tp(run, src, _device_link(cands, src.on_gpu))
+    return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
+                             local=_calibration(cands, gpu_only=False), local_links=local_links,
+                             local_sources=local_sources, keep_bf16=_keep(kept, True),
+                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=runs)
+
+
+def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:
+    pool = [c for c in cands if c.source.on_gpu == on_gpu]
+    a, b = _latest(pool, "intra_alpha_s", False), _latest(pool, "intra_beta_Bps", False)
+    return LinkModel(a.value, b.value) if a and b else None
+
+
+KEEP_BF16_PUBLISHED = (["tok_emb", "lm_head"], "datasheet/published: embedding and output projection stay in "
+                       "high precision in every FP8 recipe (TransformerEngine and torchao float8 convert "
+                       "only nn.Linear inside the blocks; torchtitan skips the output layer)")
+
+
+def _keep(kept: list[tuple[Source, list[str]]], gpu_only: bool) -> tuple[list[str], str]:
+    pool = [(s, layers) for s, layers in kept if s.on_gpu or not gpu_only]
+    if not pool:
+        return KEEP_BF16_PUBLISHED
+    src, layers = max(pool, key=lambda x: (x[0].date, x[0].run))
+    return sorted(layers), src.provenance("fp8-train compare")

@@ -1,0 +1,188 @@
+"""`dtrain plan`: the best DP×TP×PP layout for one model on one cluster, and why.
+
+    dtrain plan --params 70e9 --gpus 512 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 400
+
+Units are the ones printed on datasheets, converted here once:
+  --nvlink-gbps  GB/s (bytes) per GPU, BOTH directions added (H100 SXM: 900, A100: 600); the model
+                 uses half of it, the per-direction rate that nccl-tests' bus bandwidth approaches.
+  --ib-gbps      Gbit/s (bits) per GPU, the NIC line rate (NDR 400, HDR 200); ÷8 gives GB/s.
+Exit codes: 0 a plan was found, 1 nothing fits in memory, 2 bad input.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from dtrain.errors import UserError
+
+from .hardware import GiB, Cluster, load_profiles
+from .memory import ModelShape
+from .search import SearchResult, explain, search
+
+EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
+900 GB/s" for H100 SXM; 600 for A100; a PCIe Gen5 x16 node without NVLink is 128); the cost model
+uses half of it per direction. --ib-gbps is Gbit/s per GPU, the NIC line rate (InfiniBand NDR 400,
+HDR 200); 400 Gbit/s = 50 GB/s. --global-batch counts sequences of --seq tokens.
+exit codes: 0 plan found, 1 does not fit in memory, 2 bad input."""
+
+
+def add_parser(sub) -> None:
+    gpus = sorted(load_profiles())
+    p = sub.add_parser("plan", help="choose DP x TP x PP, ZeRO stage, recompute and micro-batch for a model",
+                       description=__doc__.split("\n")[0], epilog=EPILOG,
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (either --params or --layers/--hidden/--heads)")
+    m.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (a published shape of that size)")
+    m.add_argument("--layers", type=int, help="transformer layers")
+    m.add_argument("--hidden", type=int, help="d_model")
+    m.add_argument("--heads", type=int, help="attention heads")
+    m.add_argument("--kv-heads", type=int, help="KV heads (grouped-query attention; default = --heads)")
+    m.add_argument("--ffn-hidden", type=int, help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)")
+    m.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (3 matrices), as in Llama")
+    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    m.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    c.add_argument("--gpu", default="h100-sxm", choices=gpus, help="GPU type (default h100-sxm)")
+    c.add_argument("--nvlink-gbps", type=float, help="intra-node GB/s per GPU, both directions added "
+                   "(default: the GPU's datasheet NVLink figure)")
+    c.add_argument("--ib-gbps", type=float, help="inter-node Gbit/s per GPU, NIC line rate "
+                   "(default: the GPU's reference system)")
+    r = p.add_argument_group("training")
+    r.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default 1024)")
+    r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
+    r.add_argument("--headroom", type=float, default=0.1, help="share of HBM kept free (default 0.1)")
+    p.add_argument("--results", metavar="DIR", action="append",
+                   help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
+    p.add_argument("--top", type=int, default=5, help="runners-up to explain (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def shape_from_args(a) -> ModelShape:
+    shape_flags = (a.layers, a.hidden, a.heads)
+    if a.params is not None and any(x is not None for x in shape_flags):
+        raise UserError("give either --params or the shape (--layers --hidden --heads), not both")
+    if a.params is not None:
+        if a.params <= 0:
+            raise UserError(f"--params {a.params:g} must be positive, e.g. --params 70e9")
+        return ModelShape.from_params(a.params, seq_len=a.seq)
+    if any(x is None for x in shape_flags):
+        raise UserError("the model needs --params, or all of --layers, --hidden and --heads")
+    ffn = a.ffn_hidden or (int(8 * a.hidden / 3) if a.gated_mlp else 4 * a.hidden)
+    try:
+        return ModelShape(a.layers, a.hidden, a.heads, a.kv_heads or a.heads, a.vocab, a.seq, ffn / a.hidden,
+                          a.gated_mlp, name=f"{a.layers} x {a.hidden}")
+    except ValueError as e:
+        raise UserError(f"bad model shape: {e}") from None
+
+
+def cluster_from_args(a) -> Cluster:
+    for flag, value in (("--gpus", a.gpus), ("--gpus-per-node", a.gpus_per_node), ("--nvlink-gbps", a.nvlink_gbps),
+                        ("--ib-gbps", a.ib_gbps), ("--global-batch", a.global_batch), ("--seq", a.seq)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} {value:g} must be positive")
+    if a.gpus > a.gpus_per_node and a.gpus % a.gpus_per_node:
+        raise UserError(f"--gpus {a.gpus} is not a whole number of {a.gpus_per_node}-GPU nodes: "
+                        "pass a multiple of --gpus-per-node")
+    if not 0 <= a.headroom < 1:
+        raise UserError(f"--headroom {a.headroom} must be in [0, 1)")
+    per_dir = None if a.nvlink_gbps is None else a.nvlink_gbps / 2  # datasheet bidirectional -> per direction
+    return Cluster.from_profile(a.gpu, a.gpus, a.gpus_per_node, ib_gbit_per_gpu=a.ib_gbps, nvlink_gbps_per_dir=per_dir)
+
+
+def run(a) -> int:
+    from .calibrate import calibrate
+
+    shape, cluster = shape_from_args(a), cluster_from_args(a)
+    if a.precision == "fp8" and cluster.gpu.fp8_tflops is None:
+        raise UserError(f"{cluster.gpu.name} has no FP8 tensor cores: use --precision bf16")
+    notes = ["calibration: datasheet/published values (pass --results DIR to use measured ones)"]
+    calib = None
+    if a.results:
+        report = calibrate(a.results, warn=False)
+        calib, cluster = report.cluster, report.cluster_links.apply(cluster)
+        notes = calibration_notes(report)
+    result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom)
+    if a.json:
+        print(json.dumps(to_json(result, a.top, notes), indent=2, sort_keys=True))
+    else:
+        print("\n".join(text_report(result, a.top, notes)))
+    if result.best is None:
+        if not a.json:
+            print("hint: more GPUs, a GPU with more memory (--gpu), or a shorter --seq", file=sys.stderr)
+        return 1
+    return 0
+
+
+def calibration_notes(report) -> list[str]:
+    gpu = [c for c in report.candidates if c.source.on_gpu]
+    cpu = [c for c in report.candidates if not c.source.on_gpu]
+    notes = [f"calibration: {len(report.runs)} complete run(s); {len(gpu)} value(s) measured on CUDA used"]
+    if cpu:
+        notes.append(f"  {len(cpu)} value(s) measured on CPU ignored: a CPU/gloo run does not describe a GPU cluster")
+    if not gpu:
+        notes.append("  no GPU measurements: datasheet/published values are used")
+    return notes
+
+
+def describe_cluster(c: Cluster) -> str:
+    return (f"{c.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; intra-node {c.nvlink.name} "
+            f"{c.nvlink.beta_Bps / 1e9:g} GB/s per direction ({2 * c.nvlink.beta_Bps / 1e9:g} GB/s both), "
+            f"inter-node {c.ib.beta_Bps * 8 / 1e9:g} Gbit/s = {c.ib.beta_Bps / 1e9:g} GB/s per GPU")
+
+
+def describe_model(s: ModelShape) -> str:
+    return (f"{s.name or 'custom'}: {s.n_layer} layers, d_model {s.d_model}, {s.n_head} heads "
+            f"({s.n_kv_head} KV), seq {s.seq_len}, {s.num_params() / 1e9:.1f}B params")
+
+
+def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
+    tokens = res.global_batch * res.model.seq_len
+    out = [f"model:    {describe_model(res.model)}",
+           f"cluster:  {describe_cluster(res.cluster)}",
+           f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
+           f"{res.precision}", *notes, ""]
+    if res.best is None:
+        return out + [res.reason]
+    b, t, m = res.best, res.best.time, res.best.memory
+    usable = res.cluster.gpu.hbm_bytes * (1 - res.headroom) / GiB
+    out += [f"choice:   {b.describe()}",
+            f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
+            f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
+            f"(of {t.dp_comm:.3f})",
+            f"  throughput  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
+            f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable:.1f} GiB usable: params {m.params / GiB:.1f}, "
+            f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
+            f"ZeRO-3 buffers {m.buffers / GiB:.1f}",
+            "", "why the runners-up lost:"]
+    return out + [f"  - {line}" for line in explain(res, top)[1:]]
+
+
+def plan_dict(p) -> dict:
+    t, m = p.time, p.memory
+    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage,
+            "recompute": p.recompute, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum,
+            "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
+            "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                             "activations": m.activations, "buffers": m.buffers, "total": m.total},
+            "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "pp_comm": t.pp_comm,
+                            "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed},
+            "tokens_per_s": t.tokens_per_s, "mfu": t.mfu}
+
+
+def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
+    s, c = res.model, res.cluster
+    calib = {k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
+             for k in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor")}
+    return {"model": {"name": s.name, "layers": s.n_layer, "hidden": s.d_model, "heads": s.n_head,
+                      "kv_heads": s.n_kv_head, "seq": s.seq_len, "vocab": s.vocab, "params": s.num_params()},
+            "cluster": {"gpu": c.gpu.name, "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,
+                        "intra_node_GBps_per_direction": c.nvlink.beta_Bps / 1e9,
+                        "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
+                        "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom)},
+            "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
+            "fits": res.best is not None, "reason": res.reason,
+            "choice": plan_dict(res.best) if res.best else None,
+            "explanation": explain(res, top)}

@@ -1,0 +1,1 @@
+"""PARALLELISM_GUIDE.md: the decision matrix, its rules, calibration and checks, rendered from results."""

@@ -1,0 +1,210 @@
+"""Predicted vs measured step time for the local runs: does the cost model describe this machine?
+
+Each run is predicted with ``dtrain.costmodel.step_time`` on a "cluster" made of this host: the
+peak is the run's measured CPU matmul probe (or the GPU datasheet), the link the α–β that
+allreduce-bench fitted on the same kind of device. The empirical inputs come from the *other*
+experiments wherever possible, so most rows are real out-of-sample predictions:
+
+  compute efficiency   from fsdp-scaling (leave-one-out over its runs; in-sample when it has one)
+  TP communication     raw α–β of allreduce-bench (tp_overhead = 1: tp-attention itself calibrates it)
+  DP overlap           fsdp-scaling's measured overlap of the other runs (in-sample with one run)
+  FP8 speed factor     fp8-train compare (in-sample for the fp8 rows: it measured those runs)
+Rows say which inputs were in-sample. Goal: |error| <= 15%.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, fields, replace
+
+from dtrain.costmodel import Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape, Param, step_time
+from dtrain.costmodel.calibrate import (CalibrationReport, display_path, fsdp_entries, source_of, tp_modelled_comm_s,
+                                        tp_regions)
+from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.model import GPTConfig
+
+GOAL = 0.15
+ZERO_OF = {"single": 0, "ddp": 0, "zero2": 2, "zero3": 3, "hsdp": 3}
+BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
+
+
+@dataclass(frozen=True)
+class Check:
+    experiment: str
+    run: str
+    what: str
+    measured_s: float
+    predicted_s: float
+    basis: str
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1
+
+    @property
+    def within_goal(self) -> bool:
+        return abs(self.error) <= GOAL
+
+
+def gpt_config(model: dict | None) -> GPTConfig | None:
+    """The GPT a run trained: a preset plus non-null fields (fsdp-scaling) or `overrides` (fp8-train)."""
+    if not isinstance(model, dict) or not model:
+        return None
+    known = {f.name for f in fields(GPTConfig)}
+    over = {k: v for k, v in model.items() if k in known and v is not None}
+    over.update({k: v for k, v in (model.get("overrides") or {}).items() if k in known})
+    try:
+        return GPTConfig.from_preset(model["preset"], **over) if model.get("preset") else GPTConfig(**over)
+    except (TypeError, ValueError):
+        return None
+
+
+def shape_of(g: GPTConfig) -> ModelShape:
+    return ModelShape(g.n_layer, g.d_model, g.n_head, g.n_kv_head, g.vocab_size, g.seq_len, float(g.mlp_ratio),
+                      False, g.tie_embeddings, name="run")
+
+
+def host_cluster(peak_flops: float, world: int, link: LinkModel) -> Cluster:
+    """This host as the cost model's cluster: one 'GPU' per rank at the measured peak, one link."""
+    gbps = link.beta_Bps / 1e9
+    prof = GPUProfile("host", peak_flops / 1e12, peak_flops / 1e12, 1e6, 0.0, gbps, 2 * gbps, world, 0, gbps,
+                      gbps * 8, "measured")
+    return Cluster(world, world, prof, link, link)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+@dataclass
+class _Fsdp:
+    run: str
+    on_gpu: bool
+    guide: dict
+    shape: ModelShape
+    layout: Layout
+    value_bytes: int
+    efficiency: float  # compute-only, cost-model FLOP convention
+
+
+def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
+    out = []
+    singles = {str(r.path.resolve()) for r in report.runs if "strategy" in (r.summary.get("guide") or {})}
+    for run in report.runs:
+        if run.subproject != "fsdp-scaling":
+            continue
+        g_cfg = gpt_config(run.config.get("model"))
+        train = run.config.get("train") or {}
+        for g in fsdp_entries(run, singles):
+            step, tps, peak = g.get("step_time_s"), g.get("tokens_per_s"), g.get("peak_flops")
+            if g_cfg is None or not (step and tps and peak):
+                continue
+            world = int(g["world_size"])
+            shape = replace(shape_of(g_cfg), seq_len=int(run.config.get("seq_len") or g_cfg.seq_len))
+            tokens_per_rank = tps * step / world
+            mb = int(train.get("micro_batch", 1))
+            ga = max(1, round(tokens_per_rank / (mb * shape.seq_len)))
+            layout = Layout(world, 1, 1, ZERO_OF.get(g["strategy"], 3) if world > 1 else 0, micro_batch=mb, grad_accum=ga)
+            compute_s = step - (g.get("exposed_comm_s") or 0.0)
+            eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
+            vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
+            out.append(_Fsdp(display_path(run.path, base), source_of(run).on_gpu, g, shape, layout, vb, eff))
+    return out
+
+
+def _calib(eff: float, eff_basis: str, overlap: float | None) -> Calibration:
+    c = replace(Calibration(), mfu=Param(eff, "measured here: " + eff_basis),
+                tp_overhead=Param(1.0, "datasheet/published: raw alpha-beta"))
+    if overlap is not None:
+        c = replace(c, dp_overlap=Param(overlap, "measured here: fsdp-scaling"))
+    return c
+
+
+def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None) -> list[Check]:
+    out = []
+    for i, r in enumerate(runs):
+        if link is None and r.layout.dp > 1:
+            continue
+        others = [o for j, o in enumerate(runs) if j != i and o.on_gpu == r.on_gpu]
+        eff = _median([o.efficiency for o in others]) if others else r.efficiency
+        overlaps = [o.guide["overlap_fraction"] for o in others if o.guide.get("overlap_fraction") is not None]
+        overlap = _median(overlaps) if overlaps else r.guide.get("overlap_fraction")
+        basis = (f"efficiency from {len(others)} other fsdp run(s)" if others else
+                 "in-sample: compute efficiency from this run, only communication predicted")
+        cluster = host_cluster(r.guide["peak_flops"], r.layout.dp, link or LinkModel(0, 1e30))
+        t = step_time(r.shape, r.layout, cluster, _calib(eff, basis, overlap), value_bytes=r.value_bytes)
+        out.append(Check("fsdp-scaling", r.run, f"{r.guide['strategy']} x{r.layout.dp} step", r.guide["step_time_s"],
+                         t.total, basis))
+    return out
+
+
+def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | None, base) -> list[Check]:
+    out = []
+    cpu = [r for r in runs if not r.on_gpu]
+    if not cpu:
+        return out
+    eff, peak = _median([r.efficiency for r in cpu]), _median([r.guide["peak_flops"] for r in cpu])
+    overlaps = [r.guide["overlap_fraction"] for r in cpu if r.guide.get("overlap_fraction") is not None]
+    calib = _calib(eff, "fsdp-scaling", _median(overlaps) if overlaps else None)
+    calib = replace(calib, fp8_speedup=report.local.fp8_speedup)
+    for run in report.runs:
+        g, cfg = run.summary.get("guide") or {}, run.config
+        g_cfg, train = gpt_config(cfg.get("model")), cfg.get("train") or {}
+        if run.subproject != "fp8-train" or "tokens_per_s" not in g or g_cfg is None or source_of(run).on_gpu:
+            continue
+        world = int(run.env.get("world_size") or cfg.get("world_size") or 1)
+        if link is None and world > 1:
+            continue
+        mb, ga = int(train.get("micro_batch", 1)), int(train.get("grad_accum") or 1)
+        shape = shape_of(g_cfg)
+        measured = mb * ga * world * shape.seq_len / g["tokens_per_s"]
+        fp8 = g.get("recipe") not in BASELINE_RECIPES
+        zero = ZERO_OF.get(train.get("strategy", "ddp"), 0) if world > 1 else 0
+        t = step_time(shape, Layout(world, 1, 1, zero, micro_batch=mb, grad_accum=ga),
+                      host_cluster(peak, world, link or LinkModel(0, 1e30)), calib,
+                      precision="fp8" if fp8 else "bf16", value_bytes=4 if g.get("precision") != "bf16" else 2)
+        basis = "efficiency from fsdp-scaling" + ("; in-sample FP8 factor from fp8-train compare" if fp8 else "")
+        out.append(Check("fp8-train", display_path(run.path, base), f"{g.get('recipe')} x{world} step",
+                         measured, t.total, basis))
+    return out
+
+
+def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | None, base) -> list[Check]:
+    out = []
+    cpu = [r for r in runs if not r.on_gpu]
+    if not cpu or link is None:
+        return out
+    eff, peak = _median([r.efficiency for r in cpu]), _median([r.guide["peak_flops"] for r in cpu])
+    for run in report.runs:
+        rows = (run.summary.get("guide") or {}).get("tp_overhead") or []
+        if run.subproject != "tp-attention" or source_of(run).on_gpu or not rows:
+            continue
+        regions = tp_regions(run.config)
+        shown_single = False
+        for row in sorted(rows, key=lambda r: (r["tp"], bool(r["sequence_parallel"]))):
+            b, s, h, heads, kv = row["batch"], row["seq"], row["d_model"], row["n_head"], row["n_kv_head"]
+            kv_dim = h * kv // heads
+            params = h * (h + 2 * kv_dim) + h * h + (2 * h * int(run.config.get("mlp_ratio", 4)) * h
+                                                      if regions == 2 else 0)
+            flops = b * s * (6 * params + 12 * h * s)
+            single = flops / (peak * eff)
+            if not shown_single and row.get("single_rank_step_time_s"):
+                out.append(Check("tp-attention", display_path(run.path, base), "one layer, single rank",
+                                 row["single_rank_step_time_s"], single, "efficiency from fsdp-scaling"))
+                shown_single = True
+            if row["tp"] < 2:
+                continue
+            predicted = single / row["tp"] + tp_modelled_comm_s(row, link, regions)
+            sp = " sp" if row["sequence_parallel"] else ""
+            out.append(Check("tp-attention", display_path(run.path, base), f"one layer, tp={row['tp']}{sp}",
+                             row["step_time_s"], predicted, "efficiency from fsdp-scaling; raw alpha-beta TP comm"))
+    return out
+
+
+def local_checks(report: CalibrationReport, base=None) -> list[Check]:
+    """Every local (non-CUDA) run the model can predict, in a stable order."""
+    link = report.local_links.get("intra")
+    if link is not None and report.local_sources["intra"].on_gpu:
+        link = None  # a GPU link does not describe CPU ranks
+    runs = [r for r in _fsdp_runs(report, base) if not r.on_gpu]
+    checks = fsdp_checks(runs, link) + fp8_checks(report, runs, link, base) + tp_checks(report, runs, link, base)
+    return sorted(checks, key=lambda c: (c.experiment, c.run, c.what))

@@ -1,0 +1,101 @@
+"""TrainConfig: the `train:` node of a subproject's config, typed and checked.
+
+Every problem with the node is a `UserError` that says what to change, raised before a rank
+starts (`validate(world_size)`), so bad input is one line and exit code 2.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from dtrain.errors import UserError
+
+STRATEGIES = ("single", "ddp", "zero2", "zero3", "hsdp")
+SHARDED = ("zero2", "zero3", "hsdp")  # strategies built with FSDP2's fully_shard
+MIXED_PRECISION = ("fp32", "bf16")
+ACTIVATION_CHECKPOINTING = ("none", "block")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    micro_batch: int = 4           # sequences per rank per micro-step
+    grad_accum: int = 1            # micro-steps per optimizer step (derived when global_batch is set)
+    global_batch: int | None = None  # sequences per optimizer step; set it to hold it fixed across world sizes
+    lr: float = 3e-3
+    warmup_steps: int = 2          # linear warmup, then cosine decay to min_lr at `steps`
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float | None = 1.0  # max global grad norm; null = no clipping (norm still measured)
+    strategy: str = "zero3"        # single | ddp | zero2 | zero3 | hsdp
+    hsdp_replicate: int = 2        # hsdp: replica groups; each shards over world_size / hsdp_replicate ranks
+    mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP2: bf16 params, fp32 reduce; single/ddp: autocast)
+    activation_checkpointing: str = "none"  # none | block
+    prefetch: bool = False         # FSDP2 explicit forward/backward prefetch of the next block
+    timing_warmup: int = 2         # first steps left out of step-time statistics
+    log_every: int = 10            # print a line every N steps (0 = never)
+    checkpoint_every: int = 0      # save every N steps (0 = only when asked)
+    checkpoint_dir: str | None = None  # null = <run_dir>/checkpoints
+    resume_from: str | None = None  # a step-N checkpoint folder, or a folder of them (latest is taken)
+    dataset: str = "synthetic"     # "synthetic" (Markov corpus), a nanoGPT .bin file, or any file (bytes)
+    dataset_tokens: int = 500_000  # size of the synthetic corpus
+
+    @classmethod
+    def from_cfg(cls, node) -> "TrainConfig":
+        """From a mapping (OmegaConf node or dict); unknown keys are an error, not ignored."""
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(f"unknown train.{unknown[0]}: known keys are {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in SHARDED
+
+    def validate(self, world_size: int) -> "TrainConfig":
+        """Check against the data-parallel world size; derive grad_accum from global_batch."""
+        if self.strategy not in STRATEGIES:
+            raise UserError(f"train.strategy={self.strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise UserError(f"train.mixed_precision={self.mixed_precision!r} is unknown: "
+                            f"choose one of {', '.join(MIXED_PRECISION)}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise UserError(f"train.activation_checkpointing={self.activation_checkpointing!r} is unknown: "
+                            f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+        if self.strategy == "single" and world_size != 1:
+            raise UserError(f"train.strategy=single runs on one rank but world_size={world_size}: "
+                            "pass world_size=1 or pick ddp / zero2 / zero3 / hsdp")
+        if self.strategy == "hsdp":
+            r = self.hsdp_replicate
+            if r < 1 or world_size % r:
+                raise UserError(f"train.strategy=hsdp needs world_size divisible by train.hsdp_replicate, "
+                                f"but {world_size} ranks do not factor into {r} replicas x shards: "
+                                f"pick world_size as a multiple of {r} or another hsdp_replicate")
+        for key in ("steps", "micro_batch", "grad_accum"):
+            if getattr(self, key) < 1:
+                raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.global_batch is not None:
+            per_micro = self.micro_batch * world_size
+            if self.global_batch < 1 or self.global_batch % per_micro:
+                raise UserError(f"train.global_batch={self.global_batch} is not divisible by train.micro_batch x "
+                                f"data-parallel ranks = {self.micro_batch} x {world_size} = {per_micro}: "
+                                "change global_batch, micro_batch or world_size")
+            self.grad_accum = self.global_batch // per_micro
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise UserError(f"train.lr={self.lr} and train.min_lr={self.min_lr} need 0 <= min_lr <= lr, lr > 0")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise UserError(f"train.grad_clip={self.grad_clip} must be > 0 or null")
+        if min(self.warmup_steps, self.timing_warmup, self.log_every, self.checkpoint_every) < 0:
+            raise UserError("train.warmup_steps, timing_warmup, log_every and checkpoint_every must be >= 0")
+        return self
+
+    def global_batch_for(self, world_size: int) -> int:
+        return self.micro_batch * self.grad_accum * world_size

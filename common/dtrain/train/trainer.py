@@ -1,0 +1,258 @@
+"""The training loop shared by fsdp-scaling and fp8-train.
+
+One optimizer step = `grad_accum` micro-steps of forward + backward on this rank's slice of the
+global batch (dtrain.data.TokenBatcher: the data of a step depends only on seed, step and global
+batch, never on the world size), then grad-norm clipping and AdamW. Loss and grad norm are
+global (averaged / computed across data-parallel ranks), so every rank sees the same numbers and
+can take the same decision (skip a step, cut the LR, roll back).
+
+Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
+around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import statistics
+import sys
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dtrain import perf
+from dtrain.data import TokenBatcher, make_dataset
+from dtrain.errors import UserError
+from dtrain.metrics import finite_or_none
+from dtrain.model import GPT, GPTConfig, flops_per_token, num_params
+from dtrain.timing import Stopwatch
+from dtrain.train import checkpoint
+from dtrain.train.callbacks import Callback
+from dtrain.train.config import TrainConfig
+from dtrain.train.parallelize import parallelize
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak on GPU; the process's peak RSS on CPU (Linux reports KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Trainer:
+    def __init__(self, ctx, train: TrainConfig, model_cfg: GPTConfig, *, linear_factory=None,
+                 autocast: Callable[[], ContextManager] | None = None, grad_scaler=None,
+                 callbacks: Sequence[Callback] = (), peak_flops: tuple[float, str] | None = None):
+        self.ctx, self.train, self.model_cfg = ctx, train.validate(ctx.world_size), model_cfg
+        self.device, self.world_size = ctx.device, ctx.world_size
+        self.callbacks = list(callbacks)
+        self.grad_scaler = grad_scaler
+        self.autocast = autocast or self._default_autocast()
+        self.step = 0          # optimizer steps completed
+        self.lr_scale = 1.0    # multiplier on the scheduled LR (a callback may cut it)
+        self.last_checkpoint = None
+        self.step_times: list[float] = []
+
+        data = make_dataset(train.dataset, num_tokens=train.dataset_tokens, vocab_size=model_cfg.vocab_size,
+                            seed=ctx.cfg.seed)
+        if data.vocab_size > model_cfg.vocab_size:
+            raise UserError(f"dataset {train.dataset!r} has vocab {data.vocab_size} > model vocab_size="
+                            f"{model_cfg.vocab_size}: raise model.vocab_size")
+        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=ctx.rank,
+                                    world_size=ctx.world_size, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
+        torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every strategy
+        self.model = parallelize(GPT(model_cfg, linear_factory), train, ctx.world_size, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2),
+                                           weight_decay=train.weight_decay, foreach=True)
+        self.flops_per_token = flops_per_token(model_cfg)
+        self.model_params = num_params(model_cfg)
+        self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
+        self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _default_autocast(self) -> Callable[[], ContextManager]:
+        # FSDP2 casts parameters itself (MixedPrecisionPolicy); single/ddp use autocast for bf16.
+        if self.train.mixed_precision == "bf16" and not self.train.sharded:
+            return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext
+
+    def _peak_flops(self) -> tuple[float, str]:
+        peak, source = perf.peak_flops(self.device, "fp32" if self.train.mixed_precision == "fp32" else "bf16")
+        if source == perf.CPU_PROBE_SOURCE:  # every rank probed its own cores at once; agree on the mean
+            peak = self._all_mean(peak)
+        return peak, source
+
+    def _all_mean(self, value: float) -> float:
+        if self.world_size == 1 or not dist.is_initialized():
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def _call(self, hook: str, *args) -> list:
+        return [getattr(cb, hook)(self, *args) for cb in self.callbacks]
+
+    # ------------------------------------------------------------------ schedule
+
+    def scheduled_lr(self, step: int) -> float:
+        """LR for (1-based) optimizer step `step`: linear warmup, cosine to min_lr at the last step."""
+        t = self.train
+        if step <= t.warmup_steps:
+            return t.lr * step / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    # ------------------------------------------------------------------ one step
+
+    def _micro_step(self, micro: int) -> torch.Tensor:
+        x, y = self.batcher.next()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        last = micro == self.train.grad_accum - 1
+        no_sync = self.model.no_sync() if (self.train.strategy == "ddp" and not last) else contextlib.nullcontext()
+        with no_sync:
+            with self.autocast():
+                loss = self.model(x, y)
+            scaled = loss / self.train.grad_accum
+            (self.grad_scaler.scale(scaled) if self.grad_scaler else scaled).backward()
+        return loss.detach()
+
+    def _clip_and_norm(self) -> float:
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+            self._agree_on_found_inf()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.train.grad_clip if self.train.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor: a norm over sharded grads, reduced across ranks
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _agree_on_found_inf(self) -> None:
+        """With sharded grads each rank only sees its shard's inf/NaN: take the max over ranks so
+        every rank skips (or takes) the same step. Uses GradScaler's per-optimizer record."""
+        if self.world_size == 1 or not self.train.sharded:
+            return
+        state = self.grad_scaler._per_optimizer_states[id(self.optimizer)]
+        for found in state["found_inf_per_device"].values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns (and records) its metrics."""
+        step = self.step + 1
+        self._call("on_step_start", step)
+        lr = self.scheduled_lr(step) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        watch = Stopwatch(self.device)
+        watch.start()
+        losses = [self._micro_step(m) for m in range(self.train.grad_accum)]
+        self._call("after_backward", step)
+        local_loss = torch.stack(losses).float().mean()
+        if self.world_size > 1:
+            dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
+            local_loss /= self.world_size
+        loss = float(local_loss)
+        grad_norm = self._clip_and_norm()
+        take = all(r is not False for r in self._call("before_optimizer_step", step, loss, grad_norm))
+        if take:
+            if self.grad_scaler is not None:
+                self.grad_scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+        else:
+            self.ctx.writer.event("skipped_step", step=step, loss=finite_or_none(loss),
+                                  grad_norm=finite_or_none(grad_norm))
+        if self.grad_scaler is not None:
+            self.grad_scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        step_time = watch.stop()
+        self.step = step
+        metrics = self._step_metrics(step, loss, grad_norm, lr, step_time, take)
+        self._call("on_step_end", step, metrics)
+        if not (metrics["warmup_step"] or metrics.get("timing_excluded")):  # e.g. a profiled step
+            self.step_times.append(step_time)
+        self.ctx.writer.record("step", **metrics)
+        return metrics
+
+    def _step_metrics(self, step, loss, grad_norm, lr, step_time, took) -> dict:
+        warmup = step <= self.train.timing_warmup
+        tokens_per_s = self.tokens_per_step / step_time
+        m = {"step": step, "loss": finite_or_none(loss), "grad_norm": finite_or_none(grad_norm), "lr": lr,
+             "lr_scale": self.lr_scale, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
+             "tflops": perf.tflops_per_device(self.flops_per_token, tokens_per_s, self.world_size),
+             "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
+             "peak_mem_bytes": peak_memory_bytes(self.device), "warmup_step": warmup, "skipped": not took}
+        if self.grad_scaler is not None:
+            m["grad_scale"] = float(self.grad_scaler.get_scale())
+        return m
+
+    def skip_batch(self) -> None:
+        """Advance the data position one optimizer step without training on it (step count unchanged)."""
+        self.batcher.step, self.batcher.micro_step = self.batcher.step + 1, 0
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "lr_scale": self.lr_scale, "data": self.batcher.state_dict()}
+
+    def save_checkpoint(self) -> str:
+        root = self.train.checkpoint_dir or str(self.ctx.run_dir / "checkpoints")
+        path = checkpoint.save(checkpoint.step_dir(root, self.step), self.model, self.optimizer, self._trainer_state())
+        self.last_checkpoint = str(path)
+        self.ctx.writer.event("checkpoint_saved", step=self.step, path=str(path))
+        return self.last_checkpoint
+
+    def load_checkpoint(self, path) -> None:
+        path = checkpoint.resolve(path)
+        state = checkpoint.load(path, self.model, self.optimizer, self._trainer_state())
+        try:
+            self.batcher.load_state_dict(state["data"])
+        except ValueError as e:
+            raise UserError(f"cannot resume from {path}: {e}") from None
+        self.step, self.lr_scale = int(state["step"]), float(state["lr_scale"])
+        self.last_checkpoint = str(path)
+        self.ctx.writer.event("checkpoint_loaded", step=self.step, path=str(path))
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> dict:
+        if self.train.resume_from:
+            self.load_checkpoint(self.train.resume_from)
+        self._call("on_train_start")
+        progress = self._progress()
+        last: dict = {}
+        while self.step < self.train.steps:
+            last = self.train_step()
+            progress.update(1)
+            if self.train.log_every and self.ctx.is_main and self.step % self.train.log_every == 0:
+                progress.write(f"step {self.step:5d}  loss {last['loss']}  {last['tokens_per_s']:.0f} tok/s  "
+                               f"mfu {last['mfu']:.3f}")
+            if self.train.checkpoint_every and self.step % self.train.checkpoint_every == 0:
+                self.save_checkpoint()
+        progress.close()
+        self._call("on_train_end")
+        return self.final_metrics(last)
+
+    def _progress(self):
+        from tqdm import tqdm
+
+        return tqdm(total=self.train.steps, initial=self.step, desc=f"train {self.train.strategy}",
+                    file=sys.stderr, disable=not (self.ctx.is_main and sys.stderr.isatty()))
+
+    def final_metrics(self, last: dict | None = None) -> dict:
+        """Run-level numbers: step time is the median over steps after timing_warmup."""
+        times = self.step_times or ([last["step_time_s"]] if last else [])
+        step_time = statistics.median(times) if times else float("nan")
+        tokens_per_s = self.tokens_per_step / step_time
+        return {"steps": self.step, "final_loss": (last or {}).get("loss"), "step_time_s": step_time,
+                "tokens_per_s": tokens_per_s, "tokens_per_step": self.tokens_per_step,
+                "tflops_per_rank": perf.tflops_per_device(self.flops_per_token, tokens_per_s, self.world_size),
+                "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
+                "peak_flops": self.peak_flops, "peak_flops_source": self.peak_flops_source,
+                "flops_per_token": self.flops_per_token, "model_params": self.model_params,
+                "peak_mem_bytes": peak_memory_bytes(self.device), "global_batch": self.batcher.global_batch,
+                "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
+                "mixed_precision": self.train.mixed_precision, "world_size": self.world_size,
+                "last_checkpoint": self.last_checkpoint}

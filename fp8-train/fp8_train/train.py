@@ -1,0 +1,135 @@
+"""One training run: the shared dtrain Trainer with this subproject's numerics and callbacks.
+
+    validate(cfg)   every key checked before a rank starts (bad input = one line, exit 2)
+    rank_fn(ctx)    numerics (backends.py) + precision map -> Trainer(callbacks=[faults, guard,
+                    debug tool, health]) -> run
+    finalize(...)   table, steps.csv, dashboard, and the summary whose "guide" the cost model reads
+"""
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dtrain import dist as ddist
+from dtrain.errors import UserError
+from dtrain.launch import mode_of
+from dtrain.metrics import RECORDS
+from dtrain.model import GPT, GPTConfig
+from dtrain.results import read_jsonl
+from dtrain.train import Trainer, TrainConfig
+from fp8_train import backends, faults
+from fp8_train.debug import DebugTool
+from fp8_train.guard import NanGuard
+from fp8_train.health import HealthMonitor
+from fp8_train.precision_map import PrecisionMap
+
+FINAL_WINDOW = 5  # final loss = mean over the last 5 steps (one batch is a noisy estimate)
+
+
+def model_config(cfg: DictConfig) -> GPTConfig:
+    overrides = OmegaConf.to_container(cfg.model.overrides, resolve=True) or {}
+    try:
+        return GPTConfig.from_preset(cfg.model.preset, **overrides)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"model: {e}") from None
+
+
+def train_config(cfg: DictConfig, world_size: int) -> TrainConfig:
+    return TrainConfig.from_cfg(cfg.train).validate(world_size)
+
+
+def validate(cfg: DictConfig) -> None:
+    if cfg.recipe not in backends.RECIPES:
+        raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(backends.RECIPES)}")
+    if cfg.precision not in ("auto", "fp32", "bf16"):
+        raise UserError(f"precision={cfg.precision!r} is not one of auto, fp32, bf16")
+    if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
+        backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
+    model_cfg = model_config(cfg)
+    train_config(cfg, cfg.world_size)
+    PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
+    with torch.device("meta"):
+        names = {n for n, _ in GPT(model_cfg).named_modules()}
+    faults.check(OmegaConf.to_container(cfg.faults, resolve=True), names)
+    try:
+        re.compile(cfg.debug.layers.layer_name_regex_pattern)
+    except re.error as e:
+        raise UserError(f"debug.layers.layer_name_regex_pattern is not a regex ({e})") from None
+    if cfg.debug.freq < 0 or cfg.health.every < 1:
+        raise UserError("debug.freq must be >= 0 and health.every >= 1")
+
+
+def rank_fn(ctx) -> dict:
+    cfg = ctx.cfg
+    model_cfg = model_config(cfg)
+    numerics = backends.build(cfg.recipe, cfg.precision, cfg.fp8, ctx.device)
+    pmap = PrecisionMap.from_cfg(cfg.precision_map, model_cfg, multiple=backends.shape_multiple(cfg.recipe))
+    factory = pmap.factory(numerics.fp8_linear) if numerics.fp8_linear else None
+    train = TrainConfig.from_cfg(cfg.train)
+    train.mixed_precision = numerics.train_mixed_precision
+    guard = NanGuard(cfg.guard) if cfg.guard.enabled else None
+    callbacks = [faults.FaultInjector(OmegaConf.to_container(cfg.faults, resolve=True), ctx.rank), guard,
+                 DebugTool(cfg.debug, ctx.run_dir, ctx.rank),
+                 HealthMonitor(cfg.health, ctx.rank, ctx.run_dir) if cfg.health.enabled else None]
+    trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
+                      grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None])
+    decisions = pmap.all_decisions() if factory else []
+    if ctx.is_main:
+        for d in decisions:
+            ctx.writer.record("layer_precision", layer=d.name, precision=d.precision, reason=d.reason)
+        for d in pmap.fallbacks():
+            ctx.writer.event("layer_fallback", layer=d.name, reason=d.reason)
+    result = trainer.run()
+    high = [d.name for d in decisions if d.precision == "high"] + (guard.switched if guard else [])
+    return {**result, "recipe": cfg.recipe, "fp8_backend": numerics.backend, "precision": numerics.precision,
+            "nan_events": guard.nan_events if guard else 0, "rollbacks": guard.rollbacks if guard else 0,
+            "high_precision_layers": high, "switched_to_high_precision": guard.switched if guard else [],
+            "notes": numerics.notes, "device": str(ctx.device), "backend": ctx.backend, "gpu_name": gpu_name(ctx.device)}
+
+
+def gpu_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    """The step records, the last attempt of each step (a rollback re-runs steps)."""
+    rows = [r for r in read_jsonl(Path(run_dir) / RECORDS) if r.get("kind") == "step"]
+    return list({r["step"]: r for r in rows}.values())
+
+
+def final_loss(rows: list[dict]) -> float | None:
+    losses = [r["loss"] for r in rows if r.get("loss") is not None][-FINAL_WINDOW:]
+    return statistics.fmean(losses) if losses else None
+
+
+def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    import pandas as pd
+
+    from fp8_train import dashboard
+
+    rows = step_rows(run_dir)
+    pd.DataFrame(rows).to_csv(run_dir / "steps.csv", index=False)
+    loss = final_loss(rows)
+    table = Table(title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, {cfg.train.strategy})")
+    for col in ("recipe", "precision", "final loss", "tokens/s", "peak mem", "NaN events", "rollbacks", "high-precision layers"):
+        table.add_column(col)
+    table.add_row(cfg.recipe, result["precision"], f"{loss:.4f}" if loss is not None else "-",
+                  f"{result['tokens_per_s']:.0f}", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB",
+                  str(result["nan_events"]), str(result["rollbacks"]), ", ".join(result["high_precision_layers"]) or "-")
+    Console(stderr=False).print(table)
+    for note in result.get("notes", []):
+        print(f"note: {note}")
+    dashboard.render([run_dir], run_dir)
+    guide = {"recipe": cfg.recipe, "precision": result["precision"], "tokens_per_s": float(result["tokens_per_s"]),
+             "peak_mem_bytes": int(result["peak_mem_bytes"]), "final_loss": loss,
+             "nan_events": int(result["nan_events"]), "high_precision_layers": result["high_precision_layers"],
+             "device": result["device"], "backend": result["backend"], "fp8_backend": result["fp8_backend"],
+             "gpu_name": result["gpu_name"]}
+    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"), "guide": guide}

@@ -1,0 +1,98 @@
+"""How much communication hides behind compute: interval arithmetic over a profiler trace.
+
+A trace is reduced to (start, end, kind) intervals, kind "comm" or "compute". Both kinds are first
+merged into disjoint unions (nested or concurrent events must not count twice), then
+
+    comm_s          = |U_comm|                 time some collective was in flight
+    overlapped_s    = |U_comm ∩ U_compute|     ... while compute was also running
+    exposed_comm_s  = comm_s - overlapped_s    ... while nothing else ran: the cost data parallelism adds
+    overlap_fraction = overlapped_s / comm_s   (None when there was no communication)
+
+`intervals_from_trace` picks the intervals out of a Chrome trace exported by torch.profiler:
+  GPU   comm = kernels whose name contains "nccl"; compute = every other kernel.
+  CPU   comm = gloo's "gloo:*" ranges (gloo runs collectives on worker threads); compute = aten ops
+        on the training thread (the union of nested ops is the time the thread computed; time it
+        spent blocked in work.wait() is in no aten op).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterable
+
+Interval = tuple[float, float]
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Disjoint, sorted union of [start, end) intervals (empty ones dropped)."""
+    out: list[list[float]] = []
+    for s, e in sorted((s, e) for s, e in intervals if e > s):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def total(intervals: Iterable[Interval]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Intersection of two disjoint sorted unions (two-pointer sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def overlap_stats(intervals: Iterable[tuple[float, float, str]], steps: int = 1) -> dict:
+    """comm / overlapped / exposed seconds per step (inputs in seconds) and the overlap fraction."""
+    intervals = list(intervals)
+    unknown = {k for _, _, k in intervals} - {"comm", "compute"}
+    if unknown:
+        raise ValueError(f"interval kinds must be 'comm' or 'compute', got {sorted(unknown)}")
+    comm = merge((s, e) for s, e, k in intervals if k == "comm")
+    compute = merge((s, e) for s, e, k in intervals if k == "compute")
+    comm_s, overlapped_s = total(comm), total(intersect(comm, compute))
+    return {"comm_s": comm_s / steps, "compute_s": total(compute) / steps, "overlapped_s": overlapped_s / steps,
+            "exposed_comm_s": (comm_s - overlapped_s) / steps,
+            "overlap_fraction": overlapped_s / comm_s if comm_s > 0 else None}
+
+
+_NOT_COMPUTE = ("c10d::", "record_param_comms", "wait", "all_gather", "allgather", "reduce_scatter", "allreduce",
+                "all_reduce", "broadcast", "barrier", "gloo:")
+
+
+def intervals_from_trace(trace: dict, main_tid: int | None = None) -> list[tuple[float, float, str]]:
+    """(start_s, end_s, kind) from a Chrome trace; main_tid = the training thread (CPU compute)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    out = []
+    if kernels:  # GPU run: the device timeline is the truth
+        for e in kernels:
+            s = e["ts"] / 1e6
+            out.append((s, s + e["dur"] / 1e6, "comm" if "nccl" in e["name"].lower() else "compute"))
+        return out
+    for e in events:
+        name, s = e["name"], e["ts"] / 1e6
+        if name.startswith("gloo:"):
+            out.append((s, s + e["dur"] / 1e6, "comm"))
+        elif (e.get("cat") == "cpu_op" and name.startswith("aten::") and (main_tid is None or e.get("tid") == main_tid)
+              and not any(w in name.lower() for w in _NOT_COMPUTE)):
+            out.append((s, s + e["dur"] / 1e6, "compute"))
+    return out
+
+
+def read_trace(path: str | Path) -> dict:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)

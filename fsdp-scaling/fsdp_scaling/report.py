@@ -1,0 +1,148 @@
+"""`python -m fsdp_scaling.report RUN_DIRS... [--out DIR]`: the scaling study over many runs.
+
+Loads complete runs through dtrain.results (single runs or Hydra multirun trees), then writes into
+one report directory (itself a run dir: config.yaml + summary.json, subproject fsdp-scaling):
+
+  scaling.csv                    one row per run: strategy, ranks, tokens/s, MFU, efficiency, vs-DDP ratio
+  throughput_vs_ranks.png        tokens/s against world size, per strategy
+  efficiency.png                 scaling efficiency against world size
+  memory_per_strategy.png        measured parameter + gradient + optimizer bytes per rank
+  overlap.png                    overlapped vs exposed communication per step
+  summary.json["guide"]          {"runs": [per-run guide dicts], "scaling_efficiency": {...}}
+
+Scaling efficiency at N ranks, within a group of runs that differ only in world size
+(same strategy, model, sequence length, precision, and either the same global batch = strong
+scaling, or the same per-rank batch = weak scaling), against the group's smallest world size N0:
+
+    efficiency(N) = (tokens_per_s(N) / N) / (tokens_per_s(N0) / N0)
+
+1.0 is perfect; strong and weak scaling share the formula because in both the ideal throughput
+grows linearly with N (strong: same work per step split N ways; weak: N times the work per step).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pandas as pd
+
+from dtrain import plots, results
+from dtrain.errors import UserError
+from dtrain.metrics import write_config, write_summary
+
+GROUP = ["strategy", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
+
+
+def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
+    runs = [r for r in results.complete_runs(paths) if r.subproject == "fsdp-scaling"
+            and isinstance(r.summary.get("guide"), dict) and "strategy" in r.summary["guide"]]
+    if not runs:
+        raise UserError(f"no complete fsdp-scaling training runs under {', '.join(map(str, paths))}: "
+                        "run `python -m fsdp_scaling -m ...` first")
+    rows, guides = [], []
+    for run in runs:
+        g, cfg = run.summary["guide"], run.config
+        t, m = cfg.get("train", {}), cfg.get("model", {})
+        strong = t.get("global_batch") is not None
+        rows.append({**{k: g[k] for k in ("strategy", "world_size", "tokens_per_s", "step_time_s", "mfu",
+                                           "tflops_per_rank", "overlap_fraction", "comm_s", "exposed_comm_s",
+                                           "peak_mem_bytes", "mixed_precision", "peak_flops_source")},
+                     "scaling": "strong" if strong else "weak",
+                     "batch": t.get("global_batch") if strong else t.get("micro_batch"),
+                     "model": m.get("preset"), "seq_len": m.get("seq_len") or run.summary.get("seq_len"),
+                     "prefetch": bool(t.get("prefetch")), "ac": t.get("activation_checkpointing"),
+                     "state_bytes": sum(g["state_bytes"].values()), "run": str(run.path)})
+        guides.append({**g, "run": str(run.path)})
+    df = pd.DataFrame(rows)
+    df["seq_len"] = df["seq_len"].fillna(-1)
+    return add_efficiency(df), guides
+
+
+def add_efficiency(df: pd.DataFrame) -> pd.DataFrame:
+    """efficiency vs the smallest world size of each group; step-time ratio vs DDP at the same point."""
+    df = df.copy()
+    per_rank = df["tokens_per_s"] / df["world_size"]
+    base = df.loc[df.groupby(GROUP, dropna=False)["world_size"].transform("idxmin"), "tokens_per_s"].to_numpy()
+    base_ranks = df.groupby(GROUP, dropna=False)["world_size"].transform("min").to_numpy()
+    df["efficiency"] = per_rank / (base / base_ranks)
+    point = [c for c in GROUP if c not in ("strategy", "prefetch")] + ["world_size"]
+    ddp = df[df["strategy"] == "ddp"].groupby(point, dropna=False)["step_time_s"].median().rename("ddp_step_time_s")
+    df = df.join(ddp, on=point)
+    df["step_time_vs_ddp"] = df["step_time_s"] / df["ddp_step_time_s"]
+    return df.drop(columns="ddp_step_time_s")
+
+
+def label(df: pd.DataFrame) -> pd.Series:
+    return df["strategy"] + df["prefetch"].map({True: "+prefetch", False: ""}) + " (" + df["scaling"] + ")"
+
+
+def write_plots(df: pd.DataFrame, out: Path) -> list[Path]:
+    import seaborn as sns
+
+    df = df.assign(series=label(df)).sort_values("world_size")
+    paths = []
+    for y, name, title in (("tokens_per_s", "throughput_vs_ranks.png", "throughput"),
+                           ("efficiency", "efficiency.png", "scaling efficiency (1 = linear)")):
+        fig, ax = plots.figure()
+        sns.lineplot(df, x="world_size", y=y, hue="series", style="model", marker="o", ax=ax[0][0])
+        ax[0][0].set(xlabel="ranks", title=title)
+        paths.append(plots.save(fig, out / name))
+    fig, ax = plots.figure()
+    sns.barplot(df, x="strategy", y="state_bytes", hue="world_size", ax=ax[0][0])
+    ax[0][0].set(ylabel="params + grads + optimizer bytes / rank", title="state memory per rank")
+    plots.log2_bytes_axis(ax[0][0], "y")
+    paths.append(plots.save(fig, out / "memory_per_strategy.png"))
+    ov = df.dropna(subset=["comm_s"]).copy()
+    if not ov.empty:
+        ov["overlapped_s"] = ov["comm_s"] - ov["exposed_comm_s"]
+        ov["point"] = ov["series"] + " x" + ov["world_size"].astype(str)
+        fig, ax = plots.figure(width=8)
+        ax[0][0].barh(ov["point"], ov["overlapped_s"], label="overlapped")
+        ax[0][0].barh(ov["point"], ov["exposed_comm_s"], left=ov["overlapped_s"], label="exposed")
+        ax[0][0].set(xlabel="communication s / step", title="communication hidden behind compute")
+        ax[0][0].legend()
+        paths.append(plots.save(fig, out / "overlap.png"))
+    return paths
+
+
+def scaling_summary(df: pd.DataFrame) -> dict:
+    """{series: {"world_size": [...], "efficiency": [...], "tokens_per_s": [...], ...}} for the guide."""
+    out = {}
+    for key, g in df.assign(series=label(df)).sort_values("world_size").groupby(["series", "model"]):
+        out[f"{key[0]} {key[1]}"] = {c: g[c].tolist() for c in ("world_size", "tokens_per_s", "efficiency", "mfu",
+                                                                  "overlap_fraction", "step_time_vs_ddp")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fsdp_scaling.report", description=__doc__.split("\n")[0])
+    p.add_argument("paths", nargs="+", help="run directories or folders above them (multirun trees)")
+    p.add_argument("--out", help="report directory (default results/fsdp-scaling/report-<time>)")
+    args = p.parse_args(argv)
+    try:
+        df, guides = study_frame(args.paths)
+    except (UserError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"results/fsdp-scaling/report-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(out, {"subproject": "fsdp-scaling", "report": True, "inputs": [str(p) for p in args.paths]})
+    cols = ["strategy", "scaling", "model", "seq_len", "batch", "prefetch", "world_size", "tokens_per_s",
+            "step_time_s", "mfu", "efficiency", "step_time_vs_ddp", "overlap_fraction", "exposed_comm_s",
+            "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]
+    table = df[cols].sort_values(["scaling", "model", "strategy", "prefetch", "world_size"])
+    table.to_csv(out / "scaling.csv", index=False)
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4g}".format):
+        print(table.drop(columns=["run", "peak_flops_source"]).to_string(index=False))
+    print(f"wrote {out / 'scaling.csv'}")
+    write_plots(df, out)
+    write_summary(out, {"subproject": "fsdp-scaling", "status": "complete", "run_dir": str(out), "runs": len(guides),
+                        "guide": {"runs": guides, "scaling_efficiency": scaling_summary(df)}})
+    print(f"report complete: {out}  (summary.json written)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

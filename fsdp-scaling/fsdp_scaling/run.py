@@ -1,0 +1,68 @@
+"""One training run under one strategy, measured (the per-rank side of `python -m fsdp_scaling`).
+
+Records per step (loss, grad norm, tokens/s, TFLOP/s, MFU, peak memory), per-rank state bytes
+against the ZeRO formula, and the comm/compute overlap of a profiled window; the summary's
+"guide" key holds what the parallelism guide reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from omegaconf import DictConfig, OmegaConf
+
+from dtrain.errors import UserError
+from dtrain.launch import RankContext
+from dtrain.model import GPTConfig
+from dtrain.train import Trainer, TrainConfig
+from fsdp_scaling import memory
+from fsdp_scaling.probes import ProfileWindow, StateBytes
+
+MODEL_OVERRIDES = ("seq_len", "n_layer", "d_model", "n_head")
+
+
+def model_config(node) -> GPTConfig:
+    values = OmegaConf.to_container(node, resolve=True)
+    preset = values.pop("preset", "small")
+    overrides = {k: v for k, v in values.items() if v is not None}
+    bad = sorted(set(overrides) - set(MODEL_OVERRIDES))
+    if bad:
+        raise UserError(f"unknown model.{bad[0]}: use model.preset and {', '.join(MODEL_OVERRIDES)}")
+    try:
+        return GPTConfig.from_preset(preset, **overrides)
+    except ValueError as e:
+        raise UserError(f"model: {e}") from None
+
+
+def validate(cfg: DictConfig) -> None:
+    TrainConfig.from_cfg(cfg.train).validate(cfg.world_size)
+    model_config(cfg.model)
+    if cfg.profile.enabled and cfg.profile.steps < 1:
+        raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
+    t = cfg.train
+    if cfg.profile.enabled and t.timing_warmup + cfg.profile.steps >= t.steps:
+        raise UserError(f"train.steps={t.steps} leaves no timed step after timing_warmup={t.timing_warmup} and "
+                        f"profile.steps={cfg.profile.steps}: raise train.steps")
+
+
+def rank_fn(ctx: RankContext) -> dict:
+    train = TrainConfig.from_cfg(ctx.cfg.train)
+    model_cfg = model_config(ctx.cfg.model)
+    state = StateBytes()
+    callbacks = [state]
+    window = None
+    if ctx.cfg.profile.enabled:
+        window = ProfileWindow(train.timing_warmup + 1, ctx.cfg.profile.steps, ctx.run_dir / "profile")
+        callbacks.append(window)
+    trainer = Trainer(ctx, train, model_cfg, callbacks=callbacks)
+    result = trainer.run()
+    shapes = [tuple(p.shape) for p in trainer.model.parameters()]  # DTensor .shape is the global shape
+    shards = memory.shard_degree(train.strategy, ctx.world_size, train.hsdp_replicate)
+    formula = memory.formula_bytes(shapes, shards, ctx.rank % shards)
+    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards)
+    ctx.writer.record("state_bytes", rank=ctx.rank, shards=shards, **{f"measured_{k}": v for k, v in state.measured.items()},
+                      **{f"formula_{k}": v for k, v in formula.items()}, **{f"ideal_{k}": v for k, v in ideal.items()})
+    return {**result, "state_bytes": state.measured, "state_bytes_formula": formula, "state_bytes_ideal": ideal,
+            "shard_degree": shards, "overlap": window.result if window else None,
+            "trace": str(window.trace_path) if window and window.trace_path else None,
+            "device": str(ctx.device), "backend": ctx.backend, "model": dataclasses.asdict(model_cfg),
+            "train": train.to_dict()}

@@ -1,0 +1,77 @@
+"""After a run: the guide numbers, a table (measured vs formula bytes side by side), CSV, plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from dtrain import plots, results
+from dtrain.plots import human_bytes
+
+STATE_KEYS = ("params", "grads", "optimizer")
+
+
+def guide_of(r: dict) -> dict:
+    """The numbers the parallelism guide reads (contract in fsdp-scaling/README.md)."""
+    ov = r.get("overlap") or {}
+    return {"strategy": r["strategy"], "world_size": r["world_size"], "model_params": r["model_params"],
+            "flops_per_token": r["flops_per_token"], "tokens_per_s": r["tokens_per_s"],
+            "step_time_s": r["step_time_s"], "tflops_per_rank": r["tflops_per_rank"], "mfu": r["mfu"],
+            "peak_flops": r["peak_flops"], "peak_flops_source": r["peak_flops_source"],
+            "overlap_fraction": ov.get("overlap_fraction"), "comm_s": ov.get("comm_s"),
+            "exposed_comm_s": ov.get("exposed_comm_s"), "peak_mem_bytes": r["peak_mem_bytes"],
+            "state_bytes": dict(r["state_bytes"]), "state_bytes_formula": dict(r["state_bytes_formula"]),
+            "mixed_precision": r["mixed_precision"], "device": r["device"], "backend": r["backend"]}
+
+
+def print_tables(r: dict, console: Console | None = None) -> None:
+    console = console or Console(width=120)
+    g = guide_of(r)
+    t = Table(title=f"fsdp-scaling: {g['strategy']} on {g['world_size']} rank(s), {g['device']}/{g['backend']}")
+    for col in ("tokens/s", "step s", "TFLOP/s/rank", "MFU", "comm s/step", "exposed s/step", "overlap", "peak mem"):
+        t.add_column(col, justify="right")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    t.add_row(fmt(g["tokens_per_s"], ".0f"), fmt(g["step_time_s"], ".4f"), fmt(g["tflops_per_rank"], ".4f"),
+              fmt(g["mfu"], ".1%"), fmt(g["comm_s"], ".4f"), fmt(g["exposed_comm_s"], ".4f"),
+              fmt(g["overlap_fraction"], ".0%"), human_bytes(g["peak_mem_bytes"]))
+    console.print(t)
+    m = Table(title=f"state bytes on rank 0 (shard degree {r['shard_degree']}): measured vs ZeRO formula")
+    for col in ("", "measured", "formula", "ideal Psi/S", "match"):
+        m.add_column(col, justify="right")
+    for k in STATE_KEYS:
+        meas, form, ideal = r["state_bytes"].get(k), r["state_bytes_formula"][k], r["state_bytes_ideal"][k]
+        m.add_row(k, str(meas), str(form), str(ideal), "yes" if meas == form else "NO")
+    console.print(m)
+    console.print(f"peak FLOP/s per rank: {g['peak_flops']:.3g} ({g['peak_flops_source']})")
+
+
+def plot_steps(run_dir: Path) -> Path | None:
+    df = results.load([run_dir], kind="step", warn=False) if (run_dir / "summary.json").exists() else None
+    if df is None or df.empty:
+        import pandas as pd
+
+        df = pd.DataFrame(results.read_jsonl(run_dir / "records.jsonl"))
+        df = df[df["kind"] == "step"]
+    fig, axes = plots.figure(ncols=2)
+    axes[0][0].plot(df["step"], df["loss"], marker="o")
+    axes[0][0].set(xlabel="step", ylabel="loss", title="training loss")
+    axes[0][1].plot(df["step"], df["step_time_s"], marker="o")
+    axes[0][1].set(xlabel="step", ylabel="step time (s)", title="step time (incl. warmup / profiled)")
+    return plots.save(fig, run_dir / "steps.png")
+
+
+def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
+    import csv
+
+    run_dir = Path(run_dir)
+    print_tables(result)
+    with open(run_dir / "state_bytes.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kind", "measured", "formula", "ideal"])
+        for k in STATE_KEYS:
+            w.writerow([k, result["state_bytes"].get(k), result["state_bytes_formula"][k], result["state_bytes_ideal"][k]])
+    plot_steps(run_dir)
+    return {**{k: v for k, v in result.items() if k not in ("model", "train")}, "seq_len": result["model"]["seq_len"],
+            "guide": guide_of(result)}

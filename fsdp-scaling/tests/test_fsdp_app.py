@@ -1,0 +1,68 @@
+"""`python -m fsdp_scaling` end to end (a 2-run sweep), the study report over it, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import py
+from dtrain import results
+
+GUIDE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
+              "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
+              "exposed_comm_s", "peak_mem_bytes", "state_bytes", "state_bytes_formula", "mixed_precision",
+              "device", "backend"}
+
+
+def test_sweep_then_report(tmp_path):
+    out = py("-m", "fsdp_scaling", "-m", "train.strategy=ddp,zero3", "model.preset=tiny", "train.steps=6",
+             f"results_dir={tmp_path}", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = results.load_runs([tmp_path])
+    assert sorted(runs["summary.guide.strategy"]) == ["ddp", "zero3"]
+    for run in results.complete_runs([tmp_path]):
+        g = run.summary["guide"]
+        assert set(g) == GUIDE_KEYS
+        assert g["state_bytes"] == g["state_bytes_formula"] and g["peak_flops_source"] == "measured cpu matmul probe"
+        assert g["world_size"] == 2 and g["backend"] == "gloo" and 0 < g["mfu"] < 1
+        assert g["comm_s"] > 0 and 0 <= g["overlap_fraction"] <= 1
+        assert (run.path / "steps.png").exists() and (run.path / "profile" / "trace.rank0.json.gz").exists()
+    steps = results.load([tmp_path], kind="step")
+    assert len(steps) == 12 and steps["loss"].notna().all()
+    assert len(results.load([tmp_path], kind="overlap")) == 2
+
+    report_dir = tmp_path / "report"
+    rep = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(report_dir))
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    summary = json.loads((report_dir / "summary.json").read_text())
+    assert summary["subproject"] == "fsdp-scaling" and len(summary["guide"]["runs"]) == 2
+    for name in ("scaling.csv", "throughput_vs_ranks.png", "efficiency.png", "memory_per_strategy.png", "overlap.png"):
+        assert (report_dir / name).exists(), name
+    eff = summary["guide"]["scaling_efficiency"]
+    assert all(v["efficiency"] == [1.0] for v in eff.values())  # one world size: each is its own baseline
+    zero3 = next(v for k, v in eff.items() if k.startswith("zero3"))
+    ddp_time = runs.loc[runs["summary.guide.strategy"] == "ddp", "summary.guide.step_time_s"].item()
+    zero3_time = runs.loc[runs["summary.guide.strategy"] == "zero3", "summary.guide.step_time_s"].item()
+    assert zero3["step_time_vs_ddp"][0] == pytest.approx(zero3_time / ddp_time)
+    # the report dir is itself a complete run dir, but never mistaken for a training run
+    again = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(tmp_path / "report2"))
+    assert again.returncode == 0 and json.loads((tmp_path / "report2" / "summary.json").read_text())["runs"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.strategy=zero9"], "train.strategy='zero9' is unknown"),
+    (["train.strategy=hsdp", "world_size=3"], "do not factor"),
+    (["train.global_batch=5"], "not divisible"),
+    (["model.preset=huge"], "unknown model preset"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    out = py("-m", "fsdp_scaling", *args, f"results_dir={tmp_path}", timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert not list(tmp_path.rglob("config.yaml"))  # no run dir left behind
+
+
+def test_report_without_runs(tmp_path):
+    out = py("-m", "fsdp_scaling.report", str(tmp_path))
+    assert out.returncode == 2 and "no complete fsdp-scaling training runs" in out.stderr

@@ -1,0 +1,16 @@
+"""`python -m tp_attention`: hand-rolled tensor-parallel attention vs DTensor vs one rank.
+
+    python -m tp_attention                                  # tp=world_size=2 on CPU, SP off and on
+    python -m tp_attention world_size=4 tp=[1,2,4] seq=512
+    python -m tp_attention -m n_kv_head=2,8 sequence_parallel=false,true
+    python -m tp_attention.parity                           # prove it equal to one device first
+"""
+from dtrain.app import hydra_main
+from tp_attention.bench import rank_fn
+from tp_attention.config import check_bench
+from tp_attention.report import finalize
+
+main = hydra_main("tp_attention.conf", rank_fn=rank_fn, validate=check_bench, finalize=finalize)
+
+if __name__ == "__main__":
+    main()

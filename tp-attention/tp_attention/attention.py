@@ -1,0 +1,208 @@
+"""Tensor-parallel attention, MLP and transformer block, built from a full dtrain.model Block.
+
+Heads are split across the tp ranks of a group: rank r computes query heads
+[r*H/tp, (r+1)*H/tp) with a column-parallel QKV projection, runs causal SDPA on them alone
+(dtrain.model.causal_attention, the single-device code), and the row-parallel output
+projection sums the ranks' partial outputs. The MLP is column-parallel w1, GELU, row-parallel w2.
+Each block therefore has two TP regions and, per forward+backward, four all-reduces (or with
+sequence parallelism four all-gathers and four reduce-scatters).
+
+GQA: with kv_heads >= tp each rank owns kv_heads/tp k/v heads. With kv_heads < tp (tp must be a
+multiple) the k/v heads are replicated: the tp/kv_heads ranks whose query heads read k/v head g
+all hold a copy of its rows, and sum their partial gradients after backward (Megatron-LM and
+vLLM replicate KV heads the same way).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtrain.errors import UserError
+from dtrain.model import Attention, Block, MLP, causal_attention
+from tp_attention.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
+    """The head layouts TP can split; a UserError that says what to change otherwise."""
+    if n_head % tp:
+        raise UserError(f"n_head={n_head} is not divisible by tp={tp}: pick a tp that divides the head count")
+    if n_head % n_kv_head:
+        raise UserError(f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: pick n_kv_head dividing n_head")
+    if n_kv_head >= tp and n_kv_head % tp:
+        raise UserError(f"n_kv_head={n_kv_head} is not divisible by tp={tp}: pick a tp that divides the k/v heads")
+    if n_kv_head < tp and tp % n_kv_head:
+        raise UserError(f"tp={tp} is not a multiple of n_kv_head={n_kv_head}: k/v heads can only be "
+                        "replicated evenly; pick n_kv_head dividing tp")
+
+
+@dataclass
+class TPGroups:
+    """This rank's place in tensor parallelism: its TP group and, for replicated k/v heads, the
+    sub-group of ranks sharing its k/v head."""
+
+    group: object  # ProcessGroup of the tp ranks (None when tp == 1 and not distributed)
+    rank: int  # index within the group
+    tp: int
+    kv_replicas: object = None  # ProcessGroup of the ranks holding the same k/v head, or None
+
+
+_GROUP_CACHE: dict[tuple, list] = {}
+
+
+def _new_group(ranks: list[int]):
+    key = tuple(ranks)
+    if key not in _GROUP_CACHE:  # gloo groups are slow to create; every rank creates the same ones
+        _GROUP_CACHE[key] = dist.new_group(ranks)
+    return _GROUP_CACHE[key]
+
+
+def make_tp_groups(tp: int, n_kv_head: int) -> TPGroups | None:
+    """Split the world into consecutive blocks of tp ranks (collective: every rank must call it,
+    in the same order). Returns None on ranks left over when tp does not divide the world size."""
+    if not dist.is_initialized():
+        if tp != 1:
+            raise UserError(f"tp={tp} needs torch.distributed initialised with >= {tp} ranks")
+        return TPGroups(None, 0, 1)
+    world, me = dist.get_world_size(), dist.get_rank()
+    if tp > world:
+        raise UserError(f"tp={tp} is larger than world_size={world}: lower tp or raise world_size")
+    replicas = tp // n_kv_head if n_kv_head < tp else 1
+    mine = None
+    for start in range(0, world - tp + 1, tp):
+        ranks = list(range(start, start + tp))
+        group = _new_group(ranks)
+        rep_groups = [_new_group(ranks[i:i + replicas]) for i in range(0, tp, replicas)] if replicas > 1 else None
+        if me in ranks:
+            local = me - start
+            mine = TPGroups(group, local, tp, rep_groups[local // replicas] if rep_groups else None)
+    return mine
+
+
+def kv_heads_of(rank: int, tp: int, n_kv_head: int) -> range:
+    """Global k/v heads rank `rank` holds: its own share, or the one head it replicates."""
+    if n_kv_head >= tp:
+        per = n_kv_head // tp
+        return range(rank * per, (rank + 1) * per)
+    g = rank * n_kv_head // tp
+    return range(g, g + 1)
+
+
+class TensorParallelAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int, *, bias: bool, groups: TPGroups,
+                 sequence_parallel: bool = False, fused_qkv: bool = True, async_grad_allreduce: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        check_tp_heads(n_head, n_kv_head, groups.tp)
+        if async_grad_allreduce and not fused_qkv:
+            raise UserError("async_grad_allreduce=true needs fused_qkv=true (one input-grad collective "
+                            "for q, k and v): set fused_qkv=true")
+        tp, self.groups = groups.tp, groups
+        self.head_dim = d_model // n_head
+        self.q_out = n_head // tp * self.head_dim
+        self.kv_out = len(kv_heads_of(0, tp, n_kv_head)) * self.head_dim
+        self.fused_qkv = fused_qkv
+        col = dict(bias=bias, group=groups.group, tp=tp, sequence_parallel=sequence_parallel,
+                   device=device, dtype=dtype)
+        if fused_qkv:  # one GEMM: local rows [q | k | v]
+            self.qkv = ColumnParallelLinear(d_model, tp * (self.q_out + 2 * self.kv_out),
+                                            async_grad_allreduce=async_grad_allreduce, **col)
+        else:
+            self.wq = ColumnParallelLinear(d_model, tp * self.q_out, **col)
+            self.wk = ColumnParallelLinear(d_model, tp * self.kv_out, **col)
+            self.wv = ColumnParallelLinear(d_model, tp * self.kv_out, **col)
+        self.wo = RowParallelLinear(d_model, d_model, bias=bias, group=groups.group, tp=tp,
+                                    sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        if groups.kv_replicas is not None:  # replicated k/v rows: partial grads summed over the replicas
+            for layer, rows in self._kv_layers():
+                layer.weight.grad_allreduce = (groups.kv_replicas, rows)
+                if layer.bias is not None:
+                    layer.bias.grad_allreduce = (groups.kv_replicas, rows)
+
+    def _kv_layers(self):
+        if self.fused_qkv:
+            return [(self.qkv, slice(self.q_out, None))]
+        return [(self.wk, None), (self.wv, None)]
+
+    @classmethod
+    def from_full(cls, attn: Attention, groups: TPGroups, **options) -> "TensorParallelAttention":
+        """This rank's shard of a single-device dtrain.model Attention."""
+        hd = attn.head_dim
+        d = attn.wq.weight.shape[1]
+        n_head, n_kv = attn.wq.weight.shape[0] // hd, attn.wk.weight.shape[0] // hd
+        w = attn.wq.weight
+        tp_attn = cls(d, n_head, n_kv, bias=attn.wq.bias is not None, groups=groups,
+                      device=w.device, dtype=w.dtype, **options)
+        heads = kv_heads_of(groups.rank, groups.tp, n_kv)
+        kv_rows = slice(heads.start * hd, heads.stop * hd)
+        q_rows = slice(groups.rank * tp_attn.q_out, (groups.rank + 1) * tp_attn.q_out)
+
+        def rows(layer, sl):
+            return layer.weight[sl], None if layer.bias is None else layer.bias[sl]
+
+        parts = [rows(attn.wq, q_rows), rows(attn.wk, kv_rows), rows(attn.wv, kv_rows)]
+        if tp_attn.fused_qkv:
+            tp_attn.qkv.load_shard(torch.cat([p[0] for p in parts]),
+                                   None if parts[0][1] is None else torch.cat([p[1] for p in parts]))
+        else:
+            for layer, (weight, bias) in zip((tp_attn.wq, tp_attn.wk, tp_attn.wv), parts):
+                layer.load_shard(weight, bias)
+        with torch.no_grad():
+            tp_attn.wo.weight.copy_(attn.wo.weight.chunk(groups.tp, dim=1)[groups.rank])
+            if attn.wo.bias is not None:
+                tp_attn.wo.bias.copy_(attn.wo.bias)
+        return tp_attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_qkv:
+            q, k, v = self.qkv(x).split([self.q_out, self.kv_out, self.kv_out], dim=-1)
+        else:
+            x = self.wq.enter(x)  # one entry (one backward all-reduce) shared by q, k and v
+            q, k, v = self.wq.local(x), self.wk.local(x), self.wv.local(x)
+        return self.wo(causal_attention(q, k, v, self.head_dim))
+
+
+class TensorParallelMLP(nn.Module):
+    def __init__(self, w1: ColumnParallelLinear, w2: RowParallelLinear):
+        super().__init__()
+        self.w1, self.w2 = w1, w2
+
+    @classmethod
+    def from_full(cls, mlp: MLP, groups: TPGroups, sequence_parallel: bool = False,
+                  async_grad_allreduce: bool = False) -> "TensorParallelMLP":
+        g = dict(rank=groups.rank, tp=groups.tp, group=groups.group, sequence_parallel=sequence_parallel)
+        w1 = ColumnParallelLinear.from_full(mlp.w1.weight, mlp.w1.bias, async_grad_allreduce=async_grad_allreduce, **g)
+        w2 = RowParallelLinear.from_full(mlp.w2.weight, mlp.w2.bias, **g)
+        return cls(w1, w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TensorParallelBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With sequence parallelism x is
+    this rank's slice of the sequence, and the norms run on it alone."""
+
+    def __init__(self, attn_norm: nn.Module, attn: TensorParallelAttention, mlp_norm: nn.Module, mlp: TensorParallelMLP):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    @classmethod
+    def from_full(cls, block: Block, groups: TPGroups, sequence_parallel: bool = False,
+                  fused_qkv: bool = True, async_grad_allreduce: bool = False) -> "TensorParallelBlock":
+        norms = copy.deepcopy(block.attn_norm), copy.deepcopy(block.mlp_norm)  # replicated
+        if sequence_parallel:  # each rank normalised only its tokens: grads are partial sums
+            for p in (*norms[0].parameters(), *norms[1].parameters()):
+                p.grad_allreduce = (groups.group, None)
+        attn = TensorParallelAttention.from_full(block.attn, groups, sequence_parallel=sequence_parallel,
+                                                 fused_qkv=fused_qkv, async_grad_allreduce=async_grad_allreduce)
+        mlp = TensorParallelMLP.from_full(block.mlp, groups, sequence_parallel, async_grad_allreduce)
+        return cls(norms[0], attn, norms[1], mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,185 @@
+"""The benchmark's rank function: forward+backward of one TP layer, four ways.
+
+    handrolled        TensorParallelBlock (or Attention) from attention.py
+    handrolled_async  the same with the input-grad collective overlapped with the weight-grad GEMM
+    dtensor           the same layouts through parallelize_module (dtensor_baseline.py)
+    single            the unsharded dtrain.model layer on rank 0 alone, with one rank's threads
+                      (the guide's baseline) and, on CPU, with the whole TP group's threads
+
+For each (tp, sequence_parallel) the first TP group (ranks 0..tp-1) measures while the other
+ranks wait; one step is run under a CommCounter (counted bytes must equal the analytic ones)
+and a few under torch.profiler, whose `tp_comm:*` ranges give the communication share.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from dtrain.launch import RankContext
+from dtrain.model import Block, GPTConfig
+from dtrain.timing import synchronize, time_fn
+from tp_attention import comm, dtensor_baseline
+from tp_attention.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
+from tp_attention.config import as_list, tp_degrees
+from tp_attention.layers import allreduce_partial_grads
+
+
+def build_reference(cfg, device, dtype) -> torch.nn.Module:
+    model_cfg = GPTConfig(d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, bias=cfg.bias,
+                          norm=cfg.norm, mlp_ratio=cfg.mlp_ratio, seq_len=cfg.seq)
+    torch.manual_seed(cfg.seed)  # identical full weights on every rank
+    block = Block(model_cfg, "blocks.0", lambda name, i, o, b: torch.nn.Linear(i, o, bias=b))
+    block = block.to(device=device, dtype=dtype)
+    return block if cfg.module == "block" else block.attn
+
+
+def make_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, sync_grads: bool):
+    """One forward+backward as in the middle of a network: input gradient and all weight grads."""
+    def step():
+        for p in module.parameters():
+            p.grad = None
+        inp = x.detach().requires_grad_()
+        module(inp).backward(grad)
+        if sync_grads:
+            allreduce_partial_grads(module)
+    return step
+
+
+def comm_share(step, n_steps: int, device: torch.device) -> float:
+    """Communication time / step time over `n_steps` profiled steps. CPU (gloo): the wall time
+    of the `tp_comm:*` ranges (blocking collectives, and the waits of async ones). CUDA: the
+    device time of NCCL kernels."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(n_steps):
+            with record_function("tp_step"):
+                step()
+                synchronize(device)
+    stats = prof.key_averages()
+    step_us = sum(e.cpu_time_total for e in stats if e.key == "tp_step")
+    if cuda:
+        comm_us = sum(e.self_device_time_total for e in stats if "nccl" in e.key.lower())
+    else:
+        comm_us = sum(e.cpu_time_total for e in stats if e.key.startswith("tp_comm:"))
+    return comm_us / step_us if step_us else float("nan")
+
+
+def _timed(step, cfg, device, group) -> dict:
+    stats = time_fn(step, warmup=cfg.warmup, iters=cfg.iters, device=device, barrier=group)
+    return stats.to_dict()
+
+
+def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
+    """Hand-rolled (sync and async), DTensor, comm volume and comm share on one TP group."""
+    impls = as_list(cfg.impls)
+    local = (lambda t: t.chunk(tp, 1)[groups.rank].contiguous()) if sp else (lambda t: t)
+    xl, gl = local(x), local(g)
+    cls = TensorParallelBlock if cfg.module == "block" else TensorParallelAttention
+    out = {}
+    hand = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.fused_qkv)
+    step = make_step(hand, xl, gl, sync_grads=True)
+    out["handrolled"] = _timed(step, cfg, device, groups.group)
+    with comm.CommCounter() as counter:
+        step()
+    out["counted"] = {tag: counter.wire_bytes(tag) for tag in (comm.ACTIVATION, comm.GRAD_SYNC)}
+    out["payload_bytes"] = counter.payload_bytes()
+    out["op_counts"] = counter.op_counts()
+    out["comm_share"] = comm_share(step, cfg.profile_steps, device) if tp > 1 else 0.0
+    if "handrolled_async" in impls:
+        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=True, async_grad_allreduce=True)
+        step = make_step(hand_async, xl, gl, sync_grads=True)
+        out["handrolled_async"] = _timed(step, cfg, device, groups.group)
+        out["comm_share_async"] = comm_share(step, cfg.profile_steps, device) if tp > 1 else 0.0
+    if "dtensor" in impls and dtensor_baseline.supported(cfg.n_kv_head or cfg.n_head, tp):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        dt = dtensor_baseline.parallelize(copy.deepcopy(ref), groups, sp)
+        step = make_step(dt, xl, gl, sync_grads=False)
+        out["dtensor"] = _timed(step, cfg, device, groups.group)
+        with CommDebugMode() as mode:
+            step()
+        out["dtensor_collectives"] = mode.get_total_counts()
+    return out
+
+
+def measure_single(cfg, ref, x, g, device, threads: int | None) -> dict:
+    """The unsharded layer in this process alone (the other ranks wait), with `threads` CPU threads."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        step = make_step(ref, x, g, sync_grads=False)
+        return time_fn(step, warmup=cfg.warmup, iters=cfg.iters, device=device).to_dict()
+    finally:
+        torch.set_num_threads(before)
+
+
+def rank_fn(ctx: RankContext) -> dict:
+    cfg, device = ctx.cfg, ctx.device
+    dtype = getattr(torch, cfg.dtype)
+    n_kv = cfg.n_kv_head or cfg.n_head
+    ref = build_reference(cfg, device, dtype)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device, dtype)
+    g = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device, dtype)
+    threads = torch.get_num_threads()
+    single_cache: dict[int, dict] = {}
+    entries = []
+    combos = [(tp, sp) for tp in tp_degrees(cfg) for sp in as_list(cfg.sequence_parallel)]
+    for tp, sp in _progress(combos, ctx.is_main):
+        groups = make_tp_groups(tp, n_kv)  # collective: every rank, same order
+        measured = None
+        if groups is not None and ctx.rank < tp:  # the first group measures, the others wait
+            measured = measure_tp(cfg, tp, sp, groups, ref, x, g, device)
+        dist.barrier()
+        if ctx.is_main:
+            wanted = [threads] + ([tp * threads] if device.type == "cpu" and tp > 1 else [])
+            for n in wanted:
+                if n not in single_cache and "single" in as_list(cfg.impls):
+                    single_cache[n] = measure_single(cfg, ref, x, g, device, n if device.type == "cpu" else None)
+            entries.append(_entry(cfg, ctx, tp, sp, measured, single_cache.get(threads),
+                                  single_cache.get(tp * threads) if tp > 1 else single_cache.get(threads), threads))
+        dist.barrier()
+    return {"entries": entries, "device": device.type, "backend": ctx.backend, "threads_per_rank": threads}
+
+
+def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
+    n_kv = cfg.n_kv_head or cfg.n_head
+    analytic = comm.expected_wire_bytes(batch=cfg.batch, seq=cfg.seq, d_model=cfg.d_model, n_head=cfg.n_head,
+                                        n_kv_head=n_kv, tp=tp, sequence_parallel=sp, module=cfg.module,
+                                        norm=cfg.norm, bias=cfg.bias, elem_bytes=torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size())
+    if analytic != m["counted"]:
+        raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")
+    tokens = cfg.batch * cfg.seq
+    e = {"tp": tp, "sequence_parallel": sp, "threads_per_rank": threads, "tokens": tokens,
+         "comm_bytes_per_layer": analytic[comm.ACTIVATION], "grad_sync_bytes_per_layer": analytic[comm.GRAD_SYNC],
+         "counted_bytes_per_layer": m["counted"][comm.ACTIVATION], "payload_bytes": m["payload_bytes"],
+         "op_counts": m["op_counts"], "dtensor_collectives": m.get("dtensor_collectives"),
+         "comm_share": m["comm_share"], "comm_share_async": m.get("comm_share_async")}
+    for impl in ("handrolled", "handrolled_async", "dtensor"):
+        e[f"{impl}_s"] = m[impl]["median_s"] if impl in m else None
+        if impl in m:
+            ctx.writer.record("step", impl=impl, tp=tp, sequence_parallel=sp, tokens_per_s=tokens / m[impl]["median_s"],
+                              **m[impl])
+    for name, stats, n in (("single", single, threads), ("single_same_threads", same_threads, tp * threads)):
+        e[f"{name}_s"] = stats["median_s"] if stats else None
+        if stats:
+            ctx.writer.record("step", impl=name, tp=tp, sequence_parallel=sp, threads=n,
+                              tokens_per_s=tokens / stats["median_s"], **stats)
+    ctx.writer.record("comm", tp=tp, sequence_parallel=sp, analytic=analytic, counted=m["counted"],
+                      payload_bytes=m["payload_bytes"], op_counts=m["op_counts"],
+                      dtensor_collectives=m.get("dtensor_collectives"))
+    ctx.writer.record("profile", tp=tp, sequence_parallel=sp, comm_share=m["comm_share"],
+                      comm_share_async=m.get("comm_share_async"))
+    return e
+
+
+def _progress(items, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(items, desc="tp x sp", disable=not show, leave=False)

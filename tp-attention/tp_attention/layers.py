@@ -1,0 +1,165 @@
+"""Column- and row-parallel linear layers (Megatron-LM, Shoeybi et al. 2019, section 3).
+
+    ColumnParallelLinear   Y_i = X A_i^T + b_i    A split by output rows: rank i owns out/tp rows
+    RowParallelLinear      Y = sum_i X_i B_i^T + b  B split by input columns; bias added once,
+                                                  after the reduction
+
+Without sequence parallelism the column layer enters the TP region with copy_to_region and the
+row layer leaves it with reduce_from_region (one all-reduce forward, one backward). With it
+(Korthikanti et al. 2022) the input arrives sharded along the sequence: all-gather on entry,
+reduce-scatter on exit.
+
+`async_grad_allreduce` fuses entry and GEMM into one autograd function whose backward starts
+the input-gradient all-reduce (reduce-scatter with SP) and computes the weight gradient while it
+runs (picotron's LinearWithAsyncAllReduce, Megatron's gradient_accumulation_fusion path).
+
+Parameters whose gradients are partial sums across ranks carry `param.grad_allreduce = (group,
+rows)`; `allreduce_partial_grads(module)` sums them after backward (one bucket per group).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tp_attention import comm, ops
+
+
+class _LinearAsyncGradReduce(torch.autograd.Function):
+    """y = enter(x) W^T + b whose backward overlaps the input-grad collective with the weight-grad GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        # The gathered input is kept for the weight gradient (Megatron re-gathers it to save memory).
+        x_full = ops.all_gather_dim(x, 1, group) if sequence_parallel else x
+        ctx.save_for_backward(x_full, weight)
+        ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel, bias is not None
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_full, weight = ctx.saved_tensors
+        group, n = ctx.group, comm.group_size(ctx.group)
+        grad_in = grad_out.matmul(weight)
+        work = None
+        if n > 1 and ctx.sp:  # reduce-scatter along seq: seq-major so each rank's slice is contiguous
+            grad_in = grad_in.transpose(0, 1).contiguous()
+            grad_in_shard = grad_in.new_empty((grad_in.shape[0] // n, *grad_in.shape[1:]))
+            work = comm.reduce_scatter(grad_in_shard, grad_in, group, async_op=True)
+        elif n > 1:
+            work = comm.all_reduce(grad_in, group, async_op=True)
+        # Runs while the collective is in flight.
+        grad_weight = grad_out.flatten(0, -2).t().matmul(x_full.flatten(0, -2))
+        grad_bias = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
+        if work is not None:
+            work.wait()
+        if n > 1 and ctx.sp:
+            grad_in = grad_in_shard.transpose(0, 1)
+        return grad_in, grad_weight, grad_bias, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group, tp: int,
+                 sequence_parallel: bool = False, gather_output: bool = False,
+                 async_grad_allreduce: bool = False, device=None, dtype=None):
+        super().__init__()
+        if out_features % tp:
+            raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
+        if gather_output and (sequence_parallel or async_grad_allreduce):
+            raise ValueError("gather_output works only without sequence_parallel and async_grad_allreduce")
+        self.group, self.tp = group, tp
+        self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
+        self.async_grad_allreduce = async_grad_allreduce
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features // tp, **kw)) if bias else None
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, rank: int, tp: int, group=None, **options):
+        """Rank `rank`'s shard of a full (out, in) weight: rows [rank*out/tp, (rank+1)*out/tp)."""
+        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, group=group, tp=tp,
+                    device=weight.device, dtype=weight.dtype, **options)
+        shard = lambda t: t.chunk(tp, dim=0)[rank]  # noqa: E731
+        return layer.load_shard(shard(weight), None if bias is None else shard(bias))
+
+    @torch.no_grad()
+    def load_shard(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "ColumnParallelLinear":
+        """Set this rank's rows directly (fused or replicated layouts build their own)."""
+        self.weight.copy_(weight)
+        if self.bias is not None:
+            self.bias.copy_(bias)
+        return self
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Into the TP region: every rank needs the whole input (several layers may share one entry)."""
+        if self.sequence_parallel:
+            return ops.gather_from_sequence(x, self.group)
+        return ops.copy_to_region(x, self.group)
+
+    def local(self, x_entered: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_entered, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.async_grad_allreduce:
+            return _LinearAsyncGradReduce.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        y = self.local(self.enter(x))
+        return ops.gather_from_hidden(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group, tp: int,
+                 sequence_parallel: bool = False, input_is_parallel: bool = True, device=None, dtype=None):
+        super().__init__()
+        if in_features % tp:
+            raise ValueError(f"in_features={in_features} is not divisible by tp={tp}")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
+        self.group, self.tp = group, tp
+        self.sequence_parallel, self.input_is_parallel = sequence_parallel, input_is_parallel
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        if self.bias is not None and sequence_parallel:  # each rank saw only its tokens
+            self.bias.grad_allreduce = (group, None)
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, rank: int, tp: int, group=None, **options):
+        """Rank `rank`'s shard of a full (out, in) weight: columns [rank*in/tp, (rank+1)*in/tp); full bias."""
+        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, group=group, tp=tp,
+                    device=weight.device, dtype=weight.dtype, **options)
+        with torch.no_grad():
+            layer.weight.copy_(weight.chunk(tp, dim=1)[rank])
+            if bias is not None:
+                layer.bias.copy_(bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = ops.scatter_to_hidden(x, self.group)
+        y = F.linear(x, self.weight)  # partial sums: the bias must wait for the reduction
+        if self.sequence_parallel:
+            y = ops.reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = ops.reduce_from_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+@torch.no_grad()
+def allreduce_partial_grads(module: nn.Module) -> None:
+    """Sum the gradients marked `grad_allreduce = (group, rows)` over their group: one flat
+    bucket per group, in parameter order (identical on every rank). `rows` (a slice) limits
+    the sum to those rows of the parameter, e.g. the replicated k/v rows of a fused QKV weight."""
+    buckets: dict[int, tuple] = {}
+    for p in module.parameters():
+        spec = getattr(p, "grad_allreduce", None)
+        if spec is None or p.grad is None or comm.group_size(spec[0]) == 1:
+            continue
+        group, rows = spec
+        buckets.setdefault(id(group), (group, []))[1].append(p.grad if rows is None else p.grad[rows])
+    for group, grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group, tag=comm.GRAD_SYNC)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,114 @@
+"""After all ranks finished: the table, the CSV, the plot and the summary (with the guide's numbers).
+
+    overhead_factor = step_time * tp / single_rank_step_time    (1.0 = perfect TP scaling)
+
+where single_rank_step_time is the unsharded layer on one rank's resources (one GPU; on CPU one
+rank's threads). The issue's CPU targets compare against DTensor and against one process with the
+whole TP group's threads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from dtrain import plots
+
+TARGET_VS_DTENSOR = 0.75  # hand-rolled / DTensor step time at tp = 2
+TARGET_VS_SAME_THREADS = 1.3  # hand-rolled tp = 2 / one process with the same total threads
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def guide_rows(cfg, entries: list[dict]) -> list[dict]:
+    """summary["guide"]["tp_overhead"]: exactly what the cost model reads."""
+    rows = []
+    for e in entries:
+        rows.append({
+            "tp": e["tp"], "sequence_parallel": e["sequence_parallel"], "step_time_s": e["handrolled_s"],
+            "single_rank_step_time_s": e["single_s"], "dtensor_step_time_s": e["dtensor_s"],
+            "comm_share": e["comm_share"], "comm_bytes_per_layer": e["comm_bytes_per_layer"],
+            "overhead_factor": e["handrolled_s"] * e["tp"] / e["single_s"],
+            "batch": cfg.batch, "seq": cfg.seq, "d_model": cfg.d_model, "n_head": cfg.n_head,
+            "n_kv_head": cfg.n_kv_head or cfg.n_head})
+    return rows
+
+
+def targets(entries: list[dict]) -> list[dict]:
+    out = []
+    for e in entries:
+        if e["tp"] != 2:
+            continue
+        vs_dt = _ratio(e["handrolled_s"], e["dtensor_s"])
+        vs_st = _ratio(e["handrolled_s"], e["single_same_threads_s"])
+        out.append({"sequence_parallel": e["sequence_parallel"],
+                    "handrolled_over_dtensor": vs_dt, "target_over_dtensor": TARGET_VS_DTENSOR,
+                    "met_over_dtensor": None if vs_dt is None else vs_dt <= TARGET_VS_DTENSOR,
+                    "handrolled_over_same_threads": vs_st, "target_over_same_threads": TARGET_VS_SAME_THREADS,
+                    "met_over_same_threads": None if vs_st is None else vs_st <= TARGET_VS_SAME_THREADS})
+    return out
+
+
+def _ms(s):
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def _x(r):
+    return "-" if r is None else f"{r:.2f}"
+
+
+def print_table(df: pd.DataFrame, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("tp", "SP", "hand ms", "async ms", "DTensor ms", "single ms", "same-thr ms",
+                "hand/DT", "hand/same-thr", "overhead", "comm share", "comm KiB/layer"):
+        t.add_column(col, justify="right")
+    for _, r in df.iterrows():
+        t.add_row(str(r.tp), "on" if r.sequence_parallel else "off", _ms(r.handrolled_s), _ms(r.handrolled_async_s),
+                  _ms(r.dtensor_s), _ms(r.single_s), _ms(r.single_same_threads_s),
+                  _x(_ratio(r.handrolled_s, r.dtensor_s)), _x(_ratio(r.handrolled_s, r.single_same_threads_s)),
+                  _x(r.overhead_factor), f"{r.comm_share:.1%}", f"{r.comm_bytes_per_layer / 1024:.0f}")
+    Console(stderr=False).print(t)
+
+
+def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
+    impls = {"handrolled_s": "hand-rolled", "handrolled_async_s": "hand-rolled async",
+             "dtensor_s": "DTensor", "single_s": "single rank", "single_same_threads_s": "single, tp x threads"}
+    long = df.melt(id_vars=["tp", "sequence_parallel"], value_vars=[c for c in impls if c in df], var_name="impl",
+                   value_name="s").dropna()
+    long["impl"] = long["impl"].map(impls)
+    long["ms"] = long["s"] * 1e3
+    long["setting"] = long.apply(lambda r: f"tp={r.tp} SP={'on' if r.sequence_parallel else 'off'}", axis=1)
+    import seaborn as sns
+
+    fig, axes = plots.figure(ncols=2)
+    sns.barplot(long, x="setting", y="ms", hue="impl", ax=axes[0][0])
+    axes[0][0].set(title="forward+backward per layer", xlabel="", ylabel="ms (median)")
+    sns.lineplot(df, x="tp", y="overhead_factor", hue="sequence_parallel", marker="o", ax=axes[0][1])
+    axes[0][1].axhline(1.0, color="grey", ls="--", lw=1)
+    axes[0][1].set(title="TP overhead factor (1 = perfect)", ylabel="step time x tp / single rank")
+    fig.suptitle(title)
+    return plots.save(fig, path)
+
+
+def finalize(run_dir: Path, cfg, result: dict) -> dict:
+    entries = result["entries"]
+    df = pd.DataFrame(entries)
+    df["overhead_factor"] = df.handrolled_s * df.tp / df.single_s
+    title = (f"tp-attention {cfg.module}: b={cfg.batch} s={cfg.seq} d={cfg.d_model} heads={cfg.n_head}"
+             f"/{cfg.n_kv_head or cfg.n_head} {cfg.dtype} on {result['device']} ({result['backend']})")
+    print_table(df, title)
+    df.drop(columns=["op_counts", "dtensor_collectives"]).to_csv(Path(run_dir) / "tp_overhead.csv", index=False)
+    plot(df, Path(run_dir) / "tp_step_time.png", title)
+    checked = targets(entries)
+    for t in checked:
+        print(f"targets at tp=2, SP={'on' if t['sequence_parallel'] else 'off'}: "
+              f"hand/DTensor {_x(t['handrolled_over_dtensor'])} (<= {TARGET_VS_DTENSOR}), "
+              f"hand/same-threads {_x(t['handrolled_over_same_threads'])} (<= {TARGET_VS_SAME_THREADS})")
+    return {"device": result["device"], "backend": result["backend"], "threads_per_rank": result["threads_per_rank"],
+            "guide": {"tp_overhead": guide_rows(cfg, entries), "device": result["device"], "backend": result["backend"]},
+            "targets": checked, "entries": entries}
