@@ -21,13 +21,18 @@ KINDS = ("inf", "nan", "huge")
 TENSORS = ("activation", "gradient")
 
 
+def kind_of(fault: dict) -> str:
+    """YAML reads a bare `inf` / `nan` as a float; both spellings mean the same fault."""
+    return str(fault.get("kind", "inf")).lower()
+
+
 def check(faults, module_names: set[str]) -> None:
     for i, f in enumerate(faults or []):
         where = f"faults[{i}]"
         for key in ("step", "layer"):
             if key not in f:
                 raise UserError(f"{where} needs '{key}': e.g. {{step: 10, layer: blocks.0.mlp.w1, kind: inf}}")
-        if f.get("kind", "inf") not in KINDS:
+        if kind_of(f) not in KINDS:
             raise UserError(f"{where}.kind={f['kind']!r} is not one of {', '.join(KINDS)}")
         if f.get("tensor", "activation") not in TENSORS:
             raise UserError(f"{where}.tensor={f['tensor']!r} is not one of {', '.join(TENSORS)}")
@@ -47,7 +52,7 @@ def corrupt(t: torch.Tensor, kind: str, factor: float) -> torch.Tensor:
 class FaultInjector(Callback):
     def __init__(self, faults, rank: int):
         self.faults = [dict(step=int(f["step"]), layer=str(f["layer"]), tensor=f.get("tensor", "activation"),
-                            kind=f.get("kind", "inf"), rank=f.get("rank", 0), repeat=int(f.get("repeat", 1)),
+                            kind=kind_of(f), rank=f.get("rank", 0), repeat=int(f.get("repeat", 1)),
                             factor=float(f.get("factor", 1e4)), fired=0) for f in (faults or [])]
         self.rank = rank
         self.active: list[dict] = []

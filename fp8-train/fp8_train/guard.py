@@ -4,7 +4,8 @@ Every step the Trainer all-reduces loss and grad norm, so a NaN or Inf on any ra
 non-finite on every rank and all ranks climb the same rung at the same step:
 
     1. skip the update                                   (each bad step; event `nonfinite`)
-    2. after `lr_cut_after` bad steps in a row: LR x `lr_cut_factor`         (event `lr_cut`)
+    2. after `lr_cut_after` bad steps in a row: LR x `lr_cut_factor`         (event `lr_cut`);
+       undone one notch per `lr_restore_after` clean steps in a row          (event `lr_restore`)
     3. after `rollback_after` in a row: reload the last good checkpoint, and skip the batches
        that went bad when the replay reaches them                           (event `rollback`)
     4. optionally switch the first offending layer to high precision (event `layer_to_high_precision`)
@@ -36,6 +37,7 @@ class NanGuard(Callback):
     def __init__(self, cfg):
         self.cfg = cfg
         self.bad_in_a_row = 0
+        self.good_in_a_row = 0
         self.nan_events = 0
         self.rollbacks = 0
         self.skip_positions: set[int] = set()
@@ -101,8 +103,14 @@ class NanGuard(Callback):
 
     def before_optimizer_step(self, trainer, step: int, loss: float, grad_norm: float) -> bool:
         if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.bad_in_a_row, self.streak_positions = 0, []
+            self.bad_in_a_row, self.streak_positions, self._offender = 0, [], None
+            self.good_in_a_row += 1
+            restore = int(self.cfg.get("lr_restore_after", 0) or 0)
+            if restore and trainer.lr_scale < 1.0 and self.good_in_a_row % restore == 0:
+                trainer.lr_scale = min(1.0, trainer.lr_scale / float(self.cfg.lr_cut_factor))
+                trainer.ctx.writer.event("recovery", step=step, action="lr_restore", lr_scale=trainer.lr_scale)
             return True
+        self.good_in_a_row = 0
         w = trainer.ctx.writer
         if trainer.grad_scaler is not None and math.isfinite(loss):
             w.event("fp16_overflow", step=step, loss_scale=float(trainer.grad_scaler.get_scale()))
@@ -110,7 +118,7 @@ class NanGuard(Callback):
         self.nan_events += 1
         self.bad_in_a_row += 1
         self.streak_positions.append(self._position)
-        self._offender = self._first_bad("activation") or self._first_bad("gradient")
+        self._offender = self._first_bad("activation") or self._first_bad("gradient") or self._offender
         w.event("nonfinite", step=step, loss=str(loss), grad_norm=str(grad_norm),
                 first_nonfinite_activation=self._first_bad("activation"),
                 first_nonfinite_gradient=self._first_bad("gradient"),

@@ -123,7 +123,7 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     table.add_row(cfg.recipe, result["precision"], f"{loss:.4f}" if loss is not None else "-",
                   f"{result['tokens_per_s']:.0f}", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB",
                   str(result["nan_events"]), str(result["rollbacks"]), ", ".join(result["high_precision_layers"]) or "-")
-    Console(stderr=False).print(table)
+    Console(width=160).print(table)
     for note in result.get("notes", []):
         print(f"note: {note}")
     dashboard.render([run_dir], run_dir)

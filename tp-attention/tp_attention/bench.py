@@ -12,7 +12,10 @@ and a few under torch.profiler, whose `tp_comm:*` ranges give the communication 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,12 +57,15 @@ def comm_share(step, n_steps: int, device: torch.device) -> float:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(n_steps):
-            with record_function("tp_step"):
-                step()
-                synchronize(device)
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    with _quiet_stderr():  # kineto prints a line at every start and stop
+        prof.__enter__()
+    for _ in range(n_steps):
+        with record_function("tp_step"):
+            step()
+            synchronize(device)
+    with _quiet_stderr():
+        prof.__exit__(None, None, None)
     stats = prof.key_averages()
     step_us = sum(e.cpu_time_total for e in stats if e.key == "tp_step")
     if cuda:
@@ -67,6 +73,42 @@ def comm_share(step, n_steps: int, device: torch.device) -> float:
     else:
         comm_us = sum(e.cpu_time_total for e in stats if e.key.startswith("tp_comm:"))
     return comm_us / step_us if step_us else float("nan")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class Turns:
+    """Lets some ranks measure while the others wait without burning a core: a rank blocked in a
+    gloo collective busy-polls (measured here: a 1-thread GEMM on rank 0 ran ~2x slower while
+    rank 1 sat in dist.barrier() on this 2-core host), so waiting ranks block on the
+    rendezvous store instead, until rank 0 says the turn is over."""
+
+    def __init__(self, timeout_s: float):
+        self.turn, self.timeout = 0, timedelta(seconds=timeout_s)
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        self.store = get_store() if get_store else None
+
+    def take(self, active: bool, leader: bool, fn):
+        """`fn()` on the active ranks; the others wait until the leader (rank 0) finished it."""
+        key, self.turn = f"tp_attention/turn/{self.turn}", self.turn + 1
+        result = fn() if active else None
+        if self.store is None:
+            dist.barrier()
+        elif leader:
+            self.store.set(key, "done")
+        elif not active:
+            self.store.wait([key], self.timeout)
+        return result
 
 
 def _timed(step, cfg, device, group) -> dict:
@@ -131,19 +173,22 @@ def rank_fn(ctx: RankContext) -> dict:
     single_cache: dict[int, dict] = {}
     entries = []
     combos = [(tp, sp) for tp in tp_degrees(cfg) for sp in as_list(cfg.sequence_parallel)]
+    turns = Turns(cfg.dist_timeout_s)
     for tp, sp in _progress(combos, ctx.is_main):
         groups = make_tp_groups(tp, n_kv)  # collective: every rank, same order
-        measured = None
-        if groups is not None and ctx.rank < tp:  # the first group measures, the others wait
-            measured = measure_tp(cfg, tp, sp, groups, ref, x, g, device)
-        dist.barrier()
-        if ctx.is_main:
+        # The first TP group (ranks 0..tp-1) measures; then rank 0 alone runs the single baselines.
+        measured = turns.take(groups is not None and ctx.rank < tp, ctx.is_main,
+                              lambda: measure_tp(cfg, tp, sp, groups, ref, x, g, device))
+
+        def singles():
             wanted = [threads] + ([tp * threads] if device.type == "cpu" and tp > 1 else [])
             for n in wanted:
-                if n not in single_cache and "single" in as_list(cfg.impls):
+                if n not in single_cache:
                     single_cache[n] = measure_single(cfg, ref, x, g, device, n if device.type == "cpu" else None)
-            entries.append(_entry(cfg, ctx, tp, sp, measured, single_cache.get(threads),
-                                  single_cache.get(tp * threads) if tp > 1 else single_cache.get(threads), threads))
+            same = single_cache.get(tp * threads) if device.type == "cpu" else None
+            entries.append(_entry(cfg, ctx, tp, sp, measured, single_cache[threads], same, threads))
+
+        turns.take(ctx.is_main, ctx.is_main, singles)
         dist.barrier()
     return {"entries": entries, "device": device.type, "backend": ctx.backend, "threads_per_rank": threads}
 

@@ -72,7 +72,10 @@ def print_table(df: pd.DataFrame, title: str) -> None:
                   _ms(r.dtensor_s), _ms(r.single_s), _ms(r.single_same_threads_s),
                   _x(_ratio(r.handrolled_s, r.dtensor_s)), _x(_ratio(r.handrolled_s, r.single_same_threads_s)),
                   _x(r.overhead_factor), f"{r.comm_share:.1%}", f"{r.comm_bytes_per_layer / 1024:.0f}")
-    Console(stderr=False).print(t)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # piped or captured: do not squeeze the columns
+    console.print(t)
 
 
 def plot(df: pd.DataFrame, path: Path, title: str) -> Path:

@@ -299,9 +299,10 @@ def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:
     return LinkModel(a.value, b.value) if a and b else None
 
 
-KEEP_BF16_PUBLISHED = (["tok_emb", "lm_head"], "datasheet/published: embedding and output projection stay in "
-                       "high precision in every FP8 recipe (TransformerEngine and torchao float8 convert "
-                       "only nn.Linear inside the blocks; torchtitan skips the output layer)")
+KEEP_BF16_PUBLISHED = (["tok_emb", "lm_head"], "datasheet/published: convention, not a measurement: FP8 recipes "
+                       "replace the GEMMs of the transformer blocks (TransformerEngine te.Linear, torchao "
+                       "Float8Linear); the embedding is a lookup with no FP8 GEMM, and the output projection "
+                       "is commonly left in BF16 because the logits need the widest range")
 
 
 def _keep(kept: list[tuple[Source, list[str]]], gpu_only: bool) -> tuple[list[str], str]:

@@ -35,6 +35,7 @@ class Check:
     measured_s: float
     predicted_s: float
     basis: str
+    detail: str = ""  # where the difference sits, when the run measured its parts
 
     @property
     def error(self) -> float:
@@ -132,8 +133,13 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None) -> list[Check]:
                  "in-sample: compute efficiency from this run, only communication predicted")
         cluster = host_cluster(r.guide["peak_flops"], r.layout.dp, link or LinkModel(0, 1e30))
         t = step_time(r.shape, r.layout, cluster, _calib(eff, basis, overlap), value_bytes=r.value_bytes)
+        exposed = r.guide.get("exposed_comm_s")
+        detail = "" if exposed is None else (
+            f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted {t.dp_comm_exposed * 1e3:.0f} ms; "
+            f"rest measured {(r.guide['step_time_s'] - exposed) * 1e3:.0f} ms vs predicted "
+            f"{(t.total - t.dp_comm_exposed) * 1e3:.0f} ms")
         out.append(Check("fsdp-scaling", r.run, f"{r.guide['strategy']} x{r.layout.dp} step", r.guide["step_time_s"],
-                         t.total, basis))
+                         t.total, basis, detail))
     return out
 
 
@@ -193,10 +199,13 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
                 shown_single = True
             if row["tp"] < 2:
                 continue
-            predicted = single / row["tp"] + tp_modelled_comm_s(row, link, regions)
+            comm = tp_modelled_comm_s(row, link, regions)
             sp = " sp" if row["sequence_parallel"] else ""
+            detail = (f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms (profile) vs "
+                      f"predicted {comm * 1e3:.0f} ms")
             out.append(Check("tp-attention", display_path(run.path, base), f"one layer, tp={row['tp']}{sp}",
-                             row["step_time_s"], predicted, "efficiency from fsdp-scaling; raw alpha-beta TP comm"))
+                             row["step_time_s"], single / row["tp"] + comm,
+                             "efficiency from fsdp-scaling; raw alpha-beta TP comm", detail))
     return out
 
 

@@ -1,0 +1,94 @@
+"""`dtrain guide [--results results] [--out PARALLELISM_GUIDE.md]`: regenerate the guide.
+
+Calibrates the cost model from the run directories under --results (through dtrain.results),
+computes the decision matrix, derives its rules, checks the model against the local runs, draws
+the plots (into docs/guide/ beside the guide by default) and writes the markdown atomically.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+from dtrain.costmodel.calibrate import calibrate, display_path
+from dtrain.costmodel.hardware import load_profiles
+from dtrain.errors import UserError
+from dtrain.metrics import write_text_atomic
+from dtrain.results import find_runs
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("guide", help="regenerate PARALLELISM_GUIDE.md from measured results",
+                       description=__doc__.split("\n")[0])
+    p.add_argument("--results", action="append", metavar="DIR",
+                   help="run dirs or folders above them (repeatable; default: results)")
+    p.add_argument("--no-results", action="store_true", help="datasheet/published values only, no runs read")
+    p.add_argument("--out", default="PARALLELISM_GUIDE.md", help="markdown file to write (default PARALLELISM_GUIDE.md)")
+    p.add_argument("--plots-dir", help="where the PNGs go (default: docs/guide/ beside --out)")
+    p.add_argument("--gpu", default="h100-sxm", choices=sorted(load_profiles()),
+                   help="GPU of the decision matrix (default h100-sxm)")
+    p.set_defaults(func=run)
+
+
+def _progress():
+    """A rich progress bar on stderr for the matrix (plain when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("decision matrix"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, disable=not console.is_terminal)
+    return bar
+
+
+def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path | None = None,
+             gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
+    """Write the guide and its plots; returns (guide path, plot paths)."""
+    from .figures import draw_all
+    from .local_check import local_checks
+    from .matrix import compute_matrix
+    from .render import render
+    from .rules import derive_rules
+
+    out = Path(out)
+    plots_dir = Path(plots_dir) if plots_dir else out.parent / "docs" / "guide"
+    results = list(results or [])
+    for r in results:
+        if not Path(r).exists():
+            raise UserError(f"no such results path: {r}: run `dtrain capstone` first, pass --results DIR, "
+                            "or --no-results for a datasheet-only guide")
+    base = Path.cwd()
+    skipped = sorted(display_path(r.path, base) for r in find_runs(results) if r.status != "complete") if results else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped runs are named in the guide itself
+        report = calibrate(results, base=base, warn=False)
+    bar = _progress()
+    with bar:
+        task = bar.add_task("matrix", total=None)
+        cells = compute_matrix(report.cluster, report.cluster_links, gpu,
+                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+    checks = local_checks(report, base)
+    plot_paths = draw_all(cells, checks, plots_dir)
+    label = ", ".join(display_path(Path(r), base) for r in results) or "(none: --no-results)"
+    text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, text)
+    if not quiet:
+        for p in plot_paths:
+            print(f"wrote plot {p}")
+        print(f"wrote {out} ({len(cells)} matrix cells, {len(checks)} local checks, {len(report.runs)} runs read)")
+    return out, plot_paths
+
+
+def run(args) -> int:
+    if args.no_results and args.results:
+        raise UserError("--no-results and --results exclude each other")
+    results = [] if args.no_results else (args.results or ["results"])
+    generate(results, args.out, args.plots_dir, args.gpu)
+    return 0
+
+
+if __name__ == "__main__":
+    from dtrain.cli import main
+
+    sys.exit(main(["guide", *sys.argv[1:]]))

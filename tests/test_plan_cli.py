@@ -1,0 +1,111 @@
+"""`dtrain plan`: units, output, JSON, exit codes; and the pruned search the guide relies on."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import py
+from dtrain.cli import main
+from dtrain.costmodel import Cluster, ModelShape, memory_per_gpu, search
+
+FIXTURES = Path(__file__).parent / "fixtures" / "results"
+BASE = ["plan", "--params", "70e9", "--gpus", "512", "--gpus-per-node", "8", "--nvlink-gbps", "900", "--ib-gbps", "400"]
+
+
+def plan(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_text_output_has_choice_memory_time_and_runners_up(capsys):
+    code, out, _ = plan(capsys, *BASE)
+    assert code == 0
+    # units: 900 GB/s bidirectional -> 450 per direction; 400 Gbit/s -> 50 GB/s
+    assert "NVLink 450 GB/s per direction (900 GB/s both)" in out
+    assert "400 Gbit/s = 50 GB/s per GPU" in out
+    choice = re.search(r"choice:\s+dp=(\d+) tp=(\d+) pp=(\d+)", out)
+    assert choice and int(choice[1]) * int(choice[2]) * int(choice[3]) == 512
+    assert re.search(r"step time\s+[\d.]+ s = compute", out) and re.search(r"MFU \d+\.\d%", out)
+    used, usable = map(float, re.search(r"memory/GPU\s+([\d.]+) GiB of ([\d.]+) GiB usable", out).groups())
+    assert used <= usable == 72.0
+    assert "why the runners-up lost:" in out and "slower;" in out
+
+
+def test_json_answer_matches_a_direct_search(capsys):
+    code, out, _ = plan(capsys, *BASE, "--json")
+    assert code == 0
+    ans = json.loads(out)
+    assert ans["fits"] and ans["cluster"]["intra_node_GBps_per_direction"] == 450
+    assert ans["cluster"]["inter_node_Gbps_per_gpu"] == 400
+    shape = ModelShape.from_params(70e9)
+    direct = search(shape, Cluster.from_profile("h100-sxm", 512, 8, 400, 450), 1024).best
+    c = ans["choice"]
+    assert c["describe"] == direct.describe()
+    assert c["step_time_s"]["total"] == pytest.approx(direct.time.total)
+    assert c["memory_bytes"]["total"] == pytest.approx(memory_per_gpu(shape, direct).total)
+    assert ans["calibration"]["mfu"]["provenance"].startswith("datasheet/published:")
+
+
+def test_shape_flags_and_gpu_choice(capsys):
+    code, out, _ = plan(capsys, "plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+                        "--seq", "2048", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "256", "--json")
+    ans = json.loads(out)
+    assert code == 0 and ans["model"]["kv_heads"] == 8 and ans["model"]["seq"] == 2048
+    assert ans["cluster"]["gpu"] == "a100-80gb" and ans["cluster"]["intra_node_GBps_per_direction"] == 300
+    assert ans["choice"]["dp"] * ans["choice"]["micro_batch"] * ans["choice"]["grad_accum"] == 256
+
+
+def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
+    code, out, err = plan(capsys, "plan", "--params", "405e9", "--gpus", "8", "--gpu", "a100-40gb")
+    assert code == 1
+    assert re.search(r"does not fit: even the smallest plan .* needs [\d.]+ GiB per GPU > 36.0 GiB usable", out)
+    assert "hint:" in err
+    code, out, _ = plan(capsys, "plan", "--params", "405e9", "--gpus", "8", "--gpu", "a100-40gb", "--json")
+    assert code == 1 and json.loads(out)["fits"] is False and json.loads(out)["choice"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--params", "7e9", "--gpus", "12"], "not a whole number of 8-GPU nodes"),
+    (["--params", "7e9", "--layers", "4", "--gpus", "8"], "either --params or the shape"),
+    (["--layers", "4", "--gpus", "8"], "needs --params, or all of"),
+    (["--params", "-1", "--gpus", "8"], "must be positive"),
+    (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"], "bad model shape"),
+    (["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no FP8 tensor cores"),
+    (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "--ib-gbps 0 must be positive"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, args, message):
+    code, out, err = plan(capsys, "plan", *args)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_results_calibrate_from_gpu_runs_only(capsys):
+    code, out, _ = plan(capsys, *BASE, "--results", str(FIXTURES / "cpu"), "--json")
+    ans = json.loads(out)
+    assert code == 0 and ans["calibration"]["mfu"]["provenance"].startswith("datasheet/published:")
+    assert any("measured on CPU ignored" in n for n in ans["notes"])
+    code, out, _ = plan(capsys, *BASE, "--results", str(FIXTURES / "gpu"), "--json")
+    ans = json.loads(out)
+    assert ans["calibration"]["mfu"]["provenance"].startswith("measured here:")
+    assert ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(0.8 * 450)
+
+
+def test_console_script_exit_codes():
+    ok = py("-m", "dtrain.cli", "plan", "--params", "7e9", "--gpus", "8", timeout=60)
+    assert ok.returncode == 0 and "choice:" in ok.stdout
+    bad = py("-m", "dtrain.cli", "plan", "--params", "7e9", "--gpus", "12", timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:")
+
+
+@pytest.mark.parametrize("params, gpus, gpu, link", [(7e9, 8, "h100-sxm", None), (70e9, 256, "h100-sxm", 32),
+                                                     (13e9, 64, "a100-80gb", None), (405e9, 1024, "h200", None)])
+def test_pruned_search_finds_the_same_best(params, gpus, gpu, link):
+    shape = ModelShape.from_params(params)
+    cluster = Cluster.from_profile(gpu, gpus, 8, ib_gbit_per_gpu=100, nvlink_gbps_per_dir=link)
+    full, pruned = search(shape, cluster, 512), search(shape, cluster, 512, prune=True)
+    assert (full.best is None) == (pruned.best is None)
+    if full.best is not None:
+        assert pruned.best.describe() == full.best.describe()
+        assert pruned.best.time.total == full.best.time.total
+        assert len(pruned.ranked) < len(full.ranked)

@@ -1,0 +1,88 @@
+"""`python -m tp_attention` end to end on 2 CPU ranks: run dir, records, guide contract, errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import py
+from dtrain import results
+from tp_attention import comm
+
+TINY = ["batch=1", "seq=16", "d_model=32", "n_head=4", "warmup=1", "iters=2", "profile_steps=1"]
+GUIDE_KEYS = {"tp", "sequence_parallel", "step_time_s", "single_rank_step_time_s", "dtensor_step_time_s",
+              "comm_share", "comm_bytes_per_layer", "overhead_factor", "batch", "seq", "d_model", "n_head",
+              "n_kv_head"}
+
+
+def test_tiny_run_writes_the_guide_contract(tmp_path):
+    out = py("-m", "tp_attention", *TINY, f"results_dir={tmp_path}", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [run] = results.complete_runs([tmp_path])
+    guide = run.summary["guide"]
+    assert guide["device"] == "cpu" and guide["backend"] == "gloo"
+    assert run.summary["device"] == "cpu" and run.summary["backend"] == "gloo"
+    rows = guide["tp_overhead"]
+    assert [(r["tp"], r["sequence_parallel"]) for r in rows] == [(2, False), (2, True)]
+    for r in rows:
+        assert set(r) == GUIDE_KEYS
+        assert r["comm_bytes_per_layer"] == comm.expected_wire_bytes(
+            batch=1, seq=16, d_model=32, n_head=4, n_kv_head=4, tp=2, sequence_parallel=r["sequence_parallel"])["activation"]
+        assert r["comm_bytes_per_layer"] == 4 * 2 * 16 * 32 * 4 // 2  # 4 all-reduces, 2(n-1)/n of 2 KiB
+        assert r["overhead_factor"] == pytest.approx(r["step_time_s"] * 2 / r["single_rank_step_time_s"])
+        assert 0 < r["comm_share"] < 1 and r["dtensor_step_time_s"] > 0
+
+    steps = results.load([tmp_path], kind="step")
+    assert set(steps.impl) == {"handrolled", "handrolled_async", "dtensor", "single", "single_same_threads"}
+    comm_rows = results.load([tmp_path], kind="comm")
+    assert all(r.analytic == r.counted for r in comm_rows.itertuples())
+    assert (run.path / "tp_step_time.png").stat().st_size > 0
+    assert "tp_overhead.csv" in {p.name for p in run.path.iterdir()}
+    assert "wrote plot" in out.stdout and "hand/DTensor" in out.stdout
+
+
+def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
+    out = py("-m", "tp_attention", *TINY, "n_kv_head=1", "sequence_parallel=false",
+             "impls=[single,handrolled,dtensor]", f"results_dir={tmp_path}", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [row] = json.loads(next(tmp_path.rglob("summary.json")).read_text())["guide"]["tp_overhead"]
+    assert row["dtensor_step_time_s"] is None and row["n_kv_head"] == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["n_head=6", "d_model=48", "world_size=4", "tp=4"], "n_head=6 is not divisible by tp=4"),
+    (["tp=4"], "tp=4 is larger than world_size=2"),
+    (["sequence_parallel=true", "seq=15"], "seq=15 divisible by tp=2"),
+])
+def test_bad_input_is_one_line_exit_2_no_run_dir(tmp_path, args, message):
+    out = py("-m", "tp_attention", *args, f"results_dir={tmp_path}", timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert not list(tmp_path.rglob("config.yaml"))
+
+
+def test_parity_bad_tp_is_one_line(tmp_path):
+    out = py("-m", "tp_attention.parity", "world_size=2", "tp=[1,4]", f"results_dir={tmp_path}", timeout=60)
+    assert out.returncode == 2 and "tp=4 is larger than world_size=2" in out.stderr
+
+
+@pytest.mark.slow
+def test_local_multirun_sweep(tmp_path):
+    out = py("-m", "tp_attention", "-m", *TINY, "sequence_parallel=false,true", "impls=[single,handrolled]",
+             f"results_dir={tmp_path}", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    df = results.load_runs([tmp_path])
+    assert sorted(df["sequence_parallel"]) == [False, True]
+    assert all("/multirun-" in r for r in df["run"])
+
+
+@pytest.mark.slurm
+def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
+    out = py("-m", "tp_attention", "-m", *TINY, "tp=1,2", "sequence_parallel=false", "impls=[single,handrolled]",
+             "world_size=2", f"results_dir={tmp_path}", "hydra/launcher=submitit_slurm",
+             "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
+             "hydra.launcher.mem_gb=2", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    df = results.load_runs([tmp_path])
+    assert sorted(df["tp"]) == [1, 2]
