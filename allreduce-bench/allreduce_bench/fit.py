@@ -6,8 +6,8 @@
 Linear in x = S·c: t = α + x·(1/β). Sizes are swept geometrically and their times span orders of
 magnitude, so an ordinary least squares fit would be decided by the largest sizes alone and leave
 α to their noise; we minimise *relative* residuals instead (weights 1/t²), so every size counts
-alike. A negative α (noise at the small sizes) is refitted with α = 0 and flagged. R² is the
-ordinary coefficient of determination of the fitted line on the measured times.
+alike. A negative α (noise at the small sizes) is refitted with α = 0 and flagged. R² is that of
+the weighted regression (relative residuals), so small sizes count in it as much as large ones.
 """
 from __future__ import annotations
 
@@ -28,9 +28,12 @@ class Fit:
         return asdict(self)
 
 
-def r_squared(y: np.ndarray, predicted: np.ndarray) -> float:
-    ss_res = float(((y - predicted) ** 2).sum())
-    ss_tot = float(((y - y.mean()) ** 2).sum())
+def r_squared(y: np.ndarray, predicted: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """1 - SS_res/SS_tot, with the regression's weights (none: the ordinary R²)."""
+    w = np.ones_like(y) if weights is None else weights
+    mean = float((w * y).sum() / w.sum())
+    ss_res = float((w * (y - predicted) ** 2).sum())
+    ss_tot = float((w * (y - mean) ** 2).sum())
     return 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
 
 
@@ -51,7 +54,7 @@ def fit_alpha_beta(nbytes, seconds, bus_factor: float) -> Fit | None:
     if slope <= 0:
         return None
     return Fit(alpha_us=float(alpha) * 1e6, beta_GBps=1.0 / float(slope) / 1e9,
-               r2=r_squared(y, alpha + slope * x), n_points=len(x), alpha_clamped=clamped)
+               r2=r_squared(y, alpha + slope * x, w**2), n_points=len(x), alpha_clamped=clamped)
 
 
 def predict_seconds(fit: Fit, nbytes: float, bus_factor: float) -> float:

@@ -54,3 +54,5 @@ def test_no_fit_without_a_line():
 def test_r_squared_by_hand():
     y = np.array([1.0, 2.0, 3.0])
     assert r_squared(y, np.array([1.0, 2.0, 4.0])) == pytest.approx(1 - 1 / 2)
+    # weights 1, 1, 2: weighted mean 2.25, SS_tot = 1.5625 + 0.0625 + 2 * 0.5625, SS_res = 2 * 1
+    assert r_squared(y, np.array([1.0, 2.0, 4.0]), np.array([1.0, 1.0, 2.0])) == pytest.approx(1 - 2 / 2.75)

@@ -69,30 +69,64 @@ def test_bad_fault_layer_is_one_line(tmp_path):
     assert r.returncode == 2 and "faults[0].layer='blocks.9.mlp.w1' is not a module" in r.stderr
 
 
-LADDER = ["train.steps=30", "debug.enabled=false", "guard.checkpoint_every=5", *QUIET]
+FAULT = "faults=[{step: 5, layer: blocks.1.mlp.w2, tensor: activation, kind: inf, repeat: 3}]"
 
 
-def test_injected_inf_climbs_the_ladder_and_recovers(tmp_path):
-    fault = "faults=[{step: 8, layer: blocks.1.mlp.w2, tensor: activation, kind: inf, repeat: 3}]"
-    r = py("-m", "fp8_train", f"results_dir={tmp_path / 'fault'}", *LADDER, fault, timeout=180)
+def _train(root: Path, *overrides: str) -> Path:
+    r = py("-m", "fp8_train", f"results_dir={root}", "debug.enabled=false", "guard.checkpoint_every=3", *QUIET,
+           *overrides, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    run = _only_run(tmp_path / "fault")
+    return _only_run(root)
+
+
+def test_injected_inf_climbs_the_ladder_on_every_rank(tmp_path):
+    run = _train(tmp_path, "train.steps=14", FAULT)
     events = load_events([run])
-    actions = list(events.loc[events["kind"] == "recovery", "action"])
-    assert actions[:5] == ["skip_step", "skip_step", "lr_cut", "skip_step", "rollback"]
-    assert "layer_to_high_precision" in actions and "lr_restore" in actions
-    nonfinite = events[events["kind"] == "nonfinite"]
-    assert list(nonfinite["step"]) == [8, 9, 10]
-    assert set(nonfinite["first_nonfinite_activation"]) == {"blocks.1.mlp.w2"}
-    rollback = events[events["action"] == "rollback"].iloc[0]
-    assert rollback["to_step"] == 5 and rollback["skip_data_positions"] == [7, 8, 9]
+    for rank in (0, 1):  # the loss is all-reduced: rank 1 climbs the same rungs at the same steps
+        mine = events[events["rank"] == rank]
+        actions = list(mine.loc[mine["kind"] == "recovery", "action"])
+        assert actions[:6] == ["skip_step", "skip_step", "lr_cut", "skip_step", "rollback", "layer_to_high_precision"]
+        assert list(mine.loc[mine["kind"] == "nonfinite", "step"]) == [5, 6, 7]
+    nonfinite = events[(events["kind"] == "nonfinite") & (events["rank"] == 0)]
+    assert set(nonfinite["first_nonfinite_activation"]) == {"blocks.1.mlp.w2"}  # the fault fires on rank 0 only
+    assert events.loc[(events["kind"] == "nonfinite") & (events["rank"] == 1), "first_nonfinite_activation"].isna().all()
+    rollback = events[(events["action"] == "rollback") & (events["rank"] == 0)].iloc[0]
+    assert rollback["to_step"] == 3 and rollback["skip_data_positions"] == [4, 5, 6]
+    skipped = events[(events["kind"] == "skip_batch") & (events["rank"] == 0)]
+    assert list(skipped["data_position"]) == [4, 5, 6]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["guide"]["nan_events"] == 3 and "blocks.1.mlp.w2" in summary["guide"]["high_precision_layers"]
-    steps = load([run], kind="step")
-    assert steps["step"].max() == 30 and steps.drop_duplicates("step", keep="last")["loss"].notna().all()
-    clean = py("-m", "fp8_train", f"results_dir={tmp_path / 'clean'}", *LADDER, timeout=180)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    clean_loss = json.loads((_only_run(tmp_path / "clean") / "summary.json").read_text())["guide"]["final_loss"]
-    # Seed noise of this config's final loss (fp32 and FP8, 3 seeds; README "Results") is ~0.05;
-    # the recovered run must land inside a 2-sigma band of the clean one.
-    assert abs(summary["guide"]["final_loss"] - clean_loss) < 0.1
+    assert summary["guide"]["nan_events"] == 3 and summary["rollbacks"] == 1
+    assert "blocks.1.mlp.w2" in summary["guide"]["high_precision_layers"]
+    steps = load([run], kind="step").drop_duplicates("step", keep="last")
+    assert steps["step"].max() == 14 and steps["loss"].notna().all()
+
+
+@pytest.mark.slow
+def test_recovered_run_ends_within_noise_of_the_clean_run(tmp_path):
+    # 80 steps: a recovery costs a few half-LR steps, which at 40 steps (loss still falling 0.05 per
+    # step) is a visible lag; nearer convergence it must vanish into the noise.
+    faulted = _train(tmp_path / "fault", "train.steps=80", FAULT)
+    clean = _train(tmp_path / "clean", "train.steps=80")
+    loss = [json.loads((r / "summary.json").read_text())["guide"]["final_loss"] for r in (faulted, clean)]
+    events = load_events([faulted])
+    assert "lr_restore" in set(events["action"].dropna())
+    # Seed std of the default config's final loss is ~0.04 (3 seeds, README "Results"): 0.1 is ~2.5 sigma.
+    assert abs(loss[0] - loss[1]) < 0.1, loss
+
+
+@pytest.mark.slow
+def test_compare_writes_report_and_guide(tmp_path):
+    r = py("-m", "fp8_train", "compare", "--recipes", "fp32,emulated_current", "--seeds", "0,1",
+           f"results_dir={tmp_path}", "world_size=1", "train.strategy=single", "train.steps=6",
+           "debug.enabled=false", *QUIET, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = next((tmp_path / "fp8-train").glob("compare-*"))
+    guide = json.loads((out / "summary.json").read_text())["guide"]
+    assert guide["baseline"] == "fp32" and set(guide["recipes"]) == {"emulated_current"}
+    rec = guide["recipes"]["emulated_current"]
+    assert {"speedup", "memory_factor", "final_loss_mean", "final_loss_std", "within_noise", "emulated"} == set(rec)
+    assert rec["emulated"] is True
+    assert "lm_head" in guide["keep_high_precision"] and guide["device"] == "cpu"
+    report = (out / "report.md").read_text()
+    assert "Within noise: |mean_r - mean_fp32| <= 2 x std_fp32" in report and (out / "loss_curves.png").exists()
+    assert len(find_runs([out / "runs"])) == 4

@@ -27,7 +27,7 @@ from pathlib import Path
 from dtrain.results import Run, complete_runs
 
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
-from .timemodel import Calibration, Param, allreduce_time
+from .timemodel import Calibration, Param
 
 SHARDED = ("zero2", "zero3", "hsdp")
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}

@@ -24,7 +24,7 @@ def rule_memory_floor(cells: list[Cell]) -> str:
     for p in MODELS:
         ok = [c.gpus for c in _fit(cells) if c.params == p]
         parts.append(f"{model_label(p)} ≥ {min(ok)}" if ok else f"{model_label(p)} never")
-    return ("**Memory sets the floor.** Smallest GPU count at which each model fits at all: "
+    return ("**Memory sets the floor.** Smallest GPU count of the grid at which each model fits at all: "
             + ", ".join(parts) + ". Below it no DP×TP×PP, ZeRO stage or recompute setting fits the "
             "weights, gradients, optimizer state and activations in HBM.")
 
