@@ -30,7 +30,8 @@ def run(out: Path, tag: str, overrides: list[str]) -> Path:
 
 def mean_step(run_dir: Path) -> float:
     df = load([run_dir], kind="step")
-    df = df[~df["timing_warmup"].astype(bool)]
+    warm = "warmup_step" if "warmup_step" in df else "timing_warmup"  # the Trainer's flag for warmup steps
+    df = df[~df[warm].astype(bool)]
     return float(df["step_time_s"].mean())
 
 

@@ -50,10 +50,11 @@ def make_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, sync
     return step
 
 
-def comm_share(step, n_steps: int, device: torch.device) -> float:
-    """Communication time / step time over `n_steps` profiled steps. CPU (gloo): the wall time
-    of the `tp_comm:*` ranges (blocking collectives, and the waits of async ones). CUDA: the
-    device time of NCCL kernels."""
+def comm_share(step, n_steps: int, device: torch.device) -> tuple[float, str]:
+    """Communication time / step time over `n_steps` profiled steps, and the profile's op table.
+    CPU (gloo): the wall time of the `tp_comm:*` ranges (blocking collectives, and the waits of
+    async ones; waiting for a slower peer counts as communication). CUDA: the device time of
+    NCCL kernels."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -72,7 +73,8 @@ def comm_share(step, n_steps: int, device: torch.device) -> float:
         comm_us = sum(e.self_device_time_total for e in stats if "nccl" in e.key.lower())
     else:
         comm_us = sum(e.cpu_time_total for e in stats if e.key.startswith("tp_comm:"))
-    return comm_us / step_us if step_us else float("nan")
+    table = stats.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25)
+    return (comm_us / step_us if step_us else float("nan")), table
 
 
 @contextlib.contextmanager
@@ -131,12 +133,12 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     out["counted"] = {tag: counter.wire_bytes(tag) for tag in (comm.ACTIVATION, comm.GRAD_SYNC)}
     out["payload_bytes"] = counter.payload_bytes()
     out["op_counts"] = counter.op_counts()
-    out["comm_share"] = comm_share(step, cfg.profile_steps, device) if tp > 1 else 0.0
+    out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile_steps, device) if tp > 1 else (0.0, "")
     if "handrolled_async" in impls:
         hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=True, async_grad_allreduce=True)
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
-        out["comm_share_async"] = comm_share(step, cfg.profile_steps, device) if tp > 1 else 0.0
+        out["comm_share_async"] = comm_share(step, cfg.profile_steps, device)[0] if tp > 1 else 0.0
     if "dtensor" in impls and dtensor_baseline.supported(cfg.n_kv_head or cfg.n_head, tp):
         from torch.distributed.tensor.debug import CommDebugMode
 
@@ -221,6 +223,9 @@ def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
                       dtensor_collectives=m.get("dtensor_collectives"))
     ctx.writer.record("profile", tp=tp, sequence_parallel=sp, comm_share=m["comm_share"],
                       comm_share_async=m.get("comm_share_async"))
+    if m["profile_table"]:  # where the hand-rolled step's time goes, op by op (rank 0)
+        path = ctx.run_dir / f"profile_tp{tp}_sp{'on' if sp else 'off'}.txt"
+        path.write_text(m["profile_table"] + "\n")
     return e
 
 

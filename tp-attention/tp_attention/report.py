@@ -88,12 +88,14 @@ def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
     long["setting"] = long.apply(lambda r: f"tp={r.tp} SP={'on' if r.sequence_parallel else 'off'}", axis=1)
     import seaborn as sns
 
-    fig, axes = plots.figure(ncols=2)
+    fig, axes = plots.figure(ncols=2, width=7.2)
     sns.barplot(long, x="setting", y="ms", hue="impl", ax=axes[0][0])
     axes[0][0].set(title="forward+backward per layer", xlabel="", ylabel="ms (median)")
+    sns.move_legend(axes[0][0], "upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, title=None, frameon=False)
     sns.lineplot(df, x="tp", y="overhead_factor", hue="sequence_parallel", marker="o", ax=axes[0][1])
     axes[0][1].axhline(1.0, color="grey", ls="--", lw=1)
-    axes[0][1].set(title="TP overhead factor (1 = perfect)", ylabel="step time x tp / single rank")
+    axes[0][1].set_xticks(sorted(set(df.tp)))
+    axes[0][1].set(title="TP overhead factor (1 = perfect)", ylabel="step time x tp / single rank", ylim=(0, None))
     fig.suptitle(title)
     return plots.save(fig, path)
 
