@@ -42,7 +42,8 @@ def test_local_values_and_provenance_by_hand():
     assert rep.local.fp8_speedup.value == 0.71 and "recipe emulated" in rep.local.fp8_speedup.provenance
     assert rep.local.fp8_memory_factor.value == 1.06
     link = rep.local_links["intra"]
-    assert (link.alpha_s, link.beta_Bps) == (pytest.approx(62.5e-6), pytest.approx(1.6e9))
+    # the fit's 62.5 µs is a whole 2-rank all_reduce: 2(n-1) = 2 ring hops, so 31.25 µs per hop
+    assert (link.alpha_s, link.beta_Bps) == (pytest.approx(31.25e-6), pytest.approx(1.6e9))
     assert "inter" not in rep.local_links  # one host: no inter-node fit
     assert rep.keep_bf16_local[0] == ["blocks.0.attn.wq", "lm_head"]
     assert rep.keep_bf16[1].startswith("datasheet/published:")  # CPU numerics do not set the cluster's
@@ -50,9 +51,9 @@ def test_local_values_and_provenance_by_hand():
 
 def test_tp_overhead_is_measured_over_alpha_beta_comm_time():
     rep = calibrate([CPU], base=FIXTURES, warn=False)
-    link = LinkModel(62.5e-6, 1.6e9)
+    link = LinkModel(31.25e-6, 1.6e9)
     # block = 2 TP regions; 4 collectives per region fwd+bwd, 2(n-1) hops each at n = 2
-    modelled = 4194304 / 1.6e9 + 4 * 2 * 1 * 62.5e-6
+    modelled = 4194304 / 1.6e9 + 4 * 2 * 1 * 31.25e-6
     assert tp_modelled_comm_s({"tp": 2, "comm_bytes_per_layer": 4194304}, link, 2) == pytest.approx(modelled)
     ratios = sorted([0.125 * 0.22 / modelled, 0.13 * 0.24 / modelled])
     assert rep.local.tp_overhead.value == pytest.approx(ratios[1])  # median of two = the upper one
@@ -67,7 +68,7 @@ def test_gpu_runs_win_for_the_matrix_and_cpu_values_stay_local():
     assert rep.cluster.tp_overhead.provenance.startswith("datasheet/published:")  # no GPU tp-attention run
     links = rep.cluster_links
     assert links.intra_efficiency.value == pytest.approx(0.8) and links.inter_efficiency.value == pytest.approx(0.82)
-    assert links.intra_alpha_s.value == pytest.approx(14e-6)
+    assert links.intra_alpha_s.value == pytest.approx(14e-6 / 30)  # 16-rank fit: 2(n-1) = 30 hops
     # the local (any device) calibration still takes the latest value: here the GPU one is newer
     assert rep.local.mfu.provenance == rep.cluster.mfu.provenance
 
@@ -76,7 +77,7 @@ def test_link_calibration_scales_the_nominal_rates():
     rep = calibrate([GPU], base=FIXTURES, warn=False)
     c = rep.cluster_links.apply(Cluster.from_profile("h100-sxm", 64, 8, ib_gbit_per_gpu=400))
     assert c.nvlink.beta_Bps == pytest.approx(0.8 * 450e9) and c.ib.beta_Bps == pytest.approx(0.82 * 50e9)
-    assert (c.nvlink.alpha_s, c.ib.alpha_s) == (pytest.approx(14e-6), pytest.approx(22e-6))
+    assert (c.nvlink.alpha_s, c.ib.alpha_s) == (pytest.approx(14e-6 / 30), pytest.approx(22e-6 / 30))
 
 
 def test_latest_run_wins_and_study_reports_are_not_double_counted(tmp_path):

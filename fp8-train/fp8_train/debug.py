@@ -19,6 +19,7 @@ nvdlfw-inspect does (`layers.layer_name_regex_pattern`). Records are computed on
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -42,19 +43,19 @@ def fmt_for(tensor: str, e5m2_saturates: bool = True) -> Format:
 
 
 def roundtrip_stats(x: torch.Tensor, deq: torch.Tensor, scaled: torch.Tensor, fmt: Format) -> dict:
-    """Quantization error of one round trip; float64 so tiny errors are not lost."""
+    """Quantization error of one round trip; float64 so tiny errors are not lost. All sums are
+    stacked into one tensor and read back at once (one device sync per call)."""
     x64, d64 = x.detach().double().reshape(-1), deq.detach().double().reshape(-1)
-    n = x64.numel()
     nonzero = x64 != 0
-    underflow = (nonzero & (d64 == 0)).sum().item()
-    overflow = (scaled.detach().abs() > fmt.max).sum().item()
-    err = (x64 - d64).pow(2).mean().item() if n else 0.0
-    power = x64.pow(2).mean().item() if n else 0.0
-    denom = x64.norm() * d64.norm()
-    cos = (x64 @ d64 / denom).item() if denom > 0 else (1.0 if torch.equal(x64, d64) else 0.0)
-    return {"underflows_pct": 100.0 * underflow / max(1, int(nonzero.sum())),
-            "overflows_pct": 100.0 * overflow / max(1, n), "mse": err,
-            "rel_mse": err / power if power > 0 else 0.0, "cos_sim": cos}
+    sums = torch.stack([(nonzero & (d64 == 0)).sum().double(), nonzero.sum().double(),
+                        (scaled.detach().abs() > fmt.max).sum().double(), (x64 - d64).pow(2).sum(),
+                        x64.pow(2).sum(), d64.pow(2).sum(), x64 @ d64])
+    underflow, n_nonzero, overflow, err, power, dpower, dot = sums.tolist()
+    n = max(1, x64.numel())
+    denom = math.sqrt(power * dpower)
+    cos = dot / denom if denom > 0 else (1.0 if err == 0 else 0.0)
+    return {"underflows_pct": 100.0 * underflow / max(1.0, n_nonzero), "overflows_pct": 100.0 * overflow / n,
+            "mse": err / n, "rel_mse": err / power if power > 0 else 0.0, "cos_sim": cos}
 
 
 def per_tensor_stats(x: torch.Tensor, scale: float, fmt: Format) -> dict:

@@ -148,8 +148,13 @@ def from_allreduce(run: Run, src: Source) -> list[Candidate]:
         alpha, beta = _num(fit.get("alpha_us")), _num(fit.get("beta_GBps"))
         if fit.get("collective") != "all_reduce" or cls is None or alpha is None or not beta:
             continue
-        detail = f"all_reduce {fit.get('dtype', '?')} fit, {fit.get('n_points', '?')} sizes, r²={fit.get('r2', float('nan')):.3f}"
-        out.append(Candidate(f"{cls}_alpha_s", max(alpha, 0.0) * 1e-6, src, detail))
+        # The fit's α is the latency of a whole all_reduce over `world_size` ranks; the time model
+        # charges α per ring hop, 2(n−1) of them, so convert to per-hop latency.
+        n = int(fit.get("world_size") or 2)
+        hops = 2 * (n - 1) if n > 1 else 1
+        detail = (f"all_reduce {fit.get('dtype', '?')} fit over {n} ranks, {fit.get('n_points', '?')} sizes, "
+                  f"r²={fit.get('r2', float('nan')):.3f}; α per hop = α/{hops}")
+        out.append(Candidate(f"{cls}_alpha_s", max(alpha, 0.0) * 1e-6 / hops, src, detail))
         out.append(Candidate(f"{cls}_beta_Bps", beta * 1e9, src, detail))
         pct = _num(fit.get("beta_pct_of_theoretical"))
         if pct:
