@@ -196,10 +196,10 @@ def rank_fn(ctx: RankContext) -> dict:
 
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
-    n_kv = cfg.n_kv_head or cfg.n_head
+    elem_bytes = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     analytic = comm.expected_wire_bytes(batch=cfg.batch, seq=cfg.seq, d_model=cfg.d_model, n_head=cfg.n_head,
-                                        n_kv_head=n_kv, tp=tp, sequence_parallel=sp, module=cfg.module,
-                                        norm=cfg.norm, bias=cfg.bias, elem_bytes=torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size())
+                                        n_kv_head=cfg.n_kv_head or cfg.n_head, tp=tp, sequence_parallel=sp,
+                                        module=cfg.module, norm=cfg.norm, bias=cfg.bias, elem_bytes=elem_bytes)
     if analytic != m["counted"]:
         raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")
     tokens = cfg.batch * cfg.seq
