@@ -17,7 +17,8 @@ output gradient), every `freq` steps and for each recipe it records one `fp8_deb
 The stat names follow nvdlfw-inspect / TE's debug features (underflows%, overflows%, mse,
 cur_amax, scale_inv) where they exist; cos_sim is ours. Layers are chosen the way
 nvdlfw-inspect does (`layers.layer_name_regex_pattern`). Records are computed on rank 0 only
-(its shard of the batch); amaxes are tracked every step so "delayed" means what TE would do.
+(its shard of the batch). "delayed" is what TE would do: for our emulated delayed layers it is the
+layer's own scale; for any other layer the tool tracks an amax history every step (a cost).
 """
 from __future__ import annotations
 
@@ -108,6 +109,7 @@ class DebugTool(Callback):
         self._samples: dict[int, torch.Tensor] = {}
         self.step = 0
         self.layers: list[str] = []
+        self.own_scalers: dict[str, object] = {}  # emulated delayed layers: their real scale state
         self._writer = None
 
     # ---------------------------------------------------------------- hooks
@@ -124,6 +126,8 @@ class DebugTool(Callback):
                     and self.pattern.fullmatch(name):
                 module.register_forward_hook(self._forward_hook(name))
                 self.layers.append(name)
+                if getattr(module, "scaling", None) == "delayed":
+                    self.own_scalers[name] = module
         self._writer.event("debug_layers", layers=self.layers, freq=self.freq, tensors=self.tensors,
                            recipes=self.recipes)
 
@@ -135,8 +139,8 @@ class DebugTool(Callback):
 
     def _forward_hook(self, name: str):
         def hook(module, inputs, output):
-            if not torch.is_grad_enabled():
-                return
+            if not torch.is_grad_enabled() or (name in self.own_scalers and not self.sampling()):
+                return  # an emulated delayed layer keeps its own amax history: nothing to track
             if "activation" in self.tensors:
                 self.observe(name, "activation", inputs[0])
             if "weight" in self.tensors:
@@ -167,12 +171,22 @@ class DebugTool(Callback):
             self._samples[n] = torch.randperm(n, generator=gen)[: self.sample_elements].to(x.device)
         return self._samples[n]
 
+    def delayed_scale(self, layer: str, tensor: str, fmt: Format, history: AmaxHistory) -> float:
+        """The scale delayed scaling uses for this cast: the layer's own (emulated delayed layers;
+        forward hooks run after the cast, the gradient hook before it) or the tracked history's."""
+        module = self.own_scalers.get(layer)
+        if module is None:
+            return history.scale(fmt, self.margin)
+        if tensor == "gradient":
+            return float(module.grad_scaler.scale)
+        return float((module.input_scaler if tensor == "activation" else module.weight_scaler).last_used)
+
     def record(self, layer: str, tensor: str, x: torch.Tensor, amax: float, history: AmaxHistory) -> None:
         fmt = fmt_for(tensor, self.e5m2_saturates)
         sample = self.sample_of(x)
         for recipe in self.recipes:
             if recipe == "delayed":
-                stats = per_tensor_stats(x, history.scale(fmt, self.margin), fmt, sample)
+                stats = per_tensor_stats(x, self.delayed_scale(layer, tensor, fmt, history), fmt, sample)
             elif recipe == "current":
                 stats = per_tensor_stats(x, float(scale_from_amax(amax, fmt, self.margin)), fmt, sample)
             else:

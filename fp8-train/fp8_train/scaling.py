@@ -83,6 +83,7 @@ class DelayedScaler(nn.Module):
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale.clone()
         self.record(amax_of(x))
+        self.last_used = scale  # what this cast used (the debug tool reads it instead of tracking)
         return scale
 
 
