@@ -19,38 +19,32 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def mfu_vs_gpus(cells: list[Cell], path: Path) -> Path:
+def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, title: str) -> Path:
+    """Predicted MFU of the best layout against one swept axis (`x`), one line per model and topology."""
     fig, axes = plots.figure(width=7.5, height=4.5)
     ax = axes[0][0]
     palette = plots.sns.color_palette("colorblind", len(MODELS))
     for color, p in zip(palette, MODELS):
         for topo, style in (("NVLink", "-"), ("PCIe", "--")):
-            pts = sorted((c.gpus, c.mfu) for c in cells if c.params == p and c.topology == topo
-                         and c.ib_gbit == REF_IB and c.fits)
+            pts = sorted((getattr(c, x), c.mfu) for c in cells if c.params == p and c.topology == topo
+                         and keep(c) and c.fits)
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", color=color, label=f"{model_label(p)} {topo}")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(GPU_COUNTS, [str(g) for g in GPU_COUNTS])
-    ax.set(xlabel="GPUs", ylabel="predicted MFU", title=f"Best layout's MFU (IB {REF_IB} Gbit/s per GPU; dashed: PCIe node)")
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set(xlabel=xlabel, ylabel="predicted MFU", title=title)
     ax.legend(ncol=2, fontsize=7)
     return _save(fig, path)
+
+
+def mfu_vs_gpus(cells: list[Cell], path: Path) -> Path:
+    return _mfu_lines(cells, path, "gpus", lambda c: c.ib_gbit == REF_IB, GPU_COUNTS, "GPUs",
+                      f"Best layout's MFU (IB {REF_IB} Gbit/s per GPU; dashed: PCIe node)")
 
 
 def mfu_vs_ib(cells: list[Cell], path: Path) -> Path:
-    fig, axes = plots.figure(width=7.5, height=4.5)
-    ax = axes[0][0]
-    palette = plots.sns.color_palette("colorblind", len(MODELS))
-    for color, p in zip(palette, MODELS):
-        for topo, style in (("NVLink", "-"), ("PCIe", "--")):
-            pts = sorted((c.ib_gbit, c.mfu) for c in cells if c.params == p and c.topology == topo
-                         and c.gpus == REF_GPUS and c.fits)
-            if pts:
-                ax.plot(*zip(*pts), style, marker="o", color=color, label=f"{model_label(p)} {topo}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(IB_GBITS, [str(g) for g in IB_GBITS])
-    ax.set(xlabel="InfiniBand Gbit/s per GPU", ylabel="predicted MFU", title=f"{REF_GPUS} GPUs: MFU vs inter-node bandwidth")
-    ax.legend(ncol=2, fontsize=7)
-    return _save(fig, path)
+    return _mfu_lines(cells, path, "ib_gbit", lambda c: c.gpus == REF_GPUS, IB_GBITS, "InfiniBand Gbit/s per GPU",
+                      f"{REF_GPUS} GPUs: MFU vs inter-node bandwidth")
 
 
 def step_breakdown(cells: list[Cell], path: Path) -> Path:
