@@ -141,4 +141,8 @@ def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
     assert out.returncode == 0, out.stdout + out.stderr
     runs = results.load_runs([tmp_path])
     assert len(runs) == 2 and set(runs["summary.backend"]) == {"gloo"}
-    assert sorted(f["dtype"] for fits in runs["summary.guide.fits"] for f in fits) == ["bfloat16", "float32"]
+    # one run per sweep point, each measuring its own dtype with no wrong element (whether 3 small sizes
+    # under load give a fit is noise, so the fit itself is checked elsewhere)
+    records = results.load([tmp_path], kind="collective")
+    assert sorted(records.groupby("run")["dtype"].agg(lambda d: ",".join(sorted(set(d))))) == ["bfloat16", "float32"]
+    assert (records["wrong"] == 0).all()
