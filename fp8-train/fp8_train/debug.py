@@ -21,25 +21,25 @@ nvdlfw-inspect does (`layers.layer_name_regex_pattern`). Records are computed on
 layer's own scale; for any other layer the tool tracks an amax history every step (a cost).
 
 Cost. Steps that are not sampled: nothing for emulated delayed layers, one amax per tensor for
-the others. On a sampled step a hook only takes |x|, its amax and the sampled elements (copies)
-and the delayed scale as a tensor; after backward (`after_backward`) all pending tensors of one
-format are done as one batch: scales of every tensor x recipe at once, one overflow compare per
-tensor, every round trip in one (elements x recipes) pass with per-tensor sums by `index_add_`,
-and one read-back (`.tolist()`, one sync) per format. Past `PENDING_LIMIT` held elements the
-batch runs at once, so the copies stay bounded for big tensors.
+the others. On a sampled step a hook only copies |x| (in blocks, with each block's max) and the
+sampled elements; at step end all pending tensors of a format are one batch: scales of every
+tensor x recipe at once, overflow counted only in blocks whose max passes the threshold, every
+round trip in one (tensors, recipes, elements) pass, two read-backs (`.tolist()`) per format.
+Past PENDING_LIMIT held elements a batch runs early, so the copies stay bounded.
 """
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, replace
+from collections import namedtuple
 from pathlib import Path
 
 import torch
 
 from dtrain.train import Callback
 from fp8_train import fp4
-from fp8_train.formats import E4M3, E5M2, Format, quantize
+from fp8_train.formats import Format
+from fp8_train.quantstats import (BLOCK, batch_roundtrip, block_stats, count_above, fmt_for, overflow_thresholds,
+                                  stats_from_sums)
 from fp8_train.scaling import amax_of, scale_from_amax
 
 TENSORS = ("activation", "weight", "gradient")
@@ -47,111 +47,6 @@ PER_TENSOR = ("delayed", "current")
 RECIPES = PER_TENSOR + fp4.BLOCK_RECIPES
 F64 = torch.float64
 PENDING_LIMIT = 1 << 24  # elements held (|x| + sampled copies) before a batch runs
-
-
-def fmt_for(tensor: str, e5m2_saturates: bool = True) -> Format:
-    if tensor == "gradient":
-        return replace(E5M2, saturate=True) if e5m2_saturates else E5M2
-    return E4M3
-
-
-def _stats(underflow, n_nonzero, overflow, err, power, dpower, n: int, n_overflow: int) -> dict:
-    """The record's numbers from the float64 sums of one round trip (n elements; the overflow
-    count is over n_overflow elements). Cosine from three norms: (|x|^2 + |d|^2 - |x-d|^2) / 2|x||d|."""
-    n = max(1, n)
-    denom = 2 * math.sqrt(power * dpower)
-    cos = (power + dpower - err) / denom if denom > 0 else (1.0 if err == 0 else 0.0)
-    return {"underflows_pct": 100.0 * underflow / max(1.0, n_nonzero), "overflows_pct": 100.0 * overflow / max(1, n_overflow),
-            "mse": err / n, "rel_mse": err / power if power > 0 else 0.0, "cos_sim": cos}
-
-
-def roundtrip_stats(x: torch.Tensor, deq: torch.Tensor, scaled: torch.Tensor, fmt: Format) -> dict:
-    """Quantization error of one round trip. Element-wise work stays in x's dtype (x - deq is exact
-    in float32: the two are within a factor of 2, or deq is 0); every reduction accumulates in
-    float64, and all sums are read back in one sync."""
-    x, deq = x.detach().reshape(-1).float(), deq.detach().reshape(-1).float()
-    nonzero = x != 0
-    sums = torch.stack([(nonzero & (deq == 0)).sum(dtype=F64), nonzero.sum(dtype=F64),
-                        (scaled.detach().abs() > fmt.max).sum(dtype=F64),
-                        torch.linalg.vector_norm(x - deq, dtype=F64) ** 2,
-                        torch.linalg.vector_norm(x, dtype=F64) ** 2, torch.linalg.vector_norm(deq, dtype=F64) ** 2])
-    underflow, n_nonzero, overflow, err, power, dpower = sums.tolist()
-    return _stats(underflow, n_nonzero, overflow, err, power, dpower, x.numel(), x.numel())
-
-
-def _decoded(codes: torch.Tensor) -> torch.Tensor:
-    """FP8 codes -> float32 through a 256-entry table: the same values as .float(), which is a slow
-    scalar loop on CPU (~6x slower here)."""
-    key = (codes.dtype, codes.device)
-    if key not in _TABLES:
-        _TABLES[key] = torch.arange(256, dtype=torch.uint8, device=codes.device).view(codes.dtype).float()
-    return _TABLES[key].index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
-
-
-_TABLES: dict = {}
-
-
-def roundtrip(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """formats.quantize(x, scale, fmt) (float32), with a faster decode for the FP8 formats."""
-    if fmt.dtype is None:
-        return quantize(x, scale, fmt)
-    y = x * scale
-    if fmt.saturate:
-        y = y.clamp_(-fmt.max, fmt.max)
-    return _decoded(y.to(fmt.dtype)) / scale
-
-
-def count(ones: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of 0/1 values: in float32 (exact up to 2**24 elements, and ~15x faster here than a
-    float64 reduction), in float64 past that."""
-    n = ones.numel() if dim is None else ones.shape[dim]
-    kw = {} if n <= 2**24 else {"dtype": F64}
-    return ones.sum(**kw) if dim is None else ones.sum(dim, **kw)
-
-
-def count_nonzero(t: torch.Tensor) -> torch.Tensor:
-    """(t != 0).sum(-1), NaN counted as non-zero, without a bool tensor (comparisons into bool
-    are ~10x slower than arithmetic here)."""
-    return count(t.sign().abs_().nan_to_num_(nan=1.0), -1)
-
-
-def count_above(t: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """(t > threshold).sum() for t >= 0: a > b gives a - b > 0 (gradual underflow), and NaN - b,
-    inf - inf are NaN, not counted, as NaN > b and inf > inf are false."""
-    return count((t - threshold).clamp_(min=0).sign_().nan_to_num_(nan=0.0))
-
-
-def batch_roundtrip(x: torch.Tensor, scales: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """The sums of many scaled round trips in one pass: row x[i] (float32, (T, L)) is cast with
-    each scales[i, r] ((T, R) float32). Returns (T, 2 + 3R) float64 sums, per row:
-    [non-zeros, |x|^2, underflows (R), |x - deq|^2 (R), |deq|^2 (R)]. x == 0 gives deq == 0, so
-    the underflows (non-zero x, zero deq) are non-zeros(x) - non-zeros(deq)."""
-    deq = roundtrip(x[:, None, :], scales[:, :, None], fmt)  # (T, R, L)
-    nonzero = count_nonzero(x)
-    norm2 = lambda t: torch.linalg.vector_norm(t, dim=-1, dtype=F64) ** 2  # noqa: E731
-    return torch.cat([nonzero[:, None].to(F64), norm2(x)[:, None], (nonzero[:, None] - count_nonzero(deq)).to(F64),
-                      norm2(x[:, None, :] - deq), norm2(deq)], 1)
-
-
-def overflow_thresholds(scales: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """|x| > max / scale (float64 division, compared in float32, as `x > python_float` does)."""
-    return (fmt.max / scales.to(F64)).float()
-
-
-def per_tensor_stats(x: torch.Tensor, scale, fmt: Format, sample: torch.Tensor | None = None) -> dict:
-    """Stats of the scaled round trip. With `sample` (flat indices), underflow, mse and cosine are
-    estimated on those elements; the overflow count is always exact over the whole tensor."""
-    xf = x.detach().reshape(-1).float()
-    part = xf if sample is None else xf[sample]
-    s = torch.as_tensor(scale, dtype=torch.float32, device=xf.device).reshape(1, 1)
-    n_nonzero, power, underflow, err, dpower = batch_roundtrip(part[None], s, fmt)[0].tolist()
-    overflow = float((xf.abs() > overflow_thresholds(s, fmt)[0, 0]).sum())
-    return {"scale": float(s), **_stats(underflow, n_nonzero, overflow, err, power, dpower, part.numel(), xf.numel())}
-
-
-def block_stats(x: torch.Tensor, recipe: str) -> dict:
-    q = fp4.block_quantize(x.detach().float(), recipe)
-    return {"scale": None, **roundtrip_stats(x, q.dequantized, q.scaled, q.fmt)}
 
 
 class AmaxHistory:
@@ -170,21 +65,10 @@ class AmaxHistory:
         self.values = (self.values + [amax])[-self.length:]
 
 
-@dataclass
-class Pending:
-    """One sampled tensor, waiting for its format's batch."""
-    step: int
-    layer: str
-    tensor: str
-    fmt: Format
-    numel: int
-    ax: torch.Tensor                     # |x|, flat float32, a copy (overflow counts)
-    part: torch.Tensor                   # the round trip's elements, a copy
-    amax: torch.Tensor                   # 0-d float32
-    own_scale: torch.Tensor | None       # delayed scale of an emulated delayed layer ...
-    history_amax: torch.Tensor | None    # ... or the tracked history's amax before this step
-    sampled: bool
-    x: torch.Tensor | None = None        # the tensor itself, only for block recipes
+# A sampled tensor waiting for its batch. ax: |x| (float32 copy, zero-padded (blocks, BLOCK));
+# part: the round trip's elements (a copy); own_scale: an emulated delayed layer's scale, else
+# history_amax: the tracked history's amax before this step; x: only for block recipes.
+Pending = namedtuple("Pending", "step layer tensor fmt numel ax block_amax part amax own_scale history_amax sampled x")
 
 
 class DebugTool(Callback):
@@ -231,14 +115,8 @@ class DebugTool(Callback):
     def on_step_start(self, trainer, step: int) -> None:
         self.step = step
 
-    def after_backward(self, trainer, step: int) -> None:
-        self.flush()
-
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
-        self.flush()  # anything observed after backward (nothing, in the Trainer's loop)
-
-    def on_train_end(self, trainer) -> None:
-        self.flush()
+        self.flush()  # hooks keep copies, so after the optimizer step is fine
 
     def sampling(self) -> bool:
         return self.freq > 0 and self.step % self.freq == 0
@@ -267,12 +145,17 @@ class DebugTool(Callback):
             history.push(amax_of(x))  # a tensor: no GPU sync
             return
         xf = x.reshape(-1).float()
-        ax = xf.abs()
-        amax = ax.amax() if xf.numel() else torch.zeros((), device=x.device)
+        n = xf.numel()
+        ax = xf.new_empty(max(1, -(-n // BLOCK)), BLOCK)
+        torch.abs(xf, out=ax.view(-1)[:n])
+        if n % BLOCK or not n:
+            ax.view(-1)[n:].zero_()
+        block_amax = ax.amax(1)
+        amax = block_amax.amax()  # NaN if any element is NaN, as x.abs().amax()
         sample = self.sample_of(xf)
         part = xf.index_select(0, sample) if sample is not None else (xf.clone() if x.dtype == torch.float32 else xf)
         self.pending.append(Pending(
-            self.step, layer, tensor, self.formats[tensor], xf.numel(), ax, part, amax,
+            self.step, layer, tensor, self.formats[tensor], n, ax, block_amax, part, amax,
             self.own_scale(layer, tensor) if own else None, None if own else history.amax(x.device),
             sample is not None, x.clone() if len(self.per_tensor) < len(self.recipes) else None))
         if history is not None:
@@ -336,7 +219,7 @@ class DebugTool(Callback):
         head = torch.cat([amax[:, None], scales, thresholds], 1).tolist()  # sync 1 of 2
         # overflow counts, exact over the whole tensor; 0 without counting where amax <= threshold
         count_at = [(i, r) for i, row in enumerate(head) for r in range(R) if not row[0] <= row[1 + R + r]]
-        counts = [count_above(ps[i].ax, thresholds[i, r]) for i, r in count_at]
+        counts = [count_above(ps[i].ax, ps[i].block_amax, thresholds[i, r]) for i, r in count_at]
         by_length: dict[int, list[int]] = {}  # round trips: one batch per part length
         for i, p in enumerate(ps):
             by_length.setdefault(p.part.numel(), []).append(i)
@@ -351,7 +234,7 @@ class DebugTool(Callback):
         out = []
         for i, p in enumerate(ps):
             n_nonzero, power, *rest = table[i]
-            out.append((head[i][0], {r: {"scale": head[i][1 + k], **_stats(
+            out.append((head[i][0], {r: {"scale": head[i][1 + k], **stats_from_sums(
                 rest[k], n_nonzero, overflow.get((i, k), 0.0), rest[R + k], power, rest[2 * R + k], p.part.numel(), p.numel)}
                 for k, r in enumerate(self.per_tensor)}))
         return out

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8_train import fp4
-from fp8_train.debug import AmaxHistory, per_tensor_stats, roundtrip_stats
+from fp8_train.debug import AmaxHistory
+from fp8_train.quantstats import per_tensor_stats, roundtrip_stats
 from fp8_train.emulated import FP8Linear
 from fp8_train.formats import E2M1, E4M3, E5M2, cast, quantize
 from fp8_train.scaling import CurrentScaler, DelayedScaler, scale_from_amax
