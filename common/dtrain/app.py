@@ -10,6 +10,7 @@ a summary (so loaders skip it) and exits 1 with the failing rank's traceback.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -51,7 +52,7 @@ def run_dir_for(cfg: DictConfig) -> Path:
 def check_writable(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-probe"
+        probe = path / f".write-probe.{os.getpid()}"  # per process: ranks of a job share the dir
         probe.write_text("")
         probe.unlink()
     except OSError as e:
