@@ -6,6 +6,8 @@ host's CPUs and NUMA nodes instead.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import platform
@@ -45,23 +47,17 @@ def collect_raw() -> dict[str, str | None]:
 def host_description() -> dict:
     """CPU model, logical CPUs, NUMA nodes (with their CPUs) and memory, from /proc and /sys."""
     model = platform.processor() or None
-    try:
+    with contextlib.suppress(OSError):  # /proc and /sys may be absent (containers, macOS)
         m = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), flags=re.M)
         model = m.group(1).strip() if m else model
-    except OSError:
-        pass
     numa = {}
     for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
-        try:
+        with contextlib.suppress(OSError):
             numa[node.name] = (node / "cpulist").read_text().strip()
-        except OSError:
-            pass
     mem = None
-    try:
+    with contextlib.suppress(OSError):
         m = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), flags=re.M)
         mem = round(int(m.group(1)) / 2**20, 1) if m else None
-    except OSError:
-        pass
     return {"cpu_model": model, "logical_cpus": os.cpu_count(), "numa_nodes": numa, "memory_gib": mem}
 
 
