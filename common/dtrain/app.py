@@ -6,10 +6,13 @@
 every rank; `finalize(run_dir, cfg, result)` runs once after all ranks finished (plots, tables)
 and returns the summary. `summary.json` is written last. A `UserError` anywhere becomes one line
 on stderr, exit code 2, and no run directory; any other failure leaves the run directory without
-a summary (so loaders skip it) and exits 1 with the failing rank's traceback.
+a summary (so loaders skip it) and exits 1 with the failing rank's traceback. SIGINT/SIGTERM on
+the launching process stop every rank (or cancel the Slurm job), record `run_failed` and exit
+128+signal (130 for Ctrl-C, 143 for SIGTERM) with one `error: interrupted ...` line.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -23,6 +26,7 @@ from omegaconf import DictConfig
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
+from dtrain.liveness import Interrupted, catch_interrupts
 from dtrain.metrics import RunWriter, write_summary
 
 Finalize = Callable[[Path, DictConfig, Any], dict]
@@ -34,6 +38,9 @@ def check_base(cfg: DictConfig) -> None:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
         raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
+    hb = cfg.get("heartbeat_timeout_s")
+    if hb is not None and (not isinstance(hb, (int, float)) or isinstance(hb, bool) or not 0 < hb < float("inf")):
+        raise UserError(f"heartbeat_timeout_s={hb!r} must be a number of seconds > 0, or null to turn it off")
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
     if mode_of(cfg) == "local":  # on Slurm the compute nodes, not this host, must have the GPUs
@@ -68,6 +75,24 @@ def fail(message: str, code: int = 2) -> None:
 def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
             finalize: Finalize | None = None) -> dict | None:
     run_dir = run_dir_for(cfg)  # under Hydra it exists already; removed again on bad input
+    in_job = ddist.detect_job() is not None  # a rank of torchrun/Slurm: its launcher owns the signals
+    try:
+        with contextlib.nullcontext() if in_job else catch_interrupts():
+            summary = _run(cfg, run_dir, rank_fn, validate, finalize)
+    except Interrupted as e:
+        with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+            w.event("run_failed", error=str(e))
+        fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
+    if summary is None:
+        return None
+    summary, run_dir = summary
+    summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
+    write_summary(run_dir, summary)
+    print(f"run complete: {run_dir}  (summary.json written)", flush=True)
+    return summary
+
+
+def _run(cfg, run_dir, rank_fn, validate, finalize) -> tuple[dict, Path] | None:
     try:
         check_base(cfg)
         if validate:
@@ -83,13 +108,10 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
             shutil.rmtree(run_dir, ignore_errors=True)  # bad input leaves no results behind
         fail(str(e), 2)
     except RankFailed as e:
-        RunWriter(run_dir).event("run_failed", error=str(e).splitlines()[-1][:500])
+        RunWriter(run_dir).event("run_failed", error=e.error)
         print(str(e), file=sys.stderr, flush=True)
         fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)
-    summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
-    write_summary(run_dir, summary)
-    print(f"run complete: {run_dir}  (summary.json written)", flush=True)
-    return summary
+    return summary, run_dir
 
 
 def _precheck_results_dir(argv: list[str]) -> None:
