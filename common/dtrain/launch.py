@@ -229,6 +229,7 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
         _wait_slurm(job, cfg, run_dir)
     except BaseException:  # Interrupted, a hung rank, a job that can never start: it must not run on
         job.cancel(check=False)
+        print(f"cancelled Slurm job {job.job_id}", flush=True)
         raise
     finally:
         liveness.client_done(watch)

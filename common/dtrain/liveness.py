@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -106,7 +107,7 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
                 orphaned(rank, run_dir, launcher_pid)
             if beat is not None and time.monotonic() - last_beat >= interval:
                 with contextlib.suppress(OSError):  # a vanished dir means the launcher is cleaning up
-                    beat.write_text(f"{time.time():.3f}\n")
+                    beat.write_text(f"{time.time():.3f} {socket.gethostname()} {os.getpid()}\n")
                 last_beat = time.monotonic()
             time.sleep(0.2)
 
@@ -127,11 +128,13 @@ def orphaned(rank: int, run_dir: Path, launcher_pid: int) -> None:
 
 class HeartbeatMonitor:
     """Which rank's heartbeat file has not changed for `timeout_s`, timed by this process's clock
-    (so clock skew between hosts does not matter). Ranks that never beat yet are not judged."""
+    (so clock skew between hosts does not matter). A rank that never beat is judged from the
+    moment the first rank beat: ranks start together, and one stopped before its first beat is hung too."""
 
     def __init__(self, heartbeat_dir: Path, world_size: int, timeout_s: float, pids: list[int] | None = None):
         self.dir, self.world_size, self.timeout_s, self.pids = Path(heartbeat_dir), world_size, timeout_s, pids
         self._seen: dict[int, tuple[float, float]] = {}  # rank -> (mtime, monotonic when first seen)
+        self._first_beat: float | None = None
 
     def stale(self) -> tuple[int, float] | None:
         now = time.monotonic()
@@ -140,12 +143,14 @@ class HeartbeatMonitor:
             try:
                 mtime = Path(self.dir, HEARTBEAT.format(rank=rank)).stat().st_mtime
             except OSError:
-                continue
-            last = self._seen.get(rank)
-            if last is None or last[0] != mtime:
-                self._seen[rank] = (mtime, now)
-                continue
-            age = now - last[1]
+                age = now - self._first_beat if self._first_beat is not None else 0.0
+            else:
+                self._first_beat = self._first_beat or now
+                last = self._seen.get(rank)
+                if last is None or last[0] != mtime:
+                    self._seen[rank] = (mtime, now)
+                    continue
+                age = now - last[1]
             if age > self.timeout_s and (worst is None or age > worst[1]):
                 worst = (rank, age)
         return worst
@@ -155,6 +160,10 @@ class HeartbeatMonitor:
         if self.pids and rank < len(self.pids):
             state = process_state(self.pids[rank])
             where = f" (pid {self.pids[rank]}{', ' + state if state else ''})"
+        else:  # a Slurm task: its heartbeat says where it runs
+            with contextlib.suppress(OSError, ValueError):
+                _, host, pid = Path(self.dir, HEARTBEAT.format(rank=rank)).read_text().split()
+                where = f" (pid {pid} on {host})"
         return (f"rank {rank}{where} stopped responding: no heartbeat for {age:.0f} s "
                 f"(heartbeat_timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), swapped out or hung")
 
