@@ -192,3 +192,24 @@ def test_error_line_finds_the_exception_in_a_submitit_message():
     assert liveness.error_line(text) == "ValueError: loss is nan at step 3"
     assert liveness.error_line("srun: error: task 1: Exited with exit code 1\n") == \
         "srun: error: task 1: Exited with exit code 1"
+
+
+def test_heartbeat_monitor_names_the_silent_rank(tmp_path):
+    beat = [tmp_path / f"heartbeat.rank{r}" for r in range(3)]
+    mon = liveness.HeartbeatMonitor(tmp_path, world_size=3, timeout_s=0.3)
+    assert mon.stale() is None  # nobody beat yet: nothing to judge (a Slurm job may still be pending)
+    beat[0].write_text("1 hostA 11\n")
+    beat[1].write_text("1 hostB 22\n")
+    assert mon.stale() is None
+    for i in range(8):  # ranks 0 and 1 keep beating; rank 2 never does; rank 1 stops after the first rounds
+        time.sleep(0.1)
+        os.utime(beat[0], (i + 2.0, i + 2.0))
+        if i < 2:
+            os.utime(beat[1], (i + 2.0, i + 2.0))
+        mon.stale()  # the launcher polls; a change counts from when it is seen
+    rank, age = mon.stale()
+    assert rank == 2 and age > 0.3  # silent longest: never beat since rank 0 first did
+    beat[2].write_text("1 hostC 33\n")
+    rank, age = mon.stale()
+    assert rank == 1 and 0.3 < age < 1.0
+    assert mon.describe(1, age).startswith("rank 1 (pid 22 on hostB) stopped responding: no heartbeat for")
