@@ -140,7 +140,7 @@ def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
 
 def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir, launcher_pid) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher decides
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by the launcher while spawning
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the launcher held them to spawn
     liveness.watch_rank(local_rank, Path(run_dir), Path(side_dir), cfg.get("heartbeat_timeout_s"), launcher_pid)
     env = ddist.DistEnv(local_rank, world_size, local_rank, world_size, "127.0.0.1", port)
     try:
