@@ -25,7 +25,12 @@ def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dtrain.selftest", "world_size=2", "work_s=60",
                              f"results_dir={tmp_path}", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_interruptible)
+
+
+def _interruptible() -> None:
+    """In the child: Ctrl-C as in a terminal, even when pytest runs in the background (SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -20,6 +20,11 @@ from dtrain import slurm_queue
 pytestmark = pytest.mark.slurm
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as in a terminal, even when pytest runs in the background (SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Client:
     """`python -m dtrain.selftest launcher=slurm ...` in its own session, output to files."""
 
@@ -31,7 +36,8 @@ class Client:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dtrain.selftest", "launcher=slurm", "world_size=2", "work_s=60",
                  "slurm.partition=debug", "slurm.time_min=5", f"results_dir={tmp_path / 'results'}", *overrides],
-                stdout=out, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True)
+                stdout=out, stderr=err, text=True, env=env, cwd=REPO,
+                start_new_session=True, preexec_fn=_interruptible)
         self.job_id: str | None = None
 
     def wait_running(self, timeout: float = 60) -> str:

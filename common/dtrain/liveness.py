@@ -67,7 +67,9 @@ def catch_interrupts():
     def handler(signum, _frame):
         raise Interrupted(signum)
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    # A signal ignored on purpose (`cmd &` in a script ignores SIGINT) stays ignored.
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)
+           if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
