@@ -167,7 +167,8 @@ def test_request_no_node_can_hold_is_refused_before_submitting(tmp_path, slurm_c
     out = py("-m", "dtrain.selftest", "launcher=slurm", "world_size=8", "slurm.partition=debug",
              f"results_dir={tmp_path}", timeout=60)
     assert out.returncode == 2
-    assert out.stderr.startswith("error: Slurm can never run this job: it asks for 1 node(s) with 8 CPUs each"), out.stderr
+    assert out.stderr.startswith("error: Slurm can never run this job: it asks for 1 node(s) with 8 CPUs each"), \
+        out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert "submitted" not in out.stdout and not list(tmp_path.rglob("config.yaml"))
 
@@ -186,3 +187,13 @@ def test_pending_reason_that_never_clears_is_detected(tmp_path, slurm_cluster):
         assert reason == "PartitionConfig"
     finally:
         subprocess.run(["scancel", job], check=False)
+
+
+def test_request_sbatch_refuses_is_one_line(tmp_path, slurm_cluster):
+    out = py("-m", "dtrain.selftest", "launcher=slurm", "slurm.partition=debug", "slurm.constraint=nosuchfeature",
+             f"results_dir={tmp_path}", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("error: Slurm refused the job (sbatch: error: Batch job submission failed: Invalid "
+                                  "feature specification): check slurm.partition, slurm.constraint, slurm.account, "
+                                  "slurm.qos and slurm.additional"), out.stderr
+    assert not list(tmp_path.rglob("config.yaml"))

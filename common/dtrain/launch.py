@@ -14,6 +14,8 @@ on the launcher stop every rank (or cancel the Slurm job). See dtrain.liveness.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import pickle
@@ -222,7 +224,12 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
     ex = slurm_executor(cfg, run_dir / "slurm")
-    job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal; we say it once
+            job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+    except FailedJobError as e:  # sbatch said no: an option the cluster does not know or allow
+        raise UserError(f"Slurm refused the job ({liveness.error_line(str(e))}): check slurm.partition, "
+                        "slurm.constraint, slurm.account, slurm.qos and slurm.additional") from None
     watch = liveness.start_client_watch(job.job_id, run_dir)  # cancels the job if this process is killed
     print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
     try:
