@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, py
-from dtrain import slurm_queue
 
 pytestmark = pytest.mark.slurm
 
@@ -173,18 +172,18 @@ def test_request_no_node_can_hold_is_refused_before_submitting(tmp_path, slurm_c
     assert "submitted" not in out.stdout and not list(tmp_path.rglob("config.yaml"))
 
 
-def test_pending_reason_that_never_clears_is_detected(tmp_path, slurm_cluster):
-    """The backstop for what sinfo cannot foresee: a job queued with reason PartitionConfig."""
-    sub = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-N1", "--ntasks-per-node=8", "-t", "1",
-                          "-o", str(tmp_path / "never.out"), "--wrap", "true"], capture_output=True, text=True)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+def test_job_pending_for_a_reason_that_never_clears_is_cancelled(tmp_path, slurm_cluster):
+    """The backstop for what sinfo cannot foresee: an extra sbatch option (8 tasks on a 2-CPU node)
+    slips past the pre-check; Slurm queues the job with reason PartitionConfig."""
+    out = py("-m", "dtrain.selftest", "launcher=slurm", "slurm.partition=debug", "+slurm.additional.ntasks_per_node=8",
+             f"results_dir={tmp_path}", timeout=90)
+    job = re.search(r"submitted Slurm job (\d+)", out.stdout).group(1)
     try:
-        deadline, reason = time.monotonic() + 30, None
-        while reason is None and time.monotonic() < deadline:  # the scheduler sets the reason on its next pass
-            reason = slurm_queue.never_starts(job)
-            time.sleep(0.5)
-        assert reason == "PartitionConfig"
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip() == (f"error: Slurm job {job} can never start (squeue: PENDING, PartitionConfig), "
+                                      "cancelled: ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition")
+        assert f"cancelled Slurm job {job}" in out.stdout
+        assert _final_state(job).startswith("CANCELLED")
     finally:
         subprocess.run(["scancel", job], check=False)
 
