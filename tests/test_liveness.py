@@ -218,3 +218,21 @@ def test_heartbeat_monitor_names_the_silent_rank(tmp_path):
     rank, age = mon.stale()
     assert rank == 1 and 0.3 < age < 1.0
     assert mon.describe(1, age).startswith("rank 1 (pid 22 on hostB) stopped responding: no heartbeat for")
+
+
+def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
+    """A requeued Slurm job: beats from before the reset do not count, new ones do."""
+    beat = [tmp_path / f"heartbeat.rank{r}" for r in range(2)]
+    for b in beat:
+        b.write_text("1 host 1\n")
+    mon = liveness.HeartbeatMonitor(tmp_path, world_size=2, timeout_s=0.2)
+    mon.reset()
+    for _ in range(4):
+        time.sleep(0.1)
+        assert mon.stale() is None  # nobody beat since the reset
+    os.utime(beat[0], (5.0, 5.0))
+    assert mon.stale() is None
+    time.sleep(0.3)
+    os.utime(beat[0], (6.0, 6.0))
+    rank, _ = mon.stale()
+    assert rank == 1  # rank 0 beat after the restart, rank 1 did not

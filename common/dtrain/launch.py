@@ -258,18 +258,23 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
 
 
 def _wait_slurm(job, cfg, run_dir: Path) -> None:
-    """Until the job ends; watching heartbeats (a hung rank) and the pending reason (never starts)."""
+    """Until the job ends; watching heartbeats (a hung rank) and the pending reason (never starts).
+    Heartbeats count only while squeue says RUNNING: a requeued job's ranks are rightly silent."""
     timeout = cfg.get("heartbeat_timeout_s")
     monitor = liveness.HeartbeatMonitor(run_dir / "slurm", cfg.world_size, timeout) if timeout else None
-    next_queue_check = 0.0
+    running, next_queue_check = False, 0.0
     while not job.done():
-        hung = monitor.stale() if monitor else None
-        if hung:
-            raise RankFailed(f"Slurm job {job.job_id}: " + monitor.describe(*hung), error=monitor.describe(*hung))
         if time.monotonic() > next_queue_check:
-            reason = slurm_queue.never_starts(job.job_id)
+            job_state = slurm_queue.state(job.job_id)
+            reason = slurm_queue.never_starts(job_state)
             if reason:
                 raise UserError(f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), cancelled: "
                                 "ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition")
+            if running and job_state and job_state[0] != "RUNNING" and monitor:
+                monitor.reset()
+            running = bool(job_state) and job_state[0] == "RUNNING"
             next_queue_check = time.monotonic() + 5
+        hung = monitor.stale() if monitor and running else None
+        if hung:
+            raise RankFailed(f"Slurm job {job.job_id}: " + monitor.describe(*hung), error=monitor.describe(*hung))
         time.sleep(1)

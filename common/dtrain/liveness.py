@@ -135,16 +135,26 @@ class HeartbeatMonitor:
 
     def __init__(self, heartbeat_dir: Path, world_size: int, timeout_s: float, pids: list[int] | None = None):
         self.dir, self.world_size, self.timeout_s, self.pids = Path(heartbeat_dir), world_size, timeout_s, pids
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was seen (a Slurm job left RUNNING, e.g. requeued): older beats do not count."""
+        self._baseline = {r: m for r in range(self.world_size) if (m := self._mtime(r)) is not None}
         self._seen: dict[int, tuple[float, float]] = {}  # rank -> (mtime, monotonic when first seen)
         self._first_beat: float | None = None
+
+    def _mtime(self, rank: int) -> float | None:
+        try:
+            return Path(self.dir, HEARTBEAT.format(rank=rank)).stat().st_mtime
+        except OSError:
+            return None
 
     def stale(self) -> tuple[int, float] | None:
         now = time.monotonic()
         worst = None
         for rank in range(self.world_size):
-            try:
-                mtime = Path(self.dir, HEARTBEAT.format(rank=rank)).stat().st_mtime
-            except OSError:
+            mtime = self._mtime(rank)
+            if mtime is None or mtime == self._baseline.get(rank):
                 age = now - self._first_beat if self._first_beat is not None else 0.0
             else:
                 self._first_beat = self._first_beat or now

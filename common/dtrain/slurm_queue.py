@@ -70,12 +70,18 @@ def check_fits(s, tasks_per_node: int) -> None:
                     "or slurm.cpus_per_task, add slurm.nodes, or pick another slurm.partition")
 
 
-def never_starts(job_id: str) -> str | None:
-    """The squeue reason when job `job_id` is pending for a reason that waiting does not cure."""
+def state(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) from squeue, e.g. ("PENDING", "Resources"); None once the job left the queue."""
     out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"])
     if not out or "|" not in out:
         return None
-    state, reason = out.splitlines()[0].strip().split("|", 1)
-    if state == "PENDING" and (reason in NEVER_REASONS or _PER_JOB_LIMIT.match(reason)):
-        return reason
-    return None
+    job_state, reason = out.splitlines()[0].strip().split("|", 1)
+    return job_state, reason
+
+
+def never_starts(job_state: tuple[str, str] | None) -> str | None:
+    """The reason, when a job's squeue (state, reason) says it waits for something waiting does not cure."""
+    if not job_state or job_state[0] != "PENDING":
+        return None
+    reason = job_state[1]
+    return reason if reason in NEVER_REASONS or _PER_JOB_LIMIT.match(reason) else None
