@@ -75,24 +75,10 @@ def fail(message: str, code: int = 2) -> None:
 def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
             finalize: Finalize | None = None) -> dict | None:
     run_dir = run_dir_for(cfg)  # under Hydra it exists already; removed again on bad input
-    in_job = ddist.detect_job() is not None  # a rank of torchrun/Slurm: its launcher owns the signals
-    try:
-        with contextlib.nullcontext() if in_job else catch_interrupts():
-            summary = _run(cfg, run_dir, rank_fn, validate, finalize)
-    except Interrupted as e:
-        with contextlib.suppress(OSError), RunWriter(run_dir) as w:
-            w.event("run_failed", error=str(e))
-        fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
-    if summary is None:
-        return None
-    summary, run_dir = summary
-    summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
-    write_summary(run_dir, summary)
-    print(f"run complete: {run_dir}  (summary.json written)", flush=True)
-    return summary
-
-
-def _run(cfg, run_dir, rank_fn, validate, finalize) -> tuple[dict, Path] | None:
+    # In a job (torchrun, Slurm task) the job's launcher owns the signals; here we do.
+    interrupts = contextlib.ExitStack()
+    if ddist.detect_job() is None:
+        interrupts.enter_context(catch_interrupts())
     try:
         check_base(cfg)
         if validate:
@@ -108,10 +94,19 @@ def _run(cfg, run_dir, rank_fn, validate, finalize) -> tuple[dict, Path] | None:
             shutil.rmtree(run_dir, ignore_errors=True)  # bad input leaves no results behind
         fail(str(e), 2)
     except RankFailed as e:
-        RunWriter(run_dir).event("run_failed", error=e.error)
+        RunWriter(run_dir).event("run_failed", error=e.error)  # the root cause's one line
         print(str(e), file=sys.stderr, flush=True)
         fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)
-    return summary, run_dir
+    except Interrupted as e:
+        with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+            w.event("run_failed", error=str(e))
+        fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
+    finally:
+        interrupts.close()
+    summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
+    write_summary(run_dir, summary)
+    print(f"run complete: {run_dir}  (summary.json written)", flush=True)
+    return summary
 
 
 def _precheck_results_dir(argv: list[str]) -> None:
