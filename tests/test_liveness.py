@@ -109,7 +109,10 @@ def test_kill9_launcher_ends_every_rank_and_records_run_failed(tmp_path, launche
     assert not (run / "summary.json").exists()
 
 
-@pytest.mark.parametrize("sig, to_group, code", [(signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)])
+@pytest.mark.parametrize("sig, to_group, code", [
+    (signal.SIGINT, True, 130),
+    pytest.param(signal.SIGTERM, False, 143, marks=pytest.mark.slow),  # the same path, another signal
+])
 def test_interrupt_stops_ranks_one_error_line(tmp_path, launcher_session, sig, to_group, code):
     """SIGINT to the whole process group, as Ctrl-C in a terminal does; SIGTERM to the launcher only."""
     proc = _start(tmp_path)
