@@ -204,7 +204,7 @@ def test_error_line_finds_the_exception_in_a_submitit_message():
 
 def test_heartbeat_monitor_names_the_silent_rank(tmp_path):
     beat = [tmp_path / f"heartbeat.rank{r}" for r in range(3)]
-    mon = liveness.HeartbeatMonitor(tmp_path, world_size=3, timeout_s=0.3)
+    mon = liveness.HeartbeatMonitor(tmp_path, world_size=3, timeout_s=0.3, startup_grace_s=0)
     assert mon.stale() is None  # nobody beat yet: nothing to judge (a Slurm job may still be pending)
     beat[0].write_text("1 hostA 11\n")
     beat[1].write_text("1 hostB 22\n")
@@ -228,7 +228,7 @@ def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
     beat = [tmp_path / f"heartbeat.rank{r}" for r in range(2)]
     for b in beat:
         b.write_text("1 host 1\n")
-    mon = liveness.HeartbeatMonitor(tmp_path, world_size=2, timeout_s=0.2)
+    mon = liveness.HeartbeatMonitor(tmp_path, world_size=2, timeout_s=0.2, startup_grace_s=0)
     mon.reset()
     for _ in range(4):
         time.sleep(0.1)

@@ -131,10 +131,13 @@ def orphaned(rank: int, run_dir: Path, launcher_pid: int) -> None:
 class HeartbeatMonitor:
     """Which rank's heartbeat file has not changed for `timeout_s`, timed by this process's clock
     (so clock skew between hosts does not matter). A rank that never beat is judged from the
-    moment the first rank beat: ranks start together, and one stopped before its first beat is hung too."""
+    moment the first rank beat, with at least `startup_grace_s` for ranks that import torch slower
+    on a loaded host: one stopped before its first beat is hung too."""
 
-    def __init__(self, heartbeat_dir: Path, world_size: int, timeout_s: float, pids: list[int] | None = None):
+    def __init__(self, heartbeat_dir: Path, world_size: int, timeout_s: float, pids: list[int] | None = None,
+                 startup_grace_s: float = 60.0):
         self.dir, self.world_size, self.timeout_s, self.pids = Path(heartbeat_dir), world_size, timeout_s, pids
+        self.startup_grace_s = startup_grace_s
         self.reset()
 
     def reset(self) -> None:
@@ -156,6 +159,8 @@ class HeartbeatMonitor:
             mtime = self._mtime(rank)
             if mtime is None or mtime == self._baseline.get(rank):
                 age = now - self._first_beat if self._first_beat is not None else 0.0
+                if age <= self.startup_grace_s:
+                    continue
             else:
                 self._first_beat = self._first_beat or now
                 last = self._seen.get(rank)
