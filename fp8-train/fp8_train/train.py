@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import dist as ddist
+from dtrain import perf
 from dtrain.errors import UserError
 from dtrain.launch import mode_of
 from dtrain.metrics import RECORDS
@@ -75,8 +76,11 @@ def rank_fn(ctx) -> dict:
     callbacks = [faults.FaultInjector(OmegaConf.to_container(cfg.faults, resolve=True), ctx.rank), guard,
                  DebugTool(cfg.debug, ctx.run_dir, ctx.rank),
                  HealthMonitor(cfg.health, ctx.rank, ctx.run_dir) if cfg.health.enabled else None]
+    # fp16 trains as "fp32" to the Trainer (autocast does the casting): its GPU peak is the fp16 one
+    peak = perf.peak_flops(ctx.device, "fp16") if numerics.precision == "fp16" and ctx.device.type == "cuda" else None
     trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
-                      grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None])
+                      grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None],
+                      peak_flops=peak)
     decisions = pmap.all_decisions() if factory else []
     if ctx.is_main:
         for d in decisions:
