@@ -51,7 +51,8 @@ def validate(cfg: DictConfig) -> None:
     if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
         backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
     model_cfg = model_config(cfg)
-    train_config(cfg, cfg.world_size)
+    train = train_config(cfg, cfg.world_size)
+    backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
     with torch.device("meta"):
         names = {n for n, _ in GPT(model_cfg).named_modules()}
