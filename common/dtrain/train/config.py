@@ -33,6 +33,7 @@ class TrainConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP2: bf16 params, fp32 reduce; single/ddp: autocast)
     activation_checkpointing: str = "none"  # none | block
     prefetch: bool = False         # FSDP2 explicit forward/backward prefetch of the next block
+    compile: bool = False          # torch.compile each block (after checkpointing, before sharding)
     timing_warmup: int = 2         # first steps left out of step-time statistics
     log_every: int = 10            # print a line every N steps (0 = never)
     checkpoint_every: int = 0      # save every N steps (0 = only when asked)
