@@ -21,8 +21,16 @@ from dtrain.errors import UserError
 SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.guide.cli", "dtrain.capstone"]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one `error:` line and exit 2, like every other bad input."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtrain", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="dtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
         try:
