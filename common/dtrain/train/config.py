@@ -25,7 +25,7 @@ def _check_type(key: str, value, annotation: str) -> None:
     names = [t.strip() for t in str(annotation).split("|")]
     if value is None and "None" in names:
         return
-    allowed = tuple(t for n in names for t in _TYPES.get(n, (object,)))
+    allowed = tuple(t for n in names if n != "None" for t in _TYPES.get(n, (object,)))
     if not isinstance(value, allowed) or (isinstance(value, bool) and "bool" not in names):
         raise UserError(f"{key}={value!r} must be {' or '.join(_WORDS.get(n, n) for n in names)}")
 
