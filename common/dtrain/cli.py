@@ -25,8 +25,7 @@ class OneLineParser(argparse.ArgumentParser):
     """Bad arguments are one `error:` line and exit 2, like every other bad input."""
 
     def error(self, message: str):
-        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.func(args) or 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from dtrain.errors import UserError
 from dtrain.rundir import OWNER, owner_text
@@ -75,6 +75,9 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
         points = sweep_points(overrides) if multirun else [overrides]
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"bad override: {_one_line(e)}") from None
+    # Points a Hydra launcher plugin sends elsewhere (submitit_slurm) are checked as Slurm runs:
+    # this host's devices and memory say nothing about the compute nodes'.
+    remote = any(o.startswith("hydra/launcher=") and o != "hydra/launcher=basic" for o in overrides)
     errors = []
     with initialize_config_module(config_module=config_module, version_base="1.3"):
         for n, point in enumerate(points):
@@ -86,6 +89,9 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
                 errors.append(f"{where}{_one_line(e)}")
                 continue
             if multirun and validate is not None:
+                if remote:
+                    with open_dict(cfg):
+                        cfg.launcher = "slurm"
                 try:
                     validate(cfg)
                 except UserError as e:
