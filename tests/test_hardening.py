@@ -124,6 +124,20 @@ def test_explicit_sweep_dir_with_runs_is_refused_before_hydra(tmp_path):
     precheck.check_run_dirs([f"hydra.run.dir={tmp_path / 'fresh'}"])  # unused: fine
 
 
+def test_requeued_slurm_job_may_continue_its_own_run_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    rundir.claim(tmp_path)
+    rundir.claim(tmp_path)  # the same job, requeued: its own run
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with pytest.raises(rundir.RunDirTaken):
+        rundir.claim(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with pytest.raises(rundir.RunDirTaken):
+        rundir.claim(tmp_path)
+
+
 # ------------------------------------------------------------------ 2. overrides make one whole model
 
 def test_overriding_n_head_keeps_multi_head_attention():
@@ -297,6 +311,11 @@ def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
     assert len(lines) == 2 and lines[0].startswith("sweep point #1 (model.preset=tiny model.n_head=0")
     assert "n_head=0 must be an integer >= 1" in lines[0] and lines[1] == "1 of 2 sweep points are invalid; none was run"
     precheck.check_overrides("fsdp_scaling.conf", "config", ["--cfg", "job", "foo=1"], None)  # Hydra's own flags
+    # points a launcher plugin runs on Slurm are not held to this host's memory
+    sweep = ["-m", "model.preset=7b,tiny"]
+    with pytest.raises(UserError, match="sweep point #0 .*model.preset=7b cannot fit"):
+        precheck.check_overrides("fsdp_scaling.conf", "config", sweep, validate)
+    precheck.check_overrides("fsdp_scaling.conf", "config", ["hydra/launcher=submitit_slurm", *sweep], validate)
 
 
 def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch, capsys):

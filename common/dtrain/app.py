@@ -157,7 +157,9 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
     def main() -> None:
         _precheck_results_dir(sys.argv[1:])
         try:
-            precheck.check_run_dirs(sys.argv[1:])
+            job = ddist.detect_job()
+            if job is None or job.rank == 0:  # ranks > 0 of a job never claim (rank 0's dir wins)
+                precheck.check_run_dirs(sys.argv[1:])
             precheck.check_overrides(config_module, config_name, sys.argv[1:], validate_point)
         except UserError as e:
             fail(str(e), 2)

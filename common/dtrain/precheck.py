@@ -20,7 +20,7 @@ from dtrain.rundir import OWNER, owner_text
 # command-line flags after which Hydra does not run the app (help, config printing, completion)
 _NO_RUN = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion", "-sc",
            "--resolve", "-p", "--package", "--experimental-rerun")
-_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
 def _one_line(e: BaseException) -> str:
@@ -35,21 +35,23 @@ def _one_line(e: BaseException) -> str:
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], bool, bool]:
-    """(overrides, multirun, runs_app) from a Hydra command line."""
-    overrides, multirun, runs_app, skip = [], False, True, False
+    """(overrides, multirun, checkable) from a Hydra command line. Not checkable: Hydra will not run
+    the app (--help, --cfg, ...) or composes another config (--config-name/-path/-dir); Hydra
+    handles those as usual."""
+    overrides, multirun, checkable, skip = [], False, True, False
     for arg in argv:
         if skip:
             skip = False
             continue
+        flag = arg.split("=", 1)[0]
         if arg in ("-m", "--multirun"):
             multirun = True
-        elif arg in _NO_RUN or arg.split("=", 1)[0] in _NO_RUN:
-            runs_app = False
-        elif arg in _WITH_VALUE:
-            skip = True
+        elif flag in _NO_RUN or flag in _WITH_VALUE:
+            checkable = False
+            skip = arg in _WITH_VALUE  # its value is the next argument
         elif not arg.startswith("-"):
             overrides.append(arg)
-    return overrides, multirun, runs_app
+    return overrides, multirun, checkable
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
@@ -68,8 +70,8 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides, multirun, runs_app = split_argv(argv)
-    if not runs_app:
+    overrides, multirun, checkable = split_argv(argv)
+    if not checkable:
         return
     try:
         points = sweep_points(overrides) if multirun else [overrides]
@@ -104,6 +106,8 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
 
 def check_run_dirs(argv: list[str]) -> None:
     """An explicit hydra.run.dir (or a sweep dir holding runs) that a run already owns is refused."""
+    if any(arg.split("=", 1)[0] in _NO_RUN for arg in argv):
+        return  # Hydra prints help or config and runs nothing
     for arg in split_argv(argv)[0]:
         key, _, value = arg.lstrip("+").partition("=")
         if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "$" in value or "," in value:
