@@ -72,8 +72,12 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
 def write_text_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written .tmp behind
+        raise
     return path
 
 
