@@ -116,7 +116,7 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
     except RankFailed as e:
         last = str(e).splitlines()[-1]
         if "[Errno 28]" in last or "No space left on device" in last or "[Errno 122]" in last:
-            disk_full(run_dir, last[:300])
+            disk_full(run_dir, last[:300])  # exits
         RunWriter(run_dir).event("run_failed", error=last[:500])
         print(str(e), file=sys.stderr, flush=True)
         fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)

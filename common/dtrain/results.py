@@ -16,6 +16,7 @@ from typing import Iterable
 import pandas as pd
 import yaml
 
+from dtrain.errors import UserError
 from dtrain.metrics import CONFIG, ENV, EVENTS, RECORDS, SUMMARY
 
 
@@ -109,11 +110,9 @@ def complete_runs(paths: Iterable[str | Path], warn: bool = True) -> list[Run]:
     return good
 
 
-def require_complete(paths: Iterable[str | Path], what: str = "this") -> list[Run]:
+def require_complete(paths: Iterable[str | Path], what: str = "this command") -> list[Run]:
     """The complete runs under `paths`, or a UserError that says why there are none (no run at all,
     or each one incomplete/corrupt, with the file at fault) instead of a misleading later failure."""
-    from dtrain.errors import UserError
-
     paths = [str(p) for p in paths]
     runs = find_runs(paths)
     good = [r for r in runs if r.status == "complete"]
