@@ -7,7 +7,9 @@ every rank; `finalize(run_dir, cfg, result)` runs once after all ranks finished 
 and returns the summary. `summary.json` is written last. A `UserError` anywhere becomes one line
 on stderr, exit code 2, and no run directory; any other failure leaves the run directory without
 a summary (so loaders skip it) and exits 1 with the failing rank's traceback (a full disk: one
-line and a `run_failed` event instead). The launching process claims its run directory
+line and a `run_failed` event instead). SIGINT/SIGTERM on the launching process stop every rank
+(or cancel the Slurm job), record `run_failed` and exit 128+signal (130 for Ctrl-C, 143 for
+SIGTERM) with one `error: interrupted ...` line. The launching process claims its run directory
 (dtrain.rundir), so two runs never write into one; overrides and, in a sweep, every point are
 checked before Hydra starts (dtrain.precheck).
 """
@@ -28,6 +30,7 @@ from omegaconf import DictConfig
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
+from dtrain.liveness import Interrupted, catch_interrupts
 from dtrain.metrics import RunWriter, write_summary
 from dtrain.rundir import OWNER, RunDirTaken, claim
 
@@ -40,6 +43,9 @@ def check_base(cfg: DictConfig) -> None:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
         raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
+    hb = cfg.get("heartbeat_timeout_s")
+    if hb is not None and (not isinstance(hb, (int, float)) or isinstance(hb, bool) or not 0 < hb < float("inf")):
+        raise UserError(f"heartbeat_timeout_s={hb!r} must be a number of seconds > 0, or null to turn it off")
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
     if mode_of(cfg) == "local":  # on Slurm the compute nodes, not this host, must have the GPUs
@@ -89,6 +95,10 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
     run_dir = run_dir_for(cfg)  # under Hydra it exists already; removed again on bad input
     is_launcher = ddist.detect_job() is None or ddist.detect_job().rank == 0
     claimed = False
+    # In a job (torchrun, Slurm task) the job's launcher owns the signals; here we do.
+    interrupts = contextlib.ExitStack()
+    if ddist.detect_job() is None:
+        interrupts.enter_context(catch_interrupts())
     try:
         check_base(cfg)
         if validate:
@@ -114,12 +124,18 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
             raise
         disk_full(run_dir, f"{e.strerror}: {e.filename or run_dir}")
     except RankFailed as e:
-        last = str(e).splitlines()[-1]
+        last = e.error or str(e).splitlines()[-1]
         if "[Errno 28]" in last or "No space left on device" in last or "[Errno 122]" in last:
             disk_full(run_dir, last[:300])  # exits
-        RunWriter(run_dir).event("run_failed", error=last[:500])
+        RunWriter(run_dir).event("run_failed", error=e.error)  # the root cause's one line
         print(str(e), file=sys.stderr, flush=True)
         fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)
+    except Interrupted as e:
+        with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+            w.event("run_failed", error=str(e))
+        fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
+    finally:
+        interrupts.close()
     print(f"run complete: {run_dir}  (summary.json written)", flush=True)
     return summary
 
