@@ -6,7 +6,7 @@ Sources
   (``compute_weight_and_optimizer_memory``): mixed-precision Adam keeps 18 bytes per parameter,
   bf16 weights 2 + fp32 main gradients 4 + fp32 master weights, momentum and variance 4+4+4;
   6 + 12/d with the distributed optimizer (= ZeRO-1). ZeRO stages after Rajbhandari et al. 2020
-  (SC'20) §5 with DeepSpeed's fp32 gradient partition (stage 2: 2Ψ + 18Ψ/N, stage 3: 18Ψ/N).
+  (SC'20) §5 with DeepSpeed's fp32 gradient partition (stage 2: 2Ψ + 18Ψ/N, stage 3: 20Ψ/N).
 * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (MLSys 2023, arXiv:2205.05198), §4 and Table 2, with the per-tensor count of §4.1
   generalised to any MLP ratio, SwiGLU and grouped KV heads (see ``activation_bytes_per_layer``);
@@ -177,7 +177,7 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
       stage 0 (plain DP):                 2Ψ bf16 + 4Ψ fp32 grads + 12Ψ      = 18Ψ
       stage 1 (distributed optimizer):    2Ψ + 4Ψ + 12Ψ/N                    = 6Ψ + 12Ψ/N
       stage 2 (+ sharded grads):          2Ψ + 6Ψ/N + 12Ψ/N                  = 2Ψ + 18Ψ/N
-      stage 3 (+ sharded weights, FSDP):  (2 + 6 + 12)Ψ/N                    = 18Ψ/N
+      stage 3 (+ sharded weights, FSDP):  (2 + 6 + 12)Ψ/N                    = 20Ψ/N
     Stage 2/3 gradients: the reduced bf16 shard (2Ψ/N) plus its fp32 copy for the step (4Ψ/N),
     as DeepSpeed holds them (ZeRO paper §5 counts (2 + 2 + K)Ψ with K = 12).
     """

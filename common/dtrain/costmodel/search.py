@@ -4,7 +4,8 @@ Enumerates every layout with dp·tp·pp = GPUs:
   * tp a power of two dividing the heads, at most two nodes wide;
   * pp ≤ layers, the busiest stage holding ceil(L/pp) (uneven stages, as Megatron's
     ``--decoder-first/last-pipeline-num-layers`` allow); interleaving v ∈ {1, 2, 4, 8} when
-    pp·v ≤ L (a chunk holds at least one layer) and there are at least pp micro-batches;
+    v ≤ ceil(L/pp) (Llama 3 405B: 126 layers on 16×8 chunks, two of them without a layer) and
+    there are at least pp micro-batches;
   * ZeRO 0–3, also with PP (torchtitan's FSDP + PP allows it, DeepSpeed refuses ZeRO-2/3 with
     PP); the model charges their per-micro-batch traffic;
   * recompute none / selective / full; selective is left out under FlashAttention, which already
@@ -93,9 +94,11 @@ def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batch
                         f"global batch {global_batch} is not a multiple of dp·micro_batch = {dp * mb}")
                     continue
                 ga = global_batch // (dp * mb)
-                vs = [v for v in VIRTUAL_STAGES if v == 1 or (pp > 1 and pp * v <= model.n_layer and ga >= pp)]
+                vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
+                      if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
                 for v in vs:
-                    for zero in ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,):
+                    zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,)
+                    for zero in [z for z in zeros if z == fixed.get("zero_stage", z)]:
                         for rc in recompute:
                             for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
                                 lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v)
@@ -155,6 +158,10 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         reason = (f"does not fit: even the smallest plan ({_short(smallest[1])}) needs "
                   f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
                   f"{cluster.gpus}x {cluster.gpu.name}")
+    elif fixed:
+        reason = (f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·tp·pp must equal the GPUs, tp divide the "
+                  f"{model.n_head} heads, v ≤ ceil(layers/pp) with at least pp micro-batches, and dp·mb divide "
+                  f"the global batch {global_batch}")
     else:
         reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
                   f"(micro-batches {micro_batches})")

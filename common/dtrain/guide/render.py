@@ -16,7 +16,9 @@ from .matrix import (GLOBAL_BATCH, GPU_COUNTS, GPUS_PER_NODE, IB_GBITS, MODELS, 
                      cell_text, cluster_for, model_label)
 
 PARAM_NAMES = [
-    ("mfu", "compute efficiency (achieved / peak FLOP/s while computing)", "{:.1%}"),
+    ("mfu", "GEMM achieved fraction of the roofline bound, large GEMMs (e_max)", "{:.1%}"),
+    ("gemm_half_flops", "GEMM size reaching half of e_max (W_half)", "{:.2g} FLOP"),
+    ("step_overhead_s", "fixed per-step overhead", "{:.4f} s"),
     ("dp_overlap", "share of DP/ZeRO traffic hidden behind compute", "{:.0%}"),
     ("tp_overhead", "TP communication: measured / α–β-modelled time", "{:.2f}×"),
     ("fp8_speedup", "FP8 compute speed factor over BF16", "{:.2f}×"),
