@@ -95,3 +95,29 @@ def test_plan_layout_json_reports_gap_and_tflops():
 def test_plan_bad_layout_is_a_user_error():
     r = _plan("--params", "7e9", "--gpus", "8", "--layout", "tp=8 foo=2")
     assert r.returncode == 2 and r.stderr.startswith("error: --layout: 'foo=2'")
+
+
+def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
+    """The probe writes a run dir that calibrate reads; the local check then uses its curve + overhead."""
+    import shutil
+
+    from dtrain.costmodel.calibrate import calibrate
+    from dtrain.costmodel.gemm_probe import probe
+    from dtrain.guide.local_check import local_checks
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    print("seed 0")
+    res = tmp_path / "results"
+    shutil.copytree("tests/fixtures/results/cpu", res)
+    out = probe(res)
+    g = json.loads((out / "summary.json").read_text())["guide"]
+    assert g["points"] and g["overheads"] and g["e_max"] > 0
+    assert all(p["seconds"] > 0 and p["fraction"] == pytest.approx(p["flops"] / p["seconds"] / g["peak_flops"])
+               for p in g["points"])
+    report = calibrate([res], warn=False)
+    assert report.local_probe() is not None
+    assert report.local.mfu.value == pytest.approx(g["e_max"]) and report.local.mfu.measured
+    checks = local_checks(report)
+    assert any("gemm-probe" in c.basis for c in checks)
+    assert all(c.within_goal or c.miss_reason(checks) for c in checks)  # every miss says why

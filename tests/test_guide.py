@@ -57,7 +57,7 @@ def test_gpu_results_calibrate_the_matrix(tmp_path):
     guide, _ = generate([str(FIXTURES / "cpu"), str(FIXTURES / "gpu")], tmp_path / "G.md", quiet=True)
     text = guide.read_text()
     assert "uses values measured on CUDA GPUs where they exist" in text
-    row = next(line for line in text.splitlines() if line.startswith("| compute efficiency"))
+    row = next(line for line in text.splitlines() if line.startswith("| GEMM achieved fraction"))
     assert "| 42.3% | measured here: " in row and "NVIDIA H100 80GB HBM3" in row
     assert (tmp_path / "docs" / "guide" / "mfu_vs_gpus.png").exists()  # default plots dir beside the guide
 
