@@ -25,6 +25,7 @@ from dtrain.costmodel.calibrate import (CalibrationReport, display_path, fsdp_en
                                         tp_regions)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
 
 GOAL = 0.15
@@ -277,10 +278,8 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
         shown_single = False
         for row in sorted(rows, key=lambda r: (r["tp"], bool(r["sequence_parallel"]))):
             b, s, h, heads, kv = row["batch"], row["seq"], row["d_model"], row["n_head"], row["n_kv_head"]
-            kv_dim = h * kv // heads
-            params = h * (h + 2 * kv_dim) + h * h + (2 * h * int(run.config.get("mlp_ratio", 4)) * h
-                                                      if regions == 2 else 0)
-            flops = b * s * (6 * params + 12 * h * s)
+            ffn = int(run.config.get("mlp_ratio", 4)) * h if regions == 2 else 0
+            flops = b * s * transformer_flops_per_token(1, h, heads, kv, ffn, 0, s)  # one layer, no lm_head
             single = flops / (peak * eff)
             kind = "block" if regions == 2 else "attention"
             p1 = _tp_probe_time(row, kind, 1, peak, probe) if probe else None
