@@ -35,7 +35,7 @@ from .memory import Layout, ModelShape, params_per_gpu, stage_layers
 
 __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
            "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link",
-           "model_flops_per_token", "step_time"]
+           "model_flops_per_token", "compute_time", "step_time"]
 
 PROVENANCES = ("datasheet/published:", "measured here:")
 GPU_E_MAX = 0.62
