@@ -2,6 +2,7 @@
 
     dtrain runs [PATHS...]      list run directories and their status
     dtrain plan ...             choose a parallelism layout (cost model)
+    dtrain backtest             the cost model against published GPU training runs
     dtrain guide ...            regenerate PARALLELISM_GUIDE.md
     dtrain capstone ...         run every experiment at small size, then the guide
 
@@ -18,7 +19,7 @@ import warnings
 from dtrain.errors import UserError
 
 # module -> provides add_parser(subparsers); optional ones are skipped until they exist
-SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.guide.cli", "dtrain.capstone"]
+SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.costmodel.backtest", "dtrain.guide.cli", "dtrain.capstone"]
 
 
 class OneLineParser(argparse.ArgumentParser):

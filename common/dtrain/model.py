@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtrain.flops import transformer_flops_per_token
+
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
 
@@ -258,13 +260,8 @@ def num_matmul_params(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token (forward 2 + backward 4 per multiply-accumulate):
-
-        6 * N_matmul + 6 * n_layer * n_head * (d_qk + d_v) * T,   d_qk = d_v = head_dim
-
-    i.e. torchtitan's ``6*N + 12*L*H*Q*T``. The attention term counts the full T x T score and
-    value matmuls, not the causal half (as PaLM and torchtitan do), so MFU is comparable with theirs.
-    """
-    T = seq_len or cfg.seq_len
-    attention = 6 * cfg.n_layer * cfg.n_head * (2 * cfg.head_dim) * T
-    return 6 * num_matmul_params(cfg) + attention
+    """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
+    12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
+    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``."""
+    return transformer_flops_per_token(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.mlp_hidden,
+                                       cfg.vocab_size, seq_len or cfg.seq_len, False, cfg.head_dim)
