@@ -76,15 +76,18 @@ def max_local_cpu_ranks() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-def check_local(cfg: DictConfig) -> None:
+def check_local(cfg: DictConfig) -> str:
+    """Resolve `device` once, here in the parent, for every local rank; returns "cuda" or "cpu"."""
     n = cfg.world_size
-    device = cfg.device
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = ddist.device_type(cfg.device)
+    gpus = ddist.cuda_count()
     if device == "cuda" and n > gpus:
-        raise UserError(f"world_size={n} but this host has {gpus} GPU(s): lower world_size or use launcher=slurm")
-    if device != "cuda" and n > max_local_cpu_ranks() and n > gpus:
+        raise UserError(f"world_size={n} asks for {n} CUDA ranks but this host has {gpus} GPU(s) (one rank per GPU): "
+                        f"set world_size={gpus}, or device=cpu for {n} CPU ranks, or use launcher=slurm")
+    if device == "cpu" and n > max_local_cpu_ranks():
         raise UserError(f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU ranks): "
                         "lower world_size or use launcher=slurm")
+    return device
 
 
 def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path) -> tuple[Any, Path]:
@@ -92,7 +95,10 @@ def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path
     if mode == "job":
         return run_rank(rank_fn, cfg, run_dir, ddist.detect_job(), launcher="job")
     if mode == "local":
-        check_local(cfg)
+        device = check_local(cfg)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.device = device  # the ranks do not re-decide: all of them cuda, or all cpu
         return _launch_local(rank_fn, cfg, run_dir), run_dir
     return _launch_slurm(rank_fn, cfg, run_dir), run_dir
 
