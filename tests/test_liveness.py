@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def test_kill9_launcher_ends_every_rank_and_records_run_failed(tmp_path, launche
     proc = _start(tmp_path)
     launcher_session(proc)
     run, ranks = _wait_running(proc, tmp_path)
+    [launcher_tmp] = [b.parent for b in Path(tempfile.gettempdir()).glob("dtrain-launch-*/heartbeat.rank0")
+                      if b.read_text().split()[-1:] == [str(ranks[0])]]
     os.kill(proc.pid, signal.SIGKILL)
     took = _wait_gone(ranks, timeout=15)
     print(f"ranks {ranks} gone {took:.1f} s after kill -9 of launcher {proc.pid}")
@@ -107,6 +110,7 @@ def test_kill9_launcher_ends_every_rank_and_records_run_failed(tmp_path, launche
     assert failed and all(f"launcher (pid {proc.pid}) died" in e["error"] for e in failed), failed
     assert any(e["rank"] == 0 for e in failed)  # rank 0's goes to events.jsonl, the run's own file
     assert not (run / "summary.json").exists()
+    assert not launcher_tmp.exists()  # rank 0 tidied the dead launcher's temp dir
 
 
 @pytest.mark.parametrize("sig, to_group, code", [

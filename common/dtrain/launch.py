@@ -158,7 +158,7 @@ def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side
         sys.exit(2)
     except BaseException:
         if os.getppid() != launcher_pid:  # a peer died with the launcher: say why, not "connection closed"
-            liveness.orphaned(local_rank, Path(run_dir), launcher_pid)
+            liveness.orphaned(local_rank, Path(run_dir), launcher_pid, Path(side_dir))
         Path(side_dir, f"error.{local_rank}").write_text(traceback.format_exc())  # its mtime orders failures
         sys.stdout.flush()
         sys.stderr.flush()

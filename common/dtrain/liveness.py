@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing.connection
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,7 +107,7 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
         last_beat = 0.0
         while True:
             if launcher_pid is not None and os.getppid() != launcher_pid:
-                orphaned(rank, run_dir, launcher_pid)
+                orphaned(rank, run_dir, launcher_pid, heartbeat_dir)
             if beat is not None and time.monotonic() - last_beat >= interval:
                 with contextlib.suppress(OSError):  # a vanished dir means the launcher is cleaning up
                     beat.write_text(f"{time.time():.3f} {socket.gethostname()} {os.getpid()}\n")
@@ -118,11 +119,14 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
     return thread
 
 
-def orphaned(rank: int, run_dir: Path, launcher_pid: int) -> None:
+def orphaned(rank: int, run_dir: Path, launcher_pid: int, launcher_tmp: Path | None = None) -> None:
+    """Record why this rank stops, tidy the dead launcher's temp dir (rank 0) and exit now."""
     with contextlib.suppress(OSError):
         with RunWriter(run_dir, rank) as w:
             w.event("run_failed", error=f"launcher (pid {launcher_pid}) died; rank {rank} stopped")
     print(f"error: launcher (pid {launcher_pid}) died; rank {rank} stops", file=sys.stderr, flush=True)
+    if rank == 0 and launcher_tmp is not None:
+        shutil.rmtree(launcher_tmp, ignore_errors=True)
     os._exit(1)  # from this thread: the main one may be blocked in a collective
 
 
