@@ -225,3 +225,17 @@ def test_no_scale_alert_after_a_layer_switches_to_high_precision(tmp_path):
     trainer.ctx.writer.close()
     alerts = [e for e in results.read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "alert"]
     assert [(a["step"], a["key"]) for a in alerts] == [(3, "1.input")]
+
+
+def test_interrupt_during_the_checks_is_one_line(monkeypatch, capsys):
+    from dtrain import app
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(precheck, "check_overrides", interrupted)
+    monkeypatch.setattr("sys.argv", ["selftest", "world_size=1"])
+    main = app.hydra_main("dtrain.conf", rank_fn=None, config_name="selftest")
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 130
+    one_error_line(capsys.readouterr().err, "interrupted before the run started; nothing written")
