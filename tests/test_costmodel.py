@@ -16,7 +16,7 @@ GiB = 1024**3
 
 def test_profiles_load_with_sources_and_dense_peaks():
     profiles = load_profiles()
-    assert set(profiles) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200"}
+    assert set(profiles) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h200", "b200"}
     for p in profiles.values():
         assert "NVIDIA" in p.source
         assert p.nvlink_gbps_bidir == 2 * p.nvlink_gbps_per_dir

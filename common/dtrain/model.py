@@ -16,7 +16,7 @@ from the config alone, so cost models can size a 7B model without building it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -45,6 +45,10 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}={value!r} must be an integer >= 1")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -66,9 +70,19 @@ class GPTConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        """The preset with `overrides` applied, checked as one whole model. Overriding n_head
+        without n_kv_head keeps the preset's kind of attention: multi-head stays multi-head
+        (n_kv_head follows n_head) instead of silently becoming GQA with the preset's k/v heads."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
-        return replace(PRESETS[name], **overrides)
+        preset = PRESETS[name]
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown model key {unknown[0]!r}: known keys are {', '.join(f.name for f in fields(cls))}")
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if "n_head" in overrides and "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
+            overrides["n_kv_head"] = None
+        return replace(preset, **overrides)
 
 
 # GPT-2 shapes keep GPT-2's conventions (LayerNorm with bias, tied embeddings, vocab 50257 padded

@@ -14,7 +14,9 @@ Exit codes: 0 a plan was found, 1 nothing fits in memory, 2 bad input.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 
 from dtrain.errors import UserError
@@ -30,33 +32,52 @@ HDR 200); 400 Gbit/s = 50 GB/s. --global-batch counts sequences of --seq tokens.
 exit codes: 0 plan found, 1 does not fit in memory, 2 bad input."""
 
 
+def _number(kind, low: float, strict: bool):
+    """An argparse type: a finite number above `low` (`--params nan`, `--seq 0` are one error line)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            what = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"{text} must be {what} {'>' if strict else '>='} {low:g}")
+        return value
+    parse.__name__ = f"{kind.__name__}{' > ' if strict else ' >= '}{low:g}"
+    return parse
+
+
+POS_INT, POS_FLOAT, NONNEG_INT, NONNEG_FLOAT = _number(int, 0, True), _number(float, 0, True), \
+    _number(int, 0, False), _number(float, 0, False)
+
+
 def add_parser(sub) -> None:
     gpus = sorted(load_profiles())
     p = sub.add_parser("plan", help="choose DP x TP x PP, ZeRO stage, recompute and micro-batch for a model",
                        description=__doc__.split("\n")[0], epilog=EPILOG,
-                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (either --params or --layers/--hidden/--heads)")
-    m.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (a published shape of that size)")
-    m.add_argument("--layers", type=int, help="transformer layers")
-    m.add_argument("--hidden", type=int, help="d_model")
-    m.add_argument("--heads", type=int, help="attention heads")
-    m.add_argument("--kv-heads", type=int, help="KV heads (grouped-query attention; default = --heads)")
-    m.add_argument("--ffn-hidden", type=int, help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)")
+    m.add_argument("--params", type=POS_FLOAT, help="parameter count, e.g. 70e9 (a published shape of that size)")
+    m.add_argument("--layers", type=POS_INT, help="transformer layers")
+    m.add_argument("--hidden", type=POS_INT, help="d_model")
+    m.add_argument("--heads", type=POS_INT, help="attention heads")
+    m.add_argument("--kv-heads", type=POS_INT, help="KV heads (grouped-query attention; default = --heads)")
+    m.add_argument("--ffn-hidden", type=POS_INT, help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)")
     m.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (3 matrices), as in Llama")
-    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
-    m.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    m.add_argument("--vocab", type=POS_INT, default=32000, help="vocabulary size (default 32000)")
+    m.add_argument("--seq", type=POS_INT, default=4096, help="sequence length in tokens (default 4096)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    c.add_argument("--gpus", type=POS_INT, required=True, help="GPUs in the job")
+    c.add_argument("--gpus-per-node", type=POS_INT, default=8, help="GPUs per node (default 8)")
     c.add_argument("--gpu", default="h100-sxm", choices=gpus, help="GPU type (default h100-sxm)")
-    c.add_argument("--nvlink-gbps", type=float, help="intra-node GB/s per GPU, both directions added "
+    c.add_argument("--nvlink-gbps", type=POS_FLOAT, help="intra-node GB/s per GPU, both directions added "
                    "(default: the GPU's datasheet NVLink figure)")
-    c.add_argument("--ib-gbps", type=float, help="inter-node Gbit/s per GPU, NIC line rate "
+    c.add_argument("--ib-gbps", type=POS_FLOAT, help="inter-node Gbit/s per GPU, NIC line rate "
                    "(default: the GPU's reference system)")
     r = p.add_argument_group("training")
-    r.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default 1024)")
+    r.add_argument("--global-batch", type=POS_INT, default=1024, help="sequences per optimizer step (default 1024)")
     r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
-    r.add_argument("--headroom", type=float, default=0.1, help="share of HBM kept free (default 0.1)")
+    r.add_argument("--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)")
     r.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash (default): attention scores never stored; eager: stored (5*a*s/h per layer), "
                         "selective recompute then pays")
@@ -65,7 +86,7 @@ def add_parser(sub) -> None:
                         "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
-    p.add_argument("--top", type=int, default=5, help="runners-up to explain (default 5)")
+    p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 

@@ -25,6 +25,7 @@ from dtrain.costmodel.calibrate import (CalibrationReport, display_path, fsdp_en
                                         tp_regions)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.fit import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
 
@@ -83,11 +84,6 @@ def gpt_config(model: dict | None) -> GPTConfig | None:
         return GPTConfig.from_preset(model["preset"], **over) if model.get("preset") else GPTConfig(**over)
     except (TypeError, ValueError):
         return None
-
-
-def shape_of(g: GPTConfig) -> ModelShape:
-    return ModelShape(g.n_layer, g.d_model, g.n_head, g.n_kv_head, g.vocab_size, g.seq_len, float(g.mlp_ratio),
-                      False, g.tie_embeddings, name="run")
 
 
 def host_cluster(peak_flops: float, world: int, link: LinkModel) -> Cluster:
