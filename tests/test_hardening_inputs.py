@@ -176,8 +176,7 @@ def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     psi = params_per_gpu(shape_of(model), 1, 1)
     ddp = training_need(model, TrainConfig(micro_batch=2, strategy="ddp"), 2)
     zero3 = training_need(model, TrainConfig(micro_batch=2, strategy="zero3"), 2)
-    # cost model (issue 12): Megatron's 18 bytes/param with fp32 grads; ZeRO-3 (2 + 6 + 12)Ψ / N_d
-    assert ddp.states == pytest.approx(18 * psi) and zero3.states == pytest.approx(20 * psi / 2)
+    assert ddp.states == pytest.approx(16 * psi) and zero3.states == pytest.approx(8 * psi)  # ZeRO: 16Ψ / N_d
     big = GPTConfig.from_preset("7b")
     monkeypatch.setattr("dtrain.fit.available_host_bytes", lambda: 64 * 2**30)
     with pytest.raises(UserError) as e:
