@@ -28,7 +28,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtrain import dist as ddist
-from dtrain import envinfo
+from dtrain import envinfo, requeue
 from dtrain.errors import UserError
 from dtrain.metrics import ENV, RunWriter, write_config, write_json_atomic
 
@@ -114,6 +114,7 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
             backend=backend, world_size=env.world_size, device=str(device), launcher=launcher,
             hosts=hosts, threads_per_rank=threads))
     with RunWriter(run_dir, env.rank) as writer:
+        requeue.start_attempt(run_dir, env.rank, writer)
         result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
     if env.world_size > 1:
         dist.barrier()
@@ -171,10 +172,33 @@ def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
 
 # ---------------------------------------------------------------- slurm
 
-def _slurm_task(rank_fn, cfg, run_dir: str):
-    """Runs in every Slurm task: become the rank submitit describes."""
-    env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
-    return run_rank(rank_fn, cfg, Path(run_dir), env, launcher="slurm")[0]
+class SlurmTask:
+    """What every Slurm task runs: become the rank submitit describes.
+
+    It follows submitit's Checkpointable protocol: on USR2 (time limit or preemption) submitit
+    calls `checkpoint()`, pickles the returned submission and requeues the job. The state to keep
+    is already on disk (the trainer's DCP checkpoint in run_dir), so the same task is resubmitted
+    and picks it up (dtrain/requeue.py)."""
+
+    def __init__(self, rank_fn, cfg, run_dir: str):
+        self.rank_fn, self.cfg, self.run_dir = rank_fn, cfg, run_dir
+
+    def __call__(self):
+        env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
+        return run_rank(self.rank_fn, self.cfg, Path(self.run_dir), env, launcher="slurm")[0]
+
+    def checkpoint(self, *args, **kwargs):
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, *args, **kwargs)
+
+
+def requeue_parameters(s: DictConfig) -> tuple[dict, dict]:
+    """(executor init kwargs, update_parameters kwargs) for slurm.requeue / signal_delay_s / max_requeues."""
+    if s.get("requeue", True):
+        return ({"slurm_max_num_timeout": int(s.get("max_requeues", 3))},
+                {"slurm_signal_delay_s": int(s.get("signal_delay_s", 60)), "requeue": True})
+    return {"slurm_max_num_timeout": 0}, {"slurm_signal_delay_s": int(s.get("signal_delay_s", 60)), "no_requeue": True}
 
 
 def slurm_executor(cfg: DictConfig, folder: Path):
@@ -187,10 +211,13 @@ def slurm_executor(cfg: DictConfig, folder: Path):
     tasks = s.tasks_per_node or math.ceil(cfg.world_size / s.nodes)
     if s.nodes * tasks != cfg.world_size:
         raise UserError(f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}")
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    init, requeue_params = requeue_parameters(s)
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", **init)
+    additional = {k: v for k, v in requeue_params.items() if k in ("requeue", "no_requeue")}
     params = dict(name=f"dtrain-{cfg.subproject}", nodes=s.nodes, tasks_per_node=tasks, cpus_per_task=s.cpus_per_task,
                   timeout_min=s.time_min, slurm_srun_args=["--kill-on-bad-exit=1"],
-                  slurm_additional_parameters=OmegaConf.to_container(s.additional))
+                  slurm_signal_delay_s=requeue_params["slurm_signal_delay_s"],
+                  slurm_additional_parameters={**additional, **OmegaConf.to_container(s.additional)})
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     if s.mem_gb:
@@ -206,7 +233,7 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
     ex = slurm_executor(cfg, run_dir / "slurm")
-    job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+    job = ex.submit(SlurmTask(rank_fn, cfg, str(run_dir)))
     print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
     results, failures = [], []
     for i in range(cfg.world_size):  # every task's outcome: the first to fail is not always task 0

@@ -21,13 +21,13 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain import perf
+from dtrain import perf, requeue
 from dtrain.data import TokenBatcher, make_dataset
 from dtrain.errors import UserError
 from dtrain.metrics import finite_or_none
 from dtrain.model import GPT, GPTConfig, flops_per_token, num_params
 from dtrain.timing import Stopwatch
-from dtrain.train import checkpoint
+from dtrain.train import checkpoint, preemption
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
 from dtrain.train.parallelize import parallelize
@@ -47,6 +47,9 @@ class Trainer:
         self.ctx, self.train, self.model_cfg = ctx, train.validate(ctx.world_size), model_cfg
         self.device, self.world_size = ctx.device, ctx.world_size
         self.callbacks = list(callbacks)
+        self.requeue = requeue.enabled(ctx.cfg)  # inside a Slurm job: stop, checkpoint and requeue on a signal
+        if self.requeue:  # first, so a stop happens before any other callback acts on the step
+            self.callbacks.insert(0, preemption.StopOnSignal())
         self.grad_scaler = grad_scaler
         self.autocast = autocast or self._default_autocast()
         self.step = 0          # optimizer steps completed
@@ -199,6 +202,8 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         root = self.train.checkpoint_dir or str(self.ctx.run_dir / "checkpoints")
+        if self.requeue:  # a resume from here keeps the records written so far
+            requeue.note_offset(self.ctx.run_dir, self.ctx.rank, self.step)
         path = checkpoint.save(checkpoint.step_dir(root, self.step), self.model, self.optimizer, self._trainer_state())
         self.last_checkpoint = str(path)
         self.ctx.writer.event("checkpoint_saved", step=self.step, path=str(path))
@@ -218,11 +223,18 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict:
-        if self.train.resume_from:
-            self.load_checkpoint(self.train.resume_from)
+        requeued_from = preemption.resume(self) if self.requeue else None  # a requeued job continues its own
+        if requeued_from or self.train.resume_from:
+            self.load_checkpoint(requeued_from or self.train.resume_from)
+        last: dict = {}
+        if self.requeue and requeue.restart_count():
+            requeue.rewind_records(self.ctx.run_dir, self.ctx.rank, self.step)
+            self.ctx.writer.event("resumed", step=self.step, checkpoint=requeued_from)
+            last = preemption.last_step_record(self.ctx.run_dir, self.step) if self.ctx.is_main else {}
+        if self.requeue:
+            requeue.note_offset(self.ctx.run_dir, self.ctx.rank, self.step)
         self._call("on_train_start")
         progress = self._progress()
-        last: dict = {}
         while self.step < self.train.steps:
             last = self.train_step()
             progress.update(1)
