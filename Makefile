@@ -20,8 +20,9 @@ test-fast: venv         ## the fast path: every subproject, no slow or slurm tes
 guide: venv             ## regenerate PARALLELISM_GUIDE.md from results/
 	$(BIN)/dtrain guide
 
-slurm-up:               ## a one-node Slurm cluster on this machine (root, Debian)
-	scripts/slurm-cluster install && scripts/slurm-cluster start
+SLURM_NODES ?= 2
+slurm-up:               ## a local Slurm cluster, 2 nodes in network namespaces (root, Debian)
+	scripts/slurm-cluster install && scripts/slurm-cluster start --nodes $(SLURM_NODES)
 
 slurm-down:
 	scripts/slurm-cluster stop

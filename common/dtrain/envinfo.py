@@ -54,6 +54,7 @@ def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "hosts": sorted(set(hosts)),
+        "rank_hosts": list(hosts),  # host of each rank, in rank order
         "num_nodes": len(set(hosts)),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
