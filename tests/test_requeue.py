@@ -127,3 +127,22 @@ def test_outside_slurm_nothing_changes(tmp_path, monkeypatch):
     assert not t.requeue and not any(type(c).__name__ == "StopOnSignal" for c in t.callbacks)
     t.run()
     assert not list(tmp_path.glob(".records-offsets*"))
+
+
+@pytest.mark.parametrize("requeue_on", [True, False])
+def test_slurm_keys_reach_sbatch(requeue_on):
+    import shutil
+    from pathlib import Path
+
+    import dtrain
+    from dtrain.launch import slurm_executor
+
+    if shutil.which("sbatch") is None:
+        pytest.skip("needs Slurm's sbatch on PATH (scripts/slurm-cluster install)")
+    cfg = OmegaConf.load(Path(dtrain.__file__).parent / "conf" / "dtrain_base.yaml")
+    cfg.pop("hydra")
+    cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = "t", requeue_on, 45, 5
+    ex = slurm_executor(cfg, Path("/tmp/unused"))._executor
+    assert ex.parameters["signal_delay_s"] == 45
+    assert ex.max_num_timeout == (5 if requeue_on else 0)
+    assert ex.parameters["additional_parameters"] == ({"requeue": True} if requeue_on else {"no_requeue": True})

@@ -193,12 +193,12 @@ class SlurmTask:
         return DelayedSubmission(self, *args, **kwargs)
 
 
-def requeue_parameters(s: DictConfig) -> tuple[dict, dict]:
-    """(executor init kwargs, update_parameters kwargs) for slurm.requeue / signal_delay_s / max_requeues."""
+def requeue_options(s: DictConfig) -> tuple[int, dict]:
+    """slurm.requeue / max_requeues -> (submitit's max_num_timeout, the sbatch flag): without requeue
+    a time-out is final and Slurm may not requeue the job either."""
     if s.get("requeue", True):
-        return ({"slurm_max_num_timeout": int(s.get("max_requeues", 3))},
-                {"slurm_signal_delay_s": int(s.get("signal_delay_s", 60)), "requeue": True})
-    return {"slurm_max_num_timeout": 0}, {"slurm_signal_delay_s": int(s.get("signal_delay_s", 60)), "no_requeue": True}
+        return int(s.get("max_requeues", 3)), {"requeue": True}
+    return 0, {"no_requeue": True}
 
 
 def slurm_executor(cfg: DictConfig, folder: Path):
@@ -211,13 +211,12 @@ def slurm_executor(cfg: DictConfig, folder: Path):
     tasks = s.tasks_per_node or math.ceil(cfg.world_size / s.nodes)
     if s.nodes * tasks != cfg.world_size:
         raise UserError(f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}")
-    init, requeue_params = requeue_parameters(s)
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", **init)
-    additional = {k: v for k, v in requeue_params.items() if k in ("requeue", "no_requeue")}
+    max_timeouts, requeue_flag = requeue_options(s)
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=max_timeouts)
     params = dict(name=f"dtrain-{cfg.subproject}", nodes=s.nodes, tasks_per_node=tasks, cpus_per_task=s.cpus_per_task,
                   timeout_min=s.time_min, slurm_srun_args=["--kill-on-bad-exit=1"],
-                  slurm_signal_delay_s=requeue_params["slurm_signal_delay_s"],
-                  slurm_additional_parameters={**additional, **OmegaConf.to_container(s.additional)})
+                  slurm_signal_delay_s=int(s.get("signal_delay_s", 60)),  # USR2 this long before the limit
+                  slurm_additional_parameters={**requeue_flag, **OmegaConf.to_container(s.additional)})
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     if s.mem_gb:
