@@ -21,7 +21,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain import perf, requeue
+from dtrain import envinfo, perf, requeue
 from dtrain.data import TokenBatcher, make_dataset
 from dtrain.errors import UserError
 from dtrain.metrics import finite_or_none
@@ -73,6 +73,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
         self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
+        self.tf32 = train.mixed_precision == "fp32" and perf.enable_tf32(self.device)
+        if self.tf32 and ctx.is_main:
+            envinfo.note(ctx.run_dir, matmul_tf32=True)
         self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -223,6 +226,7 @@ class Trainer:
 
     def load_checkpoint(self, path) -> None:
         path = checkpoint.resolve(path)
+        checkpoint.check_compatible(path, self.model, self.train.steps)
         state = checkpoint.load(path, self.model, self.optimizer, self._trainer_state())
         try:
             self.batcher.load_state_dict(state["data"])
@@ -279,5 +283,5 @@ class Trainer:
                 "flops_per_token": self.flops_per_token, "model_params": self.model_params,
                 "peak_mem_bytes": peak_memory_bytes(self.device), "global_batch": self.batcher.global_batch,
                 "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
-                "mixed_precision": self.train.mixed_precision, "world_size": self.world_size,
+                "mixed_precision": self.train.mixed_precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
                 "last_checkpoint": self.last_checkpoint}
