@@ -125,7 +125,14 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
             hosts=hosts, threads_per_rank=threads))
     with RunWriter(run_dir, env.rank) as writer:
         requeue.start_attempt(run_dir, env.rank, writer)
-        result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
+        try:
+            result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
+        except Exception:
+            if launcher == "job" and "SLURM_JOB_ID" in os.environ:
+                # Hydra keeps a sweep point's exception in its JobReturn (sacct says COMPLETED):
+                # the job's own log must show it, for `dtrain runs` and for whoever reads the log
+                traceback.print_exc()
+            raise
     if env.world_size > 1:
         dist.barrier()
     ddist.destroy()

@@ -62,6 +62,15 @@ def error_tail(log: Path, n: int = 3) -> str:
     return "\n".join(keep[-n:])
 
 
+def _rank(tail: str) -> int:
+    """Which task's error to show: a real one before a peer's "connection closed", before noise."""
+    from dtrain.liveness import is_peer_symptom
+
+    if "error" not in tail.lower():
+        return 2
+    return 1 if is_peer_symptom(tail) else 0
+
+
 def jobs_in(paths: Iterable[str | Path]) -> list[SlurmJob]:
     """Every submitit job whose log folder lies under `paths`, with its state and error tail."""
     found: dict[str, SlurmJob] = {}
@@ -72,7 +81,7 @@ def jobs_in(paths: Iterable[str | Path]) -> list[SlurmJob]:
                 continue
             job = found.setdefault(m["job"], SlurmJob(m["job"], err.parent))
             tail = error_tail(err)
-            if tail and (not job.error_tail or "error" in tail.lower() and "error" not in job.error_tail.lower()):
+            if tail and (not job.error_tail or _rank(tail) < _rank(job.error_tail)):
                 job.error_tail = tail
     states = sacct(found)
     for job in found.values():
