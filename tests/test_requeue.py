@@ -57,6 +57,7 @@ def step_losses(run_dir) -> list[tuple[int, float]]:
 @pytest.fixture
 def in_slurm_job(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     return monkeypatch
 

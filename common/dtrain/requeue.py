@@ -40,9 +40,11 @@ def restart_count() -> int:
 
 
 def enabled(cfg) -> bool:
-    """Stop-and-requeue handling applies: inside a Slurm job, with slurm.requeue on."""
+    """Stop-and-requeue handling applies: in a task of a Slurm job step (srun; not a shell inside
+    salloc spawning local ranks), with slurm.requeue on."""
     slurm = cfg.get("slurm") if hasattr(cfg, "get") else None
-    return "SLURM_JOB_ID" in os.environ and bool(slurm is None or slurm.get("requeue", True))
+    in_step = "SLURM_JOB_ID" in os.environ and "SLURM_STEP_ID" in os.environ
+    return in_step and bool(slurm is None or slurm.get("requeue", True))
 
 
 def preempt_signal() -> signal.Signals:
