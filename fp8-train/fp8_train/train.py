@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtrain import dist as ddist
 from dtrain import perf
 from dtrain.errors import UserError
+from dtrain.fit import check_fits
 from dtrain.launch import mode_of
 from dtrain.metrics import RECORDS
 from dtrain.model import GPT, GPTConfig
@@ -48,11 +49,15 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(backends.RECIPES)}")
     if cfg.precision not in ("auto", "fp32", "bf16"):
         raise UserError(f"precision={cfg.precision!r} is not one of auto, fp32, bf16")
+    backends.check_fp8_cfg(cfg.fp8)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
         backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
     model_cfg = model_config(cfg)
     train = train_config(cfg, cfg.world_size)
     backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
+    if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
+        check_fits(model_cfg, train, cfg.world_size, ddist.pick_device(cfg.device, 0),
+                   f"model.preset={cfg.model.preset}")
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
     with torch.device("meta"):
         names = {n for n, _ in GPT(model_cfg).named_modules()}

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from dtrain.errors import UserError
 
@@ -38,6 +38,30 @@ def resolve(path: str | Path) -> Path:
         raise UserError(f"train.resume_from={str(path)!r} holds no complete checkpoint (no .metadata): "
                         "pass a step-N folder written by a finished save")
     return steps[-1][1]
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def check_compatible(path: Path, model, steps: int) -> None:
+    """Refuse, before DCP loads anything, a checkpoint this run cannot continue: one already past
+    train.steps, or one of another model (its parameter names and shapes are in `.metadata`)."""
+    done = step_of(path)
+    if done is not None and steps < done:
+        raise UserError(f"train.steps={steps} is below the checkpoint's step {done} ({path}): "
+                        f"pass train.steps >= {done} to continue training")
+    stored = {k.removeprefix("model."): tuple(v.size) for k, v in
+              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    if stored != wanted:
+        diff = sorted(set(stored) ^ set(wanted)) or sorted(k for k in wanted if stored[k] != wanted[k])
+        k = diff[0]
+        raise UserError(f"cannot resume from {path}: it holds another model ({k}: checkpoint "
+                        f"{stored.get(k, 'absent')}, this run {wanted.get(k, 'absent')}): "
+                        "pass the model overrides the checkpoint was trained with")
 
 
 def save(path: str | Path, model, optimizer, trainer_state: dict) -> Path:

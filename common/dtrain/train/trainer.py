@@ -209,6 +209,7 @@ class Trainer:
 
     def load_checkpoint(self, path) -> None:
         path = checkpoint.resolve(path)
+        checkpoint.check_compatible(path, self.model, self.train.steps)
         state = checkpoint.load(path, self.model, self.optimizer, self._trainer_state())
         try:
             self.batcher.load_state_dict(state["data"])
