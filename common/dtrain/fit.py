@@ -4,17 +4,19 @@ model (dtrain.costmodel.memory) says cannot fit, instead of ranks killed by the 
 Local runs only (on Slurm the compute nodes' memory is not known here). On CPU every rank of the
 run shares this host's RAM: need = ranks x bytes per rank, against MemAvailable. On GPUs each rank
 has its own device: need = bytes per rank, against the device's total memory. The estimate counts
-weights, gradients, Adam state (ZeRO sharding by strategy), activations and logits; not the
+weights, gradients, Adam state as this trainer keeps them (`fsdp2_state_bytes`: 16 bytes per
+parameter, sharded by strategy), activations and logits (the cost model's formulas); not the
 process itself, allocator slack or communication buffers, so it errs towards letting a run start.
+It only refuses when the estimate exceeds everything available.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from dtrain.costmodel.memory import Layout, ModelShape, memory_per_gpu
+from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
 
@@ -45,8 +47,10 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
                     recompute=recompute, micro_batch=train.micro_batch, grad_accum=train.grad_accum)
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
     factor = 2.0 if train.mixed_precision == "fp32" else 1.0
-    m = memory_per_gpu(shape_of(model), layout, activation_bytes_factor=factor, flash_attention=True)
-    states = m.params + m.grads + m.optimizer
+    shape = shape_of(model)
+    m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True)
+    states = sum(fsdp2_state_bytes(params_per_gpu(shape, 1, 1), layout.zero_stage, layout.dp))
+    m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's
     init = 4.0 * num_params(model)
     return Need(max(m.total, init), states, m.activations + m.buffers, init)
 
