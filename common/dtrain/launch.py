@@ -214,7 +214,8 @@ class SlurmTask:
 
     def __call__(self):
         env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
-        liveness.watch_rank(env.rank, Path(self.run_dir), Path(self.run_dir, "slurm"), self.cfg.get("heartbeat_timeout_s"))
+        liveness.watch_rank(env.rank, Path(self.run_dir), Path(self.run_dir, "slurm"),
+                            self.cfg.get("heartbeat_timeout_s"))
         return run_rank(self.rank_fn, self.cfg, Path(self.run_dir), env, launcher="slurm")[0]
 
     def checkpoint(self, *args, **kwargs):
