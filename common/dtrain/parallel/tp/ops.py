@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tp_attention import comm
+from dtrain.parallel.tp import comm
 
 
 def _rank(group) -> int:
