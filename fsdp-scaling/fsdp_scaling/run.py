@@ -34,8 +34,7 @@ def model_config(node) -> GPTConfig:
 
 
 def validate(cfg: DictConfig) -> None:
-    TrainConfig.from_cfg(cfg.train).validate(cfg.world_size)
-    model_config(cfg.model)
+    TrainConfig.from_cfg(cfg.train).validate(cfg.world_size).validate_model(model_config(cfg.model))
     if cfg.profile.enabled and cfg.profile.steps < 1:
         raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
     t = cfg.train

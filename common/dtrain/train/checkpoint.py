@@ -1,8 +1,11 @@
 """Distributed checkpoints (torch.distributed.checkpoint): model + optimizer + trainer state.
 
-`get_state_dict` / `set_state_dict` give the same fully-qualified names whether the model is
-plain, DDP-wrapped, FSDP2-sharded or activation-checkpoint-wrapped, and DCP re-shards on load,
-so a checkpoint saved by zero3 on 2 ranks loads into ddp on 4 or a single rank.
+`get_model_state_dict` / `get_optimizer_state_dict` give the same fully-qualified names whether
+the model is plain, DDP-wrapped, FSDP2-sharded, activation-checkpoint-wrapped, tensor-parallel
+(DTensor parameters with global shapes) or split into pipeline stages (each stage keeps the GPT's
+names; the state of all parts is merged). The optimizer state is flattened (keyed by parameter
+name, not by position), and DCP re-shards on load, so a checkpoint saved by zero3 on 2 ranks
+loads into ddp on 4 or a single rank, and one saved by tp2 x pp2 loads into dp4.
 
 Layout: <checkpoint_dir>/step-000123/ (DCP files; `.metadata` is written last, so a folder
 without it is an interrupted save and is ignored when looking for the latest).
@@ -13,7 +16,13 @@ import re
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dtrain.errors import UserError
 
@@ -40,9 +49,29 @@ def resolve(path: str | Path) -> Path:
     return steps[-1][1]
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_FLAT_LOOSE = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+
+
+def _pairs(parts, optimizer) -> list:
+    """(model part, its optimizer): a trainer's parts and an AdamW or an OptimizerParts."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
+    optimizers = getattr(optimizer, "optimizers", [optimizer])
+    return list(zip(parts, optimizers, strict=True))
+
+
+def _state_dicts(parts, optimizer) -> tuple[dict, dict]:
+    model_sd, optim_sd = {}, {}
+    for part, opt in _pairs(parts, optimizer):
+        model_sd.update(get_model_state_dict(part, options=_FLAT))
+        optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+    return model_sd, optim_sd
+
+
 def save(path: str | Path, model, optimizer, trainer_state: dict) -> Path:
-    """Collective: every rank calls it and writes its own shards."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """Collective: every rank calls it and writes its own shards. `model` is a module or a list of
+    pipeline-stage modules; `optimizer` an optimizer or an OptimizerParts (one per part)."""
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer_state}, checkpoint_id=str(path))
     return Path(path)
 
@@ -51,8 +80,12 @@ def load(path: str | Path, model, optimizer, trainer_state: dict) -> dict:
     """Load into the (already parallelized) model and optimizer; returns the saved trainer state.
 
     `trainer_state` is a template with the keys to restore (DCP loads in place)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer_state)}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    pairs = _pairs(model, optimizer)
+    options = _FLAT if len(pairs) == 1 else _FLAT_LOOSE  # each stage takes its own keys
+    for part, opt in pairs:
+        set_model_state_dict(part, state["model"], options=options)
+        set_optimizer_state_dict(part, opt, state["optim"], options=options)
     return state["trainer"]
