@@ -1,7 +1,8 @@
 """The trainer's model-parallel path: a GPT split by pp and tp, data-parallel over the rest.
 
 Applied in torchtitan's order, per pipeline stage: pipeline split -> tensor parallelism ->
-activation checkpointing -> FSDP2 over the dp mesh dimension (2-D with tp). Data parallelism
+activation checkpointing -> FSDP2 over the dp mesh dimension (2-D with tp). With pp > 1, zero3
+and hsdp keep parameters gathered between forward and backward (as zero2 does). Data parallelism
 over dp ranks is FSDP2 for zero2 / zero3 / hsdp and, for ddp, one all-reduce of every gradient
 over the dp group after backward (DDP does not take DTensor parameters).
 
@@ -11,6 +12,7 @@ that do not hold the last stage).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import ChainMap
 
 import torch
@@ -73,13 +75,17 @@ class ModelParallel:
         self.num_stages = dims.pp * (2 if train.pp_schedule == "zbv" else train.pp_virtual) if dims.pp > 1 else 1
         dp_mesh = dims.dp_mesh()
         self.fsdp = dp_mesh is not None and train.sharded
+        # With pp, parameters stay gathered from forward to backward (torchtitan's default): a
+        # stage runs many micro-batches per step, and the zero-bubble schedules' weight-gradient
+        # pass runs outside FSDP's backward hooks, so it needs them still unsharded.
+        fsdp_train = dataclasses.replace(train, strategy="zero2") if dims.pp > 1 else train
         for _, part in staged:
             if dims.tp > 1:
                 apply_tp(part, dims.submesh("tp"))
             if train.activation_checkpointing == "block":
                 apply_activation_checkpointing(part)
             if self.fsdp:
-                apply_fsdp(part, train, dp_mesh, device)
+                apply_fsdp(part, fsdp_train, dp_mesh, device)
             else:
                 part.to(device)
         self.parts = [part for _, part in staged]
@@ -142,11 +148,9 @@ class ModelParallel:
         grads = [p.grad for part in self.parts for p in part.parameters() if p.grad is not None]
         for g in grads:
             shards = 1
-            if hasattr(g, "placements"):
-                shards = 1
-                for dim, placement in enumerate(g.placements):
-                    if placement.is_shard():
-                        shards *= g.device_mesh.size(dim)
+            for dim, placement in enumerate(getattr(g, "placements", ())):
+                if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (not a Shard subclass)
+                    shards *= g.device_mesh.size(dim)
             copies = dims.world_size // (dims.pp * shards)
             total += _local(g).double().pow(2).sum() / copies
         if dims.world_size > 1:
