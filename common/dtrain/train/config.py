@@ -90,11 +90,7 @@ class TrainConfig:
         for key in ("tp", "pp", "pp_virtual"):
             if getattr(self, key) < 1:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
-        dims = self.dims(world_size)
-        if dims.model_parallel and self.strategy == "single":
-            raise UserError(f"train.tp={self.tp} / train.pp={self.pp} need several ranks: "
-                            "pick train.strategy ddp, zero2, zero3 or hsdp (over the dp ranks)")
-        if self.strategy == "hsdp" and not dims.model_parallel:
+        if self.strategy == "hsdp" and self.tp * self.pp == 1:
             r = self.hsdp_replicate
             if r < 1 or world_size % r:
                 raise UserError(f"train.strategy=hsdp needs world_size divisible by train.hsdp_replicate, "
@@ -103,6 +99,7 @@ class TrainConfig:
         for key in ("steps", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
+        dims = self.dims(world_size)  # tp x pp must divide world_size (single then needs tp = pp = 1)
         if self.global_batch is not None:
             dp = dims.dp
             per_micro = self.micro_batch * dp

@@ -66,9 +66,11 @@ class Trainer:
         if data.vocab_size > model_cfg.vocab_size:
             raise UserError(f"dataset {train.dataset!r} has vocab {data.vocab_size} > model vocab_size="
                             f"{model_cfg.vocab_size}: raise model.vocab_size")
+        dp_rank = ctx.rank
         if self.dims.model_parallel:
-            self.dims.build_mesh(self.device.type)  # the data-parallel rank comes from the mesh
-        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=self.dims.dp_rank,
+            self.dims.build_mesh(self.device.type)
+            dp_rank = self.dims.dp_rank  # ranks of one tp x pp replica read the same batch
+        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=dp_rank,
                                     world_size=self.dims.dp, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
         torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every strategy
         adamw = dict(lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay, foreach=True)
