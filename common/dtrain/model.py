@@ -66,7 +66,10 @@ class GPTConfig:
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
-        return replace(PRESETS[name], **overrides)
+        base = PRESETS[name]
+        if "n_head" in overrides and "n_kv_head" not in overrides and base.n_kv_head == base.n_head:
+            overrides["n_kv_head"] = overrides["n_head"]  # a multi-head preset stays multi-head
+        return replace(base, **overrides)
 
 
 # GPT-2 shapes keep GPT-2's conventions (LayerNorm with bias, tied embeddings, vocab 50257 padded

@@ -185,4 +185,15 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
+            **_overrides_json(res),
             "explanation": explain(res, top)}
+
+
+def _overrides_json(res: SearchResult) -> dict:
+    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its notes."""
+    from .overrides import train_overrides
+
+    if res.best is None:
+        return {"train_overrides": None, "train_overrides_notes": []}
+    overrides, notes = train_overrides(res.best, res.model, res.global_batch, res.precision)
+    return {"train_overrides": overrides, "train_overrides_notes": notes}

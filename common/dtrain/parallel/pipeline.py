@@ -8,7 +8,8 @@ pipeline layout loads into any other layout.
 
 Schedules (train.pp_schedule) and stages per rank (train.pp_virtual):
 
-    gpipe, 1f1b                  one stage per rank; rank r holds stage r
+    gpipe, 1f1b                  one stage per rank; rank r holds stage r (gpipe also runs
+                                 with fewer micro-batches than stages, 1f1b needs >= pp)
     interleaved_1f1b             pp_virtual >= 2 stages per rank, looped: rank r holds r, r+pp, ...
     interleaved_zb               the same placement, zero-bubble (input/weight backward split)
     zbv                          exactly 2 stages per rank in a V: rank r holds r and 2pp-1-r
@@ -47,9 +48,10 @@ def check_pipeline(cfg: GPTConfig, pp: int, schedule: str, virtual: int, micro_b
     if cfg.n_layer < stages:
         raise UserError(f"model.n_layer={cfg.n_layer} < pipeline stages = train.pp x train.pp_virtual = "
                         f"{pp} x {virtual} = {stages}: lower pp or pp_virtual, or add layers")
-    if micro_batches < pp:
+    if micro_batches < pp and schedule != "gpipe":
         raise UserError(f"pipeline micro-batches (train.grad_accum={micro_batches}) < train.pp={pp}: raise "
-                        "train.global_batch (or grad_accum) so each step has at least pp micro-batches")
+                        "train.global_batch (or grad_accum) so each step has at least pp micro-batches, "
+                        "or use train.pp_schedule=gpipe")
     if schedule not in SINGLE_STAGE:
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
