@@ -20,7 +20,8 @@ def as_configs(overrides: list[str]) -> tuple[int, TrainConfig, GPTConfig]:
     kv = dict(o.split("=", 1) for o in overrides)
     train = {k[6:]: v for k, v in kv.items() if k.startswith("train.")}
     ints = ("tp", "pp", "pp_virtual", "micro_batch", "global_batch")
-    train = TrainConfig(**{k: int(v) if k in ints else v for k, v in train.items()})
+    train = TrainConfig(**{k: int(v) if k in ints else v == "true" if v in ("true", "false") else v
+                           for k, v in train.items()})
     model = GPTConfig.from_preset(kv["model.preset"], **{k[6:]: int(v) for k, v in kv.items()
                                                         if k.startswith("model.") and k != "model.preset"})
     return int(kv["world_size"]), train, model
@@ -34,7 +35,7 @@ def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
     assert overrides[:6] == ["world_size=8", "train.strategy=zero2", "train.tp=2", "train.pp=2",
                              "train.pp_schedule=interleaved_1f1b", "train.pp_virtual=2"]
     assert "train.activation_checkpointing=block" in overrides and "model.n_layer=8" in overrides
-    assert any("sequence parallelism" in n for n in notes) and any("ZeRO-1" in n for n in notes)
+    assert "train.sequence_parallel=true" in overrides and any("ZeRO-1" in n for n in notes)
     world, train, model = as_configs(overrides)
     train.validate(world).validate_model(model)
     assert train.grad_accum == layout.grad_accum  # 16 / (micro_batch 2 x dp 2)

@@ -1,4 +1,4 @@
-"""DP x TP x PP in the shared trainer: 5-step losses equal the single-process run (fp32, gloo),
+"""DP x TP (+SP) x PP in the shared trainer: 5-step losses equal the single-process run (fp32, gloo),
 checkpoints resume exactly on the same and on another layout, bad layouts are one-line errors.
 
 Several trainings run inside one launch (each spawn costs seconds); the model is the tiny GPT
@@ -64,6 +64,7 @@ def reference(tmp_path_factory) -> list[float]:
 def test_two_rank_tp_and_pipeline_schedules_match_single(tmp_path, reference):
     two = run_specs(tmp_path, 2, {
         "tp2": {"tp": 2},
+        "tp2_sp": {"tp": 2, "sequence_parallel": True},
         "pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
         "pp2_interleaved_1f1b": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
     })
@@ -103,12 +104,16 @@ def test_more_layouts_match_single_and_resume(tmp_path, reference):
         "dp2_pp2_zbv": {"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
         "dp2_tp2_ddp": {"tp": 2, "strategy": "ddp"},
         "dp2_tp2_zero2": {"tp": 2, "strategy": "zero2"},
+        "dp2_tp2_sp": {"tp": 2, "sequence_parallel": True},
+        "tp2_pp2_sp_interleaved_zb": {"tp": 2, "pp": 2, "sequence_parallel": True, "pp_schedule": "interleaved_zb",
+                                      "pp_virtual": 2},
         "dp2_pp2_interleaved_ddp": {"pp": 2, "strategy": "ddp", "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
     })
     one = run_specs(tmp_path, 1, {"single_from_dp2_pp2": {"strategy": "single", "resume_from": f"{ck}4/step-000003"}})
     for name in ("pp2_gpipe", "pp2_interleaved_zb", "pp2_zbv", "tp2_ac"):
         assert two[name]["losses"] == pytest.approx(reference, abs=1e-5), name
-    for name in ("dp2_pp2", "dp2_pp2_zbv", "dp2_tp2_ddp", "dp2_tp2_zero2", "dp2_pp2_interleaved_ddp"):
+    for name in ("dp2_pp2", "dp2_pp2_zbv", "dp2_tp2_ddp", "dp2_tp2_zero2", "dp2_pp2_interleaved_ddp", "dp2_tp2_sp",
+                 "tp2_pp2_sp_interleaved_zb"):
         assert four[name]["losses"] == pytest.approx(reference, abs=1e-5), name
     for resumed in (two["tp2_resumed"], two["pp2_interleaved_from_tp2"], four["dp2_pp2_resumed"],
                     one["single_from_dp2_pp2"]):
@@ -127,6 +132,8 @@ def test_more_layouts_match_single_and_resume(tmp_path, reference):
     (2, {"pp": 2, "pp_schedule": "1f1b", "pp_virtual": 2}, MODEL, "train.pp_schedule=1f1b runs one stage per rank"),
     (2, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, MODEL, "needs train.pp_virtual >= 2"),
     (2, {"pp_schedule": "dualpipe"}, MODEL, "train.pp_schedule='dualpipe' is unknown"),
+    (2, {"sequence_parallel": True}, MODEL, "train.sequence_parallel=true needs train.tp > 1"),
+    (2, {"tp": 2, "sequence_parallel": True}, GPTConfig.from_preset("tiny", seq_len=63), "model.seq_len=63 is not divisible"),
     (2, {"pp": 2}, GPTConfig.from_preset("tiny", n_layer=4, tie_embeddings=True), "needs model.tie_embeddings=false"),
     (1, {"tp": 2, "strategy": "single"}, MODEL, "world_size=1 is not divisible by train.tp x train.pp = 2 x 1"),
     (8, {"tp": 2, "global_batch": 6}, MODEL, "train.global_batch=6 is not divisible by train.micro_batch x "

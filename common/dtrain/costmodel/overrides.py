@@ -10,9 +10,11 @@
     precision bf16 / fp8 -> mixed_precision=bf16 (FP8 recipes are fp8-train's)
     the model's layers, hidden, heads and seq -> model.n_layer, d_model, n_head, seq_len
 
-What the trainer cannot express is listed in `notes` instead of being silently dropped:
-sequence parallelism (the trainer's TP keeps activations whole between blocks), a vocabulary or
-KV-head count other than the fsdp-scaling preset's, a gated MLP.
+    sequence_parallel -> train.sequence_parallel
+
+What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
+selective recompute, FP8, a vocabulary or KV-head count other than the fsdp-scaling preset's,
+a gated MLP.
 """
 from __future__ import annotations
 
@@ -32,11 +34,10 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
            f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
            f"train.activation_checkpointing={'none' if layout.recompute == 'none' else 'block'}",
            f"train.mixed_precision={'fp32' if precision == 'fp32' else 'bf16'}",
+           f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
            f"model.n_head={model.n_head}", f"model.seq_len={model.seq_len}"]
     notes = []
-    if layout.sequence_parallel:
-        notes.append("sequence parallelism is not in the trainer: it runs the same tp without it (more activation memory)")
     if layout.zero_stage == 1:
         notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
     if layout.recompute == "selective":

@@ -33,6 +33,7 @@ class TrainConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP2: bf16 params, fp32 reduce; single/ddp: autocast)
     activation_checkpointing: str = "none"  # none | block
     tp: int = 1                    # tensor-parallel degree (hand-rolled Megatron blocks, dtrain.parallel.tp)
+    sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
     pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual: int = 1            # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)
@@ -125,7 +126,7 @@ class TrainConfig:
         from dtrain.parallel.pipeline import check_pipeline
         from dtrain.parallel.tp.apply import check_tp_model
 
-        check_tp_model(model_cfg, self.tp)
+        check_tp_model(model_cfg, self.tp, self.sequence_parallel)
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
         return self
 

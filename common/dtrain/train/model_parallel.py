@@ -22,7 +22,7 @@ import torch.nn as nn
 from dtrain.model import GPT
 from dtrain.parallel import pipeline
 from dtrain.parallel.mesh import ParallelDims
-from dtrain.parallel.tp.apply import apply_tp
+from dtrain.parallel.tp.apply import apply_tp, sum_partial_grads
 from dtrain.train.config import TrainConfig
 from dtrain.train.parallelize import apply_activation_checkpointing, apply_fsdp
 
@@ -79,9 +79,12 @@ class ModelParallel:
         # stage runs many micro-batches per step, and the zero-bubble schedules' weight-gradient
         # pass runs outside FSDP's backward hooks, so it needs them still unsharded.
         fsdp_train = dataclasses.replace(train, strategy="zero2") if dims.pp > 1 else train
+        self.partial_grads: list[set[str]] = []  # per part: sequence-parallel grads summed over tp
         for _, part in staged:
+            partial = []
             if dims.tp > 1:
-                apply_tp(part, dims.submesh("tp"))
+                partial = apply_tp(part, dims.submesh("tp"), train.sequence_parallel, gpt.cfg.n_layer)
+            self.partial_grads.append(set(partial))
             if train.activation_checkpointing == "block":
                 apply_activation_checkpointing(part)
             if self.fsdp:
@@ -118,6 +121,9 @@ class ModelParallel:
                 self.schedule.step(*args, target=y if self.holds_last else None, losses=losses,
                                    return_outputs=False)
             losses = [t.detach() for t in losses] if losses is not None else None
+        for part, names in zip(self.parts, self.partial_grads):
+            if names:
+                sum_partial_grads(part, names, self.dims.submesh("tp").get_group())
         if self.train.strategy == "ddp" and self.dims.dp > 1:
             self._all_reduce_grads()
         return torch.stack(losses).float().mean() if losses else None
