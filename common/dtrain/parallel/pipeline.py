@@ -100,7 +100,7 @@ class PipelineStageModule(nn.Module):
 
 def split_model(gpt: GPT, pp: int, pp_rank: int, schedule: str, virtual: int) -> list[tuple[int, PipelineStageModule]]:
     """(stage index, stage module) for each stage this rank holds."""
-    stages = pp * (2 if schedule == "zbv" else virtual)
+    stages = pp * virtual  # check_pipeline: zbv has virtual = 2
     ranges = split_layers(gpt.cfg.n_layer, stages)
     return [(s, PipelineStageModule(gpt, ranges[s], s == 0, s == stages - 1))
             for s in stages_of_rank(pp_rank, pp, schedule, virtual)]

@@ -23,6 +23,7 @@ from dtrain.model import GPT
 from dtrain.parallel import pipeline
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.tp.apply import apply_tp, sum_partial_grads
+from dtrain.parallel.tp.layers import local_shard
 from dtrain.train.config import TrainConfig
 from dtrain.train.parallelize import apply_activation_checkpointing, apply_fsdp
 
@@ -72,7 +73,7 @@ class ModelParallel:
             staged = pipeline.split_model(gpt, dims.pp, self.pp_rank, train.pp_schedule, train.pp_virtual)
         else:
             staged = [(0, gpt)]
-        self.num_stages = dims.pp * (2 if train.pp_schedule == "zbv" else train.pp_virtual) if dims.pp > 1 else 1
+        self.num_stages = dims.pp * train.pp_virtual if dims.pp > 1 else 1
         dp_mesh = dims.dp_mesh()
         self.fsdp = dp_mesh is not None and train.sharded
         # With pp, parameters stay gathered from forward to backward (torchtitan's default): a
@@ -131,7 +132,7 @@ class ModelParallel:
     @torch.no_grad()
     def _all_reduce_grads(self) -> None:
         """ddp over the dp group: average every local gradient (one flat bucket)."""
-        grads = [_local(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
+        grads = [local_shard(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -158,7 +159,7 @@ class ModelParallel:
                 if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (not a Shard subclass)
                     shards *= g.device_mesh.size(dim)
             copies = dims.world_size // (dims.pp * shards)
-            total += _local(g).double().pow(2).sum() / copies
+            total += local_shard(g).double().pow(2).sum() / copies
         if dims.world_size > 1:
             dist.all_reduce(total)
         norm = float(total.sqrt())
@@ -166,9 +167,5 @@ class ModelParallel:
             coef = max_norm / (norm + 1e-6)
             if coef < 1:
                 for g in grads:
-                    _local(g).mul_(coef)
+                    local_shard(g).mul_(coef)
         return norm
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
