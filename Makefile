@@ -2,8 +2,11 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# gpu-check runs where torch is already installed (an offline GPU machine has no .venv): the venv's
+# python when there is one, else python3
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: venv capstone test test-fast guide slurm-up slurm-down clean
+.PHONY: venv capstone test test-fast guide gpu-check gpu-bundle slurm-up slurm-down clean
 
 venv:
 	@scripts/setup-venv
@@ -19,6 +22,12 @@ test-fast: venv         ## the fast path: every subproject, no slow or slurm tes
 
 guide: venv             ## regenerate PARALLELISM_GUIDE.md from results/
 	$(BIN)/dtrain guide
+
+gpu-check:              ## on one CUDA GPU: gpu tests + bounded measurements -> one markdown report (< 30 min)
+	@PYTHON=$(GPU_PYTHON) scripts/gpu-check
+
+gpu-bundle:             ## on a networked machine: the wheels gpu-check needs offline, into .whl/ (< 64 MiB)
+	@scripts/gpu-bundle
 
 slurm-up:               ## a one-node Slurm cluster on this machine (root, Debian)
 	scripts/slurm-cluster install && scripts/slurm-cluster start

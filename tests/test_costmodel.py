@@ -16,7 +16,7 @@ GiB = 1024**3
 
 def test_profiles_load_with_sources_and_dense_peaks():
     profiles = load_profiles()
-    assert set(profiles) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200"}
+    assert set(profiles) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h200", "b200"}
     for p in profiles.values():
         assert "NVIDIA" in p.source
         assert p.nvlink_gbps_bidir == 2 * p.nvlink_gbps_per_dir
@@ -37,10 +37,10 @@ def test_unknown_gpu_error_lists_known_names():
 # ---------------------------------------------------------------- memory
 
 @pytest.mark.parametrize("stage, expected", [
-    (0, 16 * 7e9),
-    (1, 4 * 7e9 + 12 * 7e9 / 64),
-    (2, 2 * 7e9 + 14 * 7e9 / 64),
-    (3, 16 * 7e9 / 64),
+    (0, 18 * 7e9),                        # Megatron: 18 bytes/param (fp32 main grads)
+    (1, (6 + 12 / 64) * 7e9),             # Megatron distributed optimizer: 6 + 12/d
+    (2, 2 * 7e9 + 18 * 7e9 / 64),         # DeepSpeed ZeRO-2: 2Ψ + 18Ψ/N
+    (3, 20 * 7e9 / 64),                   # + sharded bf16 weights: (2 + 6 + 12)Ψ/N
 ])
 def test_zero_model_states_7b_on_64_gpus(stage, expected):
     params, grads, optimizer = model_state_bytes(7e9, stage, 64)
@@ -49,8 +49,9 @@ def test_zero_model_states_7b_on_64_gpus(stage, expected):
 
 def test_zero_components():
     psi, nd = 7e9, 64
-    assert model_state_bytes(psi, 2, nd) == pytest.approx((2 * psi, 2 * psi / nd, 12 * psi / nd))
-    assert model_state_bytes(psi, 3, nd) == pytest.approx((2 * psi / nd, 2 * psi / nd, 12 * psi / nd))
+    assert model_state_bytes(psi, 0, nd) == pytest.approx((2 * psi, 4 * psi, 12 * psi))
+    assert model_state_bytes(psi, 2, nd) == pytest.approx((2 * psi, 6 * psi / nd, 12 * psi / nd))
+    assert model_state_bytes(psi, 3, nd) == pytest.approx((2 * psi / nd, 6 * psi / nd, 12 * psi / nd))
 
 
 def test_gpt_param_count_and_tp_pp_division():
@@ -143,20 +144,34 @@ def test_step_time_bubble_and_total():
         assert t.mfu == pytest.approx(t.model_flops / (t.total * 64 * 989.4e12))
 
 
-def test_zero3_moves_one_and_a_half_times_dp_volume():
+def test_dp_volumes_fp32_grads_bf16_weights():
     shape, cluster = ModelShape.from_params(7e9), _cluster(ib_alpha=0.0)
     no_overlap = Calibration(dp_overlap=Param(0.0, "measured here: test"))
+    psi, beta, f = shape.num_params(), 400e9, 63 / 64  # 8 rails x 50 GB/s
     dp = step_time(shape, Layout(64, 1, 1, zero_stage=0), cluster, no_overlap).dp_comm
+    z1 = step_time(shape, Layout(64, 1, 1, zero_stage=1), cluster, no_overlap).dp_comm
     z3 = step_time(shape, Layout(64, 1, 1, zero_stage=3), cluster, no_overlap).dp_comm
-    assert z3 == pytest.approx(1.5 * dp)
-    assert dp == pytest.approx(2 * 63 / 64 * 2 * shape.num_params() / 400e9)  # 8 rails x 50 GB/s
+    assert dp == pytest.approx(2 * f * 4 * psi / beta)            # all-reduce of fp32 grads
+    assert z1 == pytest.approx(f * 4 * psi / beta + f * 2 * psi / beta)  # reduce-scatter fp32 + all-gather bf16
+    assert z3 == pytest.approx(2 * f * 2 * psi / beta + f * 4 * psi / beta)
 
 
 def test_recompute_costs_extra_forward():
+    from dtrain.costmodel.efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms
     shape, cluster = ModelShape.from_params(7e9), _cluster()
-    base = step_time(shape, Layout(64, 1, 1), cluster).compute
+    lay = Layout(64, 1, 1)
+    calib = Calibration()
+    curve = GemmCurve(calib.mfu.value, calib.gemm_half_flops.value)
+    peak, hbm = cluster.gpu.peak_bf16_flops, cluster.gpu.hbm_tbps * 1e12
+    times = {g.name: gemm_time(g, peak, hbm, curve) for g in layer_gemms(shape, lay)}
+    fwd, head = sum(times.values()), gemm_time(head_gemm(shape, lay), peak, hbm, curve)
+    L = shape.n_layer
+    base = step_time(shape, lay, cluster).compute
+    assert base == pytest.approx(L * 3 * fwd + 3 * head)  # forward + dgrad + wgrad
     full = step_time(shape, Layout(64, 1, 1, recompute="full"), cluster).compute
-    assert full == pytest.approx(base * 8 / 6)
+    assert full == pytest.approx(base + L * fwd)  # one more forward of every layer
+    sel = step_time(shape, Layout(64, 1, 1, recompute="selective"), cluster).compute
+    assert sel == pytest.approx(base + L * (times["scores"] + times["av"]))  # attention core only
 
 
 def test_links_nvlink_inside_node_ib_across():

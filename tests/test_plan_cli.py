@@ -70,10 +70,10 @@ def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
     (["--params", "7e9", "--gpus", "12"], "not a whole number of 8-GPU nodes"),
     (["--params", "7e9", "--layers", "4", "--gpus", "8"], "either --params or the shape"),
     (["--layers", "4", "--gpus", "8"], "needs --params, or all of"),
-    (["--params", "-1", "--gpus", "8"], "must be positive"),
+    (["--params", "-1", "--gpus", "8"], "argument --params: -1 must be a finite number > 0"),
     (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"], "bad model shape"),
     (["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no FP8 tensor cores"),
-    (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "--ib-gbps 0 must be positive"),
+    (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "argument --ib-gbps: 0 must be a finite number > 0"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):
     code, out, err = plan(capsys, "plan", *args)

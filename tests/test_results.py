@@ -59,7 +59,7 @@ def test_incomplete_and_corrupt_runs_are_skipped_with_named_warning(tmp_path):
     text = " ".join(str(w.message) for w in caught)
     assert "half" in text and "no summary.json" in text and "bad" in text and "torn" in text
     statuses = {r.path.name: r.status for r in results.find_runs([tmp_path])}
-    assert statuses == {"good": "complete", "half": "incomplete", "bad": "complete", "torn": "corrupt"}
+    assert statuses == {"good": "complete", "half": "incomplete", "bad": "corrupt", "torn": "corrupt"}
 
 
 def test_multirun_tree_and_hydra_copies(tmp_path):

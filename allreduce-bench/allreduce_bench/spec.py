@@ -5,6 +5,7 @@ names (fp32, bf16, fp16); everything wrong becomes one UserError line.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -72,10 +73,21 @@ def _as_list(value) -> list:
     return [value] if isinstance(value, (str, int)) else list(value)
 
 
+MAX_SIZES = 64        # sizes per sweep: 1 B .. 16 GiB at factor 2 is 35
+MAX_BYTES = 2**36     # 64 GiB per buffer: beyond any GPU's memory
+
+
 def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> tuple[int, ...]:
+    """min, min*f, min*f^2, ... <= max (distinct whole bytes). A factor so close to 1 that the
+    sweep would have more than MAX_SIZES sizes is refused instead of running for hours."""
+    n = math.floor(math.log(max_bytes / min_bytes, factor) + 1e-9) + 1
+    if n > MAX_SIZES:
+        raise UserError(f"min_bytes={min_bytes}, max_bytes={max_bytes} and step_factor={factor} give {n} sizes "
+                        f"(at most {MAX_SIZES}): raise step_factor (e.g. 2) or narrow the range")
     sizes, s = [], min_bytes
     while s <= max_bytes:
-        sizes.append(int(s))
+        if not sizes or int(s) != sizes[-1]:
+            sizes.append(int(s))
         s *= factor
     return tuple(sizes)
 
@@ -88,9 +100,12 @@ def parse(cfg: DictConfig) -> BenchSpec:
     if not collectives:
         raise UserError("collectives=[] is empty: name at least one, e.g. collectives=[all_reduce]")
     lo, hi = parse_bytes(cfg.min_bytes, "min_bytes"), parse_bytes(cfg.max_bytes, "max_bytes")
+    if hi > MAX_BYTES:
+        raise UserError(f"max_bytes={cfg.max_bytes} is larger than {MAX_BYTES // 2**30}G per buffer: lower max_bytes")
     if lo > hi:
         raise UserError(f"min_bytes={cfg.min_bytes} is larger than max_bytes={cfg.max_bytes}: swap them")
-    if not isinstance(cfg.step_factor, (int, float)) or cfg.step_factor <= 1:
+    if (not isinstance(cfg.step_factor, (int, float)) or isinstance(cfg.step_factor, bool)
+            or not 1 < cfg.step_factor < math.inf):
         raise UserError(f"step_factor={cfg.step_factor!r} must be a number > 1 (nccl-tests -f), e.g. step_factor=2")
     if cfg.redop not in REDOPS:
         raise UserError(f"unknown redop {cfg.redop!r}: choose from {', '.join(REDOPS)}")
@@ -110,7 +125,10 @@ def parse(cfg: DictConfig) -> BenchSpec:
     inject = cfg.debug.inject_wrong
     if inject is not None and inject not in collectives and inject != "all":
         raise UserError(f"debug.inject_wrong={inject!r} must be one of the benchmarked collectives or 'all'")
-    return BenchSpec(tuple(collectives), size_sweep(lo, hi, cfg.step_factor), tuple(dtype_name(d) for d in _as_list(cfg.dtypes)),
+    dtypes = _as_list(cfg.dtypes)
+    if not dtypes:
+        raise UserError("dtypes=[] is empty: name at least one, e.g. dtypes=[float32]")
+    return BenchSpec(tuple(collectives), size_sweep(lo, hi, cfg.step_factor), tuple(dtype_name(d) for d in dtypes),
                      cfg.redop, tuple(modes), cfg.root, cfg.warmup_iters, cfg.iters, bool(cfg.check), nodes, inject)
 
 

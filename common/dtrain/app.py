@@ -6,10 +6,17 @@
 every rank; `finalize(run_dir, cfg, result)` runs once after all ranks finished (plots, tables)
 and returns the summary. `summary.json` is written last. A `UserError` anywhere becomes one line
 on stderr, exit code 2, and no run directory; any other failure leaves the run directory without
-a summary (so loaders skip it) and exits 1 with the failing rank's traceback.
+a summary (so loaders skip it) and exits 1 with the failing rank's traceback (a full disk: one
+line and a `run_failed` event instead). SIGINT/SIGTERM on the launching process stop every rank
+(or cancel the Slurm job), record `run_failed` and exit 128+signal (130 for Ctrl-C, 143 for
+SIGTERM) with one `error: interrupted ...` line. The launching process claims its run directory
+(dtrain.rundir), so two runs never write into one; overrides and, in a sweep, every point are
+checked before Hydra starts (dtrain.precheck).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -23,7 +30,9 @@ from omegaconf import DictConfig
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
+from dtrain.liveness import Interrupted, catch_interrupts
 from dtrain.metrics import RunWriter, write_summary
+from dtrain.rundir import OWNER, RunDirTaken, claim
 
 Finalize = Callable[[Path, DictConfig, Any], dict]
 
@@ -34,6 +43,9 @@ def check_base(cfg: DictConfig) -> None:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
         raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
+    hb = cfg.get("heartbeat_timeout_s")
+    if hb is not None and (not isinstance(hb, (int, float)) or isinstance(hb, bool) or not 0 < hb < float("inf")):
+        raise UserError(f"heartbeat_timeout_s={hb!r} must be a number of seconds > 0, or null to turn it off")
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
     if mode_of(cfg) == "local":  # on Slurm the compute nodes, not this host, must have the GPUs
@@ -65,29 +77,65 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(run_dir: Path, cause: str) -> None:
+    """Out of space: one line, a run_failed event if it still fits, no stray temporary files."""
+    for tmp in Path(run_dir).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        RunWriter(run_dir).event("run_failed", error=f"disk full: {cause}"[:500])
+    fail(f"disk full ({cause}): free space or pass results_dir=<a folder on another disk>; "
+         f"incomplete run left (no summary.json) in {run_dir}", 1)
+
+
 def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
             finalize: Finalize | None = None) -> dict | None:
     run_dir = run_dir_for(cfg)  # under Hydra it exists already; removed again on bad input
+    is_launcher = ddist.detect_job() is None or ddist.detect_job().rank == 0
+    claimed = False
+    # In a job (torchrun, Slurm task) the job's launcher owns the signals; here we do.
+    interrupts = contextlib.ExitStack()
+    if ddist.detect_job() is None:
+        interrupts.enter_context(catch_interrupts())
     try:
         check_base(cfg)
         if validate:
             validate(cfg)
         check_writable(run_dir)
+        if is_launcher:  # in a job, rank 0's directory is the run's (the others' are dropped)
+            claimed = bool(claim(run_dir))
         result, run_dir = launch(rank_fn, cfg, run_dir)
         job = ddist.detect_job()
         if job is not None and job.rank != 0:
             return None  # rank 0 of the job finalizes
         summary = finalize(run_dir, cfg, result) if finalize else dict(result or {})
+        summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
+        write_summary(run_dir, summary)
+    except RunDirTaken as e:
+        fail(str(e), 2)  # another run's directory: leave it as it is
     except UserError as e:
-        if ddist.detect_job() is None or ddist.detect_job().rank == 0:
+        if is_launcher and (claimed or not (run_dir / OWNER).exists()):  # never another run's directory
             shutil.rmtree(run_dir, ignore_errors=True)  # bad input leaves no results behind
         fail(str(e), 2)
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        disk_full(run_dir, f"{e.strerror}: {e.filename or run_dir}")
     except RankFailed as e:
-        RunWriter(run_dir).event("run_failed", error=str(e).splitlines()[-1][:500])
+        last = e.error or str(e).splitlines()[-1]
+        if "[Errno 28]" in last or "No space left on device" in last or "[Errno 122]" in last:
+            disk_full(run_dir, last[:300])  # exits
+        RunWriter(run_dir).event("run_failed", error=e.error)  # the root cause's one line
         print(str(e), file=sys.stderr, flush=True)
         fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)
-    summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
-    write_summary(run_dir, summary)
+    except Interrupted as e:
+        with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+            w.event("run_failed", error=str(e))
+        fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
+    finally:
+        interrupts.close()
     print(f"run complete: {run_dir}  (summary.json written)", flush=True)
     return summary
 
@@ -111,12 +159,26 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
     """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`."""
     import hydra
 
+    from dtrain import precheck
+
+    def validate_point(cfg: DictConfig) -> None:  # what run_app checks, for every point of a sweep
+        check_base(cfg)
+        if validate:
+            validate(cfg)
+
     @hydra.main(config_path=f"pkg://{config_module}", config_name=config_name, version_base="1.3")
     def _hydra_entry(cfg: DictConfig) -> None:
         run_app(cfg, rank_fn=rank_fn, validate=validate, finalize=finalize)
 
     def main() -> None:
         _precheck_results_dir(sys.argv[1:])
+        try:
+            job = ddist.detect_job()
+            if job is None or job.rank == 0:  # ranks > 0 of a job never claim (rank 0's dir wins)
+                precheck.check_run_dirs(sys.argv[1:])
+            precheck.check_overrides(config_module, config_name, sys.argv[1:], validate_point)
+        except UserError as e:
+            fail(str(e), 2)
         _hydra_entry()
 
     return main

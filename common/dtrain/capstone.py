@@ -149,6 +149,11 @@ def run(args) -> int:
         left = sorted({n for n, _ in failed} | set(not_run) | set(args.skip))
         console.print(f"[red]no guide written: it would lack {', '.join(left)}[/]")
         return 1
+    from dtrain.costmodel.gemm_probe import probe
+
+    t_probe = time.perf_counter()
+    probe(results)  # this host's GEMM curve and fixed step overhead for the runs' models (cost model calibration)
+    console.print(f"gemm-probe: done in {time.perf_counter() - t_probe:.0f} s")
     guide, plots = generate([str(results)], args.out, quiet=True)
     runs = [r for r in find_runs([results]) if r.status == "complete"]
     console.print(f"\n[bold]capstone complete in {time.perf_counter() - t0:.0f} s[/]; wrote:")

@@ -2,6 +2,7 @@
 
     dtrain runs [PATHS...]      list run directories and their status
     dtrain plan ...             choose a parallelism layout (cost model)
+    dtrain backtest             the cost model against published GPU training runs
     dtrain guide ...            regenerate PARALLELISM_GUIDE.md
     dtrain capstone ...         run every experiment at small size, then the guide
 
@@ -18,11 +19,18 @@ import warnings
 from dtrain.errors import UserError
 
 # module -> provides add_parser(subparsers); optional ones are skipped until they exist
-SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.guide.cli", "dtrain.capstone"]
+SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.costmodel.backtest", "dtrain.guide.cli", "dtrain.capstone"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one `error:` line and exit 2, like every other bad input."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtrain", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="dtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
         try:
@@ -36,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.func(args) or 0)

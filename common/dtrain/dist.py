@@ -70,15 +70,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
+def cuda_count() -> int:
+    """GPUs this process can use (0 without a CUDA build or driver)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_type(requested: str) -> str:
+    """`device=` resolved for this host: auto means cuda when any GPU is visible, else cpu. Every rank
+    of a node takes the same answer, so no job mixes cuda+NCCL ranks with cpu+gloo ones."""
     if requested not in DEVICES:
         raise UserError(f"device={requested!r} is not one of {', '.join(DEVICES)}")
-    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-    if requested == "cuda" and not has_cuda:
-        raise UserError("device=cuda but this rank sees no CUDA GPU: use device=cpu or device=auto")
-    if requested == "cuda" or (requested == "auto" and has_cuda):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    if requested == "auto":
+        return "cuda" if cuda_count() else "cpu"
+    if requested == "cuda" and not cuda_count():
+        raise UserError("device=cuda but this host sees no CUDA GPU: use device=cpu or device=auto")
+    return requested
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """This rank's device: cuda:<local_rank> (one GPU per rank) or cpu."""
+    if device_type(requested) == "cpu":
+        return torch.device("cpu")
+    gpus = cuda_count()
+    if local_rank >= gpus:
+        raise UserError(f"local rank {local_rank} has no GPU of its own (this node has {gpus}; one rank per GPU): "
+                        f"start at most {gpus} ranks per node, or pass device=cpu")
+    return torch.device("cuda", local_rank)
 
 
 def pick_backend(requested: str, device: torch.device) -> str:

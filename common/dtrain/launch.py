@@ -8,17 +8,24 @@
 run directory the ranks agreed on.
 If any rank raises, every rank stops within a bounded time (spawned peers are killed, Slurm steps
 use --kill-on-bad-exit, and the collective timeout bounds the rest) and the caller gets that
-rank's traceback.
+rank's traceback, before any peer's "connection closed". A rank whose heartbeat stops (SIGSTOP)
+is named within `heartbeat_timeout_s`; local ranks exit when their launcher dies; SIGINT/SIGTERM
+on the launcher stop every rank (or cancel the Slurm job). See dtrain.liveness.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,15 +35,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtrain import dist as ddist
-from dtrain import envinfo
+from dtrain import envinfo, liveness, slurm_queue
 from dtrain.errors import UserError
+from dtrain.liveness import Interrupted, RankFailed  # noqa: F401  (re-exported for apps)
 from dtrain.metrics import ENV, RunWriter, write_config, write_json_atomic
 
 LAUNCHERS = ("auto", "local", "slurm")
-
-
-class RankFailed(RuntimeError):
-    """A rank raised; the message carries its traceback."""
 
 
 @dataclass
@@ -72,15 +76,18 @@ def max_local_cpu_ranks() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-def check_local(cfg: DictConfig) -> None:
+def check_local(cfg: DictConfig) -> str:
+    """Resolve `device` once, here in the parent, for every local rank; returns "cuda" or "cpu"."""
     n = cfg.world_size
-    device = cfg.device
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = ddist.device_type(cfg.device)
+    gpus = ddist.cuda_count()
     if device == "cuda" and n > gpus:
-        raise UserError(f"world_size={n} but this host has {gpus} GPU(s): lower world_size or use launcher=slurm")
-    if device != "cuda" and n > max_local_cpu_ranks() and n > gpus:
+        raise UserError(f"world_size={n} asks for {n} CUDA ranks but this host has {gpus} GPU(s) (one rank per GPU): "
+                        f"set world_size={gpus}, or device=cpu for {n} CPU ranks, or use launcher=slurm")
+    if device == "cpu" and n > max_local_cpu_ranks():
         raise UserError(f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU ranks): "
                         "lower world_size or use launcher=slurm")
+    return device
 
 
 def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path) -> tuple[Any, Path]:
@@ -88,7 +95,10 @@ def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path
     if mode == "job":
         return run_rank(rank_fn, cfg, run_dir, ddist.detect_job(), launcher="job")
     if mode == "local":
-        check_local(cfg)
+        device = check_local(cfg)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.device = device  # the ranks do not re-decide: all of them cuda, or all cpu
         return _launch_local(rank_fn, cfg, run_dir), run_dir
     return _launch_slurm(rank_fn, cfg, run_dir), run_dir
 
@@ -136,13 +146,23 @@ def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
 
 # ---------------------------------------------------------------- local
 
-def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir) -> None:
+def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir, launcher_pid) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher decides
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the launcher held them to spawn
+    liveness.watch_rank(local_rank, Path(run_dir), Path(side_dir), cfg.get("heartbeat_timeout_s"), launcher_pid)
     env = ddist.DistEnv(local_rank, world_size, local_rank, world_size, "127.0.0.1", port)
     try:
         result, _ = run_rank(rank_fn, cfg, Path(run_dir), env, launcher="local")
     except UserError as e:
         Path(side_dir, f"usererror.{local_rank}").write_text(str(e))
         sys.exit(2)
+    except BaseException:
+        if os.getppid() != launcher_pid:  # a peer died with the launcher: say why, not "connection closed"
+            liveness.orphaned(local_rank, Path(run_dir), launcher_pid)
+        Path(side_dir, f"error.{local_rank}").write_text(traceback.format_exc())  # its mtime orders failures
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # not the interpreter's teardown: gloo's threads abort it with "terminate called ..."
     if local_rank == 0:
         with open(Path(side_dir, "result.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -152,20 +172,22 @@ def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
     import torch.multiprocessing as mp
 
     side_dir = tempfile.mkdtemp(prefix="dtrain-launch-")
+    ctx = None
+    # An interrupt while spawning would leave half-started ranks: hold it until they are all known.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         try:
-            mp.start_processes(_local_worker, args=(rank_fn, cfg, str(run_dir), cfg.world_size, ddist.free_port(), side_dir),
-                               nprocs=cfg.world_size, join=True, start_method="spawn")
-        except mp.ProcessRaisedException as e:
-            raise RankFailed(f"rank {e.error_index} failed:\n{e.msg}") from None
-        except mp.ProcessExitedException as e:
-            errors = sorted(Path(side_dir).glob("usererror.*"))
-            if errors:
-                raise UserError(errors[0].read_text()) from None
-            raise RankFailed(f"rank {e.error_index} exited with code {e.exit_code}") from None
+            ctx = mp.start_processes(_local_worker, args=(rank_fn, cfg, str(run_dir), cfg.world_size, ddist.free_port(),
+                                                          side_dir, os.getpid()),
+                                     nprocs=cfg.world_size, join=False, start_method="spawn")
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        liveness.supervise_local(ctx, Path(side_dir), cfg.get("heartbeat_timeout_s"))
         with open(Path(side_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
     finally:
+        if ctx is not None:
+            liveness.kill_all(ctx.processes)  # no-op when they finished; on Interrupted they must not outlive us
         shutil.rmtree(side_dir, ignore_errors=True)
 
 
@@ -174,6 +196,7 @@ def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
 def _slurm_task(rank_fn, cfg, run_dir: str):
     """Runs in every Slurm task: become the rank submitit describes."""
     env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
+    liveness.watch_rank(env.rank, Path(run_dir), Path(run_dir, "slurm"), cfg.get("heartbeat_timeout_s"))
     return run_rank(rank_fn, cfg, Path(run_dir), env, launcher="slurm")[0]
 
 
@@ -199,6 +222,7 @@ def slurm_executor(cfg: DictConfig, folder: Path):
         if s.get(key):
             params[f"slurm_{key}"] = s[key]
     ex.update_parameters(**params)
+    slurm_queue.check_fits(s, tasks)
     return ex
 
 
@@ -206,18 +230,57 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
     ex = slurm_executor(cfg, run_dir / "slurm")
-    job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal; we say it once
+            job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+    except FailedJobError as e:  # sbatch said no: an option the cluster does not know or allow
+        raise UserError(f"Slurm refused the job ({liveness.error_line(str(e))}): check slurm.partition, "
+                        "slurm.constraint, slurm.account, slurm.qos and slurm.additional") from None
+    watch = liveness.start_client_watch(job.job_id, run_dir)  # cancels the job if this process is killed
     print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
+    try:
+        _wait_slurm(job, cfg, run_dir)
+    except BaseException:  # Interrupted, a hung rank, a job that can never start: it must not run on
+        job.cancel(check=False)
+        print(f"cancelled Slurm job {job.job_id}", flush=True)
+        raise
+    finally:
+        liveness.client_done(watch)
     results, failures = [], []
     for i in range(cfg.world_size):  # every task's outcome: the first to fail is not always task 0
         try:
             results.append(job.task(i).result())
         except (FailedJobError, UncompletedJobError) as e:
-            failures.append(f"--- task {i}:\n{e}")
+            failures.append((liveness.is_peer_symptom(str(e)), "Traceback" not in str(e), i, str(e)))
     if not failures:
         return results[0]
-    text = "\n".join(failures)
+    failures.sort()  # a task's own traceback first; "connection closed" and killed-by-Slurm after
+    text = "\n".join(f"--- task {i}:\n{t}" for _, _, i, t in failures)
     if "UserError: " in text:
         raise UserError(text.split("UserError: ", 1)[1].splitlines()[0]) from None
-    raise RankFailed(f"Slurm job {job.job_id} failed:\n{text}") from None
+    _, _, first, first_text = failures[0]
+    raise RankFailed(f"Slurm job {job.job_id} failed:\n{text}",
+                     error=f"task {first}: {liveness.error_line(first_text)}") from None
 
+
+def _wait_slurm(job, cfg, run_dir: Path) -> None:
+    """Until the job ends; watching heartbeats (a hung rank) and the pending reason (never starts).
+    Heartbeats count only while squeue says RUNNING: a requeued job's ranks are rightly silent."""
+    timeout = cfg.get("heartbeat_timeout_s")
+    monitor = liveness.HeartbeatMonitor(run_dir / "slurm", cfg.world_size, timeout) if timeout else None
+    running, next_queue_check = False, 0.0
+    while not job.done():
+        if time.monotonic() > next_queue_check:
+            job_state = slurm_queue.state(job.job_id)
+            reason = slurm_queue.never_starts(job_state)
+            if reason:
+                raise UserError(f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), cancelled: "
+                                "ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition")
+            if running and job_state and job_state[0] != "RUNNING" and monitor:
+                monitor.reset()
+            running = bool(job_state) and job_state[0] == "RUNNING"
+            next_queue_check = time.monotonic() + 5
+        hung = monitor.stale() if monitor and running else None
+        if hung:
+            raise RankFailed(f"Slurm job {job.job_id}: " + monitor.describe(*hung), error=monitor.describe(*hung))
+        time.sleep(1)

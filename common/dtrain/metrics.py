@@ -33,8 +33,25 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
 
 
+def strict(obj: Any) -> Any:
+    """A copy that is valid JSON: NaN/Inf become null (json.dump would write the non-standard NaN
+    literals, which strict readers such as jq or JavaScript reject)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    try:
+        return strict(_jsonable(obj))
+    except TypeError:
+        return obj  # json.dump's default reports it
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, default=_jsonable, sort_keys=False)
+    return json.dumps(strict(obj), default=_jsonable, sort_keys=False, allow_nan=False)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
@@ -43,7 +60,7 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, default=_jsonable, indent=2, sort_keys=True)
+            json.dump(strict(obj), f, default=_jsonable, indent=2, sort_keys=True, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -55,8 +72,12 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
 def write_text_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written .tmp behind
+        raise
     return path
 
 

@@ -16,12 +16,14 @@ from the config alone, so cost models can size a 7B model without building it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from dtrain.flops import transformer_flops_per_token
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
@@ -43,6 +45,10 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}={value!r} must be an integer >= 1")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -64,12 +70,19 @@ class GPTConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        """The preset with `overrides` applied, checked as one whole model. Overriding n_head
+        without n_kv_head keeps the preset's kind of attention: multi-head stays multi-head
+        (n_kv_head follows n_head) instead of silently becoming GQA with the preset's k/v heads."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
-        base = PRESETS[name]
-        if "n_head" in overrides and "n_kv_head" not in overrides and base.n_kv_head == base.n_head:
-            overrides["n_kv_head"] = overrides["n_head"]  # a multi-head preset stays multi-head
-        return replace(base, **overrides)
+        preset = PRESETS[name]
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown model key {unknown[0]!r}: known keys are {', '.join(f.name for f in fields(cls))}")
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if "n_head" in overrides and "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
+            overrides["n_kv_head"] = None
+        return replace(preset, **overrides)
 
 
 # GPT-2 shapes keep GPT-2's conventions (LayerNorm with bias, tied embeddings, vocab 50257 padded
@@ -247,13 +260,8 @@ def num_matmul_params(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token (forward 2 + backward 4 per multiply-accumulate):
-
-        6 * N_matmul + 6 * n_layer * n_head * (d_qk + d_v) * T,   d_qk = d_v = head_dim
-
-    i.e. torchtitan's ``6*N + 12*L*H*Q*T``. The attention term counts the full T x T score and
-    value matmuls, not the causal half (as PaLM and torchtitan do), so MFU is comparable with theirs.
-    """
-    T = seq_len or cfg.seq_len
-    attention = 6 * cfg.n_layer * cfg.n_head * (2 * cfg.head_dim) * T
-    return 6 * num_matmul_params(cfg) + attention
+    """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
+    12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
+    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``."""
+    return transformer_flops_per_token(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.mlp_hidden,
+                                       cfg.vocab_size, seq_len or cfg.seq_len, False, cfg.head_dim)

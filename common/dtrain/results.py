@@ -16,6 +16,7 @@ from typing import Iterable
 import pandas as pd
 import yaml
 
+from dtrain.errors import UserError
 from dtrain.metrics import CONFIG, ENV, EVENTS, RECORDS, SUMMARY
 
 
@@ -46,27 +47,43 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """Every line one JSON object; anything else is a ValueError naming the file and line."""
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path.name} line {n}: {e.msg}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path.name} line {n}: {type(row).__name__} {line.strip()[:40]!r}, not an object")
+                rows.append(row)
     return rows
+
+
+def _read_mapping(path: Path, parse) -> dict:
+    """config.yaml / env.json / summary.json: must hold one mapping (a list or a number is corrupt)."""
+    value = parse(path.read_text())
+    if value is None and path.suffix == ".yaml":
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} holds a {type(value).__name__}, not a mapping")
+    return value
 
 
 def read_run(path: Path) -> Run:
     path = Path(path)
     try:
-        config = yaml.safe_load((path / CONFIG).read_text()) or {}
-        env = json.loads((path / ENV).read_text()) if (path / ENV).exists() else {}
+        config = _read_mapping(path / CONFIG, yaml.safe_load)
+        env = _read_mapping(path / ENV, json.loads) if (path / ENV).exists() else {}
         if not (path / SUMMARY).exists():
             return Run(path, "incomplete", "no summary.json", config, env)
-        summary = json.loads((path / SUMMARY).read_text())
-        if not isinstance(summary, dict):
-            raise ValueError("summary.json is not an object")
+        summary = _read_mapping(path / SUMMARY, json.loads)
+        for name in (RECORDS, EVENTS):  # a complete run's measurements must all read back
+            for f in [path / name, *sorted(path.glob(name.replace(".jsonl", ".rank*.jsonl")))]:
+                if f.exists():
+                    read_jsonl(f)
     except (OSError, ValueError, yaml.YAMLError) as e:
         return Run(path, "corrupt", f"{type(e).__name__}: {e}")
     return Run(path, "complete", "", config, env, summary)
@@ -91,6 +108,24 @@ def complete_runs(paths: Iterable[str | Path], warn: bool = True) -> list[Run]:
         elif warn:
             warnings.warn(f"skipping {run.status} run {run.path}: {run.reason}", stacklevel=2)
     return good
+
+
+def require_complete(paths: Iterable[str | Path], what: str = "this command") -> list[Run]:
+    """The complete runs under `paths`, or a UserError that says why there are none (no run at all,
+    or each one incomplete/corrupt, with the file at fault) instead of a misleading later failure."""
+    paths = [str(p) for p in paths]
+    runs = find_runs(paths)
+    good = [r for r in runs if r.status == "complete"]
+    for r in runs:
+        if r.status != "complete" and good:
+            warnings.warn(f"skipping {r.status} run {r.path}: {r.reason}", stacklevel=2)
+    if good:
+        return good
+    if not runs:
+        raise UserError(f"no run directory (with config.yaml) under {', '.join(paths)}: pass a run directory")
+    r = runs[0]
+    more = f" (and {len(runs) - 1} more, none complete)" if len(runs) > 1 else ""
+    raise UserError(f"cannot use run {r.path} for {what}: it is {r.status} ({r.reason}){more}")
 
 
 def _records_of(run: Run, name: str, kind: str | None) -> list[dict]:

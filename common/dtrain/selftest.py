@@ -2,9 +2,13 @@
 
 Every rank all-reduces a tensor filled with rank+1 and checks the sum n(n+1)/2, the smallest
 end-to-end proof that launcher, rendezvous and backend work. `fail_rank=K` makes rank K raise,
-to see that a failure stops every rank and reaches the caller with its traceback.
+to see that a failure stops every rank and reaches the caller with its traceback. `work_s=S` keeps
+the ranks all-reducing for about S seconds (rounds of all_reduce + 0.1 s sleep), so there is time to
+interrupt, stop or kill something (tests/test_liveness.py).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,6 +20,9 @@ from dtrain.launch import RankContext
 def rank_fn(ctx: RankContext) -> dict:
     if ctx.cfg.fail_rank is not None and ctx.rank == ctx.cfg.fail_rank:
         raise RuntimeError(f"selftest: rank {ctx.rank} fails on purpose (fail_rank={ctx.cfg.fail_rank})")
+    for _ in range(int(ctx.cfg.get("work_s", 0) / 0.1)):
+        dist.all_reduce(torch.ones(1, device=ctx.device))
+        time.sleep(0.1)
     x = torch.full((ctx.cfg.numel,), float(ctx.rank + 1), device=ctx.device)
     dist.all_reduce(x)
     expected = ctx.world_size * (ctx.world_size + 1) / 2

@@ -81,12 +81,45 @@ def check(recipe: str, device_type: str) -> None:
         te_backend.check_available(recipe, device_type)
 
 
+def check_run(recipe: str, micro_batch: int, seq_len: int, activation_checkpointing: str) -> None:
+    """What real FP8 kernels refuse mid-run, refused before the run starts."""
+    backend = backend_of(recipe)
+    if backend == "te" and activation_checkpointing != "none":
+        raise UserError(f"train.activation_checkpointing={activation_checkpointing} with recipe={recipe}: TE's FP8 "
+                        "state needs TE's own checkpoint (te.checkpoint), which is not wired in here: "
+                        "use train.activation_checkpointing=none, or an emulated_* / torchao_* recipe")
+    tokens, multiple = micro_batch * seq_len, shape_multiple(recipe)
+    if backend in ("te", "torchao") and tokens % multiple:  # FP8 GEMMs (TE, torch._scaled_mm) tile by 16
+        raise UserError(f"recipe={recipe}: FP8 GEMMs need the tokens per micro-batch (train.micro_batch x "
+                        f"seq_len = {micro_batch} x {seq_len} = {tokens}) to be a multiple of {multiple}: "
+                        "change train.micro_batch or model seq_len")
+def check_fp8_cfg(fp8) -> None:
+    """The `fp8:` keys, checked before a rank starts (amax_history_len=0 would fail deep in a rank)."""
+    for key, low in (("amax_history_len", 1), ("margin", 0)):
+        v = fp8[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise UserError(f"fp8.{key}={v!r} must be an integer >= {low}")
+    choices = {"amax_compute_algo": ("max", "most_recent"), "e5m2_overflow": ("saturate", "inf"),
+               "torchao_emulate": ("auto", True, False)}
+    for key, allowed in choices.items():
+        if fp8[key] not in allowed or isinstance(fp8[key], int) and not isinstance(fp8[key], bool):
+            raise UserError(f"fp8.{key}={fp8[key]!r} is not one of {', '.join(map(str, allowed))}")
+    scale = fp8.fp16_init_scale
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < float("inf"):
+        raise UserError(f"fp8.fp16_init_scale={scale!r} must be a finite number > 0")
+
+
 def _import_torchao():
     try:
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
-        raise missing_dependency("torchao", "fp8", "recipe=torchao_*") from None
+    except ImportError as e:
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise missing_dependency("torchao", "fp8", "recipe=torchao_*") from None
+        raise UserError(f"torchao is installed but its float8 training does not import ({e}): install the torchao "
+                        f"release made for torch {torch.__version__.split('+')[0]}") from None
     return Float8LinearConfig, Float8Linear
 
 

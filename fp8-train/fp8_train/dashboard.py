@@ -14,7 +14,7 @@ import pandas as pd
 
 from dtrain import plots
 from dtrain.metrics import EVENTS, RECORDS
-from dtrain.results import complete_runs, read_jsonl
+from dtrain.results import read_jsonl, require_complete
 
 PANELS = [("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("param_norm", "parameter norm", "linear"),
           ("update_ratio", "update / parameter ratio", "log"), ("grad_snr", "gradient SNR", "log"),
@@ -106,8 +106,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, help="where to write dashboard.png/html (default: the first run, "
                         "or the folder given when it holds several runs)")
     args = parser.parse_args(argv)
-    runs = complete_runs(args.runs)
-    if not runs:
-        raise FileNotFoundError(f"no complete run (with summary.json) under {', '.join(args.runs)}")
+    runs = require_complete(args.runs, "a dashboard")
     out = args.out or (runs[0].path if len(runs) == 1 else Path(args.runs[0]))
     render([r.path for r in runs], out, {r.path: r.config for r in runs})

@@ -37,6 +37,7 @@ import torch
 
 from dtrain.train import Callback
 from fp8_train import fp4
+from fp8_train.emulated import in_recompute
 from fp8_train.formats import Format
 from fp8_train.quantstats import (BLOCK, batch_roundtrip, block_stats, count_above, fmt_for, overflow_thresholds,
                                   stats_from_sums)
@@ -125,6 +126,8 @@ class DebugTool(Callback):
         def hook(module, inputs, output):
             if not torch.is_grad_enabled() or (name in self.own_scalers and not self.sampling()):
                 return  # an emulated delayed layer keeps its own amax history: nothing to track
+            if in_recompute():
+                return  # activation checkpointing runs this forward again in backward: seen already
             if "activation" in self.tensors:
                 self.observe(name, "activation", inputs[0])
             if "weight" in self.tensors:

@@ -10,6 +10,17 @@ CPU) or current. The three scalers are submodules, so their amax histories and s
 the model's state dict and of every checkpoint. `fp8_enabled = False` turns the layer into a plain
 high-precision Linear at run time (the recovery ladder's last rung).
 
+Dtypes, as TE's te.Linear: the compute dtype is torch autocast's dtype when autocast is on for the
+input's device, else the input's dtype (bf16 under FSDP2's MixedPrecisionPolicy, which hands the
+layer bf16 weights and inputs). Both operands are cast to it before quantization; the round trip
+itself is computed in fp32 (as TE's cast kernels do) and its result is in the compute dtype. The
+matmuls run with autocast off, in the compute dtype; backward returns each gradient in the dtype of
+its input (fp32 master weights get fp32 grads, FSDP2's bf16 weights get bf16 grads).
+
+Activation checkpointing: a block's forward runs again inside backward. The recomputation must
+see the same FP8 operands as the first forward, so a forward that runs inside a backward pass
+reuses the scales the first forward used and records no amax (TE's `in_fp8_activation_recompute_phase`).
+
 Difference from TE: amaxes are per rank (TE all-reduces them over the data-parallel group); with
 DDP or FSDP the weight amax is the same on every rank anyway.
 """
@@ -27,23 +38,39 @@ ROLES = ("input", "weight", "grad_output")
 SCALINGS = ("delayed", "current", "nvfp4", "mxfp4")  # the last two: FP4 block scaling, no scale state
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the matmuls of this call run in: autocast's when it is on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def in_recompute() -> bool:
+    """True while a forward runs inside a backward pass: activation checkpointing's recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer: "FP8Linear"):
-        x8 = layer.quant("input", x)
-        w8 = layer.quant("weight", weight.to(x.dtype))
+        dtype, replay = compute_dtype(x), in_recompute()
+        x8 = layer.quant("input", x.to(dtype), replay=replay)
+        w8 = layer.quant("weight", weight.to(dtype), replay=replay)
         ctx.save_for_backward(x8, w8)
         ctx.layer, ctx.has_bias = layer, bias is not None
-        return F.linear(x8, w8, None if bias is None else bias.to(x.dtype))
+        ctx.grad_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x8, w8, None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
         x8, w8 = ctx.saved_tensors
-        layer = ctx.layer
-        g8 = layer.quant("grad_output", grad_out)
-        grad_x = g8 @ w8
-        grad_w = g8.reshape(-1, g8.shape[-1]).t() @ x8.reshape(-1, x8.shape[-1])
-        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        x_dtype, w_dtype, b_dtype = ctx.grad_dtypes
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g8 = ctx.layer.quant("grad_output", grad_out.to(x8.dtype))
+            grad_x = (g8 @ w8).to(x_dtype)
+            grad_w = (g8.reshape(-1, g8.shape[-1]).t() @ x8.reshape(-1, x8.shape[-1])).to(w_dtype)
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).float().sum(0).to(b_dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 
 
@@ -58,6 +85,7 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"unknown scaling {scaling!r}: choose one of {SCALINGS}")
         self.scaling, self.fwd_format, self.bwd_format = scaling, fwd_format, bwd_format
         self.fp8_enabled = True
+        self._last_scale: dict[str, torch.Tensor] = {}  # per role, for activation recomputation
         self.block_recipe = scaling if scaling in fp4.BLOCK_RECIPES else None
         if self.block_recipe is None:
             kw = dict(margin=margin, history_len=history_len, algo=amax_algo)
@@ -65,13 +93,18 @@ class FP8Linear(nn.Linear):
             self.weight_scaler = make_scaler(scaling, fwd_format, **kw)
             self.grad_scaler = make_scaler(scaling, bwd_format, **kw)
 
-    def quant(self, role: str, t: torch.Tensor) -> torch.Tensor:
-        """The round trip one operand takes: per-tensor scaled FP8, or block-scaled FP4."""
+    def quant(self, role: str, t: torch.Tensor, replay: bool = False) -> torch.Tensor:
+        """The round trip one operand takes: per-tensor scaled FP8, or block-scaled FP4; computed in
+        fp32, returned in t's dtype. replay=True (recomputation) reuses this role's last scale and
+        leaves the scaler's state alone."""
         if self.block_recipe is not None:
-            return fp4.quantize(t, self.block_recipe)
+            return fp4.quantize(t, self.block_recipe)  # stateless: a recomputation rounds the same
         fmt = self.bwd_format if role == "grad_output" else self.fwd_format
-        scaler = getattr(self, _attr(role))
-        return quantize(t, scaler.scale_for(t).to(t.dtype), fmt)
+        if replay and role in self._last_scale:
+            scale = self._last_scale[role]
+        else:
+            scale = self._last_scale[role] = getattr(self, _attr(role)).scale_for(t)
+        return quantize(t.float(), scale.float(), fmt).to(t.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:

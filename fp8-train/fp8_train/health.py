@@ -50,6 +50,7 @@ class HealthMonitor(Callback):
         self.grad_norms: list[float] = []
         self.losses: list[float] = []
         self.scales: dict[str, float] = {}
+        self.scales_step = 0  # step of the last scale sample
         self.before: list[torch.Tensor] | None = None
         self.last_plateau_alert = -10**9
         self.tb = None
@@ -111,7 +112,12 @@ class HealthMonitor(Callback):
             print(f"[health] step {step}: {kind}: {message}", flush=True)
 
     def check_scales(self, trainer, step: int, metrics: dict) -> None:
-        layers = fp8_layers(unwrap(trainer.model))
+        # A layer switched to high precision has no live scale (no false "scale dropped" after the
+        # switch); after a rollback the scales are the checkpoint's, so the comparison restarts.
+        layers = {n: m for n, m in fp8_layers(unwrap(trainer.model)).items() if m.fp8_enabled}
+        if step <= self.scales_step:
+            self.scales = {}
+        self.scales_step = step
         jump = float(self.cfg.scale_jump)
         current = {}
         for name, layer in layers.items():

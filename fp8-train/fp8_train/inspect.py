@@ -19,7 +19,7 @@ import math
 import pandas as pd
 
 from dtrain.errors import UserError
-from dtrain.results import complete_runs, load
+from dtrain.results import load, require_complete
 
 DEFAULTS = {"mse_healthy": 1e-2, "mse_bad": 1e3, "underflow_bad_pct": 80.0, "overflow_bad_pct": 1.0,
             "cos_bad": 0.99, "top": 10}
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> pd.DataFrame:
 
     if not argv:
         raise UserError("usage: python -m fp8_train inspect RUN [mse_bad=1e3 underflow_bad_pct=80 ...]")
-    runs = complete_runs([argv[0]])
+    runs = require_complete([argv[0]], "inspect")
     if len(runs) != 1:
         raise UserError(f"{argv[0]} holds {len(runs)} complete runs: pass one run directory")
     run = runs[0]

@@ -15,7 +15,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import dist as ddist
+from dtrain import perf
 from dtrain.errors import UserError
+from dtrain.fit import check_fits
 from dtrain.launch import mode_of
 from dtrain.metrics import RECORDS
 from dtrain.model import GPT, GPTConfig
@@ -47,10 +49,15 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(backends.RECIPES)}")
     if cfg.precision not in ("auto", "fp32", "bf16"):
         raise UserError(f"precision={cfg.precision!r} is not one of auto, fp32, bf16")
+    backends.check_fp8_cfg(cfg.fp8)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
         backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
     model_cfg = model_config(cfg)
-    train_config(cfg, cfg.world_size)
+    train = train_config(cfg, cfg.world_size)
+    backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
+    if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
+        check_fits(model_cfg, train, cfg.world_size, ddist.pick_device(cfg.device, 0),
+                   f"model.preset={cfg.model.preset}")
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
     with torch.device("meta"):
         names = {n for n, _ in GPT(model_cfg).named_modules()}
@@ -75,8 +82,11 @@ def rank_fn(ctx) -> dict:
     callbacks = [faults.FaultInjector(OmegaConf.to_container(cfg.faults, resolve=True), ctx.rank), guard,
                  DebugTool(cfg.debug, ctx.run_dir, ctx.rank),
                  HealthMonitor(cfg.health, ctx.rank, ctx.run_dir) if cfg.health.enabled else None]
+    # fp16 trains as "fp32" to the Trainer (autocast does the casting): its GPU peak is the fp16 one
+    peak = perf.peak_flops(ctx.device, "fp16") if numerics.precision == "fp16" and ctx.device.type == "cuda" else None
     trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
-                      grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None])
+                      grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None],
+                      peak_flops=peak)
     decisions = pmap.all_decisions() if factory else []
     if ctx.is_main:
         for d in decisions:

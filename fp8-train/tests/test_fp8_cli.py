@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import py
 
+from dtrain.model import GPTConfig, num_params
 from dtrain.results import find_runs, load, load_events
 
 GUIDE_KEYS = {"recipe", "precision", "tokens_per_s", "peak_mem_bytes", "final_loss", "nan_events",
@@ -130,3 +131,17 @@ def test_compare_writes_report_and_guide(tmp_path):
     report = (out / "report.md").read_text()
     assert "Within noise: |mean_r - mean_fp32| <= 2 x std_fp32" in report and (out / "loss_curves.png").exists()
     assert len(find_runs([out / "runs"])) == 4
+
+
+def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
+    """On a GPU precision resolves to bf16: the emulated recipe must train under CPU bf16 autocast too
+    (it once failed in backward with `BFloat16 != float`). model.overrides as the README writes it."""
+    r = py("-m", "fp8_train", "recipe=emulated_delayed", "precision=bf16", "train.strategy=single", "world_size=1",
+           "train.steps=4", "+model.overrides.n_layer=3", f"results_dir={tmp_path}", *QUIET, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = _only_run(tmp_path)
+    losses = list(load([run], kind="step")["loss"])
+    assert len(losses) == 4 and all(v == v for v in losses) and losses[-1] < losses[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["guide"]["precision"] == "bf16"
+    assert summary["model_params"] == num_params(GPTConfig.from_preset("tiny", n_layer=3))

@@ -105,3 +105,20 @@ def test_hooks_do_nothing_on_steps_that_are_not_sampled_for_layers_with_their_ow
     x = torch.randn(2, 4, requires_grad=True)
     out = layer(x)
     assert not out._backward_hooks and not tool.pending and not tool.histories
+
+
+def test_a_recomputed_forward_is_not_observed_twice():
+    """Activation checkpointing runs a block's forward again inside backward; the tool has seen it."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = OmegaConf.create({"enabled": True, "freq": 1, "margin": 0, "amax_history_len": 4,
+                            "layers": {"layer_name_regex_pattern": ".*"}, "tensors": ["activation", "weight", "gradient"],
+                            "recipes": ["delayed"], "dump_tensors": False, "sample_elements": 0})
+    tool = DebugTool(cfg, "/nonexistent", 0)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_hook(tool._forward_hook("l"))
+    tool.step = 1
+    x = torch.randn(2, 4, requires_grad=True)
+    checkpoint(lambda t: layer(t).relu(), x, use_reentrant=False).sum().backward()
+    assert sorted(p.tensor for p in tool.pending) == ["activation", "gradient", "weight"]

@@ -83,8 +83,14 @@ def _fake_te(monkeypatch):
             return False
 
     te_root = types.ModuleType("transformer_engine")
+    te_root.__version__ = "2.5.0+abc123"
     te_pt = types.ModuleType("transformer_engine.pytorch")
     te_pt.Linear, te_pt.autocast = Linear, autocast
+    # TE's availability checks as a Hopper GPU with CUDA 12.9 answers them
+    te_pt.is_fp8_available = lambda return_reason=False: (True, "")
+    te_pt.is_fp8_block_scaling_available = lambda return_reason=False: (True, "")
+    te_pt.is_mxfp8_available = lambda return_reason=False: (
+        False, "Device compute capability 10.0 or higher required for MXFP8 execution.")
     te_common = types.ModuleType("transformer_engine.common")
     te_common.recipe = recipe_mod
     te_root.pytorch, te_root.common = te_pt, te_common
@@ -99,7 +105,8 @@ def _fake_te(monkeypatch):
 def test_te_glue_with_a_stand_in_module(monkeypatch):
     calls = _fake_te(monkeypatch)
     te_backend.check_available("te_delayed", "cuda")
-    with pytest.raises(UserError, match=r"needs compute capability >= 10.0"):
+    with pytest.raises(UserError, match=r"te_mxfp8 is not supported on this GPU \(compute capability 9.0, CUDA .*\): "
+                                        r"Device compute capability 10.0 or higher required for MXFP8 execution."):
         te_backend.check_available("te_mxfp8", "cuda")
     r = te_backend.make_recipe("te_delayed", FP8_CFG)
     assert type(r).__name__ == "DelayedScaling"

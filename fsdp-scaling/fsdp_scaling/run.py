@@ -11,14 +11,16 @@ import dataclasses
 
 from omegaconf import DictConfig, OmegaConf
 
+from dtrain import dist as ddist
 from dtrain.errors import UserError
-from dtrain.launch import RankContext
+from dtrain.fit import check_fits
+from dtrain.launch import RankContext, mode_of
 from dtrain.model import GPTConfig
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
 from fsdp_scaling.probes import ProfileWindow, StateBytes
 
-MODEL_OVERRIDES = ("seq_len", "n_layer", "d_model", "n_head")
+MODEL_OVERRIDES = ("seq_len", "n_layer", "d_model", "n_head", "n_kv_head")
 
 
 def model_config(node) -> GPTConfig:
@@ -30,12 +32,16 @@ def model_config(node) -> GPTConfig:
         raise UserError(f"unknown model.{bad[0]}: use model.preset and {', '.join(MODEL_OVERRIDES)}")
     try:
         return GPTConfig.from_preset(preset, **overrides)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise UserError(f"model: {e}") from None
 
 
 def validate(cfg: DictConfig) -> None:
-    TrainConfig.from_cfg(cfg.train).validate(cfg.world_size).validate_model(model_config(cfg.model))
+    train = TrainConfig.from_cfg(cfg.train).validate(cfg.world_size)
+    model = model_config(cfg.model)
+    train.validate_model(model)
+    if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
+        check_fits(model, train, cfg.world_size, ddist.pick_device(cfg.device, 0), f"model.preset={cfg.model.preset}")
     if cfg.profile.enabled and cfg.profile.steps < 1:
         raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
     t = cfg.train

@@ -33,6 +33,8 @@ def check_bench(cfg) -> None:
     for key in ("batch", "seq", "d_model", "n_head", "iters"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise UserError(f"{key}={cfg[key]!r} must be an integer >= 1")
+    if cfg.n_kv_head is not None and (not isinstance(cfg.n_kv_head, int) or cfg.n_kv_head < 1):
+        raise UserError(f"n_kv_head={cfg.n_kv_head!r} must be an integer >= 1 (or null = n_head)")
     if cfg.warmup < 0:
         raise UserError(f"warmup={cfg.warmup} must be >= 0")
     n_kv = cfg.n_kv_head or cfg.n_head

@@ -7,7 +7,9 @@ over DP×TP×PP, ZeRO stage, recompute, micro-batch and sequence parallelism.
     print("\\n".join(explain(result)))
 
 Modules: ``hardware`` (GPU datasheets, links, cluster), ``memory`` (bytes per GPU),
-``timemodel`` (seconds per step, calibration inputs), ``search`` (the chooser).
+``efficiency`` (GEMM roofline × achieved-fraction curve), ``timemodel`` (seconds per step,
+calibration inputs), ``search`` (the chooser), ``gemm_probe`` (the matmul probe that fits the
+curve), ``backtest`` (published GPU runs). Model FLOPs: ``dtrain.flops``.
 """
 
 from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles

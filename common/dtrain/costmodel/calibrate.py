@@ -7,6 +7,8 @@ Reads completed runs only through ``dtrain.results`` and only their ``summary.js
     fsdp-scaling      mfu, exposed comm      -> compute efficiency; overlap_fraction -> DP overlap
     tp-attention      tp_overhead[]          -> measured / α–β-modelled TP communication time
     fp8-train         compare recipes{}      -> FP8 speed factor, memory factor, layers kept in BF16
+    gemm-probe        e_max, w_half          -> GEMM achieved-fraction curve (``gemm_probe``); its
+                      overheads[]               per-model fixed step overhead feeds the local checks
 
 Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
 "datasheet/published: <source>". Two calibrations come out:
@@ -105,6 +107,12 @@ class CalibrationReport:
     keep_bf16_local: tuple[list[str], str]     # the same from any device
     candidates: list[Candidate] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
+    probes: list[tuple[Source, dict]] = field(default_factory=list)  # gemm-probe guide dicts
+
+    def local_probe(self) -> tuple[Source, dict] | None:
+        """The latest non-CUDA gemm-probe (for the local predicted-vs-measured check)."""
+        pool = [p for p in self.probes if not p[0].on_gpu and p[1].get("e_max")]
+        return max(pool, key=lambda p: (p[0].date, p[0].run)) if pool else None
 
     @property
     def measured_on_gpu(self) -> bool:
@@ -240,6 +248,16 @@ def from_fp8(run: Run, src: Source) -> tuple[list[Candidate], list[str] | None]:
 
 # ---------------------------------------------------------------- assembling
 
+def from_probe(run: Run, src: Source) -> list[Candidate]:
+    g = run.summary.get("guide", {}) or {}
+    e_max, w_half = _num(g.get("e_max")), _num(g.get("w_half"))
+    if not e_max:
+        return []
+    detail = f"fit over {len(g.get('points') or [])} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
+    return [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
+                                                                          detail + "; W_half")]
+
+
 def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | None:
     pool = [c for c in cands if c.name == name and (c.source.on_gpu or not gpu_only)]
     return max(pool, key=lambda c: (c.source.date, c.source.run)) if pool else None
@@ -247,7 +265,7 @@ def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | No
 
 def _calibration(cands: list[Candidate], gpu_only: bool) -> Calibration:
     calib = Calibration()
-    for name in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"):
+    for name in ("mfu", "gemm_half_flops", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"):
         best = _latest(cands, name, gpu_only)
         if best is not None:
             calib = replace(calib, **{name: best.param()})
@@ -269,6 +287,7 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
     runs = complete_runs(paths, warn=warn) if paths else []
     runs = sorted(runs, key=lambda r: str(r.path))
     cands: list[Candidate] = []
+    probes: list[tuple[Source, dict]] = []
     kept: list[tuple[Source, list[str]]] = []
     singles = {str(r.path.resolve()) for r in runs if "strategy" in (r.summary.get("guide") or {})}
     for run in runs:
@@ -277,6 +296,9 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
             cands += from_allreduce(run, src)
         elif run.subproject == "fsdp-scaling":
             cands += from_fsdp(run, src, singles)
+        elif run.subproject == "gemm-probe":
+            cands += from_probe(run, src)
+            probes.append((src, run.summary.get("guide") or {}))
         elif run.subproject == "fp8-train":
             found, layers = from_fp8(run, src)
             cands += found
@@ -297,7 +319,7 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
     return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
                              local=_calibration(cands, gpu_only=False), local_links=local_links,
                              local_sources=local_sources, keep_bf16=_keep(kept, True),
-                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=runs)
+                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=runs, probes=probes)
 
 
 def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:

@@ -1,6 +1,10 @@
 """`dtrain plan`: the best DP×TP×PP layout for one model on one cluster, and why.
 
     dtrain plan --params 70e9 --gpus 512 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 400
+    dtrain plan --params 405e9 --gpus 2048 --layout "tp=8 pp=16 v=8 zero=1 recompute=selective mb=1"
+
+``--layout`` scores a layout you already run: the fields given are fixed, the rest searched, and
+the answer says how far it is from the unconstrained best.
 
 Units are the ones printed on datasheets, converted here once:
   --nvlink-gbps  GB/s (bytes) per GPU, BOTH directions added (H100 SXM: 900, A100: 600); the model
@@ -10,13 +14,15 @@ Exit codes: 0 a plan was found, 1 nothing fits in memory, 2 bad input.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 
 from dtrain.errors import UserError
 
 from .hardware import GiB, Cluster, load_profiles
-from .memory import ModelShape
+from .memory import RECOMPUTE, ModelShape
 from .search import SearchResult, explain, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
@@ -26,36 +32,61 @@ HDR 200); 400 Gbit/s = 50 GB/s. --global-batch counts sequences of --seq tokens.
 exit codes: 0 plan found, 1 does not fit in memory, 2 bad input."""
 
 
+def _number(kind, low: float, strict: bool):
+    """An argparse type: a finite number above `low` (`--params nan`, `--seq 0` are one error line)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            what = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"{text} must be {what} {'>' if strict else '>='} {low:g}")
+        return value
+    parse.__name__ = f"{kind.__name__}{' > ' if strict else ' >= '}{low:g}"
+    return parse
+
+
+POS_INT, POS_FLOAT, NONNEG_INT, NONNEG_FLOAT = _number(int, 0, True), _number(float, 0, True), \
+    _number(int, 0, False), _number(float, 0, False)
+
+
 def add_parser(sub) -> None:
     gpus = sorted(load_profiles())
     p = sub.add_parser("plan", help="choose DP x TP x PP, ZeRO stage, recompute and micro-batch for a model",
                        description=__doc__.split("\n")[0], epilog=EPILOG,
-                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (either --params or --layers/--hidden/--heads)")
-    m.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (a published shape of that size)")
-    m.add_argument("--layers", type=int, help="transformer layers")
-    m.add_argument("--hidden", type=int, help="d_model")
-    m.add_argument("--heads", type=int, help="attention heads")
-    m.add_argument("--kv-heads", type=int, help="KV heads (grouped-query attention; default = --heads)")
-    m.add_argument("--ffn-hidden", type=int, help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)")
+    m.add_argument("--params", type=POS_FLOAT, help="parameter count, e.g. 70e9 (a published shape of that size)")
+    m.add_argument("--layers", type=POS_INT, help="transformer layers")
+    m.add_argument("--hidden", type=POS_INT, help="d_model")
+    m.add_argument("--heads", type=POS_INT, help="attention heads")
+    m.add_argument("--kv-heads", type=POS_INT, help="KV heads (grouped-query attention; default = --heads)")
+    m.add_argument("--ffn-hidden", type=POS_INT, help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)")
     m.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (3 matrices), as in Llama")
-    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
-    m.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    m.add_argument("--vocab", type=POS_INT, default=32000, help="vocabulary size (default 32000)")
+    m.add_argument("--seq", type=POS_INT, default=4096, help="sequence length in tokens (default 4096)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    c.add_argument("--gpus", type=POS_INT, required=True, help="GPUs in the job")
+    c.add_argument("--gpus-per-node", type=POS_INT, default=8, help="GPUs per node (default 8)")
     c.add_argument("--gpu", default="h100-sxm", choices=gpus, help="GPU type (default h100-sxm)")
-    c.add_argument("--nvlink-gbps", type=float, help="intra-node GB/s per GPU, both directions added "
+    c.add_argument("--nvlink-gbps", type=POS_FLOAT, help="intra-node GB/s per GPU, both directions added "
                    "(default: the GPU's datasheet NVLink figure)")
-    c.add_argument("--ib-gbps", type=float, help="inter-node Gbit/s per GPU, NIC line rate "
+    c.add_argument("--ib-gbps", type=POS_FLOAT, help="inter-node Gbit/s per GPU, NIC line rate "
                    "(default: the GPU's reference system)")
     r = p.add_argument_group("training")
-    r.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default 1024)")
+    r.add_argument("--global-batch", type=POS_INT, default=1024, help="sequences per optimizer step (default 1024)")
     r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
-    r.add_argument("--headroom", type=float, default=0.1, help="share of HBM kept free (default 0.1)")
+    r.add_argument("--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)")
+    r.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                   help="flash (default): attention scores never stored; eager: stored (5*a*s/h per layer), "
+                        "selective recompute then pays")
+    p.add_argument("--layout", metavar="FIELDS",
+                   help='score a layout: any of "dp= tp= pp= v= zero= recompute=none|selective|full mb= sp=on|off"; '
+                        "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
-    p.add_argument("--top", type=int, default=5, help="runners-up to explain (default 5)")
+    p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -92,6 +123,51 @@ def cluster_from_args(a) -> Cluster:
     return Cluster.from_profile(a.gpu, a.gpus, a.gpus_per_node, ib_gbit_per_gpu=a.ib_gbps, nvlink_gbps_per_dir=per_dir)
 
 
+LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
+               "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel"}
+
+
+def parse_layout(text: str) -> dict:
+    """'tp=8 pp=16 v=8 zero=1 recompute=selective mb=1' -> search(fixed=...) fields; UserError on bad input."""
+    fixed = {}
+    for item in text.replace(",", " ").split():
+        key, eq, value = item.partition("=")
+        if not eq or key not in LAYOUT_KEYS:
+            raise UserError(f"--layout: {item!r} is not one of {', '.join(k + '=' for k in LAYOUT_KEYS)} "
+                            '(e.g. --layout "tp=8 pp=16 v=8 zero=1 recompute=selective mb=1")')
+        field = LAYOUT_KEYS[key]
+        if field == "recompute":
+            if value not in RECOMPUTE:
+                raise UserError(f"--layout: recompute={value} must be one of {', '.join(RECOMPUTE)}")
+            fixed[field] = value
+        elif field == "sequence_parallel":
+            if value not in ("on", "off", "1", "0", "true", "false"):
+                raise UserError(f"--layout: sp={value} must be on or off")
+            fixed[field] = value in ("on", "1", "true")
+        else:
+            try:
+                fixed[field] = int(value)
+            except ValueError:
+                raise UserError(f"--layout: {key}={value} must be an integer") from None
+            if fixed[field] < (0 if field == "zero_stage" else 1) or (field == "zero_stage" and fixed[field] > 3):
+                raise UserError(f"--layout: {key}={value} is out of range (zero 0..3, the others >= 1)")
+    if not fixed:
+        raise UserError('--layout is empty: give fields such as "tp=8 pp=16 mb=1"')
+    return fixed
+
+
+def layout_result(shape, cluster, a, calib, best: SearchResult):
+    """(search restricted to --layout, its gap to ``best``) or (None, None) without --layout."""
+    if not a.layout:
+        return None, None
+    fixed = parse_layout(a.layout)
+    res = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
+                 flash_attention=a.attention == "flash", fixed=fixed)
+    if res.best is None or best.best is None:
+        return res, None
+    return res, 100 * (1 - res.best.time.tokens_per_s / best.best.time.tokens_per_s)
+
+
 def run(a) -> int:
     from .calibrate import calibrate
 
@@ -104,11 +180,21 @@ def run(a) -> int:
         report = calibrate(a.results, warn=False)
         calib, cluster = report.cluster, report.cluster_links.apply(cluster)
         notes = calibration_notes(report)
-    result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom)
+    result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
+                    flash_attention=a.attention == "flash")
+    mine, gap = layout_result(shape, cluster, a, calib, result)
     if a.json:
-        print(json.dumps(to_json(result, a.top, notes), indent=2, sort_keys=True))
+        out = to_json(result, a.top, notes)
+        if mine is not None:
+            out["layout"] = layout_json(mine, gap, a.layout)
+        print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        print("\n".join(text_report(result, a.top, notes)))
+        lines = text_report(result, a.top, notes)
+        if mine is not None:
+            lines += [""] + layout_text(mine, gap, a.layout, res_usable(result))
+        print("\n".join(lines))
+    if mine is not None and mine.best is None:
+        return 1
     if result.best is None:
         if not a.json:
             print("hint: more GPUs, a GPU with more memory (--gpu), or a shorter --seq", file=sys.stderr)
@@ -146,18 +232,43 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
            f"{res.precision}", *notes, ""]
     if res.best is None:
         return out + [res.reason]
-    b, t, m = res.best, res.best.time, res.best.memory
-    usable = res.cluster.gpu.hbm_bytes * (1 - res.headroom) / GiB
-    out += [f"choice:   {b.describe()}",
-            f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
-            f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
-            f"(of {t.dp_comm:.3f})",
-            f"  throughput  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}",
-            f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable:.1f} GiB usable: params {m.params / GiB:.1f}, "
-            f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
-            f"ZeRO-3 buffers {m.buffers / GiB:.1f}",
-            "", "why the runners-up lost:"]
+    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), "", "why the runners-up lost:"]
     return out + [f"  - {line}" for line in explain(res, top)[1:]]
+
+
+def res_usable(res: SearchResult) -> float:
+    return res.cluster.gpu.hbm_bytes * (1 - res.headroom) / GiB
+
+
+def plan_lines(p, usable_gib: float) -> list[str]:
+    """The step breakdown, throughput and memory of one plan."""
+    t, m = p.time, p.memory
+    return [f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
+            f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
+            f"(of {t.dp_comm:.3f})" + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
+            f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), "
+            f"MFU {t.mfu:.1%}",
+            f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params {m.params / GiB:.1f}, "
+            f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
+            f"ZeRO-3 buffers {m.buffers / GiB:.1f}"]
+
+
+def layout_text(res: SearchResult, gap: float | None, spec: str, usable_gib: float) -> list[str]:
+    head = f'your layout "{spec}"'
+    if res.best is None:
+        return [f"{head}: {res.reason}"]
+    out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib)]
+    if gap is not None:
+        out.append(f"  vs best     {gap:.1f}% slower than the unconstrained best" if gap > 0.05
+                   else "  vs best     this is the unconstrained best (within 0.05%)")
+    return out
+
+
+def layout_json(res: SearchResult, gap: float | None, spec: str) -> dict:
+    d = {"spec": spec, "fits": res.best is not None, "reason": res.reason}
+    if res.best is not None:
+        d.update(plan_dict(res.best), slower_than_best_pct=gap)
+    return d
 
 
 def plan_dict(p) -> dict:
@@ -169,13 +280,14 @@ def plan_dict(p) -> dict:
                              "activations": m.activations, "buffers": m.buffers, "total": m.total},
             "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "pp_comm": t.pp_comm,
                             "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed},
-            "tokens_per_s": t.tokens_per_s, "mfu": t.mfu}
+            "tokens_per_s": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu}
 
 
 def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
     s, c = res.model, res.cluster
     calib = {k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
-             for k in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor")}
+             for k in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "tp_overhead", "fp8_speedup",
+                       "fp8_memory_factor")}
     return {"model": {"name": s.name, "layers": s.n_layer, "hidden": s.d_model, "heads": s.n_head,
                       "kv_heads": s.n_kv_head, "seq": s.seq_len, "vocab": s.vocab, "params": s.num_params()},
             "cluster": {"gpu": c.gpu.name, "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,
@@ -183,6 +295,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
                         "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
                         "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom)},
             "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
+            "attention": "flash" if res.flash_attention else "eager",
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
             **_overrides_json(res),

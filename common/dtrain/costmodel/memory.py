@@ -2,19 +2,21 @@
 
 Sources
 -------
-* Model states: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-  Parameter Models" (SC'20), §3.1 (16Ψ) and Fig. 1 / §5 (per stage). Mixed-precision Adam keeps,
-  per parameter,
-  2 bytes bf16 weights + 2 bytes bf16 grads + K=12 bytes optimizer state (fp32 master weights,
-  momentum, variance: 4+4+4), 16Ψ in all.
+* Model states: Megatron-LM ``megatron/training/theoretical_memory_usage.py``
+  (``compute_weight_and_optimizer_memory``): mixed-precision Adam keeps 18 bytes per parameter,
+  bf16 weights 2 + fp32 main gradients 4 + fp32 master weights, momentum and variance 4+4+4;
+  6 + 12/d with the distributed optimizer (= ZeRO-1). ZeRO stages after Rajbhandari et al. 2020
+  (SC'20) §5 with DeepSpeed's fp32 gradient partition (stage 2: 2Ψ + 18Ψ/N, stage 3: 20Ψ/N).
 * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models" (MLSys 2023, arXiv:2205.05198), §4 and Table 2 for one layer with 16-bit
-  activations; §4.2.3 for pipeline parallelism.
+  Models" (MLSys 2023, arXiv:2205.05198), §4 and Table 2, with the per-tensor count of §4.1
+  generalised to any MLP ratio, SwiGLU and grouped KV heads (see ``activation_bytes_per_layer``);
+  §4.2.3 for pipeline parallelism; Megatron's ``compute_activation_memory`` (18 + 4·F/h per
+  layer, selective recompute + SP) is the same count for a GELU MLP.
 
-Approximations (documented, small next to the terms kept): the activation formula is the paper's
-GPT layer (4h MLP, multi-head attention), applied unchanged to gated MLPs and grouped KV heads;
-biases, dropout masks beyond the paper's, CUDA context, NCCL buffers and allocator fragmentation
-are not counted (the search keeps a headroom fraction of HBM free for them).
+Approximations (documented, small next to the terms kept): biases, CUDA context, NCCL buffers
+and allocator fragmentation are not counted (the search keeps a headroom fraction of HBM free for
+them); dropout masks are counted as in the paper (1 byte per element, conservative for
+dropout-free models).
 """
 
 from __future__ import annotations
@@ -170,44 +172,75 @@ class MemoryBreakdown:
 def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard.
 
-    ZeRO paper Fig. 1 and §5, mixed-precision Adam (2Ψ + 2Ψ + 12Ψ = 16Ψ), N_d = ``dp``:
-    stage 0 (plain DP) 16Ψ; stage 1 4Ψ + 12Ψ/N_d; stage 2 2Ψ + 14Ψ/N_d; stage 3 16Ψ/N_d.
+    Mixed-precision Adam, N = ``dp`` (Megatron ``theoretical_memory_usage.py``: 18 bytes per
+    parameter, ``6 + 12 / data_parallel_size`` with ``--use-distributed-optimizer``):
+      stage 0 (plain DP):                 2Ψ bf16 + 4Ψ fp32 grads + 12Ψ      = 18Ψ
+      stage 1 (distributed optimizer):    2Ψ + 4Ψ + 12Ψ/N                    = 6Ψ + 12Ψ/N
+      stage 2 (+ sharded grads):          2Ψ + 6Ψ/N + 12Ψ/N                  = 2Ψ + 18Ψ/N
+      stage 3 (+ sharded weights, FSDP):  (2 + 6 + 12)Ψ/N                    = 20Ψ/N
+    Stage 2/3 gradients: the reduced bf16 shard (2Ψ/N) plus its fp32 copy for the step (4Ψ/N),
+    as DeepSpeed holds them (ZeRO paper §5 counts (2 + 2 + K)Ψ with K = 12).
     """
     nd = dp
     if zero_stage == 0:
-        return 2 * psi, 2 * psi, 12 * psi
+        return 2 * psi, 4 * psi, 12 * psi
     if zero_stage == 1:
-        return 2 * psi, 2 * psi, 12 * psi / nd
+        return 2 * psi, 4 * psi, 12 * psi / nd
     if zero_stage == 2:
-        return 2 * psi, 2 * psi / nd, 12 * psi / nd
+        return 2 * psi, 6 * psi / nd, 12 * psi / nd
     if zero_stage == 3:
-        return 2 * psi / nd, 2 * psi / nd, 12 * psi / nd
+        return 2 * psi / nd, 6 * psi / nd, 12 * psi / nd
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", flash_attention: bool = False) -> float:
+                               recompute: str = "none", flash_attention: bool = False, *, ffn_mult: float = 4.0,
+                               gated_mlp: bool = False, kv_ratio: float = 1.0) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
-    s sequence length, b micro-batch, h hidden size, a heads, t TP degree; 16-bit activations.
+    s sequence length, b micro-batch, h hidden size, a heads, t TP degree; 16-bit activations,
+    1-byte dropout masks. Per-tensor count of §4.1, in units of s·b·h, F = ``ffn_mult``·h,
+    r = ``kv_ratio`` = KV heads / heads (GQA stores smaller K and V):
+      replicated under TP: 2 LayerNorm inputs 4, QKV input 2, fc1 input 2, 2 dropout masks 2 = 10
+      TP-sharded:          Q 2 + K 2r + V 2r + output-projection input 2 = 4 + 4r;
+                           MLP 2·(F/h) per stored tensor: 2 tensors for GELU (fc1 output, fc2
+                           input), 3 for SwiGLU (gate and up outputs, fc2 input, as Megatron's
+                           fused swiglu saves them)
+      attention scores:    5·a·s/h (softmax output 2, its dropout mask 1, dropout output 2 per
+                           a·s² element), TP-sharded
+    GPT (F = 4h, r = 1, GELU) gives the paper's numbers:
       no parallelism:        s·b·h·(34 + 5·a·s/h)                  (§4.1)
       TP, no SP:             s·b·h·(10 + 24/t + 5·a·s/(h·t))       (§4.2.1)
       TP + SP:               s·b·h/t·(34 + 5·a·s/h)                 (§4.2.2)
       selective recompute:   the same without the 5·a·s/h attention term (§5)
-      full recompute:        2·s·b·h, only the layer input (§5, Table 2). With SP the saved input
-                             is the sequence-sharded tensor, so 2·s·b·h/t (Megatron's behaviour).
-    ``flash_attention``: FlashAttention (Dao et al. 2022, §3.1) never stores the a·s² scores
-    and recomputes them in backward, so the 5·a·s/h term is dropped as under selective recompute.
+      full recompute:        2·s·b·h, only the layer input (§5, Table 2); with SP the saved input
+                             is the sequence-sharded tensor, 2·s·b·h/t (Megatron's behaviour).
+                             The layer being recomputed needs its full set once more: see
+                             ``activation_bytes`` (the one-layer working set).
+    ``flash_attention``: FlashAttention (Dao et al. 2022, §3.1) never stores the a·s² scores (it
+    keeps the output, counted above, and an s·a log-sum-exp), so the score term is dropped as
+    under selective recompute; without it ("eager" attention) selective recompute is what
+    removes them.
     """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
     attn = 0.0 if recompute == "selective" or flash_attention else 5 * a * s / h
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    sharded = 4 + 4 * kv_ratio + 2 * ffn_mult * (3 if gated_mlp else 2) + attn
     if sequence_parallel:
-        return sbh / t * (34 + attn)
-    return sbh * (10 + 24 / t + attn / t)
+        return sbh / t * (10 + sharded)
+    return sbh * (10 + sharded / t)
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = True,
+                           recompute: str | None = None) -> float:
+    """``activation_bytes_per_layer`` for one layer of ``shape`` under ``layout``."""
+    return activation_bytes_per_layer(shape.seq_len, layout.micro_batch, shape.d_model, shape.n_head, layout.tp,
+                                      layout.sequence_parallel, recompute or layout.recompute, flash_attention,
+                                      ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=shape.gated_mlp,
+                                      kv_ratio=shape.n_kv_head / shape.n_head)
 
 
 def stage_layers(shape: ModelShape, pp: int) -> int:
@@ -235,23 +268,26 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
 
     1F1B (Narayanan et al. 2021): the first stage holds min(pp, grad_accum) micro-batches in
     flight, each with ceil(n_layer/pp) layers; interleaving with v virtual stages multiplies this by
-    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3). The last stage holds one micro-batch plus the fp32
-    logits for the loss, 4·s·b·V/tp bytes (vocab-parallel; assumption after Korthikanti §4.3).
+    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``). The last stage
+    holds one micro-batch plus the fp32 logits for the loss, 4·s·b·V/tp bytes (vocab-parallel;
+    assumption after Korthikanti §4.3). Full recompute adds the working set of the one layer
+    being recomputed: its activations without recompute, once.
     ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe caches the
-    linear-layer inputs (14 of the 34·s·b·h bytes) in 1 byte instead of 2, see
-    ``Calibration.fp8_memory_factor`` (an approximation; fp8-train measures it).
+    linear-layer inputs in 1 byte instead of 2, see ``Calibration.fp8_memory_factor`` (an
+    approximation; fp8-train measures it).
     """
     lay = layout
-    per_layer = activation_bytes_per_layer(shape.seq_len, lay.micro_batch, shape.d_model, shape.n_head,
-                                           lay.tp, lay.sequence_parallel, lay.recompute, flash_attention)
-    per_layer *= activation_bytes_factor
+    per_layer = layer_activation_bytes(shape, lay, flash_attention) * activation_bytes_factor
+    working = 0.0
+    if lay.recompute == "full":
+        working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
     layers_here = stage_layers(shape, lay.pp)
     logits = 4 * shape.seq_len * lay.micro_batch * shape.vocab / lay.tp
     in_flight = min(lay.pp, lay.grad_accum)
     if lay.virtual_stages > 1:
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
-    first = per_layer * layers_here * in_flight
-    last = per_layer * layers_here + logits
+    first = per_layer * layers_here * in_flight + working
+    last = per_layer * layers_here + working + logits
     return first + logits if lay.pp == 1 else max(first, last)
 
 

@@ -8,13 +8,12 @@
                       the trainer's only recompute granularity)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
     precision bf16 / fp8 -> mixed_precision=bf16 (FP8 recipes are fp8-train's)
-    the model's layers, hidden, heads and seq -> model.n_layer, d_model, n_head, seq_len
+    the model's layers, hidden, heads, kv heads, seq -> model.n_layer, d_model, n_head, n_kv_head, seq_len
 
     sequence_parallel -> train.sequence_parallel
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
-selective recompute, FP8, a vocabulary or KV-head count other than the fsdp-scaling preset's,
-a gated MLP.
+selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
            f"train.mixed_precision={'fp32' if precision == 'fp32' else 'bf16'}",
            f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
-           f"model.n_head={model.n_head}", f"model.seq_len={model.seq_len}"]
+           f"model.n_head={model.n_head}", f"model.n_kv_head={model.n_kv_head}", f"model.seq_len={model.seq_len}"]
     notes = []
     if layout.zero_stage == 1:
         notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
@@ -44,8 +43,8 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
         notes.append("selective recompute runs as whole-block checkpointing")
     if precision == "fp8":
         notes.append("fp8 runs as bf16 here; FP8 recipes are in fp8-train")
-    if model.n_kv_head != model.n_head or model.gated_mlp:
-        notes.append("the trainer's GPT has multi-head attention and a GELU MLP: KV heads and gated MLP are not set")
+    if model.gated_mlp:
+        notes.append("the trainer's GPT has a GELU MLP: the gated MLP runs as GELU 4x")
     from dtrain.model import PRESETS
 
     if PRESETS[preset].vocab_size != model.vocab:

@@ -2,12 +2,15 @@
 
 Enumerates every layout with dp·tp·pp = GPUs:
   * tp a power of two dividing the heads, at most two nodes wide;
-  * pp ≤ layers, the busiest stage holding ceil(L/pp); interleaving v ∈ {1, 2, 4} when pp·v
-    divides the layers and the micro-batch count is a multiple of pp, as Megatron requires;
+  * pp ≤ layers, the busiest stage holding ceil(L/pp) (uneven stages, as Megatron's
+    ``--decoder-first/last-pipeline-num-layers`` allow); interleaving v ∈ {1, 2, 4, 8} when
+    v ≤ ceil(L/pp) (Llama 3 405B: 126 layers on 16×8 chunks, two of them without a layer) and
+    there are at least pp micro-batches;
   * ZeRO 0–3, also with PP (torchtitan's FSDP + PP allows it, DeepSpeed refuses ZeRO-2/3 with
     PP); the model charges their per-micro-batch traffic;
   * recompute none / selective / full; selective is left out under FlashAttention, which already
-    drops the stored attention scores at no extra cost;
+    drops the stored attention scores at no extra cost (``flash_attention=False``: eager
+    attention stores them and selective recompute pays);
   * micro-batch sizes dividing global_batch / dp; sequence parallelism on/off when tp > 1.
 Keeps the layouts whose memory fits HBM with headroom and ranks them by predicted tokens/s
 (ties: less memory first). Nothing is raised when nothing fits: ``best`` is None and ``reason``
@@ -28,7 +31,8 @@ __all__ = ["Cluster", "Calibration", "Plan", "SearchResult", "search", "explain"
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 # Memory does not depend on the links: a grid over bandwidths (the guide) reuses it.
 _memory = lru_cache(maxsize=1 << 17)(memory_per_gpu)
-VIRTUAL_STAGES = (1, 2, 4)
+VIRTUAL_STAGES = (1, 2, 4, 8)
+LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,39 +74,49 @@ def _pow2_up_to(limit: int) -> list[int]:
     return out
 
 
-def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False):
+def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False,
+             fixed: dict | None = None):
     """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections;
-    ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 (see ``search``)."""
+    ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 (see ``search``); ``fixed``
+    (field -> value, names of ``LAYOUT_FIELDS``) keeps only the layouts with those values."""
+    fixed = fixed or {}
     n = cluster.gpus
-    for tp in _pow2_up_to(min(2 * cluster.node_size, model.n_head)):
+    for tp in _pow2_up_to(min(2 * cluster.node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
         if model.n_head % tp or n % tp:
             continue
         for pp in (p for p in range(1, min(model.n_layer, n // tp) + 1) if (n // tp) % p == 0):
             dp = n // (tp * pp)
+            if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]):
+                continue
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     yield Layout(dp, tp, pp, micro_batch=mb), (
                         f"global batch {global_batch} is not a multiple of dp·micro_batch = {dp * mb}")
                     continue
                 ga = global_batch // (dp * mb)
-                vs = [v for v in VIRTUAL_STAGES
-                      if v == 1 or (pp > 1 and model.n_layer % (pp * v) == 0 and ga % pp == 0)]
+                vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
+                      if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
                 for v in vs:
-                    for zero in ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,):
+                    zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,)
+                    for zero in [z for z in zeros if z == fixed.get("zero_stage", z)]:
                         for rc in recompute:
                             for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
-                                yield Layout(dp, tp, pp, zero, rc, mb, ga, sp, v), None
+                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v)
+                                if all(getattr(lay, k) == val for k, val in fixed.items()):
+                                    yield lay, None
 
 
 def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibration | None = None, *,
            precision: str = "bf16", headroom: float = 0.1, flash_attention: bool = True,
-           micro_batches: tuple[int, ...] = MICRO_BATCHES, prune: bool = False) -> SearchResult:
+           micro_batches: tuple[int, ...] = MICRO_BATCHES, prune: bool = False,
+           fixed: dict | None = None) -> SearchResult:
     """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences.
 
     ``prune`` skips layouts that cannot be the best (same ``best``, ~10x faster; the decision
     matrix uses it): sequence parallelism and ZeRO-1 cost the same predicted time as their
     absence with less memory, and a higher ZeRO stage is never faster than a lower one, so per
-    (dp, tp, pp, micro-batch, v, recompute) only the lowest fitting ZeRO stage is timed."""
+    (dp, tp, pp, micro-batch, v, recompute) only the lowest fitting ZeRO stage is timed.
+    ``fixed`` pins layout fields (``LAYOUT_FIELDS``), as ``dtrain plan --layout`` does."""
     calib = calib or Calibration()
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
@@ -116,8 +130,12 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     rejected: list[tuple[Layout, str]] = []
     smallest: tuple[float, Layout] | None = None
     levels = tuple(r for r in RECOMPUTE if not (flash_attention and r == "selective"))
+    if fixed and "recompute" in fixed:
+        levels = (fixed["recompute"],)
+    if fixed and "micro_batch" in fixed:
+        micro_batches = (fixed["micro_batch"],)
     timed: set[tuple] = set()
-    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune):
+    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed):
         if why:
             rejected.append((lay, why))
             continue
@@ -140,6 +158,10 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         reason = (f"does not fit: even the smallest plan ({_short(smallest[1])}) needs "
                   f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
                   f"{cluster.gpus}x {cluster.gpu.name}")
+    elif fixed:
+        reason = (f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·tp·pp must equal the GPUs, tp divide the "
+                  f"{model.n_head} heads, v ≤ ceil(layers/pp) with at least pp micro-batches, and dp·mb divide "
+                  f"the global batch {global_batch}")
     else:
         reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
                   f"(micro-batches {micro_batches})")

@@ -1,10 +1,13 @@
-"""Time of one training step: compute at a calibrated efficiency plus α–β costed collectives.
+"""Time of one training step: GEMM compute on a calibrated roofline plus α–β costed collectives.
 
 Sources
 -------
-* FLOPs: Chowdhery et al. 2022 (PaLM), App. B: model FLOPs per token = 6N + 12·L·h·s (forward
-  2N + 4·L·h·s, backward twice that; causal masking not subtracted). N excludes the input
-  embedding (a lookup, not a matmul).
+* FLOPs: ``dtrain.flops.transformer_flops_per_token`` (the project's one formula: 6·N_matmul +
+  12·L·h·s, lm_head kept when tied, full non-causal attention as in PaLM App. B, Megatron-LM and
+  torchtitan). MFU and TFLOP/s use these *model* FLOPs; recompute adds *hardware* FLOPs (time)
+  but never model FLOPs.
+* Compute time: ``efficiency`` (a roofline per GEMM × an achieved-fraction curve fitted from a
+  matmul probe) plus a fixed per-step overhead.
 * Collectives: ring algorithms as in NCCL, costed with Hockney's α–β model; β is the nccl-tests
   *bus* bandwidth (nccl-tests doc/PERFORMANCE.md), so all-reduce moves 2(n−1)/n·B over β.
 * Data parallel / ZeRO volumes: Rajbhandari et al. 2020 (ZeRO) §7: ZeRO-1/2 move the same volume
@@ -14,6 +17,10 @@ Sources
   reduce-scatter pairs of the same volume.
 * Pipeline: Narayanan et al. 2021 (Megatron-LM at scale, SC'21) §2.2: bubble fraction
   (p−1)/(v·m) with v interleaved stages and m micro-batches; §4.1 scatter/gather of p2p tensors.
+  Uneven stages (Megatron ``--decoder-first/last-pipeline-num-layers``): the bubble is p−1 slots
+  of the busiest virtual chunk, ceil(L/(p·v)) layers, see ``bubble_fraction``.
+* DP gradients are reduced in fp32 (Megatron ``--accumulate-allreduce-grads-in-fp32``, torchtitan
+  FSDP ``reduce_dtype=float32``): 4 bytes per parameter; gathered weights move in bf16.
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .hardware import Cluster, LinkModel
+from dtrain.flops import transformer_flops_per_token
+
+from .efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms
 from .memory import Layout, ModelShape, params_per_gpu, stage_layers
 
 __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
            "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link",
-           "model_flops_per_token", "step_time"]
+           "model_flops_per_token", "compute_time", "step_time"]
 
 PROVENANCES = ("datasheet/published:", "measured here:")
+GPU_E_MAX = 0.62
+GPU_W_HALF = 2.1e9
 
 
 def allreduce_time(nbytes: float, n: int, link: LinkModel) -> float:
@@ -54,9 +66,17 @@ def p2p_time(nbytes: float, link: LinkModel) -> float:
     return nbytes / link.beta_Bps + link.alpha_s
 
 
-def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2)."""
-    return (p - 1) / (v * m)
+def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> float:
+    """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2).
+
+    With ``n_layer`` the stages may be uneven (pp·v need not divide L): the pipeline fills and
+    drains in p−1 slots of the busiest virtual chunk, ceil(L/(p·v)) layers, against m micro-
+    batches of the busiest device's ceil(L/p) layers:
+        (p−1)·ceil(L/(p·v)) / (m·ceil(L/p)),  = (p−1)/(v·m) when p·v divides L.
+    """
+    if n_layer is None:
+        return (p - 1) / (v * m)
+    return (p - 1) * -(-n_layer // (p * v)) / (m * -(-n_layer // p))
 
 
 def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
@@ -102,9 +122,16 @@ class Calibration:
     """The empirical inputs of the model; calibration from measured runs replaces each Param."""
 
     mfu: Param = field(default_factory=lambda: _published(
-        0.5, "compute-only efficiency; end-to-end MFU of 44-52% of A100 peak (Narayanan et al. "
-        "2021, SC'21, Table 1) and 38-43% BF16 MFU on H100 (Llama 3 Herd of Models, 2024, Table 4) "
-        "include communication and bubbles, which this model costs separately"))
+        GPU_E_MAX, "e_max of the GEMM achieved-fraction curve (share of the roofline bound a large GEMM "
+        "reaches, non-GEMM kernels folded in); fitted to the published runs of dtrain backtest "
+        "(costmodel/backtest_runs.yaml), so the backtest is in-sample for this one number"))
+    gemm_half_flops: Param = field(default_factory=lambda: _published(
+        GPU_W_HALF, "W_half of the GEMM achieved-fraction curve: FLOPs of a GEMM reaching half of e_max; "
+        "assumption: a 1024^3 bf16 GEMM (2.1 GFLOP) reaches about half of a large one on A100/H100 "
+        "until a CUDA gemm-probe run measures it"))
+    step_overhead_s: Param = field(default_factory=lambda: _published(
+        0.0, "fixed per-step overhead (optimizer step, launch, data loading) not modelled on GPUs "
+        "until a gemm-probe run measures it"))
     dp_overlap: Param = field(default_factory=lambda: _published(
         0.5, "assumption: DDP bucketing (Li et al. 2020, VLDB) and FSDP prefetching (Zhao et al. "
         "2023, VLDB) overlap DP traffic with backward; half taken as hidden until fsdp-scaling measures it"))
@@ -136,43 +163,66 @@ class StepTime:
     model_flops: float
     gpus: int
     peak_flops: float
+    overhead: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.total
 
     @property
+    def tflops_per_gpu(self) -> float:
+        """Achieved model TFLOP/s per GPU (model FLOPs: recompute not counted)."""
+        return self.model_flops / (self.total * self.gpus) / 1e12
+
+    @property
     def mfu(self) -> float:
-        """Model FLOPs (6N + 12·L·h·s per token, no recompute) / (time · GPUs · BF16 dense peak)."""
+        """Model FLOPs (``model_flops_per_token``, no recompute) / (time · GPUs · BF16 dense peak)."""
         return self.model_flops / (self.total * self.gpus * self.peak_flops)
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
-    """6N + 12·L·h·s (PaLM App. B), N = parameters without the input embedding."""
-    n = shape.num_params() - shape.vocab * shape.d_model
-    return 6 * n + 12 * shape.n_layer * shape.d_model * shape.seq_len
+    """``dtrain.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
+    return transformer_flops_per_token(shape.n_layer, shape.d_model, shape.n_head, shape.n_kv_head,
+                                       shape.ffn_hidden, shape.vocab, shape.seq_len, shape.gated_mlp)
 
 
-def _recompute_flops_per_token(shape: ModelShape, recompute: str) -> float:
-    """Extra forward work: full = one more forward, 2N + 4·L·h·s (×8/6 of 6N); selective = the
-    attention core (QKᵀ and AV), 4·L·h·s (Korthikanti et al. 2022 §5)."""
-    attn = 4 * shape.n_layer * shape.d_model * shape.seq_len
-    if recompute == "full":
-        return model_flops_per_token(shape) / 3
-    return attn if recompute == "selective" else 0.0
+def compute_time(shape: ModelShape, layout: Layout, peak_flops: float, hbm_Bps: float, curve: GemmCurve,
+                 value_bytes: int = 2) -> float:
+    """Seconds of GEMM work per step on the busiest GPU (``efficiency``).
+
+    Per layer and micro-batch: forward GEMMs ×3 (forward, dgrad, wgrad: the same FLOPs), plus one
+    more forward with full recompute, or the attention core (QKᵀ, AV) with selective recompute
+    (Korthikanti et al. 2022 §5). The busiest stage holds ceil(L/pp) layers; the output projection
+    is given to the last stage, whose layer count Megatron's uneven split lowers to balance it,
+    so a stage costs max(ceil(L/pp)·t_layer, (L·t_layer + t_head)/pp).
+    """
+    gemms = layer_gemms(shape, layout)
+    times = [gemm_time(g, peak_flops, hbm_Bps, curve, value_bytes) for g in gemms]
+    fwd = sum(times)
+    t_layer = 3 * fwd
+    if layout.recompute == "full":
+        t_layer += fwd
+    elif layout.recompute == "selective":
+        t_layer += sum(t for g, t in zip(gemms, times) if g.name in ("scores", "av"))
+    t_head = 3 * gemm_time(head_gemm(shape, layout), peak_flops, hbm_Bps, curve, value_bytes)
+    layers = stage_layers(shape, layout.pp)
+    per_micro = max(layers * t_layer, (shape.n_layer * t_layer + t_head) / layout.pp)
+    return layout.grad_accum * per_micro
 
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
               precision: str = "bf16", value_bytes: int = 2) -> StepTime:
     """Predicted time of one step for ``layout`` (see module docstring for every term).
 
-    compute   tokens per rank · FLOPs/token (+ recompute) · (L'/L) / tp / (peak_bf16 · mfu
-              [· fp8_speedup]), L' = ceil(L/pp) layers on the busiest stage
+    compute   ``compute_time``: GEMM roofline × achieved-fraction curve (e_max = calib.mfu,
+              W_half = calib.gemm_half_flops) over the busiest stage's GEMMs [/ fp8_speedup]
+    overhead  calib.step_overhead_s, fixed per step
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
-    bubble    (p−1)/(v·m) · (compute + tp_comm)
-    dp_comm   over the DP group (group_link, Ψ = params_per_gpu, bf16 grads = 2Ψ bytes; an fp32
-              reduction would double it): ZeRO-0/1 one all-reduce per step; ZeRO-2 m reduce-
+    bubble    bubble_fraction(p, m, v, L) · (compute + tp_comm)
+    dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes, weights
+              value_bytes·Ψ): ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads +
+              an all-gather of weights (Megatron distributed optimizer); ZeRO-2 m reduce-
               scatters + one all-gather of params; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter),
               sharded grads being reduced every micro-batch (no no_sync); with m = 1 that is the
               ZeRO paper's 1.5× of DP. exposed = dp_comm − min(overlap · dp_comm, compute).
@@ -189,10 +239,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
         raise ValueError(f"{gpu.name} has no FP8 tensor cores; use precision='bf16'")
     m = lay.grad_accum
     tokens_per_rank = lay.micro_batch * m * s
-    hw_flops = model_flops_per_token(shape) + _recompute_flops_per_token(shape, lay.recompute)
     layers = stage_layers(shape, lay.pp)
-    share = layers / shape.n_layer / lay.tp
-    compute = tokens_per_rank * hw_flops * share / (gpu.peak_bf16_flops * calib.mfu.value)
+    curve = GemmCurve(calib.mfu.value, calib.gemm_half_flops.value)
+    compute = compute_time(shape, lay, gpu.peak_bf16_flops, gpu.hbm_tbps * 1e12, curve, value_bytes)
     if precision == "fp8":
         compute /= calib.fp8_speedup.value
 
@@ -208,16 +257,19 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     if lay.pp > 1:
         link = cluster.nvlink if lay.tp * lay.dp * lay.pp <= cluster.node_size else cluster.ib
         pp_comm = 2 * lay.virtual_stages * m * p2p_time(act_bytes / lay.tp, link)
-        bubble = bubble_fraction(lay.pp, m, lay.virtual_stages) * (compute + tp_comm)
+        bubble = bubble_fraction(lay.pp, m, lay.virtual_stages, shape.n_layer) * (compute + tp_comm)
 
     dp_comm = 0.0
     if lay.dp > 1:
-        grads = value_bytes * params_per_gpu(shape, lay.tp, lay.pp)  # bf16: 2 bytes, = param bytes
+        psi = params_per_gpu(shape, lay.tp, lay.pp)
+        grads, weights = 4 * psi, value_bytes * psi  # fp32 gradient reduction, bf16 weights
         link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
-        ag = all_gather_time(grads, lay.dp, link)
+        ag = all_gather_time(weights, lay.dp, link)
         rs = reduce_scatter_time(grads, lay.dp, link)
-        if lay.zero_stage <= 1:
+        if lay.zero_stage == 0:
             dp_comm = allreduce_time(grads, lay.dp, link)
+        elif lay.zero_stage == 1:
+            dp_comm = rs + ag
         elif lay.zero_stage == 2:
             dp_comm = m * rs + ag
         else:
@@ -225,9 +277,10 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     hidden = min(calib.dp_overlap.value * dp_comm, compute)
     exposed = dp_comm - hidden
 
-    total = compute + tp_comm + pp_comm + bubble + exposed
+    overhead = calib.step_overhead_s.value
+    total = compute + tp_comm + pp_comm + bubble + exposed + overhead
     tokens = lay.dp * tokens_per_rank
     return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,
                     pp_comm=pp_comm, bubble=bubble, total=total, tokens=tokens,
                     model_flops=tokens * model_flops_per_token(shape),
-                    gpus=lay.dp * lay.tp * lay.pp, peak_flops=gpu.peak_bf16_flops)
+                    gpus=lay.dp * lay.tp * lay.pp, peak_flops=gpu.peak_bf16_flops, overhead=overhead)

@@ -137,8 +137,8 @@ def rule_micro_batch(cells: list[Cell]) -> str:
     counts = Counter(c.micro_batch for c in _fit(cells))
     return ("**Micro-batch.** Chosen sizes: "
             + ", ".join(f"{mb}: {n} cells" for mb, n in sorted(counts.items()))
-            + ". Larger micro-batches only add activation memory; the model has no kernel-efficiency gain "
-            "from them (a known simplification).")
+            + ". A larger micro-batch makes every GEMM larger (higher achieved fraction of the roofline) but "
+            "adds activation memory; the search weighs both.")
 
 
 def _size(label: str) -> float:

@@ -81,6 +81,8 @@ def stages_of_rank(pp_rank: int, pp: int, schedule: str, virtual: int) -> list[i
 class PipelineStageModule(nn.Module):
     """Blocks `layers` of a GPT, with the embeddings if first and the norm + lm_head if last."""
 
+    is_pipeline_stage = True  # holds only some of the GPT's parameters (checkpoint checks a subset)
+
     def __init__(self, gpt: GPT, layers: range, first: bool, last: bool):
         super().__init__()
         self.cfg, self.first, self.last = gpt.cfg, first, last

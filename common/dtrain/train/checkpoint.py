@@ -68,6 +68,34 @@ def _state_dicts(parts, optimizer) -> tuple[dict, dict]:
     return model_sd, optim_sd
 
 
+def step_of(path: Path) -> int | None:
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def check_compatible(path: Path, model, steps: int) -> None:
+    """Refuse, before DCP loads anything, a checkpoint this run cannot continue: one already past
+    train.steps, or one of another model (its parameter names and shapes are in `.metadata`).
+    `model` is a module or a list of pipeline stages; a stage's names are a subset of the model's."""
+    done = step_of(path)
+    if done is not None and steps < done:
+        raise UserError(f"train.steps={steps} is below the checkpoint's step {done} ({path}): "
+                        f"pass train.steps >= {done} to continue training")
+    stored = {k.removeprefix("model."): tuple(v.size) for k, v in
+              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    wanted = {k: tuple(v.shape) for part in parts for k, v in get_model_state_dict(part).items()}
+    stage = len(parts) > 1 or getattr(parts[0], "is_pipeline_stage", False)
+    if (stored if not stage else {k: stored.get(k) for k in wanted}) != wanted:
+        diff = (sorted(set(stored) ^ set(wanted)) if not stage else []) or \
+            sorted(k for k in wanted if stored.get(k) != wanted[k])
+        k = diff[0]
+        raise UserError(f"cannot resume from {path}: it holds another model ({k}: checkpoint "
+                        f"{stored.get(k, 'absent')}, this run {wanted.get(k, 'absent')}): "
+                        "pass the model overrides the checkpoint was trained with")
+
+
 def save(path: str | Path, model, optimizer, trainer_state: dict) -> Path:
     """Collective: every rank calls it and writes its own shards. `model` is a module or a list of
     pipeline-stage modules; `optimizer` an optimizer or an OptimizerParts (one per part)."""

@@ -5,6 +5,7 @@ starts (`validate(world_size)`), so bad input is one line and exit code 2.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
 
 from dtrain.errors import UserError
@@ -13,6 +14,20 @@ STRATEGIES = ("single", "ddp", "zero2", "zero3", "hsdp")
 SHARDED = ("zero2", "zero3", "hsdp")  # strategies built with FSDP2's fully_shard
 MIXED_PRECISION = ("fp32", "bf16")
 ACTIVATION_CHECKPOINTING = ("none", "block")
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "None": "null"}
+
+
+def _check_type(key: str, value, annotation: str) -> None:
+    """`train.steps=abc` is one line, not a TypeError deep inside a rank."""
+    names = [t.strip() for t in str(annotation).split("|")]
+    if value is None and "None" in names:
+        return
+    allowed = tuple(t for n in names if n != "None" for t in _TYPES.get(n, (object,)))
+    if not isinstance(value, allowed) or (isinstance(value, bool) and "bool" not in names):
+        raise UserError(f"{key}={value!r} must be {' or '.join(_WORDS.get(n, n) for n in names)}")
 
 
 @dataclass
@@ -38,6 +53,7 @@ class TrainConfig:
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual: int = 1            # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)
     prefetch: bool = False         # FSDP2 explicit forward/backward prefetch of the next block
+    compile: bool = False          # torch.compile each block (after checkpointing, before sharding)
     timing_warmup: int = 2         # first steps left out of step-time statistics
     log_every: int = 10            # print a line every N steps (0 = never)
     checkpoint_every: int = 0      # save every N steps (0 = only when asked)
@@ -56,6 +72,9 @@ class TrainConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise UserError(f"unknown train.{unknown[0]}: known keys are {', '.join(sorted(known))}")
+        for f in fields(cls):
+            if f.name in values:
+                _check_type(f"train.{f.name}", values[f.name], f.type)
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -115,6 +134,11 @@ class TrainConfig:
             raise UserError(f"train.grad_clip={self.grad_clip} must be > 0 or null")
         if min(self.warmup_steps, self.timing_warmup, self.log_every, self.checkpoint_every) < 0:
             raise UserError("train.warmup_steps, timing_warmup, log_every and checkpoint_every must be >= 0")
+        if self.dataset != "synthetic" and not os.path.isfile(self.dataset):
+            raise UserError(f"train.dataset={self.dataset!r} is neither 'synthetic' nor an existing file: "
+                            "pass train.dataset=synthetic or the path of a token (.bin) or text file")
+        if self.dataset == "synthetic" and self.dataset_tokens < 2:
+            raise UserError(f"train.dataset_tokens={self.dataset_tokens} must be >= 2")
         from dtrain.parallel.pipeline import SCHEDULES
 
         if self.pp_schedule not in SCHEDULES:

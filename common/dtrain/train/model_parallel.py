@@ -1,7 +1,7 @@
 """The trainer's model-parallel path: a GPT split by pp and tp, data-parallel over the rest.
 
 Applied in torchtitan's order, per pipeline stage: pipeline split -> tensor parallelism ->
-activation checkpointing -> FSDP2 over the dp mesh dimension (2-D with tp). With pp > 1, zero3
+activation checkpointing -> compile -> FSDP2 over the dp mesh dimension (2-D with tp). With pp > 1, zero3
 and hsdp keep parameters gathered between forward and backward (as zero2 does). Data parallelism
 over dp ranks is FSDP2 for zero2 / zero3 / hsdp and, for ddp, one all-reduce of every gradient
 over the dp group after backward (DDP does not take DTensor parameters).
@@ -25,7 +25,7 @@ from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.tp.apply import apply_tp, sum_partial_grads
 from dtrain.parallel.tp.layers import local_shard
 from dtrain.train.config import TrainConfig
-from dtrain.train.parallelize import apply_activation_checkpointing, apply_fsdp
+from dtrain.train.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 
 class OptimizerParts:
@@ -88,6 +88,8 @@ class ModelParallel:
             self.partial_grads.append(set(partial))
             if train.activation_checkpointing == "block":
                 apply_activation_checkpointing(part)
+            if train.compile:
+                apply_compile(part)
             if self.fsdp:
                 apply_fsdp(part, fsdp_train, dp_mesh, device)
             else:

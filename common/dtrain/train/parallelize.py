@@ -1,4 +1,4 @@
-"""Apply a data-parallel strategy to a GPT (torchtitan's order: checkpointing, then sharding).
+"""Apply a data-parallel strategy to a GPT (torchtitan's order: checkpointing, compile, sharding).
 
     single  the model on this rank's device
     ddp     DistributedDataParallel: full replica per rank, gradients all-reduced
@@ -26,6 +26,15 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
     for name, block in list(model.blocks.named_children()):  # a GPT's ModuleList or a stage's ModuleDict
         setattr(model.blocks, name, checkpoint_wrapper(block, preserve_rng_state=False))  # no dropout: no RNG to replay
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (nn.Module.compile: module names and state-dict keys stay
+    the same, so checkpoints, hooks and the precision map see the same model). Per block, as in
+    torchtitan: the blocks are alike, so they share compiled code, and FSDP2's per-block hooks stay
+    outside the compiled regions."""
+    for block in model.blocks.children():  # a GPT's ModuleList or a pipeline stage's ModuleDict
+        block.compile()
 
 
 def device_mesh(train: TrainConfig, world_size: int, device: torch.device):
@@ -83,6 +92,8 @@ def parallelize(model: nn.Module, train: TrainConfig, world_size: int, device: t
     """The model wrapped for `train.strategy`; returns the module to call in the loop."""
     if train.activation_checkpointing == "block":
         apply_activation_checkpointing(model)
+    if train.compile:
+        apply_compile(model)
     if train.strategy == "single":
         return model.to(device)
     if train.strategy == "ddp":

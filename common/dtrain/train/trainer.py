@@ -25,7 +25,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain import perf
+from dtrain import envinfo, perf
 from dtrain.data import TokenBatcher, make_dataset
 from dtrain.errors import UserError
 from dtrain.metrics import finite_or_none
@@ -88,6 +88,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
         self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
+        self.tf32 = train.mixed_precision == "fp32" and perf.enable_tf32(self.device)
+        if self.tf32 and ctx.is_main:
+            envinfo.note(ctx.run_dir, matmul_tf32=True)
         self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -243,6 +246,7 @@ class Trainer:
 
     def load_checkpoint(self, path) -> None:
         path = checkpoint.resolve(path)
+        checkpoint.check_compatible(path, self.model_parts, self.train.steps)
         state = checkpoint.load(path, self.model_parts, self.optimizer, self._trainer_state())
         try:
             self.batcher.load_state_dict(state["data"])
@@ -293,5 +297,5 @@ class Trainer:
                 "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
                 "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
                 "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
-                "mixed_precision": self.train.mixed_precision, "world_size": self.world_size,
+                "mixed_precision": self.train.mixed_precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
                 "last_checkpoint": self.last_checkpoint}

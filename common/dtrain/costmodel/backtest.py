@@ -1,0 +1,132 @@
+"""`dtrain backtest`: the cost model against published GPU training runs (``backtest_runs.yaml``).
+
+For each row: the predicted TFLOP/s per GPU of the published layout vs the reported one (both in
+model FLOPs of ``dtrain.flops``, the reported tokens/s converted with the same formula), and the
+rank and gap of the published layout among every layout the search considers for that model,
+cluster and batch. Goals (issue 12): median |error| <= 15 %, and the published layout within
+10 % of the model's best in >= 80 % of rows.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from importlib import resources
+
+import yaml
+
+from .hardware import Cluster, get_profile
+from .memory import Layout, ModelShape, memory_per_gpu
+from .search import search
+from .timemodel import Calibration, model_flops_per_token, step_time
+
+ERROR_GOAL, GAP_GOAL, SHARE_GOAL = 0.15, 0.10, 0.80
+
+
+@dataclass(frozen=True)
+class BacktestRow:
+    name: str
+    source: str
+    reported_tflops: float
+    predicted_tflops: float
+    layout: str
+    fits: bool
+    rank: int
+    candidates: int
+    gap_to_best: float      # 1 - published / best predicted tokens/s (0 when it is the best)
+    best: str
+
+    @property
+    def error(self) -> float:
+        return self.predicted_tflops / self.reported_tflops - 1
+
+
+def load_rows() -> list[dict]:
+    text = resources.files(__package__).joinpath("backtest_runs.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def row_setup(row: dict) -> tuple[ModelShape, Cluster, Layout, int]:
+    m, lay = row["model"], row["layout"]
+    shape = ModelShape(m["layers"], m["hidden"], m["heads"], m["kv_heads"], m["vocab"], m["seq"],
+                       m["ffn"] / m["hidden"], bool(m.get("gated")), name=row["name"])
+    prof = get_profile(row["gpu"])
+    prof = replace(prof, **{k: row[k] for k in ("hbm_gib", "hbm_tbps") if k in row})
+    cluster = Cluster.from_profile(prof, row["gpus"], row["gpus_per_node"], ib_gbit_per_gpu=row.get("ib_gbit_per_gpu"))
+    gb = lay["global_batch"]
+    ga = gb // (lay["dp"] * lay["mb"])
+    layout = Layout(lay["dp"], lay["tp"], lay["pp"], lay["zero"], lay["recompute"], lay["mb"], ga,
+                    lay["tp"] > 1, lay.get("v", 1))
+    return shape, cluster, layout, gb
+
+
+def reported_tflops(row: dict, shape: ModelShape, gb: int) -> float:
+    rep = row["reported"]
+    if "tokens_per_s_per_gpu" in rep:
+        tps = rep["tokens_per_s_per_gpu"]
+    else:
+        tps = gb * shape.seq_len / rep["step_time_s"] / row["gpus"]
+    return tps * model_flops_per_token(shape) / 1e12
+
+
+def backtest(calib: Calibration | None = None) -> list[BacktestRow]:
+    out = []
+    for row in load_rows():
+        shape, cluster, layout, gb = row_setup(row)
+        t = step_time(shape, layout, cluster, calib)
+        res = search(shape, cluster, gb, calib, prune=True)
+        tps = t.tokens_per_s
+        faster = [p for p in res.ranked if p.time.tokens_per_s > tps * (1 + 1e-9)]
+        best = res.best.time.tokens_per_s if res.best else tps
+        best_tps = max(best, tps)
+        fits = memory_per_gpu(shape, layout).fits(cluster.gpu.hbm_bytes, 0.0)
+        out.append(BacktestRow(row["name"], row["source"], reported_tflops(row, shape, gb), t.tflops_per_gpu,
+                               _describe(layout), fits, len(faster) + 1, len(res.ranked) + 1,
+                               1 - tps / best_tps, res.best.describe() if res.best else "none fits"))
+    return out
+
+
+def _describe(lay: Layout) -> str:
+    v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp}{v} zero={lay.zero_stage} recompute={lay.recompute} "
+            f"mb={lay.micro_batch}")
+
+
+def summary(rows: list[BacktestRow]) -> dict:
+    errs = [abs(r.error) for r in rows]
+    near = sum(r.gap_to_best <= GAP_GOAL for r in rows)
+    return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
+            "within_10pct_of_best": near, "error_goal_met": bool(errs) and statistics.median(errs) <= ERROR_GOAL,
+            "rank_goal_met": bool(rows) and near >= SHARE_GOAL * len(rows)}
+
+
+def text_lines(rows: list[BacktestRow]) -> list[str]:
+    s = summary(rows)
+    out = [f"{'run':52} {'reported':>9} {'predicted':>9} {'error':>7} {'rank':>9} {'gap':>6}  published layout"]
+    for r in rows:
+        out.append(f"{r.name[:52]:52} {r.reported_tflops:9.0f} {r.predicted_tflops:9.0f} {r.error:+7.0%} "
+                   f"{r.rank:>4}/{r.candidates:<4} {r.gap_to_best:6.1%}  {r.layout}{'' if r.fits else ' (model: does not fit)'}")
+    out += ["", "TFLOP/s per GPU in model FLOPs (dtrain.flops); gap = how much slower the published layout is "
+            "predicted to be than the model's best candidate.",
+            f"median |error| {s['median_abs_error']:.1%} (goal <= {ERROR_GOAL:.0%}: "
+            f"{'met' if s['error_goal_met'] else 'NOT met'}); published layout within {GAP_GOAL:.0%} of the best in "
+            f"{s['within_10pct_of_best']} of {s['rows']} rows (goal >= {SHARE_GOAL:.0%}: "
+            f"{'met' if s['rank_goal_met'] else 'NOT met'})"]
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("backtest", help="the cost model against published GPU training runs",
+                       description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    rows = backtest()
+    if a.json:
+        print(json.dumps({"rows": [dict(vars(r), error=r.error) for r in rows], "summary": summary(rows)},
+                         indent=2, sort_keys=True))
+    else:
+        print("\n".join(text_lines(rows)))
+    return 0

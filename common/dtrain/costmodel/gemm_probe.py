@@ -1,0 +1,169 @@
+"""The matmul probe that calibrates ``efficiency``: time the model's real GEMM shapes, fit the
+achieved-fraction curve, and measure the fixed per-step overhead.
+
+    python -m dtrain.costmodel.gemm_probe results/capstone/<time>     # dtrain capstone runs it
+
+Reads the complete runs under the results folder (through ``dtrain.results``), collects the
+forward GEMMs of every model they trained (``efficiency.layer_gemms`` / ``head_gemm``, TP shards
+included), times each on this device (CPU: fp32 on the runs' threads per rank, the peak being
+the same 512³ probe the runs' MFU used; CUDA: bf16 against the datasheet peak), fits
+f(W) = e_max·W/(W + W_half) (``efficiency.fit_curve``), and times one training step of each
+model shrunk to 4-wide heads (same layers, ops, batch and sequence; its GEMM FLOPs are
+negligible), which is the fixed per-step cost of Python, autograd, elementwise kernels and the
+optimizer (with the trainer's gradient clipping and loss read-back). Writes a run directory ``<results>/gemm-probe/`` (config.yaml, env.json, summary.json
+with ``guide``) that ``calibrate`` reads like any experiment's.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import yaml
+
+from dtrain import envinfo, perf
+from dtrain.metrics import CONFIG, ENV, SUMMARY, write_json_atomic, write_text_atomic
+from dtrain.results import complete_runs
+
+from .efficiency import Gemm, fit_curve, head_gemm, layer_gemms
+from .memory import Layout, ModelShape
+
+SUBPROJECT = "gemm-probe"
+
+
+def targets(results: Path) -> tuple[list[dict], int]:
+    """(models the runs trained: {"config": GPTConfig fields | block fields, "micro_batch", "tp"}, threads)."""
+    from dtrain.guide.local_check import gpt_config  # the runs' model configs, read one way only
+
+    found, threads = {}, []
+    for run in complete_runs([results], warn=False):
+        cfg = run.config
+        if run.env.get("threads_per_rank"):
+            threads.append(int(run.env["threads_per_rank"]))
+        if run.subproject in ("fsdp-scaling", "fp8-train"):
+            g = gpt_config(cfg.get("model"))
+            if g is not None:
+                seq = int(cfg.get("seq_len") or g.seq_len)
+                d = {"kind": "gpt", "config": asdict(replace(g, seq_len=seq)),
+                     "micro_batch": int((cfg.get("train") or {}).get("micro_batch", 1)), "tp": 1}
+                found[repr(d)] = d
+        elif run.subproject == "tp-attention":
+            for row in (run.summary.get("guide") or {}).get("tp_overhead") or []:
+                for tp in (1, int(row["tp"])):
+                    d = {"kind": "block" if cfg.get("module") != "attention" else "attention",
+                         "config": {"d_model": row["d_model"], "n_head": row["n_head"], "n_kv_head": row["n_kv_head"],
+                                    "seq_len": row["seq"], "mlp_ratio": int(cfg.get("mlp_ratio", 4))},
+                         "micro_batch": int(row["batch"]), "tp": tp}
+                    found[repr(d)] = d
+    return [found[k] for k in sorted(found)], (statistics.median(threads) if threads else 1)
+
+
+def shape_of_target(t: dict) -> ModelShape:
+    c = t["config"]
+    if t["kind"] == "gpt":
+        return ModelShape(c["n_layer"], c["d_model"], c["n_head"], c["n_kv_head"] or c["n_head"], c["vocab_size"],
+                          c["seq_len"], float(c["mlp_ratio"]), False, c["tie_embeddings"])
+    ffn = float(c["mlp_ratio"]) if t["kind"] == "block" else 0.0
+    return ModelShape(1, c["d_model"], c["n_head"], c["n_kv_head"] or c["n_head"], 1, c["seq_len"], ffn or 1e-9)
+
+
+def gemms_of(t: dict) -> list[Gemm]:
+    shape = shape_of_target(t)
+    lay = Layout(1, t["tp"], 1, micro_batch=t["micro_batch"])
+    out = [g for g in layer_gemms(shape, lay) if t["kind"] != "attention" or g.name not in ("fc1", "fc2")]
+    return out + ([head_gemm(shape, lay)] if t["kind"] == "gpt" else [])
+
+
+def _time(fn, reps: int = 5, sync=None) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype) -> float:
+    a = torch.randn(g.count, g.m, g.k, device=device, dtype=dtype)
+    b = torch.randn(g.count, g.k, g.n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    return _time(lambda: torch.bmm(a, b), sync=sync)
+
+
+def overhead_s(t: dict, device: torch.device) -> float:
+    """One training step (forward, backward, AdamW) of the model shrunk to 4-wide heads."""
+    from dtrain.model import GPT, Block, GPTConfig
+
+    c = dict(t["config"])
+    c["d_model"] = 4 * c["n_head"]
+    torch.manual_seed(0)
+    if t["kind"] == "gpt":
+        cfg = GPTConfig(**c)
+        model = GPT(cfg).to(device)
+        x = torch.randint(0, cfg.vocab_size, (t["micro_batch"], cfg.seq_len), device=device)
+        loss_fn = lambda: model(x, x)  # noqa: E731
+    else:
+        cfg = GPTConfig(vocab_size=2, seq_len=c["seq_len"], n_layer=1, n_head=c["n_head"], n_kv_head=c["n_kv_head"],
+                        d_model=c["d_model"], mlp_ratio=c["mlp_ratio"])
+        model = Block(cfg, "blocks.0", lambda n, i, o, b: torch.nn.Linear(i, o, bias=b)).to(device)
+        x = torch.randn(t["micro_batch"], cfg.seq_len, cfg.d_model, device=device)
+        loss_fn = lambda: model(x).square().mean()  # noqa: E731
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+
+    def step():  # what the trainer does per step: forward, backward, clip, AdamW, read the loss
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        if t["kind"] == "gpt":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            loss.item()
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    return _time(step, reps=7, sync=sync)
+
+
+def probe(results: Path, device: str = "auto") -> Path:
+    """Run the probe for the runs under ``results``; returns the run directory written."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    tg, threads = targets(results)
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, int(threads)))
+        dtype, (peak, peak_source) = torch.float32, (perf.cpu_matmul_probe.__wrapped__(), perf.CPU_PROBE_SOURCE)
+    else:
+        dtype, (peak, peak_source) = torch.bfloat16, perf.peak_flops(dev, "bf16")
+    points, seen = [], set()
+    for t in tg:
+        for g in gemms_of(t):
+            key = (g.m, g.n, g.k, g.count)
+            if key in seen:
+                continue
+            seen.add(key)
+            s = time_gemm(g, dev, dtype)
+            points.append({"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": s,
+                           "fraction": g.flops * g.count / s / peak})
+    curve = fit_curve([(p["flops"] / p["count"], p["fraction"]) for p in points]) if len(points) >= 2 else None
+    overheads = [{"kind": t["kind"], "config": t["config"], "micro_batch": t["micro_batch"], "tp": t["tp"],
+                  "overhead_s": overhead_s(t, dev)} for t in tg if t["tp"] == 1]
+    out = Path(results) / SUBPROJECT
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / CONFIG, yaml.safe_dump({"subproject": SUBPROJECT, "device": dev.type,
+                                                     "threads": int(threads)}, sort_keys=True))
+    write_json_atomic(out / ENV, envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
+                                                 threads_per_rank=int(threads)))
+    guide = {"device": str(dev), "dtype": str(dtype).replace("torch.", ""), "peak_flops": peak,
+             "peak_flops_source": peak_source, "points": points, "overheads": overheads,
+             "e_max": curve.e_max if curve else None, "w_half": curve.w_half if curve else None}
+    write_json_atomic(out / SUMMARY, {"guide": guide})
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m dtrain.costmodel.gemm_probe RESULTS_DIR")
+    print(probe(Path(sys.argv[1])))

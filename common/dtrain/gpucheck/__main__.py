@@ -1,0 +1,121 @@
+"""`make gpu-check` (scripts/gpu-check runs `python -m dtrain.gpucheck`): on one GPU, the `gpu` tests
+and a fixed list of measurements, each a subprocess with its own time limit inside a 28-minute
+budget, then one markdown report, printed and written to results/gpu-check/<time>/report.md
+(report.json beside it; every training run's own run directory under runs/).
+
+What one GPU can show (../shared/gpu/README.md): GEMM and copy ceilings, bf16 MFU single and FSDP2
+with one rank, FP8 (torchao) against bf16 with and without torch.compile, the emulated FP8 recipe
+under bf16, TP attention at tp=1, NCCL correctness with one rank. No bus bandwidth or scaling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from dtrain.gpucheck.report import Step, render
+
+BUDGET_S = 28 * 60
+QUIET_FP8 = ["debug.enabled=false", "health.enabled=false", "guard.enabled=false", "train.log_every=0"]
+
+
+def steps(runs: Path) -> list[Step]:
+    """(name, what, command, time limit); {runs} is filled per step with its results folder."""
+    m = [sys.executable, "-m", "dtrain.gpucheck.measure"]
+    one_gpu = ["world_size=1", "device=cuda"]
+    mfu = ["-m", "fsdp_scaling", *one_gpu, "model.preset=1b", "model.n_layer=8", "train.mixed_precision=bf16",
+           "train.micro_batch=8", "train.steps=14", "train.timing_warmup=4", "profile.enabled=false"]
+    fp8_4096 = ["-m", "fp8_train", *one_gpu, "train.strategy=single", "model.preset=7b", "+model.overrides.n_layer=4",
+                "train.micro_batch=2", "train.steps=14", "train.timing_warmup=5", *QUIET_FP8]
+    py = [sys.executable]
+    out = [
+        Step("env", "the machine", [*m, "env"], 120),
+        Step("copy", "device-to-device copy, 1 GiB, read + write bytes", [*m, "copy"], 120),
+        Step("gemm_bf16", "bf16 GEMM 8192^3", [*m, "gemm_bf16"], 150),
+        Step("gemm_fp8", "FP8 GEMM 8192^3 (torch._scaled_mm, E4M3 x E4M3 -> bf16)", [*m, "gemm_fp8"], 150),
+        Step("allreduce_nccl", "allreduce-bench over NCCL, one rank (correctness only)",
+             [*py, "-m", "allreduce_bench", *one_gpu, "backend=nccl", "collectives=[all_reduce,all_gather,"
+              "reduce_scatter,broadcast]", "max_bytes=64M", "dtypes=[float32,bfloat16]"], 240, kind="allreduce"),
+        Step("mfu_single", "bf16 MFU, 1B-class GPT (d 2048, 8 layers), single", [*py, *mfu, "train.strategy=single"],
+             300, kind="fsdp"),
+        Step("mfu_zero3", "bf16 MFU, same model, FSDP2 zero3 on one rank", [*py, *mfu, "train.strategy=zero3"],
+             300, kind="fsdp"),
+        Step("emulated_bf16", "emulated FP8 (delayed) under bf16, 125M GPT",
+             [*py, "-m", "fp8_train", *one_gpu, "train.strategy=single", "recipe=emulated_delayed", "precision=bf16",
+              "model.preset=125m", "train.steps=30", "train.micro_batch=8", *QUIET_FP8], 240, kind="fp8"),
+    ]
+    for compiled in ("false", "true"):
+        for recipe in ("bf16", "torchao_tensorwise"):
+            out.append(Step(f"fp8_{recipe}_compile_{compiled}", f"d_model 4096 (7B shape, 4 layers): {recipe}, "
+                            f"compile={compiled}", [*py, *fp8_4096, f"recipe={recipe}", f"train.compile={compiled}"],
+                            240, kind="fp8"))
+    out += [
+        Step("tp_attention", "TP attention block at tp=1 (bf16, b 4, s 2048, d 2048)",
+             [*py, "-m", "tp_attention", *one_gpu, "tp=1", "dtype=bfloat16", "sequence_parallel=false", "batch=4",
+              "seq=2048", "d_model=2048", "n_head=16"], 240, kind="tp"),
+        Step("gpu_tests", "pytest -m gpu", [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                            "-o", "addopts="], 420, kind="pytest"),
+    ]
+    return out
+
+
+def run_step(step: Step, run_dir: Path, deadline: float) -> Step:
+    left = deadline - time.monotonic()
+    if left < 30:
+        step.status, step.note = "skipped", "the 28-minute budget is spent"
+        return step
+    folder = run_dir / "runs" / step.name
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = step.command + ([f"results_dir={folder}"] if step.kind in ("fsdp", "fp8", "tp", "allreduce") else [])
+    limit = min(step.limit_s, left)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as e:
+        step.status, step.seconds = "timed out", time.monotonic() - t0
+        step.note = f"stopped after {limit:.0f} s"
+        step.tail = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-2000:]
+        return step
+    step.seconds = time.monotonic() - t0
+    step.tail = (proc.stdout + proc.stderr)[-2000:]
+    (folder / "output.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    step.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    step.collect(proc.stdout, folder)
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck")
+    p.add_argument("--results", default="results", help="the report goes to RESULTS/gpu-check/<time>/")
+    p.add_argument("--only", default=None, help="comma-separated step names (default: all)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    run_dir = Path(args.results) / "gpu-check" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    deadline = time.monotonic() + BUDGET_S
+    todo = [s for s in steps(run_dir) if args.only is None or s.name in args.only.split(",")]
+    done = []
+    for step in todo:
+        print(f"gpu-check: {step.name} ({step.what}) ...", file=sys.stderr, flush=True)
+        done.append(run_step(step, run_dir, deadline))
+        print(f"gpu-check: {step.name}: {step.status} in {step.seconds:.0f} s", file=sys.stderr, flush=True)
+    report = render(done, run_dir)
+    (run_dir / "report.md").write_text(report)
+    (run_dir / "report.json").write_text(json.dumps([s.to_dict() for s in done], indent=1, default=str))
+    print(report)
+    print(f"report written to {run_dir / 'report.md'}", file=sys.stderr)
+    return 0 if all(s.status == "ok" for s in done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

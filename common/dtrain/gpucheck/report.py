@@ -1,0 +1,143 @@
+"""One step of `make gpu-check` (a command with a time limit), what it measured, and the markdown
+report of all steps. Numbers come from each run's own summary.json (or a measurement's JSON line)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dtrain.results import read_jsonl
+
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    command: list[str]
+    limit_s: float
+    kind: str = "measure"      # measure | fsdp | fp8 | tp | allreduce | pytest
+    status: str = "not run"
+    seconds: float = 0.0
+    note: str = ""
+    tail: str = ""
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def collect(self, stdout: str, folder: Path) -> None:
+        """Pull the numbers out of what the step printed or wrote."""
+        try:
+            self.data = COLLECT[self.kind](stdout, folder)
+        except Exception as e:  # noqa: BLE001 - a step that ran but wrote nothing readable is reported, not fatal
+            self.note = f"no result to read ({type(e).__name__}: {e})"[:300]
+
+
+def _json_line(stdout: str, folder: Path) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def _summary(folder: Path) -> dict:
+    [path] = [p for p in folder.rglob("summary.json") if ".hydra" not in p.parts]
+    return json.loads(path.read_text())
+
+
+def _fsdp(stdout: str, folder: Path) -> dict:
+    g = _summary(folder)["guide"]
+    return {k: g.get(k) for k in ("mfu", "tokens_per_s", "tflops_per_rank", "peak_mem_bytes", "peak_flops_source",
+                                  "model_params", "step_time_s")}
+
+
+def _fp8(stdout: str, folder: Path) -> dict:
+    s = _summary(folder)
+    run = Path(s["run_dir"])
+    losses = [r.get("loss") for r in read_jsonl(run / "records.jsonl") if r.get("kind") == "step"]
+    return {"tokens_per_s": s.get("tokens_per_s"), "mfu": s.get("mfu"), "final_loss": s.get("final_loss"),
+            "first_loss": losses[0] if losses else None, "precision": s.get("precision"),
+            "peak_mem_bytes": s.get("peak_mem_bytes"), "notes": s.get("notes")}
+
+
+def _tp(stdout: str, folder: Path) -> dict:
+    e = _summary(folder)["entries"][0]
+    return {k: e.get(k) for k in ("tp", "tokens", "single_s", "handrolled_s", "handrolled_async_s", "dtensor_s")}
+
+
+def _allreduce(stdout: str, folder: Path) -> dict:
+    s = _summary(folder)
+    return {"backend": s["backend"], "cases": s["cases"], "wrong_total": s["wrong_total"], "skipped": len(s["skipped"])}
+
+
+def _pytest(stdout: str, folder: Path) -> dict:
+    last = [line for line in stdout.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)][-1]
+    return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last)}
+
+
+COLLECT = {"measure": _json_line, "fsdp": _fsdp, "fp8": _fp8, "tp": _tp, "allreduce": _allreduce, "pytest": _pytest}
+
+
+def _f(v, spec: str, unit: str = "") -> str:
+    return "-" if v is None else f"{format(v, spec)}{unit}"
+
+
+def summarize(step: Step) -> str:
+    """The one-cell result of a step."""
+    d = step.data
+    if not d:
+        return step.note or "-"
+    if step.name == "copy":
+        return f"{_f(d['GBps_read_plus_write'] / 1e3, '.2f')} TB/s (read + write, median of {d['iters']})"
+    if step.name == "gemm_bf16":
+        return f"{_f(d['tflops'], '.0f')} TFLOP/s ({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')})"
+    if step.name == "gemm_fp8":
+        if "skipped" in d:
+            return d["skipped"]
+        return (f"{_f(d['tflops_fast_accum'], '.0f')} TFLOP/s fast accum, {_f(d['tflops'], '.0f')} without "
+                f"({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')}); max rel err vs fp32 "
+                f"{d['max_rel_err_vs_fp32']:.1e}")
+    if step.kind == "fsdp":
+        return (f"MFU {_f(d['mfu'], '.1%')}, {_f(d['tokens_per_s'], ',.0f')} tok/s, "
+                f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem {_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB")
+    if step.kind == "fp8":
+        return (f"{_f(d['tokens_per_s'], ',.0f')} tok/s, loss {_f(d['first_loss'], '.3f')} -> "
+                f"{_f(d['final_loss'], '.3f')}, peak mem {_f((d['peak_mem_bytes'] or 0) / 2**30, '.1f')} GiB")
+    if step.kind == "tp":
+        return (f"single {_f(d['single_s'] and d['single_s'] * 1e3, '.2f')} ms, hand-rolled "
+                f"{_f(d['handrolled_s'] and d['handrolled_s'] * 1e3, '.2f')} ms, DTensor "
+                f"{_f(d['dtensor_s'] and d['dtensor_s'] * 1e3, '.2f')} ms per step")
+    if step.kind == "allreduce":
+        return f"{d['cases']} cases over {d['backend']}, {d['wrong_total']} wrong elements, {d['skipped']} skipped"
+    if step.kind == "pytest":
+        return ", ".join(f"{v} {k}" for k, v in d.items())
+    return json.dumps(d)
+
+
+def speedups(done: list[Step]) -> list[str]:
+    by = {s.name: s.data.get("tokens_per_s") for s in done if s.kind == "fp8"}
+    lines = []
+    for c in ("false", "true"):
+        bf16, fp8 = by.get(f"fp8_bf16_compile_{c}"), by.get(f"fp8_torchao_tensorwise_compile_{c}")
+        if bf16 and fp8:
+            lines.append(f"- torchao tensorwise FP8 vs bf16 at d_model 4096, compile={c}: **{fp8 / bf16:.2f}x** "
+                         f"tokens/s ({fp8:,.0f} vs {bf16:,.0f})")
+    return lines
+
+
+def render(done: list[Step], run_dir: Path) -> str:
+    env = next((s.data for s in done if s.name == "env"), {})
+    head = (f"# gpu-check: {env.get('gpu_name', 'unknown GPU')} (profile {env.get('profile')})\n\n"
+            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}; "
+            f"run directory `{run_dir}`; reproduce with `make gpu-check`.\n\n")
+    rows = ["| step | what | result | status | time |", "|---|---|---|---|---|"]
+    for s in done:
+        if s.name == "env":
+            continue
+        rows.append(f"| {s.name} | {s.what} | {summarize(s)} | {s.status} | {s.seconds:.0f} s |")
+    out = head + "\n".join(rows) + "\n"
+    extra = speedups(done)
+    if extra:
+        out += "\n" + "\n".join(extra) + "\n"
+    failed = [s for s in done if s.status not in ("ok", "skipped")]
+    for s in failed:
+        out += f"\n## {s.name}: {s.status}\n\n```\n{s.tail.strip()[-1500:]}\n```\n"
+    return out

@@ -1,0 +1,120 @@
+"""Checks on the command line before Hydra starts (Hydra creates run directories and prints its
+own multi-line errors with exit code 1; the project promises one `error:` line and exit 2).
+
+    check_overrides(...)  every override parses and composes (an unknown key is one line); in a
+                          sweep (-m) every point is also validated before any point runs
+    check_run_dirs(argv)  an explicit hydra.run.dir / hydra.sweep.dir already used by a run is
+                          refused before Hydra writes its bookkeeping into it (rundir.claim is the
+                          atomic guarantee; this keeps the old run's .hydra/ intact)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, open_dict
+
+from dtrain.errors import UserError
+from dtrain.rundir import OWNER, owner_text
+
+# command-line flags after which Hydra does not run the app (help, config printing, completion)
+_NO_RUN = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion", "-sc",
+           "--resolve", "-p", "--package", "--experimental-rerun")
+_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def _one_line(e: BaseException) -> str:
+    """Hydra's message (and its cause's first line) as one line."""
+    text = " ".join(str(e).split())
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip():
+        first = str(cause).strip().splitlines()[0]
+        if first not in text:
+            text += f" ({first})"
+    return text
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, multirun, checkable) from a Hydra command line. Not checkable: Hydra will not run
+    the app (--help, --cfg, ...) or composes another config (--config-name/-path/-dir); Hydra
+    handles those as usual."""
+    overrides, multirun, checkable, skip = [], False, True, False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if arg in ("-m", "--multirun"):
+            multirun = True
+        elif flag in _NO_RUN or flag in _WITH_VALUE:
+            checkable = False
+            skip = arg in _WITH_VALUE  # its value is the next argument
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    return overrides, multirun, checkable
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """The override list of every point of a command-line sweep (Hydra's basic sweeper's product)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    return BasicSweeper.split_arguments(parsed, None)[0]
+
+
+def check_overrides(config_module: str, config_name: str, argv: list[str],
+                    validate: Callable[[DictConfig], None] | None) -> None:
+    """Raise UserError on an override Hydra would reject; in a sweep, on any invalid point."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides, multirun, checkable = split_argv(argv)
+    if not checkable:
+        return
+    try:
+        points = sweep_points(overrides) if multirun else [overrides]
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(f"bad override: {_one_line(e)}") from None
+    # Points a Hydra launcher plugin sends elsewhere (submitit_slurm) are checked as Slurm runs:
+    # this host's devices and memory say nothing about the compute nodes'.
+    remote = any(o.startswith("hydra/launcher=") and o != "hydra/launcher=basic" for o in overrides)
+    errors = []
+    with initialize_config_module(config_module=config_module, version_base="1.3"):
+        for n, point in enumerate(points):
+            job = [o for o in point if not o.lstrip("+~").startswith("hydra")]  # Hydra's own keys: Hydra's
+            where = f"sweep point #{n} ({' '.join(job)}): " if multirun else ""
+            try:
+                cfg = compose(config_name=config_name, overrides=job)
+            except (HydraException, OmegaConfBaseException) as e:
+                errors.append(f"{where}{_one_line(e)}")
+                continue
+            if multirun and validate is not None:
+                if remote:
+                    with open_dict(cfg):
+                        cfg.launcher = "slurm"
+                try:
+                    validate(cfg)
+                except UserError as e:
+                    errors.append(f"{where}{e}")
+    if errors:
+        if multirun:
+            errors.append(f"{len(errors)} of {len(points)} sweep points are invalid; none was run")
+        raise UserError("\nerror: ".join(errors))
+
+
+def check_run_dirs(argv: list[str]) -> None:
+    """An explicit hydra.run.dir (or a sweep dir holding runs) that a run already owns is refused."""
+    if any(arg.split("=", 1)[0] in _NO_RUN for arg in argv):
+        return  # Hydra prints help or config and runs nothing
+    for arg in split_argv(argv)[0]:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "$" in value or "," in value:
+            continue
+        path = Path(value)
+        owned = [path / OWNER] if key == "hydra.run.dir" else sorted(path.glob(f"*/{OWNER}"))
+        owned = [o for o in owned if o.exists()]
+        if owned:
+            raise UserError(f"{key}={value} already holds a run ({owner_text(owned[0])}): "
+                            "pass a new directory (or delete the old run); a run directory is never reused")

@@ -1,0 +1,87 @@
+"""Will Slurm ever run this job? Asked before submitting (sinfo) and while it waits (squeue).
+
+Slurm queues a job that no node of its partition can hold (more CPUs, GPUs or memory per node
+than any node has, more nodes than the partition has) with a reason such as `PartitionConfig`
+and waits forever. We refuse such a request up front, and cancel a pending job whose reason
+says it can never start.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+
+from dtrain.errors import UserError
+
+# squeue reasons that do not go away by waiting (other jobs finishing); see `man squeue`, JOB REASON CODES.
+NEVER_REASONS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                 "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied"}
+_PER_JOB_LIMIT = re.compile(r"^(Assoc|QOS)\w*PerJob\w*Limit$")
+
+
+def _run(args: list[str]) -> str | None:
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _gpus(gres: str) -> int:
+    """'gpu:8', 'gpu:a100:4(S:0-1)', 'gpu:2,shard:4' -> GPUs per node."""
+    total = 0
+    for item in gres.split(","):
+        parts = re.sub(r"\(.*?\)", "", item).split(":")
+        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def check_fits(s, tasks_per_node: int) -> None:
+    """UserError when no `s.nodes` nodes of the partition can each hold the request. `s` = cfg.slurm.
+    Silent when sinfo cannot answer: the pending-reason watch is the backstop."""
+    part = s.get("partition")
+    out = _run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"] + (["-p", part] if part else []))
+    if out is None:
+        return
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4]
+    if not part:  # the default partition is the one sinfo marks with '*'
+        defaults = {r[1] for r in rows if r[1].endswith("*")}
+        rows = [r for r in rows if r[1] in defaults]
+        part = next(iter(defaults), "?").rstrip("*")
+    nodes = {}
+    for name, _, cpus, mem_mb, gres in rows:
+        with_digits = re.sub(r"\D", "", cpus), re.sub(r"\D", "", mem_mb)
+        nodes[name] = (int(with_digits[0] or 0), int(with_digits[1] or 0), _gpus(gres))
+    if not nodes:
+        raise UserError(f"Slurm partition {part!r} has no nodes (sinfo): set slurm.partition to one that "
+                        "`sinfo` lists")
+    need_cpus = tasks_per_node * (s.cpus_per_task or 1)
+    need_mem = (s.mem_gb or 0) * 1024
+    need_gpus = s.gpus_per_node or 0
+    fit = [n for n, (c, m, g) in nodes.items() if c >= need_cpus and m >= need_mem and g >= need_gpus]
+    if len(fit) >= s.nodes:
+        return
+    big = max(nodes.values())
+    asked = f"{s.nodes} node(s) with {need_cpus} CPUs" + (f", {s.mem_gb} GB" if need_mem else "") + \
+        (f", {need_gpus} GPUs" if need_gpus else "") + " each"
+    raise UserError(f"Slurm can never run this job: it asks for {asked} ({tasks_per_node} tasks x "
+                    f"{s.cpus_per_task or 1} CPUs), and partition {part!r} has {len(fit)} such node(s) of "
+                    f"{len(nodes)} (largest: {big[0]} CPUs, {big[1] // 1024} GB, {big[2]} GPUs): lower world_size "
+                    "or slurm.cpus_per_task, add slurm.nodes, or pick another slurm.partition")
+
+
+def state(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) from squeue, e.g. ("PENDING", "Resources"); None once the job left the queue."""
+    out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"])
+    if not out or "|" not in out:
+        return None
+    job_state, reason = out.splitlines()[0].strip().split("|", 1)
+    return job_state, reason
+
+
+def never_starts(job_state: tuple[str, str] | None) -> str | None:
+    """The reason, when a job's squeue (state, reason) says it waits for something waiting does not cure."""
+    if not job_state or job_state[0] != "PENDING":
+        return None
+    reason = job_state[1]
+    return reason if reason in NEVER_REASONS or _PER_JOB_LIMIT.match(reason) else None

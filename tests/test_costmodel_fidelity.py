@@ -1,0 +1,123 @@
+"""Issue 12: cost-model formulas against hand calculations from their cited sources."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dtrain.costmodel import Layout, ModelShape, bubble_fraction, memory_per_gpu, params_per_gpu
+from dtrain.costmodel.backtest import backtest, summary
+from dtrain.costmodel.efficiency import GemmCurve, fit_curve
+from dtrain.costmodel.memory import activation_bytes_per_layer
+from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.model import GPTConfig, flops_per_token
+
+GiB = 1024**3
+
+
+def test_tied_embedding_flops_equal_model_py():
+    cfg = GPTConfig.from_preset("125m")
+    shape = ModelShape(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.vocab_size, cfg.seq_len,
+                       float(cfg.mlp_ratio), False, True)
+    # 6 * (12 layers * 12 h^2 + V h [lm_head, kept though tied]) + 12 L h s
+    h, L, V, s = 768, 12, 50304, 1024
+    hand = 6 * (L * 12 * h * h + V * h) + 12 * L * h * s
+    assert model_flops_per_token(shape) == flops_per_token(cfg) == hand
+    assert hand / 1e9 == pytest.approx(0.8547, abs=1e-4)
+
+
+def test_uneven_interleaved_bubble():
+    # 126 layers on 16 stages x 3 chunks: busiest chunk ceil(126/48) = 3 layers, busiest device 8
+    assert bubble_fraction(16, 32, 3, 126) == pytest.approx(15 * 3 / (32 * 8))
+    # v = 8: 128 chunks of at most one layer -> the even formula 15 / (8 * 32)
+    assert bubble_fraction(16, 32, 8, 126) == pytest.approx(15 / (8 * 32))
+    assert bubble_fraction(4, 8, 2, 32) == pytest.approx(bubble_fraction(4, 8, 2))
+
+
+def test_activations_gqa_swiglu_by_hand():
+    s, b, h, a, t = 4096, 1, 8192, 64, 8
+    # Llama-2-70B: 8 KV heads (r = 1/8), SwiGLU with F = 3.5 h (3 stored F-wide tensors), TP 8 + SP
+    got = activation_bytes_per_layer(s, b, h, a, t, True, "none", True, ffn_mult=3.5, gated_mlp=True,
+                                     kv_ratio=1 / 8)
+    assert got == pytest.approx(s * b * h / t * (10 + 4 + 4 / 8 + 2 * 3.5 * 3))
+    eager = activation_bytes_per_layer(s, b, h, a, t, True, "none", False, ffn_mult=3.5, gated_mlp=True,
+                                       kv_ratio=1 / 8)
+    assert eager - got == pytest.approx(s * b * h / t * 5 * a * s / h)  # Korthikanti's score term
+    sel = activation_bytes_per_layer(s, b, h, a, t, True, "selective", False, ffn_mult=3.5, gated_mlp=True,
+                                     kv_ratio=1 / 8)
+    assert sel == pytest.approx(got)  # selective recompute removes exactly the scores
+
+
+def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
+    shape = ModelShape.from_params(70e9)  # Llama-2-70B, 80 layers
+    lay = Layout(dp=4, tp=2, pp=8, zero_stage=1, grad_accum=16, sequence_parallel=True)
+    psi = params_per_gpu(shape, 2, 8)
+    m = memory_per_gpu(shape, lay)
+    assert (m.params, m.grads, m.optimizer) == pytest.approx((2 * psi, 4 * psi, 12 * psi / 4))
+    full = memory_per_gpu(shape, Layout(4, 2, 8, 1, "full", grad_accum=16, sequence_parallel=True))
+    kw = dict(ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=True, kv_ratio=8 / 64)
+    stored = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "full", True, **kw)
+    working = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "none", True, **kw)
+    assert stored == 2 * 4096 * 8192 / 2
+    # first stage: 10 layers x 8 micro-batches in flight of layer inputs + one layer's full working set
+    assert full.activations == pytest.approx(10 * 8 * stored + working)
+
+
+def test_fit_curve_recovers_parameters():
+    truth = GemmCurve(0.8, 3e9)
+    pts = [(w, truth.fraction(w)) for w in (1e8, 1e9, 1e10, 1e11)]
+    got = fit_curve(pts)
+    assert (got.e_max, got.w_half) == pytest.approx((0.8, 3e9), rel=1e-6)
+
+
+def test_backtest_rows_cite_sources_and_report_goals():
+    rows = backtest()
+    assert len(rows) >= 4 and all(r.source and r.reported_tflops > 0 for r in rows)
+    s = summary(rows)
+    assert s["rows"] == len(rows) and 0 <= s["median_abs_error"] < 1
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, "-m", "dtrain.cli", "plan", *args], capture_output=True, text=True)
+
+
+def test_plan_layout_json_reports_gap_and_tflops():
+    r = _plan("--params", "70e9", "--gpus", "64", "--layout", "tp=8 pp=2 zero=1 mb=1", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    lay = d["layout"]
+    assert (lay["tp"], lay["pp"], lay["zero_stage"], lay["micro_batch"]) == (8, 2, 1, 1)
+    assert lay["slower_than_best_pct"] >= 0 and lay["tflops_per_gpu"] > 0
+    assert lay["tflops_per_gpu"] == pytest.approx(lay["tokens_per_s"] * model_flops_per_token(
+        ModelShape.from_params(70e9)) / 64 / 1e12)
+
+
+def test_plan_bad_layout_is_a_user_error():
+    r = _plan("--params", "7e9", "--gpus", "8", "--layout", "tp=8 foo=2")
+    assert r.returncode == 2 and r.stderr.startswith("error: --layout: 'foo=2'")
+
+
+def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
+    """The probe writes a run dir that calibrate reads; the local check then uses its curve + overhead."""
+    import shutil
+
+    from dtrain.costmodel.calibrate import calibrate
+    from dtrain.costmodel.gemm_probe import probe
+    from dtrain.guide.local_check import local_checks
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    print("seed 0")
+    res = tmp_path / "results"
+    shutil.copytree("tests/fixtures/results/cpu", res)
+    out = probe(res)
+    g = json.loads((out / "summary.json").read_text())["guide"]
+    assert g["points"] and g["overheads"] and g["e_max"] > 0
+    assert all(p["seconds"] > 0 and p["fraction"] == pytest.approx(p["flops"] / p["seconds"] / g["peak_flops"])
+               for p in g["points"])
+    report = calibrate([res], warn=False)
+    assert report.local_probe() is not None
+    assert report.local.mfu.value == pytest.approx(g["e_max"]) and report.local.mfu.measured
+    checks = local_checks(report)
+    assert any("gemm-probe" in c.basis for c in checks)
+    assert all(c.within_goal or c.miss_reason(checks) for c in checks)  # every miss says why

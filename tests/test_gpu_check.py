@@ -1,0 +1,107 @@
+"""`make gpu-check` without a GPU (one line, exit 2), the bundle's size guard, and the check's parts
+on CPU: time limits, measurement arithmetic, reading real run summaries, the report."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cmd
+from dtrain.gpucheck import measure
+from dtrain.gpucheck.__main__ import run_step, steps
+from dtrain.gpucheck.report import Step, render
+
+NO_GPU = "error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() is False)"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_check_without_a_gpu_is_one_line(tmp_path):
+    out = run_cmd([str(REPO / "scripts" / "gpu-check")], env={"PYTHON": sys.executable}, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == NO_GPU and out.stdout == ""
+    out = run_cmd([sys.executable, "-m", "dtrain.gpucheck", "--results", str(tmp_path)], timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == NO_GPU and not any(tmp_path.iterdir())
+
+
+def test_bundle_size_guard(tmp_path):
+    (tmp_path / "small-1.0-py3-none-any.whl").write_bytes(b"x" * 1024)
+    ok = run_cmd([str(REPO / "scripts" / "gpu-bundle-size"), str(tmp_path), str(64 << 20)])
+    assert ok.returncode == 0 and "bundle: " in ok.stdout and "(limit 64 MiB)" in ok.stdout
+    with open(tmp_path / "big-1.0-py3-none-any.whl", "wb") as f:  # sparse: 64 MiB without writing them
+        f.truncate(64 << 20)
+    big = run_cmd([str(REPO / "scripts" / "gpu-bundle-size"), str(tmp_path), str(64 << 20)])
+    assert big.returncode == 2
+    assert big.stderr.strip() == f"error: the bundle in {tmp_path} is 64.0 MiB, over the 64 MiB limit: drop or pin smaller wheels"
+
+
+def test_every_step_is_bounded_and_the_whole_fits_in_30_minutes(tmp_path):
+    all_steps = steps(tmp_path)
+    assert all(0 < s.limit_s <= 600 for s in all_steps)
+    names = {s.name for s in all_steps}
+    assert {"copy", "gemm_bf16", "gemm_fp8", "mfu_single", "mfu_zero3", "emulated_bf16", "tp_attention",
+            "allreduce_nccl", "gpu_tests", "fp8_torchao_tensorwise_compile_true", "fp8_bf16_compile_false"} <= names
+    slow = Step("sleeper", "sleeps", [sys.executable, "-c", "import time; time.sleep(60)"], limit_s=2)
+    t0 = time.monotonic()
+    assert run_step(slow, tmp_path, deadline=time.monotonic() + 100).status == "timed out"
+    assert time.monotonic() - t0 < 30
+    late = Step("late", "never starts", [sys.executable, "-c", "pass"], limit_s=10)
+    assert run_step(late, tmp_path, deadline=time.monotonic() + 5).status == "skipped"
+
+
+def test_measurement_arithmetic_on_cpu():
+    g = measure.gemm_bf16(n=64, warmup=1, iters=3)
+    assert g["tflops"] == pytest.approx(2 * 64**3 / g["median_s"] / 1e12)
+    c = measure.copy_bandwidth(nbytes=1 << 20, warmup=1, iters=3)
+    assert c["GBps_read_plus_write"] == pytest.approx(2 * (1 << 20) / c["median_s"] / 1e9)
+    f = measure.gemm_fp8(n=64, warmup=1, iters=2)  # torch._scaled_mm with the GPU call's layout and scales
+    assert f["max_rel_err_vs_fp32"] < 1e-2 and f["tflops"] > 0
+
+
+def _cpu_step(name, kind, args):
+    return Step(name, name, [sys.executable, "-m", *args, "world_size=1", "device=cpu"], 240, kind=kind)
+
+
+@pytest.mark.slow
+def test_summaries_of_real_runs_are_read_and_reported(tmp_path):
+    """The same subprocess + collect path as on the GPU, with tiny CPU runs of each subproject."""
+    run = [
+        Step("env", "the machine", [sys.executable, "-m", "dtrain.gpucheck.measure", "env"], 60),
+        _cpu_step("mfu_single", "fsdp", ["fsdp_scaling", "model.preset=tiny", "train.strategy=single", "train.steps=3",
+                                         "profile.enabled=false"]),
+        _cpu_step("fp8_bf16_compile_false", "fp8", ["fp8_train", "model.preset=tiny", "train.strategy=single",
+                                                    "recipe=fp32", "train.steps=3", "debug.enabled=false"]),
+        _cpu_step("fp8_torchao_tensorwise_compile_false", "fp8", ["fp8_train", "model.preset=tiny", "train.steps=3",
+                                                                  "train.strategy=single", "recipe=torchao_tensorwise",
+                                                                  "debug.enabled=false"]),
+        _cpu_step("tp_attention", "tp", ["tp_attention", "tp=1", "sequence_parallel=false", "iters=2", "warmup=1"]),
+        _cpu_step("allreduce_nccl", "allreduce", ["allreduce_bench", "collectives=[all_reduce]", "max_bytes=4K"]),
+    ]
+    done = [run_step(s, tmp_path, deadline=time.monotonic() + 900) for s in run]
+    for s in done:
+        assert s.status == "ok" and s.data and not s.note, (s.name, s.status, s.note, s.tail)
+    by = {s.name: s.data for s in done}
+    assert 0 < by["mfu_single"]["mfu"] < 1 and by["mfu_single"]["peak_flops_source"] == "measured cpu matmul probe"
+    assert by["fp8_torchao_tensorwise_compile_false"]["first_loss"] > by["fp8_torchao_tensorwise_compile_false"]["final_loss"] - 1
+    assert by["tp_attention"]["tp"] == 1 and by["tp_attention"]["single_s"] > 0
+    assert by["allreduce_nccl"]["wrong_total"] == 0 and by["allreduce_nccl"]["cases"] > 0
+    report = render(done, tmp_path)
+    assert report.startswith("# gpu-check: unknown GPU") and "| mfu_single |" in report
+    assert "torchao tensorwise FP8 vs bf16 at d_model 4096, compile=false: **" in report
+
+
+def test_report_of_a_failed_and_a_skipped_step(tmp_path):
+    failed = Step("gemm_fp8", "FP8 GEMM", ["x"], 10, status="failed (exit 1)", tail="RuntimeError: boom")
+    skipped = Step("gpu_tests", "pytest -m gpu", ["x"], 10, kind="pytest", status="skipped",
+                   note="the 28-minute budget is spent")
+    text = render([failed, skipped], Path("results/gpu-check/x"))
+    assert "| gemm_fp8 | FP8 GEMM | - | failed (exit 1) | 0 s |" in text
+    assert "| gpu_tests | pytest -m gpu | the 28-minute budget is spent | skipped | 0 s |" in text
+    assert "## gemm_fp8: failed (exit 1)" in text and "RuntimeError: boom" in text
+    assert "## gpu_tests" not in text
+
+
+def test_pytest_summary_line_is_parsed():
+    from dtrain.gpucheck.report import _pytest
+
+    assert _pytest("....\n5 passed, 2 skipped, 1 failed in 12.3s\n", Path(".")) == {"passed": 5, "skipped": 2, "failed": 1}
