@@ -10,11 +10,11 @@ process itself, allocator slack or communication buffers, so it errs towards let
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from dtrain.costmodel.memory import Layout, ModelShape, memory_per_gpu
+from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
 
@@ -45,8 +45,10 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
                     recompute=recompute, micro_batch=train.micro_batch, grad_accum=train.grad_accum)
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
     factor = 2.0 if train.mixed_precision == "fp32" else 1.0
-    m = memory_per_gpu(shape_of(model), layout, activation_bytes_factor=factor, flash_attention=True)
-    states = m.params + m.grads + m.optimizer
+    shape = shape_of(model)
+    m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True)
+    states = sum(fsdp2_state_bytes(params_per_gpu(shape, 1, 1), layout.zero_stage, layout.dp))
+    m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's
     init = 4.0 * num_params(model)
     return Need(max(m.total, init), states, m.activations + m.buffers, init)
 

@@ -193,6 +193,23 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
 
 
+def fsdp2_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per rank of dtrain's own trainer (FSDP2 / DDP, fp32 Adam).
+
+    FSDP2 keeps the fp32 parameters themselves as the master copy (MixedPrecisionPolicy casts a
+    transient bf16 copy per block for compute) and reduces gradients in fp32, so a parameter costs
+    4 + 4 + 8 = 16 bytes, not Megatron's 18 (ZeRO paper §5 with K = 8 and fp32 weights):
+      stage 0 (DDP): 16Ψ;  stage 2: 4Ψ + 12Ψ/N;  stage 3: 16Ψ/N.
+    """
+    if zero_stage == 0:
+        return 4 * psi, 4 * psi, 8 * psi
+    if zero_stage in (1, 2):
+        return 4 * psi, 4 * psi / dp if zero_stage == 2 else 4 * psi, 8 * psi / dp
+    if zero_stage == 3:
+        return 4 * psi / dp, 4 * psi / dp, 8 * psi / dp
+    raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+
+
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", flash_attention: bool = False, *, ffn_mult: float = 4.0,
                                gated_mlp: bool = False, kv_ratio: float = 1.0) -> float:

@@ -113,9 +113,10 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences.
 
     ``prune`` skips layouts that cannot be the best (same ``best``, ~10x faster; the decision
-    matrix uses it): sequence parallelism and ZeRO-1 cost the same predicted time as their
-    absence with less memory, and a higher ZeRO stage is never faster than a lower one, so per
-    (dp, tp, pp, micro-batch, v, recompute) only the lowest fitting ZeRO stage is timed.
+    matrix uses it): sequence parallelism costs the same predicted time as its absence with less
+    memory, ZeRO-1 (reduce-scatter of fp32 grads + all-gather of bf16 weights) moves less than
+    ZeRO-0's fp32 all-reduce with less memory, and from ZeRO-1 up a higher stage is never faster,
+    so per (dp, tp, pp, micro-batch, v, recompute) only the lowest fitting stage ≥ 1 is timed.
     ``fixed`` pins layout fields (``LAYOUT_FIELDS``), as ``dtrain plan --layout`` does."""
     calib = calib or Calibration()
     if global_batch < 1:

@@ -87,7 +87,8 @@ def rule_zero(cells: list[Cell]) -> str:
             + ", ".join(f"ZeRO-{z} {n}" for z, n in sorted(counts.items())) + ". ")
     text += ("ZeRO-3 (full FSDP) appears for " + ", ".join(m for _, m in z3) + ", where sharding the bf16 "
              "weights is what makes the model fit without more TP/PP." if z3 else "ZeRO-3 is never needed.")
-    return text + " Higher stages never lower the predicted step time (they add all-gathers per micro-batch)."
+    return text + (" From ZeRO-1 up, higher stages never lower the predicted step time (they add all-gathers "
+                   "per micro-batch); ZeRO-1 moves less than ZeRO-0 (fp32 reduce-scatter + bf16 all-gather).")
 
 
 def rule_recompute(cells: list[Cell]) -> str:
