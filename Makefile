@@ -29,8 +29,9 @@ gpu-check:              ## on one CUDA GPU: gpu tests + bounded measurements -> 
 gpu-bundle:             ## on a networked machine: the wheels gpu-check needs offline, into .whl/ (< 64 MiB)
 	@scripts/gpu-bundle
 
-slurm-up:               ## a one-node Slurm cluster on this machine (root, Debian)
-	scripts/slurm-cluster install && scripts/slurm-cluster start
+SLURM_NODES ?= 2
+slurm-up:               ## a local Slurm cluster, 2 nodes in network namespaces (root, Debian)
+	scripts/slurm-cluster install && scripts/slurm-cluster start --nodes $(SLURM_NODES)
 
 slurm-down:
 	scripts/slurm-cluster stop

@@ -59,3 +59,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def slurm_nodes_idle() -> int:
+    """How many nodes of the cluster are usable (after slurm_available() said it is up)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10)
+    return len({line.split()[0] for line in out.stdout.splitlines()
+                if len(line.split()) == 2 and line.split()[1].rstrip("*~#") in ("idle", "mixed", "allocated")})
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(slurm_cluster):
+    """A cluster with at least two nodes (`scripts/slurm-cluster start --nodes 2`)."""
+    n = slurm_nodes_idle()
+    if n < 2:
+        pytest.skip(f"needs a 2-node Slurm cluster, this one has {n} usable node(s): "
+                    "scripts/slurm-cluster restart --nodes 2")
+    return slurm_cluster

@@ -2,6 +2,7 @@
 on CPU: time limits, measurement arithmetic, reading real run summaries, the report."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -105,3 +106,23 @@ def test_pytest_summary_line_is_parsed():
     from dtrain.gpucheck.report import _pytest
 
     assert _pytest("....\n5 passed, 2 skipped, 1 failed in 12.3s\n", Path(".")) == {"passed": 5, "skipped": 2, "failed": 1}
+
+
+def test_a_timed_out_step_takes_its_children_with_it(tmp_path):
+    """A training step spawns ranks; a timeout must stop them too, or they hold the GPU."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    step = run_step(Step("spawner", "spawns", [sys.executable, "-c", code], limit_s=3), tmp_path,
+                    deadline=time.monotonic() + 100)
+    assert step.status == "timed out"
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"child {child} outlived the step")

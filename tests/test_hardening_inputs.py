@@ -32,6 +32,7 @@ def test_overriding_n_head_keeps_multi_head_attention():
     with pytest.raises(ValueError, match="n_head=4 is not divisible by n_kv_head=3"):
         GPTConfig.from_preset("tiny", n_kv_head=3)
 
+
 def test_subproject_model_overrides_build_the_whole_model():
     from fp8_train.train import model_config as fp8_model
     from fsdp_scaling.run import model_config as fsdp_model
@@ -43,6 +44,7 @@ def test_subproject_model_overrides_build_the_whole_model():
     with pytest.raises(UserError, match="model: n_head=0 must be an integer >= 1"):
         fsdp_model(OmegaConf.merge(node, {"n_head": 0}))
 
+
 @pytest.mark.parametrize("over, message", [
     ({"n_layer": 0}, "n_layer=0 must be an integer >= 1"),
     ({"n_head": 0}, "n_head=0 must be an integer >= 1"),
@@ -53,6 +55,7 @@ def test_subproject_model_overrides_build_the_whole_model():
 def test_bad_model_fields(over, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig.from_preset("tiny", **over)
+
 
 @pytest.mark.parametrize("over, message", [
     ({"dtypes": []}, "dtypes=[] is empty"),
@@ -71,6 +74,7 @@ def test_allreduce_sweep_is_bounded(over, message):
         spec.parse(cfg)
     assert message in str(e.value)
 
+
 @pytest.mark.parametrize("values, message", [
     ({"steps": "abc"}, "train.steps='abc' must be an integer"),
     ({"lr": "fast"}, "train.lr='fast' must be a number"),
@@ -82,6 +86,7 @@ def test_train_keys_are_typed(values, message):
     with pytest.raises(UserError) as e:
         TrainConfig.from_cfg(values).validate(1)
     assert message in str(e.value)
+
 
 def test_tp_attention_and_fp8_keys():
     from fp8_train import backends
@@ -99,6 +104,7 @@ def test_tp_attention_and_fp8_keys():
     fp8.amax_history_len, fp8.amax_compute_algo = 4, "mean"
     with pytest.raises(UserError, match="fp8.amax_compute_algo='mean' is not one of max, most_recent"):
         backends.check_fp8_cfg(fp8)
+
 
 def test_resume_refuses_fewer_steps_and_another_model(tmp_path):
     from test_train_loop import TINY, make_ctx, train_cfg
@@ -119,6 +125,7 @@ def test_resume_refuses_fewer_steps_and_another_model(tmp_path):
     with pytest.raises(UserError, match=r"holds another model \(blocks.0.attn.wk.weight: checkpoint \(64, 64\), "
                                         r"this run \(32, 32\)"):
         wider.run()
+
 
 def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
     with pytest.raises(UserError, match="Could not override 'foo'. To append to your config use \\+foo=1"):
@@ -141,6 +148,7 @@ def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
         precheck.check_overrides("fsdp_scaling.conf", "config", sweep, validate)
     precheck.check_overrides("fsdp_scaling.conf", "config", ["hydra/launcher=submitit_slurm", *sweep], validate)
 
+
 @pytest.mark.parametrize("args, message", [
     (["--params", "nan"], "argument --params: nan must be a finite number > 0"),
     (["--params", "inf"], "argument --params: inf must be a finite number > 0"),
@@ -157,6 +165,7 @@ def test_plan_rejects_non_finite_and_non_positive_numbers(args, message, capsys)
     assert main(["plan", "--gpus", "8", *args]) == 2
     one_error_line(capsys.readouterr().err, message)
 
+
 @pytest.mark.parametrize("module, args, message", [
     ("fsdp_scaling", ["train.steps=abc"], "train.steps='abc' must be an integer"),
     ("fsdp_scaling", ["model.preset=tiny", "model.n_head=0"], "model: n_head=0 must be an integer >= 1"),
@@ -171,12 +180,13 @@ def test_cli_one_line_exit_2_no_run_dir(tmp_path, module, args, message):
     assert lines and all(line.startswith("error: ") for line in lines) and message in lines[0], out.stderr
     assert not list(tmp_path.rglob("config.yaml")) and not list(tmp_path.rglob(rundir.OWNER))
 
+
 def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     model = GPTConfig.from_preset("small")
     psi = params_per_gpu(shape_of(model), 1, 1)
     ddp = training_need(model, TrainConfig(micro_batch=2, strategy="ddp"), 2)
     zero3 = training_need(model, TrainConfig(micro_batch=2, strategy="zero3"), 2)
-    assert ddp.states == pytest.approx(16 * psi) and zero3.states == pytest.approx(8 * psi)  # ZeRO: 16Ψ / N_d
+    assert ddp.states == pytest.approx(16 * psi) and zero3.states == pytest.approx(8 * psi)  # fp32 Adam: 16Ψ / N
     big = GPTConfig.from_preset("7b")
     monkeypatch.setattr("dtrain.fit.available_host_bytes", lambda: 64 * 2**30)
     with pytest.raises(UserError) as e:
@@ -187,6 +197,7 @@ def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     assert "pick a smaller model.preset" in msg
     monkeypatch.setattr("dtrain.fit.available_host_bytes", lambda: 2**50)
     check_fits(big, TrainConfig(micro_batch=2), 2, torch.device("cpu"))  # fits a 1 PiB host
+
 
 def test_no_scale_alert_after_a_layer_switches_to_high_precision(tmp_path):
     import torch.nn as nn
@@ -213,3 +224,17 @@ def test_no_scale_alert_after_a_layer_switches_to_high_precision(tmp_path):
     trainer.ctx.writer.close()
     alerts = [e for e in results.read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "alert"]
     assert [(a["step"], a["key"]) for a in alerts] == [(3, "1.input")]
+
+
+def test_interrupt_during_the_checks_is_one_line(monkeypatch, capsys):
+    from dtrain import app
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(precheck, "check_overrides", interrupted)
+    monkeypatch.setattr("sys.argv", ["selftest", "world_size=1"])
+    main = app.hydra_main("dtrain.conf", rank_fn=None, config_name="selftest")
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 130
+    one_error_line(capsys.readouterr().err, "interrupted before the run started; nothing written")

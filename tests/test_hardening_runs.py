@@ -42,6 +42,7 @@ def _claim(path, barrier, out):
     except rundir.RunDirTaken:
         out.put("refused")
 
+
 def test_claim_is_atomic_between_concurrent_processes(tmp_path):
     ctx = multiprocessing.get_context("fork")
     barrier, out = ctx.Barrier(6), ctx.Queue()
@@ -55,10 +56,12 @@ def test_claim_is_atomic_between_concurrent_processes(tmp_path):
     owner = json.loads((tmp_path / rundir.OWNER).read_text())
     assert {"pid", "host", "started"} <= set(owner)
 
+
 def _cfg(tmp_path, **over):
     cfg = OmegaConf.merge(BASE, {"subproject": "t", "results_dir": str(tmp_path), "world_size": 1, **over})
     OmegaConf.set_struct(cfg, False)
     return cfg
+
 
 def _stub_launch(monkeypatch, result=None, exc=None):
     def launch(rank_fn, cfg, run_dir):
@@ -69,6 +72,7 @@ def _stub_launch(monkeypatch, result=None, exc=None):
             w.record("step", seed=cfg.seed)
         return (result or {"seed": cfg.seed}), run_dir
     monkeypatch.setattr(app, "launch", launch)
+
 
 def test_second_run_into_a_used_dir_is_refused_and_leaves_it_alone(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "same"
@@ -85,6 +89,7 @@ def test_second_run_into_a_used_dir_is_refused_and_leaves_it_alone(tmp_path, mon
         err = capsys.readouterr().err
         one_error_line(err, "bad input" if bad_too else "already holds a run")
         assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == first  # nothing mixed, nothing removed
+
 
 def test_cli_sequential_and_concurrent_reuse(tmp_path):
     """Real runs: the same hydra.run.dir twice in a row, and two runs started at once."""
@@ -104,12 +109,14 @@ def test_cli_sequential_and_concurrent_reuse(tmp_path):
     records = results.read_jsonl(tmp_path / "conc" / "records.jsonl")
     assert len(records) == 1 and (tmp_path / "conc" / "summary.json").exists()
 
+
 def test_explicit_sweep_dir_with_runs_is_refused_before_hydra(tmp_path):
     (tmp_path / "0").mkdir()
     rundir.claim(tmp_path / "0")
     with pytest.raises(UserError, match="hydra.sweep.dir=.* already holds a run"):
         precheck.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
     precheck.check_run_dirs([f"hydra.run.dir={tmp_path / 'fresh'}"])  # unused: fine
+
 
 def test_requeued_slurm_job_may_continue_its_own_run_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
@@ -124,6 +131,7 @@ def test_requeued_slurm_job_may_continue_its_own_run_dir(tmp_path, monkeypatch):
     with pytest.raises(rundir.RunDirTaken):
         rundir.claim(tmp_path)
 
+
 def _run(path: Path, records: str = '{"kind": "m", "v": 1}\n', summary=True) -> Path:
     path.mkdir(parents=True)
     (path / "config.yaml").write_text("subproject: x\nseed: 0\n")
@@ -132,6 +140,7 @@ def _run(path: Path, records: str = '{"kind": "m", "v": 1}\n', summary=True) -> 
     if summary:
         (path / "summary.json").write_text('{"status": "complete"}')
     return path
+
 
 @pytest.mark.parametrize("name, damage, reason", [
     ("config_list", lambda p: (p / "config.yaml").write_text("- 1\n- 2\n"), "config.yaml holds a list"),
@@ -158,6 +167,7 @@ def test_malformed_run_is_skipped_with_a_warning_naming_the_file(tmp_path, name,
     assert main(["runs", "--all", str(tmp_path)]) == 0  # lists it as corrupt instead of crashing
     assert "corrupt" in capsys.readouterr().out
 
+
 def test_guide_inputs_survive_a_malformed_run(tmp_path):
     from dtrain.costmodel.calibrate import calibrate
 
@@ -167,6 +177,7 @@ def test_guide_inputs_survive_a_malformed_run(tmp_path):
         warnings.simplefilter("ignore")
         report = calibrate([tmp_path], warn=False)
     assert [r.path.name for r in report.runs] == ["good"]
+
 
 def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch, capsys):
     import dtrain.metrics as metrics
@@ -196,12 +207,14 @@ def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch,
     assert e.value.code == 1
     one_error_line(capsys.readouterr().err, "disk full (OSError: [Errno 28]")
 
+
 def test_summary_json_has_no_nan_literals(tmp_path):
     write_summary(tmp_path, {"step_time_s": float("nan"), "xs": [1.0, float("inf")], "t": torch.tensor(float("nan"))})
     text = (tmp_path / "summary.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"step_time_s": None, "xs": [1.0, None],
                                                                          "t": None}
+
 
 def test_inspect_and_dashboard_name_the_corrupt_file(tmp_path):
     from fp8_train import dashboard, inspect

@@ -179,6 +179,8 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
             precheck.check_overrides(config_module, config_name, sys.argv[1:], validate_point)
         except UserError as e:
             fail(str(e), 2)
+        except KeyboardInterrupt:  # before Hydra: nothing was written yet
+            fail("interrupted before the run started; nothing written", 130)
         _hydra_entry()
 
     return main

@@ -6,6 +6,7 @@ import os
 import platform
 import socket
 import sys
+from pathlib import Path
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,6 +34,23 @@ def nccl_version() -> str | None:
     return ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
 
 
+def slurm_facts() -> dict:
+    """Inside a Slurm job: the id sacct and submitit use (`<array>_<task>` in an array), the node
+    list and the folder of the job's logs, for `dtrain runs`."""
+    e = os.environ
+    if "SLURM_JOB_ID" not in e:
+        return {}
+    array = "SLURM_ARRAY_JOB_ID" in e and "SLURM_ARRAY_TASK_ID" in e
+    job = f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}" if array else e["SLURM_JOB_ID"]
+    logs = e.get("SUBMITIT_FOLDER")
+    if logs:
+        logs = str(Path(logs).absolute())  # submitit's placeholders: %j job, %A array job, %a array task
+        logs = logs.replace("%j", job).replace("%A", e.get("SLURM_ARRAY_JOB_ID", job)).replace(
+            "%a", e.get("SLURM_ARRAY_TASK_ID", ""))
+    return {"slurm_job": job, "slurm_nodelist": e.get("SLURM_JOB_NODELIST"), "slurm_logs": logs,
+            "slurm_restart_count": int(e.get("SLURM_RESTART_COUNT", "0") or 0)}
+
+
 def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts: list[str] | None = None,
             threads_per_rank: int | None = None) -> dict:
     hosts = hosts or [socket.gethostname()]
@@ -40,6 +58,7 @@ def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "hosts": sorted(set(hosts)),
+        "rank_hosts": list(hosts),  # host of each rank, in rank order
         "num_nodes": len(set(hosts)),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
@@ -55,6 +74,7 @@ def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts:
         "world_size": world_size,
         "launcher": launcher,
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        **slurm_facts(),
         "topology": {"gpus_per_node": torch.cuda.device_count() if torch.cuda.is_available() else 0,
                      "nodes": len(set(hosts))},
     }

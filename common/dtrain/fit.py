@@ -4,8 +4,10 @@ model (dtrain.costmodel.memory) says cannot fit, instead of ranks killed by the 
 Local runs only (on Slurm the compute nodes' memory is not known here). On CPU every rank of the
 run shares this host's RAM: need = ranks x bytes per rank, against MemAvailable. On GPUs each rank
 has its own device: need = bytes per rank, against the device's total memory. The estimate counts
-weights, gradients, Adam state (ZeRO sharding by strategy), activations and logits; not the
+weights, gradients, Adam state as this trainer keeps them (`fsdp2_state_bytes`: 16 bytes per
+parameter, sharded by strategy), activations and logits (the cost model's formulas); not the
 process itself, allocator slack or communication buffers, so it errs towards letting a run start.
+It only refuses when the estimate exceeds everything available.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtrain import dist as ddist
-from dtrain import envinfo, liveness, slurm_queue
+from dtrain import envinfo, liveness, requeue, slurm_queue
 from dtrain.errors import UserError
 from dtrain.liveness import Interrupted, RankFailed  # noqa: F401  (re-exported for apps)
 from dtrain.metrics import ENV, RunWriter, write_config, write_json_atomic
@@ -124,7 +124,15 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
             backend=backend, world_size=env.world_size, device=str(device), launcher=launcher,
             hosts=hosts, threads_per_rank=threads))
     with RunWriter(run_dir, env.rank) as writer:
-        result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
+        requeue.start_attempt(run_dir, env.rank, writer)
+        try:
+            result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
+        except Exception:
+            if launcher == "job" and "SLURM_JOB_ID" in os.environ:
+                # Hydra keeps a sweep point's exception in its JobReturn (sacct says COMPLETED):
+                # the job's own log must show it, for `dtrain runs` and for whoever reads the log
+                traceback.print_exc()
+            raise
     if env.world_size > 1:
         dist.barrier()
     ddist.destroy()
@@ -193,11 +201,34 @@ def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
 
 # ---------------------------------------------------------------- slurm
 
-def _slurm_task(rank_fn, cfg, run_dir: str):
-    """Runs in every Slurm task: become the rank submitit describes."""
-    env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
-    liveness.watch_rank(env.rank, Path(run_dir), Path(run_dir, "slurm"), cfg.get("heartbeat_timeout_s"))
-    return run_rank(rank_fn, cfg, Path(run_dir), env, launcher="slurm")[0]
+class SlurmTask:
+    """What every Slurm task runs: become the rank submitit describes.
+
+    It follows submitit's Checkpointable protocol: on USR2 (time limit or preemption) submitit
+    calls `checkpoint()`, pickles the returned submission and requeues the job. The state to keep
+    is already on disk (the trainer's DCP checkpoint in run_dir), so the same task is resubmitted
+    and picks it up (dtrain/requeue.py)."""
+
+    def __init__(self, rank_fn, cfg, run_dir: str):
+        self.rank_fn, self.cfg, self.run_dir = rank_fn, cfg, run_dir
+
+    def __call__(self):
+        env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
+        liveness.watch_rank(env.rank, Path(self.run_dir), Path(self.run_dir, "slurm"), self.cfg.get("heartbeat_timeout_s"))
+        return run_rank(self.rank_fn, self.cfg, Path(self.run_dir), env, launcher="slurm")[0]
+
+    def checkpoint(self, *args, **kwargs):
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, *args, **kwargs)
+
+
+def requeue_options(s: DictConfig) -> tuple[int, dict]:
+    """slurm.requeue / max_requeues -> (submitit's max_num_timeout, the sbatch flag): without requeue
+    a time-out is final and Slurm may not requeue the job either."""
+    if s.get("requeue", True):
+        return int(s.get("max_requeues", 3)), {"requeue": True}
+    return 0, {"no_requeue": True}
 
 
 def slurm_executor(cfg: DictConfig, folder: Path):
@@ -210,10 +241,12 @@ def slurm_executor(cfg: DictConfig, folder: Path):
     tasks = s.tasks_per_node or math.ceil(cfg.world_size / s.nodes)
     if s.nodes * tasks != cfg.world_size:
         raise UserError(f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}")
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    max_timeouts, requeue_flag = requeue_options(s)
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=max_timeouts)
     params = dict(name=f"dtrain-{cfg.subproject}", nodes=s.nodes, tasks_per_node=tasks, cpus_per_task=s.cpus_per_task,
                   timeout_min=s.time_min, slurm_srun_args=["--kill-on-bad-exit=1"],
-                  slurm_additional_parameters=OmegaConf.to_container(s.additional))
+                  slurm_signal_delay_s=int(s.get("signal_delay_s", 60)),  # USR2 this long before the limit
+                  slurm_additional_parameters={**requeue_flag, **OmegaConf.to_container(s.additional)})
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     if s.mem_gb:
@@ -232,7 +265,7 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     ex = slurm_executor(cfg, run_dir / "slurm")
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal; we say it once
-            job = ex.submit(_slurm_task, rank_fn, cfg, str(run_dir))
+            job = ex.submit(SlurmTask(rank_fn, cfg, str(run_dir)))
     except FailedJobError as e:  # sbatch said no: an option the cluster does not know or allow
         raise UserError(f"Slurm refused the job ({liveness.error_line(str(e))}): check slurm.partition, "
                         "slurm.constraint, slurm.account, slurm.qos and slurm.additional") from None

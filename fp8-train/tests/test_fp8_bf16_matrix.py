@@ -90,7 +90,7 @@ MULTI = [(r, s) for r in RECIPES for s in ("ddp", "zero2", "zero3")]
 
 
 def test_each_recipe_trains_in_bf16_single_rank(tmp_path):
-    specs = specs_for(SINGLE)
+    specs = specs_for(SINGLE + [("emulated_nvfp4", "single"), ("emulated_mxfp4", "single")])  # FP4 too
     specs["emulated_delayed-single-ac"] = ["recipe=emulated_delayed", "train.strategy=single",
                                            "train.activation_checkpointing=block"]
     check_learns(run_matrix(tmp_path, 1, specs), specs)

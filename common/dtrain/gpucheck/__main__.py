@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,18 +75,22 @@ def run_step(step: Step, run_dir: Path, deadline: float) -> Step:
     cmd = step.command + ([f"results_dir={folder}"] if step.kind in ("fsdp", "fp8", "tp", "allreduce") else [])
     limit = min(step.limit_s, left)
     t0 = time.monotonic()
+    # its own process group: on timeout the spawned ranks go too, and free the GPU for the next step
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired as e:
-        step.status, step.seconds = "timed out", time.monotonic() - t0
-        step.note = f"stopped after {limit:.0f} s"
-        step.tail = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-2000:]
-        return step
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        step.status, step.note = "timed out", f"stopped after {limit:.0f} s"
+    else:
+        step.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
     step.seconds = time.monotonic() - t0
-    step.tail = (proc.stdout + proc.stderr)[-2000:]
-    (folder / "output.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    step.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-    step.collect(proc.stdout, folder)
+    step.tail = (stdout + stderr)[-2000:]
+    (folder / "output.txt").write_text(stdout + "\n--- stderr ---\n" + stderr)
+    if step.status == "ok":
+        step.collect(stdout, folder)
     return step
 
 

@@ -25,13 +25,13 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain import envinfo, perf
+from dtrain import envinfo, perf, requeue
 from dtrain.data import TokenBatcher, make_dataset
 from dtrain.errors import UserError
 from dtrain.metrics import finite_or_none
 from dtrain.model import GPT, GPTConfig, flops_per_token, num_params
 from dtrain.timing import Stopwatch
-from dtrain.train import checkpoint
+from dtrain.train import checkpoint, preemption
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
 from dtrain.train.parallelize import parallelize
@@ -54,12 +54,17 @@ class Trainer:
         if self.dims.model_parallel and grad_scaler is not None:
             raise UserError("a grad scaler (fp16) is not supported with train.tp / train.pp > 1: use bf16 or fp32")
         self.callbacks = list(callbacks)
+        self.requeue = requeue.enabled(ctx.cfg)  # inside a Slurm job: stop, checkpoint and requeue on a signal
+        if self.requeue:  # first, so a stop happens before any other callback acts on the step
+            self.callbacks.insert(0, preemption.StopOnSignal())
         self.grad_scaler = grad_scaler
         self.parallel = None  # the ModelParallel when tp or pp > 1
         self.step = 0          # optimizer steps completed
         self.lr_scale = 1.0    # multiplier on the scheduled LR (a callback may cut it)
         self.last_checkpoint = None
         self.step_times: list[float] = []
+        self._recorded = 0          # last step whose record is written
+        self._offset_due = None     # step of a checkpoint whose records offset is still to note
 
         data = make_dataset(train.dataset, num_tokens=train.dataset_tokens, vocab_size=model_cfg.vocab_size,
                             seed=ctx.cfg.seed)
@@ -213,7 +218,15 @@ class Trainer:
         if not (metrics["warmup_step"] or metrics.get("timing_excluded")):  # e.g. a profiled step
             self.step_times.append(step_time)
         self.ctx.writer.record("step", **metrics)
+        self._recorded = step
+        if self._offset_due == step:  # saved from a callback's on_step_end, before this record
+            self._note_offset()
         return metrics
+
+    def _note_offset(self) -> None:
+        """How far the records go at the checkpoint of this step: a requeued run cuts back to it."""
+        requeue.note_offset(self.ctx.run_dir, self.ctx.rank, self.step)
+        self._offset_due = None
 
     def _step_metrics(self, step, loss, grad_norm, lr, step_time, took) -> dict:
         warmup = step <= self.train.timing_warmup
@@ -238,6 +251,10 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         root = self.train.checkpoint_dir or str(self.ctx.run_dir / "checkpoints")
+        if self.requeue:  # a resume from here keeps the records up to this step's (see _note_offset)
+            self._offset_due = self.step
+            if self._recorded == self.step:
+                self._note_offset()
         path = checkpoint.save(checkpoint.step_dir(root, self.step), self.model_parts, self.optimizer,
                                self._trainer_state())
         self.last_checkpoint = str(path)
@@ -259,11 +276,19 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict:
-        if self.train.resume_from:
-            self.load_checkpoint(self.train.resume_from)
+        requeued_from = preemption.resume(self) if self.requeue else None  # a requeued job continues its own
+        if requeued_from or self.train.resume_from:
+            self.load_checkpoint(requeued_from or self.train.resume_from)
+        self._recorded = self.step
         self._call("on_train_start")
-        progress = self._progress()
         last: dict = {}
+        if self.requeue and requeue.restart_count():  # drop what this attempt repeated and the last one wrote after
+            requeue.rewind_records(self.ctx.run_dir, self.ctx.rank, self.step)
+            self.ctx.writer.event("resumed", step=self.step, checkpoint=requeued_from)
+            last = preemption.last_step_record(self.ctx.run_dir, self.step) if self.ctx.is_main else {}
+        if self.requeue:
+            self._note_offset()
+        progress = self._progress()
         while self.step < self.train.steps:
             last = self.train_step()
             progress.update(1)
