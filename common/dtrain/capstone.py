@@ -41,6 +41,9 @@ STEPS = (
     Step("allreduce-bench", "allreduce_bench", ()),
     # two strategies, so each fsdp run's step time is predicted from the other's efficiency
     Step("fsdp-scaling", "fsdp_scaling", ("-m", "train.strategy=ddp,zero3")),
+    # TP, TP x DP and PP layouts of the shared trainer: the guide predicts them too (their own rows)
+    Step("fsdp-scaling tp", "fsdp_scaling", ("-m", "world_size=2,4", "train.tp=2")),
+    Step("fsdp-scaling pp", "fsdp_scaling", ("train.pp=2",)),
     Step("fsdp-scaling report", "fsdp_scaling", ("{results}/fsdp-scaling", "--out", "{results}/fsdp-scaling/report"),
          module="fsdp_scaling.report", needs_launcher=False),
     Step("tp-attention", "tp_attention", ()),

@@ -16,6 +16,8 @@ that from the shapes, so it should equal the measurement to the byte; `ideal_byt
 These are bytes at rest (after a step). zero2 differs from zero3 in what is *transient*: it keeps
 each block's gathered parameters from forward to backward; that shows in peak memory, not here.
 With bf16 mixed precision the stored parameters stay fp32; only transient gathered copies are bf16.
+With train.tp / train.pp the shapes are those of this rank's pipeline stages and tp shards, and S
+is the FSDP shard degree over dp (1 for ddp); ideal is Psi / (S * tp * pp).
 """
 from __future__ import annotations
 
@@ -30,6 +32,17 @@ def local_bytes(t: torch.Tensor) -> int:
     if hasattr(t, "to_local"):
         t = t.to_local()
     return t.numel() * t.element_size()
+
+
+def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape on one tp rank: the global shape divided along its tp-sharded dim
+    (the hand-rolled TP's DTensors); FSDP's sharding is left to `formula_bytes`."""
+    shape = list(p.shape)
+    mesh = getattr(p, "device_mesh", None)
+    for i, (name, placement) in enumerate(zip(mesh.mesh_dim_names if mesh else (), getattr(p, "placements", ()))):
+        if name == "tp" and placement.is_shard():
+            shape[placement.dim] //= mesh.size(i)
+    return tuple(shape)
 
 
 def measure_params(model: nn.Module) -> int:

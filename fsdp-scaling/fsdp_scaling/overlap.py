@@ -96,3 +96,53 @@ def read_trace(path: str | Path) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return json.load(f)
+
+
+_P2P = ("gloo:send", "gloo:recv", "c10d::send", "c10d::recv", "nccl:send", "nccl:recv")
+
+
+def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
+    """Where one step's time goes on this rank (CPU traces; seconds per step):
+
+        compute_s      main-thread aten ops (as in intervals_from_trace)
+        tp_comm_s      the hand-rolled TP collectives' `tp_comm:*` ranges (blocking: all exposed)
+        pp_p2p_s       pipeline send/recv issued on the main thread
+        dp_comm_s      every other collective (gradient sync, loss and norm reductions) while no
+                       TP collective was in flight, and its part not hidden behind compute
+        dp_comm_exposed_s
+        idle_s         the rest of the step: with pp, the pipeline bubble (waiting for other
+                       stages); without, optimizer bookkeeping and Python
+    Step time is the main thread's span over the profiled steps."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    span = lambda e: (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)  # noqa: E731
+    main = [e for e in events if main_tid is None or e.get("tid") == main_tid]
+    if not main:
+        return {}
+    compute = merge((s, e) for s, e, k in intervals_from_trace(trace, main_tid) if k == "compute")
+    tp = merge(span(e) for e in main if e["name"].startswith("tp_comm:"))
+    p2p = merge(span(e) for e in main if e["name"].startswith(_P2P))
+    other_comm = merge(span(e) for e in events if e["name"].startswith("gloo:") and not e["name"].startswith(_P2P))
+    tp_total = total(tp)
+    dp = merge(iv for iv in _subtract(other_comm, tp))
+    dp_exposed = _subtract(dp, compute)
+    start, end = min(e["ts"] for e in main) / 1e6, max(e["ts"] + e["dur"] for e in main) / 1e6
+    busy = total(merge([*compute, *tp, *p2p, *dp_exposed]))
+    return {"step_s": (end - start) / steps, "compute_s": total(compute) / steps, "tp_comm_s": tp_total / steps,
+            "pp_p2p_s": total(p2p) / steps, "dp_comm_s": total(dp) / steps,
+            "dp_comm_exposed_s": total(dp_exposed) / steps, "idle_s": max(0.0, end - start - busy) / steps}
+
+
+def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """a minus b, both disjoint sorted unions."""
+    out = []
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < e:
+            out.append((cur, e))
+    return out

@@ -34,6 +34,7 @@ class ProfileWindow(Callback):
         self.first, self.last, self.steps = first, first + steps - 1, steps
         self.out_dir = Path(out_dir)
         self.result: dict | None = None
+        self.breakdown: dict | None = None  # overlap.step_breakdown: compute / TP / PP / DP time per step
         self.trace_path: Path | None = None
         self._prof = None
 
@@ -62,4 +63,6 @@ class ProfileWindow(Callback):
             trace = overlap.read_trace(self.trace_path)
             self.result = overlap.overlap_stats(overlap.intervals_from_trace(trace, self._tid), steps=self.steps)
             trainer.ctx.writer.record("overlap", steps=self.steps, first_step=self.first, **self.result)
+            self.breakdown = overlap.step_breakdown(trace, self._tid, steps=self.steps)
+            trainer.ctx.writer.record("step_breakdown", steps=self.steps, first_step=self.first, **self.breakdown)
         self._prof = None

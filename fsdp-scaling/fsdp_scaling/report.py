@@ -3,7 +3,8 @@
 Loads complete runs through dtrain.results (single runs or Hydra multirun trees), then writes into
 one report directory (itself a run dir: config.yaml + summary.json, subproject fsdp-scaling):
 
-  scaling.csv                    one row per run: strategy, ranks, tokens/s, MFU, efficiency, vs-DDP ratio
+  scaling.csv                    one row per run: strategy, layout (tpNxppM), ranks, tokens/s, MFU,
+                                 efficiency, vs-DDP ratio, step breakdown (compute, TP, PP, DP, idle)
   throughput_vs_ranks.png        tokens/s against world size, per strategy
   efficiency.png                 scaling efficiency against world size
   memory_per_strategy.png        measured parameter + gradient + optimizer bytes per rank
@@ -11,7 +12,7 @@ one report directory (itself a run dir: config.yaml + summary.json, subproject f
   summary.json["guide"]          {"runs": [per-run guide dicts], "scaling_efficiency": {...}}
 
 Scaling efficiency at N ranks, within a group of runs that differ only in world size
-(same strategy, model, sequence length, precision, and either the same global batch = strong
+(same strategy, tp x pp layout, model, sequence length, precision, and either the same global batch = strong
 scaling, or the same per-rank batch = weak scaling), against the group's smallest world size N0:
 
     efficiency(N) = (tokens_per_s(N) / N) / (tokens_per_s(N0) / N0)
@@ -32,7 +33,8 @@ from dtrain import plots, results
 from dtrain.errors import UserError
 from dtrain.metrics import write_config, write_summary
 
-GROUP = ["strategy", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
+GROUP = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
+BREAKDOWN = ("compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "idle_s")  # overlap.step_breakdown
 
 
 def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
@@ -53,7 +55,9 @@ def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
                      "batch": t.get("global_batch") if strong else t.get("micro_batch"),
                      "model": m.get("preset"), "seq_len": m.get("seq_len") or run.summary.get("seq_len"),
                      "prefetch": bool(t.get("prefetch")), "ac": t.get("activation_checkpointing"),
-                     "state_bytes": sum(g["state_bytes"].values()), "run": str(run.path)})
+                     "state_bytes": sum(g["state_bytes"].values()), "run": str(run.path),
+                     "layout": f"tp{g.get('tp', 1)}xpp{g.get('pp', 1)}",
+                     **{k: (g.get("breakdown") or {}).get(k) for k in BREAKDOWN}})
         guides.append({**g, "run": str(run.path)})
     df = pd.DataFrame(rows)
     df["seq_len"] = df["seq_len"].fillna(-1)
@@ -67,7 +71,7 @@ def add_efficiency(df: pd.DataFrame) -> pd.DataFrame:
     base = df.loc[df.groupby(GROUP, dropna=False)["world_size"].transform("idxmin"), "tokens_per_s"].to_numpy()
     base_ranks = df.groupby(GROUP, dropna=False)["world_size"].transform("min").to_numpy()
     df["efficiency"] = per_rank / (base / base_ranks)
-    point = [c for c in GROUP if c not in ("strategy", "prefetch")] + ["world_size"]
+    point = [c for c in GROUP if c not in ("strategy", "prefetch")] + ["world_size"]  # ddp of the same layout
     ddp = df[df["strategy"] == "ddp"].groupby(point, dropna=False)["step_time_s"].median().rename("ddp_step_time_s")
     df = df.join(ddp, on=point)
     df["step_time_vs_ddp"] = df["step_time_s"] / df["ddp_step_time_s"]
@@ -75,7 +79,8 @@ def add_efficiency(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def label(df: pd.DataFrame) -> pd.Series:
-    return df["strategy"] + df["prefetch"].map({True: "+prefetch", False: ""}) + " (" + df["scaling"] + ")"
+    layout = df["layout"].where(df["layout"] != "tp1xpp1", "").map(lambda x: f" {x}" if x else "")
+    return df["strategy"] + df["prefetch"].map({True: "+prefetch", False: ""}) + layout + " (" + df["scaling"] + ")"
 
 
 def write_plots(df: pd.DataFrame, out: Path) -> list[Path]:
@@ -129,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"results/fsdp-scaling/report-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, {"subproject": "fsdp-scaling", "report": True, "inputs": [str(p) for p in args.paths]})
-    cols = ["strategy", "scaling", "model", "seq_len", "batch", "prefetch", "world_size", "tokens_per_s",
+    cols = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "prefetch", "world_size", "tokens_per_s",
             "step_time_s", "mfu", "efficiency", "step_time_vs_ddp", "overlap_fraction", "exposed_comm_s",
-            "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]
-    table = df[cols].sort_values(["scaling", "model", "strategy", "prefetch", "world_size"])
+            *BREAKDOWN, "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]
+    table = df[cols].sort_values(["scaling", "model", "strategy", "layout", "prefetch", "world_size"])
     table.to_csv(out / "scaling.csv", index=False)
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4g}".format):
         print(table.drop(columns=["run", "peak_flops_source"]).to_string(index=False))

@@ -1,8 +1,9 @@
-"""One training run under one strategy, measured (the per-rank side of `python -m fsdp_scaling`).
+"""One training run under one strategy and layout, measured (the per-rank side of `python -m fsdp_scaling`).
 
 Records per step (loss, grad norm, tokens/s, TFLOP/s, MFU, peak memory), per-rank state bytes
-against the ZeRO formula, and the comm/compute overlap of a profiled window; the summary's
-"guide" key holds what the parallelism guide reads.
+against the ZeRO formula (with tp / pp: this rank's stages and tp shards, sharded over dp), and
+the comm/compute overlap and step breakdown (compute, TP comm, PP p2p and bubble, DP comm) of a
+profiled window; the summary's "guide" key holds what the parallelism guide reads.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def model_config(node) -> GPTConfig:
 def validate(cfg: DictConfig) -> None:
     train = TrainConfig.from_cfg(cfg.train).validate(cfg.world_size)
     model = model_config(cfg.model)
+    train.validate_model(model)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
         check_fits(model, train, cfg.world_size, ddist.pick_device(cfg.device, 0), f"model.preset={cfg.model.preset}")
     if cfg.profile.enabled and cfg.profile.steps < 1:
@@ -59,14 +61,18 @@ def rank_fn(ctx: RankContext) -> dict:
         callbacks.append(window)
     trainer = Trainer(ctx, train, model_cfg, callbacks=callbacks)
     result = trainer.run()
-    shapes = [tuple(p.shape) for p in trainer.model.parameters()]  # DTensor .shape is the global shape
-    shards = memory.shard_degree(train.strategy, ctx.world_size, train.hsdp_replicate)
-    formula = memory.formula_bytes(shapes, shards, ctx.rank % shards)
-    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards)
+    shapes = [memory.tp_local_shape(p) for p in trainer.model.parameters()]  # this rank's stages, tp shards
+    shards, index = memory.shard_degree(train.strategy, ctx.world_size, train.hsdp_replicate), None
+    if trainer.parallel is not None:  # dp ranks shard (FSDP2) or replicate (ddp) the tp x pp piece
+        shards = trainer.dims.dp_shard if trainer.parallel.fsdp else 1
+        index = trainer.dims.coordinate("shard") if trainer.parallel.fsdp else 0
+    formula = memory.formula_bytes(shapes, shards, ctx.rank % shards if index is None else index)
+    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards * trainer.dims.tp * trainer.dims.pp)
     ctx.writer.record("state_bytes", rank=ctx.rank, shards=shards, **{f"measured_{k}": v for k, v in state.measured.items()},
                       **{f"formula_{k}": v for k, v in formula.items()}, **{f"ideal_{k}": v for k, v in ideal.items()})
     return {**result, "state_bytes": state.measured, "state_bytes_formula": formula, "state_bytes_ideal": ideal,
             "shard_degree": shards, "overlap": window.result if window else None,
+            "breakdown": window.breakdown if window else None,
             "trace": str(window.trace_path) if window and window.trace_path else None,
             "device": str(ctx.device), "backend": ctx.backend, "model": dataclasses.asdict(model_cfg),
             "train": train.to_dict()}

@@ -23,13 +23,16 @@ def guide_of(r: dict) -> dict:
             "overlap_fraction": ov.get("overlap_fraction"), "comm_s": ov.get("comm_s"),
             "exposed_comm_s": ov.get("exposed_comm_s"), "peak_mem_bytes": r["peak_mem_bytes"],
             "state_bytes": dict(r["state_bytes"]), "state_bytes_formula": dict(r["state_bytes_formula"]),
-            "mixed_precision": r["mixed_precision"], "device": r["device"], "backend": r["backend"]}
+            "mixed_precision": r["mixed_precision"], "device": r["device"], "backend": r["backend"],
+            "tp": r.get("tp", 1), "pp": r.get("pp", 1), "dp": r.get("dp", r["world_size"]),
+            "pp_schedule": r.get("pp_schedule"), "breakdown": r.get("breakdown")}
 
 
 def print_tables(r: dict, console: Console | None = None) -> None:
     console = console or Console(width=120)
     g = guide_of(r)
-    t = Table(title=f"fsdp-scaling: {g['strategy']} on {g['world_size']} rank(s), {g['device']}/{g['backend']}")
+    layout = f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}" if g["tp"] * g["pp"] > 1 else ""
+    t = Table(title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), {g['device']}/{g['backend']}")
     for col in ("tokens/s", "step s", "TFLOP/s/rank", "MFU", "comm s/step", "exposed s/step", "overlap", "peak mem"):
         t.add_column(col, justify="right")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -45,6 +48,14 @@ def print_tables(r: dict, console: Console | None = None) -> None:
         m.add_row(k, str(meas), str(form), str(ideal), "yes" if meas == form else "NO")
     console.print(m)
     console.print(f"peak FLOP/s per rank: {g['peak_flops']:.3g} ({g['peak_flops_source']})")
+    b = g["breakdown"]
+    if b:
+        bt = Table(title=f"step breakdown on rank 0, dp{g['dp']} x tp{g['tp']} x pp{g['pp']} (profiled steps, s/step)")
+        for col in ("step", "compute", "TP comm", "PP p2p", "DP comm", "DP exposed", "idle / bubble"):
+            bt.add_column(col, justify="right")
+        bt.add_row(*(format(b[k], ".4f") for k in ("step_s", "compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_s",
+                                                    "dp_comm_exposed_s", "idle_s")))
+        console.print(bt)
 
 
 def plot_steps(run_dir: Path) -> Path | None:

@@ -11,7 +11,7 @@ from dtrain import results
 GUIDE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
               "exposed_comm_s", "peak_mem_bytes", "state_bytes", "state_bytes_formula", "mixed_precision",
-              "device", "backend"}
+              "device", "backend", "tp", "pp", "dp", "pp_schedule", "breakdown"}
 
 
 def test_sweep_then_report(tmp_path):

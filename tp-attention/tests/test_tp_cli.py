@@ -7,7 +7,7 @@ import pytest
 
 from conftest import py
 from dtrain import results
-from tp_attention import comm
+from dtrain.parallel.tp import comm
 
 TINY = ["batch=1", "seq=16", "d_model=32", "n_head=4", "warmup=1", "iters=2", "profile_steps=1"]
 GUIDE_KEYS = {"tp", "sequence_parallel", "step_time_s", "single_rank_step_time_s", "dtensor_step_time_s",

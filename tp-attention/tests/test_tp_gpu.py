@@ -8,7 +8,7 @@ import torch
 from conftest import py
 from dtrain import results
 from dtrain.model import Block, GPTConfig
-from tp_attention.attention import TensorParallelBlock, TPGroups
+from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups
 
 pytestmark = pytest.mark.gpu
 

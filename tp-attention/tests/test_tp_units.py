@@ -9,9 +9,9 @@ import torch
 
 from dtrain.errors import UserError
 from dtrain.model import Block, GPTConfig
-from tp_attention import comm
-from tp_attention.attention import TensorParallelBlock, TPGroups, check_tp_heads, kv_heads_of
-from tp_attention.layers import ColumnParallelLinear, RowParallelLinear
+from dtrain.parallel.tp import comm
+from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups, check_tp_heads, kv_heads_of
+from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def test_wire_bytes_ring_formulas():

@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from dtrain.launch import RankContext
 from dtrain.model import Block, GPTConfig
+from dtrain.parallel.tp import comm
+from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
+from dtrain.parallel.tp.layers import allreduce_partial_grads
 from dtrain.timing import synchronize, time_fn
-from tp_attention import comm, dtensor_baseline
-from tp_attention.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
+from tp_attention import dtensor_baseline
 from tp_attention.config import as_list, tp_degrees
-from tp_attention.layers import allreduce_partial_grads
 
 
 def build_reference(cfg, device, dtype) -> torch.nn.Module:

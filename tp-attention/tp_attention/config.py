@@ -4,7 +4,7 @@ from __future__ import annotations
 from omegaconf import ListConfig
 
 from dtrain.errors import UserError
-from tp_attention.attention import check_tp_heads
+from dtrain.parallel.tp.attention import check_tp_heads
 
 IMPLS = ("single", "handrolled", "handrolled_async", "dtensor")
 MODULES = ("block", "attention")

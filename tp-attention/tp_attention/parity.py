@@ -28,10 +28,11 @@ from dtrain.app import hydra_main
 from dtrain.errors import UserError
 from dtrain.launch import RankContext
 from dtrain.model import Block, GPTConfig
-from tp_attention import comm, dtensor_baseline, ops
-from tp_attention.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
+from dtrain.parallel.tp import comm, ops
+from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
+from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, allreduce_partial_grads
+from tp_attention import dtensor_baseline
 from tp_attention.config import as_list, check_tp
-from tp_attention.layers import ColumnParallelLinear, RowParallelLinear, allreduce_partial_grads
 
 VARIANTS = ({"fused_qkv": False}, {"fused_qkv": True}, {"fused_qkv": True, "async_grad_allreduce": True})
 

@@ -182,6 +182,8 @@ def fsdp_entries(run: Run, single_runs: set[str] = frozenset()) -> list[dict]:
 def from_fsdp(run: Run, src: Source, single_runs: set[str] = frozenset()) -> list[Candidate]:
     out = []
     for g in fsdp_entries(run, single_runs):
+        if (g.get("tp") or 1) * (g.get("pp") or 1) > 1:
+            continue  # a TP / PP layout run: its step holds TP comm and bubble; the guide checks it instead
         step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
         exposed = _num(g.get("exposed_comm_s")) or 0.0
         if step and mfu and step > exposed:

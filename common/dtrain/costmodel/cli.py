@@ -298,4 +298,15 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "attention": "flash" if res.flash_attention else "eager",
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
+            **_overrides_json(res),
             "explanation": explain(res, top)}
+
+
+def _overrides_json(res: SearchResult) -> dict:
+    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its notes."""
+    from .overrides import train_overrides
+
+    if res.best is None:
+        return {"train_overrides": None, "train_overrides_notes": []}
+    overrides, notes = train_overrides(res.best, res.model, res.global_batch, res.precision)
+    return {"train_overrides": overrides, "train_overrides_notes": notes}

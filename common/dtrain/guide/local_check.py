@@ -122,11 +122,14 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
             if g_cfg is None or not (step and tps and peak):
                 continue
             world = int(g["world_size"])
+            tp, pp = int(g.get("tp") or 1), int(g.get("pp") or 1)  # a DP x TP x PP layout run (issue 14)
+            dp = world // (tp * pp)
             shape = replace(shape_of(g_cfg), seq_len=int(run.config.get("seq_len") or g_cfg.seq_len))
             tokens_per_rank = tps * step / world
             mb = int(train.get("micro_batch", 1))
-            ga = max(1, round(tokens_per_rank / (mb * shape.seq_len)))
-            layout = Layout(world, 1, 1, ZERO_OF.get(g["strategy"], 3) if world > 1 else 0, micro_batch=mb, grad_accum=ga)
+            ga = max(1, round(tps * step / dp / (mb * shape.seq_len)))
+            layout = Layout(dp, tp, pp, ZERO_OF.get(g["strategy"], 3) if dp > 1 else 0, micro_batch=mb, grad_accum=ga,
+                            virtual_stages=int(train.get("pp_virtual") or 1) if pp > 1 else 1)
             compute_s = step - (g.get("exposed_comm_s") or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
             vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
@@ -187,9 +190,11 @@ PROBE_BASIS = "GEMM curve + fixed step overhead from gemm-probe"
 def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None = None) -> list[Check]:
     out = []
     for i, r in enumerate(runs):
-        if link is None and r.layout.dp > 1:
+        if link is None and r.layout.dp * r.layout.tp * r.layout.pp > 1:
             continue
-        others = [o for j, o in enumerate(runs) if j != i and o.on_gpu == r.on_gpu]
+        # compute efficiency from pure data-parallel runs only: a TP / PP run's step holds TP comm and
+        # bubble, which are what its row checks
+        others = [o for j, o in enumerate(runs) if j != i and o.on_gpu == r.on_gpu and o.layout.tp * o.layout.pp == 1]
         eff = _median([o.efficiency for o in others]) if others else r.efficiency
         overlaps = [o.guide["overlap_fraction"] for o in others if o.guide.get("overlap_fraction") is not None]
         overlap = _median(overlaps) if overlaps else r.guide.get("overlap_fraction")
@@ -198,15 +203,22 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None 
         over = probe.overhead("gpt", _gpt_match(r.shape), r.layout.micro_batch, r.guide["peak_flops"]) if probe else None
         if over is not None:
             basis = PROBE_BASIS + (f"; DP overlap from {len(others)} other fsdp run(s)" if others else "")
-        cluster = host_cluster(r.guide["peak_flops"], r.layout.dp, link or LinkModel(0, 1e30))
+        world = r.layout.dp * r.layout.tp * r.layout.pp
+        cluster = host_cluster(r.guide["peak_flops"], world, link or LinkModel(0, 1e30))
         t = step_time(r.shape, r.layout, cluster, _calib(eff, basis, overlap, probe, over), value_bytes=r.value_bytes)
         exposed = r.guide.get("exposed_comm_s")
         detail = "" if exposed is None else (
             f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted {t.dp_comm_exposed * 1e3:.0f} ms; "
             f"rest measured {(r.guide['step_time_s'] - exposed) * 1e3:.0f} ms vs predicted "
             f"{(t.total - t.dp_comm_exposed) * 1e3:.0f} ms")
-        out.append(Check("fsdp-scaling", r.run, f"{r.guide['strategy']} x{r.layout.dp} step", r.guide["step_time_s"],
-                         t.total, basis, detail))
+        b = r.guide.get("breakdown") or {}
+        if r.layout.tp * r.layout.pp > 1 and b:  # the parts a layout run measured (CPU profile)
+            detail = (f"TP comm measured {b['tp_comm_s'] * 1e3:.0f} ms vs predicted {t.tp_comm * 1e3:.0f} ms; "
+                      f"PP p2p + idle measured {(b['pp_p2p_s'] + b['idle_s']) * 1e3:.0f} ms vs predicted "
+                      f"bubble + p2p {(t.bubble + t.pp_comm) * 1e3:.0f} ms")
+        what = (f"{r.guide['strategy']} x{r.layout.dp} step" if r.layout.tp * r.layout.pp == 1 else
+                f"dp{r.layout.dp} x tp{r.layout.tp} x pp{r.layout.pp} step")
+        out.append(Check("fsdp-scaling", r.run, what, r.guide["step_time_s"], t.total, basis, detail))
     return out
 
 

@@ -1,8 +1,11 @@
 """Distributed checkpoints (torch.distributed.checkpoint): model + optimizer + trainer state.
 
-`get_state_dict` / `set_state_dict` give the same fully-qualified names whether the model is
-plain, DDP-wrapped, FSDP2-sharded or activation-checkpoint-wrapped, and DCP re-shards on load,
-so a checkpoint saved by zero3 on 2 ranks loads into ddp on 4 or a single rank.
+`get_model_state_dict` / `get_optimizer_state_dict` give the same fully-qualified names whether
+the model is plain, DDP-wrapped, FSDP2-sharded, activation-checkpoint-wrapped, tensor-parallel
+(DTensor parameters with global shapes) or split into pipeline stages (each stage keeps the GPT's
+names; the state of all parts is merged). The optimizer state is flattened (keyed by parameter
+name, not by position), and DCP re-shards on load, so a checkpoint saved by zero3 on 2 ranks
+loads into ddp on 4 or a single rank, and one saved by tp2 x pp2 loads into dp4.
 
 Layout: <checkpoint_dir>/step-000123/ (DCP files; `.metadata` is written last, so a folder
 without it is an interrupted save and is ignored when looking for the latest).
@@ -13,7 +16,13 @@ import re
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dtrain.errors import UserError
 
@@ -40,6 +49,25 @@ def resolve(path: str | Path) -> Path:
     return steps[-1][1]
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_FLAT_LOOSE = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+
+
+def _pairs(parts, optimizer) -> list:
+    """(model part, its optimizer): a trainer's parts and an AdamW or an OptimizerParts."""
+    parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
+    optimizers = getattr(optimizer, "optimizers", [optimizer])
+    return list(zip(parts, optimizers, strict=True))
+
+
+def _state_dicts(parts, optimizer) -> tuple[dict, dict]:
+    model_sd, optim_sd = {}, {}
+    for part, opt in _pairs(parts, optimizer):
+        model_sd.update(get_model_state_dict(part, options=_FLAT))
+        optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+    return model_sd, optim_sd
+
+
 def step_of(path: Path) -> int | None:
     m = _STEP_DIR.match(Path(path).name)
     return int(m.group(1)) if m else None
@@ -47,7 +75,8 @@ def step_of(path: Path) -> int | None:
 
 def check_compatible(path: Path, model, steps: int) -> None:
     """Refuse, before DCP loads anything, a checkpoint this run cannot continue: one already past
-    train.steps, or one of another model (its parameter names and shapes are in `.metadata`)."""
+    train.steps, or one of another model (its parameter names and shapes are in `.metadata`).
+    `model` is a module or a list of pipeline stages; a stage's names are a subset of the model's."""
     done = step_of(path)
     if done is not None and steps < done:
         raise UserError(f"train.steps={steps} is below the checkpoint's step {done} ({path}): "
@@ -55,9 +84,12 @@ def check_compatible(path: Path, model, steps: int) -> None:
     stored = {k.removeprefix("model."): tuple(v.size) for k, v in
               dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
-    wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
-    if stored != wanted:
-        diff = sorted(set(stored) ^ set(wanted)) or sorted(k for k in wanted if stored[k] != wanted[k])
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    wanted = {k: tuple(v.shape) for part in parts for k, v in get_model_state_dict(part).items()}
+    stage = len(parts) > 1 or getattr(parts[0], "is_pipeline_stage", False)
+    if (stored if not stage else {k: stored.get(k) for k in wanted}) != wanted:
+        diff = (sorted(set(stored) ^ set(wanted)) if not stage else []) or \
+            sorted(k for k in wanted if stored.get(k) != wanted[k])
         k = diff[0]
         raise UserError(f"cannot resume from {path}: it holds another model ({k}: checkpoint "
                         f"{stored.get(k, 'absent')}, this run {wanted.get(k, 'absent')}): "
@@ -65,8 +97,9 @@ def check_compatible(path: Path, model, steps: int) -> None:
 
 
 def save(path: str | Path, model, optimizer, trainer_state: dict) -> Path:
-    """Collective: every rank calls it and writes its own shards."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """Collective: every rank calls it and writes its own shards. `model` is a module or a list of
+    pipeline-stage modules; `optimizer` an optimizer or an OptimizerParts (one per part)."""
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer_state}, checkpoint_id=str(path))
     return Path(path)
 
@@ -75,8 +108,12 @@ def load(path: str | Path, model, optimizer, trainer_state: dict) -> dict:
     """Load into the (already parallelized) model and optimizer; returns the saved trainer state.
 
     `trainer_state` is a template with the keys to restore (DCP loads in place)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer_state)}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    pairs = _pairs(model, optimizer)
+    options = _FLAT if len(pairs) == 1 else _FLAT_LOOSE  # each stage takes its own keys
+    for part, opt in pairs:
+        set_model_state_dict(part, state["model"], options=options)
+        set_optimizer_state_dict(part, opt, state["optim"], options=options)
     return state["trainer"]

@@ -47,6 +47,11 @@ class TrainConfig:
     hsdp_replicate: int = 2        # hsdp: replica groups; each shards over world_size / hsdp_replicate ranks
     mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP2: bf16 params, fp32 reduce; single/ddp: autocast)
     activation_checkpointing: str = "none"  # none | block
+    tp: int = 1                    # tensor-parallel degree (hand-rolled Megatron blocks, dtrain.parallel.tp)
+    sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
+    pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp)
+    pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
+    pp_virtual: int = 1            # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)
     prefetch: bool = False         # FSDP2 explicit forward/backward prefetch of the next block
     compile: bool = False          # torch.compile each block (after checkpointing, before sharding)
     timing_warmup: int = 2         # first steps left out of step-time statistics
@@ -79,8 +84,18 @@ class TrainConfig:
     def sharded(self) -> bool:
         return self.strategy in SHARDED
 
+    def dims(self, world_size: int):
+        """The rank layout (dtrain.parallel.mesh.ParallelDims); raises UserError when it cannot be."""
+        from dtrain.parallel.mesh import ParallelDims
+
+        return ParallelDims(world_size, tp=self.tp, pp=self.pp,
+                            dp_replicate=self.hsdp_replicate if self.strategy == "hsdp" else 1)
+
+    def dp_degree(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
     def validate(self, world_size: int) -> "TrainConfig":
-        """Check against the data-parallel world size; derive grad_accum from global_batch."""
+        """Check against the world size; derive grad_accum from global_batch (per data-parallel rank)."""
         if self.strategy not in STRATEGIES:
             raise UserError(f"train.strategy={self.strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -92,7 +107,10 @@ class TrainConfig:
         if self.strategy == "single" and world_size != 1:
             raise UserError(f"train.strategy=single runs on one rank but world_size={world_size}: "
                             "pass world_size=1 or pick ddp / zero2 / zero3 / hsdp")
-        if self.strategy == "hsdp":
+        for key in ("tp", "pp", "pp_virtual"):
+            if getattr(self, key) < 1:
+                raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.strategy == "hsdp" and self.tp * self.pp == 1:
             r = self.hsdp_replicate
             if r < 1 or world_size % r:
                 raise UserError(f"train.strategy=hsdp needs world_size divisible by train.hsdp_replicate, "
@@ -101,11 +119,13 @@ class TrainConfig:
         for key in ("steps", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
+        dims = self.dims(world_size)  # tp x pp must divide world_size (single then needs tp = pp = 1)
         if self.global_batch is not None:
-            per_micro = self.micro_batch * world_size
+            dp = dims.dp
+            per_micro = self.micro_batch * dp
             if self.global_batch < 1 or self.global_batch % per_micro:
                 raise UserError(f"train.global_batch={self.global_batch} is not divisible by train.micro_batch x "
-                                f"data-parallel ranks = {self.micro_batch} x {world_size} = {per_micro}: "
+                                f"data-parallel ranks = {self.micro_batch} x {dp} = {per_micro}: "
                                 "change global_batch, micro_batch or world_size")
             self.grad_accum = self.global_batch // per_micro
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -119,7 +139,20 @@ class TrainConfig:
                             "pass train.dataset=synthetic or the path of a token (.bin) or text file")
         if self.dataset == "synthetic" and self.dataset_tokens < 2:
             raise UserError(f"train.dataset_tokens={self.dataset_tokens} must be >= 2")
+        from dtrain.parallel.pipeline import SCHEDULES
+
+        if self.pp_schedule not in SCHEDULES:
+            raise UserError(f"train.pp_schedule={self.pp_schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+        return self
+
+    def validate_model(self, model_cfg) -> "TrainConfig":
+        """The layout against the model: heads divisible by tp, enough layers and micro-batches for pp."""
+        from dtrain.parallel.pipeline import check_pipeline
+        from dtrain.parallel.tp.apply import check_tp_model
+
+        check_tp_model(model_cfg, self.tp, self.sequence_parallel)
+        check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
         return self
 
     def global_batch_for(self, world_size: int) -> int:
-        return self.micro_batch * self.grad_accum * world_size
+        return self.micro_batch * self.grad_accum * self.dp_degree(world_size)

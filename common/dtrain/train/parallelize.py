@@ -24,8 +24,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward instead of keeping them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)  # no dropout: no RNG to replay
+    for name, block in list(model.blocks.named_children()):  # a GPT's ModuleList or a stage's ModuleDict
+        setattr(model.blocks, name, checkpoint_wrapper(block, preserve_rng_state=False))  # no dropout: no RNG to replay
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -33,7 +33,7 @@ def apply_compile(model: nn.Module) -> None:
     the same, so checkpoints, hooks and the precision map see the same model). Per block, as in
     torchtitan: the blocks are alike, so they share compiled code, and FSDP2's per-block hooks stay
     outside the compiled regions."""
-    for block in model.blocks:
+    for block in model.blocks.children():  # a GPT's ModuleList or a pipeline stage's ModuleDict
         block.compile()
 
 
@@ -59,7 +59,7 @@ def apply_fsdp(model: nn.Module, train: TrainConfig, mesh, device: torch.device)
 
     reshard = train.strategy != "zero2"
     policy = mixed_precision_policy(train)
-    blocks = list(model.blocks)
+    blocks = list(model.blocks.children())  # a GPT's ModuleList or a pipeline stage's ModuleDict
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first thing in backward: keep them (torchtitan).
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and i < len(blocks) - 1)

@@ -6,6 +6,10 @@ batch, never on the world size), then grad-norm clipping and AdamW. Loss and gra
 global (averaged / computed across data-parallel ranks), so every rank sees the same numbers and
 can take the same decision (skip a step, cut the LR, roll back).
 
+With train.tp or train.pp > 1 the model is split (dtrain.train.model_parallel): each
+data-parallel replica is tp x pp ranks that read the same batch, and a step's micro-batches run as
+gradient accumulation (pp = 1) or as one pipeline-schedule step (pp > 1).
+
 Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
 around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
 """
@@ -44,14 +48,17 @@ class Trainer:
     def __init__(self, ctx, train: TrainConfig, model_cfg: GPTConfig, *, linear_factory=None,
                  autocast: Callable[[], ContextManager] | None = None, grad_scaler=None,
                  callbacks: Sequence[Callback] = (), peak_flops: tuple[float, str] | None = None):
-        self.ctx, self.train, self.model_cfg = ctx, train.validate(ctx.world_size), model_cfg
+        self.ctx, self.train, self.model_cfg = ctx, train.validate(ctx.world_size).validate_model(model_cfg), model_cfg
         self.device, self.world_size = ctx.device, ctx.world_size
+        self.dims = train.dims(ctx.world_size)
+        if self.dims.model_parallel and grad_scaler is not None:
+            raise UserError("a grad scaler (fp16) is not supported with train.tp / train.pp > 1: use bf16 or fp32")
         self.callbacks = list(callbacks)
         self.requeue = requeue.enabled(ctx.cfg)  # inside a Slurm job: stop, checkpoint and requeue on a signal
         if self.requeue:  # first, so a stop happens before any other callback acts on the step
             self.callbacks.insert(0, preemption.StopOnSignal())
         self.grad_scaler = grad_scaler
-        self.autocast = autocast or self._default_autocast()
+        self.parallel = None  # the ModelParallel when tp or pp > 1
         self.step = 0          # optimizer steps completed
         self.lr_scale = 1.0    # multiplier on the scheduled LR (a callback may cut it)
         self.last_checkpoint = None
@@ -64,12 +71,25 @@ class Trainer:
         if data.vocab_size > model_cfg.vocab_size:
             raise UserError(f"dataset {train.dataset!r} has vocab {data.vocab_size} > model vocab_size="
                             f"{model_cfg.vocab_size}: raise model.vocab_size")
-        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=ctx.rank,
-                                    world_size=ctx.world_size, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
+        dp_rank = ctx.rank
+        if self.dims.model_parallel:
+            self.dims.build_mesh(self.device.type)
+            dp_rank = self.dims.dp_rank  # ranks of one tp x pp replica read the same batch
+        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=dp_rank,
+                                    world_size=self.dims.dp, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
         torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every strategy
-        self.model = parallelize(GPT(model_cfg, linear_factory), train, ctx.world_size, self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2),
-                                           weight_decay=train.weight_decay, foreach=True)
+        adamw = dict(lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay, foreach=True)
+        if self.dims.model_parallel:
+            from dtrain.train.model_parallel import ModelParallel, OptimizerParts
+
+            self.parallel = ModelParallel(GPT(model_cfg, linear_factory), train, self.dims, self.device)
+            self.model, self.model_parts = self.parallel.module, self.parallel.parts
+            self.optimizer = OptimizerParts(self.model_parts, **adamw)
+        else:
+            self.model = parallelize(GPT(model_cfg, linear_factory), train, ctx.world_size, self.device)
+            self.model_parts = [self.model]
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
+        self.autocast = autocast or self._default_autocast()
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
         self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
@@ -82,7 +102,8 @@ class Trainer:
 
     def _default_autocast(self) -> Callable[[], ContextManager]:
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); single/ddp use autocast for bf16.
-        if self.train.mixed_precision == "bf16" and not self.train.sharded:
+        fsdp = self.parallel.fsdp if self.parallel else self.train.sharded
+        if self.train.mixed_precision == "bf16" and not fsdp:
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext
 
@@ -126,6 +147,18 @@ class Trainer:
             (self.grad_scaler.scale(scaled) if self.grad_scaler else scaled).backward()
         return loss.detach()
 
+    def _model_parallel_step(self, step: int) -> tuple[float, float]:
+        """Forward + backward of all micro-batches on a split model; the loss is the mean over the
+        ranks holding the last stage (tp copies of it are equal, dp replicas are averaged)."""
+        batches = [tuple(t.to(self.device, non_blocking=True) for t in self.batcher.next())
+                   for _ in range(self.train.grad_accum)]
+        local = self.parallel.forward_backward(batches, self.autocast)
+        self._call("after_backward", step)
+        total = (local if local is not None else torch.zeros(())).to(self.device, torch.float32).reshape(())
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        loss = float(total) / (self.world_size // self.dims.pp)
+        return loss, self.parallel.clip_grad_norm(self.train.grad_clip)
+
     def _clip_and_norm(self) -> float:
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
@@ -155,14 +188,17 @@ class Trainer:
             group["lr"] = lr
         watch = Stopwatch(self.device)
         watch.start()
-        losses = [self._micro_step(m) for m in range(self.train.grad_accum)]
-        self._call("after_backward", step)
-        local_loss = torch.stack(losses).float().mean()
-        if self.world_size > 1:
-            dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
-            local_loss /= self.world_size
-        loss = float(local_loss)
-        grad_norm = self._clip_and_norm()
+        if self.parallel is not None:
+            loss, grad_norm = self._model_parallel_step(step)
+        else:
+            losses = [self._micro_step(m) for m in range(self.train.grad_accum)]
+            self._call("after_backward", step)
+            local_loss = torch.stack(losses).float().mean()
+            if self.world_size > 1:
+                dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
+                local_loss /= self.world_size
+            loss = float(local_loss)
+            grad_norm = self._clip_and_norm()
         take = all(r is not False for r in self._call("before_optimizer_step", step, loss, grad_norm))
         if take:
             if self.grad_scaler is not None:
@@ -219,15 +255,16 @@ class Trainer:
             self._offset_due = self.step
             if self._recorded == self.step:
                 self._note_offset()
-        path = checkpoint.save(checkpoint.step_dir(root, self.step), self.model, self.optimizer, self._trainer_state())
+        path = checkpoint.save(checkpoint.step_dir(root, self.step), self.model_parts, self.optimizer,
+                               self._trainer_state())
         self.last_checkpoint = str(path)
         self.ctx.writer.event("checkpoint_saved", step=self.step, path=str(path))
         return self.last_checkpoint
 
     def load_checkpoint(self, path) -> None:
         path = checkpoint.resolve(path)
-        checkpoint.check_compatible(path, self.model, self.train.steps)
-        state = checkpoint.load(path, self.model, self.optimizer, self._trainer_state())
+        checkpoint.check_compatible(path, self.model_parts, self.train.steps)
+        state = checkpoint.load(path, self.model_parts, self.optimizer, self._trainer_state())
         try:
             self.batcher.load_state_dict(state["data"])
         except ValueError as e:
@@ -283,5 +320,7 @@ class Trainer:
                 "flops_per_token": self.flops_per_token, "model_params": self.model_params,
                 "peak_mem_bytes": peak_memory_bytes(self.device), "global_batch": self.batcher.global_batch,
                 "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
+                "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
                 "mixed_precision": self.train.mixed_precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
                 "last_checkpoint": self.last_checkpoint}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dtrain.errors import UserError
 from dtrain.model import Attention, Block, MLP, causal_attention
-from tp_attention.layers import ColumnParallelLinear, RowParallelLinear
+from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:

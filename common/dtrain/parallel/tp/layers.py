@@ -13,6 +13,9 @@ reduce-scatter on exit.
 the input-gradient all-reduce (reduce-scatter with SP) and computes the weight gradient while it
 runs (picotron's LinearWithAsyncAllReduce, Megatron's gradient_accumulation_fusion path).
 
+Parameters may be plain tensors (this rank's shard) or DTensors on the tp mesh (the trainer's
+layout, so FSDP2 and DCP see global shapes); the GEMMs always run on the local shard.
+
 Parameters whose gradients are partial sums across ranks carry `param.grad_allreduce = (group,
 rows)`; `allreduce_partial_grads(module)` sums them after backward (one bucket per group).
 """
@@ -22,7 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tp_attention import comm, ops
+from dtrain.parallel.tp import comm, ops
+
+
+def local_shard(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a parameter: a DTensor's local tensor (differentiable), else itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _LinearAsyncGradReduce(torch.autograd.Function):
@@ -97,11 +105,11 @@ class ColumnParallelLinear(nn.Module):
         return ops.copy_to_region(x, self.group)
 
     def local(self, x_entered: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_entered, self.weight, self.bias)
+        return F.linear(x_entered, local_shard(self.weight), local_shard(self.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.async_grad_allreduce:
-            return _LinearAsyncGradReduce.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
+            return _LinearAsyncGradReduce.apply(x, local_shard(self.weight), local_shard(self.bias), self.group, self.sequence_parallel)
         y = self.local(self.enter(x))
         return ops.gather_from_hidden(y, self.group) if self.gather_output else y
 
@@ -136,12 +144,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = ops.scatter_to_hidden(x, self.group)
-        y = F.linear(x, self.weight)  # partial sums: the bias must wait for the reduction
+        y = F.linear(x, local_shard(self.weight))  # partial sums: the bias must wait for the reduction
         if self.sequence_parallel:
             y = ops.reduce_scatter_to_sequence(y, self.group)
         else:
             y = ops.reduce_from_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + local_shard(self.bias)
 
 
 @torch.no_grad()

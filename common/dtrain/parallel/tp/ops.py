@@ -9,6 +9,11 @@ Each is an autograd function whose backward is the forward of its partner:
     gather_from_sequence    fwd all-gather dim 1 (seq)    bwd reduce-scatter dim 1   (SP enter)
     reduce_scatter_to_sequence  fwd reduce-scatter dim 1  bwd all-gather dim 1       (SP leave)
     scatter_to_sequence     fwd keep own seq slice        bwd all-gather dim 1       (into SP)
+    gather_sequence_to_replicated  fwd all-gather dim 1   bwd keep own seq slice     (out of SP)
+
+The last two bracket a stack of SP blocks whose surroundings run replicated on every tp rank
+(the trainer's embeddings and head): the replicated gradient is the same on every rank, so
+leaving SP keeps a slice of it instead of summing tp copies.
 
 Activations are (batch, seq, hidden). With one rank in the group every operator is the identity.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tp_attention import comm
+from dtrain.parallel.tp import comm
 
 
 def _rank(group) -> int:
@@ -138,6 +143,17 @@ class _ScatterToSequence(torch.autograd.Function):
         return all_gather_dim(grad, 1, ctx.group), None
 
 
+class _GatherSequenceToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return own_slice(grad, 1, ctx.group), None
+
+
 def copy_to_region(x, group):
     return _CopyToRegion.apply(x, group)
 
@@ -164,3 +180,7 @@ def reduce_scatter_to_sequence(x, group):
 
 def scatter_to_sequence(x, group):
     return _ScatterToSequence.apply(x, group)
+
+
+def gather_sequence_to_replicated(x, group):
+    return _GatherSequenceToReplicated.apply(x, group)

@@ -1,0 +1,52 @@
+"""A plan as Hydra overrides for the shared trainer (`python -m fsdp_scaling <overrides>`).
+
+    world_size = dp·tp·pp                   train.tp, train.pp
+    virtual_stages v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; else 1f1b, or
+                      gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
+    ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3
+    recompute none -> activation_checkpointing=none; selective or full -> block (whole blocks:
+                      the trainer's only recompute granularity)
+    micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
+    precision bf16 / fp8 -> mixed_precision=bf16 (FP8 recipes are fp8-train's)
+    the model's layers, hidden, heads, kv heads, seq -> model.n_layer, d_model, n_head, n_kv_head, seq_len
+
+    sequence_parallel -> train.sequence_parallel
+
+What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
+selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP.
+"""
+from __future__ import annotations
+
+from .memory import Layout, ModelShape
+
+STRATEGY_OF_ZERO = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
+
+
+def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precision: str = "bf16",
+                    preset: str = "small") -> tuple[list[str], list[str]]:
+    """(overrides, notes) for `layout` of `model`; the overrides run as is with fsdp-scaling."""
+    world = layout.dp * layout.tp * layout.pp
+    strategy = "single" if world == 1 else STRATEGY_OF_ZERO[layout.zero_stage]
+    schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b" if layout.grad_accum >= layout.pp else "gpipe"
+    out = [f"world_size={world}", f"train.strategy={strategy}", f"train.tp={layout.tp}", f"train.pp={layout.pp}",
+           f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.virtual_stages}",
+           f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
+           f"train.activation_checkpointing={'none' if layout.recompute == 'none' else 'block'}",
+           f"train.mixed_precision={'fp32' if precision == 'fp32' else 'bf16'}",
+           f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
+           f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
+           f"model.n_head={model.n_head}", f"model.n_kv_head={model.n_kv_head}", f"model.seq_len={model.seq_len}"]
+    notes = []
+    if layout.zero_stage == 1:
+        notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
+    if layout.recompute == "selective":
+        notes.append("selective recompute runs as whole-block checkpointing")
+    if precision == "fp8":
+        notes.append("fp8 runs as bf16 here; FP8 recipes are in fp8-train")
+    if model.gated_mlp:
+        notes.append("the trainer's GPT has a GELU MLP: the gated MLP runs as GELU 4x")
+    from dtrain.model import PRESETS
+
+    if PRESETS[preset].vocab_size != model.vocab:
+        notes.append(f"vocabulary: the {preset} preset's {PRESETS[preset].vocab_size}, not {model.vocab}")
+    return out, notes

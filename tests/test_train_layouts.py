@@ -1,0 +1,157 @@
+"""DP x TP (+SP) x PP in the shared trainer: 5-step losses equal the single-process run (fp32, gloo),
+checkpoints resume exactly on the same and on another layout, bad layouts are one-line errors.
+
+Several trainings run inside one launch (each spawn costs seconds); the model is the tiny GPT
+with 4 layers (so 2 ranks x 2 virtual stages fit), global batch 4 = 4 micro-batches of 1."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from dtrain.errors import UserError
+from dtrain.launch import launch
+from dtrain.model import GPTConfig
+from dtrain.train import Callback, Trainer, TrainConfig
+
+STEPS = 5
+MODEL = GPTConfig.from_preset("tiny", n_layer=4)
+
+
+def base_cfg(world_size: int, **extra):
+    return OmegaConf.create({"launcher": "local", "world_size": world_size, "backend": "gloo", "device": "cpu",
+                             "seed": 0, "dist_timeout_s": 300, "threads_per_rank": 1, "subproject": "test", **extra})
+
+
+def train_of(**kw) -> TrainConfig:
+    return TrainConfig(**{"steps": STEPS, "micro_batch": 1, "global_batch": 4, "log_every": 0,
+                          "dataset_tokens": 20_000, "timing_warmup": 0, "strategy": "zero3", **kw})
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses, self.grad_norms = [], []
+
+    def on_step_end(self, trainer, step, metrics):
+        self.losses.append(metrics["loss"])
+        self.grad_norms.append(metrics["grad_norm"])
+
+
+def many_layouts(ctx) -> dict:
+    """Every layout in ctx.cfg.specs in turn: its per-step losses, grad norms, last checkpoint."""
+    out = {}
+    for name, spec in ctx.cfg.specs.items():
+        seen = Losses()
+        trainer = Trainer(ctx, train_of(**OmegaConf.to_container(spec)), MODEL, callbacks=[seen])
+        trainer.run()
+        out[name] = {"losses": seen.losses, "grad_norms": seen.grad_norms, "checkpoint": trainer.last_checkpoint}
+    return out
+
+
+def run_specs(tmp_path, world_size: int, specs: dict) -> dict:
+    run_dir = tmp_path / f"ws{world_size}-{'-'.join(specs)}"
+    run_dir.mkdir()
+    return launch(many_layouts, base_cfg(world_size, specs=specs), run_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """The single-process losses every layout must reproduce."""
+    got = run_specs(tmp_path_factory.mktemp("ref"), 1, {"single": {"strategy": "single"}})["single"]["losses"]
+    assert len(got) == STEPS and got[-1] < got[0]
+    return got
+
+
+def test_two_rank_tp_and_pipeline_schedules_match_single(tmp_path, reference):
+    two = run_specs(tmp_path, 2, {
+        "tp2": {"tp": 2},
+        "tp2_sp": {"tp": 2, "sequence_parallel": True},
+        "pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+        "pp2_interleaved_1f1b": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
+    })
+    for name, res in two.items():
+        assert res["losses"] == pytest.approx(reference, abs=1e-5), name
+
+
+def test_four_rank_2d_layouts_match_single_and_resume_across_layouts(tmp_path, reference):
+    """dp2 x tp2 (FSDP2 over dp on top of TP), tp2 x pp2, and a tp2 x pp2 checkpoint resumed on dp4."""
+    ck = str(tmp_path / "ck")
+    four = run_specs(tmp_path, 4, {
+        "dp2_tp2": {"tp": 2},
+        "tp2_pp2": {"tp": 2, "pp": 2, "checkpoint_every": 3, "checkpoint_dir": ck},
+        "dp4_from_tp2_pp2": {"resume_from": f"{ck}/step-000003"},
+    })
+    for name in ("dp2_tp2", "tp2_pp2"):
+        assert four[name]["losses"] == pytest.approx(reference, abs=1e-5), name
+        assert four[name]["grad_norms"][0] > 0
+    assert four["dp4_from_tp2_pp2"]["losses"] == pytest.approx(reference[3:], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_more_layouts_match_single_and_resume(tmp_path, reference):
+    ck = str(tmp_path / "ck")
+    two = run_specs(tmp_path, 2, {
+        "pp2_gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+        "pp2_interleaved_zb": {"pp": 2, "pp_schedule": "interleaved_zb", "pp_virtual": 2},
+        "pp2_zbv": {"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
+        "tp2_ac": {"tp": 2, "activation_checkpointing": "block", "checkpoint_every": 3, "checkpoint_dir": ck},
+        "tp2_resumed": {"tp": 2, "resume_from": f"{ck}/step-000003"},
+        "pp2_interleaved_from_tp2": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2,
+                                     "resume_from": f"{ck}/step-000003"},
+    })
+    four = run_specs(tmp_path, 4, {
+        "dp2_pp2": {"pp": 2, "checkpoint_every": 3, "checkpoint_dir": ck + "4"},
+        "dp2_pp2_resumed": {"pp": 2, "resume_from": f"{ck}4/step-000003"},
+        "dp2_pp2_zbv": {"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
+        "dp2_tp2_ddp": {"tp": 2, "strategy": "ddp"},
+        "dp2_tp2_zero2": {"tp": 2, "strategy": "zero2"},
+        "dp2_tp2_sp": {"tp": 2, "sequence_parallel": True},
+        "tp2_pp2_sp_interleaved_zb": {"tp": 2, "pp": 2, "sequence_parallel": True, "pp_schedule": "interleaved_zb",
+                                      "pp_virtual": 2},
+        "dp2_pp2_interleaved_ddp": {"pp": 2, "strategy": "ddp", "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
+    })
+    one = run_specs(tmp_path, 1, {"single_from_dp2_pp2": {"strategy": "single", "resume_from": f"{ck}4/step-000003"}})
+    for name in ("pp2_gpipe", "pp2_interleaved_zb", "pp2_zbv", "tp2_ac"):
+        assert two[name]["losses"] == pytest.approx(reference, abs=1e-5), name
+    for name in ("dp2_pp2", "dp2_pp2_zbv", "dp2_tp2_ddp", "dp2_tp2_zero2", "dp2_pp2_interleaved_ddp", "dp2_tp2_sp",
+                 "tp2_pp2_sp_interleaved_zb"):
+        assert four[name]["losses"] == pytest.approx(reference, abs=1e-5), name
+    for resumed in (two["tp2_resumed"], two["pp2_interleaved_from_tp2"], four["dp2_pp2_resumed"],
+                    one["single_from_dp2_pp2"]):
+        assert resumed["losses"] == pytest.approx(reference[3:], abs=1e-5)
+
+
+@pytest.mark.parametrize("world_size,overrides,model,message", [
+    (4, {"tp": 3}, MODEL, "world_size=4 is not divisible by train.tp x train.pp = 3 x 1"),
+    (8, {"tp": 8}, MODEL, "train.tp=8: n_head=4 is not divisible by tp=8"),
+    (2, {"tp": 2}, GPTConfig.from_preset("tiny", n_head=4, n_kv_head=1),
+     "train.tp=2 > model.n_kv_head=1"),
+    (4, {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2, "global_batch": 8}, MODEL,
+     "model.n_layer=4 < pipeline stages = train.pp x train.pp_virtual = 4 x 2 = 8"),
+    (2, {"pp": 2, "global_batch": 1}, MODEL, "pipeline micro-batches (train.grad_accum=1) < train.pp=2"),
+    (2, {"pp": 2, "pp_schedule": "zbv"}, MODEL, "train.pp_schedule=zbv needs exactly train.pp_virtual=2"),
+    (2, {"pp": 2, "pp_schedule": "1f1b", "pp_virtual": 2}, MODEL, "train.pp_schedule=1f1b runs one stage per rank"),
+    (2, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, MODEL, "needs train.pp_virtual >= 2"),
+    (2, {"pp_schedule": "dualpipe"}, MODEL, "train.pp_schedule='dualpipe' is unknown"),
+    (2, {"sequence_parallel": True}, MODEL, "train.sequence_parallel=true needs train.tp > 1"),
+    (2, {"tp": 2, "sequence_parallel": True}, GPTConfig.from_preset("tiny", seq_len=63), "model.seq_len=63 is not divisible"),
+    (2, {"pp": 2}, GPTConfig.from_preset("tiny", n_layer=4, tie_embeddings=True), "needs model.tie_embeddings=false"),
+    (1, {"tp": 2, "strategy": "single"}, MODEL, "world_size=1 is not divisible by train.tp x train.pp = 2 x 1"),
+    (8, {"tp": 2, "global_batch": 6}, MODEL, "train.global_batch=6 is not divisible by train.micro_batch x "
+                                             "data-parallel ranks = 1 x 4 = 4"),
+])
+def test_bad_layouts_are_one_line_errors(world_size, overrides, model, message):
+    with pytest.raises(UserError) as e:
+        train_of(**overrides).validate(world_size).validate_model(model)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layout_dimensions_and_stage_split():
+    from dtrain.parallel.mesh import ParallelDims
+    from dtrain.parallel.pipeline import split_layers, stages_of_rank
+
+    dims = ParallelDims(16, tp=2, pp=2, dp_replicate=2)
+    assert (dims.dp, dims.dp_shard, dims.describe) == (4, 2, "dp4xtp2xpp2")
+    assert dims.dims() == [("pp", 2), ("replicate", 2), ("shard", 2), ("tp", 2)]
+    assert ParallelDims(4, tp=2, pp=2).dims() == [("pp", 2), ("tp", 2)]
+    assert [len(r) for r in split_layers(7, 3)] == [2, 3, 2] and split_layers(7, 3)[2] == range(5, 7)
+    assert stages_of_rank(1, 4, "zbv", 2) == [1, 6] and stages_of_rank(1, 4, "interleaved_1f1b", 2) == [1, 5]
