@@ -79,14 +79,7 @@ def sum_partial_grads(part: nn.Module, names: set[str], tp_group) -> None:
     """All-reduce over tp the gradients of the named parameters (one flat bucket; local shards,
     so it also works after FSDP2 has reduce-scattered them over dp)."""
     grads = [local_shard(p.grad) for n, p in part.named_parameters() if _plain_name(n) in names and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, tp_group, tag=comm.GRAD_SYNC)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    comm.all_reduce_flat(grads, tp_group, tag=comm.GRAD_SYNC)
 
 
 def _plain_name(name: str) -> str:

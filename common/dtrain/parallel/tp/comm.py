@@ -100,6 +100,18 @@ def all_reduce(t: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = F
     return _ProfiledWork(work) if async_op else None
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group, tag: str) -> None:
+    """Sum `tensors` in place over `group` with one collective (one flat bucket, as DDP does)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group, tag=tag)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = False):
     """`out` (n * inp.numel() elements) = every rank's `inp`, rank order, concatenated flat."""
     n = group_size(group)

@@ -165,9 +165,4 @@ def allreduce_partial_grads(module: nn.Module) -> None:
         group, rows = spec
         buckets.setdefault(id(group), (group, []))[1].append(p.grad if rows is None else p.grad[rows])
     for group, grads in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group, tag=comm.GRAD_SYNC)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        comm.all_reduce_flat(grads, group, tag=comm.GRAD_SYNC)
