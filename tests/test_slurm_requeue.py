@@ -152,13 +152,16 @@ def test_usr2_checkpoints_and_requeues_through_submitit(tmp_path, slurm_cluster)
 
 @pytest.mark.slow
 def test_time_limit_signal_requeues_and_resumes(tmp_path, slurm_cluster):
-    """A real 1-minute limit: Slurm sends USR2 signal_delay_s before it (checked every ~30 s), the
-    job checkpoints and requeues; the requeued job gets a longer limit here so it can finish."""
+    """A real 2-minute limit: Slurm sends USR2 signal_delay_s before it (checked every ~30 s), the
+    job checkpoints and requeues; the requeued job gets a longer limit here so it can finish.
+    The signal is due 30 s in, after the tasks have installed their handlers (a USR2 that lands
+    while submitit is still unpickling the task kills it: Slurm's default action), and training
+    (~100 s idle, ~25 steps/s) outlasts the latest the signal can come (~60 s)."""
     print(f"seed={SEED}")
-    steps = 1000
+    steps = 2500
     reference = reference_losses("fsdp_scaling", steps, tmp_path)
     out = tmp_path / "run"
-    proc, log = start("fsdp_scaling", steps, out, "slurm.time_min=1", "slurm.signal_delay_s=50")
+    proc, log = start("fsdp_scaling", steps, out, "slurm.time_min=2", "slurm.signal_delay_s=90")
     job = None
     try:
         job = job_id(log, proc, out)
@@ -167,7 +170,7 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, slurm_cluster):
             f = next(out.rglob("events.jsonl"), None)
             return f is not None and '"preempted"' in f.read_text()
 
-        wait_until("preempted event", stopped, proc, log, timeout=150)
+        wait_until("preempted event", stopped, proc, log, timeout=200)
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True)
         ev = finish_and_check(proc, log, out, reference, steps)
     finally:
