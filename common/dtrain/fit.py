@@ -11,6 +11,7 @@ It only refuses when the estimate exceeds everything available.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 
@@ -56,13 +57,11 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
 
 
 def available_host_bytes() -> float:
-    try:
+    with contextlib.suppress(OSError):  # no /proc (not Linux): fall back to sysconf
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return float(line.split()[1]) * 1024
-    except OSError:
-        pass
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
