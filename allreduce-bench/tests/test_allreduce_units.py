@@ -5,11 +5,12 @@ from omegaconf import OmegaConf
 
 from allreduce_bench import collectives, groups, spec, sweep
 from allreduce_bench.busbw import layout
+from allreduce_bench.conf import AllreduceBenchConfig
 from dtrain.errors import UserError
 
 
 def cfg(**over):
-    base = OmegaConf.load(spec.__file__.replace("spec.py", "conf/config.yaml"))
+    base = OmegaConf.structured(AllreduceBenchConfig)
     base.world_size = 2
     for k, v in over.items():
         OmegaConf.update(base, k, v)

@@ -157,9 +157,13 @@ def _precheck_results_dir(argv: list[str]) -> None:
 
 def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"):
     """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`."""
+    import importlib
+
     import hydra
 
     from dtrain import precheck
+
+    importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
 
     def validate_point(cfg: DictConfig) -> None:  # what run_app checks, for every point of a sweep
         check_base(cfg)

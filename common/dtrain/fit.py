@@ -47,7 +47,7 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     layout = Layout(dp=max(dp, 1), tp=1, pp=1, zero_stage=ZERO_STAGE.get(strategy, 3) if world_size > 1 else 0,
                     recompute=recompute, micro_batch=train.micro_batch, grad_accum=train.grad_accum)
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
-    factor = 2.0 if train.mixed_precision == "fp32" else 1.0
+    factor = 2.0 if train.precision != "bf16" else 1.0  # auto: as fp32 (the larger)
     shape = shape_of(model)
     m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True)
     states = sum(fsdp2_state_bytes(params_per_gpu(shape, 1, 1), layout.zero_stage, layout.dp))
