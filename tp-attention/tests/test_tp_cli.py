@@ -55,11 +55,6 @@ def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
     (["tp=4"], "tp=4 is larger than world_size=2"),
     (["sequence_parallel=true", "model.seq_len=15"], "model.seq_len=15 divisible by tp=2"),
     (["seq=16"], "seq was renamed: use model.seq_len"),
-    (["dtype=bfloat16"], "dtype was renamed: use precision"),
-    (["batch=2"], "batch was renamed: use micro_batch"),
-    (["warmup=1"], "warmup was renamed: use timing_warmup"),
-    (["profile_steps=1"], "profile_steps was renamed: use profile.steps"),
-    (["n_kv_head=2"], "n_kv_head was renamed: use model.n_kv_head"),
     (["precision=float32"], "precision='float32' is not one of fp32, bf16"),
 ])
 def test_bad_input_is_one_line_exit_2_no_run_dir(tmp_path, args, message):
