@@ -147,3 +147,9 @@ def test_cli_old_key_is_one_line_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: precision was renamed: use train.precision"]
     assert not list(tmp_path.rglob("config.yaml"))
+
+
+def test_precision_auto_is_bf16_on_gpu_fp32_on_cpu():
+    t = TrainConfig(precision="auto")
+    assert (t.precision_on("cuda"), t.precision_on("cpu")) == ("bf16", "fp32")
+    assert TrainConfig(precision="bf16").precision_on("cpu") == "bf16"  # an explicit choice is kept

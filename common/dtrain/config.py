@@ -146,5 +146,5 @@ def renamed_key(key: str, renamed: dict[str, str]) -> str | None:
     key = key.lstrip("+~").split("=", 1)[0]
     for old, new in renamed.items():
         if key == old or key.startswith(old + "."):
-            return new + key[len(old):] if key != old and not new.endswith(")") and "," not in new else new
+            return new if "," in new else new + key[len(old):]  # debug.freq -> fp8_debug.freq
     return None

@@ -1,8 +1,9 @@
 """Checks on the command line before Hydra starts (Hydra creates run directories and prints its
 own multi-line errors with exit code 1; the project promises one `error:` line and exit 2).
 
-    check_overrides(...)  every override parses and composes (an unknown key is one line); in a
-                          sweep (-m) every point is also validated before any point runs
+    check_overrides(...)  every override parses and composes against the typed config (an unknown
+                          or renamed key, a wrong type is one line); in a sweep (-m) every point is
+                          also validated before any point runs
     check_run_dirs(argv)  an explicit hydra.run.dir / hydra.sweep.dir already used by a run is
                           refused before Hydra writes its bookkeeping into it (rundir.claim is the
                           atomic guarantee; this keeps the old run's .hydra/ intact)
@@ -105,8 +106,9 @@ def _typed_message(e: BaseException) -> str | None:
 
 
 def check_overrides(config_module: str, config_name: str, argv: list[str],
-                    validate: Callable[[DictConfig], None] | None, renamed: dict[str, str] | None = None) -> None:
-    """Raise UserError on an override Hydra would reject; in a sweep, on any invalid point."""
+                    validate: Callable[[DictConfig], None] | None) -> None:
+    """Raise UserError on a renamed key (the conf module's `RENAMED`) or an override Hydra would reject;
+    in a sweep, on any invalid point."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -115,7 +117,7 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
     if not checkable:
         return
     conf = importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
-    check_renamed(overrides, getattr(conf, "RENAMED", {}) if renamed is None else renamed)
+    check_renamed(overrides, getattr(conf, "RENAMED", {}))
     try:
         points = sweep_points(overrides) if multirun else [overrides]
     except (HydraException, OmegaConfBaseException) as e:
