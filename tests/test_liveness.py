@@ -156,7 +156,7 @@ def test_bad_heartbeat_timeout_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dtrain.selftest", "heartbeat_timeout_s=-1", f"results_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: heartbeat_timeout_s=-1 must be a number of seconds > 0, "
+    assert out.stderr.strip() == ("error: heartbeat_timeout_s=-1.0 must be a number of seconds > 0, "
                                   "or null to turn it off")
 
 
