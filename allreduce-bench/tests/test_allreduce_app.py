@@ -72,7 +72,8 @@ def test_topology_report_and_env(full_run):
     _, run = full_run
     assert "No NVIDIA GPU" in (run.path / "TOPOLOGY.md").read_text()
     env = json.loads((run.path / "env.json").read_text())
-    assert env["topology"]["source"] == "none" and env["topology"]["nodes"] == 1  # dtrain's keys kept
+    assert env["topology"] == {"gpus_per_node": 0, "nodes": 1}  # the launcher's env.json, never rewritten
+    assert run.summary["topology"]["source"] == "none" and run.summary["topology"]["host_cpu"]["logical_cpus"] >= 1
     assert env["backend"] == "gloo" and (run.path / "alpha_beta_fit.png").stat().st_size > 0
 
 

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import dist as ddist
-from dtrain import perf
+from dtrain import contract, perf
 from dtrain.errors import UserError
 from dtrain.fit import check_fits
 from dtrain.launch import mode_of
@@ -98,11 +99,8 @@ def rank_fn(ctx) -> dict:
     return {**result, "recipe": cfg.recipe, "fp8_backend": numerics.backend, "precision": numerics.precision,
             "nan_events": guard.nan_events if guard else 0, "rollbacks": guard.rollbacks if guard else 0,
             "high_precision_layers": high, "switched_to_high_precision": guard.switched if guard else [],
-            "notes": numerics.notes, "device": str(ctx.device), "backend": ctx.backend, "gpu_name": gpu_name(ctx.device)}
-
-
-def gpu_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            "notes": numerics.notes, "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,
+            "model": dataclasses.asdict(model_cfg), "train": train.to_dict()}
 
 
 def step_rows(run_dir: Path) -> list[dict]:
@@ -142,4 +140,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
              "nan_events": int(result["nan_events"]), "high_precision_layers": result["high_precision_layers"],
              "device": result["device"], "backend": result["backend"], "fp8_backend": result["fp8_backend"],
              "gpu_name": result["gpu_name"]}
-    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"), "guide": guide}
+    measured = contract.training_measurement(result, result.pop("model"), result.pop("train"),
+                                             contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+                                             precision=result["precision"], recipe=cfg.recipe)
+    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"), "guide": guide,
+            "guide_inputs": [measured]}

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import py
 
+from dtrain import contract
 from dtrain.model import GPTConfig, num_params
 from dtrain.results import find_runs, load, load_events
 
@@ -36,6 +37,9 @@ def test_run_writes_guide_debug_records_and_dashboard(trained):
     assert g["recipe"] == "emulated_delayed" and g["precision"] == "fp32" and g["device"] == "cpu"
     assert g["backend"] == "gloo" and g["nan_events"] == 0 and g["final_loss"] < 5.6  # ln(256) = 5.55 at init
     assert {"tok_emb", "pos_emb", "lm_head"} <= set(g["high_precision_layers"])
+    [m] = contract.read(summary)  # the typed guide input, as calibration reads it
+    assert isinstance(m, contract.TrainingMeasurement) and (m.recipe, m.precision) == ("emulated_delayed", "fp32")
+    assert m.tokens_per_s == g["tokens_per_s"] and m.layout.world_size == 2 and m.where.device == "cpu"
     debug = load([run], kind="fp8_debug")
     assert set(debug["step"]) == {5, 10}
     assert set(debug["tensor"]) == {"activation", "weight", "gradient"} and set(debug["recipe"]) == {"delayed", "current"}
@@ -122,15 +126,15 @@ def test_compare_writes_report_and_guide(tmp_path):
            "debug.enabled=false", *QUIET, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     out = next((tmp_path / "fp8-train").glob("compare-*"))
-    guide = json.loads((out / "summary.json").read_text())["guide"]
-    assert guide["baseline"] == "fp32" and set(guide["recipes"]) == {"emulated_current"}
-    rec = guide["recipes"]["emulated_current"]
-    assert {"speedup", "memory_factor", "final_loss_mean", "final_loss_std", "within_noise", "emulated"} == set(rec)
-    assert rec["emulated"] is True
-    assert "lm_head" in guide["keep_high_precision"] and guide["device"] == "cpu"
+    summary = json.loads((out / "summary.json").read_text())
+    [rec] = contract.read(summary)  # one comparison per FP8 recipe
+    assert isinstance(rec, contract.Fp8Comparison) and (rec.recipe, rec.baseline) == ("emulated_current", "fp32")
+    assert rec.emulated is True and rec.seeds == 2 and rec.where.device == "cpu"
+    assert "lm_head" in rec.keep_high_precision
     report = (out / "report.md").read_text()
     assert "Within noise: |mean_r - mean_fp32| <= 2 x std_fp32" in report and (out / "loss_curves.png").exists()
-    assert len(find_runs([out / "runs"])) == 4
+    sources = find_runs([out / "runs"])
+    assert len(sources) == 4 and sorted(contract.derived_from(summary, out)) == sorted(r.path.resolve() for r in sources)
 
 
 def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):

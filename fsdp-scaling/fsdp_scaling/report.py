@@ -1,7 +1,8 @@
 """`python -m fsdp_scaling.report RUN_DIRS... [--out DIR]`: the scaling study over many runs.
 
 Loads complete runs through dtrain.results (single runs or Hydra multirun trees), then writes into
-one report directory (itself a run dir: config.yaml + summary.json, subproject fsdp-scaling):
+one report directory (a derived run, dtrain.derived: config.yaml, env.json, summary.json naming
+the runs it was made from in "derived_from"):
 
   scaling.csv                    one row per run: strategy, layout (tpNxppM), ranks, tokens/s, MFU,
                                  efficiency, vs-DDP ratio, step breakdown (compute, TP, PP, DP, idle)
@@ -9,7 +10,7 @@ one report directory (itself a run dir: config.yaml + summary.json, subproject f
   efficiency.png                 scaling efficiency against world size
   memory_per_strategy.png        measured parameter + gradient + optimizer bytes per rank
   overlap.png                    overlapped vs exposed communication per step
-  summary.json["guide"]          {"runs": [per-run guide dicts], "scaling_efficiency": {...}}
+  summary.json["study"]          {"runs": [per-run guide dicts], "scaling_efficiency": {...}}
 
 Scaling efficiency at N ranks, within a group of runs that differ only in world size
 (same strategy, tp x pp layout, model, sequence length, precision, and either the same global batch = strong
@@ -31,7 +32,7 @@ import pandas as pd
 
 from dtrain import plots, results
 from dtrain.errors import UserError
-from dtrain.metrics import write_config, write_summary
+from dtrain.derived import write_derived_run
 
 GROUP = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
 BREAKDOWN = ("compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "idle_s")  # overlap.step_breakdown
@@ -133,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or f"results/fsdp-scaling/report-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    write_config(out, {"subproject": "fsdp-scaling", "report": True, "inputs": [str(p) for p in args.paths]})
     cols = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "prefetch", "world_size", "tokens_per_s",
             "step_time_s", "mfu", "efficiency", "step_time_vs_ddp", "overlap_fraction", "exposed_comm_s",
             *BREAKDOWN, "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]
@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table.drop(columns=["run", "peak_flops_source"]).to_string(index=False))
     print(f"wrote {out / 'scaling.csv'}")
     write_plots(df, out)
-    write_summary(out, {"subproject": "fsdp-scaling", "status": "complete", "run_dir": str(out), "runs": len(guides),
-                        "guide": {"runs": guides, "scaling_efficiency": scaling_summary(df)}})
+    # a derived run: it names its runs, which keep their own guide inputs (nothing is published twice)
+    write_derived_run(out, "fsdp-scaling", [g["run"] for g in guides],
+                      {"report": True, "inputs": [str(p) for p in args.paths]}, {"runs": len(guides), "study": {"runs": guides, "scaling_efficiency": scaling_summary(df)}})
     print(f"report complete: {out}  (summary.json written)")
     return 0
 

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from dtrain import plots, results
+from dtrain import contract, plots, results
 from dtrain.plots import human_bytes
 
 STATE_KEYS = ("params", "grads", "optimizer")
@@ -84,5 +84,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         for k in STATE_KEYS:
             w.writerow([k, result["state_bytes"].get(k), result["state_bytes_formula"][k], result["state_bytes_ideal"][k]])
     plot_steps(run_dir)
+    measured = contract.training_measurement(result, result["model"], result["train"],
+                                             contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+                                             overlap=result.get("overlap"), breakdown=result.get("breakdown"))
     return {**{k: v for k, v in result.items() if k not in ("model", "train")}, "seq_len": result["model"]["seq_len"],
-            "guide": guide_of(result)}
+            "guide": guide_of(result), "guide_inputs": [measured]}

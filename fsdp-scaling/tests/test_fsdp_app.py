@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import py
-from dtrain import results
+from dtrain import contract, results
 
 GUIDE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
@@ -27,6 +27,9 @@ def test_sweep_then_report(tmp_path):
         assert g["world_size"] == 2 and g["backend"] == "gloo" and 0 < g["mfu"] < 1
         assert g["comm_s"] > 0 and 0 <= g["overlap_fraction"] <= 1
         assert (run.path / "steps.png").exists() and (run.path / "profile" / "trace.rank0.json.gz").exists()
+        [m] = contract.read(run.summary)  # the typed guide input calibration reads
+        assert (m.layout.strategy, m.layout.dp, m.step_time_s, m.mfu) == (g["strategy"], 2, g["step_time_s"], g["mfu"])
+        assert m.exposed_comm_s == g["exposed_comm_s"] and (m.breakdown is None) == (not g["breakdown"]) and m.recipe is None
     steps = results.load([tmp_path], kind="step")
     assert len(steps) == 12 and steps["loss"].notna().all()
     assert len(results.load([tmp_path], kind="overlap")) == 2
@@ -35,10 +38,14 @@ def test_sweep_then_report(tmp_path):
     rep = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(report_dir))
     assert rep.returncode == 0, rep.stderr[-2000:]
     summary = json.loads((report_dir / "summary.json").read_text())
-    assert summary["subproject"] == "fsdp-scaling" and len(summary["guide"]["runs"]) == 2
+    assert summary["subproject"] == "fsdp-scaling" and len(summary["study"]["runs"]) == 2
+    # a derived run: names its sources, publishes no copy of their guide inputs
+    assert sorted(contract.derived_from(summary, report_dir)) == sorted(
+        r.path.resolve() for r in results.complete_runs([tmp_path]) if r.path != report_dir)
+    assert contract.read(summary) == []
     for name in ("scaling.csv", "throughput_vs_ranks.png", "efficiency.png", "memory_per_strategy.png", "overlap.png"):
         assert (report_dir / name).exists(), name
-    eff = summary["guide"]["scaling_efficiency"]
+    eff = summary["study"]["scaling_efficiency"]
     assert all(v["efficiency"] == [1.0] for v in eff.values())  # one world size: each is its own baseline
     zero3 = next(v for k, v in eff.items() if k.startswith("zero3"))
     ddp_time = runs.loc[runs["summary.guide.strategy"] == "ddp", "summary.guide.step_time_s"].item()

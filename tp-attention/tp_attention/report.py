@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtrain import plots
+from dtrain import contract, plots
 
 TARGET_VS_DTENSOR = 0.75  # hand-rolled / DTensor step time at tp = 2
 TARGET_VS_SAME_THREADS = 1.3  # hand-rolled tp = 2 / one process with the same total threads
@@ -34,6 +34,18 @@ def guide_rows(cfg, entries: list[dict]) -> list[dict]:
             "batch": cfg.batch, "seq": cfg.seq, "d_model": cfg.d_model, "n_head": cfg.n_head,
             "n_kv_head": cfg.n_kv_head or cfg.n_head})
     return rows
+
+
+def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.TpMeasurement]:
+    """The rows as dtrain.contract records (what calibration and the local checks read)."""
+    where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
+    return [contract.TpMeasurement(
+        module=cfg.module, tp=r["tp"], sequence_parallel=r["sequence_parallel"], micro_batch=r["batch"],
+        seq_len=r["seq"], d_model=r["d_model"], n_head=r["n_head"], n_kv_head=r["n_kv_head"],
+        mlp_ratio=int(cfg.mlp_ratio), precision=str(cfg.dtype), step_time_s=r["step_time_s"],
+        single_rank_step_time_s=r["single_rank_step_time_s"], comm_share=r["comm_share"],
+        comm_bytes_per_layer=int(r["comm_bytes_per_layer"]), overhead_factor=r["overhead_factor"], where=where,
+        dtensor_step_time_s=r["dtensor_step_time_s"]) for r in rows]
 
 
 def targets(entries: list[dict]) -> list[dict]:
@@ -114,6 +126,8 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
         print(f"targets at tp=2, SP={'on' if t['sequence_parallel'] else 'off'}: "
               f"hand/DTensor {_x(t['handrolled_over_dtensor'])} (<= {TARGET_VS_DTENSOR}), "
               f"hand/same-threads {_x(t['handrolled_over_same_threads'])} (<= {TARGET_VS_SAME_THREADS})")
+    rows = guide_rows(cfg, entries)
     return {"device": result["device"], "backend": result["backend"], "threads_per_rank": result["threads_per_rank"],
-            "guide": {"tp_overhead": guide_rows(cfg, entries), "device": result["device"], "backend": result["backend"]},
+            "guide": {"tp_overhead": rows, "device": result["device"], "backend": result["backend"]},
+            "guide_inputs": guide_inputs(cfg, rows, result),
             "targets": checked, "entries": entries}
