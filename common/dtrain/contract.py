@@ -101,6 +101,9 @@ class StepBreakdown:
     idle_s: float
 
 
+MODEL_SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio")  # GPTConfig's
+
+
 @dataclass(frozen=True)
 class TrainingMeasurement:
     """One training run of the shared trainer: model, layout, step time and where it went.
@@ -129,12 +132,10 @@ class TrainingMeasurement:
     breakdown: StepBreakdown | None = None
 
     def __post_init__(self):
-        from dtrain.model import GPTConfig
-
-        try:
-            GPTConfig(**self.model)
-        except (TypeError, ValueError) as e:
-            raise ContractError(f"training: model is not a GPTConfig ({e})") from None
+        bad = [k for k in MODEL_SHAPE if not isinstance(self.model.get(k), int) or self.model[k] < 1]
+        if bad:  # checked here without importing torch (dtrain.model); GPTConfig(**model) checks the rest
+            raise ContractError(f"training: model is not a GPTConfig: {bad[0]}={self.model.get(bad[0])!r} "
+                                "must be an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,6 @@ class GemmProbe:
 
 
 RECORDS = {c.kind: c for c in (CollectiveFit, TrainingMeasurement, TpMeasurement, Fp8Comparison, GemmProbe)}
-Record = typing.Union[CollectiveFit, TrainingMeasurement, TpMeasurement, Fp8Comparison, GemmProbe]
 
 
 # ---------------------------------------------------------------- encoding

@@ -19,10 +19,10 @@ import torch
 
 from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
 from dtrain.errors import UserError
+from dtrain.strategies import ZERO_STAGE
 from dtrain.model import GPTConfig, num_params
 
 GiB = 2**30
-ZERO_STAGE = {"single": 0, "ddp": 0, "zero2": 2, "zero3": 3, "hsdp": 3}
 
 
 def shape_of(g: GPTConfig) -> ModelShape:

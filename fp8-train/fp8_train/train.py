@@ -95,7 +95,7 @@ def rank_fn(ctx) -> dict:
         for d in pmap.fallbacks():
             ctx.writer.event("layer_fallback", layer=d.name, reason=d.reason)
     result = trainer.run()
-    high = [d.name for d in decisions if d.precision == "high"] + (guard.switched if guard else [])
+    high = (pmap.high_precision_layers() if factory else []) + (guard.switched if guard else [])
     return {**result, "recipe": cfg.recipe, "fp8_backend": numerics.backend, "precision": numerics.precision,
             "nan_events": guard.nan_events if guard else 0, "rollbacks": guard.rollbacks if guard else 0,
             "high_precision_layers": high, "switched_to_high_precision": guard.switched if guard else [],

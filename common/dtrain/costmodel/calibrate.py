@@ -35,7 +35,7 @@ from pathlib import Path
 
 from dtrain import contract
 from dtrain.results import Run, complete_runs
-from dtrain.train.config import SHARDED
+from dtrain.strategies import SHARDED
 
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
 from .timemodel import Calibration, Param

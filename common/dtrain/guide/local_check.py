@@ -25,7 +25,7 @@ from dtrain.costmodel.calibrate import (CalibrationReport, display_path, tp_mode
                                         training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
-from dtrain.fit import ZERO_STAGE as ZERO_OF
+from dtrain.strategies import ZERO_STAGE
 from dtrain.fit import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
@@ -111,7 +111,7 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
             tokens_per_rank = tps * step / world
             mb = int(g["micro_batch"])
             ga = int(g["grad_accum"])
-            layout = Layout(dp, tp, pp, ZERO_OF.get(g["strategy"], 3) if dp > 1 else 0, micro_batch=mb, grad_accum=ga,
+            layout = Layout(dp, tp, pp, ZERO_STAGE.get(g["strategy"], 3) if dp > 1 else 0, micro_batch=mb, grad_accum=ga,
                             virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1)
             compute_s = step - (g.get("exposed_comm_s") or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
@@ -226,7 +226,7 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
         shape = shape_of(GPTConfig(**g["model"]))
         measured = mb * ga * world * shape.seq_len / g["tokens_per_s"]
         fp8 = g.get("recipe") not in BASELINE_RECIPES
-        zero = ZERO_OF.get(g["strategy"], 0) if world > 1 else 0
+        zero = ZERO_STAGE.get(g["strategy"], 0) if world > 1 else 0
         over = probe.overhead("gpt", _gpt_match(shape), mb, peak) if probe else None
         row_calib = calib if over is None else replace(
             _calib(eff, "", calib.dp_overlap.value, probe, over), fp8_speedup=calib.fp8_speedup)

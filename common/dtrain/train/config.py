@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from dtrain.errors import UserError
 
-STRATEGIES = ("single", "ddp", "zero2", "zero3", "hsdp")
-SHARDED = ("zero2", "zero3", "hsdp")  # strategies built with FSDP2's fully_shard
+from dtrain.strategies import SHARDED, STRATEGIES  # noqa: F401  (re-exported: dtrain.train.STRATEGIES)
 MIXED_PRECISION = ("fp32", "bf16")
 ACTIVATION_CHECKPOINTING = ("none", "block")
 
