@@ -1,8 +1,8 @@
 """The app's three parts: validate (before any rank), rank_fn (every rank), finalize (after them).
 
 Ranks: topology report (rank 0), then the sweep (sweep.py). After them, `finalize` prints the
-nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose `guide`
-block the parallelism guide reads (schema in the README).
+nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose
+`guide_inputs` (dtrain.contract.CollectiveFit, one per intra/inter-node fit) the parallelism guide reads.
 """
 from __future__ import annotations
 
@@ -73,14 +73,12 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     gpus = env.get("gpus") or []
     peak = report.peak_busbw(df)
     gpu_name = gpus[0]["name"] if gpus else None
-    linked = [f for f in fitted if f["link_class"] in ("intra_node", "inter_node")]
-    guide = {"fits": [{k: f[k] for k in GUIDE_FIT_KEYS} for f in linked],
-             "device": device, "backend": env.get("backend"), "gpu_name": gpu_name, "peak_busbw_GBps": peak}
     where = contract.where_of(device, env.get("backend"), gpu_name)
-    inputs = [contract.CollectiveFit(**{k: f[k] for k in GUIDE_FIT_KEYS}, where=where) for f in linked]
+    inputs = [contract.CollectiveFit(**{k: f[k] for k in GUIDE_FIT_KEYS}, where=where)
+              for f in fitted if f["link_class"] in ("intra_node", "inter_node")]  # the world fits are not a link
     print(f"see {run_dir / topology_report.REPORT} for the links behind these numbers", flush=True)
-    return {"guide": guide, "guide_inputs": inputs, "topology": topo, "device": device, "backend": env.get("backend"),
-            "world_size": env.get("world_size"),
+    return {"guide_inputs": inputs, "topology": topo, "device": device, "backend": env.get("backend"),
+            "gpu_name": gpu_name, "world_size": env.get("world_size"),
             "fits": fitted, "unfitted": unfitted, "peak_busbw_GBps": peak, "theoretical_GBps": theoretical,
             "topology_source": topo.get("source"), "num_hosts": result["num_hosts"],
             "simulated_nodes": result.get("simulated_nodes"), "link_classes": result["link_classes"],

@@ -138,7 +138,7 @@ def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
     lines += _table(["link class", "theoretical GB/s", "from"],
                     [[k, "unknown" if v is None else f"{v:.1f}", facts["theoretical_how"][k]]
                      for k, v in facts["theoretical_GBps"].items()])
-    lines += ["", "The fitted β of each collective (summary.json, guide.fits) is compared with these as "
+    lines += ["", "The fitted β of each collective (summary.json, fits) is compared with these as "
               "`beta_pct_of_theoretical`.", ""]
     present = {k: v for k, v in raw.items() if v}
     if present:

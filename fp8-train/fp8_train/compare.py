@@ -169,7 +169,8 @@ def main(argv: list[str]) -> dict:
     device = str(runs["summary.device"].iloc[0])
     (out / "report.md").write_text(report(out, agg, baseline, args.noise_k, events, keep, device, figures))
     backend = str(runs["summary.backend"].iloc[0])
-    where = contract.where_of(device, backend, next((n for n in runs.get("summary.gpu_name", []) if isinstance(n, str)), None))
+    gpu = next((n for n in runs.get("summary.gpu_name", []) if isinstance(n, str)), None)
+    where = contract.where_of(device, backend, gpu)
     # "emulated": the speed-up is emulation overhead, not FP8 hardware (every FP8 recipe on CPU)
     fp8 = [contract.Fp8Comparison(recipe=k, baseline=baseline, speedup=v["speedup"], memory_factor=v["memory_factor"],
                                   within_noise=v["within_noise"], emulated=k.startswith("emulated") or device == "cpu",

@@ -3,7 +3,7 @@
     validate(cfg)   every key checked before a rank starts (bad input = one line, exit 2)
     rank_fn(ctx)    numerics (backends.py) + precision map -> Trainer(callbacks=[faults, guard,
                     debug tool, health]) -> run
-    finalize(...)   table, steps.csv, dashboard, and the summary whose "guide" the cost model reads
+    finalize(...)   table, steps.csv, dashboard, and the summary whose "guide_inputs" the cost model reads
 """
 from __future__ import annotations
 
@@ -135,13 +135,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     for note in result.get("notes", []):
         print(f"note: {note}")
     dashboard.render([run_dir], run_dir)
-    guide = {"recipe": cfg.recipe, "precision": result["precision"], "tokens_per_s": float(result["tokens_per_s"]),
-             "peak_mem_bytes": int(result["peak_mem_bytes"]), "final_loss": loss,
-             "nan_events": int(result["nan_events"]), "high_precision_layers": result["high_precision_layers"],
-             "device": result["device"], "backend": result["backend"], "fp8_backend": result["fp8_backend"],
-             "gpu_name": result["gpu_name"]}
     measured = contract.training_measurement(result, result.pop("model"), result.pop("train"),
                                              contract.where_of(result["device"], result["backend"], result["gpu_name"]),
                                              precision=result["precision"], recipe=cfg.recipe)
-    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"), "guide": guide,
+    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"),
             "guide_inputs": [measured]}

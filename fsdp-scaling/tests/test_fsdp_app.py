@@ -7,8 +7,9 @@ import pytest
 
 from conftest import py
 from dtrain import contract, results
+from fsdp_scaling.summary import headline
 
-GUIDE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
+HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
               "exposed_comm_s", "peak_mem_bytes", "state_bytes", "state_bytes_formula", "mixed_precision",
               "device", "backend", "tp", "pp", "dp", "pp_schedule", "breakdown"}
@@ -19,10 +20,10 @@ def test_sweep_then_report(tmp_path):
              f"results_dir={tmp_path}", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = results.load_runs([tmp_path])
-    assert sorted(runs["summary.guide.strategy"]) == ["ddp", "zero3"]
+    assert sorted(runs["summary.strategy"]) == ["ddp", "zero3"]
     for run in results.complete_runs([tmp_path]):
-        g = run.summary["guide"]
-        assert set(g) == GUIDE_KEYS
+        g = headline(run.summary)
+        assert set(g) == HEADLINE_KEYS and "guide" not in run.summary
         assert g["state_bytes"] == g["state_bytes_formula"] and g["peak_flops_source"] == "measured cpu matmul probe"
         assert g["world_size"] == 2 and g["backend"] == "gloo" and 0 < g["mfu"] < 1
         assert g["comm_s"] > 0 and 0 <= g["overlap_fraction"] <= 1
@@ -48,8 +49,8 @@ def test_sweep_then_report(tmp_path):
     eff = summary["study"]["scaling_efficiency"]
     assert all(v["efficiency"] == [1.0] for v in eff.values())  # one world size: each is its own baseline
     zero3 = next(v for k, v in eff.items() if k.startswith("zero3"))
-    ddp_time = runs.loc[runs["summary.guide.strategy"] == "ddp", "summary.guide.step_time_s"].item()
-    zero3_time = runs.loc[runs["summary.guide.strategy"] == "zero3", "summary.guide.step_time_s"].item()
+    ddp_time = runs.loc[runs["summary.strategy"] == "ddp", "summary.step_time_s"].item()
+    zero3_time = runs.loc[runs["summary.strategy"] == "zero3", "summary.step_time_s"].item()
     assert zero3["step_time_vs_ddp"][0] == pytest.approx(zero3_time / ddp_time)
     # the report dir is itself a complete run dir, but never mistaken for a training run
     again = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(tmp_path / "report2"))

@@ -1,4 +1,4 @@
-"""After all ranks finished: the table, the CSV, the plot and the summary (with the guide's numbers).
+"""After all ranks finished: the table, the CSV, the plot and the summary (with the guide's inputs).
 
     overhead_factor = step_time * tp / single_rank_step_time    (1.0 = perfect TP scaling)
 
@@ -22,30 +22,16 @@ def _ratio(a, b):
     return None if a is None or not b else a / b
 
 
-def guide_rows(cfg, entries: list[dict]) -> list[dict]:
-    """summary["guide"]["tp_overhead"]: exactly what the cost model reads."""
-    rows = []
-    for e in entries:
-        rows.append({
-            "tp": e["tp"], "sequence_parallel": e["sequence_parallel"], "step_time_s": e["handrolled_s"],
-            "single_rank_step_time_s": e["single_s"], "dtensor_step_time_s": e["dtensor_s"],
-            "comm_share": e["comm_share"], "comm_bytes_per_layer": e["comm_bytes_per_layer"],
-            "overhead_factor": e["handrolled_s"] * e["tp"] / e["single_s"],
-            "batch": cfg.batch, "seq": cfg.seq, "d_model": cfg.d_model, "n_head": cfg.n_head,
-            "n_kv_head": cfg.n_kv_head or cfg.n_head})
-    return rows
-
-
-def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.TpMeasurement]:
-    """The rows as dtrain.contract records (what calibration and the local checks read)."""
+def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeasurement]:
+    """One dtrain.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model reads."""
     where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
     return [contract.TpMeasurement(
-        module=cfg.module, tp=r["tp"], sequence_parallel=r["sequence_parallel"], micro_batch=r["batch"],
-        seq_len=r["seq"], d_model=r["d_model"], n_head=r["n_head"], n_kv_head=r["n_kv_head"],
-        mlp_ratio=int(cfg.mlp_ratio), precision=str(cfg.dtype), step_time_s=r["step_time_s"],
-        single_rank_step_time_s=r["single_rank_step_time_s"], comm_share=r["comm_share"],
-        comm_bytes_per_layer=int(r["comm_bytes_per_layer"]), overhead_factor=r["overhead_factor"], where=where,
-        dtensor_step_time_s=r["dtensor_step_time_s"]) for r in rows]
+        module=cfg.module, tp=e["tp"], sequence_parallel=e["sequence_parallel"], micro_batch=cfg.batch, seq_len=cfg.seq,
+        d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head or cfg.n_head, mlp_ratio=int(cfg.mlp_ratio),
+        precision=str(cfg.dtype), step_time_s=e["handrolled_s"], single_rank_step_time_s=e["single_s"],
+        comm_share=e["comm_share"], comm_bytes_per_layer=int(e["comm_bytes_per_layer"]),
+        overhead_factor=e["handrolled_s"] * e["tp"] / e["single_s"], where=where, dtensor_step_time_s=e["dtensor_s"])
+        for e in entries]
 
 
 def targets(entries: list[dict]) -> list[dict]:
@@ -126,8 +112,6 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
         print(f"targets at tp=2, SP={'on' if t['sequence_parallel'] else 'off'}: "
               f"hand/DTensor {_x(t['handrolled_over_dtensor'])} (<= {TARGET_VS_DTENSOR}), "
               f"hand/same-threads {_x(t['handrolled_over_same_threads'])} (<= {TARGET_VS_SAME_THREADS})")
-    rows = guide_rows(cfg, entries)
-    return {"device": result["device"], "backend": result["backend"], "threads_per_rank": result["threads_per_rank"],
-            "guide": {"tp_overhead": rows, "device": result["device"], "backend": result["backend"]},
-            "guide_inputs": guide_inputs(cfg, rows, result),
+    return {"device": result["device"], "backend": result["backend"], "gpu_name": result.get("gpu_name"),
+            "threads_per_rank": result["threads_per_rank"], "guide_inputs": guide_inputs(cfg, entries, result),
             "targets": checked, "entries": entries}

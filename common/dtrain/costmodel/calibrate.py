@@ -379,8 +379,8 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
     return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
                              local=_calibration(cands, gpu_only=False), local_links=local_links,
                              local_sources=local_sources, keep_bf16=_keep(kept, True),
-                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=[ri.run for ri in inputs], probes=probes,
-                             inputs=inputs)
+                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=[ri.run for ri in inputs],
+                             probes=probes, inputs=inputs)
 
 
 def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:

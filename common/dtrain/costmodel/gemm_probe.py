@@ -150,9 +150,10 @@ def probe(results: Path, device: str = "auto") -> Path:
                                 points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
                                 e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,
                                 where=contract.where_of(dev, "none"))
-    env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local", threads_per_rank=int(threads))
-    return write_derived_run(Path(results) / SUBPROJECT, SUBPROJECT, sources, {"device": dev.type, "threads": int(threads)},
-                             {"device": str(dev)}, [record], env=env)
+    env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
+                          threads_per_rank=int(threads))
+    return write_derived_run(Path(results) / SUBPROJECT, SUBPROJECT, sources,
+                             {"device": dev.type, "threads": int(threads)}, {"device": str(dev)}, [record], env=env)
 
 
 if __name__ == "__main__":
