@@ -313,17 +313,20 @@ def where_of(device, backend, gpu_name=None) -> Where:
     return Where(str(device).split(":")[0], str(backend), gpu_name)
 
 
-
-def training_measurement(result: dict, model: dict, train: dict, where: Where, precision: str | None = None,
-                         recipe: str | None = None, overlap: dict | None = None,
-                         breakdown: dict | None = None) -> TrainingMeasurement:
+def training_inputs(result: dict, model: dict, train: dict, where: Where, precision: str | None = None,
+                    recipe: str | None = None, overlap: dict | None = None,
+                    breakdown: dict | None = None) -> list[TrainingMeasurement]:
     """The record of one ``dtrain.train.Trainer`` run from its ``run()`` result (every trainer user
     publishes through this): ``model`` is the GPTConfig as a dict, ``train`` the TrainConfig's
-    ``to_dict()``, ``overlap``/``breakdown`` a profile window's results when one ran."""
+    ``to_dict()``, ``overlap``/``breakdown`` a profile window's results when one ran. [] when the
+    run timed no step (all steps were warmup): there is no measurement to publish."""
+    if not all(isinstance(result.get(k), (int, float)) and math.isfinite(result[k])
+               for k in ("step_time_s", "tokens_per_s")):
+        return []
     dp, tp, pp = int(result["dp"]), int(result["tp"]), int(result["pp"])
     seq, mb = int(model["seq_len"]), int(train["micro_batch"])
     ov = overlap or {}
-    return TrainingMeasurement(
+    return [TrainingMeasurement(
         model=dict(model),
         layout=TrainLayout(world_size=int(result["world_size"]), dp=dp, tp=tp, pp=pp, strategy=str(train["strategy"]),
                            micro_batch=mb, grad_accum=max(1, round(result["tokens_per_step"] / (dp * mb * seq))),
@@ -338,4 +341,4 @@ def training_measurement(result: dict, model: dict, train: dict, where: Where, p
         flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
         exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
         breakdown=StepBreakdown(**{f.name: float(breakdown[f.name]) for f in dataclasses.fields(StepBreakdown)})
-        if breakdown else None)
+        if breakdown else None)]

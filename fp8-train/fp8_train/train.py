@@ -135,8 +135,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     for note in result.get("notes", []):
         print(f"note: {note}")
     dashboard.render([run_dir], run_dir)
-    measured = contract.training_measurement(result, result.pop("model"), result.pop("train"),
-                                             contract.where_of(result["device"], result["backend"], result["gpu_name"]),
-                                             precision=result["precision"], recipe=cfg.recipe)
+    inputs = contract.training_inputs(result, result.pop("model"), result.pop("train"),
+                                      contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+                                      precision=result["precision"], recipe=cfg.recipe)
     return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"),
-            "guide_inputs": [measured]}
+            "guide_inputs": inputs}

@@ -84,8 +84,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         for k in STATE_KEYS:
             w.writerow([k, result["state_bytes"].get(k), result["state_bytes_formula"][k], result["state_bytes_ideal"][k]])
     plot_steps(run_dir)
-    measured = contract.training_measurement(result, result["model"], result["train"],
-                                             contract.where_of(result["device"], result["backend"], result["gpu_name"]),
-                                             overlap=result.get("overlap"), breakdown=result.get("breakdown"))
+    inputs = contract.training_inputs(result, result["model"], result["train"],
+                                      contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+                                      overlap=result.get("overlap"), breakdown=result.get("breakdown"))
     return {**{k: v for k, v in result.items() if k not in ("model", "train")}, "seq_len": result["model"]["seq_len"],
-            "guide_inputs": [measured]}
+            "guide_inputs": inputs}
