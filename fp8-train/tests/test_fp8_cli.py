@@ -147,5 +147,5 @@ def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
     losses = list(load([run], kind="step")["loss"])
     assert len(losses) == 4 and all(v == v for v in losses) and losses[-1] < losses[0]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["guide"]["precision"] == "bf16"
+    assert summary["precision"] == "bf16" and contract.read(summary)[0].precision == "bf16"
     assert summary["model_params"] == num_params(GPTConfig.from_preset("tiny", n_layer=3))
