@@ -148,6 +148,17 @@ def test_a_run_breaking_the_contract_is_skipped_with_a_warning(tmp_path):
     assert [r.path.name for r in rep.runs] == ["20250301-100100-000000"]
 
 
+def test_a_summary_from_before_the_contract_is_named(tmp_path):
+    run = tmp_path / "fsdp-scaling/old"
+    shutil.copytree(CPU / "fsdp-scaling/20250301-100100-000000", run)
+    s = _summary(run)
+    del s["guide_inputs"]
+    (run / "summary.json").write_text(json.dumps({**s, "guide": {"strategy": "ddp"}}))
+    with pytest.warns(UserWarning, match=r"old has no guide_inputs \(an older summary.json format\): rerun it"):
+        rep = calibrate([tmp_path])
+    assert not rep.candidates
+
+
 def test_missing_results_path_raises():
     with pytest.raises(FileNotFoundError, match="no such results path"):
         calibrate(["/nonexistent/results"])

@@ -162,6 +162,9 @@ def read_inputs(runs: list[Run], base: Path | None = None, warn: bool = True) ->
             if warn:
                 warnings.warn(f"skipping run {run.path}: summary.json {e}", stacklevel=3)
             continue
+        if not records and "guide" in run.summary and warn:  # written before dtrain.contract existed
+            warnings.warn(f"run {run.path} has no guide_inputs (an older summary.json format): rerun it to "
+                          "calibrate with it", stacklevel=3)
         out.append(RunInputs(run, source_of(run, base, records), records))
     return out
 
