@@ -19,8 +19,8 @@ import torch
 
 from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
 from dtrain.errors import UserError
-from dtrain.strategies import ZERO_STAGE
 from dtrain.model import GPTConfig, num_params
+from dtrain.strategies import ZERO_STAGE
 
 GiB = 2**30
 

@@ -15,6 +15,7 @@ on the launcher stop every rank (or cancel the Slurm job). See dtrain.liveness.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import os
@@ -26,7 +27,6 @@ import sys
 import tempfile
 import time
 import traceback
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable

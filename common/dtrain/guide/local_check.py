@@ -25,10 +25,10 @@ from dtrain.costmodel.calibrate import (CalibrationReport, display_path, tp_mode
                                         training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
-from dtrain.strategies import ZERO_STAGE
 from dtrain.fit import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
+from dtrain.strategies import ZERO_STAGE
 
 GOAL = 0.15
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")

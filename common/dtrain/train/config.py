@@ -9,8 +9,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from dtrain.errors import UserError
-
 from dtrain.strategies import SHARDED, STRATEGIES  # noqa: F401  (re-exported: dtrain.train.STRATEGIES)
+
 MIXED_PRECISION = ("fp32", "bf16")
 ACTIVATION_CHECKPOINTING = ("none", "block")
 
