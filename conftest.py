@@ -1,4 +1,4 @@
-"""Shared fixtures: run a project command in a subprocess, and find the local Slurm cluster."""
+"""Shared fixtures: run a project command in a subprocess, find the local Slurm cluster, seed every test."""
 from __future__ import annotations
 
 import os
@@ -49,6 +49,24 @@ def slurm_cluster():
     if reason:
         pytest.skip(reason)
     return os.environ["SLURM_CONF"]
+
+
+TEST_SEED = int(os.environ.get("DTRAIN_TEST_SEED", "0"))
+
+
+@pytest.fixture(autouse=True)
+def seeded_randomness():
+    """Every test starts from the same random state (random, numpy, torch), seed printed so a failure
+    shows it; tests that need their own seed set it after this. DTRAIN_TEST_SEED=N picks another."""
+    import random
+
+    import numpy
+    import torch
+
+    random.seed(TEST_SEED)
+    numpy.random.seed(TEST_SEED)
+    torch.manual_seed(TEST_SEED)
+    print(f"seed {TEST_SEED}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,12 +1,19 @@
 """dtrain.costmodel.calibrate: measured over datasheet, provenance, and the CPU/GPU rule."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+import yaml
+
+from dtrain import contract
 from dtrain.costmodel import Cluster, LinkModel
 from dtrain.costmodel.calibrate import calibrate, tp_modelled_comm_s
+from dtrain.derived import write_derived_run
+from dtrain.guide.local_check import local_checks
+from dtrain.metrics import write_summary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
 CPU, GPU = FIXTURES / "cpu", FIXTURES / "gpu"
@@ -32,9 +39,9 @@ def test_cpu_runs_calibrate_local_but_not_the_gpu_matrix():
 def test_local_values_and_provenance_by_hand():
     rep = calibrate([CPU], base=FIXTURES, warn=False)
     zero3 = CPU / "fsdp-scaling/20250301-100100-000001"
-    g = _summary(zero3)["guide"]
+    [g] = contract.read(_summary(zero3))
     # compute-only efficiency: the time model costs the exposed communication separately
-    assert rep.local.mfu.value == pytest.approx(g["mfu"] * g["step_time_s"] / (g["step_time_s"] - g["exposed_comm_s"]))
+    assert rep.local.mfu.value == pytest.approx(g.mfu * g.step_time_s / (g.step_time_s - g.exposed_comm_s))
     assert rep.local.mfu.provenance.startswith("measured here: cpu/fsdp-scaling/20250301-100100-000001, "
                                                "2025-03-01T10:01:01+00:00, cpu")
     assert rep.local.dp_overlap.value == 0.46  # only sharded strategies measure overlap (ddp's is null)
@@ -80,26 +87,76 @@ def test_link_calibration_scales_the_nominal_rates():
     assert (c.nvlink.alpha_s, c.ib.alpha_s) == (pytest.approx(14e-6 / 30), pytest.approx(22e-6 / 30))
 
 
-def test_latest_run_wins_and_study_reports_are_not_double_counted(tmp_path):
+def _set(run: Path, **changes) -> None:
+    """Rewrite a fixture run's one training record through the real writer."""
+    summary = _summary(run)
+    [m] = contract.read(summary)
+    write_summary(run, {**summary, "guide_inputs": [dataclasses.replace(m, **changes)]})
+
+
+def test_latest_run_wins_and_derived_runs_add_no_copies(tmp_path):
     shutil.copytree(CPU, tmp_path / "cpu")
+    zero3 = tmp_path / "cpu/fsdp-scaling/20250301-100100-000001"
     newer = tmp_path / "cpu/fsdp-scaling/20250305-000000-000000"
-    shutil.copytree(tmp_path / "cpu/fsdp-scaling/20250301-100100-000001", newer)
+    shutil.copytree(zero3, newer)
     env = json.loads((newer / "env.json").read_text())
     env["created"] = "2025-03-05T00:00:00+00:00"
     (newer / "env.json").write_text(json.dumps(env))
-    s = _summary(newer)
-    s["guide"]["overlap_fraction"] = 0.7
-    (newer / "summary.json").write_text(json.dumps(s))
-    # a study report listing both zero3 runs again
-    report = tmp_path / "cpu/fsdp-scaling/report"
-    report.mkdir()
-    (report / "config.yaml").write_text("subproject: fsdp-scaling\nreport: true\n")
-    runs = [dict(_summary(p)["guide"], run=str(p)) for p in (newer, tmp_path / "cpu/fsdp-scaling/20250301-100100-000001")]
-    (report / "summary.json").write_text(json.dumps({"guide": {"runs": runs, "scaling_efficiency": {}}}))
+    _set(newer, overlap_fraction=0.7)
+    # a study report over both zero3 runs: a derived run that names them and publishes nothing of theirs
+    report = write_derived_run(tmp_path / "cpu/fsdp-scaling/report", "fsdp-scaling", [newer, zero3], {"report": True},
+                               {"study": {"runs": 2}})
+    assert contract.derived_from(_summary(report), report) == [newer.resolve(), zero3.resolve()]
+    assert yaml.safe_load((report / "config.yaml").read_text())["derived_from"] == ["../20250305-000000-000000",
+                                                                                  "../20250301-100100-000001"]
     rep = calibrate([tmp_path / "cpu"], base=tmp_path, warn=False)
     assert rep.local.dp_overlap.value == 0.7 and "2025-03-05" in rep.local.dp_overlap.provenance
     overlaps = [c for c in rep.candidates if c.name == "dp_overlap"]
-    assert len(overlaps) == 2  # one per zero3 run, none from the report's copies
+    assert len(overlaps) == 2  # one per zero3 run, none from the report
+
+
+def test_an_unknown_experiment_with_a_typed_summary_is_calibrated(tmp_path):
+    """Calibration reads records, not experiment names: a run of an experiment it has never heard of
+    (its own subproject, config keys and files) counts like fsdp-scaling's."""
+    run = tmp_path / "my-new-study" / "run1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("subproject: my-new-study\nanything: [1, 2]\n")
+    (run / "env.json").write_text(json.dumps({"created": "2026-01-01T00:00:00+00:00", "device": "cpu",
+                                              "backend": "gloo", "world_size": 2}))
+    [m] = contract.read(_summary(CPU / "fsdp-scaling/20250301-100100-000001"))
+    write_summary(run, {"subproject": "my-new-study", "status": "complete",
+                        "guide_inputs": [dataclasses.replace(m, overlap_fraction=0.33)]})
+    shutil.copytree(CPU / "allreduce-bench", tmp_path / "allreduce-bench")  # the link the local check needs
+    rep = calibrate([tmp_path], base=tmp_path, warn=False)
+    assert [r.path for r in rep.runs][-1] == run and len(rep.runs) == 2
+    assert rep.local.dp_overlap.value == 0.33
+    assert rep.local.dp_overlap.provenance.startswith("measured here: my-new-study/run1, 2026-01-01T00:00:00+00:00, cpu")
+    assert rep.local.mfu.value == pytest.approx(m.mfu * m.step_time_s / (m.step_time_s - m.exposed_comm_s))
+    checks = local_checks(rep, tmp_path)
+    assert [(c.experiment, c.run, c.what) for c in checks] == [("my-new-study", "my-new-study/run1", "zero3 x2 step")]
+
+
+def test_a_run_breaking_the_contract_is_skipped_with_a_warning(tmp_path):
+    shutil.copytree(CPU / "fsdp-scaling", tmp_path / "fsdp-scaling")
+    bad = tmp_path / "fsdp-scaling/20250301-100100-000001"
+    s = _summary(bad)
+    s["guide_inputs"]["records"][0]["step_time_s"] = "fast"
+    (bad / "summary.json").write_text(json.dumps(s))
+    with pytest.warns(UserWarning, match=r"skipping run .*20250301-100100-000001: summary.json "
+                                         r"guide_inputs.records\[0\] \(training\).step_time_s='fast' must be a finite number"):
+        rep = calibrate([tmp_path], warn=True)
+    assert [r.path.name for r in rep.runs] == ["20250301-100100-000000"]
+
+
+def test_a_summary_from_before_the_contract_is_named(tmp_path):
+    run = tmp_path / "fsdp-scaling/old"
+    shutil.copytree(CPU / "fsdp-scaling/20250301-100100-000000", run)
+    s = _summary(run)
+    del s["guide_inputs"]
+    (run / "summary.json").write_text(json.dumps({**s, "guide": {"strategy": "ddp"}}))
+    with pytest.warns(UserWarning, match=r"old has no guide_inputs \(an older summary.json format\): rerun it"):
+        rep = calibrate([tmp_path])
+    assert not rep.candidates
 
 
 def test_missing_results_path_raises():

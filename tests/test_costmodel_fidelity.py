@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from dtrain import contract
 from dtrain.costmodel import Layout, ModelShape, bubble_fraction, memory_per_gpu, params_per_gpu
 from dtrain.costmodel.backtest import backtest, summary
 from dtrain.costmodel.efficiency import GemmCurve, fit_curve
@@ -111,13 +112,16 @@ def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
     res = tmp_path / "results"
     shutil.copytree("tests/fixtures/results/cpu", res)
     out = probe(res)
-    g = json.loads((out / "summary.json").read_text())["guide"]
-    assert g["points"] and g["overheads"] and g["e_max"] > 0
-    assert all(p["seconds"] > 0 and p["fraction"] == pytest.approx(p["flops"] / p["seconds"] / g["peak_flops"])
-               for p in g["points"])
+    summary = json.loads((out / "summary.json").read_text())
+    [g] = contract.read(summary)
+    assert isinstance(g, contract.GemmProbe) and g.points and g.overheads and g.e_max > 0
+    assert all(p.seconds > 0 and p.fraction == pytest.approx(p.flops / p.seconds / g.peak_flops) for p in g.points)
+    # a derived run: it names the runs whose models it probed (those that publish training / TP records)
+    assert sorted(p.name for p in contract.derived_from(summary, out)) == [
+        "20250301-100100-000000", "20250301-100100-000001", "20250301-100200-000000", "20250301-100300-000000"]
     report = calibrate([res], warn=False)
     assert report.local_probe() is not None
-    assert report.local.mfu.value == pytest.approx(g["e_max"]) and report.local.mfu.measured
+    assert report.local.mfu.value == pytest.approx(g.e_max) and report.local.mfu.measured
     checks = local_checks(report)
     assert any("gemm-probe" in c.basis for c in checks)
     assert all(c.within_goal or c.miss_reason(checks) for c in checks)  # every miss says why

@@ -2,14 +2,17 @@
 calibration does not take its compute efficiency from them (their step holds TP comm and bubble)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from dtrain import contract
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.guide.local_check import local_checks
+from dtrain.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 
@@ -21,13 +24,14 @@ def test_layout_run_gets_its_own_row_and_does_not_calibrate(tmp_path):
     layout_run = fsdp / "20250301-100100-000009"
     shutil.copytree(src, layout_run)
     summary = json.loads((layout_run / "summary.json").read_text())
-    g = summary["guide"]
+    [m] = contract.read(summary)
     # a dp1 x tp2 run of the same model: 5x slower, with a profiled breakdown (made-up numbers)
-    g.update(tp=2, pp=1, dp=1, pp_schedule=None, mfu=g["mfu"] / 5, step_time_s=g["step_time_s"] * 5,
-             tokens_per_s=g["tokens_per_s"] / 5,
-             breakdown={"step_s": 4.3, "compute_s": 2.0, "tp_comm_s": 1.5, "pp_p2p_s": 0.0, "dp_comm_s": 0.1,
-                        "dp_comm_exposed_s": 0.1, "idle_s": 0.7})
-    (layout_run / "summary.json").write_text(json.dumps(summary))
+    m = dataclasses.replace(m, layout=dataclasses.replace(m.layout, tp=2, pp=1, dp=1, grad_accum=2), mfu=m.mfu / 5,
+                            step_time_s=m.step_time_s * 5, tokens_per_s=m.tokens_per_s / 5,
+                            breakdown=contract.StepBreakdown(step_s=4.3, compute_s=2.0, tp_comm_s=1.5, pp_p2p_s=0.0,
+                                                             dp_comm_s=0.1, dp_comm_exposed_s=0.1, idle_s=0.7))
+    write_summary(layout_run, {**summary, "guide_inputs": [m]})
+    g = {"step_time_s": m.step_time_s}
     env = json.loads((layout_run / "env.json").read_text())
     (layout_run / "env.json").write_text(json.dumps({**env, "created": "2030-01-01T00:00:00+00:00"}))  # the latest
     before = calibrate([tmp_path / "cpu" / "fsdp-scaling"], warn=False)

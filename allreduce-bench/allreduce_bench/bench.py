@@ -1,8 +1,8 @@
 """The app's three parts: validate (before any rank), rank_fn (every rank), finalize (after them).
 
 Ranks: topology report (rank 0), then the sweep (sweep.py). After them, `finalize` prints the
-nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose `guide`
-block the parallelism guide reads (schema in the README).
+nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose
+`guide_inputs` (dtrain.contract.CollectiveFit, one per intra/inter-node fit) the parallelism guide reads.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from allreduce_bench import groups, report, spec, sweep, topology_report
+from dtrain import contract
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.launch import RankContext, mode_of
@@ -40,20 +41,22 @@ def validate(cfg: DictConfig) -> None:
 
 
 def rank_fn(ctx: RankContext) -> dict:
+    """The sweep's result; on rank 0 also the node's topology facts (TOPOLOGY.md is written here)."""
     s = spec.parse(ctx.cfg)
-    hosts = groups.gather_hostnames()
+    facts = None
     if ctx.is_main:
         gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
-        topology_report.write(ctx.run_dir, hosts, gpu)
-    plan_hosts = groups.simulated_hosts(ctx.world_size, s.simulate_nodes) if s.simulate_nodes else hosts
-    return sweep.run(ctx, s, plan_hosts)
+        facts = topology_report.write(ctx.run_dir, ctx.hosts, gpu)
+    plan_hosts = groups.simulated_hosts(ctx.world_size, s.simulate_nodes) if s.simulate_nodes else ctx.hosts
+    result = sweep.run(ctx, s, plan_hosts)
+    return {**result, "topology": facts} if ctx.is_main else result
 
 
 def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     df = report.load_records(run_dir)
     print(report.nccl_table(df), flush=True)
-    env = json.loads((run_dir / ENV).read_text())
-    topo = env.get("topology", {})
+    env = json.loads((run_dir / ENV).read_text())  # the launcher's facts: device, backend, GPUs
+    topo = result.get("topology") or {}
     theoretical = dict(topo.get("theoretical_GBps") or {"intra_node": None, "inter_node": None})
     if result.get("simulated_nodes"):  # pretend hosts share one box: no datasheet link applies
         theoretical["inter_node"] = None
@@ -69,11 +72,13 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     device = "cuda" if str(env.get("device", "cpu")).startswith("cuda") else "cpu"
     gpus = env.get("gpus") or []
     peak = report.peak_busbw(df)
-    guide = {"fits": [{k: f[k] for k in GUIDE_FIT_KEYS} for f in fitted if f["link_class"] in ("intra_node", "inter_node")],
-             "device": device, "backend": env.get("backend"), "gpu_name": gpus[0]["name"] if gpus else None,
-             "peak_busbw_GBps": peak}
+    gpu_name = gpus[0]["name"] if gpus else None
+    where = contract.where_of(device, env.get("backend"), gpu_name)
+    inputs = [contract.CollectiveFit(**{k: f[k] for k in GUIDE_FIT_KEYS}, where=where)
+              for f in fitted if f["link_class"] in ("intra_node", "inter_node")]  # the world fits are not a link
     print(f"see {run_dir / topology_report.REPORT} for the links behind these numbers", flush=True)
-    return {"guide": guide, "device": device, "backend": env.get("backend"), "world_size": env.get("world_size"),
+    return {"guide_inputs": inputs, "topology": topo, "device": device, "backend": env.get("backend"),
+            "gpu_name": gpu_name, "world_size": env.get("world_size"),
             "fits": fitted, "unfitted": unfitted, "peak_busbw_GBps": peak, "theoretical_GBps": theoretical,
             "topology_source": topo.get("source"), "num_hosts": result["num_hosts"],
             "simulated_nodes": result.get("simulated_nodes"), "link_classes": result["link_classes"],

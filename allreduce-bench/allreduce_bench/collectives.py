@@ -18,14 +18,12 @@ import torch
 import torch.distributed as dist
 
 from allreduce_bench.busbw import Layout
+from dtrain.dist import all_gather_single, reduce_scatter_single
 
 REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "AVG"}
 IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")
 OUT_OF_PLACE_ONLY = ("all_to_all", "sendrecv")
 
-# Newer torch renamed the single-tensor forms; older ones (>= 2.6) only have the *_tensor names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def supports(collective: str, in_place: bool) -> bool:
@@ -126,12 +124,12 @@ def build(collective: str, lay: Layout, dtype: torch.dtype, device, group, redop
             recv.zero_()
             inp.copy_(vals(r, m))
         expected = lambda: torch.cat([vals(j, m) for j in range(n)]).to(dtype)  # noqa: E731
-        return Case(collective, in_place, lambda: _all_gather(recv, inp, group=group), fill, lambda: recv, expected)
+        return Case(collective, in_place, lambda: all_gather_single(recv, inp, group=group), fill, lambda: recv, expected)
 
     if collective == "reduce_scatter":
         out = send[r * m:(r + 1) * m] if in_place else new(lay.recv_numel)
         expected = lambda: reduce_expected(lambda j: vals(j, n * m)[r * m:(r + 1) * m], n, redop, dtype)  # noqa: E731
-        return Case(collective, in_place, lambda: _reduce_scatter(out, send, op=op, group=group),
+        return Case(collective, in_place, lambda: reduce_scatter_single(out, send, op=op, group=group),
                     lambda: send.copy_(vals(r, n * m)), lambda: out, expected)
 
     recv = new(lay.recv_numel)

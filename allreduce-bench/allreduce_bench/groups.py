@@ -13,19 +13,11 @@ multi-host path on a laptop (the numbers then say nothing about real links).
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 LINK_CLASSES = ("intra_node", "inter_node", "world")
-
-
-def gather_hostnames() -> list[str]:
-    """The host of every rank, in rank order (a collective: every rank calls it)."""
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts
 
 
 def simulated_hosts(world: int, nodes: int) -> list[str]:

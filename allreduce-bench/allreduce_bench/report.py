@@ -1,4 +1,4 @@
-"""After the ranks: the nccl-tests table, CSV, plots, α–β fits and the summary's `guide` block."""
+"""After the ranks: the nccl-tests table, CSV, plots and the α–β fits."""
 from __future__ import annotations
 
 import math

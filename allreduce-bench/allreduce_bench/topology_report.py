@@ -1,4 +1,4 @@
-"""The node's topology, as facts for env.json and as TOPOLOGY.md in the run directory.
+"""The node's topology, as facts for summary.json and as TOPOLOGY.md in the run directory.
 
 Run on rank 0's host (other hosts of a job are assumed to be built the same, and the report says
 so). Every tool is optional: without nvidia-smi the report says there is no GPU and describes the
@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import contextlib
 
-import json
 import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 from allreduce_bench import linkspeed, topology
-from dtrain.metrics import ENV, write_json_atomic, write_text_atomic
+from dtrain.metrics import write_text_atomic
 
 REPORT = "TOPOLOGY.md"
 
@@ -105,7 +103,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
-    host = socket.gethostname()
+    host = hosts[0] if hosts else "this host"  # rank 0 writes the report
     lines = [f"# Topology of {host}", ""]
     if len(set(hosts)) > 1:
         lines += [f"Job hosts: {', '.join(sorted(set(hosts)))}. Shown: {host} (rank 0); the others are assumed "
@@ -140,7 +138,7 @@ def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
     lines += _table(["link class", "theoretical GB/s", "from"],
                     [[k, "unknown" if v is None else f"{v:.1f}", facts["theoretical_how"][k]]
                      for k, v in facts["theoretical_GBps"].items()])
-    lines += ["", "The fitted β of each collective (summary.json, guide.fits) is compared with these as "
+    lines += ["", "The fitted β of each collective (summary.json, fits) is compared with these as "
               "`beta_pct_of_theoretical`.", ""]
     present = {k: v for k, v in raw.items() if v}
     if present:
@@ -151,12 +149,8 @@ def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
 
 
 def write(run_dir: Path, hosts: list[str], gpu_name: str | None) -> dict:
-    """TOPOLOGY.md, and the facts merged into env.json's "topology" (rewritten atomically)."""
+    """TOPOLOGY.md; returns the facts (the rank function hands them to finalize: summary.json "topology")."""
     raw = collect_raw()
     facts = analyse(raw, gpu_name)
     write_text_atomic(Path(run_dir) / REPORT, render(facts, raw, hosts))
-    env_path = Path(run_dir) / ENV
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
-    env.setdefault("topology", {}).update(facts)
-    write_json_atomic(env_path, env)
     return facts

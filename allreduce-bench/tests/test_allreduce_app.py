@@ -1,4 +1,5 @@
 """`python -m allreduce_bench` end to end: 2 gloo ranks, every collective, every output file."""
+import dataclasses
 import json
 import math
 
@@ -8,7 +9,7 @@ import pytest
 from allreduce_bench import busbw
 from allreduce_bench.bench import GUIDE_FIT_KEYS
 from conftest import py
-from dtrain import results
+from dtrain import contract, results
 
 SMALL = ["min_bytes=1K", "max_bytes=64K", "step_factor=8", "iters=3", "timing_warmup=1"]
 
@@ -49,22 +50,25 @@ def test_records_csv_and_correctness(full_run):
     assert len(csv) == len(df) and set(csv.columns) >= {"time_us", "time_min_us", "time_max_us", "busbw_GBps"}
 
 
-def test_summary_guide_contract(full_run):
+def test_summary_guide_inputs_contract(full_run):
     _, run = full_run
-    guide = run.summary["guide"]
-    assert set(guide) == {"fits", "device", "backend", "gpu_name", "peak_busbw_GBps"}
-    assert (guide["device"], guide["backend"], guide["gpu_name"]) == ("cpu", "gloo", None)
+    fits = contract.read(run.summary)  # the typed records calibration reads: one per intra/inter-node fit
+    assert fits and all(isinstance(f, contract.CollectiveFit) for f in fits)
+    assert {f.where for f in fits} == {contract.Where("cpu", "gloo", None)}
     # every collective is fitted, or listed with the reason (3 noisy CPU sizes may not define a line)
     unfitted = {u["collective"] for u in run.summary["unfitted"]}
-    assert {f["collective"] for f in guide["fits"]} | unfitted == set(busbw.COLLECTIVES)
+    assert {f.collective for f in fits} | unfitted == set(busbw.COLLECTIVES)
     assert all(u["reason"] for u in run.summary["unfitted"])
-    for f in guide["fits"]:
-        assert tuple(sorted(f)) == tuple(sorted(GUIDE_FIT_KEYS))
-        assert f["link_class"] == "intra_node" and f["dtype"] == "float32" and f["world_size"] == 2
-        assert f["algo_factor"] == busbw.bus_factor(f["collective"], 2) and f["n_points"] == 3
-        assert f["alpha_us"] >= 0 and f["beta_GBps"] > 0 and math.isfinite(f["r2"])
-        assert f["theoretical_GBps"] is None and f["beta_pct_of_theoretical"] is None  # CPU: no datasheet link
-    assert set(guide["peak_busbw_GBps"]) == set(busbw.COLLECTIVES)
+    for f in fits:
+        assert {k: v for k, v in dataclasses.asdict(f).items() if k != "where"} == \
+            {k: v for k, v in next(s for s in run.summary["fits"] if s["collective"] == f.collective).items()
+             if k in GUIDE_FIT_KEYS}
+        assert f.link_class == "intra_node" and f.dtype == "float32" and f.world_size == 2
+        assert f.algo_factor == busbw.bus_factor(f.collective, 2) and f.n_points == 3
+        assert f.alpha_us >= 0 and f.beta_GBps > 0 and math.isfinite(f.r2)
+        assert f.theoretical_GBps is None and f.beta_pct_of_theoretical is None  # CPU: no datasheet link
+    assert set(run.summary["peak_busbw_GBps"]) == set(busbw.COLLECTIVES)
+    assert (run.summary["device"], run.summary["backend"]) == ("cpu", "gloo") and "guide" not in run.summary
     assert run.summary["link_classes_not_measured"]["inter_node"] == "all ranks ran on one host"
 
 
@@ -72,7 +76,8 @@ def test_topology_report_and_env(full_run):
     _, run = full_run
     assert "No NVIDIA GPU" in (run.path / "TOPOLOGY.md").read_text()
     env = json.loads((run.path / "env.json").read_text())
-    assert env["topology"]["source"] == "none" and env["topology"]["nodes"] == 1  # dtrain's keys kept
+    assert env["topology"] == {"gpus_per_node": 0, "nodes": 1}  # the launcher's env.json, never rewritten
+    assert run.summary["topology"]["source"] == "none" and run.summary["topology"]["host_cpu"]["logical_cpus"] >= 1
     assert env["backend"] == "gloo" and (run.path / "alpha_beta_fit.png").stat().st_size > 0
 
 
@@ -116,7 +121,7 @@ def test_simulated_two_nodes_measure_intra_inter_and_world(tmp_path):
     unfitted = {(u["collective"], u["link_class"]) for u in run.summary["unfitted"]}
     assert fitted | unfitted == {(c, lc) for c in ("all_reduce", "sendrecv", "broadcast")
                                  for lc in ("intra_node", "inter_node", "world")}
-    assert {f["link_class"] for f in run.summary["guide"]["fits"]} <= {"intra_node", "inter_node"}
+    assert {f.link_class for f in contract.read(run.summary)} <= {"intra_node", "inter_node"}
     assert {(r["link_class"], r["bus_factor"]) for r in df[df.collective == "all_reduce"].to_dict("records")} == \
         {("intra_node", 1.0), ("inter_node", 1.0), ("world", 1.5)}
 
@@ -128,8 +133,7 @@ def test_single_rank_nccl_path(tmp_path):
              timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = results.complete_runs([tmp_path])
-    g = run.summary["guide"]
-    assert (g["device"], g["backend"]) == ("cuda", "nccl") and g["gpu_name"]
+    assert (run.summary["device"], run.summary["backend"]) == ("cuda", "nccl")
     assert (results.load([run.path], kind="collective").wrong == 0).all()
     assert "## Links per GPU pair" in (run.path / "TOPOLOGY.md").read_text()
 

@@ -16,6 +16,11 @@ import torch.distributed as dist
 
 from dtrain.errors import UserError
 
+# The collective compatibility shims (one home): torch >= 2.13 renames the single-tensor
+# collectives; older releases (>= 2.6) only have the *_tensor names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -10,10 +10,5 @@ class UserError(Exception):
     """Bad input or environment; the message says what to do instead."""
 
 
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
-
-
 def missing_dependency(package: str, extra: str, purpose: str) -> UserError:
     return UserError(f"{purpose} needs the optional package '{package}': pip install -e '.[{extra}]'")

@@ -20,9 +20,9 @@ import torch
 from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
+from dtrain.strategies import ZERO_STAGE
 
 GiB = 2**30
-ZERO_STAGE = {"single": 0, "ddp": 0, "zero2": 2, "zero3": 3, "hsdp": 3}
 
 
 def shape_of(g: GPTConfig) -> ModelShape:

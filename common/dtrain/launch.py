@@ -15,6 +15,7 @@ on the launcher stop every rank (or cancel the Slurm job). See dtrain.liveness.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import os
@@ -51,11 +52,17 @@ class RankContext:
     backend: str
     run_dir: Path
     writer: RunWriter
+    hosts: list[str] = dataclasses.field(default_factory=list)  # every rank's hostname, in rank order
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
     local_rank = property(lambda self: self.env.local_rank)
     is_main = property(lambda self: self.env.rank == 0)
+
+    @property
+    def gpu_name(self) -> str | None:
+        """This rank's GPU model (None on CPU): what a record's provenance names."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world_size > 1:
@@ -128,7 +135,7 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
     with RunWriter(run_dir, env.rank) as writer:
         requeue.start_attempt(run_dir, env.rank, writer)
         try:
-            result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
+            result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer, hosts))
         except Exception as e:
             if launcher != "job":
                 raise

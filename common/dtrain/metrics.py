@@ -88,6 +88,13 @@ def write_config(run_dir: Path, cfg) -> Path:
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
+    """summary.json; its "guide_inputs", when a list of dtrain.contract records, encoded and checked."""
+    from dtrain import contract
+
+    if isinstance(summary.get(contract.KEY), (list, tuple)):
+        summary = {**summary, contract.KEY: contract.encode(summary[contract.KEY])}
+    if contract.KEY in summary:
+        contract.decode(strict(summary[contract.KEY]))  # what a reader will get back, or ContractError now
     return write_json_atomic(Path(run_dir) / SUMMARY, summary)
 
 

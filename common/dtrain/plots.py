@@ -20,10 +20,12 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4
     return plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
 
 
-def save(fig, path: str | Path, quiet: bool = False) -> Path:
+def save(fig, path: str | Path, quiet: bool = False, dpi: int = 120, reproducible: bool = False) -> Path:
+    """Lay out, write and close ``fig``. ``reproducible``: no version string in the PNG, so the same
+    figure gives the same bytes on every machine (the committed guide plots)."""
     path = Path(path)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi, **({"metadata": {"Software": None}} if reproducible else {}))
     plt.close(fig)
     if not quiet:
         print(f"wrote plot {path}", flush=True)

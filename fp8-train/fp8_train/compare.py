@@ -2,8 +2,9 @@
 
 Trains the high-precision baseline and each FP8 recipe over several seeds (a Hydra multirun of
 `python -m fp8_train` underneath, so `hydra/launcher=submitit_slurm` sends it to Slurm), then
-writes a run directory results/fp8-train/compare-<time>/ with report.md, plots, and a summary
-whose "guide" the cost model reads.
+writes a derived run directory results/fp8-train/compare-<time>/ (dtrain.derived: it names the
+sweep's runs under runs/) with report.md, plots, and one dtrain.contract.Fp8Comparison per recipe
+in its summary's "guide_inputs", which the cost model reads.
 
 The within-noise test, stated: a recipe is within noise when its mean final loss (mean of the
 last 5 steps, averaged over seeds) lies in the baseline's seed band, |mean_r - mean_b| <=
@@ -23,10 +24,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from dtrain import plots
+from dtrain import contract, plots
+from dtrain.derived import write_derived_run
 from dtrain.errors import UserError
-from dtrain.metrics import CONFIG, ENV, write_json_atomic, write_summary, write_text_atomic
-from dtrain.results import load, load_events, load_runs
+from dtrain.metrics import SUMMARY, write_json_atomic
+from dtrain.results import complete_runs, load, load_events, load_runs
 from fp8_train.backends import HIGH, RECIPES
 
 CPU_RECIPES = ["fp32", "emulated_delayed", "emulated_current", "torchao_tensorwise"]
@@ -146,11 +148,8 @@ def main(argv: list[str]) -> dict:
     overrides = [o for o in overrides if not o.startswith(("results_dir=", "recipe=", "seed="))]
     out = Path(results_dir) / "fp8-train" / f"compare-{datetime.now():%Y%m%d-%H%M%S-%f}"
     out.mkdir(parents=True)
-    import yaml
-
-    write_text_atomic(out / CONFIG, yaml.safe_dump({"subproject": "fp8-train", "mode": "compare", "recipes": recipes,
-                                                    "baseline": baseline, "seeds": seeds, "noise_k": args.noise_k,
-                                                    "overrides": overrides}))
+    plan_config = {"mode": "compare", "recipes": recipes, "baseline": baseline, "seeds": seeds,
+                   "noise_k": args.noise_k, "overrides": overrides}
     cmd = [sys.executable, "-m", "fp8_train", "-m", f"recipe={','.join(recipes)}",
            f"seed={','.join(map(str, seeds))}", f"results_dir={out / 'runs'}", *overrides]
     print(f"compare: {len(recipes) * len(seeds)} runs -> {out}\n  {' '.join(cmd)}", flush=True)
@@ -168,19 +167,27 @@ def main(argv: list[str]) -> dict:
     keep = sorted({layer for layers in runs.loc[~runs["recipe"].isin(HIGH), "summary.high_precision_layers"]
                    for layer in (layers or [])})
     device = str(runs["summary.device"].iloc[0])
-    first_env = next((out / "runs").rglob(ENV))
-    shutil.copy(first_env, out / ENV)
     (out / "report.md").write_text(report(out, agg, baseline, args.noise_k, events, keep, device, figures))
+    backend = str(runs["summary.backend"].iloc[0])
+    gpu = next((n for n in runs.get("summary.gpu_name", []) if isinstance(n, str)), None)
+    where = contract.where_of(device, backend, gpu)
     # "emulated": the speed-up is emulation overhead, not FP8 hardware (every FP8 recipe on CPU)
-    fp8 = {k: {**{f: v[f] for f in ("speedup", "memory_factor", "final_loss_mean", "final_loss_std", "within_noise")},
-               "emulated": k.startswith("emulated") or device == "cpu"} for k, v in agg.items() if k != baseline}
-    summary = {"subproject": "fp8-train", "mode": "compare", "run_dir": str(out), "status": "complete",
-               "results": agg, "device": device, "backend": str(runs["summary.backend"].iloc[0]),
-               "guide": {"baseline": baseline, "recipes": fp8, "keep_high_precision": keep,
-                         "nan_events": int(sum(v["nan_events"] for v in agg.values())), "device": device,
-                         "backend": str(runs["summary.backend"].iloc[0])}}
+    fp8 = [contract.Fp8Comparison(recipe=k, baseline=baseline, speedup=v["speedup"], memory_factor=v["memory_factor"],
+                                  within_noise=v["within_noise"], emulated=k.startswith("emulated") or device == "cpu",
+                                  final_loss_mean=v["final_loss_mean"], final_loss_std=v["final_loss_std"],
+                                  seeds=v["seeds"], keep_high_precision=keep, where=where)
+           for k, v in agg.items() if k != baseline]
     write_json_atomic(out / "compare.json", agg)
-    write_summary(out, summary)
+    sources = sorted(r.path for r in complete_runs([out / "runs"], warn=False))
+    summary = {"mode": "compare", "results": agg, "device": device, "backend": backend, "baseline": baseline,
+               "keep_high_precision": keep, "nan_events": int(sum(v["nan_events"] for v in agg.values()))}
+    write_derived_run(out, "fp8-train", sources, config=plan_config, summary=summary, guide_inputs=fp8)
     print((out / "report.md").read_text())
     print(f"compare complete: {out}  (report.md, summary.json written)")
-    return summary
+    return read_summary(out)
+
+
+def read_summary(out: Path) -> dict:
+    import json
+
+    return json.loads((out / SUMMARY).read_text())

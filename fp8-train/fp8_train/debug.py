@@ -185,7 +185,7 @@ class DebugTool(Callback):
         cast, the gradient hook before it: its scale buffer changes in place, hence the copy)."""
         module = self.own_scalers[layer]
         if tensor == "gradient":
-            return module.grad_scaler.scale.detach().clone()
+            return module.grad_output_scaler.scale.detach().clone()
         return (module.input_scaler if tensor == "activation" else module.weight_scaler).last_used.detach()
 
     def flush(self) -> None:

@@ -91,7 +91,7 @@ class FP8Linear(nn.Linear):
             kw = dict(margin=margin, history_len=history_len, algo=amax_algo)
             self.input_scaler = make_scaler(scaling, fwd_format, **kw)
             self.weight_scaler = make_scaler(scaling, fwd_format, **kw)
-            self.grad_scaler = make_scaler(scaling, bwd_format, **kw)
+            self.grad_output_scaler = make_scaler(scaling, bwd_format, **kw)
 
     def quant(self, role: str, t: torch.Tensor, replay: bool = False) -> torch.Tensor:
         """The round trip one operand takes: per-tensor scaled FP8, or block-scaled FP4; computed in
@@ -122,7 +122,7 @@ class FP8Linear(nn.Linear):
 
 
 def _attr(role: str) -> str:
-    return {"input": "input_scaler", "weight": "weight_scaler", "grad_output": "grad_scaler"}[role]
+    return {"input": "input_scaler", "weight": "weight_scaler", "grad_output": "grad_output_scaler"}[role]
 
 
 def fp8_layers(model: nn.Module) -> dict[str, FP8Linear]:

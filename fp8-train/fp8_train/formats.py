@@ -59,9 +59,3 @@ def _cast_e2m1(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: Format) -> torch.Tensor:
     """FP8 round trip: cast(x * scale) / scale, in x's dtype."""
     return cast(x * scale, fmt) / scale
-
-
-def format_of(name: str) -> Format:
-    if name not in FORMATS:
-        raise ValueError(f"unknown format {name!r}: choose one of {sorted(FORMATS)}")
-    return FORMATS[name]

@@ -3,10 +3,11 @@
     validate(cfg)   every key checked before a rank starts (bad input = one line, exit 2)
     rank_fn(ctx)    numerics (backends.py) + precision map -> Trainer(callbacks=[faults, guard,
                     debug tool, health]) -> run
-    finalize(...)   table, steps.csv, dashboard, and the summary whose "guide" the cost model reads
+    finalize(...)   table, steps.csv, dashboard, and the summary whose "guide_inputs" the cost model reads
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from pathlib import Path
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtrain import config as dtrain_config
 from dtrain import dist as ddist
-from dtrain import perf
+from dtrain import contract, perf
 from dtrain.errors import UserError
 from dtrain.fit import check_fits
 from dtrain.launch import mode_of
@@ -92,15 +93,12 @@ def rank_fn(ctx) -> dict:
         for d in pmap.fallbacks():
             ctx.writer.event("layer_fallback", layer=d.name, reason=d.reason)
     result = trainer.run()
-    high = [d.name for d in decisions if d.precision == "high"] + (guard.switched if guard else [])
+    high = (pmap.high_precision_layers() if factory else []) + (guard.switched if guard else [])
     return {**result, "recipe": cfg.recipe, "fp8_backend": numerics.backend, "precision": numerics.precision,
             "nan_events": guard.nan_events if guard else 0, "rollbacks": guard.rollbacks if guard else 0,
             "high_precision_layers": high, "switched_to_high_precision": guard.switched if guard else [],
-            "notes": numerics.notes, "device": str(ctx.device), "backend": ctx.backend, "gpu_name": gpu_name(ctx.device)}
-
-
-def gpu_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            "notes": numerics.notes, "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,
+            "model": dataclasses.asdict(model_cfg), "train": train.to_dict()}
 
 
 def step_rows(run_dir: Path) -> list[dict]:
@@ -135,9 +133,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     for note in result.get("notes", []):
         print(f"note: {note}")
     dashboard.render([run_dir], run_dir)
-    guide = {"recipe": cfg.recipe, "precision": result["precision"], "tokens_per_s": float(result["tokens_per_s"]),
-             "peak_mem_bytes": int(result["peak_mem_bytes"]), "final_loss": loss,
-             "nan_events": int(result["nan_events"]), "high_precision_layers": result["high_precision_layers"],
-             "device": result["device"], "backend": result["backend"], "fp8_backend": result["fp8_backend"],
-             "gpu_name": result["gpu_name"]}
-    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"), "guide": guide}
+    inputs = contract.training_inputs(result, result.pop("model"), result.pop("train"),
+                                      contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+                                      precision=result["precision"], recipe=cfg.recipe)
+    return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"),
+            "guide_inputs": inputs}

@@ -161,7 +161,7 @@ def test_activation_checkpointing_gives_the_same_grads_and_records_each_amax_onc
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad), name
     for (name, a), b in zip(fp8_layers(plain).items(), fp8_layers(checkpointed).values()):
-        for scaler in ("input_scaler", "weight_scaler", "grad_scaler"):
+        for scaler in ("input_scaler", "weight_scaler", "grad_output_scaler"):
             assert torch.equal(getattr(a, scaler).scale, getattr(b, scaler).scale), (name, scaler)
             if recipe == "emulated_delayed":
                 history = getattr(b, scaler).amax_history

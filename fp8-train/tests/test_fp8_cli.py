@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 from conftest import py
 
+from dtrain import contract
 from dtrain.model import GPTConfig, num_params
 from dtrain.results import find_runs, load, load_events
 
-GUIDE_KEYS = {"recipe", "precision", "tokens_per_s", "peak_mem_bytes", "final_loss", "nan_events",
+SUMMARY_KEYS = {"recipe", "precision", "tokens_per_s", "peak_mem_bytes", "final_loss", "nan_events",
               "high_precision_layers", "device", "backend"}
 QUIET = ["health.tensorboard=false", "train.log_every=0"]
 
@@ -31,11 +32,14 @@ def trained(tmp_path_factory):
 def test_run_writes_guide_debug_records_and_dashboard(trained):
     run, _ = trained
     summary = json.loads((run / "summary.json").read_text())
-    assert GUIDE_KEYS <= set(summary["guide"])
-    g = summary["guide"]
+    assert SUMMARY_KEYS <= set(summary) and "guide" not in summary
+    g = summary
     assert g["recipe"] == "emulated_delayed" and g["precision"] == "fp32" and g["device"] == "cpu"
     assert g["backend"] == "gloo" and g["nan_events"] == 0 and g["final_loss"] < 5.6  # ln(256) = 5.55 at init
     assert {"tok_emb", "pos_emb", "lm_head"} <= set(g["high_precision_layers"])
+    [m] = contract.read(summary)  # the typed guide input, as calibration reads it
+    assert isinstance(m, contract.TrainingMeasurement) and (m.recipe, m.precision) == ("emulated_delayed", "fp32")
+    assert m.tokens_per_s == g["tokens_per_s"] and m.layout.world_size == 2 and m.where.device == "cpu"
     debug = load([run], kind="fp8_debug")
     assert set(debug["step"]) == {5, 10}
     assert set(debug["tensor"]) == {"activation", "weight", "gradient"} and set(debug["recipe"]) == {"delayed", "current"}
@@ -96,8 +100,8 @@ def test_injected_inf_climbs_the_ladder_on_every_rank(tmp_path):
     skipped = events[(events["kind"] == "skip_batch") & (events["rank"] == 0)]
     assert list(skipped["data_position"]) == [4, 5, 6]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["guide"]["nan_events"] == 3 and summary["rollbacks"] == 1
-    assert "blocks.1.mlp.w2" in summary["guide"]["high_precision_layers"]
+    assert summary["nan_events"] == 3 and summary["rollbacks"] == 1
+    assert "blocks.1.mlp.w2" in summary["high_precision_layers"]
     steps = load([run], kind="step").drop_duplicates("step", keep="last")
     assert steps["step"].max() == 14 and steps["loss"].notna().all()
 
@@ -108,7 +112,7 @@ def test_recovered_run_ends_within_noise_of_the_clean_run(tmp_path):
     # step) is a visible lag; nearer convergence it must vanish into the noise.
     faulted = _train(tmp_path / "fault", "train.steps=80", FAULT)
     clean = _train(tmp_path / "clean", "train.steps=80")
-    loss = [json.loads((r / "summary.json").read_text())["guide"]["final_loss"] for r in (faulted, clean)]
+    loss = [json.loads((r / "summary.json").read_text())["final_loss"] for r in (faulted, clean)]
     events = load_events([faulted])
     assert "lr_restore" in set(events["action"].dropna())
     # Seed std of the default config's final loss is ~0.04 (3 seeds, README "Results"): 0.1 is ~2.5 sigma.
@@ -122,15 +126,15 @@ def test_compare_writes_report_and_guide(tmp_path):
            "fp8_debug.enabled=false", *QUIET, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     out = next((tmp_path / "fp8-train").glob("compare-*"))
-    guide = json.loads((out / "summary.json").read_text())["guide"]
-    assert guide["baseline"] == "fp32" and set(guide["recipes"]) == {"emulated_current"}
-    rec = guide["recipes"]["emulated_current"]
-    assert {"speedup", "memory_factor", "final_loss_mean", "final_loss_std", "within_noise", "emulated"} == set(rec)
-    assert rec["emulated"] is True
-    assert "lm_head" in guide["keep_high_precision"] and guide["device"] == "cpu"
+    summary = json.loads((out / "summary.json").read_text())
+    [rec] = contract.read(summary)  # one comparison per FP8 recipe
+    assert isinstance(rec, contract.Fp8Comparison) and (rec.recipe, rec.baseline) == ("emulated_current", "fp32")
+    assert rec.emulated is True and rec.seeds == 2 and rec.where.device == "cpu"
+    assert "lm_head" in rec.keep_high_precision
     report = (out / "report.md").read_text()
     assert "Within noise: |mean_r - mean_fp32| <= 2 x std_fp32" in report and (out / "loss_curves.png").exists()
-    assert len(find_runs([out / "runs"])) == 4
+    sources = find_runs([out / "runs"])
+    assert len(sources) == 4 and sorted(contract.derived_from(summary, out)) == sorted(r.path.resolve() for r in sources)
 
 
 def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
@@ -143,5 +147,5 @@ def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
     losses = list(load([run], kind="step")["loss"])
     assert len(losses) == 4 and all(v == v for v in losses) and losses[-1] < losses[0]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["guide"]["precision"] == "bf16"
+    assert summary["precision"] == "bf16" and contract.read(summary)[0].precision == "bf16"
     assert summary["model_params"] == num_params(GPTConfig.from_preset("tiny", n_layer=3))

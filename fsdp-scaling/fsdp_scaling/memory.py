@@ -26,6 +26,8 @@ import math
 import torch
 import torch.nn as nn
 
+from dtrain.strategies import SHARDED
+
 
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for a tensor (a DTensor's local shard)."""
@@ -58,7 +60,7 @@ def measure_optimizer(optimizer: torch.optim.Optimizer) -> int:
 
 
 def shard_degree(strategy: str, world_size: int, hsdp_replicate: int = 1) -> int:
-    if strategy in ("single", "ddp"):
+    if strategy not in SHARDED:  # single, ddp: every rank holds everything
         return 1
     if strategy == "hsdp":
         return world_size // hsdp_replicate

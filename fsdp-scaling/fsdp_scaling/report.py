@@ -1,7 +1,8 @@
 """`python -m fsdp_scaling.report RUN_DIRS... [--out DIR]`: the scaling study over many runs.
 
 Loads complete runs through dtrain.results (single runs or Hydra multirun trees), then writes into
-one report directory (itself a run dir: config.yaml + summary.json, subproject fsdp-scaling):
+one report directory (a derived run, dtrain.derived: config.yaml, env.json, summary.json naming
+the runs it was made from in "derived_from"):
 
   scaling.csv                    one row per run: strategy, layout (tpNxppM), ranks, tokens/s, MFU,
                                  efficiency, vs-DDP ratio, step breakdown (compute, TP, PP, DP, idle)
@@ -9,7 +10,7 @@ one report directory (itself a run dir: config.yaml + summary.json, subproject f
   efficiency.png                 scaling efficiency against world size
   memory_per_strategy.png        measured parameter + gradient + optimizer bytes per rank
   overlap.png                    overlapped vs exposed communication per step
-  summary.json["guide"]          {"runs": [per-run guide dicts], "scaling_efficiency": {...}}
+  summary.json["study"]          {"runs": [per-run headline numbers], "scaling_efficiency": {...}}
 
 Scaling efficiency at N ranks, within a group of runs that differ only in world size
 (same strategy, tp x pp layout, model, sequence length, precision, and either the same global batch = strong
@@ -31,21 +32,21 @@ import pandas as pd
 
 from dtrain import plots, results
 from dtrain.errors import UserError
-from dtrain.metrics import write_config, write_summary
+from dtrain.derived import write_derived_run
+from fsdp_scaling.summary import headline
 
 GROUP = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
 BREAKDOWN = ("compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "idle_s")  # overlap.step_breakdown
 
 
 def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
-    runs = [r for r in results.complete_runs(paths) if r.subproject == "fsdp-scaling"
-            and isinstance(r.summary.get("guide"), dict) and "strategy" in r.summary["guide"]]
+    runs = [r for r in results.complete_runs(paths) if r.subproject == "fsdp-scaling" and "strategy" in r.summary]
     if not runs:
         raise UserError(f"no complete fsdp-scaling training runs under {', '.join(map(str, paths))}: "
                         "run `python -m fsdp_scaling -m ...` first")
-    rows, guides = [], []
+    rows, heads = [], []
     for run in runs:
-        g, cfg = run.summary["guide"], run.config
+        g, cfg = headline(run.summary), run.config
         t, m = cfg.get("train", {}), cfg.get("model", {})
         strong = t.get("global_batch") is not None
         rows.append({**{k: g[k] for k in ("strategy", "world_size", "tokens_per_s", "step_time_s", "mfu",
@@ -58,10 +59,10 @@ def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
                      "state_bytes": sum(g["state_bytes"].values()), "run": str(run.path),
                      "layout": f"tp{g.get('tp', 1)}xpp{g.get('pp', 1)}",
                      **{k: (g.get("breakdown") or {}).get(k) for k in BREAKDOWN}})
-        guides.append({**g, "run": str(run.path)})
+        heads.append({**g, "run": str(run.path)})
     df = pd.DataFrame(rows)
     df["seq_len"] = df["seq_len"].fillna(-1)
-    return add_efficiency(df), guides
+    return add_efficiency(df), heads
 
 
 def add_efficiency(df: pd.DataFrame) -> pd.DataFrame:
@@ -127,13 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="report directory (default results/fsdp-scaling/report-<time>)")
     args = p.parse_args(argv)
     try:
-        df, guides = study_frame(args.paths)
+        df, heads = study_frame(args.paths)
     except (UserError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or f"results/fsdp-scaling/report-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    write_config(out, {"subproject": "fsdp-scaling", "report": True, "inputs": [str(p) for p in args.paths]})
     cols = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "prefetch", "world_size", "tokens_per_s",
             "step_time_s", "mfu", "efficiency", "step_time_vs_ddp", "overlap_fraction", "exposed_comm_s",
             *BREAKDOWN, "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]
@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table.drop(columns=["run", "peak_flops_source"]).to_string(index=False))
     print(f"wrote {out / 'scaling.csv'}")
     write_plots(df, out)
-    write_summary(out, {"subproject": "fsdp-scaling", "status": "complete", "run_dir": str(out), "runs": len(guides),
-                        "guide": {"runs": guides, "scaling_efficiency": scaling_summary(df)}})
+    # a derived run: it names its runs, which keep their own guide inputs (nothing is published twice)
+    write_derived_run(out, "fsdp-scaling", [h["run"] for h in heads],
+                      {"report": True, "inputs": [str(p) for p in args.paths]}, {"runs": len(heads), "study": {"runs": heads, "scaling_efficiency": scaling_summary(df)}})
     print(f"report complete: {out}  (summary.json written)")
     return 0
 

@@ -3,7 +3,7 @@
 Records per step (loss, grad norm, tokens/s, TFLOP/s, MFU, peak memory), per-rank state bytes
 against the ZeRO formula (with tp / pp: this rank's stages and tp shards, sharded over dp), and
 the comm/compute overlap and step breakdown (compute, TP comm, PP p2p and bubble, DP comm) of a
-profiled window; the summary's "guide" key holds what the parallelism guide reads.
+profiled window; the summary's "guide_inputs" (dtrain.contract) hold what the parallelism guide reads.
 """
 from __future__ import annotations
 
@@ -64,5 +64,6 @@ def rank_fn(ctx: RankContext) -> dict:
             "shard_degree": shards, "overlap": window.result if window else None,
             "breakdown": window.breakdown if window else None,
             "trace": str(window.trace_path) if window and window.trace_path else None,
-            "device": str(ctx.device), "backend": ctx.backend, "model": dataclasses.asdict(model_cfg),
+            "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,
+            "model": dataclasses.asdict(model_cfg),
             "train": train.to_dict()}

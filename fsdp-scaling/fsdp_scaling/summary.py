@@ -1,4 +1,4 @@
-"""After a run: the guide numbers, a table (measured vs formula bytes side by side), CSV, plots."""
+"""After a run: the guide inputs (dtrain.contract), a table (measured vs formula bytes side by side), CSV, plots."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,14 +7,14 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from dtrain import plots, results
+from dtrain import contract, plots, results
 from dtrain.plots import human_bytes
 
 STATE_KEYS = ("params", "grads", "optimizer")
 
 
-def guide_of(r: dict) -> dict:
-    """The numbers the parallelism guide reads (contract in fsdp-scaling/README.md)."""
+def headline(r: dict) -> dict:
+    """A run's headline numbers, flat (tables, the study report): from the rank result or the summary."""
     ov = r.get("overlap") or {}
     return {"strategy": r["strategy"], "world_size": r["world_size"], "model_params": r["model_params"],
             "flops_per_token": r["flops_per_token"], "tokens_per_s": r["tokens_per_s"],
@@ -30,7 +30,7 @@ def guide_of(r: dict) -> dict:
 
 def print_tables(r: dict, console: Console | None = None) -> None:
     console = console or Console(width=120)
-    g = guide_of(r)
+    g = headline(r)
     layout = f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}" if g["tp"] * g["pp"] > 1 else ""
     t = Table(title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), {g['device']}/{g['backend']}")
     for col in ("tokens/s", "step s", "TFLOP/s/rank", "MFU", "comm s/step", "exposed s/step", "overlap", "peak mem"):
@@ -84,5 +84,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         for k in STATE_KEYS:
             w.writerow([k, result["state_bytes"].get(k), result["state_bytes_formula"][k], result["state_bytes_ideal"][k]])
     plot_steps(run_dir)
+    inputs = contract.training_inputs(result, result["model"], result["train"],
+                                      contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+                                      overlap=result.get("overlap"), breakdown=result.get("breakdown"))
     return {**{k: v for k, v in result.items() if k not in ("model", "train")}, "seq_len": result["model"]["seq_len"],
-            "guide": guide_of(result)}
+            "guide_inputs": inputs}

@@ -8,10 +8,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import results
+from dtrain import contract, results
 from fsdp_scaling.conf import FsdpScalingConfig
+from fsdp_scaling.summary import headline
 
-GUIDE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
+HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
               "exposed_comm_s", "peak_mem_bytes", "state_bytes", "state_bytes_formula", "mixed_precision",
               "device", "backend", "tp", "pp", "dp", "pp_schedule", "breakdown"}
@@ -22,7 +23,7 @@ def test_sweep_then_report(tmp_path):
              f"results_dir={tmp_path}", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = results.load_runs([tmp_path])
-    assert sorted(runs["summary.guide.strategy"]) == ["ddp", "zero3"]
+    assert sorted(runs["summary.strategy"]) == ["ddp", "zero3"]
     for run in results.complete_runs([tmp_path]):
         # config.yaml = the dataclass's defaults + this point's overrides (device resolved once)
         expected = OmegaConf.structured(FsdpScalingConfig)
@@ -30,12 +31,15 @@ def test_sweep_then_report(tmp_path):
                            ("train.steps", 6), ("results_dir", str(tmp_path)), ("device", "cpu")):
             OmegaConf.update(expected, key, value)
         assert run.config == OmegaConf.to_container(expected, resolve=True)
-        g = run.summary["guide"]
-        assert set(g) == GUIDE_KEYS
+        g = headline(run.summary)
+        assert set(g) == HEADLINE_KEYS and "guide" not in run.summary
         assert g["state_bytes"] == g["state_bytes_formula"] and g["peak_flops_source"] == "measured cpu matmul probe"
         assert g["world_size"] == 2 and g["backend"] == "gloo" and 0 < g["mfu"] < 1
         assert g["comm_s"] > 0 and 0 <= g["overlap_fraction"] <= 1
         assert (run.path / "steps.png").exists() and (run.path / "profile" / "trace.rank0.json.gz").exists()
+        [m] = contract.read(run.summary)  # the typed guide input calibration reads
+        assert (m.layout.strategy, m.layout.dp, m.step_time_s, m.mfu) == (g["strategy"], 2, g["step_time_s"], g["mfu"])
+        assert m.exposed_comm_s == g["exposed_comm_s"] and (m.breakdown is None) == (not g["breakdown"]) and m.recipe is None
     steps = results.load([tmp_path], kind="step")
     assert len(steps) == 12 and steps["loss"].notna().all()
     assert len(results.load([tmp_path], kind="overlap")) == 2
@@ -44,14 +48,18 @@ def test_sweep_then_report(tmp_path):
     rep = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(report_dir))
     assert rep.returncode == 0, rep.stderr[-2000:]
     summary = json.loads((report_dir / "summary.json").read_text())
-    assert summary["subproject"] == "fsdp-scaling" and len(summary["guide"]["runs"]) == 2
+    assert summary["subproject"] == "fsdp-scaling" and len(summary["study"]["runs"]) == 2
+    # a derived run: names its sources, publishes no copy of their guide inputs
+    assert sorted(contract.derived_from(summary, report_dir)) == sorted(
+        r.path.resolve() for r in results.complete_runs([tmp_path]) if r.path != report_dir)
+    assert contract.read(summary) == []
     for name in ("scaling.csv", "throughput_vs_ranks.png", "efficiency.png", "memory_per_strategy.png", "overlap.png"):
         assert (report_dir / name).exists(), name
-    eff = summary["guide"]["scaling_efficiency"]
+    eff = summary["study"]["scaling_efficiency"]
     assert all(v["efficiency"] == [1.0] for v in eff.values())  # one world size: each is its own baseline
     zero3 = next(v for k, v in eff.items() if k.startswith("zero3"))
-    ddp_time = runs.loc[runs["summary.guide.strategy"] == "ddp", "summary.guide.step_time_s"].item()
-    zero3_time = runs.loc[runs["summary.guide.strategy"] == "zero3", "summary.guide.step_time_s"].item()
+    ddp_time = runs.loc[runs["summary.strategy"] == "ddp", "summary.step_time_s"].item()
+    zero3_time = runs.loc[runs["summary.strategy"] == "zero3", "summary.step_time_s"].item()
     assert zero3["step_time_vs_ddp"][0] == pytest.approx(zero3_time / ddp_time)
     # the report dir is itself a complete run dir, but never mistaken for a training run
     again = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(tmp_path / "report2"))

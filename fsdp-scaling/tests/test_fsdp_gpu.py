@@ -13,7 +13,7 @@ def test_bf16_zero3_on_one_gpu(tmp_path):
              "train.precision=bf16", "train.steps=8", f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     run = results.complete_runs([tmp_path])[0]
-    g = run.summary["guide"]
+    g = run.summary
     assert g["backend"] == "nccl" and g["device"].startswith("cuda")
     assert g["peak_flops_source"].startswith("datasheet: ") and 0 < g["mfu"] < 1
     assert g["mixed_precision"] == "bf16" and g["state_bytes"] == g["state_bytes_formula"]

@@ -6,32 +6,28 @@ import json
 import pytest
 
 from conftest import py
-from dtrain import results
+from dtrain import contract, results
 from dtrain.parallel.tp import comm
 
 TINY = ["micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_head=4", "timing_warmup=1", "iters=2",
         "profile.steps=1"]
-GUIDE_KEYS = {"tp", "sequence_parallel", "step_time_s", "single_rank_step_time_s", "dtensor_step_time_s",
-              "comm_share", "comm_bytes_per_layer", "overhead_factor", "batch", "seq", "d_model", "n_head",
-              "n_kv_head"}
 
 
-def test_tiny_run_writes_the_guide_contract(tmp_path):
+def test_tiny_run_writes_the_guide_inputs(tmp_path):
     out = py("-m", "tp_attention", *TINY, f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = results.complete_runs([tmp_path])
-    guide = run.summary["guide"]
-    assert guide["device"] == "cpu" and guide["backend"] == "gloo"
     assert run.summary["device"] == "cpu" and run.summary["backend"] == "gloo"
-    rows = guide["tp_overhead"]
-    assert [(r["tp"], r["sequence_parallel"]) for r in rows] == [(2, False), (2, True)]
+    rows = contract.read(run.summary)  # the typed records calibration reads, one per (tp, SP)
+    assert [(r.tp, r.sequence_parallel) for r in rows] == [(2, False), (2, True)]
     for r in rows:
-        assert set(r) == GUIDE_KEYS
-        assert r["comm_bytes_per_layer"] == comm.expected_wire_bytes(
-            batch=1, seq=16, d_model=32, n_head=4, n_kv_head=4, tp=2, sequence_parallel=r["sequence_parallel"])["activation"]
-        assert r["comm_bytes_per_layer"] == 4 * 2 * 16 * 32 * 4 // 2  # 4 all-reduces, 2(n-1)/n of 2 KiB
-        assert r["overhead_factor"] == pytest.approx(r["step_time_s"] * 2 / r["single_rank_step_time_s"])
-        assert 0 < r["comm_share"] < 1 and r["dtensor_step_time_s"] > 0
+        assert isinstance(r, contract.TpMeasurement) and r.where == contract.Where("cpu", "gloo")
+        assert (r.module, r.micro_batch, r.seq_len, r.d_model, r.n_head, r.n_kv_head) == ("block", 1, 16, 32, 4, 4)
+        assert r.comm_bytes_per_layer == comm.expected_wire_bytes(
+            batch=1, seq=16, d_model=32, n_head=4, n_kv_head=4, tp=2, sequence_parallel=r.sequence_parallel)["activation"]
+        assert r.comm_bytes_per_layer == 4 * 2 * 16 * 32 * 4 // 2  # 4 all-reduces, 2(n-1)/n of 2 KiB
+        assert r.overhead_factor == pytest.approx(r.step_time_s * 2 / r.single_rank_step_time_s)
+        assert 0 < r.comm_share < 1 and r.dtensor_step_time_s > 0
 
     steps = results.load([tmp_path], kind="step")
     assert set(steps.impl) == {"handrolled", "handrolled_async", "dtensor", "single", "single_same_threads"}
@@ -46,8 +42,8 @@ def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
     out = py("-m", "tp_attention", *TINY, "model.n_kv_head=1", "sequence_parallel=false",
              "impls=[single,handrolled,dtensor]", f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    [row] = json.loads(next(tmp_path.rglob("summary.json")).read_text())["guide"]["tp_overhead"]
-    assert row["dtensor_step_time_s"] is None and row["n_kv_head"] == 1
+    [row] = contract.read(json.loads(next(tmp_path.rglob("summary.json")).read_text()))
+    assert row.dtensor_step_time_s is None and row.n_kv_head == 1
 
 
 @pytest.mark.parametrize("args,message", [

@@ -192,7 +192,8 @@ def rank_fn(ctx: RankContext) -> dict:
 
         turns.take(ctx.is_main, ctx.is_main, singles)
         dist.barrier()
-    return {"entries": entries, "device": device.type, "backend": ctx.backend, "threads_per_rank": threads}
+    return {"entries": entries, "device": device.type, "backend": ctx.backend, "gpu_name": ctx.gpu_name,
+            "threads_per_rank": threads}
 
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:

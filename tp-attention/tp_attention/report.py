@@ -1,4 +1,4 @@
-"""After all ranks finished: the table, the CSV, the plot and the summary (with the guide's numbers).
+"""After all ranks finished: the table, the CSV, the plot and the summary (with the guide's inputs).
 
     overhead_factor = step_time * tp / single_rank_step_time    (1.0 = perfect TP scaling)
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtrain import plots
+from dtrain import contract, plots
 from tp_attention.config import model_config
 
 TARGET_VS_DTENSOR = 0.75  # hand-rolled / DTensor step time at tp = 2
@@ -23,18 +23,17 @@ def _ratio(a, b):
     return None if a is None or not b else a / b
 
 
-def guide_rows(cfg, entries: list[dict]) -> list[dict]:
-    """summary["guide"]["tp_overhead"]: exactly what the cost model reads."""
-    m, rows = model_config(cfg), []
-    for e in entries:
-        rows.append({
-            "tp": e["tp"], "sequence_parallel": e["sequence_parallel"], "step_time_s": e["handrolled_s"],
-            "single_rank_step_time_s": e["single_s"], "dtensor_step_time_s": e["dtensor_s"],
-            "comm_share": e["comm_share"], "comm_bytes_per_layer": e["comm_bytes_per_layer"],
-            "overhead_factor": e["handrolled_s"] * e["tp"] / e["single_s"],
-            "batch": cfg.micro_batch, "seq": m.seq_len, "d_model": m.d_model, "n_head": m.n_head,
-            "n_kv_head": m.n_kv_head})
-    return rows
+def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeasurement]:
+    """One dtrain.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model reads."""
+    m = model_config(cfg)
+    where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
+    return [contract.TpMeasurement(
+        module=cfg.module, tp=e["tp"], sequence_parallel=e["sequence_parallel"], micro_batch=cfg.micro_batch, seq_len=m.seq_len,
+        d_model=m.d_model, n_head=m.n_head, n_kv_head=m.n_kv_head or m.n_head, mlp_ratio=int(m.mlp_ratio),
+        precision=str(cfg.precision), step_time_s=e["handrolled_s"], single_rank_step_time_s=e["single_s"],
+        comm_share=e["comm_share"], comm_bytes_per_layer=int(e["comm_bytes_per_layer"]),
+        overhead_factor=e["handrolled_s"] * e["tp"] / e["single_s"], where=where, dtensor_step_time_s=e["dtensor_s"])
+        for e in entries]
 
 
 def targets(entries: list[dict]) -> list[dict]:
@@ -116,6 +115,6 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
         print(f"targets at tp=2, SP={'on' if t['sequence_parallel'] else 'off'}: "
               f"hand/DTensor {_x(t['handrolled_over_dtensor'])} (<= {TARGET_VS_DTENSOR}), "
               f"hand/same-threads {_x(t['handrolled_over_same_threads'])} (<= {TARGET_VS_SAME_THREADS})")
-    return {"device": result["device"], "backend": result["backend"], "threads_per_rank": result["threads_per_rank"],
-            "guide": {"tp_overhead": guide_rows(cfg, entries), "device": result["device"], "backend": result["backend"]},
+    return {"device": result["device"], "backend": result["backend"], "gpu_name": result.get("gpu_name"),
+            "threads_per_rank": result["threads_per_rank"], "guide_inputs": guide_inputs(cfg, entries, result),
             "targets": checked, "entries": entries}

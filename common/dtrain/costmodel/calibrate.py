@@ -1,14 +1,19 @@
 """Calibrate the cost model from this cluster's run directories, with provenance.
 
-Reads completed runs only through ``dtrain.results`` and only their ``summary.json["guide"]``
-(the contract each subproject writes), never a subproject's private files:
+Reads completed runs only through ``dtrain.results`` and only their typed guide inputs
+(``dtrain.contract``, ``summary.json["guide_inputs"]``), never an experiment's name, config.yaml or
+private files; env.json (the launcher's) gives the date. A run whose guide inputs break the
+contract is skipped with a warning that names it. By record:
 
-    allreduce-bench   fits[] of all_reduce   -> α and achieved β per link class (intra / inter node)
-    fsdp-scaling      mfu, exposed comm      -> compute efficiency; overlap_fraction -> DP overlap
-    tp-attention      tp_overhead[]          -> measured / α–β-modelled TP communication time
-    fp8-train         compare recipes{}      -> FP8 speed factor, memory factor, layers kept in BF16
-    gemm-probe        e_max, w_half          -> GEMM achieved-fraction curve (``gemm_probe``); its
-                      overheads[]               per-model fixed step overhead feeds the local checks
+    CollectiveFit        all_reduce fits      -> α and achieved β per link class (intra / inter node)
+    TrainingMeasurement  mfu, exposed comm    -> compute efficiency; overlap_fraction -> DP overlap
+      (recipe None)
+    TpMeasurement        per-tp rows          -> measured / α–β-modelled TP communication time
+    Fp8Comparison        per-recipe factors   -> FP8 speed factor, memory factor, layers kept in BF16
+    GemmProbe            e_max, w_half        -> GEMM achieved-fraction curve (``gemm_probe``); its
+                         overheads[]             per-model fixed step overhead feeds the local checks
+
+Derived runs (``dtrain.derived``) publish only what they derived, so each measurement is read once.
 
 Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
 "datasheet/published: <source>". Two calibrations come out:
@@ -22,16 +27,19 @@ Among several runs for one value the latest (env.json ``created``, then path) wi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dtrain import contract
 from dtrain.results import Run, complete_runs
+from dtrain.strategies import SHARDED
 
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
 from .timemodel import Calibration, Param
 
-SHARDED = ("zero2", "zero3", "hsdp")
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
 
 
@@ -108,6 +116,7 @@ class CalibrationReport:
     candidates: list[Candidate] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
     probes: list[tuple[Source, dict]] = field(default_factory=list)  # gemm-probe guide dicts
+    inputs: list[RunInputs] = field(default_factory=list)  # every run's records, in path order
 
     def local_probe(self) -> tuple[Source, dict] | None:
         """The latest non-CUDA gemm-probe (for the local predicted-vs-measured check)."""
@@ -119,14 +128,45 @@ class CalibrationReport:
         return any(c.source.on_gpu for c in self.candidates)
 
 
-def source_of(run: Run, base: Path | None = None) -> Source:
-    env, guide = run.env, run.summary.get("guide", {}) or {}
-    device = str(guide.get("device") or run.summary.get("device") or env.get("device") or "unknown")
+@dataclass(frozen=True)
+class RunInputs:
+    """One run's guide inputs and where they were measured."""
+
+    run: Run
+    source: Source
+    records: tuple
+
+    def of(self, kind) -> list:
+        return [r for r in self.records if isinstance(r, kind)]
+
+
+def source_of(run: Run, base: Path | None = None, records=()) -> Source:
+    """Provenance: where the records say they ran; the date and world size from env.json."""
+    env, where = run.env, (records[0].where if records else None)
+    device = str(where.device if where else env.get("device") or "unknown")
     gpus = env.get("gpus") or []
-    gpu_name = guide.get("gpu_name") or (gpus[0].get("name") if gpus and device.startswith("cuda") else None)
+    gpu_name = (where.gpu_name if where else None) or (gpus[0].get("name") if gpus and device.startswith("cuda")
+                                                        else None)
     return Source(run=display_path(run.path, base), date=str(env.get("created", "unknown date")), device=device,
-                  backend=str(guide.get("backend") or env.get("backend") or "?"),
-                  world_size=int(env.get("world_size") or run.config.get("world_size") or 1), gpu_name=gpu_name)
+                  backend=str(where.backend if where else env.get("backend") or "?"),
+                  world_size=int(env.get("world_size") or 1), gpu_name=gpu_name)
+
+
+def read_inputs(runs: list[Run], base: Path | None = None, warn: bool = True) -> list[RunInputs]:
+    """Every run's records; a run that breaks the contract is left out (with a warning)."""
+    out = []
+    for run in runs:
+        try:
+            records = tuple(contract.read(run.summary))
+        except contract.ContractError as e:
+            if warn:
+                warnings.warn(f"skipping run {run.path}: summary.json {e}", stacklevel=3)
+            continue
+        if not records and "guide" in run.summary and warn:  # written before dtrain.contract existed
+            warnings.warn(f"run {run.path} has no guide_inputs (an older summary.json format): rerun it to "
+                          "calibrate with it", stacklevel=3)
+        out.append(RunInputs(run, source_of(run, base, records), records))
+    return out
 
 
 def display_path(path: Path, base: Path | None = None) -> str:
@@ -147,11 +187,11 @@ def _num(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-# ---------------------------------------------------------------- per subproject
+# ---------------------------------------------------------------- per record kind
 
-def from_allreduce(run: Run, src: Source) -> list[Candidate]:
+def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Candidate]:
     out = []
-    for fit in run.summary.get("guide", {}).get("fits", []) or []:
+    for fit in map(dataclasses.asdict, fits):
         cls = LINK_CLASSES.get(fit.get("link_class"))
         alpha, beta = _num(fit.get("alpha_us")), _num(fit.get("beta_GBps"))
         if fit.get("collective") != "all_reduce" or cls is None or alpha is None or not beta:
@@ -170,18 +210,28 @@ def from_allreduce(run: Run, src: Source) -> list[Candidate]:
     return out
 
 
-def fsdp_entries(run: Run, single_runs: set[str] = frozenset()) -> list[dict]:
-    """The per-run guide dicts of a single run, or of a study report (fsdp_scaling.report) minus
-    the runs that are loaded on their own anyway (``single_runs``: resolved paths)."""
-    guide = run.summary.get("guide", {}) or {}
-    if "runs" not in guide:
-        return [guide] if "strategy" in guide else []
-    return [g for g in guide.get("runs") or [] if str(Path(g.get("run", "")).resolve()) not in single_runs]
+def training_entry(m: contract.TrainingMeasurement) -> dict:
+    """A training record as the flat dict the cost-model checks read (the trainer's vocabulary)."""
+    lay = m.layout
+    return {"strategy": lay.strategy, "world_size": lay.world_size, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "seq_len": lay.seq_len,
+            "pp_virtual": lay.pp_virtual, "pp_schedule": lay.pp_schedule, "model": dict(m.model),
+            "step_time_s": m.step_time_s, "tokens_per_s": m.tokens_per_s, "mfu": m.mfu, "peak_flops": m.peak_flops,
+            "peak_flops_source": m.peak_flops_source, "comm_s": m.comm_s, "exposed_comm_s": m.exposed_comm_s,
+            "overlap_fraction": m.overlap_fraction, "mixed_precision": m.precision, "precision": m.precision,
+            "recipe": m.recipe, "peak_mem_bytes": m.peak_mem_bytes, "device": m.where.device,
+            "breakdown": dataclasses.asdict(m.breakdown) if m.breakdown else None}
 
 
-def from_fsdp(run: Run, src: Source, single_runs: set[str] = frozenset()) -> list[Candidate]:
+def training_entries(inputs: RunInputs, recipe: bool = False) -> list[dict]:
+    """The run's plain training records (they measure compute efficiency), or with ``recipe`` its
+    numerics-recipe runs (fp8-train's), as ``training_entry`` dicts."""
+    return [training_entry(m) for m in inputs.of(contract.TrainingMeasurement) if (m.recipe is not None) == recipe]
+
+
+def from_fsdp(entries: list[dict], src: Source) -> list[Candidate]:
     out = []
-    for g in fsdp_entries(run, single_runs):
+    for g in entries:
         if (g.get("tp") or 1) * (g.get("pp") or 1) > 1:
             continue  # a TP / PP layout run: its step holds TP comm and bubble; the guide checks it instead
         step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
@@ -197,9 +247,9 @@ def from_fsdp(run: Run, src: Source, single_runs: set[str] = frozenset()) -> lis
     return out
 
 
-def tp_regions(config: dict) -> int:
+def tp_regions(module: str) -> int:
     """TP regions per layer: a block has two (attention, MLP), attention alone one."""
-    return 1 if config.get("module") == "attention" else 2
+    return 1 if module == "attention" else 2
 
 
 def tp_modelled_comm_s(row: dict, link: LinkModel, regions: int = 2) -> float:
@@ -211,15 +261,24 @@ def tp_modelled_comm_s(row: dict, link: LinkModel, regions: int = 2) -> float:
     return float(row["comm_bytes_per_layer"]) / link.beta_Bps + 4 * regions * (tp - 1) * link.alpha_s
 
 
-def from_tp(run: Run, src: Source, link: LinkModel | None) -> list[Candidate]:
+def tp_rows(inputs: RunInputs) -> list[tuple[dict, int]]:
+    """The run's TP layer records as the flat rows the checks read, each with its TP regions per layer."""
+    return [({"tp": m.tp, "sequence_parallel": m.sequence_parallel, "step_time_s": m.step_time_s,
+              "single_rank_step_time_s": m.single_rank_step_time_s, "dtensor_step_time_s": m.dtensor_step_time_s,
+              "comm_share": m.comm_share, "comm_bytes_per_layer": m.comm_bytes_per_layer, "batch": m.micro_batch,
+              "seq": m.seq_len, "d_model": m.d_model, "n_head": m.n_head, "n_kv_head": m.n_kv_head,
+              "mlp_ratio": m.mlp_ratio}, tp_regions(m.module)) for m in inputs.of(contract.TpMeasurement)]
+
+
+def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -> list[Candidate]:
     if link is None:
         return []
-    ratios, rows = [], run.summary.get("guide", {}).get("tp_overhead", []) or []
-    for row in rows:
+    ratios = []
+    for row, regions in rows:
         step, share = _num(row.get("step_time_s")), _num(row.get("comm_share"))
         if not step or share is None or int(row.get("tp", 1)) < 2 or not row.get("comm_bytes_per_layer"):
             continue
-        ratios.append(step * share / tp_modelled_comm_s(row, link, tp_regions(run.config)))
+        ratios.append(step * share / tp_modelled_comm_s(row, link, regions))
     if not ratios:
         return []
     ratios.sort()
@@ -228,11 +287,11 @@ def from_tp(run: Run, src: Source, link: LinkModel | None) -> list[Candidate]:
                       "(profile) / alpha-beta time with this device's measured link")]
 
 
-def from_fp8(run: Run, src: Source) -> tuple[list[Candidate], list[str] | None]:
-    guide = run.summary.get("guide", {}) or {}
-    recipes = guide.get("recipes")
-    if not isinstance(recipes, dict) or not recipes:
+def from_fp8(comparisons: list[contract.Fp8Comparison], src: Source) -> tuple[list[Candidate], list[str] | None]:
+    if not comparisons:
         return [], None
+    recipes = {c.recipe: dataclasses.asdict(c) for c in comparisons}
+    guide = {"baseline": comparisons[0].baseline, "keep_high_precision": comparisons[0].keep_high_precision}
     good = {k: v for k, v in recipes.items() if v.get("within_noise")} or recipes
     name = sorted(good, key=lambda k: (-(_num(good[k].get("speedup")) or 0), k))[0]
     r = good[name]
@@ -248,8 +307,15 @@ def from_fp8(run: Run, src: Source) -> tuple[list[Candidate], list[str] | None]:
 
 # ---------------------------------------------------------------- assembling
 
-def from_probe(run: Run, src: Source) -> list[Candidate]:
-    g = run.summary.get("guide", {}) or {}
+def probe_entry(m: contract.GemmProbe) -> dict:
+    """A GEMM probe record as the dict the local checks read."""
+    g = dataclasses.asdict(m)
+    g["overheads"] = [{**{k: v for k, v in o.items() if k != "model_kind"}, "kind": o["model_kind"]}
+                      for o in g["overheads"]]
+    return g
+
+
+def from_probe(g: dict, src: Source) -> list[Candidate]:
     e_max, w_half = _num(g.get("e_max")), _num(g.get("w_half"))
     if not e_max:
         return []
@@ -286,24 +352,21 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
     """Calibration from every complete run under ``paths`` (missing paths raise FileNotFoundError)."""
     runs = complete_runs(paths, warn=warn) if paths else []
     runs = sorted(runs, key=lambda r: str(r.path))
+    inputs = read_inputs(runs, base, warn)
     cands: list[Candidate] = []
     probes: list[tuple[Source, dict]] = []
     kept: list[tuple[Source, list[str]]] = []
-    singles = {str(r.path.resolve()) for r in runs if "strategy" in (r.summary.get("guide") or {})}
-    for run in runs:
-        src = source_of(run, base)
-        if run.subproject == "allreduce-bench":
-            cands += from_allreduce(run, src)
-        elif run.subproject == "fsdp-scaling":
-            cands += from_fsdp(run, src, singles)
-        elif run.subproject == "gemm-probe":
-            cands += from_probe(run, src)
-            probes.append((src, run.summary.get("guide") or {}))
-        elif run.subproject == "fp8-train":
-            found, layers = from_fp8(run, src)
-            cands += found
-            if layers is not None:
-                kept.append((src, layers))
+    for ri in inputs:
+        cands += from_allreduce(ri.of(contract.CollectiveFit), ri.source)
+        cands += from_fsdp(training_entries(ri), ri.source)
+        for m in ri.of(contract.GemmProbe):
+            g = probe_entry(m)
+            cands += from_probe(g, ri.source)
+            probes.append((ri.source, g))
+        found, layers = from_fp8(ri.of(contract.Fp8Comparison), ri.source)
+        cands += found
+        if layers is not None:
+            kept.append((ri.source, layers))
     # local links: latest measured α–β per class, any device
     local_links, local_sources = {}, {}
     for cls in ("intra", "inter"):
@@ -312,14 +375,15 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
             local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node")
             local_sources[cls] = b.source
     # TP overhead needs the α–β of the same kind of device the TP run used
-    for run in runs:
-        if run.subproject == "tp-attention":
-            src = source_of(run, base)
-            cands += from_tp(run, src, _device_link(cands, src.on_gpu))
+    for ri in inputs:
+        rows = tp_rows(ri)
+        if rows:
+            cands += from_tp(rows, ri.source, _device_link(cands, ri.source.on_gpu))
     return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
                              local=_calibration(cands, gpu_only=False), local_links=local_links,
                              local_sources=local_sources, keep_bf16=_keep(kept, True),
-                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=runs, probes=probes)
+                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=[ri.run for ri in inputs],
+                             probes=probes, inputs=inputs)
 
 
 def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:

@@ -10,22 +10,21 @@ the same 512³ probe the runs' MFU used; CUDA: bf16 against the datasheet peak),
 f(W) = e_max·W/(W + W_half) (``efficiency.fit_curve``), and times one training step of each
 model shrunk to 4-wide heads (same layers, ops, batch and sequence; its GEMM FLOPs are
 negligible), which is the fixed per-step cost of Python, autograd, elementwise kernels and the
-optimizer (with the trainer's gradient clipping and loss read-back). Writes a run directory ``<results>/gemm-probe/`` (config.yaml, env.json, summary.json
-with ``guide``) that ``calibrate`` reads like any experiment's.
+optimizer (with the trainer's gradient clipping and loss read-back). Writes a derived run
+``<results>/gemm-probe/`` (``dtrain.derived``: config.yaml, env.json, summary.json with one
+``dtrain.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
 """
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-import yaml
 
-from dtrain import envinfo, perf
-from dtrain.metrics import CONFIG, ENV, SUMMARY, write_json_atomic, write_text_atomic
+from dtrain import contract, envinfo, perf
+from dtrain.derived import write_derived_run
 from dtrain.results import complete_runs
 
 from .efficiency import Gemm, fit_curve, head_gemm, layer_gemms
@@ -34,31 +33,28 @@ from .memory import Layout, ModelShape
 SUBPROJECT = "gemm-probe"
 
 
-def targets(results: Path) -> tuple[list[dict], int]:
-    """(models the runs trained: {"config": GPTConfig fields | block fields, "micro_batch", "tp"}, threads)."""
-    from dtrain.guide.local_check import gpt_config  # the runs' model configs, read one way only
-
-    found, threads = {}, []
+def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
+    """(models the runs trained: {"kind", "config": GPTConfig fields | block fields, "micro_batch", "tp"},
+    threads per rank, the runs they came from), from the runs' guide inputs (dtrain.contract)."""
+    found, threads, sources = {}, [], []
     for run in complete_runs([results], warn=False):
-        cfg = run.config
         if run.env.get("threads_per_rank"):
             threads.append(int(run.env["threads_per_rank"]))
-        if run.subproject in ("fsdp-scaling", "fp8-train"):
-            g = gpt_config(cfg.get("model"))
-            if g is not None:
-                seq = int(cfg.get("seq_len") or g.seq_len)
-                d = {"kind": "gpt", "config": asdict(replace(g, seq_len=seq)),
-                     "micro_batch": int((cfg.get("train") or {}).get("micro_batch", 1)), "tp": 1}
-                found[repr(d)] = d
-        elif run.subproject == "tp-attention":
-            for row in (run.summary.get("guide") or {}).get("tp_overhead") or []:
-                for tp in (1, int(row["tp"])):
-                    d = {"kind": "block" if cfg.get("module") != "attention" else "attention",
-                         "config": {"d_model": row["d_model"], "n_head": row["n_head"], "n_kv_head": row["n_kv_head"],
-                                    "seq_len": row["seq"], "mlp_ratio": int(getattr(gpt_config(cfg.get("model")), "mlp_ratio", 4))},
-                         "micro_batch": int(row["batch"]), "tp": tp}
-                    found[repr(d)] = d
-    return [found[k] for k in sorted(found)], (statistics.median(threads) if threads else 1)
+        used = False
+        for m in contract.read(run.summary):
+            if isinstance(m, contract.TrainingMeasurement):
+                ds = [{"kind": "gpt", "config": dict(m.model), "micro_batch": m.layout.micro_batch, "tp": 1}]
+            elif isinstance(m, contract.TpMeasurement):
+                ds = [{"kind": m.module, "config": {"d_model": m.d_model, "n_head": m.n_head, "n_kv_head": m.n_kv_head,
+                                                    "seq_len": m.seq_len, "mlp_ratio": m.mlp_ratio},
+                       "micro_batch": m.micro_batch, "tp": tp} for tp in (1, m.tp)]
+            else:
+                continue
+            used = True
+            found.update((repr(d), d) for d in ds)
+        if used:
+            sources.append(run.path)
+    return [found[k] for k in sorted(found)], (statistics.median(threads) if threads else 1), sources
 
 
 def shape_of_target(t: dict) -> ModelShape:
@@ -131,7 +127,7 @@ def overhead_s(t: dict, device: torch.device) -> float:
 def probe(results: Path, device: str = "auto") -> Path:
     """Run the probe for the runs under ``results``; returns the run directory written."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
-    tg, threads = targets(results)
+    tg, threads, sources = targets(results)
     if dev.type == "cpu":
         torch.set_num_threads(max(1, int(threads)))
         dtype, (peak, peak_source) = torch.float32, (perf.cpu_matmul_probe.__wrapped__(), perf.CPU_PROBE_SOURCE)
@@ -148,19 +144,16 @@ def probe(results: Path, device: str = "auto") -> Path:
             points.append({"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": s,
                            "fraction": g.flops * g.count / s / peak})
     curve = fit_curve([(p["flops"] / p["count"], p["fraction"]) for p in points]) if len(points) >= 2 else None
-    overheads = [{"kind": t["kind"], "config": t["config"], "micro_batch": t["micro_batch"], "tp": t["tp"],
-                  "overhead_s": overhead_s(t, dev)} for t in tg if t["tp"] == 1]
-    out = Path(results) / SUBPROJECT
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / CONFIG, yaml.safe_dump({"subproject": SUBPROJECT, "device": dev.type,
-                                                     "threads": int(threads)}, sort_keys=True))
-    write_json_atomic(out / ENV, envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
-                                                 threads_per_rank=int(threads)))
-    guide = {"device": str(dev), "dtype": str(dtype).replace("torch.", ""), "peak_flops": peak,
-             "peak_flops_source": peak_source, "points": points, "overheads": overheads,
-             "e_max": curve.e_max if curve else None, "w_half": curve.w_half if curve else None}
-    write_json_atomic(out / SUMMARY, {"guide": guide})
-    return out
+    overheads = [contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"], overhead_s(t, dev))
+                 for t in tg if t["tp"] == 1]
+    record = contract.GemmProbe(dtype=str(dtype).replace("torch.", ""), peak_flops=peak, peak_flops_source=peak_source,
+                                points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
+                                e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,
+                                where=contract.where_of(dev, "none"))
+    env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
+                          threads_per_rank=int(threads))
+    return write_derived_run(Path(results) / SUBPROJECT, SUBPROJECT, sources,
+                             {"device": dev.type, "threads": int(threads)}, {"device": str(dev)}, [record], env=env)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a g
 """
 from __future__ import annotations
 
-from .memory import Layout, ModelShape
+from dtrain.strategies import STRATEGY_OF_ZERO
 
-STRATEGY_OF_ZERO = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
+from .memory import Layout, ModelShape
 
 
 def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precision: str = "bf16",

@@ -44,7 +44,7 @@ def _summary(folder: Path) -> dict:
 
 
 def _fsdp(stdout: str, folder: Path) -> dict:
-    g = _summary(folder)["guide"]
+    g = _summary(folder)
     return {k: g.get(k) for k in ("mfu", "tokens_per_s", "tflops_per_rank", "peak_mem_bytes", "peak_flops_source",
                                   "model_params", "step_time_s")}
 

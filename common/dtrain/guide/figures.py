@@ -13,10 +13,7 @@ PARTS = ("compute", "TP comm", "PP comm", "bubble", "exposed DP comm")
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version string: same bytes everywhere
-    plots.plt.close(fig)
-    return path
+    return plots.save(fig, path, quiet=True, dpi=110, reproducible=True)
 
 
 def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, title: str) -> Path:

@@ -18,19 +18,19 @@ Rows say which inputs were in-sample. Goal: |error| <= 15%.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from dtrain.costmodel import Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape, Param, step_time
-from dtrain.costmodel.calibrate import (CalibrationReport, display_path, fsdp_entries, source_of, tp_modelled_comm_s,
-                                        tp_regions)
+from dtrain.costmodel.calibrate import (CalibrationReport, display_path, tp_modelled_comm_s, tp_rows,
+                                        training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.fit import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
+from dtrain.strategies import ZERO_STAGE
 
 GOAL = 0.15
-ZERO_OF = {"single": 0, "ddp": 0, "zero2": 2, "zero3": 3, "hsdp": 3}
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
 
 
@@ -73,20 +73,6 @@ class Check:
         return "the run's GEMMs ran faster than in the probe (less load at run time)"
 
 
-def gpt_config(model: dict | None) -> GPTConfig | None:
-    """The GPT a run's `model:` node names: a preset plus its non-null GPTConfig fields (runs from before
-    the typed config (dtrain.config.ModelConfig) may hold fp8-train's old `overrides` instead)."""
-    if not isinstance(model, dict) or not model:
-        return None
-    known = {f.name for f in fields(GPTConfig)}
-    over = {k: v for k, v in model.items() if k in known and v is not None}
-    over.update({k: v for k, v in (model.get("overrides") or {}).items() if k in known})
-    try:
-        return GPTConfig.from_preset(model["preset"], **over) if model.get("preset") else GPTConfig(**over)
-    except (TypeError, ValueError):
-        return None
-
-
 def host_cluster(peak_flops: float, world: int, link: LinkModel) -> Cluster:
     """This host as the cost model's cluster: one 'GPU' per rank at the measured peak, one link."""
     gbps = link.beta_Bps / 1e9
@@ -108,33 +94,30 @@ class _Fsdp:
     layout: Layout
     value_bytes: int
     efficiency: float  # compute-only, cost-model FLOP convention
+    experiment: str    # the run's subproject, as the checks label it
 
 
 def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
     out = []
-    singles = {str(r.path.resolve()) for r in report.runs if "strategy" in (r.summary.get("guide") or {})}
-    for run in report.runs:
-        if run.subproject != "fsdp-scaling":
-            continue
-        g_cfg = gpt_config(run.config.get("model"))
-        train = run.config.get("train") or {}
-        for g in fsdp_entries(run, singles):
+    for ri in report.inputs:
+        for g in training_entries(ri):
             step, tps, peak = g.get("step_time_s"), g.get("tokens_per_s"), g.get("peak_flops")
-            if g_cfg is None or not (step and tps and peak):
+            if not (step and tps and peak):
                 continue
             world = int(g["world_size"])
             tp, pp = int(g.get("tp") or 1), int(g.get("pp") or 1)  # a DP x TP x PP layout run (issue 14)
             dp = world // (tp * pp)
-            shape = replace(shape_of(g_cfg), seq_len=int(run.config.get("seq_len") or g_cfg.seq_len))
+            shape = replace(shape_of(GPTConfig(**g["model"])), seq_len=int(g["seq_len"]))
             tokens_per_rank = tps * step / world
-            mb = int(train.get("micro_batch", 1))
-            ga = max(1, round(tps * step / dp / (mb * shape.seq_len)))
-            layout = Layout(dp, tp, pp, ZERO_OF.get(g["strategy"], 3) if dp > 1 else 0, micro_batch=mb, grad_accum=ga,
-                            virtual_stages=int(train.get("pp_virtual") or 1) if pp > 1 else 1)
+            mb = int(g["micro_batch"])
+            ga = int(g["grad_accum"])
+            layout = Layout(dp, tp, pp, ZERO_STAGE.get(g["strategy"], 3) if dp > 1 else 0, micro_batch=mb, grad_accum=ga,
+                            virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1)
             compute_s = step - (g.get("exposed_comm_s") or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
             vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
-            out.append(_Fsdp(display_path(run.path, base), source_of(run).on_gpu, g, shape, layout, vb, eff))
+            out.append(_Fsdp(display_path(ri.run.path, base), ri.source.on_gpu, g, shape, layout, vb, eff,
+                             ri.run.subproject))
     return out
 
 
@@ -219,7 +202,7 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None 
                       f"bubble + p2p {(t.bubble + t.pp_comm) * 1e3:.0f} ms")
         what = (f"{r.guide['strategy']} x{r.layout.dp} step" if r.layout.tp * r.layout.pp == 1 else
                 f"dp{r.layout.dp} x tp{r.layout.tp} x pp{r.layout.pp} step")
-        out.append(Check("fsdp-scaling", r.run, what, r.guide["step_time_s"], t.total, basis, detail))
+        out.append(Check(r.experiment, r.run, what, r.guide["step_time_s"], t.total, basis, detail))
     return out
 
 
@@ -233,19 +216,17 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
     overlaps = [r.guide["overlap_fraction"] for r in cpu if r.guide.get("overlap_fraction") is not None]
     calib = _calib(eff, "fsdp-scaling", _median(overlaps) if overlaps else None)
     calib = replace(calib, fp8_speedup=report.local.fp8_speedup)
-    for run in report.runs:
-        g, cfg = run.summary.get("guide") or {}, run.config
-        g_cfg, train = gpt_config(cfg.get("model")), cfg.get("train") or {}
-        if run.subproject != "fp8-train" or "tokens_per_s" not in g or g_cfg is None or source_of(run).on_gpu:
+    for ri, g in ((ri, g) for ri in report.inputs for g in training_entries(ri, recipe=True)):
+        if ri.source.on_gpu:
             continue
-        world = int(run.env.get("world_size") or cfg.get("world_size") or 1)
+        world = int(g["world_size"])
         if link is None and world > 1:
             continue
-        mb, ga = int(train.get("micro_batch", 1)), int(train.get("grad_accum") or 1)
-        shape = shape_of(g_cfg)
+        mb, ga = int(g["micro_batch"]), int(g["grad_accum"])
+        shape = shape_of(GPTConfig(**g["model"]))
         measured = mb * ga * world * shape.seq_len / g["tokens_per_s"]
         fp8 = g.get("recipe") not in BASELINE_RECIPES
-        zero = ZERO_OF.get(train.get("strategy", "ddp"), 0) if world > 1 else 0
+        zero = ZERO_STAGE.get(g["strategy"], 0) if world > 1 else 0
         over = probe.overhead("gpt", _gpt_match(shape), mb, peak) if probe else None
         row_calib = calib if over is None else replace(
             _calib(eff, "", calib.dp_overlap.value, probe, over), fp8_speedup=calib.fp8_speedup)
@@ -254,7 +235,7 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
                       precision="fp8" if fp8 else "bf16", value_bytes=4 if g.get("precision") != "bf16" else 2)
         basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
             "; in-sample FP8 factor from fp8-train compare" if fp8 else "")
-        out.append(Check("fp8-train", display_path(run.path, base), f"{g.get('recipe')} x{world} step",
+        out.append(Check(ri.run.subproject, display_path(ri.run.path, base), f"{g.get('recipe')} x{world} step",
                          measured, t.total, basis))
     return out
 
@@ -279,22 +260,22 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
     if not cpu or link is None:
         return out
     eff, peak = _median([r.efficiency for r in cpu]), _median([r.guide["peak_flops"] for r in cpu])
-    for run in report.runs:
-        rows = (run.summary.get("guide") or {}).get("tp_overhead") or []
-        if run.subproject != "tp-attention" or source_of(run).on_gpu or not rows:
+    for ri in report.inputs:
+        rows = tp_rows(ri)
+        if ri.source.on_gpu or not rows:
             continue
-        regions = tp_regions(run.config)
+        run = ri.run
         shown_single = False
-        for row in sorted(rows, key=lambda r: (r["tp"], bool(r["sequence_parallel"]))):
+        for row, regions in sorted(rows, key=lambda rr: (rr[0]["tp"], bool(rr[0]["sequence_parallel"]))):
             b, s, h, heads, kv = row["batch"], row["seq"], row["d_model"], row["n_head"], row["n_kv_head"]
-            ffn = int(run.config.get("mlp_ratio", 4)) * h if regions == 2 else 0
+            ffn = int(row["mlp_ratio"]) * h if regions == 2 else 0
             flops = b * s * transformer_flops_per_token(1, h, heads, kv, ffn, 0, s)  # one layer, no lm_head
             single = flops / (peak * eff)
             kind = "block" if regions == 2 else "attention"
             p1 = _tp_probe_time(row, kind, 1, peak, probe) if probe else None
             eff_basis = "efficiency from fsdp-scaling" if p1 is None else PROBE_BASIS
             if not shown_single and row.get("single_rank_step_time_s"):
-                out.append(Check("tp-attention", display_path(run.path, base), "one layer, single rank",
+                out.append(Check(run.subproject, display_path(run.path, base), "one layer, single rank",
                                  row["single_rank_step_time_s"], single if p1 is None else p1, eff_basis))
                 shown_single = True
             if row["tp"] < 2:
@@ -304,7 +285,7 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
             detail = (f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms (profile) vs "
                       f"predicted {comm * 1e3:.0f} ms")
             shard = _tp_probe_time(row, kind, row["tp"], peak, probe) if p1 is not None else None
-            out.append(Check("tp-attention", display_path(run.path, base), f"one layer, tp={row['tp']}{sp}",
+            out.append(Check(run.subproject, display_path(run.path, base), f"one layer, tp={row['tp']}{sp}",
                              row["step_time_s"], (single / row["tp"] if shard is None else shard) + comm,
                              eff_basis + "; raw alpha-beta TP comm", detail))
     return out

@@ -9,9 +9,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from dtrain.errors import UserError
+from dtrain.strategies import SHARDED, STRATEGIES  # noqa: F401  (re-exported: dtrain.train.STRATEGIES)
 
-STRATEGIES = ("single", "ddp", "zero2", "zero3", "hsdp")
-SHARDED = ("zero2", "zero3", "hsdp")  # strategies built with FSDP2's fully_shard
 PRECISIONS = ("fp32", "bf16", "auto")
 ACTIVATION_CHECKPOINTING = ("none", "block")
 

@@ -1,0 +1,344 @@
+"""The calibration contract: what an experiment publishes for the cost model and the guide.
+
+Each experiment's ``finalize`` returns ``"guide_inputs": [records]`` (dataclasses below);
+``dtrain.metrics.write_summary`` encodes them into ``summary.json`` as
+
+    "guide_inputs": {"schema_version": 1, "records": [{"kind": "<record kind>", ...fields}, ...]}
+
+and ``read(summary)`` turns them back into dataclasses, refusing unknown kinds, unknown or missing
+fields and a newer schema with ``ContractError``. Calibration (``dtrain.costmodel.calibrate``), the
+local checks (``dtrain.guide.local_check``) and the GEMM probe read runs only through these
+records, never an experiment's name or its config.yaml, so a new experiment that publishes them
+is calibrated like the four here.
+
+    record               published by                         feeds
+    CollectiveFit        allreduce-bench                      α, β per link class
+    TrainingMeasurement  fsdp-scaling runs, fp8-train runs    compute efficiency, DP overlap, local checks
+    TpMeasurement        tp-attention                         TP overhead, local checks
+    Fp8Comparison        fp8-train compare (a derived run)    FP8 speed / memory factor, layers kept high
+    GemmProbe            dtrain.costmodel.gemm_probe (derived) GEMM efficiency curve, fixed step overhead
+
+Runs made from other runs (a study report, an FP8 comparison, the GEMM probe) are written by
+``dtrain.derived.write_derived_run``, which records the run directories they came from in
+``summary["derived_from"]``; they publish only what they derived, never copies of their sources'
+records, so every measurement reaches calibration exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from dataclasses import dataclass
+from typing import ClassVar
+
+SCHEMA_VERSION = 1
+KEY = "guide_inputs"
+DERIVED_FROM = "derived_from"
+
+
+class ContractError(ValueError):
+    """A summary's guide_inputs do not follow this contract (the message says where)."""
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a measurement ran: every record has it (the calibration's provenance)."""
+
+    device: str                 # "cpu" | "cuda" (no index)
+    backend: str                # gloo | nccl | none (no collective)
+    gpu_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """t(S) = α + S·c/β of one collective over one link class (β is a bus bandwidth)."""
+
+    kind: ClassVar[str] = "collective_fit"
+    collective: str             # all_reduce | all_gather | reduce_scatter | ...
+    link_class: str             # intra_node | inter_node
+    dtype: str
+    world_size: int             # ranks per group of the fit
+    alpha_us: float             # latency of the whole collective
+    beta_GBps: float
+    r2: float
+    n_points: int
+    algo_factor: float          # c: bus bytes per message byte
+    theoretical_GBps: float | None
+    beta_pct_of_theoretical: float | None
+    where: Where
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """How a training run was laid out over its ranks (the trainer's own values)."""
+
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    strategy: str               # dtrain.train.config.STRATEGIES: single | ddp | zero2 | zero3 | hsdp
+    micro_batch: int            # sequences per rank per micro-step
+    grad_accum: int
+    seq_len: int
+    recompute: str = "none"     # activation checkpointing: none | block
+    sequence_parallel: bool = False
+    pp_schedule: str | None = None
+    pp_virtual: int = 1
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """One profiled step on rank 0, seconds (dtrain.train profile window)."""
+
+    step_s: float
+    compute_s: float
+    tp_comm_s: float
+    pp_p2p_s: float
+    dp_comm_s: float
+    dp_comm_exposed_s: float
+    idle_s: float
+
+
+MODEL_SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio")  # GPTConfig's
+
+
+@dataclass(frozen=True)
+class TrainingMeasurement:
+    """One training run of the shared trainer: model, layout, step time and where it went.
+
+    ``recipe`` is None for a plain run, which measures its own compute efficiency (``mfu`` against
+    ``peak_flops``); a run of a numerics-recipe study (fp8-train: ``fp32``, ``emulated_delayed``, ...)
+    names its recipe and is only predicted, not used to calibrate compute efficiency."""
+
+    kind: ClassVar[str] = "training"
+    model: dict                 # dtrain.model.GPTConfig fields as trained (seq_len included)
+    layout: TrainLayout
+    precision: str              # fp32 | bf16 | fp16: what is not an FP8 GEMM runs in
+    step_time_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int         # per rank (CPU: process RSS)
+    where: Where
+    recipe: str | None = None
+    mfu: float | None = None
+    peak_flops: float | None = None
+    peak_flops_source: str | None = None
+    model_params: int | None = None
+    flops_per_token: float | None = None
+    comm_s: float | None = None             # DP communication per step (profile)
+    exposed_comm_s: float | None = None     # of it, not hidden behind compute
+    overlap_fraction: float | None = None
+    breakdown: StepBreakdown | None = None
+
+    def __post_init__(self):
+        bad = [k for k in MODEL_SHAPE if not isinstance(self.model.get(k), int) or self.model[k] < 1]
+        if bad:  # checked here without importing torch (dtrain.model); GPTConfig(**model) checks the rest
+            raise ContractError(f"training: model is not a GPTConfig: {bad[0]}={self.model.get(bad[0])!r} "
+                                "must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TpMeasurement:
+    """One tensor-parallel layer (attention or block), forward + backward, at one TP degree."""
+
+    kind: ClassVar[str] = "tp_layer"
+    module: str                 # block | attention
+    tp: int
+    sequence_parallel: bool
+    micro_batch: int
+    seq_len: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    mlp_ratio: int
+    precision: str
+    step_time_s: float          # one layer at this tp
+    single_rank_step_time_s: float
+    comm_share: float           # of step_time_s, TP communication (profile)
+    comm_bytes_per_layer: int   # bus bytes, forward + backward
+    overhead_factor: float      # step_time_s * tp / single_rank_step_time_s
+    where: Where
+    dtensor_step_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Fp8Comparison:
+    """One FP8 recipe against a high-precision baseline over several seeds."""
+
+    kind: ClassVar[str] = "fp8_comparison"
+    recipe: str
+    baseline: str
+    speedup: float              # tokens/s recipe / baseline
+    memory_factor: float        # peak memory recipe / baseline
+    within_noise: bool          # final loss inside the baseline's seed band
+    emulated: bool              # no FP8 hardware: the speed-up is emulation overhead
+    final_loss_mean: float
+    final_loss_std: float
+    seeds: int
+    keep_high_precision: list[str]
+    where: Where
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    m: int
+    n: int
+    k: int
+    count: int
+    flops: float
+    seconds: float
+    fraction: float             # of the peak
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """The fixed per-step cost of one model (GEMM-free shrunk copy), seconds."""
+
+    model_kind: str             # gpt | block | attention
+    config: dict
+    micro_batch: int
+    tp: int
+    overhead_s: float
+
+
+@dataclass(frozen=True)
+class GemmProbe:
+    """f(W) = e_max·W/(W + W_half) fitted over the runs' GEMM shapes, plus fixed step overheads."""
+
+    kind: ClassVar[str] = "gemm_probe"
+    dtype: str
+    peak_flops: float
+    peak_flops_source: str
+    points: list[GemmPoint]
+    overheads: list[StepOverhead]
+    e_max: float | None
+    w_half: float | None
+    where: Where
+
+
+RECORDS = {c.kind: c for c in (CollectiveFit, TrainingMeasurement, TpMeasurement, Fp8Comparison, GemmProbe)}
+
+
+# ---------------------------------------------------------------- encoding
+
+def encode(records) -> dict:
+    """The summary.json value for ``records`` (what ``write_summary`` stores under ``KEY``)."""
+    out = []
+    for r in records:
+        if type(r) not in RECORDS.values():
+            raise ContractError(f"{type(r).__name__} is not a guide-input record ({', '.join(RECORDS)})")
+        out.append({"kind": r.kind, **dataclasses.asdict(r)})
+    return {"schema_version": SCHEMA_VERSION, "records": out}
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_scalar(value, hint, where: str):
+    if value is None:
+        if type(None) not in typing.get_args(hint):
+            raise ContractError(f"{where} is null but must be {getattr(hint, '__name__', hint)}")
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+    if dataclasses.is_dataclass(base):
+        return _build(base, value, where)
+    origin = typing.get_origin(base)
+    if origin is list:
+        (item,) = typing.get_args(base)
+        if not isinstance(value, list):
+            raise ContractError(f"{where} must be a list")
+        return [_check_scalar(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if base is float:
+        if not _is_number(value) or not math.isfinite(value):
+            raise ContractError(f"{where}={value!r} must be a finite number")
+        return float(value)
+    if base is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ContractError(f"{where}={value!r} must be an integer")
+        return value
+    if base in (str, bool, dict) and not isinstance(value, base):
+        raise ContractError(f"{where}={value!r} must be a {base.__name__}")
+    return value
+
+
+def _build(cls, data, where: str):
+    if not isinstance(data, dict):
+        raise ContractError(f"{where} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names - {"kind"})
+    if unknown:
+        raise ContractError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ContractError(f"{where}: missing field {f.name}")
+            continue
+        kwargs[f.name] = _check_scalar(data[f.name], hints[f.name], f"{where}.{f.name}")
+    return cls(**kwargs)
+
+
+def decode(value) -> list:
+    """Records from a summary's ``KEY`` value; ContractError says what is wrong."""
+    if not isinstance(value, dict) or not isinstance(value.get("records"), list):
+        raise ContractError(f"{KEY} must be {{'schema_version': int, 'records': [...]}}")
+    version = value.get("schema_version")
+    if not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
+        raise ContractError(f"{KEY}.schema_version={version!r}: this dtrain reads schema 1..{SCHEMA_VERSION}")
+    out = []
+    for i, rec in enumerate(value["records"]):
+        kind = rec.get("kind") if isinstance(rec, dict) else None
+        if kind not in RECORDS:
+            raise ContractError(f"{KEY}.records[{i}]: unknown kind {kind!r} (known: {', '.join(RECORDS)})")
+        out.append(_build(RECORDS[kind], rec, f"{KEY}.records[{i}] ({kind})"))
+    return out
+
+
+def read(summary: dict) -> list:
+    """The records of one run's summary ([] when it publishes none)."""
+    return decode(summary[KEY]) if KEY in summary else []
+
+
+def derived_from(summary: dict, run_dir) -> list[Path]:
+    """The run directories a derived run was made from (stored relative to it), resolved."""
+    return [(Path(run_dir) / p).resolve() for p in summary.get(DERIVED_FROM) or []]
+
+
+def where_of(device, backend, gpu_name=None) -> Where:
+    """A Where from a torch device (or its string) and a backend: ``cuda:0`` is recorded as ``cuda``."""
+    return Where(str(device).split(":")[0], str(backend), gpu_name)
+
+
+def training_inputs(result: dict, model: dict, train: dict, where: Where, precision: str | None = None,
+                    recipe: str | None = None, overlap: dict | None = None,
+                    breakdown: dict | None = None) -> list[TrainingMeasurement]:
+    """The record of one ``dtrain.train.Trainer`` run from its ``run()`` result (every trainer user
+    publishes through this): ``model`` is the GPTConfig as a dict, ``train`` the TrainConfig's
+    ``to_dict()``, ``overlap``/``breakdown`` a profile window's results when one ran. [] when the
+    run timed no step (all steps were warmup): there is no measurement to publish."""
+    if not all(isinstance(result.get(k), (int, float)) and math.isfinite(result[k])
+               for k in ("step_time_s", "tokens_per_s")):
+        return []
+    dp, tp, pp = int(result["dp"]), int(result["tp"]), int(result["pp"])
+    seq, mb = int(model["seq_len"]), int(train["micro_batch"])
+    ov = overlap or {}
+    return [TrainingMeasurement(
+        model=dict(model),
+        layout=TrainLayout(world_size=int(result["world_size"]), dp=dp, tp=tp, pp=pp, strategy=str(train["strategy"]),
+                           micro_batch=mb, grad_accum=max(1, round(result["tokens_per_step"] / (dp * mb * seq))),
+                           seq_len=seq, recompute=str(train.get("activation_checkpointing") or "none"),
+                           sequence_parallel=bool(train.get("sequence_parallel")) and tp > 1,
+                           pp_schedule=result.get("pp_schedule"), pp_virtual=int(train.get("pp_virtual") or 1)
+                           if pp > 1 else 1),
+        precision=str(precision or result["mixed_precision"]), step_time_s=float(result["step_time_s"]),
+        tokens_per_s=float(result["tokens_per_s"]), peak_mem_bytes=int(result["peak_mem_bytes"]), where=where,
+        recipe=recipe, mfu=result.get("mfu"), peak_flops=result.get("peak_flops"),
+        peak_flops_source=result.get("peak_flops_source"), model_params=result.get("model_params"),
+        flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
+        exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
+        breakdown=StepBreakdown(**{f.name: float(breakdown[f.name]) for f in dataclasses.fields(StepBreakdown)})
+        if breakdown else None)]
