@@ -15,6 +15,7 @@ from dtrain.train import Callback, Trainer, TrainConfig
 
 STEPS = 5
 MODEL = GPTConfig.from_preset("tiny", n_layer=4)
+GQA = {"n_kv_head": 1}  # a spec's "model": overrides of MODEL (here one k/v head: kv_heads < tp)
 
 
 def base_cfg(world_size: int, **extra):
@@ -41,7 +42,9 @@ def many_layouts(ctx) -> dict:
     out = {}
     for name, spec in ctx.cfg.specs.items():
         seen = Losses()
-        trainer = Trainer(ctx, train_of(**OmegaConf.to_container(spec)), MODEL, callbacks=[seen])
+        spec = OmegaConf.to_container(spec)
+        model = GPTConfig.from_preset("tiny", **{"n_layer": 4, **spec.pop("model", {})})
+        trainer = Trainer(ctx, train_of(**spec), model, callbacks=[seen])
         trainer.run()
         out[name] = {"losses": seen.losses, "grad_norms": seen.grad_norms, "checkpoint": trainer.last_checkpoint}
     return out
