@@ -1,5 +1,6 @@
 """DP x TP (+SP) x PP in the shared trainer: 5-step losses equal the single-process run (fp32, gloo),
 checkpoints resume exactly on the same and on another layout, bad layouts are one-line errors.
+Also GQA with fewer k/v heads than tp ranks, and the async input-grad overlap (train.async_grad_allreduce).
 
 Several trainings run inside one launch (each spawn costs seconds); the model is the tiny GPT
 with 4 layers (so 2 ranks x 2 virtual stages fit), global batch 4 = 4 micro-batches of 1."""
@@ -123,11 +124,67 @@ def test_more_layouts_match_single_and_resume(tmp_path, reference):
         assert resumed["losses"] == pytest.approx(reference[3:], abs=1e-5)
 
 
+def single_losses(tmp_path_factory, n_kv_head: int) -> list[float]:
+    spec = {"strategy": "single", "model": {"n_kv_head": n_kv_head}}
+    return run_specs(tmp_path_factory.mktemp(f"kv{n_kv_head}"), 1, {"single": spec})["single"]["losses"]
+
+
+@pytest.fixture(scope="module")
+def gqa_reference(tmp_path_factory) -> list[float]:
+    """Single-process losses of the one-k/v-head model the kv_heads < tp layouts train."""
+    return single_losses(tmp_path_factory, 1)
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def test_kv_heads_below_tp_and_async_grad_allreduce_match_single(tmp_path, gqa_reference):
+    """One k/v head on tp2 (replicated wk/wv, gradients summed over tp), with and without the async
+    input-grad overlap: both equal the single-process run, and each other."""
+    two = run_specs(tmp_path, 2, {
+        "tp2_kv1": {"tp": 2, "model": GQA},
+        "tp2_kv1_async": {"tp": 2, "async_grad_allreduce": True, "model": GQA},
+    })
+    for name, res in two.items():
+        print(name, "max |loss - single|", max_diff(res["losses"], gqa_reference))
+        assert res["losses"] == pytest.approx(gqa_reference, abs=1e-5), name
+    print("async vs sync max |loss diff|", max_diff(two["tp2_kv1_async"]["losses"], two["tp2_kv1"]["losses"]))
+    assert two["tp2_kv1_async"]["losses"] == pytest.approx(two["tp2_kv1"]["losses"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_more_kv_heads_below_tp_and_async_layouts_match_single_and_resume(tmp_path, tmp_path_factory, gqa_reference):
+    """SP + async on tp2 and its checkpoint resumed on dp2 (plain wk/wv, FSDP2); FSDP2 over a
+    replicated-k/v tp2, two k/v heads on tp4 (two ranks per head) with SP + async, ddp + async,
+    tp2 x pp2 + async."""
+    ck, kv2 = str(tmp_path / "ck"), {"n_kv_head": 2}
+    two = run_specs(tmp_path, 2, {
+        "tp2_kv1_sp_async": {"tp": 2, "sequence_parallel": True, "async_grad_allreduce": True, "model": GQA,
+                             "checkpoint_every": 3, "checkpoint_dir": ck},
+        "dp2_from_tp2_kv1": {"model": GQA, "resume_from": f"{ck}/step-000003"},
+    })
+    four = run_specs(tmp_path, 4, {
+        "dp2_tp2_kv1": {"tp": 2, "model": GQA},
+        "tp4_kv2_sp_async": {"tp": 4, "sequence_parallel": True, "async_grad_allreduce": True, "model": kv2},
+        "dp2_tp2_kv1_ddp_async": {"tp": 2, "strategy": "ddp", "async_grad_allreduce": True, "model": GQA},
+        "tp2_pp2_kv1_async": {"tp": 2, "pp": 2, "async_grad_allreduce": True, "model": GQA},
+    })
+    kv2_reference = single_losses(tmp_path_factory, 2)
+    assert two["tp2_kv1_sp_async"]["losses"] == pytest.approx(gqa_reference, abs=1e-5)
+    assert two["dp2_from_tp2_kv1"]["losses"] == pytest.approx(gqa_reference[3:], abs=1e-5)
+    for name, res in four.items():
+        ref = kv2_reference if name.startswith("tp4_kv2") else gqa_reference
+        print(name, "max |loss - single|", max_diff(res["losses"], ref))
+        assert res["losses"] == pytest.approx(ref, abs=1e-5), name
+
+
 @pytest.mark.parametrize("world_size,overrides,model,message", [
     (4, {"tp": 3}, MODEL, "world_size=4 is not divisible by train.tp x train.pp = 3 x 1"),
     (8, {"tp": 8}, MODEL, "train.tp=8: n_head=4 is not divisible by tp=8"),
-    (2, {"tp": 2}, GPTConfig.from_preset("tiny", n_head=4, n_kv_head=1),
-     "train.tp=2 > model.n_kv_head=1"),
+    (6, {"tp": 6}, GPTConfig.from_preset("tiny", d_model=96, n_head=12, n_kv_head=4),
+     "train.tp=6: tp=6 is not a multiple of n_kv_head=4"),
+    (2, {"async_grad_allreduce": True}, MODEL, "train.async_grad_allreduce=true needs train.tp > 1"),
     (4, {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2, "global_batch": 8}, MODEL,
      "model.n_layer=4 < pipeline stages = train.pp x train.pp_virtual = 4 x 2 = 8"),
     (2, {"pp": 2, "global_batch": 1}, MODEL, "pipeline micro-batches (train.grad_accum=1) < train.pp=2"),
