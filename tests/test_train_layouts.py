@@ -215,3 +215,31 @@ def test_layout_dimensions_and_stage_split():
     assert ParallelDims(4, tp=2, pp=2).dims() == [("pp", 2), ("tp", 2)]
     assert [len(r) for r in split_layers(7, 3)] == [2, 3, 2] and split_layers(7, 3)[2] == range(5, 7)
     assert stages_of_rank(1, 4, "zbv", 2) == [1, 6] and stages_of_rank(1, 4, "interleaved_1f1b", 2) == [1, 5]
+
+
+def test_memory_need_counts_the_layout_by_hand():
+    """dtrain.fit for tp2 x pp2 x dp2 (zero3 -> zero2 under pp), one k/v head, fp32, worked by hand.
+
+    d=64, F=256, head_dim=16, V=256, T=64, RMSNorm, no bias. Per block per tp rank: norms 2*64,
+    wq and wo 64*32 each, w1 and w2 64*128 each, wk and wv whole (1 k/v head < tp) 16*64 each
+    = 128 + 4096 + 16384 + 2048 = 22656. Stage 0 = blocks 0-1 + tok/pos embeddings (256+64)*64:
+    45312 + 20480 = 65792 (stage 1: 45312 + norm 64 + lm_head 16384 = 61760)."""
+    from dtrain.fit import params_per_rank, training_need
+    from dtrain.model import num_params
+
+    model = GPTConfig.from_preset("tiny", n_layer=4, n_kv_head=1)
+    assert params_per_rank(model) == num_params(model) == 209_472
+    assert params_per_rank(model, tp=2, pp=2) == 65_792
+    # tp4, one stage: wq, wo 64*16 each, w1, w2 64*64 each, wk, wv still whole; embeddings, norm, lm_head
+    assert params_per_rank(model, tp=4) == 4 * (128 + 2048 + 8192 + 2048) + 20480 + 64 + 16384
+    train = train_of(tp=2, pp=2, global_batch=8).validate(8)  # dp 2, grad_accum 8 / (1 x 2) = 4
+    need = training_need(model, train, 8)
+    assert need.states == 65_792 * (4 + 12 / 2)  # zero2 over dp=2: 4 + (4 + 8) / 2 bytes per parameter
+    # Activations (Korthikanti, fp32 = 2 x the 16-bit count), per layer per tp rank, s*b*h = 64*1*64:
+    # 4096 * (10 + (4 + 4 * 1/4 + 2 * 4 * 2) / 2) * 2 = 167936 bytes. Stage 0 holds min(pp, 4) = 2
+    # micro-batches of its 2 layers: 671744; the last stage 2 layers + all 256 fp32 logits per rank
+    # (4*64*256 = 65536): 401408. The busiest is stage 0.
+    assert need.activations == 167_936 * 2 * 2
+    assert need.init == 4 * 209_472 and need.per_rank == need.states + need.activations
+    one = training_need(model, train_of(strategy="single", global_batch=None, micro_batch=1).validate(1), 1)
+    assert one.states == 16 * 209_472
