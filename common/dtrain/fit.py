@@ -115,8 +115,10 @@ def check_fits(model: GPTConfig, train, world_size: int, device: torch.device, w
         total, where = need.per_rank * world_size, f"of host memory for {world_size} rank(s)"
     if total <= have:
         return
+    layout = f", busiest of dp{world_size // (train.tp * train.pp)}xtp{train.tp}xpp{train.pp}" \
+        if train.tp * train.pp > 1 else ""
     raise UserError(
         f"{what} cannot fit: it needs about {total / GiB:.1f} GiB {where} but {have / GiB:.1f} GiB is available "
-        f"(per rank: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "
+        f"(per rank{layout}: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "
         f"whole fp32 model at build {need.init / GiB:.1f} GiB; dtrain.costmodel.memory): pick a smaller "
         "model.preset, lower train.micro_batch or model.seq_len, fewer ranks, or launcher=slurm on bigger nodes")
