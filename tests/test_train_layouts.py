@@ -243,3 +243,14 @@ def test_memory_need_counts_the_layout_by_hand():
     assert need.init == 4 * 209_472 and need.per_rank == need.states + need.activations
     one = training_need(model, train_of(strategy="single", global_batch=None, micro_batch=1).validate(1), 1)
     assert one.states == 16 * 209_472
+
+
+def test_async_grad_allreduce_without_tp_is_one_line_exit_2(tmp_path):
+    from conftest import py
+
+    out = py("-m", "fsdp_scaling", "world_size=2", "model.preset=tiny", "train.async_grad_allreduce=true",
+             f"results_dir={tmp_path}", timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and lines == ["error: train.async_grad_allreduce=true needs train.tp > 1 (it overlaps "
+                                             "the tensor-parallel input-gradient collective)"], out.stderr
+    assert not list(tmp_path.rglob("config.yaml"))
