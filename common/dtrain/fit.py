@@ -16,7 +16,8 @@ tp rank (they are not vocab-parallel), wk/wv whole when kv_heads < tp. States ar
 the dp ranks that shard (dp / hsdp_replicate); with pp > 1, FSDP2 keeps parameters gathered
 through the step (zero2, as dtrain.train.model_parallel does). Activations are the cost model's
 (Korthikanti et al. per layer / tp, 1F1B in-flight micro-batches, interleaving), with the logits
-of a replicated lm_head: each tp rank computes all V of them.
+of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
+v of the one head each rank computes with.
 """
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
     factor = 2.0 if train.mixed_precision == "fp32" else 1.0
     # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
-    # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only there).
-    shape = replace(shape_of(model), vocab=model.vocab_size * tp)
+    # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
+    # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
+    shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp))
     m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True)
     psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)
     states = sum(fsdp2_state_bytes(psi, layout.zero_stage, layout.dp))
