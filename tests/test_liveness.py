@@ -243,3 +243,19 @@ def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
     os.utime(beat[0], (6.0, 6.0))
     rank, _ = mon.stale()
     assert rank == 1  # rank 0 beat after the restart, rank 1 did not
+
+
+def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp_path):
+    """Slurm tasks / torchrun ranks: task 0's "connection closed" names rank 1's own error instead."""
+    own = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad batch on purpose\n"
+    symptom = "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1\n"
+    assert liveness.job_root_cause(tmp_path, 1, own) is None  # a rank's own error stays as it is
+    line = liveness.job_root_cause(tmp_path, 0, symptom, wait_s=0)
+    assert line == ("rank 1 failed first: ValueError: bad batch on purpose (rank 0 then lost its peer: "
+                    "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1)")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    t0 = time.monotonic()
+    assert liveness.job_root_cause(alone, 0, symptom, wait_s=0.5) is None  # nobody else wrote: the symptom stays
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert (alone / liveness.JOB_ERRORS / "rank0.txt").read_text() == symptom

@@ -127,11 +127,17 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
         requeue.start_attempt(run_dir, env.rank, writer)
         try:
             result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
-        except Exception:
-            if launcher == "job" and "SLURM_JOB_ID" in os.environ:
+        except Exception as e:
+            if launcher != "job":
+                raise
+            if "SLURM_JOB_ID" in os.environ:
                 # Hydra keeps a sweep point's exception in its JobReturn (sacct says COMPLETED):
                 # the job's own log must show it, for `dtrain runs` and for whoever reads the log
                 traceback.print_exc()
+            root = None if isinstance(e, UserError) else liveness.job_root_cause(run_dir, env.rank,
+                                                                                  traceback.format_exc())
+            if root:  # what the job's launcher shows (task 0) is then the root cause, not the symptom
+                raise RuntimeError(root) from e
             raise
     if env.world_size > 1:
         dist.barrier()

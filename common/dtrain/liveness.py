@@ -93,6 +93,32 @@ def is_peer_symptom(text: str) -> bool:
 
 # ---------------------------------------------------------------- rank side
 
+JOB_ERRORS = ".rank-errors"  # in the run dir: each failed rank's traceback, for its peers to name
+
+
+def job_root_cause(run_dir: Path, rank: int, text: str, wait_s: float = 10.0) -> str | None:
+    """In a job (Slurm tasks, torchrun) each rank fails on its own and the job's launcher (submitit, Hydra's
+    submitit plugin) shows task 0's error, usually the "connection closed" it got when the failing rank
+    exited. Every failing rank leaves its traceback in the run dir; a rank whose own error is only that
+    symptom waits briefly for a peer's real error and returns the line to raise in its place."""
+    folder = Path(run_dir, JOB_ERRORS)
+    with contextlib.suppress(OSError):
+        folder.mkdir(exist_ok=True)
+        Path(folder, f"rank{rank}.txt").write_text(text)
+    if not is_peer_symptom(text):
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        for path in sorted(folder.glob("rank*.txt")):
+            other = path.read_text(errors="replace")
+            if path.stem != f"rank{rank}" and not is_peer_symptom(other):
+                return f"{path.stem.replace('rank', 'rank ')} failed first: {error_line(other)} " \
+                       f"(rank {rank} then lost its peer: {error_line(text)})"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+
+
 def heartbeat_interval(timeout_s: float) -> float:
     return min(5.0, max(0.1, timeout_s / 5))
 
