@@ -11,8 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, py
+from conftest import py
 from dtrain import precheck, results, rundir
+from dtrain.config import ModelConfig
 from dtrain.errors import UserError
 from dtrain.fit import check_fits, training_need
 from dtrain.metrics import RunWriter
@@ -36,10 +37,12 @@ def test_subproject_model_overrides_build_the_whole_model():
     from fp8_train.train import model_config as fp8_model
     from fsdp_scaling.run import model_config as fsdp_model
 
-    node = OmegaConf.create({"preset": "tiny", "seq_len": None, "n_layer": None, "d_model": None, "n_head": 2,
-                             "n_kv_head": None})
+    from tp_attention.config import model_config as tp_model
+
+    node = OmegaConf.structured(ModelConfig(preset="tiny", n_head=2))
     assert fsdp_model(node).n_kv_head == 2
-    assert fp8_model(OmegaConf.create({"model": {"preset": "tiny", "overrides": {"n_head": 2}}})).n_kv_head == 2
+    assert fp8_model(OmegaConf.create({"model": node})).n_kv_head == 2
+    assert tp_model(OmegaConf.create({"model": node})) == fsdp_model(node)  # one model node everywhere
     with pytest.raises(UserError, match="model: n_head=0 must be an integer >= 1"):
         fsdp_model(OmegaConf.merge(node, {"n_head": 0}))
 
@@ -65,7 +68,9 @@ def test_bad_model_fields(over, message):
 def test_allreduce_sweep_is_bounded(over, message):
     from allreduce_bench import spec
 
-    cfg = OmegaConf.load(REPO / "allreduce-bench/allreduce_bench/conf/config.yaml")
+    from allreduce_bench.conf import AllreduceBenchConfig
+
+    cfg = OmegaConf.structured(AllreduceBenchConfig)
     cfg.world_size = 2
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)
@@ -91,10 +96,12 @@ def test_tp_attention_and_fp8_keys():
     from fp8_train import backends
     from tp_attention.config import check_bench
 
-    tp = OmegaConf.load(REPO / "tp-attention/tp_attention/conf/config.yaml")
+    from tp_attention.conf import TpAttentionConfig
+
+    tp = OmegaConf.structured(TpAttentionConfig)
     tp.world_size = 2
-    tp.n_kv_head = 0
-    with pytest.raises(UserError, match=r"n_kv_head=0 must be an integer >= 1 \(or null = n_head\)"):
+    tp.model.n_kv_head = 0
+    with pytest.raises(UserError, match=r"model: n_kv_head=0 must be an integer >= 1"):
         check_bench(tp)
     fp8 = OmegaConf.create({"margin": 0, "amax_history_len": 0, "amax_compute_algo": "max", "fp16_init_scale": 1024.0,
                             "e5m2_overflow": "saturate", "torchao_emulate": "auto"})
@@ -127,7 +134,7 @@ def test_resume_refuses_fewer_steps_and_another_model(tmp_path):
 
 
 def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
-    with pytest.raises(UserError, match="Could not override 'foo'. To append to your config use \\+foo=1"):
+    with pytest.raises(UserError, match="unknown key foo: the top-level keys are subproject, launcher, "):
         precheck.check_overrides("fsdp_scaling.conf", "config", ["foo=1"], None)
     with pytest.raises(UserError, match="no viable alternative"):
         precheck.check_overrides("fsdp_scaling.conf", "config", ["model.n_head=["], None)
@@ -168,7 +175,8 @@ def test_plan_rejects_non_finite_and_non_positive_numbers(args, message, capsys)
 @pytest.mark.parametrize("module, args, message", [
     ("fsdp_scaling", ["train.steps=abc"], "train.steps='abc' must be an integer"),
     ("fsdp_scaling", ["model.preset=tiny", "model.n_head=0"], "model: n_head=0 must be an integer >= 1"),
-    ("fsdp_scaling", ["model.foo=1"], "Could not override 'model.foo'"),
+    ("fsdp_scaling", ["model.foo=1"], "unknown key model.foo: model's keys are preset, seq_len, n_layer"),
+    ("fsdp_scaling", ["model.n_head=x"], "model.n_head='x' must be an integer or null"),
     ("fsdp_scaling", ["model.preset=7b"], "model.preset=7b cannot fit: it needs about"),
     ("dtrain.selftest", ["-m", "world_size=1,0"], "sweep point #1 (world_size=0"),
 ])

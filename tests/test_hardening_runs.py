@@ -20,12 +20,12 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, py
 from dtrain import app, precheck, results, rundir
+from dtrain.config import BaseConfig, defaults
 from dtrain.errors import UserError
 from dtrain.launch import RankFailed
 from dtrain.metrics import RunWriter, write_config, write_summary
 
-BASE = OmegaConf.load(REPO / "common/dtrain/conf/dtrain_base.yaml")
-BASE.pop("hydra")  # Hydra's own node (its ${now:} resolver exists only under Hydra)
+BASE = defaults(BaseConfig)
 
 
 def one_error_line(stderr: str, message: str) -> str:

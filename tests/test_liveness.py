@@ -156,7 +156,7 @@ def test_bad_heartbeat_timeout_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dtrain.selftest", "heartbeat_timeout_s=-1", f"results_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: heartbeat_timeout_s=-1 must be a number of seconds > 0, "
+    assert out.stderr.strip() == ("error: heartbeat_timeout_s=-1.0 must be a number of seconds > 0, "
                                   "or null to turn it off")
 
 
@@ -259,3 +259,32 @@ def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp
     assert liveness.job_root_cause(alone, 0, symptom, wait_s=0.5) is None  # nobody else wrote: the symptom stays
     assert 0.5 <= time.monotonic() - t0 < 5
     assert (alone / liveness.JOB_ERRORS / "rank0.txt").read_text() == symptom
+
+
+def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_session):
+    """Under torchrun no process of ours supervises: rank 0 watches the others' heartbeats in the run dir."""
+    timeout_s = 3
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.selftest", "work_s=60",
+                             f"heartbeat_timeout_s={timeout_s}", f"results_dir={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    launcher_session(proc)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (beats := list(tmp_path.rglob(f"{liveness.JOB_HEARTBEATS}/heartbeat.rank1"))):
+        assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start in time"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the beat's text is written after the file is created
+    _, host, pid = beats[0].read_text().split()
+    t0 = time.monotonic()
+    os.kill(int(pid), signal.SIGSTOP)
+    _, err = proc.communicate(timeout=90)
+    took = time.monotonic() - t0
+    print(f"stopped torchrun rank detected after {took:.1f} s (heartbeat_timeout_s={timeout_s})")
+    assert proc.returncode != 0
+    assert f"error: rank 1 (pid {pid} on {host}) stopped responding" in err, err[-3000:]
+    assert took < timeout_s + 20  # timeout + a beat interval + polling, not dist_timeout_s (300)
+    [failed] = [e for e in _events(beats[0].parent.parent) if e["kind"] == "run_failed"]
+    assert failed["error"].startswith(f"rank 1 (pid {pid} on {host}) stopped responding")
+    assert not _alive(int(pid))

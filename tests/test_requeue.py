@@ -135,13 +135,12 @@ def test_slurm_keys_reach_sbatch(requeue_on):
     import shutil
     from pathlib import Path
 
-    import dtrain
+    from dtrain.config import BaseConfig, defaults
     from dtrain.launch import slurm_executor
 
     if shutil.which("sbatch") is None:
         pytest.skip("needs Slurm's sbatch on PATH (scripts/slurm-cluster install)")
-    cfg = OmegaConf.load(Path(dtrain.__file__).parent / "conf" / "dtrain_base.yaml")
-    cfg.pop("hydra")
+    cfg = defaults(BaseConfig)
     cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = "t", requeue_on, 45, 5
     ex = slurm_executor(cfg, Path("/tmp/unused"))._executor
     assert ex.parameters["signal_delay_s"] == 45

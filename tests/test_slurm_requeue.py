@@ -27,7 +27,7 @@ def train_args(app: str, steps: int) -> list[str]:
         return [*common, "model.preset=tiny", "profile.enabled=false"]
     # emulated_current: a resume of emulated_delayed is not bit-exact even without Slurm
     # (train.resume_from: ~1e-5 relative from the first resumed step), a separate issue
-    return [*common, "model.preset=tiny", "train.strategy=ddp", "recipe=emulated_current", "debug.freq=0"]
+    return [*common, "model.preset=tiny", "train.strategy=ddp", "recipe=emulated_current", "fp8_debug.freq=0"]
 
 
 _references: dict = {}

@@ -139,7 +139,7 @@ def test_skip_batch_moves_data_not_step(tmp_path):
     (dict(strategy="hsdp", hsdp_replicate=2), 3, "do not factor"),
     (dict(strategy="ddp", micro_batch=3, global_batch=8), 2, "not divisible"),
     (dict(strategy="single"), 2, "runs on one rank"),
-    (dict(mixed_precision="fp16"), 1, "mixed_precision"),
+    (dict(precision="fp16"), 1, "train.precision='fp16' is unknown: choose one of fp32, bf16, auto"),
 ])
 def test_config_errors(kw, world, message):
     with pytest.raises(UserError, match=message):

@@ -63,7 +63,7 @@ class BenchSpec:
     redop: str
     modes: tuple[str, ...]
     root: int
-    warmup_iters: int
+    timing_warmup: int
     iters: int
     check: bool
     simulate_nodes: int | None
@@ -121,7 +121,7 @@ def parse(cfg: DictConfig) -> BenchSpec:
             other = "in_place" if "out_of_place" in modes else "out_of_place"
             raise UserError(f"collective {c} has no {'/'.join(modes)} form in torch.distributed: "
                             f"add {other} to modes, e.g. modes=[out_of_place,in_place]")
-    for key in ("iters", "warmup_iters", "root"):
+    for key in ("iters", "timing_warmup", "root"):
         v = cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):
             raise UserError(f"{key}={v!r} must be an integer >= {1 if key == 'iters' else 0}")
@@ -137,7 +137,7 @@ def parse(cfg: DictConfig) -> BenchSpec:
     if not dtypes:
         raise UserError("dtypes=[] is empty: name at least one, e.g. dtypes=[float32]")
     return BenchSpec(tuple(collectives), size_sweep(lo, hi, cfg.step_factor), tuple(dtype_name(d) for d in dtypes),
-                     cfg.redop, tuple(modes), cfg.root, cfg.warmup_iters, cfg.iters, bool(cfg.check), nodes, inject)
+                     cfg.redop, tuple(modes), cfg.root, cfg.timing_warmup, cfg.iters, bool(cfg.check), nodes, inject)
 
 
 def known_unsupported(backend: str, dtype: str, redop: str, collectives) -> str | None:

@@ -103,7 +103,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                     with unsupported_as_user_error(collective, dtype_name, spec.redop, ctx.backend):
                         case = collectives.build(collective, lay, dtype, ctx.device, lg.group, spec.redop, spec.root,
                                                  in_place) if member else None
-                        seconds = time_per_op(case, spec.warmup_iters, spec.iters, ctx.device)
+                        seconds = time_per_op(case, spec.timing_warmup, spec.iters, ctx.device)
                         corrupt = spec.inject_wrong in (collective, "all") and member and dist.get_rank(lg.group) == 0
                         wrong = collectives.check(case, lg.size, spec.redop, corrupt) if member and spec.check else 0
                     avg, lo, hi, wrong = over_ranks(seconds, member, wrong, ctx.device)
@@ -115,7 +115,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                         nbytes=lay.nbytes, count=lay.count, dtype=dtype_name, type=NCCL_TYPE_NAMES[dtype_name],
                         redop=spec.redop if collective in busbw.REDUCING else "none",
                         root=spec.root if rooted else -1, group_size=lg.size, groups=lg.count,
-                        bus_factor=busbw.bus_factor(collective, lg.size), iters=spec.iters, warmup=spec.warmup_iters,
+                        bus_factor=busbw.bus_factor(collective, lg.size), iters=spec.iters, warmup=spec.timing_warmup,
                         time_us=avg * 1e6, time_min_us=lo * 1e6, time_max_us=hi * 1e6,
                         algbw_GBps=busbw.algbw_GBps(lay.nbytes, avg),
                         busbw_GBps=busbw.busbw_GBps(collective, lay.nbytes, avg, lg.size),

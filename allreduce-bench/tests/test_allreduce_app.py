@@ -10,7 +10,7 @@ from allreduce_bench.bench import GUIDE_FIT_KEYS
 from conftest import py
 from dtrain import results
 
-SMALL = ["min_bytes=1K", "max_bytes=64K", "step_factor=8", "iters=3", "warmup_iters=1"]
+SMALL = ["min_bytes=1K", "max_bytes=64K", "step_factor=8", "iters=3", "timing_warmup=1"]
 
 
 @pytest.fixture(scope="module")

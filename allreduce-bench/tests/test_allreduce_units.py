@@ -5,11 +5,12 @@ from omegaconf import OmegaConf
 
 from allreduce_bench import collectives, groups, spec, sweep
 from allreduce_bench.busbw import layout
+from allreduce_bench.conf import AllreduceBenchConfig
 from dtrain.errors import UserError
 
 
 def cfg(**over):
-    base = OmegaConf.load(spec.__file__.replace("spec.py", "conf/config.yaml"))
+    base = OmegaConf.structured(AllreduceBenchConfig)
     base.world_size = 2
     for k, v in over.items():
         OmegaConf.update(base, k, v)
@@ -30,7 +31,7 @@ def test_sizes_and_aliases():
     ({"min_bytes": "1X"}, "is not a size"),
     ({"dtypes": ["fp4"]}, "unknown dtype 'fp4'"),
     ({"redop": "mean"}, "unknown redop 'mean'"),
-    ({"step_factor": 1}, "step_factor=1 must be a number > 1"),
+    ({"step_factor": 1}, "step_factor=1.0 must be a number > 1"),
     ({"root": 2}, "root=2 is not a rank of world_size=2"),
     ({"debug.simulate_nodes": 3}, "simulate_nodes=3 must be an integer >= 2 dividing world_size=2"),
     ({"modes": ["out_of_place"], "collectives": ["all_reduce"]},

@@ -60,7 +60,7 @@ MIN_SECONDS_BEFORE_USR2 = 30
 
 
 def check_signal_delay(s: DictConfig) -> None:
-    delay, limit_s = s.get("signal_delay_s", 60), s.time_min * 60
+    delay, limit_s = s.signal_delay_s, s.time_min * 60  # the default lives in dtrain.config.SlurmConfig
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
         raise UserError(f"slurm.signal_delay_s={delay!r} must be an integer number of seconds >= 1")
     if limit_s - delay < MIN_SECONDS_BEFORE_USR2:
@@ -174,9 +174,13 @@ def _precheck_results_dir(argv: list[str]) -> None:
 
 def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"):
     """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`."""
+    import importlib
+
     import hydra
 
     from dtrain import precheck
+
+    importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
 
     def validate_point(cfg: DictConfig) -> None:  # what run_app checks, for every point of a sweep
         check_base(cfg)

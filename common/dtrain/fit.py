@@ -84,7 +84,7 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
                     micro_batch=train.micro_batch, grad_accum=train.grad_accum,
                     sequence_parallel=train.sequence_parallel, virtual_stages=train.pp_virtual if pp > 1 else 1)
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
-    factor = 2.0 if train.mixed_precision == "fp32" else 1.0
+    factor = 2.0 if train.precision != "bf16" else 1.0  # auto: as fp32 (the larger)
     # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
     # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
     # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.

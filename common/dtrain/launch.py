@@ -123,6 +123,8 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
         write_json_atomic(run_dir / ENV, envinfo.collect(
             backend=backend, world_size=env.world_size, device=str(device), launcher=launcher,
             hosts=hosts, threads_per_rank=threads))
+    if launcher == "job":  # the Slurm launcher and the local one watch heartbeats themselves
+        liveness.watch_job(env.rank, env.world_size, run_dir, cfg.get("heartbeat_timeout_s"))
     with RunWriter(run_dir, env.rank) as writer:
         requeue.start_attempt(run_dir, env.rank, writer)
         try:

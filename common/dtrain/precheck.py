@@ -1,14 +1,17 @@
 """Checks on the command line before Hydra starts (Hydra creates run directories and prints its
 own multi-line errors with exit code 1; the project promises one `error:` line and exit 2).
 
-    check_overrides(...)  every override parses and composes (an unknown key is one line); in a
-                          sweep (-m) every point is also validated before any point runs
+    check_overrides(...)  every override parses and composes against the typed config (an unknown
+                          or renamed key, a wrong type is one line); in a sweep (-m) every point is
+                          also validated before any point runs
     check_run_dirs(argv)  an explicit hydra.run.dir / hydra.sweep.dir already used by a run is
                           refused before Hydra writes its bookkeeping into it (rundir.claim is the
                           atomic guarantee; this keeps the old run's .hydra/ intact)
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 from pathlib import Path
 from typing import Callable
 
@@ -63,9 +66,49 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     return BasicSweeper.split_arguments(parsed, None)[0]
 
 
+def check_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
+    """An override of a renamed key is refused with its new name (never silently accepted)."""
+    from dtrain.config import renamed_key
+
+    for o in overrides:
+        new = renamed_key(o, renamed)
+        if new is not None:
+            raise UserError(f"{o.split('=', 1)[0].lstrip('+~')} was renamed: use {new}")
+
+
+_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def _typed_message(e: BaseException) -> str | None:
+    """OmegaConf's type error for `train.steps=abc` as `train.steps='abc' must be an integer`, and
+    its unknown key `model.n_laye=4` as `unknown key model.n_laye: model's keys are ...`."""
+    import dataclasses
+    import re
+    import typing
+
+    from omegaconf.errors import ConfigAttributeError, ValidationError
+
+    cause = e if isinstance(e, (ValidationError, ConfigAttributeError)) else e.__cause__
+    if isinstance(cause, ConfigAttributeError) and dataclasses.is_dataclass(getattr(cause, "object_type", None)):
+        key = str(cause.full_key)
+        parent = key.rsplit(".", 1)[0] + "'s" if "." in key else "the top-level"
+        known = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
+        return f"unknown key {key}: {parent} keys are {known}"
+    match = re.search(r"could not be converted to (\w+)", str(getattr(cause, "msg", "")))
+    if not isinstance(cause, ValidationError) or not match or match.group(1) not in _WORDS:
+        return None
+    key = str(cause.full_key)
+    with contextlib.suppress(Exception):  # an Optional field also takes null
+        hint = typing.get_type_hints(cause.object_type)[key.rsplit(".", 1)[-1]]
+        if type(None) in typing.get_args(hint):
+            return f"{key}={cause.value!r} must be {_WORDS[match.group(1)]} or null"
+    return f"{key}={cause.value!r} must be {_WORDS[match.group(1)]}"
+
+
 def check_overrides(config_module: str, config_name: str, argv: list[str],
                     validate: Callable[[DictConfig], None] | None) -> None:
-    """Raise UserError on an override Hydra would reject; in a sweep, on any invalid point."""
+    """Raise UserError on a renamed key (the conf module's `RENAMED`) or an override Hydra would reject;
+    in a sweep, on any invalid point."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -73,6 +116,8 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
     overrides, multirun, checkable = split_argv(argv)
     if not checkable:
         return
+    conf = importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
+    check_renamed(overrides, getattr(conf, "RENAMED", {}))
     try:
         points = sweep_points(overrides) if multirun else [overrides]
     except (HydraException, OmegaConfBaseException) as e:
@@ -88,7 +133,7 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
             try:
                 cfg = compose(config_name=config_name, overrides=job)
             except (HydraException, OmegaConfBaseException) as e:
-                errors.append(f"{where}{_one_line(e)}")
+                errors.append(f"{where}{_typed_message(e) or _one_line(e)}")
                 continue
             if multirun and validate is not None:
                 if remote:

@@ -20,7 +20,7 @@ from dtrain.launch import RankContext
 def rank_fn(ctx: RankContext) -> dict:
     if ctx.cfg.fail_rank is not None and ctx.rank == ctx.cfg.fail_rank:
         raise RuntimeError(f"selftest: rank {ctx.rank} fails on purpose (fail_rank={ctx.cfg.fail_rank})")
-    for _ in range(int(ctx.cfg.get("work_s", 0) / 0.1)):
+    for _ in range(int(ctx.cfg.work_s / 0.1)):
         dist.all_reduce(torch.ones(1, device=ctx.device))
         time.sleep(0.1)
     x = torch.full((ctx.cfg.numel,), float(ctx.rank + 1), device=ctx.device)

@@ -30,6 +30,7 @@ from dtrain.metrics import RunWriter
 from dtrain.model import GPTConfig
 from dtrain.train import TrainConfig, Trainer
 from fp8_train import backends
+from fp8_train.conf import Fp8DebugConfig
 from fp8_train.debug import DebugTool
 
 FP8 = OmegaConf.create({"margin": 0, "amax_history_len": 16, "amax_compute_algo": "max", "e5m2_overflow": "saturate"})
@@ -39,10 +40,8 @@ def make(args, freq: int, enabled: bool) -> Trainer:
     tmp = Path(tempfile.mkdtemp(prefix="fp8-dbg-bench-"))
     ctx = RankContext(OmegaConf.create({"seed": 0}), DistEnv(0, 1, 0, 1, "127.0.0.1", 0), torch.device("cpu"), "gloo",
                       tmp, RunWriter(tmp))
-    debug = OmegaConf.create({"enabled": enabled, "freq": freq, "margin": 0, "amax_history_len": 16,
-                              "layers": {"layer_name_regex_pattern": r"blocks\..*|lm_head"},
-                              "tensors": ["activation", "weight", "gradient"], "recipes": ["delayed", "current"],
-                              "dump_tensors": False, "sample_elements": args.sample_elements})
+    debug = OmegaConf.structured(Fp8DebugConfig(enabled=enabled, freq=freq, margin=0, amax_history_len=16,
+                                                e5m2_overflow="saturate", sample_elements=args.sample_elements))
     train = TrainConfig(steps=10**6, micro_batch=args.micro_batch, strategy="single", dataset_tokens=100_000, log_every=0)
     t = Trainer(ctx, train, GPTConfig.from_preset(args.preset), callbacks=[DebugTool(debug, tmp, 0)],
                 linear_factory=backends.emulated_linear("emulated_delayed", FP8), peak_flops=(1e12, "unused"))

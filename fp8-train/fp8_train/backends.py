@@ -10,7 +10,7 @@
     torchao_rowwise      torchao float8 training, one scale per row    (runs on CPU too)
     te_delayed | te_current | te_block | te_mxfp8   TransformerEngine te.Linear + te.autocast (GPU only)
 
-FP8 recipes keep everything that is not an FP8 linear in `precision` (auto: bf16 on GPU, fp32 on
+FP8 recipes keep everything that is not an FP8 linear in `train.precision` (auto: bf16 on GPU, fp32 on
 CPU). TransformerEngine and torchao are imported only when asked for; a missing one is one clear
 error line. See te_backend.py for the TransformerEngine glue.
 """
@@ -65,7 +65,7 @@ class Numerics:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def train_mixed_precision(self) -> str:
+    def train_precision(self) -> str:
         return "bf16" if self.precision == "bf16" else "fp32"
 
 
@@ -92,7 +92,7 @@ def check_run(recipe: str, micro_batch: int, seq_len: int, activation_checkpoint
     if backend in ("te", "torchao") and tokens % multiple:  # FP8 GEMMs (TE, torch._scaled_mm) tile by 16
         raise UserError(f"recipe={recipe}: FP8 GEMMs need the tokens per micro-batch (train.micro_batch x "
                         f"seq_len = {micro_batch} x {seq_len} = {tokens}) to be a multiple of {multiple}: "
-                        "change train.micro_batch or model seq_len")
+                        "change train.micro_batch or model.seq_len")
 def check_fp8_cfg(fp8) -> None:
     """The `fp8:` keys, checked before a rank starts (amax_history_len=0 would fail deep in a rank)."""
     for key, low in (("amax_history_len", 1), ("margin", 0)):

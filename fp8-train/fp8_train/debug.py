@@ -76,7 +76,7 @@ class DebugTool(Callback):
     def __init__(self, cfg, run_dir: Path, rank: int):
         self.cfg = cfg
         self.freq, self.margin = int(cfg.freq), int(cfg.margin)
-        self.e5m2_saturates = cfg.get("e5m2_overflow", "saturate") == "saturate"
+        self.e5m2_saturates = cfg.e5m2_overflow == "saturate"
         self.pattern = re.compile(cfg.layers.layer_name_regex_pattern)
         self.tensors = [t for t in cfg.tensors if t in TENSORS]
         self.recipes = [r for r in cfg.recipes if r in RECIPES]
@@ -85,7 +85,7 @@ class DebugTool(Callback):
         self.active = bool(cfg.enabled) and rank == 0
         self.dump_dir = Path(run_dir) / "dumps" if cfg.dump_tensors else None
         self.histories: dict[tuple[str, str], AmaxHistory] = {}
-        self.sample_elements = int(cfg.get("sample_elements", 0) or 0)
+        self.sample_elements = int(cfg.sample_elements)
         self._samples: dict[int, torch.Tensor] = {}
         self.pending: list[Pending] = []
         self._pending_elements = 0

@@ -105,7 +105,7 @@ class NanGuard(Callback):
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.bad_in_a_row, self.streak_positions, self._offender = 0, [], None
             self.good_in_a_row += 1
-            restore = int(self.cfg.get("lr_restore_after", 0) or 0)
+            restore = int(self.cfg.lr_restore_after)
             if restore and trainer.lr_scale < 1.0 and self.good_in_a_row % restore == 0:
                 trainer.lr_scale = min(1.0, trainer.lr_scale / float(self.cfg.lr_cut_factor))
                 trainer.ctx.writer.event("recovery", step=step, action="lr_restore", lr_scale=trainer.lr_scale)

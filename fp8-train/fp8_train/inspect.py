@@ -15,14 +15,15 @@ current for the others); the other recipes' numbers decide the suggestion.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pandas as pd
 
 from dtrain.errors import UserError
 from dtrain.results import load, require_complete
+from fp8_train.conf import InspectConfig
 
-DEFAULTS = {"mse_healthy": 1e-2, "mse_bad": 1e3, "underflow_bad_pct": 80.0, "overflow_bad_pct": 1.0,
-            "cos_bad": 0.99, "top": 10}
+DEFAULTS = asdict(InspectConfig())  # the thresholds' defaults live in the config dataclass
 
 
 def severity(row, t: dict) -> tuple[float, str]:
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> pd.DataFrame:
     t = thresholds(run.config, argv[1:])
     df = load([run.path], kind="fp8_debug")
     if df.empty:
-        raise UserError(f"{run.path} has no fp8_debug records: run with debug.enabled=true")
+        raise UserError(f"{run.path} has no fp8_debug records: run with fp8_debug.enabled=true")
     ranked = rank_layers(df, run.config.get("recipe", ""), t)
     table = Table(title=f"FP8 debug: worst layers of {run.path.name} (recipe {run.config.get('recipe')})")
     for col in ("layer", "tensor", "verdict", "cause", "mse", "underflow %", "overflow %", "cos", "suggestion"):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dtrain import config as dtrain_config
 from dtrain import dist as ddist
 from dtrain import perf
 from dtrain.errors import UserError
@@ -33,11 +34,8 @@ FINAL_WINDOW = 5  # final loss = mean over the last 5 steps (one batch is a nois
 
 
 def model_config(cfg: DictConfig) -> GPTConfig:
-    overrides = OmegaConf.to_container(cfg.model.overrides, resolve=True) or {}
-    try:
-        return GPTConfig.from_preset(cfg.model.preset, **overrides)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"model: {e}") from None
+    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
+    return dtrain_config.model_config(cfg.model)
 
 
 def train_config(cfg: DictConfig, world_size: int) -> TrainConfig:
@@ -47,40 +45,40 @@ def train_config(cfg: DictConfig, world_size: int) -> TrainConfig:
 def validate(cfg: DictConfig) -> None:
     if cfg.recipe not in backends.RECIPES:
         raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(backends.RECIPES)}")
-    if cfg.precision not in ("auto", "fp32", "bf16"):
-        raise UserError(f"precision={cfg.precision!r} is not one of auto, fp32, bf16")
     backends.check_fp8_cfg(cfg.fp8)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
         backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
     model_cfg = model_config(cfg)
-    train = train_config(cfg, cfg.world_size)
+    train = train_config(cfg, cfg.world_size)  # checks train.precision: auto | fp32 | bf16
     backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
-        check_fits(model_cfg, train, cfg.world_size, ddist.pick_device(cfg.device, 0),
+        device = ddist.pick_device(cfg.device, 0)
+        train.precision = train.precision_on(device.type)
+        check_fits(model_cfg, train, cfg.world_size, device,
                    f"model.preset={cfg.model.preset}")
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
     with torch.device("meta"):
         names = {n for n, _ in GPT(model_cfg).named_modules()}
     faults.check(OmegaConf.to_container(cfg.faults, resolve=True), names)
     try:
-        re.compile(cfg.debug.layers.layer_name_regex_pattern)
+        re.compile(cfg.fp8_debug.layers.layer_name_regex_pattern)
     except re.error as e:
-        raise UserError(f"debug.layers.layer_name_regex_pattern is not a regex ({e})") from None
-    if cfg.debug.freq < 0 or cfg.health.every < 1:
-        raise UserError("debug.freq must be >= 0 and health.every >= 1")
+        raise UserError(f"fp8_debug.layers.layer_name_regex_pattern is not a regex ({e})") from None
+    if cfg.fp8_debug.freq < 0 or cfg.health.every < 1:
+        raise UserError("fp8_debug.freq must be >= 0 and health.every >= 1")
 
 
 def rank_fn(ctx) -> dict:
     cfg = ctx.cfg
     model_cfg = model_config(cfg)
-    numerics = backends.build(cfg.recipe, cfg.precision, cfg.fp8, ctx.device)
+    numerics = backends.build(cfg.recipe, cfg.train.precision, cfg.fp8, ctx.device)
     pmap = PrecisionMap.from_cfg(cfg.precision_map, model_cfg, multiple=backends.shape_multiple(cfg.recipe))
     factory = pmap.factory(numerics.fp8_linear) if numerics.fp8_linear else None
     train = TrainConfig.from_cfg(cfg.train)
-    train.mixed_precision = numerics.train_mixed_precision
+    train.precision = numerics.train_precision
     guard = NanGuard(cfg.guard) if cfg.guard.enabled else None
     callbacks = [faults.FaultInjector(OmegaConf.to_container(cfg.faults, resolve=True), ctx.rank), guard,
-                 DebugTool(cfg.debug, ctx.run_dir, ctx.rank),
+                 DebugTool(cfg.fp8_debug, ctx.run_dir, ctx.rank),
                  HealthMonitor(cfg.health, ctx.rank, ctx.run_dir) if cfg.health.enabled else None]
     # fp16 trains as "fp32" to the Trainer (autocast does the casting): its GPU peak is the fp16 one
     peak = perf.peak_flops(ctx.device, "fp16") if numerics.precision == "fp16" and ctx.device.type == "cuda" else None

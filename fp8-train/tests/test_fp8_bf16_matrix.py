@@ -1,4 +1,4 @@
-"""Every FP8 recipe that runs on CPU x every data-parallel strategy, under precision=bf16 (CPU
+"""Every FP8 recipe that runs on CPU x every data-parallel strategy, under train.precision=bf16 (CPU
 autocast for single/ddp, FSDP2's MixedPrecisionPolicy for zero2/zero3): a few steps of the real
 fp8_train rank function with finite, decreasing loss. Plus the emulated Linear's dtypes and its
 exactness under activation checkpointing.
@@ -15,34 +15,29 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from dtrain import dist as ddist
+from dtrain.config import defaults
 from dtrain.launch import RankContext, launch
 from dtrain.metrics import RunWriter
 from dtrain.model import GPT, GPTConfig
 from dtrain.results import read_jsonl
 from fp8_train import backends
 from fp8_train import train as fp8_train_run
+from fp8_train.conf import Fp8TrainConfig
 from fp8_train.emulated import FP8Linear, fp8_layers
 
 SEED = 0
 STEPS = 5
 RECIPES = ("emulated_delayed", "emulated_current", "torchao_tensorwise")
-CONF = Path(fp8_train_run.__file__).parent / "conf" / "config.yaml"
-BASE = Path(ddist.__file__).parent / "conf" / "dtrain_base.yaml"
 
 
 def fp8_cfg(world_size: int, **extra) -> OmegaConf:
-    """fp8_train's composed config (dtrain_base + its own yaml), small and quiet."""
-    own = OmegaConf.load(CONF)
-    own.pop("defaults"), own.pop("hydra")
-    base = OmegaConf.load(BASE)
-    base.pop("hydra")
-    cfg = OmegaConf.merge(base, own, {
+    """fp8_train's config (its dataclass's defaults), small and quiet."""
+    cfg = OmegaConf.merge(defaults(Fp8TrainConfig), {
         "launcher": "local", "world_size": world_size, "backend": "gloo", "device": "cpu", "seed": SEED,
-        "dist_timeout_s": 120, "threads_per_rank": 1, "precision": "bf16",
+        "dist_timeout_s": 120, "threads_per_rank": 1,
         "train": {"steps": STEPS, "micro_batch": 2, "warmup_steps": 1, "log_every": 0, "timing_warmup": 0,
-                  "dataset_tokens": 20_000, "lr": 3e-3},
-        "debug": {"enabled": False}, "health": {"enabled": False}, "guard": {"enabled": False}}, extra)
+                  "dataset_tokens": 20_000, "lr": 3e-3, "precision": "bf16"},
+        "fp8_debug": {"enabled": False}, "health": {"enabled": False}, "guard": {"enabled": False}}, extra)
     return cfg
 
 

@@ -23,7 +23,7 @@ def _only_run(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8run")
-    r = py("-m", "fp8_train", f"results_dir={root}", "train.steps=12", "debug.freq=5", *QUIET, timeout=180)
+    r = py("-m", "fp8_train", f"results_dir={root}", "train.steps=12", "fp8_debug.freq=5", *QUIET, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     return _only_run(root), r
 
@@ -74,7 +74,7 @@ FAULT = "faults=[{step: 5, layer: blocks.1.mlp.w2, tensor: activation, kind: inf
 
 
 def _train(root: Path, *overrides: str) -> Path:
-    r = py("-m", "fp8_train", f"results_dir={root}", "debug.enabled=false", "guard.checkpoint_every=3", *QUIET,
+    r = py("-m", "fp8_train", f"results_dir={root}", "fp8_debug.enabled=false", "guard.checkpoint_every=3", *QUIET,
            *overrides, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     return _only_run(root)
@@ -119,7 +119,7 @@ def test_recovered_run_ends_within_noise_of_the_clean_run(tmp_path):
 def test_compare_writes_report_and_guide(tmp_path):
     r = py("-m", "fp8_train", "compare", "--recipes", "fp32,emulated_current", "--seeds", "0,1",
            f"results_dir={tmp_path}", "world_size=1", "train.strategy=single", "train.steps=6",
-           "debug.enabled=false", *QUIET, timeout=400)
+           "fp8_debug.enabled=false", *QUIET, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     out = next((tmp_path / "fp8-train").glob("compare-*"))
     guide = json.loads((out / "summary.json").read_text())["guide"]
@@ -134,10 +134,10 @@ def test_compare_writes_report_and_guide(tmp_path):
 
 
 def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
-    """On a GPU precision resolves to bf16: the emulated recipe must train under CPU bf16 autocast too
-    (it once failed in backward with `BFloat16 != float`). model.overrides as the README writes it."""
-    r = py("-m", "fp8_train", "recipe=emulated_delayed", "precision=bf16", "train.strategy=single", "world_size=1",
-           "train.steps=4", "+model.overrides.n_layer=3", f"results_dir={tmp_path}", *QUIET, timeout=180)
+    """On a GPU train.precision=auto resolves to bf16: the emulated recipe must train under CPU bf16
+    autocast too (it once failed in backward with `BFloat16 != float`). A model field as the README writes it."""
+    r = py("-m", "fp8_train", "recipe=emulated_delayed", "train.precision=bf16", "train.strategy=single", "world_size=1",
+           "train.steps=4", "model.n_layer=3", f"results_dir={tmp_path}", *QUIET, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     run = _only_run(tmp_path)
     losses = list(load([run], kind="step")["loss"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from fp8_train.conf import Fp8DebugConfig, LayerSelection
 from fp8_train.debug import DebugTool
 from fp8_train.quantstats import per_tensor_stats
 from fp8_train.formats import E4M3, quantize
@@ -48,11 +49,17 @@ def crafted(seed: int) -> dict[str, torch.Tensor]:
             "zeros": torch.zeros(64), "empty": torch.zeros(0)}
 
 
+
+def debug_cfg(**kw):
+    """The `fp8_debug:` node: its dataclass's defaults, every layer selected, and `kw`."""
+    base = dict(margin=0, e5m2_overflow="saturate", layers=LayerSelection(".*"))  # fp8.* interpolations, standalone
+    return OmegaConf.structured(Fp8DebugConfig(**{**base, **kw}))
+
+
 @pytest.mark.parametrize("margin,e5m2", [(0, "saturate"), (1, "inf")])
 def test_batched_debug_stats_match_the_per_tensor_reference(margin, e5m2):
-    cfg = OmegaConf.create({"enabled": True, "freq": 2, "margin": margin, "amax_history_len": 3, "e5m2_overflow": e5m2,
-                            "layers": {"layer_name_regex_pattern": ".*"}, "tensors": ["activation", "weight", "gradient"],
-                            "recipes": ["current", "delayed"], "dump_tensors": False, "sample_elements": 4000})
+    cfg = debug_cfg(freq=2, margin=margin, amax_history_len=3, e5m2_overflow=e5m2, recipes=["current", "delayed"],
+                    sample_elements=4000)
     tool, out = DebugTool(cfg, "/nonexistent", 0), Records()
     tool._writer = out
     kinds = {"edge": "activation", "ties": "weight", "big": "activation", "grad": "gradient", "zeros": "weight",
@@ -94,9 +101,7 @@ def test_per_tensor_stats_counts_nan_as_neither_underflow_nor_overflow():
 
 
 def test_hooks_do_nothing_on_steps_that_are_not_sampled_for_layers_with_their_own_scales():
-    cfg = OmegaConf.create({"enabled": True, "freq": 10, "margin": 0, "amax_history_len": 4,
-                            "layers": {"layer_name_regex_pattern": ".*"}, "tensors": ["activation", "weight", "gradient"],
-                            "recipes": ["delayed", "current"], "dump_tensors": False, "sample_elements": 0})
+    cfg = debug_cfg(freq=10, amax_history_len=4, recipes=["delayed", "current"], sample_elements=0)
     tool = DebugTool(cfg, "/nonexistent", 0)
     layer = torch.nn.Linear(4, 4)
     tool.own_scalers["l"] = layer
@@ -111,9 +116,7 @@ def test_a_recomputed_forward_is_not_observed_twice():
     """Activation checkpointing runs a block's forward again inside backward; the tool has seen it."""
     from torch.utils.checkpoint import checkpoint
 
-    cfg = OmegaConf.create({"enabled": True, "freq": 1, "margin": 0, "amax_history_len": 4,
-                            "layers": {"layer_name_regex_pattern": ".*"}, "tensors": ["activation", "weight", "gradient"],
-                            "recipes": ["delayed"], "dump_tensors": False, "sample_elements": 0})
+    cfg = debug_cfg(freq=1, amax_history_len=4, recipes=["delayed"], sample_elements=0)
     tool = DebugTool(cfg, "/nonexistent", 0)
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4)

@@ -17,6 +17,7 @@ from dtrain.metrics import RunWriter
 from dtrain.model import GPT, GPTConfig
 from dtrain.train import TrainConfig, Trainer
 from fp8_train import backends, compare, faults, inspect, te_backend
+from fp8_train.conf import GuardConfig
 from fp8_train.emulated import FP8Linear
 from fp8_train.guard import NanGuard
 from fp8_train.precision_map import PrecisionMap
@@ -143,9 +144,9 @@ def _trainer(tmp_path: Path, callbacks=()):
 
 
 def test_ladder_cuts_lr_then_rolls_back_to_the_checkpointed_state(tmp_path):
-    guard = NanGuard(OmegaConf.create({"lr_cut_after": 1, "lr_cut_factor": 0.5, "rollback_after": 2,
-                                       "to_high_precision": True, "checkpoint_every": 0, "max_rollbacks": 2,
-                                       "report_params": 4}))
+    guard = NanGuard(OmegaConf.structured(GuardConfig(lr_cut_after=1, lr_cut_factor=0.5, lr_restore_after=0,
+                                                      rollback_after=2, to_high_precision=True, checkpoint_every=0,
+                                                      max_rollbacks=2, report_params=4)))
     trainer = _trainer(tmp_path, [guard])
     guard.on_train_start(trainer)  # saves step 0
     saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}

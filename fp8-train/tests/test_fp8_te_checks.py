@@ -109,11 +109,11 @@ def test_tokens_per_micro_batch_must_tile(recipe, micro_batch, seq_len, multiple
 
 
 def test_shape_rule_is_one_line_before_the_run(tmp_path):
-    r = py("-m", "fp8_train", "recipe=torchao_tensorwise", "+model.overrides.seq_len=12", "train.micro_batch=1",
+    r = py("-m", "fp8_train", "recipe=torchao_tensorwise", "model.seq_len=12", "train.micro_batch=1",
            f"results_dir={tmp_path}", timeout=120)
     assert r.returncode == 2
     # (torchao's import may print a torch deprecation warning first: only our error line counts)
     assert [line for line in r.stderr.splitlines() if line.startswith("error")] == [
         "error: recipe=torchao_tensorwise: FP8 GEMMs need the tokens per micro-batch (train.micro_batch x seq_len "
-        "= 1 x 12 = 12) to be a multiple of 16: change train.micro_batch or model seq_len"]
+        "= 1 x 12 = 12) to be a multiple of 16: change train.micro_batch or model.seq_len"]
     assert not any(tmp_path.rglob("config.yaml"))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from dtrain import config as dtrain_config
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.fit import check_fits
@@ -20,20 +21,9 @@ from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
 from fsdp_scaling.probes import ProfileWindow, StateBytes
 
-MODEL_OVERRIDES = ("seq_len", "n_layer", "d_model", "n_head", "n_kv_head")
-
-
 def model_config(node) -> GPTConfig:
-    values = OmegaConf.to_container(node, resolve=True)
-    preset = values.pop("preset", "small")
-    overrides = {k: v for k, v in values.items() if v is not None}
-    bad = sorted(set(overrides) - set(MODEL_OVERRIDES))
-    if bad:
-        raise UserError(f"unknown model.{bad[0]}: use model.preset and {', '.join(MODEL_OVERRIDES)}")
-    try:
-        return GPTConfig.from_preset(preset, **overrides)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"model: {e}") from None
+    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
+    return dtrain_config.model_config(node)
 
 
 def validate(cfg: DictConfig) -> None:

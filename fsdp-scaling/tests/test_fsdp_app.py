@@ -5,8 +5,11 @@ import json
 
 import pytest
 
+from omegaconf import OmegaConf
+
 from conftest import py
 from dtrain import results
+from fsdp_scaling.conf import FsdpScalingConfig
 
 GUIDE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
@@ -21,6 +24,12 @@ def test_sweep_then_report(tmp_path):
     runs = results.load_runs([tmp_path])
     assert sorted(runs["summary.guide.strategy"]) == ["ddp", "zero3"]
     for run in results.complete_runs([tmp_path]):
+        # config.yaml = the dataclass's defaults + this point's overrides (device resolved once)
+        expected = OmegaConf.structured(FsdpScalingConfig)
+        for key, value in (("train.strategy", run.config["train"]["strategy"]), ("model.preset", "tiny"),
+                           ("train.steps", 6), ("results_dir", str(tmp_path)), ("device", "cpu")):
+            OmegaConf.update(expected, key, value)
+        assert run.config == OmegaConf.to_container(expected, resolve=True)
         g = run.summary["guide"]
         assert set(g) == GUIDE_KEYS
         assert g["state_bytes"] == g["state_bytes_formula"] and g["peak_flops_source"] == "measured cpu matmul probe"

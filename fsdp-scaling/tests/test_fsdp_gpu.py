@@ -10,7 +10,7 @@ from dtrain import results
 @pytest.mark.gpu
 def test_bf16_zero3_on_one_gpu(tmp_path):
     out = py("-m", "fsdp_scaling", "world_size=1", "device=cuda", "model.preset=small", "train.strategy=zero3",
-             "train.mixed_precision=bf16", "train.steps=8", f"results_dir={tmp_path}", timeout=300)
+             "train.precision=bf16", "train.steps=8", f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     run = results.complete_runs([tmp_path])[0]
     g = run.summary["guide"]

@@ -9,7 +9,8 @@ from conftest import py
 from dtrain import results
 from dtrain.parallel.tp import comm
 
-TINY = ["batch=1", "seq=16", "d_model=32", "n_head=4", "warmup=1", "iters=2", "profile_steps=1"]
+TINY = ["micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_head=4", "timing_warmup=1", "iters=2",
+        "profile.steps=1"]
 GUIDE_KEYS = {"tp", "sequence_parallel", "step_time_s", "single_rank_step_time_s", "dtensor_step_time_s",
               "comm_share", "comm_bytes_per_layer", "overhead_factor", "batch", "seq", "d_model", "n_head",
               "n_kv_head"}
@@ -42,7 +43,7 @@ def test_tiny_run_writes_the_guide_contract(tmp_path):
 
 
 def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
-    out = py("-m", "tp_attention", *TINY, "n_kv_head=1", "sequence_parallel=false",
+    out = py("-m", "tp_attention", *TINY, "model.n_kv_head=1", "sequence_parallel=false",
              "impls=[single,handrolled,dtensor]", f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     [row] = json.loads(next(tmp_path.rglob("summary.json")).read_text())["guide"]["tp_overhead"]
@@ -50,9 +51,11 @@ def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["n_head=6", "d_model=48", "world_size=4", "tp=4"], "n_head=6 is not divisible by tp=4"),
+    (["model.n_head=6", "model.d_model=48", "world_size=4", "tp=4"], "n_head=6 is not divisible by tp=4"),
     (["tp=4"], "tp=4 is larger than world_size=2"),
-    (["sequence_parallel=true", "seq=15"], "seq=15 divisible by tp=2"),
+    (["sequence_parallel=true", "model.seq_len=15"], "model.seq_len=15 divisible by tp=2"),
+    (["seq=16"], "seq was renamed: use model.seq_len"),
+    (["precision=float32"], "precision='float32' is not one of fp32, bf16"),
 ])
 def test_bad_input_is_one_line_exit_2_no_run_dir(tmp_path, args, message):
     out = py("-m", "tp_attention", *args, f"results_dir={tmp_path}", timeout=60)

@@ -23,7 +23,7 @@ def test_tp1_block_bf16_on_cuda_matches_plain_block():
 
 
 def test_bench_single_gpu_bf16(tmp_path):
-    out = py("-m", "tp_attention", "device=cuda", "world_size=1", "tp=1", "dtype=bfloat16",
+    out = py("-m", "tp_attention", "device=cuda", "world_size=1", "tp=1", "precision=bf16",
              "sequence_parallel=false", f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = results.complete_runs([tmp_path])

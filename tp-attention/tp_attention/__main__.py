@@ -1,8 +1,8 @@
 """`python -m tp_attention`: hand-rolled tensor-parallel attention vs DTensor vs one rank.
 
     python -m tp_attention                                  # tp=world_size=2 on CPU, SP off and on
-    python -m tp_attention world_size=4 tp=[1,2,4] seq=512
-    python -m tp_attention -m n_kv_head=2,8 sequence_parallel=false,true
+    python -m tp_attention world_size=4 tp=[1,2,4] model.seq_len=512
+    python -m tp_attention -m model.n_kv_head=2,8 sequence_parallel=false,true
     python -m tp_attention.parity                           # prove it equal to one device first
 """
 from dtrain.app import hydra_main

@@ -21,18 +21,17 @@ import torch
 import torch.distributed as dist
 
 from dtrain.launch import RankContext
-from dtrain.model import Block, GPTConfig
+from dtrain.model import Block
 from dtrain.parallel.tp import comm
 from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
 from dtrain.parallel.tp.layers import allreduce_partial_grads
 from dtrain.timing import synchronize, time_fn
 from tp_attention import dtensor_baseline
-from tp_attention.config import as_list, tp_degrees
+from tp_attention.config import as_list, model_config, torch_dtype, tp_degrees
 
 
 def build_reference(cfg, device, dtype) -> torch.nn.Module:
-    model_cfg = GPTConfig(d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, bias=cfg.bias,
-                          norm=cfg.norm, mlp_ratio=cfg.mlp_ratio, seq_len=cfg.seq)
+    model_cfg = model_config(cfg)
     torch.manual_seed(cfg.seed)  # identical full weights on every rank
     block = Block(model_cfg, "blocks.0", lambda name, i, o, b: torch.nn.Linear(i, o, bias=b))
     block = block.to(device=device, dtype=dtype)
@@ -115,7 +114,7 @@ class Turns:
 
 
 def _timed(step, cfg, device, group) -> dict:
-    stats = time_fn(step, warmup=cfg.warmup, iters=cfg.iters, device=device, barrier=group)
+    stats = time_fn(step, warmup=cfg.timing_warmup, iters=cfg.iters, device=device, barrier=group)
     return stats.to_dict()
 
 
@@ -134,13 +133,13 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     out["counted"] = {tag: counter.wire_bytes(tag) for tag in (comm.ACTIVATION, comm.GRAD_SYNC)}
     out["payload_bytes"] = counter.payload_bytes()
     out["op_counts"] = counter.op_counts()
-    out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile_steps, device) if tp > 1 else (0.0, "")
+    out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
     if "handrolled_async" in impls:
         hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.fused_qkv, async_grad_allreduce=True)
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
-        out["comm_share_async"] = comm_share(step, cfg.profile_steps, device)[0] if tp > 1 else 0.0
-    if "dtensor" in impls and dtensor_baseline.supported(cfg.n_kv_head or cfg.n_head, tp):
+        out["comm_share_async"] = comm_share(step, cfg.profile.steps, device)[0] if tp > 1 else 0.0
+    if "dtensor" in impls and dtensor_baseline.supported(model_config(cfg).n_kv_head, tp):
         from torch.distributed.tensor.debug import CommDebugMode
 
         dt = dtensor_baseline.parallelize(copy.deepcopy(ref), groups, sp)
@@ -159,19 +158,19 @@ def measure_single(cfg, ref, x, g, device, threads: int | None) -> dict:
         torch.set_num_threads(threads)
     try:
         step = make_step(ref, x, g, sync_grads=False)
-        return time_fn(step, warmup=cfg.warmup, iters=cfg.iters, device=device).to_dict()
+        return time_fn(step, warmup=cfg.timing_warmup, iters=cfg.iters, device=device).to_dict()
     finally:
         torch.set_num_threads(before)
 
 
 def rank_fn(ctx: RankContext) -> dict:
     cfg, device = ctx.cfg, ctx.device
-    dtype = getattr(torch, cfg.dtype)
-    n_kv = cfg.n_kv_head or cfg.n_head
+    dtype, m = torch_dtype(cfg), model_config(cfg)
+    n_kv = m.n_kv_head
     ref = build_reference(cfg, device, dtype)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device, dtype)
-    g = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device, dtype)
+    x = torch.randn(cfg.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)
+    g = torch.randn(cfg.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)
     threads = torch.get_num_threads()
     single_cache: dict[int, dict] = {}
     entries = []
@@ -197,13 +196,13 @@ def rank_fn(ctx: RankContext) -> dict:
 
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
-    elem_bytes = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
-    analytic = comm.expected_wire_bytes(batch=cfg.batch, seq=cfg.seq, d_model=cfg.d_model, n_head=cfg.n_head,
-                                        n_kv_head=cfg.n_kv_head or cfg.n_head, tp=tp, sequence_parallel=sp,
-                                        module=cfg.module, norm=cfg.norm, bias=cfg.bias, elem_bytes=elem_bytes)
+    elem_bytes, mc = torch.empty(0, dtype=torch_dtype(cfg)).element_size(), model_config(cfg)
+    analytic = comm.expected_wire_bytes(batch=cfg.micro_batch, seq=mc.seq_len, d_model=mc.d_model, n_head=mc.n_head,
+                                        n_kv_head=mc.n_kv_head, tp=tp, sequence_parallel=sp,
+                                        module=cfg.module, norm=mc.norm, bias=mc.bias, elem_bytes=elem_bytes)
     if analytic != m["counted"]:
         raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")
-    tokens = cfg.batch * cfg.seq
+    tokens = cfg.micro_batch * mc.seq_len
     e = {"tp": tp, "sequence_parallel": sp, "threads_per_rank": threads, "tokens": tokens,
          "comm_bytes_per_layer": analytic[comm.ACTIVATION], "grad_sync_bytes_per_layer": analytic[comm.GRAD_SYNC],
          "counted_bytes_per_layer": m["counted"][comm.ACTIVATION], "payload_bytes": m["payload_bytes"],

@@ -1,14 +1,17 @@
 """Reading and checking the benchmark's and the parity check's own config keys."""
 from __future__ import annotations
 
+import torch
 from omegaconf import ListConfig
 
+from dtrain import config as dtrain_config
 from dtrain.errors import UserError
+from dtrain.model import GPTConfig
 from dtrain.parallel.tp.attention import check_tp_heads
 
 IMPLS = ("single", "handrolled", "handrolled_async", "dtensor")
 MODULES = ("block", "attention")
-DTYPES = ("float32", "bfloat16")
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # precision= -> torch dtype name
 
 
 def as_list(value) -> list:
@@ -28,22 +31,31 @@ def check_tp(tp, world_size: int) -> None:
         raise UserError(f"tp={tp} is larger than world_size={world_size}: lower tp or raise world_size")
 
 
+def model_config(cfg) -> GPTConfig:
+    """The GPT whose block is measured (`model.preset` + overrides; only the block's fields matter)."""
+    return dtrain_config.model_config(cfg.model)
+
+
+def torch_dtype(cfg) -> torch.dtype:
+    return getattr(torch, PRECISIONS[cfg.precision])
+
+
 def check_bench(cfg) -> None:
     """Everything the benchmark can reject before a process starts."""
-    for key in ("batch", "seq", "d_model", "n_head", "iters"):
+    for key in ("micro_batch", "iters"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise UserError(f"{key}={cfg[key]!r} must be an integer >= 1")
-    if cfg.n_kv_head is not None and (not isinstance(cfg.n_kv_head, int) or cfg.n_kv_head < 1):
-        raise UserError(f"n_kv_head={cfg.n_kv_head!r} must be an integer >= 1 (or null = n_head)")
-    if cfg.warmup < 0:
-        raise UserError(f"warmup={cfg.warmup} must be >= 0")
-    n_kv = cfg.n_kv_head or cfg.n_head
-    if cfg.d_model % cfg.n_head:
-        raise UserError(f"d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}: pick d_model = n_head * head_dim")
+    if cfg.timing_warmup < 0:
+        raise UserError(f"timing_warmup={cfg.timing_warmup} must be >= 0")
+    if not cfg.profile.enabled or cfg.profile.steps < 1:
+        raise UserError(f"profile.enabled={cfg.profile.enabled} profile.steps={cfg.profile.steps}: the guide's "
+                        "communication share needs the profiler: keep profile.enabled=true and profile.steps >= 1")
+    model = model_config(cfg)
+    n_kv = model.n_kv_head
     if cfg.module not in MODULES:
         raise UserError(f"module={cfg.module!r} is not one of {', '.join(MODULES)}")
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.precision not in PRECISIONS:
+        raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     bad = [i for i in as_list(cfg.impls) if i not in IMPLS]
     if bad:
         raise UserError(f"impls has unknown {bad}: choose from {', '.join(IMPLS)}")
@@ -55,6 +67,7 @@ def check_bench(cfg) -> None:
             raise UserError(f"sequence_parallel={sp!r} must be true or false")
     for tp in tp_degrees(cfg):
         check_tp(tp, cfg.world_size)
-        check_tp_heads(cfg.n_head, n_kv, tp)
-        if True in as_list(cfg.sequence_parallel) and cfg.seq % tp:
-            raise UserError(f"sequence_parallel needs seq={cfg.seq} divisible by tp={tp}: pick seq a multiple of tp")
+        check_tp_heads(model.n_head, n_kv, tp)
+        if True in as_list(cfg.sequence_parallel) and model.seq_len % tp:
+            raise UserError(f"sequence_parallel needs model.seq_len={model.seq_len} divisible by tp={tp}: "
+                            "pick model.seq_len a multiple of tp")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtrain import plots
+from tp_attention.config import model_config
 
 TARGET_VS_DTENSOR = 0.75  # hand-rolled / DTensor step time at tp = 2
 TARGET_VS_SAME_THREADS = 1.3  # hand-rolled tp = 2 / one process with the same total threads
@@ -24,15 +25,15 @@ def _ratio(a, b):
 
 def guide_rows(cfg, entries: list[dict]) -> list[dict]:
     """summary["guide"]["tp_overhead"]: exactly what the cost model reads."""
-    rows = []
+    m, rows = model_config(cfg), []
     for e in entries:
         rows.append({
             "tp": e["tp"], "sequence_parallel": e["sequence_parallel"], "step_time_s": e["handrolled_s"],
             "single_rank_step_time_s": e["single_s"], "dtensor_step_time_s": e["dtensor_s"],
             "comm_share": e["comm_share"], "comm_bytes_per_layer": e["comm_bytes_per_layer"],
             "overhead_factor": e["handrolled_s"] * e["tp"] / e["single_s"],
-            "batch": cfg.batch, "seq": cfg.seq, "d_model": cfg.d_model, "n_head": cfg.n_head,
-            "n_kv_head": cfg.n_kv_head or cfg.n_head})
+            "batch": cfg.micro_batch, "seq": m.seq_len, "d_model": m.d_model, "n_head": m.n_head,
+            "n_kv_head": m.n_kv_head})
     return rows
 
 
@@ -104,8 +105,9 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
     entries = result["entries"]
     df = pd.DataFrame(entries)
     df["overhead_factor"] = df.handrolled_s * df.tp / df.single_s
-    title = (f"tp-attention {cfg.module}: b={cfg.batch} s={cfg.seq} d={cfg.d_model} heads={cfg.n_head}"
-             f"/{cfg.n_kv_head or cfg.n_head} {cfg.dtype} on {result['device']} ({result['backend']})")
+    m = model_config(cfg)
+    title = (f"tp-attention {cfg.module}: b={cfg.micro_batch} s={m.seq_len} d={m.d_model} heads={m.n_head}"
+             f"/{m.n_kv_head} {cfg.precision} on {result['device']} ({result['backend']})")
     print_table(df, title)
     df.drop(columns=["op_counts", "dtensor_collectives"]).to_csv(Path(run_dir) / "tp_overhead.csv", index=False)
     plot(df, Path(run_dir) / "tp_step_time.png", title)

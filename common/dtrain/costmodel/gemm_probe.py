@@ -55,7 +55,7 @@ def targets(results: Path) -> tuple[list[dict], int]:
                 for tp in (1, int(row["tp"])):
                     d = {"kind": "block" if cfg.get("module") != "attention" else "attention",
                          "config": {"d_model": row["d_model"], "n_head": row["n_head"], "n_kv_head": row["n_kv_head"],
-                                    "seq_len": row["seq"], "mlp_ratio": int(cfg.get("mlp_ratio", 4))},
+                                    "seq_len": row["seq"], "mlp_ratio": int(getattr(gpt_config(cfg.get("model")), "mlp_ratio", 4))},
                          "micro_batch": int(row["batch"]), "tp": tp}
                     found[repr(d)] = d
     return [found[k] for k in sorted(found)], (statistics.median(threads) if threads else 1)

@@ -7,7 +7,7 @@
     recompute none -> activation_checkpointing=none; selective or full -> block (whole blocks:
                       the trainer's only recompute granularity)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
-    precision bf16 / fp8 -> mixed_precision=bf16 (FP8 recipes are fp8-train's)
+    precision bf16 / fp8 -> train.precision=bf16 (FP8 recipes are fp8-train's)
     the model's layers, hidden, heads, kv heads, seq -> model.n_layer, d_model, n_head, n_kv_head, seq_len
 
     sequence_parallel -> train.sequence_parallel
@@ -32,7 +32,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
            f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.virtual_stages}",
            f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
            f"train.activation_checkpointing={'none' if layout.recompute == 'none' else 'block'}",
-           f"train.mixed_precision={'fp32' if precision == 'fp32' else 'bf16'}",
+           f"train.precision={'fp32' if precision == 'fp32' else 'bf16'}",
            f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
            f"model.n_head={model.n_head}", f"model.n_kv_head={model.n_kv_head}", f"model.seq_len={model.seq_len}"]

@@ -22,16 +22,16 @@ from pathlib import Path
 from dtrain.gpucheck.report import Step, render
 
 BUDGET_S = 28 * 60
-QUIET_FP8 = ["debug.enabled=false", "health.enabled=false", "guard.enabled=false", "train.log_every=0"]
+QUIET_FP8 = ["fp8_debug.enabled=false", "health.enabled=false", "guard.enabled=false", "train.log_every=0"]
 
 
 def steps(runs: Path) -> list[Step]:
     """(name, what, command, time limit); {runs} is filled per step with its results folder."""
     m = [sys.executable, "-m", "dtrain.gpucheck.measure"]
     one_gpu = ["world_size=1", "device=cuda"]
-    mfu = ["-m", "fsdp_scaling", *one_gpu, "model.preset=1b", "model.n_layer=8", "train.mixed_precision=bf16",
+    mfu = ["-m", "fsdp_scaling", *one_gpu, "model.preset=1b", "model.n_layer=8", "train.precision=bf16",
            "train.micro_batch=8", "train.steps=14", "train.timing_warmup=4", "profile.enabled=false"]
-    fp8_4096 = ["-m", "fp8_train", *one_gpu, "train.strategy=single", "model.preset=7b", "+model.overrides.n_layer=4",
+    fp8_4096 = ["-m", "fp8_train", *one_gpu, "train.strategy=single", "model.preset=7b", "model.n_layer=4",
                 "train.micro_batch=2", "train.steps=14", "train.timing_warmup=5", *QUIET_FP8]
     py = [sys.executable]
     out = [
@@ -47,7 +47,7 @@ def steps(runs: Path) -> list[Step]:
         Step("mfu_zero3", "bf16 MFU, same model, FSDP2 zero3 on one rank", [*py, *mfu, "train.strategy=zero3"],
              300, kind="fsdp"),
         Step("emulated_bf16", "emulated FP8 (delayed) under bf16, 125M GPT",
-             [*py, "-m", "fp8_train", *one_gpu, "train.strategy=single", "recipe=emulated_delayed", "precision=bf16",
+             [*py, "-m", "fp8_train", *one_gpu, "train.strategy=single", "recipe=emulated_delayed", "train.precision=bf16",
               "model.preset=125m", "train.steps=30", "train.micro_batch=8", *QUIET_FP8], 240, kind="fp8"),
     ]
     for compiled in ("false", "true"):
@@ -57,8 +57,8 @@ def steps(runs: Path) -> list[Step]:
                             240, kind="fp8"))
     out += [
         Step("tp_attention", "TP attention block at tp=1 (bf16, b 4, s 2048, d 2048)",
-             [*py, "-m", "tp_attention", *one_gpu, "tp=1", "dtype=bfloat16", "sequence_parallel=false", "batch=4",
-              "seq=2048", "d_model=2048", "n_head=16"], 240, kind="tp"),
+             [*py, "-m", "tp_attention", *one_gpu, "tp=1", "precision=bf16", "sequence_parallel=false",
+              "micro_batch=4", "model.seq_len=2048", "model.d_model=2048", "model.n_head=16"], 240, kind="tp"),
         Step("gpu_tests", "pytest -m gpu", [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                                             "-o", "addopts="], 420, kind="pytest"),
     ]

@@ -74,7 +74,8 @@ class Check:
 
 
 def gpt_config(model: dict | None) -> GPTConfig | None:
-    """The GPT a run trained: a preset plus non-null fields (fsdp-scaling) or `overrides` (fp8-train)."""
+    """The GPT a run's `model:` node names: a preset plus its non-null GPTConfig fields (runs from before
+    the typed config (dtrain.config.ModelConfig) may hold fp8-train's old `overrides` instead)."""
     if not isinstance(model, dict) or not model:
         return None
     known = {f.name for f in fields(GPTConfig)}

@@ -12,7 +12,7 @@ from dtrain.errors import UserError
 
 STRATEGIES = ("single", "ddp", "zero2", "zero3", "hsdp")
 SHARDED = ("zero2", "zero3", "hsdp")  # strategies built with FSDP2's fully_shard
-MIXED_PRECISION = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "auto")
 ACTIVATION_CHECKPOINTING = ("none", "block")
 
 
@@ -45,7 +45,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0  # max global grad norm; null = no clipping (norm still measured)
     strategy: str = "zero3"        # single | ddp | zero2 | zero3 | hsdp
     hsdp_replicate: int = 2        # hsdp: replica groups; each shards over world_size / hsdp_replicate ranks
-    mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP2: bf16 params, fp32 reduce; single/ddp: autocast)
+    precision: str = "fp32"        # fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU); FSDP2: bf16 params, fp32 reduce; single/ddp: autocast
     activation_checkpointing: str = "none"  # none | block
     tp: int = 1                    # tensor-parallel degree (hand-rolled Megatron blocks, dtrain.parallel.tp)
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
@@ -81,6 +81,12 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def precision_on(self, device_type: str) -> str:
+        """fp32 | bf16: `auto` is bf16 on a GPU, fp32 on a CPU (where bf16 matmuls crawl)."""
+        if self.precision == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        return self.precision
+
     @property
     def sharded(self) -> bool:
         return self.strategy in SHARDED
@@ -99,9 +105,8 @@ class TrainConfig:
         """Check against the world size; derive grad_accum from global_batch (per data-parallel rank)."""
         if self.strategy not in STRATEGIES:
             raise UserError(f"train.strategy={self.strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise UserError(f"train.mixed_precision={self.mixed_precision!r} is unknown: "
-                            f"choose one of {', '.join(MIXED_PRECISION)}")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"train.precision={self.precision!r} is unknown: choose one of {', '.join(PRECISIONS)}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise UserError(f"train.activation_checkpointing={self.activation_checkpointing!r} is unknown: "
                             f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")

@@ -49,7 +49,7 @@ def device_mesh(train: TrainConfig, world_size: int, device: torch.device):
 def mixed_precision_policy(train: TrainConfig):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if train.mixed_precision == "bf16":  # bf16 compute and all-gather, fp32 gradient reduction
+    if train.precision == "bf16":  # bf16 compute and all-gather, fp32 gradient reduction
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

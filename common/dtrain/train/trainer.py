@@ -48,7 +48,8 @@ class Trainer:
     def __init__(self, ctx, train: TrainConfig, model_cfg: GPTConfig, *, linear_factory=None,
                  autocast: Callable[[], ContextManager] | None = None, grad_scaler=None,
                  callbacks: Sequence[Callback] = (), peak_flops: tuple[float, str] | None = None):
-        self.ctx, self.train, self.model_cfg = ctx, train.validate(ctx.world_size).validate_model(model_cfg), model_cfg
+        train.validate(ctx.world_size).precision = train.precision_on(ctx.device.type)  # auto -> fp32 | bf16
+        self.ctx, self.train, self.model_cfg = ctx, train.validate_model(model_cfg), model_cfg
         self.device, self.world_size = ctx.device, ctx.world_size
         self.dims = train.dims(ctx.world_size)
         if self.dims.model_parallel and grad_scaler is not None:
@@ -93,7 +94,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
         self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
-        self.tf32 = train.mixed_precision == "fp32" and perf.enable_tf32(self.device)
+        self.tf32 = train.precision == "fp32" and perf.enable_tf32(self.device)
         if self.tf32 and ctx.is_main:
             envinfo.note(ctx.run_dir, matmul_tf32=True)
         self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
@@ -103,12 +104,12 @@ class Trainer:
     def _default_autocast(self) -> Callable[[], ContextManager]:
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); single/ddp use autocast for bf16.
         fsdp = self.parallel.fsdp if self.parallel else self.train.sharded
-        if self.train.mixed_precision == "bf16" and not fsdp:
+        if self.train.precision == "bf16" and not fsdp:
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext
 
     def _peak_flops(self) -> tuple[float, str]:
-        peak, source = perf.peak_flops(self.device, "fp32" if self.train.mixed_precision == "fp32" else "bf16")
+        peak, source = perf.peak_flops(self.device, "fp32" if self.train.precision == "fp32" else "bf16")
         if source == perf.CPU_PROBE_SOURCE:  # every rank probed its own cores at once; agree on the mean
             peak = self._all_mean(peak)
         return peak, source
@@ -322,5 +323,5 @@ class Trainer:
                 "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
                 "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
                 "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
-                "mixed_precision": self.train.mixed_precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
+                "mixed_precision": self.train.precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
                 "last_checkpoint": self.last_checkpoint}
