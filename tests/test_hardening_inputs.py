@@ -14,11 +14,10 @@ from omegaconf import OmegaConf
 from conftest import py
 from dtrain import precheck, results, rundir
 from dtrain.config import ModelConfig
-from dtrain.costmodel.memory import params_per_gpu
 from dtrain.errors import UserError
-from dtrain.fit import check_fits, shape_of, training_need
+from dtrain.fit import check_fits, training_need
 from dtrain.metrics import RunWriter
-from dtrain.model import GPTConfig
+from dtrain.model import GPTConfig, num_params
 from dtrain.train import TrainConfig
 from test_hardening_runs import one_error_line
 
@@ -191,7 +190,7 @@ def test_cli_one_line_exit_2_no_run_dir(tmp_path, module, args, message):
 
 def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     model = GPTConfig.from_preset("small")
-    psi = params_per_gpu(shape_of(model), 1, 1)
+    psi = num_params(model)  # one rank holds the whole model
     ddp = training_need(model, TrainConfig(micro_batch=2, strategy="ddp"), 2)
     zero3 = training_need(model, TrainConfig(micro_batch=2, strategy="zero3"), 2)
     assert ddp.states == pytest.approx(16 * psi) and zero3.states == pytest.approx(8 * psi)  # fp32 Adam: 16Ψ / N

@@ -1,5 +1,6 @@
 """DP x TP (+SP) x PP in the shared trainer: 5-step losses equal the single-process run (fp32, gloo),
 checkpoints resume exactly on the same and on another layout, bad layouts are one-line errors.
+Also GQA with fewer k/v heads than tp ranks, and the async input-grad overlap (train.async_grad_allreduce).
 
 Several trainings run inside one launch (each spawn costs seconds); the model is the tiny GPT
 with 4 layers (so 2 ranks x 2 virtual stages fit), global batch 4 = 4 micro-batches of 1."""
@@ -15,6 +16,7 @@ from dtrain.train import Callback, Trainer, TrainConfig
 
 STEPS = 5
 MODEL = GPTConfig.from_preset("tiny", n_layer=4)
+GQA = {"n_kv_head": 1}  # a spec's "model": overrides of MODEL (here one k/v head: kv_heads < tp)
 
 
 def base_cfg(world_size: int, **extra):
@@ -41,7 +43,9 @@ def many_layouts(ctx) -> dict:
     out = {}
     for name, spec in ctx.cfg.specs.items():
         seen = Losses()
-        trainer = Trainer(ctx, train_of(**OmegaConf.to_container(spec)), MODEL, callbacks=[seen])
+        spec = OmegaConf.to_container(spec)
+        model = GPTConfig.from_preset("tiny", **{"n_layer": 4, **spec.pop("model", {})})
+        trainer = Trainer(ctx, train_of(**spec), model, callbacks=[seen])
         trainer.run()
         out[name] = {"losses": seen.losses, "grad_norms": seen.grad_norms, "checkpoint": trainer.last_checkpoint}
     return out
@@ -54,11 +58,19 @@ def run_specs(tmp_path, world_size: int, specs: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    """The single-process losses every layout must reproduce."""
-    got = run_specs(tmp_path_factory.mktemp("ref"), 1, {"single": {"strategy": "single"}})["single"]["losses"]
-    assert len(got) == STEPS and got[-1] < got[0]
+def references(tmp_path_factory) -> dict:
+    """The single-process runs, in one launch: MODEL, and MODEL with one k/v head (GQA)."""
+    got = run_specs(tmp_path_factory.mktemp("ref"), 1, {"single": {"strategy": "single"},
+                                                        "single_kv1": {"strategy": "single", "model": GQA}})
+    for res in got.values():
+        assert len(res["losses"]) == STEPS and res["losses"][-1] < res["losses"][0]
     return got
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> list[float]:
+    """The single-process losses every layout must reproduce."""
+    return references["single"]["losses"]
 
 
 def test_two_rank_tp_and_pipeline_schedules_match_single(tmp_path, reference):
@@ -120,11 +132,65 @@ def test_more_layouts_match_single_and_resume(tmp_path, reference):
         assert resumed["losses"] == pytest.approx(reference[3:], abs=1e-5)
 
 
+def single_losses(tmp_path_factory, n_kv_head: int) -> list[float]:
+    spec = {"strategy": "single", "model": {"n_kv_head": n_kv_head}}
+    return run_specs(tmp_path_factory.mktemp(f"kv{n_kv_head}"), 1, {"single": spec})["single"]["losses"]
+
+
+@pytest.fixture(scope="module")
+def gqa_reference(references) -> list[float]:
+    """Single-process losses of the one-k/v-head model the kv_heads < tp layouts train."""
+    return references["single_kv1"]["losses"]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def test_kv_heads_below_tp_with_async_grad_allreduce_matches_single(tmp_path, gqa_reference):
+    """One k/v head on tp2 (replicated wk/wv, gradients summed over tp) with the async input-grad
+    overlap: the single-process losses (the slow test compares it with the synchronous path)."""
+    got = run_specs(tmp_path, 2, {"tp2_kv1_async": {"tp": 2, "async_grad_allreduce": True, "model": GQA}})
+    print("tp2_kv1_async max |loss - single|", max_diff(got["tp2_kv1_async"]["losses"], gqa_reference))
+    assert got["tp2_kv1_async"]["losses"] == pytest.approx(gqa_reference, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_more_kv_heads_below_tp_and_async_layouts_match_single_and_resume(tmp_path, tmp_path_factory, gqa_reference):
+    """Sync vs async on tp2 (equal within 1e-6); SP + async on tp2 and its checkpoint resumed on dp2
+    (plain wk/wv, FSDP2); FSDP2 over a replicated-k/v tp2, two k/v heads on tp4 (two ranks per
+    head) with SP + async, ddp + async, tp2 x pp2 + async."""
+    ck, kv2 = str(tmp_path / "ck"), {"n_kv_head": 2}
+    two = run_specs(tmp_path, 2, {
+        "tp2_kv1": {"tp": 2, "model": GQA},
+        "tp2_kv1_async": {"tp": 2, "async_grad_allreduce": True, "model": GQA},
+        "tp2_kv1_sp_async": {"tp": 2, "sequence_parallel": True, "async_grad_allreduce": True, "model": GQA,
+                             "checkpoint_every": 3, "checkpoint_dir": ck},
+        "dp2_from_tp2_kv1": {"model": GQA, "resume_from": f"{ck}/step-000003"},
+    })
+    four = run_specs(tmp_path, 4, {
+        "dp2_tp2_kv1": {"tp": 2, "model": GQA},
+        "tp4_kv2_sp_async": {"tp": 4, "sequence_parallel": True, "async_grad_allreduce": True, "model": kv2},
+        "dp2_tp2_kv1_ddp_async": {"tp": 2, "strategy": "ddp", "async_grad_allreduce": True, "model": GQA},
+        "tp2_pp2_kv1_async": {"tp": 2, "pp": 2, "async_grad_allreduce": True, "model": GQA},
+    })
+    kv2_reference = single_losses(tmp_path_factory, 2)
+    print("async vs sync max |loss diff|", max_diff(two["tp2_kv1_async"]["losses"], two["tp2_kv1"]["losses"]))
+    assert two["tp2_kv1_async"]["losses"] == pytest.approx(two["tp2_kv1"]["losses"], abs=1e-6)
+    print("dp2_from_tp2_kv1 max |loss - single|", max_diff(two["dp2_from_tp2_kv1"]["losses"], gqa_reference[3:]))
+    assert two["dp2_from_tp2_kv1"]["losses"] == pytest.approx(gqa_reference[3:], abs=1e-5)
+    for name, res in {**{k: two[k] for k in ("tp2_kv1", "tp2_kv1_sp_async")}, **four}.items():
+        ref = kv2_reference if name.startswith("tp4_kv2") else gqa_reference
+        print(name, "max |loss - single|", max_diff(res["losses"], ref))
+        assert res["losses"] == pytest.approx(ref, abs=1e-5), name
+
+
 @pytest.mark.parametrize("world_size,overrides,model,message", [
     (4, {"tp": 3}, MODEL, "world_size=4 is not divisible by train.tp x train.pp = 3 x 1"),
     (8, {"tp": 8}, MODEL, "train.tp=8: n_head=4 is not divisible by tp=8"),
-    (2, {"tp": 2}, GPTConfig.from_preset("tiny", n_head=4, n_kv_head=1),
-     "train.tp=2 > model.n_kv_head=1"),
+    (6, {"tp": 6}, GPTConfig.from_preset("tiny", d_model=96, n_head=12, n_kv_head=4),
+     "train.tp=6: tp=6 is not a multiple of n_kv_head=4"),
+    (2, {"async_grad_allreduce": True}, MODEL, "train.async_grad_allreduce=true needs train.tp > 1"),
     (4, {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2, "global_batch": 8}, MODEL,
      "model.n_layer=4 < pipeline stages = train.pp x train.pp_virtual = 4 x 2 = 8"),
     (2, {"pp": 2, "global_batch": 1}, MODEL, "pipeline micro-batches (train.grad_accum=1) < train.pp=2"),
@@ -155,3 +221,43 @@ def test_layout_dimensions_and_stage_split():
     assert ParallelDims(4, tp=2, pp=2).dims() == [("pp", 2), ("tp", 2)]
     assert [len(r) for r in split_layers(7, 3)] == [2, 3, 2] and split_layers(7, 3)[2] == range(5, 7)
     assert stages_of_rank(1, 4, "zbv", 2) == [1, 6] and stages_of_rank(1, 4, "interleaved_1f1b", 2) == [1, 5]
+
+
+def test_memory_need_counts_the_layout_by_hand():
+    """dtrain.fit for tp2 x pp2 x dp2 (zero3 -> zero2 under pp), one k/v head, fp32, worked by hand.
+
+    d=64, F=256, head_dim=16, V=256, T=64, RMSNorm, no bias. Per block per tp rank: norms 2*64,
+    wq and wo 64*32 each, w1 and w2 64*128 each, wk and wv whole (1 k/v head < tp) 16*64 each
+    = 128 + 4096 + 16384 + 2048 = 22656. Stage 0 = blocks 0-1 + tok/pos embeddings (256+64)*64:
+    45312 + 20480 = 65792 (stage 1: 45312 + norm 64 + lm_head 16384 = 61760)."""
+    from dtrain.fit import params_per_rank, training_need
+    from dtrain.model import num_params
+
+    model = GPTConfig.from_preset("tiny", n_layer=4, n_kv_head=1)
+    assert params_per_rank(model) == num_params(model) == 209_472
+    assert params_per_rank(model, tp=2, pp=2) == 65_792
+    # tp4, one stage: wq, wo 64*16 each, w1, w2 64*64 each, wk, wv still whole; embeddings, norm, lm_head
+    assert params_per_rank(model, tp=4) == 4 * (128 + 2048 + 8192 + 2048) + 20480 + 64 + 16384
+    train = train_of(tp=2, pp=2, global_batch=8).validate(8)  # dp 2, grad_accum 8 / (1 x 2) = 4
+    need = training_need(model, train, 8)
+    assert need.states == 65_792 * (4 + 12 / 2)  # zero2 over dp=2: 4 + (4 + 8) / 2 bytes per parameter
+    # Activations (Korthikanti, fp32 = 2 x the 16-bit count), per layer per tp rank, s*b*h = 64*1*64,
+    # k and v of one head of 4 on each of the 2 ranks (r/tp = 1/4, as r = 2/4 split over 2):
+    # 4096 * (10 + (4 + 4 * 2/4 + 2 * 4 * 2) / 2) * 2 = 172032 bytes. Stage 0 holds min(pp, 4) = 2
+    # micro-batches of its 2 layers: 688128; the last stage 2 layers + all 256 fp32 logits per rank
+    # (4*64*256 = 65536): 409600. The busiest is stage 0.
+    assert need.activations == 172_032 * 2 * 2
+    assert need.init == 4 * 209_472 and need.per_rank == need.states + need.activations
+    one = training_need(model, train_of(strategy="single", global_batch=None, micro_batch=1).validate(1), 1)
+    assert one.states == 16 * 209_472
+
+
+def test_async_grad_allreduce_without_tp_is_one_line_exit_2(tmp_path):
+    from conftest import py
+
+    out = py("-m", "fsdp_scaling", "world_size=2", "model.preset=tiny", "train.async_grad_allreduce=true",
+             f"results_dir={tmp_path}", timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and lines == ["error: train.async_grad_allreduce=true needs train.tp > 1 (it overlaps "
+                                             "the tensor-parallel input-gradient collective)"], out.stderr
+    assert not list(tmp_path.rglob("config.yaml"))

@@ -8,6 +8,16 @@ weights, gradients, Adam state as this trainer keeps them (`fsdp2_state_bytes`: 
 parameter, sharded by strategy), activations and logits (the cost model's formulas); not the
 process itself, allocator slack or communication buffers, so it errs towards letting a run start.
 It only refuses when the estimate exceeds everything available.
+
+Layouts (train.tp, train.pp): "per rank" is the busiest rank. Its parameters are counted from the
+trainer's own split (`params_per_rank`): the pipeline stages this rank holds (dtrain.parallel.
+pipeline), block matrices / tp, norms, row-parallel biases, embeddings and lm_head whole on every
+tp rank (they are not vocab-parallel), wk/wv whole when kv_heads < tp. States are sharded over
+the dp ranks that shard (dp / hsdp_replicate); with pp > 1, FSDP2 keeps parameters gathered
+through the step (zero2, as dtrain.train.model_parallel does). Activations are the cost model's
+(Korthikanti et al. per layer / tp, 1F1B in-flight micro-batches, interleaving), with the logits
+of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
+v of the one head each rank computes with.
 """
 from __future__ import annotations
 
@@ -17,9 +27,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
+from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
+from dtrain.parallel.pipeline import split_layers, stages_of_rank
 from dtrain.strategies import ZERO_STAGE
 
 GiB = 2**30
@@ -39,20 +50,50 @@ class Need:
     init: float          # a rank builds the whole fp32 model before sharding it
 
 
+def params_per_rank(model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = "1f1b", virtual: int = 1) -> int:
+    """Parameters the busiest rank of the trainer's tp x pp layout holds (num_params(model) on one rank)."""
+    d, hidden, kv = model.d_model, model.mlp_hidden, model.kv_dim
+    norm = d * (2 if model.norm == "layernorm" and model.bias else 1)
+    kv_split = tp if model.n_kv_head >= tp else 1  # fewer k/v heads than ranks: wk, wv whole everywhere
+    block = 2 * norm + 2 * d * (d // tp) + 2 * d * (hidden // tp) + 2 * d * (kv // kv_split)
+    if model.bias:  # column-parallel biases are split; row-parallel ones (wo, w2) are whole
+        block += d // tp + 2 * (kv // kv_split) + hidden // tp + 2 * d
+    stages = pp * virtual if pp > 1 else 1
+    ranges = split_layers(model.n_layer, stages)
+    first = (model.vocab_size + model.seq_len) * d
+    last = norm + (0 if model.tie_embeddings else d * model.vocab_size)
+
+    def held(pp_rank: int) -> int:
+        indices = stages_of_rank(pp_rank, pp, schedule, virtual) if pp > 1 else [0]
+        return sum(block * len(ranges[s]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+                   for s in indices)
+
+    return max(held(r) for r in range(pp))
+
+
 def training_need(model: GPTConfig, train, world_size: int) -> Need:
-    """Peak bytes per rank of dtrain's Trainer for this model, strategy and batch."""
-    strategy = train.strategy
-    dp = world_size // train.hsdp_replicate if strategy == "hsdp" else world_size
+    """Peak bytes on the busiest rank of dtrain's Trainer for this model, layout, strategy and batch."""
+    strategy, tp, pp = train.strategy, train.tp, train.pp
+    dp = world_size // (tp * pp)
+    dp_shard = dp // train.hsdp_replicate if strategy == "hsdp" else dp
+    zero = ZERO_STAGE.get(strategy, 3) if dp > 1 else 0
+    if pp > 1 and zero == 3:  # model_parallel: parameters stay gathered from forward to backward
+        zero = 2
     recompute = "full" if train.activation_checkpointing == "block" else "none"
-    layout = Layout(dp=max(dp, 1), tp=1, pp=1, zero_stage=ZERO_STAGE.get(strategy, 3) if world_size > 1 else 0,
-                    recompute=recompute, micro_batch=train.micro_batch, grad_accum=train.grad_accum)
+    layout = Layout(dp=max(dp_shard, 1), tp=tp, pp=pp, zero_stage=zero, recompute=recompute,
+                    micro_batch=train.micro_batch, grad_accum=train.grad_accum,
+                    sequence_parallel=train.sequence_parallel, virtual_stages=train.pp_virtual if pp > 1 else 1)
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
     factor = 2.0 if train.precision != "bf16" else 1.0  # auto: as fp32 (the larger)
-    shape = shape_of(model)
+    # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
+    # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
+    # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
+    shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp))
     m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True)
-    states = sum(fsdp2_state_bytes(params_per_gpu(shape, 1, 1), layout.zero_stage, layout.dp))
+    psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)
+    states = sum(fsdp2_state_bytes(psi, layout.zero_stage, layout.dp))
     m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's
-    init = 4.0 * num_params(model)
+    init = 4.0 * num_params(model)  # every rank builds the whole model before splitting it
     return Need(max(m.total, init), states, m.activations + m.buffers, init)
 
 
@@ -76,8 +117,10 @@ def check_fits(model: GPTConfig, train, world_size: int, device: torch.device, w
         total, where = need.per_rank * world_size, f"of host memory for {world_size} rank(s)"
     if total <= have:
         return
+    layout = f", busiest of dp{world_size // (train.tp * train.pp)}xtp{train.tp}xpp{train.pp}" \
+        if train.tp * train.pp > 1 else ""
     raise UserError(
         f"{what} cannot fit: it needs about {total / GiB:.1f} GiB {where} but {have / GiB:.1f} GiB is available "
-        f"(per rank: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "
+        f"(per rank{layout}: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "
         f"whole fp32 model at build {need.init / GiB:.1f} GiB; dtrain.costmodel.memory): pick a smaller "
         "model.preset, lower train.micro_batch or model.seq_len, fewer ranks, or launcher=slurm on bigger nodes")

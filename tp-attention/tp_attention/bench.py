@@ -135,7 +135,7 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     out["op_counts"] = counter.op_counts()
     out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
     if "handrolled_async" in impls:
-        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=True, async_grad_allreduce=True)
+        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.fused_qkv, async_grad_allreduce=True)
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
         out["comm_share_async"] = comm_share(step, cfg.profile.steps, device)[0] if tp > 1 else 0.0

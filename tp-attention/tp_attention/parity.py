@@ -6,7 +6,7 @@ One launch checks many random cases in one process group (spawning is the slow p
   layers  ColumnParallelLinear(gather_output) -> RowParallelLinear(scatter input) vs two nn.Linear
   cases   for every tp in `tp`, every head layout (MHA; GQA with kv_heads >= tp; kv_heads < tp)
           and SP off/on: a dtrain.model Block (or Attention) with random shapes, bias, norm and
-          QKV variant (separate, fused, fused + async grad all-reduce), sharded with from_full;
+          QKV variant (separate, fused, each with and without async grad all-reduce), sharded with from_full;
           output, input gradient and every parameter-shard gradient are compared with the
           reference's (sharded the same way), the collectives counted in the step are compared
           with comm.expected_wire_bytes, and where DTensor can shard the heads the DTensor
@@ -34,7 +34,8 @@ from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, a
 from tp_attention import dtensor_baseline
 from tp_attention.config import as_list, check_tp
 
-VARIANTS = ({"fused_qkv": False}, {"fused_qkv": True}, {"fused_qkv": True, "async_grad_allreduce": True})
+VARIANTS = ({"fused_qkv": False}, {"fused_qkv": True}, {"fused_qkv": True, "async_grad_allreduce": True},
+            {"fused_qkv": False, "async_grad_allreduce": True})
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:

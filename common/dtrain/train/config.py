@@ -48,6 +48,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | block
     tp: int = 1                    # tensor-parallel degree (hand-rolled Megatron blocks, dtrain.parallel.tp)
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
+    async_grad_allreduce: bool = False  # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs
     pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual: int = 1            # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)
@@ -154,7 +155,7 @@ class TrainConfig:
         from dtrain.parallel.pipeline import check_pipeline
         from dtrain.parallel.tp.apply import check_tp_model
 
-        check_tp_model(model_cfg, self.tp, self.sequence_parallel)
+        check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce)
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
         return self
 

@@ -80,11 +80,12 @@ class ModelParallel:
         # stage runs many micro-batches per step, and the zero-bubble schedules' weight-gradient
         # pass runs outside FSDP's backward hooks, so it needs them still unsharded.
         fsdp_train = dataclasses.replace(train, strategy="zero2") if dims.pp > 1 else train
-        self.partial_grads: list[set[str]] = []  # per part: sequence-parallel grads summed over tp
+        self.partial_grads: list[set[str]] = []  # per part: SP and replicated-k/v grads summed over tp
         for _, part in staged:
             partial = []
             if dims.tp > 1:
-                partial = apply_tp(part, dims.submesh("tp"), train.sequence_parallel, gpt.cfg.n_layer)
+                partial = apply_tp(part, dims.submesh("tp"), train.sequence_parallel, gpt.cfg.n_layer,
+                                   train.async_grad_allreduce)
             self.partial_grads.append(set(partial))
             if train.activation_checkpointing == "block":
                 apply_activation_checkpointing(part)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dtrain.errors import UserError
 from dtrain.model import Attention, Block, MLP, causal_attention
-from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, linears_async_grad_reduce
 
 
 def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
@@ -98,14 +98,11 @@ class TensorParallelAttention(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         check_tp_heads(n_head, n_kv_head, groups.tp)
-        if async_grad_allreduce and not fused_qkv:
-            raise UserError("async_grad_allreduce=true needs fused_qkv=true (one input-grad collective "
-                            "for q, k and v): set fused_qkv=true")
         tp, self.groups = groups.tp, groups
         self.head_dim = d_model // n_head
         self.q_out = n_head // tp * self.head_dim
         self.kv_out = len(kv_heads_of(0, tp, n_kv_head)) * self.head_dim
-        self.fused_qkv = fused_qkv
+        self.fused_qkv, self.async_grad_allreduce = fused_qkv, async_grad_allreduce
         col = dict(bias=bias, group=groups.group, tp=tp, sequence_parallel=sequence_parallel,
                    device=device, dtype=dtype)
         if fused_qkv:  # one GEMM: local rows [q | k | v]
@@ -160,6 +157,8 @@ class TensorParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_qkv:
             q, k, v = self.qkv(x).split([self.q_out, self.kv_out, self.kv_out], dim=-1)
+        elif self.async_grad_allreduce:  # one input-grad collective for q, k and v, overlapped
+            q, k, v = linears_async_grad_reduce([self.wq, self.wk, self.wv], x)
         else:
             x = self.wq.enter(x)  # one entry (one backward all-reduce) shared by q, k and v
             q, k, v = self.wq.local(x), self.wk.local(x), self.wv.local(x)

@@ -12,6 +12,8 @@ reduce-scatter on exit.
 `async_grad_allreduce` fuses entry and GEMM into one autograd function whose backward starts
 the input-gradient all-reduce (reduce-scatter with SP) and computes the weight gradient while it
 runs (picotron's LinearWithAsyncAllReduce, Megatron's gradient_accumulation_fusion path).
+`linears_async_grad_reduce` does the same for several layers sharing one input (separate q, k
+and v: one collective of the summed input gradient, three weight-gradient GEMMs behind it).
 
 Parameters may be plain tensors (this rank's shard) or DTensors on the tp mesh (the trainer's
 layout, so FSDP2 and DCP see global shapes); the GEMMs always run on the local shard.
@@ -33,22 +35,29 @@ def local_shard(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class _LinearAsyncGradReduce(torch.autograd.Function):
-    """y = enter(x) W^T + b whose backward overlaps the input-grad collective with the weight-grad GEMM."""
+class _LinearsAsyncGradReduce(torch.autograd.Function):
+    """y_i = enter(x) W_i^T + b_i for column layers sharing one input (one layer, or q, k and v),
+    whose backward overlaps the input-grad collective with the weight-grad GEMMs.
+
+    The input gradient sum_i grad_i W_i is computed first and its all-reduce (reduce-scatter
+    with SP) started asynchronously; the weight and bias gradients are computed while it runs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         # The gathered input is kept for the weight gradient (Megatron re-gathers it to save memory).
         x_full = ops.all_gather_dim(x, 1, group) if sequence_parallel else x
-        ctx.save_for_backward(x_full, weight)
-        ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel, bias is not None
-        return F.linear(x_full, weight, bias)
+        ctx.save_for_backward(x_full, *weights)
+        ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel, [b is not None for b in biases]
+        return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x_full, weight = ctx.saved_tensors
+    def backward(ctx, *grads_out):
+        x_full, *weights = ctx.saved_tensors
         group, n = ctx.group, comm.group_size(ctx.group)
-        grad_in = grad_out.matmul(weight)
+        grad_in = grads_out[0].matmul(weights[0])
+        for grad, weight in zip(grads_out[1:], weights[1:]):
+            grad_in = grad_in + grad.matmul(weight)
         work = None
         if n > 1 and ctx.sp:  # reduce-scatter along seq: seq-major so each rank's slice is contiguous
             grad_in = grad_in.transpose(0, 1).contiguous()
@@ -57,13 +66,28 @@ class _LinearAsyncGradReduce(torch.autograd.Function):
         elif n > 1:
             work = comm.all_reduce(grad_in, group, async_op=True)
         # Runs while the collective is in flight.
-        grad_weight = grad_out.flatten(0, -2).t().matmul(x_full.flatten(0, -2))
-        grad_bias = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
+        x_flat = x_full.flatten(0, -2)
+        param_grads = []
+        for grad, has_bias in zip(grads_out, ctx.has_bias):
+            grad = grad.flatten(0, -2)
+            param_grads += [grad.t().matmul(x_flat), grad.sum(0) if has_bias else None]
         if work is not None:
             work.wait()
         if n > 1 and ctx.sp:
             grad_in = grad_in_shard.transpose(0, 1)
-        return grad_in, grad_weight, grad_bias, None, None
+        return grad_in, None, None, *param_grads
+
+
+def linears_async_grad_reduce(layers: list["ColumnParallelLinear"], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Enter the TP region once and apply every layer (same group and SP setting) to `x`, with the
+    input-grad collective overlapped with the weight-grad GEMMs. Under autocast the inputs are cast
+    here, outside the autograd function, so its backward sees one dtype."""
+    params = [t for layer in layers for t in layer.local_weight_and_bias()]
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, params = x.to(dtype), [None if t is None else t.to(dtype) for t in params]
+    first = layers[0]
+    return _LinearsAsyncGradReduce.apply(x, first.group, first.sequence_parallel, *params)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -78,6 +102,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.tp = group, tp
         self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
         self.async_grad_allreduce = async_grad_allreduce
+        # Replicated weight (the trainer's k/v heads when kv_heads < tp): this rank computes with
+        # only these rows of it; None = all of its rows.
+        self.rows: slice | None = None
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(out_features // tp, **kw)) if bias else None
@@ -104,12 +131,19 @@ class ColumnParallelLinear(nn.Module):
             return ops.gather_from_sequence(x, self.group)
         return ops.copy_to_region(x, self.group)
 
+    def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (differentiable) weight and bias this rank computes with."""
+        weight, bias = local_shard(self.weight), local_shard(self.bias)
+        if self.rows is not None:
+            weight, bias = weight[self.rows], None if bias is None else bias[self.rows]
+        return weight, bias
+
     def local(self, x_entered: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_entered, local_shard(self.weight), local_shard(self.bias))
+        return F.linear(x_entered, *self.local_weight_and_bias())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.async_grad_allreduce:
-            return _LinearAsyncGradReduce.apply(x, local_shard(self.weight), local_shard(self.bias), self.group, self.sequence_parallel)
+            return linears_async_grad_reduce([self], x)[0]
         y = self.local(self.enter(x))
         return ops.gather_from_hidden(y, self.group) if self.gather_output else y
 
