@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from dtrain import dist as ddist
+
 ACTIVATION, GRAD_SYNC = "activation", "grad_sync"  # per micro-batch traffic vs per-step grad sums
 
-# torch >= 2.13 renames the single-tensor collectives; older releases (>= 2.6) have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the single-tensor collectives under either torch name: one shim, in dtrain.dist
+_all_gather_single, _reduce_scatter_single = ddist.all_gather_single, ddist.reduce_scatter_single
 
 
 def group_size(group) -> int:
