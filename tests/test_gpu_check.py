@@ -126,3 +126,23 @@ def test_a_timed_out_step_takes_its_children_with_it(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"child {child} outlived the step")
+
+
+def test_every_experiment_step_composes_with_its_typed_config(tmp_path):
+    """A GPU session is rare: a renamed or mistyped key in a step must fail here, not on the GPU.
+    Each step's overrides go through the same check the app runs before Hydra starts (renamed keys,
+    unknown keys, wrong types); the device-dependent validation is left to the GPU."""
+    from dtrain import precheck
+
+    config_module = {"allreduce_bench": "allreduce_bench.conf", "fsdp_scaling": "fsdp_scaling.conf",
+                     "fp8_train": "fp8_train.conf", "tp_attention": "tp_attention.conf"}
+    checked = []
+    for step in steps(tmp_path):
+        if "-m" not in step.command or step.command[step.command.index("-m") + 1] not in config_module:
+            continue
+        i = step.command.index("-m")
+        module, argv = step.command[i + 1], step.command[i + 2:] + [f"results_dir={tmp_path}"]
+        precheck.check_overrides(config_module[module], "config", argv, None)  # raises UserError on a bad key
+        checked.append(step.name)
+    print("composed:", checked)
+    assert len(checked) == 9 and {"allreduce_nccl", "mfu_zero3", "emulated_bf16", "tp_attention"} <= set(checked)
