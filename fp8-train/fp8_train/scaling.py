@@ -11,6 +11,7 @@ the previous scale, as TE does, so one bad step cannot poison the scale.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_train.formats import Format
@@ -56,6 +57,10 @@ class DelayedScaler(nn.Module):
     the step-t cast uses what steps < t saw. The history is a buffer, so checkpoints keep it."""
 
     kind = "delayed"
+    # Ranks see different activations and gradients; TE reduces each amax over the data-parallel group
+    # so every rank keeps the same history and scale. Without it a DCP checkpoint (which saves one
+    # rank's copy of a replicated buffer, whichever its planner picks) resumes the others off course.
+    amax_group = None  # set by reduce_amax_over
 
     def __init__(self, fmt: Format, margin: int = 0, history_len: int = 16, algo: str = "max"):
         super().__init__()
@@ -75,6 +80,9 @@ class DelayedScaler(nn.Module):
 
     def record(self, amax: torch.Tensor) -> None:
         """Push one amax (newest first) and recompute the scale for the next cast."""
+        if self.amax_group is not None:
+            amax = amax.detach().clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
         self.last_amax.copy_(amax)
         self.amax_history.copy_(torch.roll(self.amax_history, 1))
         self.amax_history[0] = amax
@@ -85,6 +93,14 @@ class DelayedScaler(nn.Module):
         self.record(amax_of(x))
         self.last_used = scale  # what this cast used (the debug tool reads it instead of tracking)
         return scale
+
+
+def reduce_amax_over(model: nn.Module, group) -> int:
+    """Every DelayedScaler of `model` reduces its amaxes (max) over `group`; returns how many."""
+    scalers = [m for m in model.modules() if isinstance(m, DelayedScaler)]
+    for m in scalers:
+        m.amax_group = group
+    return len(scalers)
 
 
 def make_scaler(kind: str, fmt: Format, margin: int = 0, history_len: int = 16,

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import config as dtrain_config
@@ -25,7 +26,7 @@ from dtrain.metrics import RECORDS
 from dtrain.model import GPT, GPTConfig
 from dtrain.results import read_jsonl
 from dtrain.train import Trainer, TrainConfig
-from fp8_train import backends, faults
+from fp8_train import backends, faults, scaling
 from fp8_train.debug import DebugTool
 from fp8_train.guard import NanGuard
 from fp8_train.health import HealthMonitor
@@ -86,6 +87,8 @@ def rank_fn(ctx) -> dict:
     trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
                       grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None],
                       peak_flops=peak)
+    if ctx.world_size > 1:  # a group of its own: these all-reduces run inside DDP's/FSDP's backward
+        scaling.reduce_amax_over(trainer.model, dist.new_group(backend=ctx.backend))
     decisions = pmap.all_decisions() if factory else []
     if ctx.is_main:
         for d in decisions:
