@@ -160,7 +160,7 @@ def watch_job(rank: int, world_size: int, run_dir: Path, timeout_s: float | None
     watch_rank(rank, run_dir, folder, timeout_s)
     if rank != 0 or world_size < 2:
         return
-    monitor = HeartbeatMonitor(folder, world_size, timeout_s)
+    monitor = HeartbeatMonitor(folder, world_size, timeout_s, count_earlier_beats=True)
 
     def loop():
         while True:
@@ -209,10 +209,12 @@ class HeartbeatMonitor:
     on a loaded host: one stopped before its first beat is hung too."""
 
     def __init__(self, heartbeat_dir: Path, world_size: int, timeout_s: float, pids: list[int] | None = None,
-                 startup_grace_s: float = 60.0):
+                 startup_grace_s: float = 60.0, count_earlier_beats: bool = False):
         self.dir, self.world_size, self.timeout_s, self.pids = Path(heartbeat_dir), world_size, timeout_s, pids
         self.startup_grace_s = startup_grace_s
         self.reset()
+        if count_earlier_beats:  # the ranks started before this monitor (rank 0 of a job watching its peers)
+            self._baseline = {}
 
     def reset(self) -> None:
         """Forget what was seen (a Slurm job left RUNNING, e.g. requeued): older beats do not count."""
