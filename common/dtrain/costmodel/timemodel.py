@@ -38,7 +38,7 @@ __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "a
            "model_flops_per_token", "compute_time", "step_time"]
 
 PROVENANCES = ("datasheet/published:", "measured here:")
-GPU_E_MAX = 0.62
+GPU_E_MAX = 0.64
 GPU_W_HALF = 2.1e9
 
 
@@ -123,8 +123,9 @@ class Calibration:
 
     mfu: Param = field(default_factory=lambda: _published(
         GPU_E_MAX, "e_max of the GEMM achieved-fraction curve (share of the roofline bound a large GEMM "
-        "reaches, non-GEMM kernels folded in); fitted to the published runs of dtrain backtest "
-        "(costmodel/backtest_runs.yaml), so the backtest is in-sample for this one number"))
+        "reaches, non-GEMM kernels folded in): median over the published runs of dtrain backtest "
+        "(costmodel/backtest_runs.yaml) of the e_max reproducing each; the backtest predicts each row with "
+        "the median of the OTHER rows (leave-one-out)"))
     gemm_half_flops: Param = field(default_factory=lambda: _published(
         GPU_W_HALF, "W_half of the GEMM achieved-fraction curve: FLOPs of a GEMM reaching half of e_max; "
         "assumption: a 1024^3 bf16 GEMM (2.1 GFLOP) reaches about half of a large one on A100/H100 "
