@@ -105,3 +105,19 @@ def test_latest_run_wins_and_study_reports_are_not_double_counted(tmp_path):
 def test_missing_results_path_raises():
     with pytest.raises(FileNotFoundError, match="no such results path"):
         calibrate(["/nonexistent/results"])
+
+
+def test_gemm_probe_overheads_give_the_local_step_overhead(tmp_path):
+    probe = tmp_path / "gemm-probe"
+    probe.mkdir()
+    (probe / "config.yaml").write_text("subproject: gemm-probe\ndevice: cpu\nthreads: 1\n")
+    (probe / "env.json").write_text(json.dumps({"created": "2030-01-01T00:00:00+00:00", "device": "cpu",
+                                                "backend": "none", "world_size": 1}))
+    over = [{"kind": "gpt", "config": {"n_layer": n, "d_model": 64}, "micro_batch": 1, "tp": 1,
+             "step_s": s + 0.001, "gemm_s": 0.001, "overhead_s": s} for n, s in ((2, 0.004), (4, 0.010), (8, 0.030))]
+    (probe / "summary.json").write_text(json.dumps({"guide": {"device": "cpu", "dtype": "float32", "e_max": 0.9,
+                                                              "w_half": 1e5, "points": [], "overheads": over}}))
+    rep = calibrate([tmp_path], base=tmp_path, warn=False)
+    assert rep.local.step_overhead_s.value == pytest.approx(0.010)  # median of the three models
+    assert "GPT 2x64 mb1 4.0 ms" in rep.local.step_overhead_s.provenance
+    assert rep.cluster.step_overhead_s.value == 0.0  # a CPU probe does not set the GPU matrix's

@@ -171,3 +171,32 @@ def test_backtest_leave_one_out_never_uses_the_row_itself():
     again = loo_calibrations(bumped)
     assert again[0].mfu.value == pytest.approx(calibs[0].mfu.value)
     assert again[1].mfu.value != pytest.approx(calibs[1].mfu.value)
+
+
+def test_zero3_pays_latency_per_fsdp_unit_by_hand():
+    from dtrain.costmodel import LinkModel, step_time
+    from dtrain.guide.local_check import host_cluster
+
+    shape = ModelShape(6, 512, 8, 8, 1000, 128)
+    alpha, beta = 1e-3, 1e9
+    cluster = host_cluster(1e11, 2, LinkModel(alpha, beta))
+    t = step_time(shape, Layout(2, 1, 1, zero_stage=3), cluster)
+    psi = params_per_gpu(shape, 1, 1)
+    ag = 0.5 * 2 * psi / beta + alpha    # bf16 weights, ring all-gather over 2 ranks
+    rs = 0.5 * 4 * psi / beta + alpha    # fp32 grads, reduce-scatter
+    per_unit = 6 * alpha                 # 6 blocks + the root = 7 FSDP units: 6 more latencies per collective
+    assert t.dp_comm == pytest.approx(2 * (ag + per_unit) + rs + per_unit)
+    # ZeRO-1 keeps one collective of each kind per step
+    z1 = step_time(shape, Layout(2, 1, 1, zero_stage=1), cluster)
+    assert z1.dp_comm == pytest.approx(ag + rs)
+
+
+def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
+    # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM runs at
+    # the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)
+    from dtrain.costmodel.gemm_probe import gemm_step_s
+
+    cfg = GPTConfig.from_preset("tiny")
+    t = {"kind": "gpt", "config": vars(cfg), "micro_batch": 8, "tp": 1}
+    tokens = 8 * cfg.seq_len
+    assert gemm_step_s(t, GemmCurve(1.0, 0.0), 1e11, 4) == pytest.approx(tokens * flops_per_token(cfg) / 1e11)

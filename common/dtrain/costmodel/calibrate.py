@@ -4,11 +4,14 @@ Reads completed runs only through ``dtrain.results`` and only their ``summary.js
 (the contract each subproject writes), never a subproject's private files:
 
     allreduce-bench   fits[] of all_reduce   -> α and achieved β per link class (intra / inter node)
-    fsdp-scaling      mfu, exposed comm      -> compute efficiency; overlap_fraction -> DP overlap
+    fsdp-scaling      mfu, exposed comm      -> compute efficiency; overlap_fraction -> DP overlap;
+                      breakdown of TP / PP      tp_overhead (measured TP comm / α–β) and pp_overhead
+                      layout runs               (measured p2p + idle share / bubble formula), ``from_layout``
     tp-attention      tp_overhead[]          -> measured / α–β-modelled TP communication time
     fp8-train         compare recipes{}      -> FP8 speed factor, memory factor, layers kept in BF16
     gemm-probe        e_max, w_half          -> GEMM achieved-fraction curve (``gemm_probe``); its
                       overheads[]               per-model fixed step overhead feeds the local checks
+                                                (step_overhead_s: their median, shown in the guide)
 
 Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
 "datasheet/published: <source>". Two calibrations come out:
@@ -18,18 +21,22 @@ Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
   GPU runs every value stays datasheet/published (and the guide says so).
 * ``local``: every measured value whatever the device; the guide uses it to predict the local
   runs' step times (predicted-vs-measured table).
-Among several runs for one value the latest (env.json ``created``, then path) wins.
+Among several runs for one value the latest (env.json ``created``, then path) wins;
+``leave_one_out`` gives instead the median over every run but one (the local checks use it, so a
+row is never predicted from a factor fitted on its own run).
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dtrain.results import Run, complete_runs
 
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
-from .timemodel import Calibration, Param
+from .memory import Layout
+from .timemodel import Calibration, Param, bubble_fraction, p2p_time, tp_comm_time
 
 SHARDED = ("zero2", "zero3", "hsdp")
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
@@ -197,6 +204,61 @@ def from_fsdp(run: Run, src: Source, single_runs: set[str] = frozenset()) -> lis
     return out
 
 
+def from_layout(run: Run, src: Source, link: LinkModel | None, single_runs: set[str] = frozenset()) -> list[Candidate]:
+    """TP and PP factors of fsdp-scaling's DP x TP x PP layout runs, from their measured step breakdown:
+
+    tp_overhead  measured TP comm (profile) / ``timemodel.tp_comm_time`` (α–β with this device's link)
+    pp_overhead  measured (PP p2p wait + idle) − α–β p2p sends, over compute + TP comm, / the bubble
+                 formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
+                 model puts on its bubble
+    """
+    from dtrain.fit import shape_of
+    from dtrain.guide.local_check import gpt_config  # the runs' model configs, read one way only
+
+    g_cfg, train = gpt_config(run.config.get("model")), run.config.get("train") or {}
+    if g_cfg is None or link is None:
+        return []
+    shape = replace(shape_of(g_cfg), seq_len=int(run.config.get("seq_len") or g_cfg.seq_len))
+    out = []
+    for g in fsdp_entries(run, single_runs):
+        tp, pp, b = int(g.get("tp") or 1), int(g.get("pp") or 1), g.get("breakdown") or {}
+        step, tps = _num(g.get("step_time_s")), _num(g.get("tokens_per_s"))
+        if tp * pp == 1 or not b or not step or not tps:
+            continue
+        dp, mb = int(g["world_size"]) // (tp * pp), int(train.get("micro_batch", 1))
+        ga = max(1, round(tps * step / dp / (mb * shape.seq_len)))
+        v = int(train.get("pp_virtual") or 1) if pp > 1 else 1
+        lay = Layout(dp, tp, pp, micro_batch=mb, grad_accum=ga, virtual_stages=v)
+        vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
+        name = f"dp{dp} x tp{tp} x pp{pp}"
+        tp_meas = _num(b.get("tp_comm_s")) or 0.0
+        if tp > 1 and tp_meas > 0:
+            model = tp_comm_time(shape, lay, link, vb)
+            out.append(Candidate("tp_overhead", tp_meas / model, src, f"{name}: TP comm measured {tp_meas * 1e3:.0f} ms "
+                                 f"(profile) / alpha-beta {model * 1e3:.0f} ms"))
+        compute = _num(b.get("compute_s"))
+        if pp > 1 and compute:
+            sends = 2 * v * ga * p2p_time(mb * shape.seq_len * shape.d_model * vb / tp, link)
+            idle = max((_num(b.get("pp_p2p_s")) or 0.0) + (_num(b.get("idle_s")) or 0.0) - sends, 0.0)
+            formula = bubble_fraction(pp, ga, v, shape.n_layer)
+            share = idle / (compute + tp_meas)
+            out.append(Candidate("pp_overhead", share / formula, src, f"{name}: p2p wait + idle {share:.0%} of compute "
+                                 f"(profile) / bubble formula {formula:.0%}"))
+    return out
+
+
+def leave_one_out(cands: list[Candidate], name: str, run: str, on_gpu: bool = False) -> Candidate | None:
+    """The median of every ``name`` value measured on this kind of device by a run other than ``run``
+    (a display path, as ``Source.run``); None when no other run measured it."""
+    pool = [c for c in cands if c.name == name and c.source.run != run and c.source.on_gpu == on_gpu]
+    if not pool:
+        return None
+    vals = sorted(c.value for c in pool)
+    med = statistics.median(vals)
+    runs = ", ".join(f"{c.source.run} {c.value:.2f}" for c in sorted(pool, key=lambda c: c.source.run))
+    return Candidate(name, med, pool[0].source, f"leave-one-out: median of {len(pool)} other run(s) ({runs})")
+
+
 def tp_regions(config: dict) -> int:
     """TP regions per layer: a block has two (attention, MLP), attention alone one."""
     return 1 if config.get("module") == "attention" else 2
@@ -254,8 +316,23 @@ def from_probe(run: Run, src: Source) -> list[Candidate]:
     if not e_max:
         return []
     detail = f"fit over {len(g.get('points') or [])} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
-    return [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
-                                                                          detail + "; W_half")]
+    out = [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
+                                                                         detail + "; W_half")]
+    over = [(o, _num(o.get("overhead_s"))) for o in g.get("overheads") or []]
+    over = [(o, v) for o, v in over if v is not None]
+    if over:
+        per = ", ".join(f"{_target_label(o)} {v * 1e3:.1f} ms" for o, v in over)
+        out.append(Candidate("step_overhead_s", statistics.median(v for _, v in over), src,
+                             f"median over {len(over)} models of the measured step minus the curve's GEMM time "
+                             f"(per model: {per}); the local checks use each model's own"))
+    return out
+
+
+def _target_label(o: dict) -> str:
+    c = o.get("config") or {}
+    if o.get("kind") == "gpt":
+        return f"GPT {c.get('n_layer')}x{c.get('d_model')} mb{o.get('micro_batch')}"
+    return f"{o.get('kind')} d{c.get('d_model')} mb{o.get('micro_batch')}"
 
 
 def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | None:
@@ -265,7 +342,8 @@ def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | No
 
 def _calibration(cands: list[Candidate], gpu_only: bool) -> Calibration:
     calib = Calibration()
-    for name in ("mfu", "gemm_half_flops", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"):
+    for name in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "tp_overhead", "pp_overhead",
+                 "fp8_speedup", "fp8_memory_factor"):
         best = _latest(cands, name, gpu_only)
         if best is not None:
             calib = replace(calib, **{name: best.param()})
@@ -311,11 +389,14 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
         if a and b:
             local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node")
             local_sources[cls] = b.source
-    # TP overhead needs the α–β of the same kind of device the TP run used
+    # TP overhead and the PP bubble factor need the α–β of the same kind of device the run used
     for run in runs:
         if run.subproject == "tp-attention":
             src = source_of(run, base)
             cands += from_tp(run, src, _device_link(cands, src.on_gpu))
+        elif run.subproject == "fsdp-scaling":
+            src = source_of(run, base)
+            cands += from_layout(run, src, _device_link(cands, src.on_gpu), singles)
     return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
                              local=_calibration(cands, gpu_only=False), local_links=local_links,
                              local_sources=local_sources, keep_bf16=_keep(kept, True),

@@ -8,10 +8,13 @@ forward GEMMs of every model they trained (``efficiency.layer_gemms`` / ``head_g
 included), times each on this device (CPU: fp32 on the runs' threads per rank, the peak being
 the same 512³ probe the runs' MFU used; CUDA: bf16 against the datasheet peak), fits
 f(W) = e_max·W/(W + W_half) (``efficiency.fit_curve``), and times one training step of each
-model shrunk to 4-wide heads (same layers, ops, batch and sequence; its GEMM FLOPs are
-negligible), which is the fixed per-step cost of Python, autograd, elementwise kernels and the
-optimizer (with the trainer's gradient clipping and loss read-back). Writes a run directory ``<results>/gemm-probe/`` (config.yaml, env.json, summary.json
-with ``guide``) that ``calibrate`` reads like any experiment's.
+model at its real size in one process (forward, backward, gradient clipping, AdamW, loss
+read-back, as the trainer does). The fixed per-step overhead of a model is that step minus the
+time the fitted curve gives its GEMMs: the cost of Python, autograd, elementwise kernels
+(norms, activations, softmax, residuals: work that grows with d_model, so it is measured at the
+real width, not on a shrunk model) and the optimizer. Writes a run directory
+``<results>/gemm-probe/`` (config.yaml, env.json, summary.json with ``guide``) that ``calibrate``
+reads like any experiment's.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from dtrain import envinfo, perf
 from dtrain.metrics import CONFIG, ENV, SUMMARY, write_json_atomic, write_text_atomic
 from dtrain.results import complete_runs
 
-from .efficiency import Gemm, fit_curve, head_gemm, layer_gemms
+from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
 from .memory import Layout, ModelShape
 
 SUBPROJECT = "gemm-probe"
@@ -96,12 +99,11 @@ def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype) -> float:
     return _time(lambda: torch.bmm(a, b), sync=sync)
 
 
-def overhead_s(t: dict, device: torch.device) -> float:
-    """One training step (forward, backward, AdamW) of the model shrunk to 4-wide heads."""
+def step_s(t: dict, device: torch.device) -> float:
+    """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its real size."""
     from dtrain.model import GPT, Block, GPTConfig
 
     c = dict(t["config"])
-    c["d_model"] = 4 * c["n_head"]
     torch.manual_seed(0)
     if t["kind"] == "gpt":
         cfg = GPTConfig(**c)
@@ -128,6 +130,27 @@ def overhead_s(t: dict, device: torch.device) -> float:
     return _time(step, reps=7, sync=sync)
 
 
+def gemm_step_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> float:
+    """Forward + backward (3x the forward FLOPs) of the target's GEMMs on the fitted curve."""
+    if t["kind"] == "gpt":
+        return 3 * _gpt_gemm_s(t, curve, peak, value_bytes)
+    return 3 * sum(gemm_time(g, peak, 0.0, curve, value_bytes) for g in gemms_of(t))
+
+
+def _gpt_gemm_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> float:
+    shape = shape_of_target(t)
+    lay = Layout(1, t["tp"], 1, micro_batch=t["micro_batch"])
+    layer = sum(gemm_time(g, peak, 0.0, curve, value_bytes) for g in layer_gemms(shape, lay))
+    return shape.n_layer * layer + gemm_time(head_gemm(shape, lay), peak, 0.0, curve, value_bytes)
+
+
+def overhead_s(t: dict, device: torch.device, curve: GemmCurve | None, peak: float, value_bytes: int) -> dict:
+    """The measured step, the curve's GEMM time and their difference (>= 0), the fixed overhead."""
+    step = step_s(t, device)
+    gemm = gemm_step_s(t, curve, peak, value_bytes) if curve else 0.0
+    return {"step_s": step, "gemm_s": gemm, "overhead_s": max(step - gemm, 0.0)}
+
+
 def probe(results: Path, device: str = "auto") -> Path:
     """Run the probe for the runs under ``results``; returns the run directory written."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
@@ -148,8 +171,9 @@ def probe(results: Path, device: str = "auto") -> Path:
             points.append({"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": s,
                            "fraction": g.flops * g.count / s / peak})
     curve = fit_curve([(p["flops"] / p["count"], p["fraction"]) for p in points]) if len(points) >= 2 else None
+    vb = 4 if dtype == torch.float32 else 2
     overheads = [{"kind": t["kind"], "config": t["config"], "micro_batch": t["micro_batch"], "tp": t["tp"],
-                  "overhead_s": overhead_s(t, dev)} for t in tg if t["tp"] == 1]
+                  **overhead_s(t, dev, curve, peak, vb)} for t in tg if t["tp"] == 1]
     out = Path(results) / SUBPROJECT
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / CONFIG, yaml.safe_dump({"subproject": SUBPROJECT, "device": dev.type,
