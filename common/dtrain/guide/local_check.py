@@ -24,6 +24,7 @@ Rows say which inputs were in-sample or left out. Goal: |error| <= 15%.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass, fields, replace
 
@@ -212,7 +213,8 @@ PROBE_BASIS = "GEMM curve + fixed step overhead from gemm-probe"
 def _factor_basis(f: Candidate | None, what: str, raw: str) -> str:
     if f is None:
         return f"; {raw} (no other run measured it)"
-    return f"; {what} x{f.value:.2f} from {f.detail.split(': ', 1)[1].count(', ') + 1} other run(s), leave-one-out"
+    n = re.search(r"median of (\d+) other", f.detail)
+    return f"; {what} x{f.value:.2f} from {n.group(1) if n else '?'} other run(s), leave-one-out"
 
 
 def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None = None,
