@@ -18,6 +18,7 @@ reads like any experiment's.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -118,9 +119,13 @@ def step_s(t: dict, device: torch.device) -> float:
         loss_fn = lambda: model(x).square().mean()  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
+    # on CUDA the runs compute in bf16 (FSDP's MixedPrecisionPolicy), as the probe's GEMM points do
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
     def step():  # what the trainer does per step: forward, backward, clip, AdamW, read the loss
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn()
+        with amp:
+            loss = loss_fn()
         loss.backward()
         if t["kind"] == "gpt":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
