@@ -98,3 +98,12 @@ def test_oversubscribed_run_computes_slower():
     assert oversubscription({"cpu_count": 2, "threads_per_rank": 1}, 2) == 1.0
     assert oversubscription({"cpu_count": 8, "threads_per_rank": 2}, 8) == 2.0
     assert oversubscription({}, 4) == 1.0  # unknown core count: not assumed
+
+
+def test_fp8_rows_name_the_tooling_the_model_leaves_out():
+    from dtrain.guide.local_check import CALLBACKS_NOTE, Check
+
+    row = Check("fp8-train", "r", "fp32 x2 step", 0.030, 0.012, "probe", f"{CALLBACKS_NOTE}: guard, health")
+    assert "NaN guard's hooks" in row.miss_reason([row])
+    plain = Check("fp8-train", "r", "fp32 x2 step", 0.030, 0.012, "probe", "")
+    assert "NaN guard" not in plain.miss_reason([plain])

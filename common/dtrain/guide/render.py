@@ -152,9 +152,10 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
                    + (f" {_md(where)} |" if where else " |"))
     out += ["", "Each miss names its likeliest cause in the last column: run-to-run noise (identical runs on the "
             "shared cores differ by more than the goal), in-training gloo communication slower than allreduce-"
-            "bench's isolated α–β (compare the profiled and predicted communication), or per-step framework work "
-            "of the distributed trainer (DDP/FSDP/TP hooks, callbacks, FP8 casts) that the probe's single-process "
-            "step does not have. Compute is predicted from the gemm-probe (GEMM curve over the runs' shapes + the "
+            "bench's isolated α–β (compare the profiled and predicted communication), fp8-train's per-step tooling "
+            "(NaN guard hooks, health and debug statistics: not training compute, so not modelled), or per-step "
+            "framework work of the distributed trainer (DDP/FSDP/TP hooks, FP8 casts) that the probe's "
+            "single-process step does not have. Compute is predicted from the gemm-probe (GEMM curve over the runs' shapes + the "
             "measured fixed step overhead of the same model at its real size, scaled by each run's own matmul "
             "probe for the load at the time, and by the busy threads per core when a run has more ranks than the "
             "host has cores) when the results hold one. TP communication and the PP bubble carry the measured/"
