@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # python when there is one, else python3
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: venv capstone test test-fast guide gpu-check gpu-bundle slurm-up slurm-down clean
+.PHONY: venv capstone test test-all test-fast guide gpu-check gpu-bundle slurm-up slurm-down clean
 
 venv:
 	@scripts/setup-venv
@@ -14,7 +14,10 @@ venv:
 capstone: venv          ## run every experiment at small size on local ranks, then the guide
 	$(BIN)/dtrain capstone
 
-test: venv              ## the whole suite (slurm tests skip unless a cluster is up)
+test: venv              ## the suite CI runs: all but the slow tests (slurm tests skip unless a cluster is up)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: venv          ## every test, the slow ones too (about twice as long)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv         ## the fast path: every subproject, no slow or slurm tests

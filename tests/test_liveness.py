@@ -243,3 +243,48 @@ def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
     os.utime(beat[0], (6.0, 6.0))
     rank, _ = mon.stale()
     assert rank == 1  # rank 0 beat after the restart, rank 1 did not
+
+
+def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp_path):
+    """Slurm tasks / torchrun ranks: task 0's "connection closed" names rank 1's own error instead."""
+    own = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad batch on purpose\n"
+    symptom = "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1\n"
+    assert liveness.job_root_cause(tmp_path, 1, own) is None  # a rank's own error stays as it is
+    line = liveness.job_root_cause(tmp_path, 0, symptom, wait_s=0)
+    assert line == ("rank 1 failed first: ValueError: bad batch on purpose (rank 0 then lost its peer: "
+                    "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1)")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    t0 = time.monotonic()
+    assert liveness.job_root_cause(alone, 0, symptom, wait_s=0.5) is None  # nobody else wrote: the symptom stays
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert (alone / liveness.JOB_ERRORS / "rank0.txt").read_text() == symptom
+
+
+def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_session):
+    """Under torchrun no process of ours supervises: rank 0 watches the others' heartbeats in the run dir."""
+    timeout_s = 3
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.selftest", "work_s=60",
+                             f"heartbeat_timeout_s={timeout_s}", f"results_dir={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    launcher_session(proc)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (beats := list(tmp_path.rglob(f"{liveness.JOB_HEARTBEATS}/heartbeat.rank1"))):
+        assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start in time"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the beat's text is written after the file is created
+    _, host, pid = beats[0].read_text().split()
+    t0 = time.monotonic()
+    os.kill(int(pid), signal.SIGSTOP)
+    _, err = proc.communicate(timeout=90)
+    took = time.monotonic() - t0
+    print(f"stopped torchrun rank detected after {took:.1f} s (heartbeat_timeout_s={timeout_s})")
+    assert proc.returncode != 0
+    assert f"error: rank 1 (pid {pid} on {host}) stopped responding" in err, err[-3000:]
+    assert took < timeout_s + 20  # timeout + a beat interval + polling, not dist_timeout_s (300)
+    [failed] = [e for e in _events(beats[0].parent.parent) if e["kind"] == "run_failed"]
+    assert failed["error"].startswith(f"rank 1 (pid {pid} on {host}) stopped responding")
+    assert not _alive(int(pid))

@@ -147,3 +147,17 @@ def test_slurm_keys_reach_sbatch(requeue_on):
     assert ex.parameters["signal_delay_s"] == 45
     assert ex.max_num_timeout == (5 if requeue_on else 0)
     assert ex.parameters["additional_parameters"] == ({"requeue": True} if requeue_on else {"no_requeue": True})
+
+
+def test_usr2_due_before_the_tasks_can_handle_it_is_refused():
+    from omegaconf import OmegaConf
+
+    from dtrain.app import check_signal_delay
+    from dtrain.errors import UserError
+
+    check_signal_delay(OmegaConf.create({"time_min": 2, "signal_delay_s": 90}))  # USR2 30 s in: accepted
+    with pytest.raises(UserError, match=r"^slurm.signal_delay_s=90 sends USR2 0 s after the start of a 1-min job, "
+                                        r"before the tasks can handle it: lower slurm.signal_delay_s to <= 30"):
+        check_signal_delay(OmegaConf.create({"time_min": 1, "signal_delay_s": 90}))
+    with pytest.raises(UserError, match="must be an integer number of seconds >= 1"):
+        check_signal_delay(OmegaConf.create({"time_min": 30, "signal_delay_s": 0}))

@@ -56,6 +56,8 @@ def test_sweep_with_one_failing_point_runs_the_others_and_lists_it(tmp_path, slu
              "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2",
              "hydra.launcher.timeout_min=5", "hydra.launcher.mem_gb=2", timeout=300)
     assert out.returncode != 0  # the multirun reports the failed point
+    # with the root cause (rank 1's own error), not task 0's "connection closed" that submitit returns first
+    assert "rank 1 failed first: RuntimeError: selftest: rank 1 fails on purpose" in out.stderr, out.stderr[-3000:]
     [run] = results.complete_runs([tmp_path], warn=False)
     assert run.summary["allreduce_sum"] == 3.0 and run.path.name == "0"
     listed = py("-m", "dtrain.cli", "runs", str(tmp_path), timeout=60)

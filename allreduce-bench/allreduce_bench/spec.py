@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from allreduce_bench.busbw import COLLECTIVES
+from allreduce_bench.collectives import supports
 from dtrain.errors import UserError
 
 DTYPES = {
@@ -113,6 +114,13 @@ def parse(cfg: DictConfig) -> BenchSpec:
     for m in modes:
         if m not in MODES:
             raise UserError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
+    if not modes:
+        raise UserError("modes=[] is empty: name at least one, e.g. modes=[out_of_place,in_place]")
+    for c in collectives:  # torch has only one of the two modes for some collectives (collectives.py)
+        if not any(supports(c, m == "in_place") for m in modes):
+            other = "in_place" if "out_of_place" in modes else "out_of_place"
+            raise UserError(f"collective {c} has no {'/'.join(modes)} form in torch.distributed: "
+                            f"add {other} to modes, e.g. modes=[out_of_place,in_place]")
     for key in ("iters", "warmup_iters", "root"):
         v = cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):

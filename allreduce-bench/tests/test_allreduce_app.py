@@ -102,6 +102,7 @@ def test_corrupted_result_fails_the_run_after_writing_records(tmp_path):
         {"all_reduce": 0, "all_gather": 1}
 
 
+@pytest.mark.slow  # 4 ranks; tests/test_slurm_multinode.py measures a real inter-node link when a cluster is up
 def test_simulated_two_nodes_measure_intra_inter_and_world(tmp_path):
     out = py("-m", "allreduce_bench", f"results_dir={tmp_path}", "world_size=4", "debug.simulate_nodes=2",
              "collectives=[all_reduce,sendrecv,broadcast]", "modes=[in_place,out_of_place]", *SMALL, timeout=180)

@@ -33,6 +33,11 @@ def test_sizes_and_aliases():
     ({"step_factor": 1}, "step_factor=1 must be a number > 1"),
     ({"root": 2}, "root=2 is not a rank of world_size=2"),
     ({"debug.simulate_nodes": 3}, "simulate_nodes=3 must be an integer >= 2 dividing world_size=2"),
+    ({"modes": ["out_of_place"], "collectives": ["all_reduce"]},
+     "collective all_reduce has no out_of_place form in torch.distributed: add in_place to modes"),
+    ({"modes": ["in_place"], "collectives": ["all_gather", "all_to_all"]},
+     "collective all_to_all has no in_place form in torch.distributed: add out_of_place to modes"),
+    ({"modes": []}, "modes=\\[\\] is empty"),
 ])
 def test_bad_config_is_one_user_error(over, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

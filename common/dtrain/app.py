@@ -48,8 +48,25 @@ def check_base(cfg: DictConfig) -> None:
         raise UserError(f"heartbeat_timeout_s={hb!r} must be a number of seconds > 0, or null to turn it off")
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
+    if cfg.launcher == "slurm":
+        check_signal_delay(cfg.slurm)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes, not this host, must have the GPUs
         ddist.pick_backend(cfg.backend, ddist.pick_device(cfg.device, 0))
+
+
+# USR2 must come after submitit has installed its handler in every task (python started, the task
+# unpickled: ~10-20 s here); before that USR2's default action ends the task, and the job is lost.
+MIN_SECONDS_BEFORE_USR2 = 30
+
+
+def check_signal_delay(s: DictConfig) -> None:
+    delay, limit_s = s.get("signal_delay_s", 60), s.time_min * 60
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
+        raise UserError(f"slurm.signal_delay_s={delay!r} must be an integer number of seconds >= 1")
+    if limit_s - delay < MIN_SECONDS_BEFORE_USR2:
+        raise UserError(f"slurm.signal_delay_s={delay} sends USR2 {max(limit_s - delay, 0)} s after the start of a "
+                        f"{s.time_min}-min job, before the tasks can handle it: lower slurm.signal_delay_s to "
+                        f"<= {limit_s - MIN_SECONDS_BEFORE_USR2} or raise slurm.time_min")
 
 
 def run_dir_for(cfg: DictConfig) -> Path:

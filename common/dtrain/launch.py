@@ -123,15 +123,23 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
         write_json_atomic(run_dir / ENV, envinfo.collect(
             backend=backend, world_size=env.world_size, device=str(device), launcher=launcher,
             hosts=hosts, threads_per_rank=threads))
+    if launcher == "job":  # the Slurm launcher and the local one watch heartbeats themselves
+        liveness.watch_job(env.rank, env.world_size, run_dir, cfg.get("heartbeat_timeout_s"))
     with RunWriter(run_dir, env.rank) as writer:
         requeue.start_attempt(run_dir, env.rank, writer)
         try:
             result = rank_fn(RankContext(cfg, env, device, backend, run_dir, writer))
-        except Exception:
-            if launcher == "job" and "SLURM_JOB_ID" in os.environ:
+        except Exception as e:
+            if launcher != "job":
+                raise
+            if "SLURM_JOB_ID" in os.environ:
                 # Hydra keeps a sweep point's exception in its JobReturn (sacct says COMPLETED):
                 # the job's own log must show it, for `dtrain runs` and for whoever reads the log
                 traceback.print_exc()
+            root = None if isinstance(e, UserError) else liveness.job_root_cause(run_dir, env.rank,
+                                                                                  traceback.format_exc())
+            if root:  # what the job's launcher shows (task 0) is then the root cause, not the symptom
+                raise RuntimeError(root) from e
             raise
     if env.world_size > 1:
         dist.barrier()

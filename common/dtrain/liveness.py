@@ -93,6 +93,32 @@ def is_peer_symptom(text: str) -> bool:
 
 # ---------------------------------------------------------------- rank side
 
+JOB_ERRORS = ".rank-errors"  # in the run dir: each failed rank's traceback, for its peers to name
+
+
+def job_root_cause(run_dir: Path, rank: int, text: str, wait_s: float = 10.0) -> str | None:
+    """In a job (Slurm tasks, torchrun) each rank fails on its own and the job's launcher (submitit, Hydra's
+    submitit plugin) shows task 0's error, usually the "connection closed" it got when the failing rank
+    exited. Every failing rank leaves its traceback in the run dir; a rank whose own error is only that
+    symptom waits briefly for a peer's real error and returns the line to raise in its place."""
+    folder = Path(run_dir, JOB_ERRORS)
+    with contextlib.suppress(OSError):
+        folder.mkdir(exist_ok=True)
+        Path(folder, f"rank{rank}.txt").write_text(text)
+    if not is_peer_symptom(text):
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        for path in sorted(folder.glob("rank*.txt")):
+            other = path.read_text(errors="replace")
+            if path.stem != f"rank{rank}" and not is_peer_symptom(other):
+                return f"{path.stem.replace('rank', 'rank ')} failed first: {error_line(other)} " \
+                       f"(rank {rank} then lost its peer: {error_line(text)})"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+
+
 def heartbeat_interval(timeout_s: float) -> float:
     return min(5.0, max(0.1, timeout_s / 5))
 
@@ -117,6 +143,50 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
     thread = threading.Thread(target=loop, name="dtrain-liveness", daemon=True)
     thread.start()
     return thread
+
+
+JOB_HEARTBEATS = ".heartbeats"  # in the run dir, for a job no process of ours launched (torchrun, Hydra's submitit)
+
+
+def watch_job(rank: int, world_size: int, run_dir: Path, timeout_s: float | None) -> None:
+    """In a job whose launcher is not ours (torchrun, a Hydra submitit sweep point), nobody watches the
+    heartbeats: every rank beats into the run dir and rank 0 watches them, so a stopped rank ends the
+    job within `timeout_s` instead of after dist_timeout_s."""
+    if not timeout_s:
+        return
+    folder = Path(run_dir, JOB_HEARTBEATS)
+    with contextlib.suppress(OSError):
+        folder.mkdir(exist_ok=True)
+    watch_rank(rank, run_dir, folder, timeout_s)
+    if rank != 0 or world_size < 2:
+        return
+    monitor = HeartbeatMonitor(folder, world_size, timeout_s)
+
+    def loop():
+        while True:
+            time.sleep(heartbeat_interval(timeout_s))
+            hung = monitor.stale()
+            if hung:
+                end_job(run_dir, monitor.describe(*hung), hung_rank_at=monitor.beat_source(hung[0]))
+
+    threading.Thread(target=loop, name="dtrain-job-monitor", daemon=True).start()
+
+
+def end_job(run_dir: Path, error: str, hung_rank_at: tuple[str, int] | None = None) -> None:
+    """Rank 0 of a job: record why, cancel the Slurm job (every task, the stopped one too) and exit;
+    under torchrun our exit makes its agent stop the other ranks. A stopped rank on this host is killed
+    first: torchrun's SIGTERM waits until it is continued, and its SIGKILL comes 30 s later."""
+    with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+        w.event("run_failed", error=error)
+    print(f"error: {error}; ending the job", file=sys.stderr, flush=True)
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and shutil.which("scancel"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["scancel", job], timeout=30, capture_output=True)
+    elif hung_rank_at and hung_rank_at[0] == socket.gethostname():
+        with contextlib.suppress(OSError):
+            os.kill(hung_rank_at[1], signal.SIGKILL)
+    os._exit(1)  # from this thread: the main one may be blocked in a collective
 
 
 def orphaned(rank: int, run_dir: Path, launcher_pid: int, launcher_tmp: Path | None = None) -> None:
@@ -176,15 +246,20 @@ class HeartbeatMonitor:
                 worst = (rank, age)
         return worst
 
+    def beat_source(self, rank: int) -> tuple[str, int] | None:
+        """(host, pid) of the process that wrote the rank's last heartbeat."""
+        with contextlib.suppress(OSError, ValueError):
+            _, host, pid = Path(self.dir, HEARTBEAT.format(rank=rank)).read_text().split()
+            return host, int(pid)
+        return None
+
     def describe(self, rank: int, age: float) -> str:
         where = ""
         if self.pids and rank < len(self.pids):
             state = process_state(self.pids[rank])
             where = f" (pid {self.pids[rank]}{', ' + state if state else ''})"
-        else:  # a Slurm task: its heartbeat says where it runs
-            with contextlib.suppress(OSError, ValueError):
-                _, host, pid = Path(self.dir, HEARTBEAT.format(rank=rank)).read_text().split()
-                where = f" (pid {pid} on {host})"
+        elif source := self.beat_source(rank):  # a Slurm task or a torchrun rank: its heartbeat says where
+            where = f" (pid {source[1]} on {source[0]})"
         return (f"rank {rank}{where} stopped responding: no heartbeat for {age:.0f} s "
                 f"(heartbeat_timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), swapped out or hung")
 

@@ -96,6 +96,7 @@ def test_each_recipe_trains_in_bf16_single_rank(tmp_path):
     check_learns(run_matrix(tmp_path, 1, specs), specs)
 
 
+@pytest.mark.slow  # every recipe x strategy; the single-rank recipe test stays in the fast path
 def test_recipe_x_strategy_matrix_trains_in_bf16_on_two_ranks(tmp_path):
     specs = specs_for(MULTI)
     specs["emulated_delayed-zero3-ac"] = ["recipe=emulated_delayed", "train.strategy=zero3",

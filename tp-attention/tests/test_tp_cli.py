@@ -78,6 +78,7 @@ def test_local_multirun_sweep(tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.slow  # tests/test_slurm.py sweeps through submitit_slurm in the fast path
 def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
     out = py("-m", "tp_attention", "-m", *TINY, "tp=1,2", "sequence_parallel=false", "impls=[single,handrolled]",
              "world_size=2", f"results_dir={tmp_path}", "hydra/launcher=submitit_slurm",
