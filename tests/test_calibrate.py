@@ -162,3 +162,17 @@ def test_a_summary_from_before_the_contract_is_named(tmp_path):
 def test_missing_results_path_raises():
     with pytest.raises(FileNotFoundError, match="no such results path"):
         calibrate(["/nonexistent/results"])
+
+
+def test_gemm_probe_overheads_give_the_local_step_overhead(tmp_path):
+    over = [contract.StepOverhead("gpt", {"n_layer": n, "d_model": 64}, 1, 1, s, step_s=s + 0.001, gemm_s=0.001)
+            for n, s in ((2, 0.004), (4, 0.010), (8, 0.030))]
+    record = contract.GemmProbe(dtype="float32", peak_flops=1e10, peak_flops_source="probe", points=[],
+                                overheads=over, e_max=0.9, w_half=1e5, where=contract.where_of("cpu", "none"))
+    write_derived_run(tmp_path / "gemm-probe", "gemm-probe", [], {"device": "cpu", "threads": 1}, {}, [record],
+                      env={"created": "2030-01-01T00:00:00+00:00", "device": "cpu", "backend": "none",
+                           "world_size": 1})
+    rep = calibrate([tmp_path], base=tmp_path, warn=False)
+    assert rep.local.step_overhead_s.value == pytest.approx(0.010)  # median of the three models
+    assert "GPT 2x64 mb1 4.0 ms" in rep.local.step_overhead_s.provenance
+    assert rep.cluster.step_overhead_s.value == 0.0  # a CPU probe does not set the GPU matrix's

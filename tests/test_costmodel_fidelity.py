@@ -58,7 +58,7 @@ def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
     full = memory_per_gpu(shape, Layout(4, 2, 8, 1, "full", grad_accum=16, sequence_parallel=True))
     kw = dict(ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=True, kv_ratio=8 / 64)
     stored = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "full", True, **kw)
-    working = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "none", True, **kw)
+    working = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "none", True, **kw, dropout=False)
     assert stored == 2 * 4096 * 8192 / 2
     # first stage: 10 layers x 8 micro-batches in flight of layer inputs + one layer's full working set
     assert full.activations == pytest.approx(10 * 8 * stored + working)
@@ -125,3 +125,82 @@ def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
     checks = local_checks(report)
     assert any("gemm-probe" in c.basis for c in checks)
     assert all(c.within_goal or c.miss_reason(checks) for c in checks)  # every miss says why
+
+
+def test_activations_without_dropout_by_hand():
+    # Korthikanti §4.1 without dropout: the two 1-byte masks (attention out, MLP out) leave 8 of the
+    # replicated 10; the score term keeps only the softmax output, 2·a·s/h of 5·a·s/h.
+    s, b, h, a = 2048, 1, 4096, 32
+    sbh = s * b * h
+    assert activation_bytes_per_layer(s, b, h, a, dropout=True) == sbh * (34 + 5 * a * s / h)
+    assert activation_bytes_per_layer(s, b, h, a, dropout=False) == sbh * (32 + 2 * a * s / h)
+    # TP 4 without SP: replicated 8, sharded (24 + 2as/h)/t
+    assert activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == sbh * (8 + (24 + 2 * a * s / h) / 4)
+    # Llama-2-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 / 8
+    got = activation_bytes_per_layer(4096, 1, 8192, 64, 8, True, "none", True, ffn_mult=3.5, gated_mlp=True,
+                                     kv_ratio=1 / 8, dropout=False)
+    assert got == 4096 * 8192 / 8 * 33.5
+    # full recompute stores only the layer input, dropout or not
+    assert activation_bytes_per_layer(s, b, h, a, recompute="full", dropout=False) == 2 * sbh
+
+
+def test_model_shape_dropout_reaches_memory():
+    llama = ModelShape.from_params(70e9)
+    assert not llama.dropout and ModelShape.from_params(175e9).dropout
+    lay = Layout(1, 8, 1, sequence_parallel=True)
+    with_dropout = memory_per_gpu(ModelShape(**{**vars(llama), "dropout": True}), lay).activations
+    no_dropout = memory_per_gpu(llama, lay).activations
+    # one layer's difference is 2·s·b·h/t bytes (the two masks); 80 layers + the working set are equal
+    assert with_dropout - no_dropout == pytest.approx(80 * 2 * 4096 * 8192 / 8)
+
+
+def test_backtest_leave_one_out_never_uses_the_row_itself():
+    from dtrain.costmodel.backtest import fitted_e_max, load_rows, loo_calibrations, reported_tflops, row_setup
+    from dtrain.costmodel.timemodel import Calibration, Param, step_time
+    from dataclasses import replace
+    import statistics
+
+    rows = load_rows()[:3]
+    fits = [fitted_e_max(r) for r in rows]
+    # the fitted e_max reproduces its row's reported TFLOP/s
+    shape, cluster, lay, gb = row_setup(rows[0])
+    c0 = replace(Calibration(), mfu=Param(fits[0], "datasheet/published: test"))
+    assert step_time(shape, lay, cluster, c0).tflops_per_gpu == pytest.approx(reported_tflops(rows[0], shape, gb),
+                                                                              rel=1e-6)
+    calibs = loo_calibrations(rows)
+    for i, c in enumerate(calibs):
+        assert c.mfu.value == pytest.approx(statistics.median(fits[:i] + fits[i + 1:]))
+    # changing row 0's reported number moves the other rows' e_max but never its own
+    bumped = [dict(rows[0], reported={"tokens_per_s_per_gpu": rows[0]["reported"]["tokens_per_s_per_gpu"] * 2})] + rows[1:]
+    again = loo_calibrations(bumped)
+    assert again[0].mfu.value == pytest.approx(calibs[0].mfu.value)
+    assert again[1].mfu.value != pytest.approx(calibs[1].mfu.value)
+
+
+def test_zero3_pays_latency_per_fsdp_unit_by_hand():
+    from dtrain.costmodel import LinkModel, step_time
+    from dtrain.guide.local_check import host_cluster
+
+    shape = ModelShape(6, 512, 8, 8, 1000, 128)
+    alpha, beta = 1e-3, 1e9
+    cluster = host_cluster(1e11, 2, LinkModel(alpha, beta))
+    t = step_time(shape, Layout(2, 1, 1, zero_stage=3), cluster)
+    psi = params_per_gpu(shape, 1, 1)
+    ag = 0.5 * 2 * psi / beta + alpha    # bf16 weights, ring all-gather over 2 ranks
+    rs = 0.5 * 4 * psi / beta + alpha    # fp32 grads, reduce-scatter
+    per_unit = 6 * alpha                 # 6 blocks + the root = 7 FSDP units: 6 more latencies per collective
+    assert t.dp_comm == pytest.approx(2 * (ag + per_unit) + rs + per_unit)
+    # ZeRO-1 keeps one collective of each kind per step
+    z1 = step_time(shape, Layout(2, 1, 1, zero_stage=1), cluster)
+    assert z1.dp_comm == pytest.approx(ag + rs)
+
+
+def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
+    # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM runs at
+    # the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)
+    from dtrain.costmodel.gemm_probe import gemm_step_s
+
+    cfg = GPTConfig.from_preset("tiny")
+    t = {"kind": "gpt", "config": vars(cfg), "micro_batch": 8, "tp": 1}
+    tokens = 8 * cfg.seq_len
+    assert gemm_step_s(t, GemmCurve(1.0, 0.0), 1e11, 4) == pytest.approx(tokens * flops_per_token(cfg) / 1e11)

@@ -242,11 +242,12 @@ def test_memory_need_counts_the_layout_by_hand():
     need = training_need(model, train, 8)
     assert need.states == 65_792 * (4 + 12 / 2)  # zero2 over dp=2: 4 + (4 + 8) / 2 bytes per parameter
     # Activations (Korthikanti, fp32 = 2 x the 16-bit count), per layer per tp rank, s*b*h = 64*1*64,
-    # k and v of one head of 4 on each of the 2 ranks (r/tp = 1/4, as r = 2/4 split over 2):
-    # 4096 * (10 + (4 + 4 * 2/4 + 2 * 4 * 2) / 2) * 2 = 172032 bytes. Stage 0 holds min(pp, 4) = 2
-    # micro-batches of its 2 layers: 688128; the last stage 2 layers + all 256 fp32 logits per rank
-    # (4*64*256 = 65536): 409600. The busiest is stage 0.
-    assert need.activations == 172_032 * 2 * 2
+    # k and v of one head of 4 on each of the 2 ranks (r/tp = 1/4, as r = 2/4 split over 2), no dropout
+    # masks (dtrain's GPT has no dropout: ModelShape.dropout False, replicated term 8, not 10):
+    # 4096 * (8 + (4 + 4 * 2/4 + 2 * 4 * 2) / 2) * 2 = 155648 bytes. Stage 0 holds min(pp, 4) = 2
+    # micro-batches of its 2 layers: 622592; the last stage 2 layers + all 256 fp32 logits per rank
+    # (4*64*256 = 65536): 376832. The busiest is stage 0.
+    assert need.activations == 155_648 * 2 * 2
     assert need.init == 4 * 209_472 and need.per_rank == need.states + need.activations
     one = training_need(model, train_of(strategy="single", global_batch=None, micro_batch=1).validate(1), 1)
     assert one.states == 16 * 209_472

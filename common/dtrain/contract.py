@@ -130,6 +130,9 @@ class TrainingMeasurement:
     exposed_comm_s: float | None = None     # of it, not hidden behind compute
     overlap_fraction: float | None = None
     breakdown: StepBreakdown | None = None
+    # per-step tooling the run had on beyond training (fp8-train: guard, health, fp8_debug), which
+    # the cost model does not model; [] in records written before it was published
+    step_callbacks: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         bad = [k for k in MODEL_SHAPE if not isinstance(self.model.get(k), int) or self.model[k] < 1]
@@ -193,13 +196,16 @@ class GemmPoint:
 
 @dataclass(frozen=True)
 class StepOverhead:
-    """The fixed per-step cost of one model (GEMM-free shrunk copy), seconds."""
+    """The fixed per-step cost of one model, seconds: one training step at the model's real size
+    minus the time the fitted GEMM curve gives its GEMMs (``dtrain.costmodel.gemm_probe``)."""
 
     model_kind: str             # gpt | block | attention
     config: dict
     micro_batch: int
     tp: int
-    overhead_s: float
+    overhead_s: float           # max(step_s - gemm_s, 0)
+    step_s: float | None = None     # the measured step (None in records written before it was kept)
+    gemm_s: float | None = None     # the curve's time for its GEMMs
 
 
 @dataclass(frozen=True)
@@ -315,11 +321,12 @@ def where_of(device, backend, gpu_name=None) -> Where:
 
 def training_inputs(result: dict, model: dict, train: dict, where: Where, precision: str | None = None,
                     recipe: str | None = None, overlap: dict | None = None,
-                    breakdown: dict | None = None) -> list[TrainingMeasurement]:
+                    breakdown: dict | None = None, step_callbacks=()) -> list[TrainingMeasurement]:
     """The record of one ``dtrain.train.Trainer`` run from its ``run()`` result (every trainer user
     publishes through this): ``model`` is the GPTConfig as a dict, ``train`` the TrainConfig's
-    ``to_dict()``, ``overlap``/``breakdown`` a profile window's results when one ran. [] when the
-    run timed no step (all steps were warmup): there is no measurement to publish."""
+    ``to_dict()``, ``overlap``/``breakdown`` a profile window's results when one ran, ``step_callbacks``
+    the per-step tools the run had on beyond training. [] when the run timed no step (all steps
+    were warmup): there is no measurement to publish."""
     if not all(isinstance(result.get(k), (int, float)) and math.isfinite(result[k])
                for k in ("step_time_s", "tokens_per_s")):
         return []
@@ -341,4 +348,4 @@ def training_inputs(result: dict, model: dict, train: dict, where: Where, precis
         flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
         exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
         breakdown=StepBreakdown(**{f.name: float(breakdown[f.name]) for f in dataclasses.fields(StepBreakdown)})
-        if breakdown else None)]
+        if breakdown else None, step_callbacks=list(step_callbacks))]

@@ -32,6 +32,7 @@ from fp8_train.guard import NanGuard
 from fp8_train.health import HealthMonitor
 from fp8_train.precision_map import PrecisionMap
 
+STEP_TOOLS = ("guard", "health", "fp8_debug")  # per-step callbacks published as step_callbacks (not modelled)
 FINAL_WINDOW = 5  # final loss = mean over the last 5 steps (one batch is a noisy estimate)
 
 
@@ -138,6 +139,7 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     dashboard.render([run_dir], run_dir)
     inputs = contract.training_inputs(result, result.pop("model"), result.pop("train"),
                                       contract.where_of(result["device"], result["backend"], result["gpu_name"]),
-                                      precision=result["precision"], recipe=cfg.recipe)
+                                      precision=result["precision"], recipe=cfg.recipe,
+                                      step_callbacks=[k for k in STEP_TOOLS if cfg[k].enabled])
     return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"),
             "guide_inputs": inputs}

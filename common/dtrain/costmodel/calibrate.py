@@ -7,11 +7,13 @@ contract is skipped with a warning that names it. By record:
 
     CollectiveFit        all_reduce fits      -> α and achieved β per link class (intra / inter node)
     TrainingMeasurement  mfu, exposed comm    -> compute efficiency; overlap_fraction -> DP overlap
-      (recipe None)
+      (recipe None)      TP / PP layout runs'    tp_overhead (measured TP comm / α–β) and pp_overhead
+                         layout + breakdown      (measured p2p + idle share / bubble formula), ``from_layout``
     TpMeasurement        per-tp rows          -> measured / α–β-modelled TP communication time
     Fp8Comparison        per-recipe factors   -> FP8 speed factor, memory factor, layers kept in BF16
     GemmProbe            e_max, w_half        -> GEMM achieved-fraction curve (``gemm_probe``); its
                          overheads[]             per-model fixed step overhead feeds the local checks
+                                                 (step_overhead_s: their median, shown in the guide)
 
 Derived runs (``dtrain.derived``) publish only what they derived, so each measurement is read once.
 
@@ -23,12 +25,15 @@ Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
   GPU runs every value stays datasheet/published (and the guide says so).
 * ``local``: every measured value whatever the device; the guide uses it to predict the local
   runs' step times (predicted-vs-measured table).
-Among several runs for one value the latest (env.json ``created``, then path) wins.
+Among several runs for one value the latest (env.json ``created``, then path) wins;
+``leave_one_out`` gives instead the median over every run but one (the local checks use it, so a
+row is never predicted from a factor fitted on its own run).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,7 +43,8 @@ from dtrain.results import Run, complete_runs
 from dtrain.strategies import SHARDED
 
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
-from .timemodel import Calibration, Param
+from .memory import Layout
+from .timemodel import Calibration, Param, bubble_fraction, p2p_time, tp_comm_time
 
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
 
@@ -220,7 +226,8 @@ def training_entry(m: contract.TrainingMeasurement) -> dict:
             "peak_flops_source": m.peak_flops_source, "comm_s": m.comm_s, "exposed_comm_s": m.exposed_comm_s,
             "overlap_fraction": m.overlap_fraction, "mixed_precision": m.precision, "precision": m.precision,
             "recipe": m.recipe, "peak_mem_bytes": m.peak_mem_bytes, "device": m.where.device,
-            "breakdown": dataclasses.asdict(m.breakdown) if m.breakdown else None}
+            "breakdown": dataclasses.asdict(m.breakdown) if m.breakdown else None,
+            "step_callbacks": list(m.step_callbacks)}
 
 
 def training_entries(inputs: RunInputs, recipe: bool = False) -> list[dict]:
@@ -245,6 +252,59 @@ def from_fsdp(entries: list[dict], src: Source) -> list[Candidate]:
         if overlap is not None and g.get("strategy") in SHARDED:
             out.append(Candidate("dp_overlap", overlap, src, f"{g.get('strategy')} x{g.get('world_size')}"))
     return out
+
+
+def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> list[Candidate]:
+    """TP and PP factors of DP x TP x PP layout runs (``training_entries``: the record's layout and
+    its profiled step breakdown):
+
+    tp_overhead  measured TP comm (profile) / ``timemodel.tp_comm_time`` (α–β with this device's link)
+    pp_overhead  measured (PP p2p wait + idle) − α–β p2p sends, over compute + TP comm, / the bubble
+                 formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
+                 model puts on its bubble
+    """
+    from dtrain.fit import shape_of
+    from dtrain.model import GPTConfig
+
+    if link is None:
+        return []
+    out = []
+    for g in entries:
+        tp, pp, b = int(g["tp"]), int(g["pp"]), g.get("breakdown") or {}
+        if tp * pp == 1 or not b:
+            continue
+        shape = shape_of(GPTConfig(**g["model"]))
+        dp, mb, ga = int(g["dp"]), int(g["micro_batch"]), int(g["grad_accum"])
+        v = int(g.get("pp_virtual") or 1) if pp > 1 else 1
+        lay = Layout(dp, tp, pp, micro_batch=mb, grad_accum=ga, virtual_stages=v)
+        vb = 4 if g.get("precision", "fp32") == "fp32" else 2
+        name = f"dp{dp} x tp{tp} x pp{pp}"
+        tp_meas = _num(b.get("tp_comm_s")) or 0.0
+        if tp > 1 and tp_meas > 0:
+            model = tp_comm_time(shape, lay, link, vb)
+            out.append(Candidate("tp_overhead", tp_meas / model, src, f"{name}: TP comm measured {tp_meas * 1e3:.0f} ms "
+                                 f"(profile) / alpha-beta {model * 1e3:.0f} ms"))
+        compute = _num(b.get("compute_s"))
+        if pp > 1 and compute:
+            sends = 2 * v * ga * p2p_time(mb * shape.seq_len * shape.d_model * vb / tp, link)
+            idle = max((_num(b.get("pp_p2p_s")) or 0.0) + (_num(b.get("idle_s")) or 0.0) - sends, 0.0)
+            formula = bubble_fraction(pp, ga, v, shape.n_layer)
+            share = idle / (compute + tp_meas)
+            out.append(Candidate("pp_overhead", share / formula, src, f"{name}: p2p wait + idle {share:.0%} of compute "
+                                 f"(profile) / bubble formula {formula:.0%}"))
+    return out
+
+
+def leave_one_out(cands: list[Candidate], name: str, run: str, on_gpu: bool = False) -> Candidate | None:
+    """The median of every ``name`` value measured on this kind of device by a run other than ``run``
+    (a display path, as ``Source.run``); None when no other run measured it."""
+    pool = [c for c in cands if c.name == name and c.source.run != run and c.source.on_gpu == on_gpu]
+    if not pool:
+        return None
+    vals = sorted(c.value for c in pool)
+    med = statistics.median(vals)
+    runs = ", ".join(f"{c.source.run} {c.value:.2f}" for c in sorted(pool, key=lambda c: c.source.run))
+    return Candidate(name, med, pool[0].source, f"leave-one-out: median of {len(pool)} other run(s) ({runs})")
 
 
 def tp_regions(module: str) -> int:
@@ -320,8 +380,23 @@ def from_probe(g: dict, src: Source) -> list[Candidate]:
     if not e_max:
         return []
     detail = f"fit over {len(g.get('points') or [])} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
-    return [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
-                                                                          detail + "; W_half")]
+    out = [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
+                                                                         detail + "; W_half")]
+    over = [(o, _num(o.get("overhead_s"))) for o in g.get("overheads") or []]
+    over = [(o, v) for o, v in over if v is not None]
+    if over:
+        per = ", ".join(f"{_target_label(o)} {v * 1e3:.1f} ms" for o, v in over)
+        out.append(Candidate("step_overhead_s", statistics.median(v for _, v in over), src,
+                             f"median over {len(over)} models of the measured step minus the curve's GEMM time "
+                             f"(per model: {per}); the local checks use each model's own"))
+    return out
+
+
+def _target_label(o: dict) -> str:
+    c = o.get("config") or {}
+    if o.get("kind") == "gpt":
+        return f"GPT {c.get('n_layer')}x{c.get('d_model')} mb{o.get('micro_batch')}"
+    return f"{o.get('kind')} d{c.get('d_model')} mb{o.get('micro_batch')}"
 
 
 def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | None:
@@ -331,7 +406,8 @@ def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | No
 
 def _calibration(cands: list[Candidate], gpu_only: bool) -> Calibration:
     calib = Calibration()
-    for name in ("mfu", "gemm_half_flops", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"):
+    for name in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "tp_overhead", "pp_overhead",
+                 "fp8_speedup", "fp8_memory_factor"):
         best = _latest(cands, name, gpu_only)
         if best is not None:
             calib = replace(calib, **{name: best.param()})
@@ -374,11 +450,13 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
         if a and b:
             local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node")
             local_sources[cls] = b.source
-    # TP overhead needs the α–β of the same kind of device the TP run used
+    # TP overhead and the PP bubble factor need the α–β of the same kind of device the run used
     for ri in inputs:
+        link = _device_link(cands, ri.source.on_gpu)
         rows = tp_rows(ri)
         if rows:
-            cands += from_tp(rows, ri.source, _device_link(cands, ri.source.on_gpu))
+            cands += from_tp(rows, ri.source, link)
+        cands += from_layout(training_entries(ri), ri.source, link)
     return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
                              local=_calibration(cands, gpu_only=False), local_links=local_links,
                              local_sources=local_sources, keep_bf16=_keep(kept, True),

@@ -8,14 +8,17 @@ forward GEMMs of every model they trained (``efficiency.layer_gemms`` / ``head_g
 included), times each on this device (CPU: fp32 on the runs' threads per rank, the peak being
 the same 512³ probe the runs' MFU used; CUDA: bf16 against the datasheet peak), fits
 f(W) = e_max·W/(W + W_half) (``efficiency.fit_curve``), and times one training step of each
-model shrunk to 4-wide heads (same layers, ops, batch and sequence; its GEMM FLOPs are
-negligible), which is the fixed per-step cost of Python, autograd, elementwise kernels and the
-optimizer (with the trainer's gradient clipping and loss read-back). Writes a derived run
+model at its real size in one process (forward, backward, gradient clipping, AdamW, loss
+read-back, as the trainer does). The fixed per-step overhead of a model is that step minus the
+time the fitted curve gives its GEMMs: the cost of Python, autograd, elementwise kernels
+(norms, activations, softmax, residuals: work that grows with d_model, so it is measured at the
+real width, not on a shrunk model) and the optimizer. Writes a derived run
 ``<results>/gemm-probe/`` (``dtrain.derived``: config.yaml, env.json, summary.json with one
 ``dtrain.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -27,7 +30,7 @@ from dtrain import contract, envinfo, perf
 from dtrain.derived import write_derived_run
 from dtrain.results import complete_runs
 
-from .efficiency import Gemm, fit_curve, head_gemm, layer_gemms
+from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
 from .memory import Layout, ModelShape
 
 SUBPROJECT = "gemm-probe"
@@ -92,12 +95,11 @@ def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype) -> float:
     return _time(lambda: torch.bmm(a, b), sync=sync)
 
 
-def overhead_s(t: dict, device: torch.device) -> float:
-    """One training step (forward, backward, AdamW) of the model shrunk to 4-wide heads."""
+def step_s(t: dict, device: torch.device) -> float:
+    """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its real size."""
     from dtrain.model import GPT, Block, GPTConfig
 
     c = dict(t["config"])
-    c["d_model"] = 4 * c["n_head"]
     torch.manual_seed(0)
     if t["kind"] == "gpt":
         cfg = GPTConfig(**c)
@@ -112,9 +114,13 @@ def overhead_s(t: dict, device: torch.device) -> float:
         loss_fn = lambda: model(x).square().mean()  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
+    # on CUDA the runs compute in bf16 (FSDP's MixedPrecisionPolicy), as the probe's GEMM points do
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
     def step():  # what the trainer does per step: forward, backward, clip, AdamW, read the loss
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn()
+        with amp:
+            loss = loss_fn()
         loss.backward()
         if t["kind"] == "gpt":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -122,6 +128,27 @@ def overhead_s(t: dict, device: torch.device) -> float:
             loss.item()
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     return _time(step, reps=7, sync=sync)
+
+
+def gemm_step_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> float:
+    """Forward + backward (3x the forward FLOPs) of the target's GEMMs on the fitted curve."""
+    if t["kind"] == "gpt":
+        return 3 * _gpt_gemm_s(t, curve, peak, value_bytes)
+    return 3 * sum(gemm_time(g, peak, 0.0, curve, value_bytes) for g in gemms_of(t))
+
+
+def _gpt_gemm_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> float:
+    shape = shape_of_target(t)
+    lay = Layout(1, t["tp"], 1, micro_batch=t["micro_batch"])
+    layer = sum(gemm_time(g, peak, 0.0, curve, value_bytes) for g in layer_gemms(shape, lay))
+    return shape.n_layer * layer + gemm_time(head_gemm(shape, lay), peak, 0.0, curve, value_bytes)
+
+
+def overhead_s(t: dict, device: torch.device, curve: GemmCurve | None, peak: float, value_bytes: int) -> dict:
+    """The measured step, the curve's GEMM time and their difference (>= 0), the fixed overhead."""
+    step = step_s(t, device)
+    gemm = gemm_step_s(t, curve, peak, value_bytes) if curve else 0.0
+    return {"step_s": step, "gemm_s": gemm, "overhead_s": max(step - gemm, 0.0)}
 
 
 def probe(results: Path, device: str = "auto") -> Path:
@@ -144,8 +171,9 @@ def probe(results: Path, device: str = "auto") -> Path:
             points.append({"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": s,
                            "fraction": g.flops * g.count / s / peak})
     curve = fit_curve([(p["flops"] / p["count"], p["fraction"]) for p in points]) if len(points) >= 2 else None
-    overheads = [contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"], overhead_s(t, dev))
-                 for t in tg if t["tp"] == 1]
+    vb = 4 if dtype == torch.float32 else 2
+    overheads = [contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"],
+                                       **overhead_s(t, dev, curve, peak, vb)) for t in tg if t["tp"] == 1]
     record = contract.GemmProbe(dtype=str(dtype).replace("torch.", ""), peak_flops=peak, peak_flops_source=peak_source,
                                 points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
                                 e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,

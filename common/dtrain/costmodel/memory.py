@@ -15,8 +15,8 @@ Sources
 
 Approximations (documented, small next to the terms kept): biases, CUDA context, NCCL buffers
 and allocator fragmentation are not counted (the search keeps a headroom fraction of HBM free for
-them); dropout masks are counted as in the paper (1 byte per element, conservative for
-dropout-free models).
+them). Dropout is a property of the model (``ModelShape.dropout``): its 1-byte masks and the
+dropped-out attention probabilities are counted only for a model trained with dropout.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer. ``ffn_mult`` is MLP hidden / d_model; ``gated_mlp`` = SwiGLU."""
+    """A decoder-only transformer. ``ffn_mult`` is MLP hidden / d_model; ``gated_mlp`` = SwiGLU.
+
+    ``dropout``: trained with dropout layers (hidden and attention dropout, as Megatron-LM's
+    defaults of 0.1 and the GPT-3-style models of Korthikanti et al. 2022). Llama-style models
+    have none (Touvron et al. 2023 use no dropout; torchtitan's and dtrain's models have no
+    dropout layer), which is the default: no dropout masks are stored for backward.
+    """
 
     n_layer: int
     d_model: int
@@ -41,6 +47,7 @@ class ModelShape:
     gated_mlp: bool = False
     tied_embeddings: bool = False
     name: str = ""
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         if min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.vocab, self.seq_len) < 1:
@@ -108,6 +115,8 @@ class ModelShape:
 #   70B   Llama 2 70B      80 x 8192, 64 / 8,  SwiGLU 28672, vocab 32000                  (69.0e9)
 #   175B  GPT-3 175B       96 x 12288, 96 / 96, GELU 4h, vocab 50257, tied                (174.6e9)
 #   405B  Llama 3.1 405B  126 x 16384, 128 / 8, SwiGLU 53248, vocab 128256                (405.9e9)
+# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model); the Llama
+# family trains without it.
 # Sources: Touvron et al. 2023 (Llama 2), Rozière et al. 2023 (Code Llama), Brown et al. 2020
 # (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of Models" (Table 3), Meta's Llama 3.2
 # model card; ffn sizes as in the released config.json files.
@@ -117,7 +126,7 @@ KNOWN_SHAPES = {  # nominal size -> shape
     13e9: ModelShape(40, 5120, 40, 40, 32000, 4096, 13824 / 5120, True, False, "Llama-2-13B"),
     34e9: ModelShape(48, 8192, 64, 8, 32000, 4096, 22016 / 8192, True, False, "CodeLlama-34B"),
     70e9: ModelShape(80, 8192, 64, 8, 32000, 4096, 28672 / 8192, True, False, "Llama-2-70B"),
-    175e9: ModelShape(96, 12288, 96, 96, 50257, 2048, 4.0, False, True, "GPT-3-175B"),
+    175e9: ModelShape(96, 12288, 96, 96, 50257, 2048, 4.0, False, True, "GPT-3-175B", dropout=True),
     405e9: ModelShape(126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"),
 }
 
@@ -212,7 +221,7 @@ def fsdp2_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", flash_attention: bool = False, *, ffn_mult: float = 4.0,
-                               gated_mlp: bool = False, kv_ratio: float = 1.0) -> float:
+                               gated_mlp: bool = False, kv_ratio: float = 1.0, dropout: bool = True) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
     s sequence length, b micro-batch, h hidden size, a heads, t TP degree; 16-bit activations,
@@ -225,7 +234,12 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
                            fused swiglu saves them)
       attention scores:    5·a·s/h (softmax output 2, its dropout mask 1, dropout output 2 per
                            a·s² element), TP-sharded
-    GPT (F = 4h, r = 1, GELU) gives the paper's numbers:
+    ``dropout`` (default True: the paper's count) False drops the three dropout terms of §4.1: the
+    attention-output and MLP-output masks (1 + 1 of the replicated 10, leaving 8) and, in the
+    score term, the mask and the dropout output (3 of 5, leaving the softmax output 2·a·s/h,
+    which the AV matmul reads directly). Without dropout, GPT (F = 4h, r = 1) stores
+    s·b·h·(32 + 2·a·s/h) per layer.
+    GPT (F = 4h, r = 1, GELU) with dropout gives the paper's numbers:
       no parallelism:        s·b·h·(34 + 5·a·s/h)                  (§4.1)
       TP, no SP:             s·b·h·(10 + 24/t + 5·a·s/(h·t))       (§4.2.1)
       TP + SP:               s·b·h/t·(34 + 5·a·s/h)                 (§4.2.2)
@@ -244,11 +258,12 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
-    attn = 0.0 if recompute == "selective" or flash_attention else 5 * a * s / h
+    attn = 0.0 if recompute == "selective" or flash_attention else (5 if dropout else 2) * a * s / h
     sharded = 4 + 4 * kv_ratio + 2 * ffn_mult * (3 if gated_mlp else 2) + attn
+    replicated = 10 if dropout else 8
     if sequence_parallel:
-        return sbh / t * (10 + sharded)
-    return sbh * (10 + sharded / t)
+        return sbh / t * (replicated + sharded)
+    return sbh * (replicated + sharded / t)
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = True,
@@ -257,7 +272,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: b
     return activation_bytes_per_layer(shape.seq_len, layout.micro_batch, shape.d_model, shape.n_head, layout.tp,
                                       layout.sequence_parallel, recompute or layout.recompute, flash_attention,
                                       ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=shape.gated_mlp,
-                                      kv_ratio=shape.n_kv_head / shape.n_head)
+                                      kv_ratio=shape.n_kv_head / shape.n_head, dropout=shape.dropout)
 
 
 def stage_layers(shape: ModelShape, pp: int) -> int:

@@ -19,6 +19,11 @@ Sources
   (p−1)/(v·m) with v interleaved stages and m micro-batches; §4.1 scatter/gather of p2p tensors.
   Uneven stages (Megatron ``--decoder-first/last-pipeline-num-layers``): the bubble is p−1 slots
   of the busiest virtual chunk, ceil(L/(p·v)) layers, see ``bubble_fraction``.
+* ZeRO-3 / FSDP issues its collectives per FSDP unit, one per transformer block plus the root
+  (embeddings, head), as torchtitan and dtrain wrap the model (``fully_shard`` per block): the
+  bytes are the same as one collective over the stage's parameters, the α latency is paid per unit.
+* Pipeline bubble: ``Calibration.pp_overhead`` scales the formula (1 = taken as is; fsdp-scaling's
+  PP layout runs measure the ratio of the real idle + p2p share to the formula's).
 * DP gradients are reduced in fp32 (Megatron ``--accumulate-allreduce-grads-in-fp32``, torchtitan
   FSDP ``reduce_dtype=float32``): 4 bytes per parameter; gathered weights move in bf16.
 """
@@ -34,11 +39,11 @@ from .efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms
 from .memory import Layout, ModelShape, params_per_gpu, stage_layers
 
 __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
-           "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link",
+           "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link", "tp_comm_time",
            "model_flops_per_token", "compute_time", "step_time"]
 
 PROVENANCES = ("datasheet/published:", "measured here:")
-GPU_E_MAX = 0.62
+GPU_E_MAX = 0.64
 GPU_W_HALF = 2.1e9
 
 
@@ -123,8 +128,9 @@ class Calibration:
 
     mfu: Param = field(default_factory=lambda: _published(
         GPU_E_MAX, "e_max of the GEMM achieved-fraction curve (share of the roofline bound a large GEMM "
-        "reaches, non-GEMM kernels folded in); fitted to the published runs of dtrain backtest "
-        "(costmodel/backtest_runs.yaml), so the backtest is in-sample for this one number"))
+        "reaches, non-GEMM kernels folded in): median over the published runs of dtrain backtest "
+        "(costmodel/backtest_runs.yaml) of the e_max reproducing each; the backtest predicts each row with "
+        "the median of the OTHER rows (leave-one-out)"))
     gemm_half_flops: Param = field(default_factory=lambda: _published(
         GPU_W_HALF, "W_half of the GEMM achieved-fraction curve: FLOPs of a GEMM reaching half of e_max; "
         "assumption: a 1024^3 bf16 GEMM (2.1 GFLOP) reaches about half of a large one on A100/H100 "
@@ -135,6 +141,9 @@ class Calibration:
     dp_overlap: Param = field(default_factory=lambda: _published(
         0.5, "assumption: DDP bucketing (Li et al. 2020, VLDB) and FSDP prefetching (Zhao et al. "
         "2023, VLDB) overlap DP traffic with backward; half taken as hidden until fsdp-scaling measures it"))
+    pp_overhead: Param = field(default_factory=lambda: _published(
+        1.0, "bubble formula (p-1)*ceil(L/(p*v))/(m*ceil(L/p)) taken as is (Narayanan et al. 2021); "
+        "fsdp-scaling's PP layout runs measure the real/formula ratio"))
     tp_overhead: Param = field(default_factory=lambda: _published(
         1.0, "alpha-beta prediction taken as is; Megatron TP collectives are not overlapped "
         "(Shoeybi et al. 2019), tp-attention measures the real/modelled ratio"))
@@ -180,6 +189,17 @@ class StepTime:
         return self.model_flops / (self.total * self.gpus * self.peak_flops)
 
 
+def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2) -> float:
+    """α–β TP communication of one step on the busiest stage, before ``Calibration.tp_overhead``:
+    ceil(L/pp) layers · m micro-batches · (4, or 6 with full recompute) ring all-reduces of b·s·h
+    values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume)."""
+    if layout.tp <= 1:
+        return 0.0
+    n_coll = 6 if layout.recompute == "full" else 4
+    act_bytes = layout.micro_batch * shape.seq_len * shape.d_model * value_bytes
+    return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * allreduce_time(act_bytes, layout.tp, link)
+
+
 def model_flops_per_token(shape: ModelShape) -> float:
     """``dtrain.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
     return transformer_flops_per_token(shape.n_layer, shape.d_model, shape.n_head, shape.n_kv_head,
@@ -219,13 +239,14 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     overhead  calib.step_overhead_s, fixed per step
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
-    bubble    bubble_fraction(p, m, v, L) · (compute + tp_comm)
+    bubble    bubble_fraction(p, m, v, L) · (compute + tp_comm) · calib.pp_overhead
     dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes, weights
               value_bytes·Ψ): ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads +
               an all-gather of weights (Megatron distributed optimizer); ZeRO-2 m reduce-
               scatters + one all-gather of params; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter),
               sharded grads being reduced every micro-batch (no no_sync); with m = 1 that is the
-              ZeRO paper's 1.5× of DP. exposed = dp_comm − min(overlap · dp_comm, compute).
+              ZeRO paper's 1.5× of DP; ZeRO-3 pays α once per FSDP unit (ceil(L/pp) blocks + the
+              root) per collective. exposed = dp_comm − min(overlap · dp_comm, compute).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
     4 for the fp32 runs on CPU whose step times the guide predicts).
@@ -248,16 +269,15 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     act_bytes = lay.micro_batch * s * h * value_bytes
     tp_comm = 0.0
     if lay.tp > 1:
-        n_coll = 6 if lay.recompute == "full" else 4
         link = group_link(cluster, lay.tp, 1, multi_rail=False)
-        per_layer = n_coll * allreduce_time(act_bytes, lay.tp, link)
-        tp_comm = layers * m * per_layer * calib.tp_overhead.value
+        tp_comm = tp_comm_time(shape, lay, link, value_bytes) * calib.tp_overhead.value
 
     pp_comm = bubble = 0.0
     if lay.pp > 1:
         link = cluster.nvlink if lay.tp * lay.dp * lay.pp <= cluster.node_size else cluster.ib
         pp_comm = 2 * lay.virtual_stages * m * p2p_time(act_bytes / lay.tp, link)
-        bubble = bubble_fraction(lay.pp, m, lay.virtual_stages, shape.n_layer) * (compute + tp_comm)
+        bubble = (bubble_fraction(lay.pp, m, lay.virtual_stages, shape.n_layer) * (compute + tp_comm)
+                  * calib.pp_overhead.value)
 
     dp_comm = 0.0
     if lay.dp > 1:
@@ -273,7 +293,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
         elif lay.zero_stage == 2:
             dp_comm = m * rs + ag
         else:
-            dp_comm = m * (2 * ag + rs)
+            units = layers + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
+            latency = (units - 1) * (lay.dp - 1) * link.alpha_s
+            dp_comm = m * (2 * (ag + latency) + rs + latency)
     hidden = min(calib.dp_overlap.value * dp_comm, compute)
     exposed = dp_comm - hidden
 

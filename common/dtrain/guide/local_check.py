@@ -10,19 +10,27 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
                        shapes plus the probe's measured fixed per-step overhead of the same model
                        (no step time of the checked runs is used); without one, the compute
                        efficiency of fsdp-scaling (leave-one-out over its runs)
-  TP communication     raw α–β of allreduce-bench (tp_overhead = 1: tp-attention itself calibrates it)
+  TP communication     α–β of allreduce-bench × the measured/modelled TP ratio of the OTHER runs
+                       (tp-attention and fsdp-scaling's TP layout runs, ``calibrate.leave_one_out``:
+                       never the row's own run); raw α–β when no other run measured it
+  PP bubble            the bubble formula × the measured/formula ratio of the other PP layout runs
+                       (leave-one-out, as above); the formula as is when there is none
   DP overlap           fsdp-scaling's measured overlap of the other runs (in-sample with one run)
   FP8 speed factor     fp8-train compare (in-sample for the fp8 rows: it measured those runs)
-Rows say which inputs were in-sample. Goal: |error| <= 15%.
+  shared cores         a run with more busy threads (ranks x threads_per_rank) than the host's cores
+                       computes that many times slower: its peak is divided, its overhead multiplied
+                       by ranks·threads / cores (``oversubscription``)
+Rows say which inputs were in-sample or left out. Goal: |error| <= 15%.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass, replace
 
 from dtrain.costmodel import Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape, Param, step_time
-from dtrain.costmodel.calibrate import (CalibrationReport, display_path, tp_modelled_comm_s, tp_rows,
-                                        training_entries)
+from dtrain.costmodel.calibrate import (Candidate, CalibrationReport, display_path, leave_one_out,
+                                        tp_modelled_comm_s, tp_rows, training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.fit import shape_of
@@ -32,6 +40,7 @@ from dtrain.strategies import ZERO_STAGE
 
 GOAL = 0.15
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
+CALLBACKS_NOTE = "not modelled: per-step callbacks on"  # TrainingMeasurement.step_callbacks
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,11 @@ class Check:
             alt = ", ".join(f"{t * 1e3:.0f}" for t in twins)
             return (f"run-to-run noise: the identical run measured {alt} ms vs {self.measured_s * 1e3:.0f} ms here "
                     "(other processes on the shared cores), and the prediction is within the goal of that one")
+        if self.error < 0 and CALLBACKS_NOTE in self.detail:
+            tools = self.detail.split(CALLBACKS_NOTE + ": ", 1)[-1]
+            return (f"the run's per-step tooling ({tools}: fp8-train's NaN guard's hooks on every linear layer, "
+                    "the health and debug statistics) runs every step; the model predicts training compute and "
+                    "communication only, and at this model size the tooling dominates the step")
         if "comm measured" in self.detail:
             parts = [float(x) for x in self.detail.replace("ms", " ").split() if x.replace(".", "", 1).isdigit()]
             gap = abs(self.measured_s - self.predicted_s) * 1e3
@@ -68,8 +82,9 @@ class Check:
                 return (f"in-training gloo communication is slower than allreduce-bench's isolated α–β: "
                         f"{parts[0] - parts[1]:.0f} of the {gap:.0f} ms gap")
         if self.error < 0:
-            return ("the run spent more than the probe's GEMM curve and fixed overhead predict: per-layer "
-                    "framework work the shrunk-model probe does not see (FSDP/TP hooks, FP8 casts) or load")
+            return ("the run spent more than the probe's GEMM curve and fixed overhead predict: per-step work of "
+                    "the distributed trainer that the single-process probe does not run (DDP/FSDP/TP hooks, "
+                    "callbacks, FP8 casts) or more load on the shared cores than at probe time")
         return "the run's GEMMs ran faster than in the probe (less load at run time)"
 
 
@@ -79,6 +94,15 @@ def host_cluster(peak_flops: float, world: int, link: LinkModel) -> Cluster:
     prof = GPUProfile("host", peak_flops / 1e12, peak_flops / 1e12, 1e6, 0.0, gbps, 2 * gbps, world, 0, gbps,
                       gbps * 8, "measured")
     return Cluster(world, world, prof, link, link)
+
+
+def oversubscription(env: dict, world: int) -> float:
+    """Busy threads per core, at least 1: ranks · threads_per_rank / the host's cores (env.json). With
+    more threads than cores the ranks' compute is time-sliced, so each runs that many times slower
+    than the matmul probe it measured alone."""
+    cores = int(env.get("cpu_count") or 0)
+    threads = int(env.get("threads_per_rank") or 1)
+    return max(1.0, world * threads / cores) if cores else 1.0
 
 
 def _median(xs: list[float]) -> float:
@@ -95,6 +119,7 @@ class _Fsdp:
     value_bytes: int
     efficiency: float  # compute-only, cost-model FLOP convention
     experiment: str    # the run's subproject, as the checks label it
+    oversub: float = 1.0
 
 
 def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
@@ -117,7 +142,7 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
             vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
             out.append(_Fsdp(display_path(ri.run.path, base), ri.source.on_gpu, g, shape, layout, vb, eff,
-                             ri.run.subproject))
+                             ri.run.subproject, oversubscription(ri.run.env, world)))
     return out
 
 
@@ -156,9 +181,12 @@ def _gpt_match(shape: ModelShape) -> dict:
 
 
 def _calib(eff: float, eff_basis: str, overlap: float | None, probe: _Probe | None = None,
-           overhead: float | None = None) -> Calibration:
+           overhead: float | None = None, factors: tuple[Candidate | None, ...] = ()) -> Calibration:
     c = replace(Calibration(), mfu=Param(eff, "measured here: " + eff_basis),
                 tp_overhead=Param(1.0, "datasheet/published: raw alpha-beta"))
+    for f in factors:  # leave-one-out tp_overhead / pp_overhead
+        if f is not None:
+            c = replace(c, **{f.name: f.param()})
     if probe is not None and overhead is not None:
         c = replace(c, mfu=Param(probe.curve.e_max, "measured here: " + probe.label),
                     gemm_half_flops=Param(probe.curve.w_half, "measured here: " + probe.label),
@@ -171,7 +199,15 @@ def _calib(eff: float, eff_basis: str, overlap: float | None, probe: _Probe | No
 PROBE_BASIS = "GEMM curve + fixed step overhead from gemm-probe"
 
 
-def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None = None) -> list[Check]:
+def _factor_basis(f: Candidate | None, what: str, raw: str) -> str:
+    if f is None:
+        return f"; {raw} (no other run measured it)"
+    n = re.search(r"median of (\d+) other", f.detail)
+    return f"; {what} x{f.value:.2f} from {n.group(1) if n else '?'} other run(s), leave-one-out"
+
+
+def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None = None,
+                cands: list[Candidate] = ()) -> list[Check]:
     out = []
     for i, r in enumerate(runs):
         if link is None and r.layout.dp * r.layout.tp * r.layout.pp > 1:
@@ -188,8 +224,18 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None 
         if over is not None:
             basis = PROBE_BASIS + (f"; DP overlap from {len(others)} other fsdp run(s)" if others else "")
         world = r.layout.dp * r.layout.tp * r.layout.pp
-        cluster = host_cluster(r.guide["peak_flops"], world, link or LinkModel(0, 1e30))
-        t = step_time(r.shape, r.layout, cluster, _calib(eff, basis, overlap, probe, over), value_bytes=r.value_bytes)
+        factors = (leave_one_out(list(cands), "tp_overhead", r.run) if r.layout.tp > 1 else None,
+                   leave_one_out(list(cands), "pp_overhead", r.run) if r.layout.pp > 1 else None)
+        if r.layout.tp > 1:
+            basis += _factor_basis(factors[0], "TP comm", "raw alpha-beta TP comm")
+        if r.layout.pp > 1:
+            basis += _factor_basis(factors[1], "PP bubble", "bubble formula as is")
+        if r.oversub > 1:
+            basis += f"; {r.oversub:g} busy threads per core"
+            over = over * r.oversub if over is not None else None
+        cluster = host_cluster(r.guide["peak_flops"] / r.oversub, world, link or LinkModel(0, 1e30))
+        t = step_time(r.shape, r.layout, cluster, _calib(eff, basis, overlap, probe, over, factors),
+                      value_bytes=r.value_bytes)
         exposed = r.guide.get("exposed_comm_s")
         detail = "" if exposed is None else (
             f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted {t.dp_comm_exposed * 1e3:.0f} ms; "
@@ -227,16 +273,20 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
         measured = mb * ga * world * shape.seq_len / g["tokens_per_s"]
         fp8 = g.get("recipe") not in BASELINE_RECIPES
         zero = ZERO_STAGE.get(g["strategy"], 0) if world > 1 else 0
+        k = oversubscription(ri.run.env, world)
         over = probe.overhead("gpt", _gpt_match(shape), mb, peak) if probe else None
+        over = over * k if over is not None else None
         row_calib = calib if over is None else replace(
             _calib(eff, "", calib.dp_overlap.value, probe, over), fp8_speedup=calib.fp8_speedup)
         t = step_time(shape, Layout(world, 1, 1, zero, micro_batch=mb, grad_accum=ga),
-                      host_cluster(peak, world, link or LinkModel(0, 1e30)), row_calib,
+                      host_cluster(peak / k, world, link or LinkModel(0, 1e30)), row_calib,
                       precision="fp8" if fp8 else "bf16", value_bytes=4 if g.get("precision") != "bf16" else 2)
         basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
             "; in-sample FP8 factor from fp8-train compare" if fp8 else "")
+        tools = g.get("step_callbacks") or []
+        note = f"{CALLBACKS_NOTE}: {', '.join(tools)}" if tools else ""
         out.append(Check(ri.run.subproject, display_path(ri.run.path, base), f"{g.get('recipe')} x{world} step",
-                         measured, t.total, basis))
+                         measured, t.total, basis, note))
     return out
 
 
@@ -266,6 +316,10 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
             continue
         run = ri.run
         shown_single = False
+        here = display_path(run.path, base)
+        factor = leave_one_out(report.candidates, "tp_overhead", here)
+        scale = factor.value if factor else 1.0
+        comm_basis = _factor_basis(factor, "alpha-beta TP comm", "raw alpha-beta TP comm")
         for row, regions in sorted(rows, key=lambda rr: (rr[0]["tp"], bool(rr[0]["sequence_parallel"]))):
             b, s, h, heads, kv = row["batch"], row["seq"], row["d_model"], row["n_head"], row["n_kv_head"]
             ffn = int(row["mlp_ratio"]) * h if regions == 2 else 0
@@ -280,14 +334,14 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
                 shown_single = True
             if row["tp"] < 2:
                 continue
-            comm = tp_modelled_comm_s(row, link, regions)
+            comm = tp_modelled_comm_s(row, link, regions) * scale
             sp = " sp" if row["sequence_parallel"] else ""
             detail = (f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms (profile) vs "
                       f"predicted {comm * 1e3:.0f} ms")
             shard = _tp_probe_time(row, kind, row["tp"], peak, probe) if p1 is not None else None
             out.append(Check(run.subproject, display_path(run.path, base), f"one layer, tp={row['tp']}{sp}",
                              row["step_time_s"], (single / row["tp"] if shard is None else shard) + comm,
-                             eff_basis + "; raw alpha-beta TP comm", detail))
+                             eff_basis + comm_basis, detail))
     return out
 
 
@@ -298,6 +352,6 @@ def local_checks(report: CalibrationReport, base=None) -> list[Check]:
         link = None  # a GPU link does not describe CPU ranks
     runs = [r for r in _fsdp_runs(report, base) if not r.on_gpu]
     probe = _probe(report, base)
-    checks = (fsdp_checks(runs, link, probe) + fp8_checks(report, runs, link, base, probe)
+    checks = (fsdp_checks(runs, link, probe, report.candidates) + fp8_checks(report, runs, link, base, probe)
               + tp_checks(report, runs, link, base, probe))
     return sorted(checks, key=lambda c: (c.experiment, c.run, c.what))

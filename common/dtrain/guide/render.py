@@ -18,9 +18,10 @@ from .matrix import (GLOBAL_BATCH, GPU_COUNTS, GPUS_PER_NODE, IB_GBITS, MODELS, 
 PARAM_NAMES = [
     ("mfu", "GEMM achieved fraction of the roofline bound, large GEMMs (e_max)", "{:.1%}"),
     ("gemm_half_flops", "GEMM size reaching half of e_max (W_half)", "{:.2g} FLOP"),
-    ("step_overhead_s", "fixed per-step overhead", "{:.4f} s"),
+    ("step_overhead_s", "fixed per-step overhead (step minus GEMM time)", "{:.4f} s"),
     ("dp_overlap", "share of DP/ZeRO traffic hidden behind compute", "{:.0%}"),
     ("tp_overhead", "TP communication: measured / α–β-modelled time", "{:.2f}×"),
+    ("pp_overhead", "PP bubble: measured p2p wait + idle / bubble formula", "{:.2f}×"),
     ("fp8_speedup", "FP8 compute speed factor over BF16", "{:.2f}×"),
     ("fp8_memory_factor", "FP8 activation-memory factor", "{:.2f}×"),
 ]
@@ -151,11 +152,16 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
                    + (f" {_md(where)} |" if where else " |"))
     out += ["", "Each miss names its likeliest cause in the last column: run-to-run noise (identical runs on the "
             "shared cores differ by more than the goal), in-training gloo communication slower than allreduce-"
-            "bench's isolated α–β (compare the profiled and predicted communication), or per-layer framework work "
-            "(FSDP/TP hooks, FP8 casts) that the probe's shrunk model does not have. Compute is predicted from the "
-            "gemm-probe (GEMM curve over the runs' shapes + measured fixed step overhead, scaled by each run's own "
-            "matmul probe for the load at the time) when the results hold one. The model was built for GPU "
-            "clusters; these rows test its mechanics (FLOPs, bytes, α–β, overlap), not GPU numbers.", ""]
+            "bench's isolated α–β (compare the profiled and predicted communication), fp8-train's per-step tooling "
+            "(NaN guard hooks, health and debug statistics: not training compute, so not modelled), or per-step "
+            "framework work of the distributed trainer (DDP/FSDP/TP hooks, FP8 casts) that the probe's "
+            "single-process step does not have. Compute is predicted from the gemm-probe (GEMM curve over the runs' shapes + the "
+            "measured fixed step overhead of the same model at its real size, scaled by each run's own matmul "
+            "probe for the load at the time, and by the busy threads per core when a run has more ranks than the "
+            "host has cores) when the results hold one. TP communication and the PP bubble carry the measured/"
+            "modelled factor of the OTHER runs that measured them (leave-one-out, never the row's own run; the "
+            "inputs column says how many). The model was built for GPU clusters; these rows test its mechanics "
+            "(FLOPs, bytes, α–β, overlap), not GPU numbers.", ""]
     return out
 
 
@@ -191,19 +197,22 @@ def backtest_section() -> list[str]:
            "(model shape, GPUs, layout and batch as printed in the cited source) predicted with the datasheet "
            "calibration. TFLOP/s per GPU in model FLOPs (`dtrain.flops`, the reported tokens/s converted with "
            "the same formula); rank and gap: where the published layout falls among every candidate the search "
-           "scores for that model, cluster and batch. The GEMM curve's e_max is fitted to these rows (in-sample); "
-           "the Megatron-LM SC'21/README, Llama 3, BLOOM, MT-NLG, NeoX-20B and OPT runs are held out for "
-           "independent validation and are not used.", "",
+           "scores for that model, cluster and batch. The GEMM curve's e_max is the one number these rows tune: "
+           "each row is predicted with the median e_max fitted to the OTHER rows (leave-one-out, column e_max); "
+           "the GPU matrix's default is the median over all rows. The Megatron-LM SC'21/README, Llama 3, BLOOM, "
+           "MT-NLG, NeoX-20B and OPT runs are held out for independent validation and are not used.", "",
            f"**Median |error| {s['median_abs_error']:.1%}** (goal ≤ {ERROR_GOAL:.0%}: "
            f"{'met' if s['error_goal_met'] else 'not met'}); **published layout within {GAP_GOAL:.0%} of the "
            f"model's best in {s['within_10pct_of_best']} of {s['rows']} rows** (goal ≥ {SHARE_GOAL:.0%}: "
            f"{'met' if s['rank_goal_met'] else 'not met'}).", "",
-           "| run | published layout | reported TFLOP/s/GPU | predicted | error | rank | gap to best | model's best | source |",
-           "|---|---|---:|---:|---:|---:|---:|---|---|"]
+           "| run | published layout | reported TFLOP/s/GPU | predicted | error | e_max | rank | gap to best | "
+           "model's best | source |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         fits = "" if r.fits else " (model: over HBM)"
         out.append(f"| {_md(r.name)} | {r.layout}{fits} | {r.reported_tflops:.0f} | {r.predicted_tflops:.0f} | "
-                   f"{r.error:+.0%} | {r.rank}/{r.candidates} | {r.gap_to_best:.1%} | {r.best} | {_md(r.source)} |")
+                   f"{r.error:+.0%} | {r.e_max:.2f} | {r.rank}/{r.candidates} | {r.gap_to_best:.1%} | {r.best} | "
+                   f"{_md(r.source)} |")
     return out + [""]
 
 
@@ -219,14 +228,19 @@ def limits() -> list[str]:
     return ["## Assumptions and limits", "",
             "* Formulas and sources (in `common/dtrain/costmodel/`): `memory.py` (Megatron `theoretical_memory_usage.py` 18 bytes/param with fp32 "
             "grads, 6 + 12/d with the distributed optimizer; Korthikanti et al. 2022 activations per MLP ratio, "
-            "SwiGLU and GQA; FlashAttention vs eager scores), `timemodel.py` + `efficiency.py` (one FLOP formula "
+            "SwiGLU and GQA; dropout masks only for models trained with dropout (`ModelShape.dropout`, off for "
+            "Llama-style models); FlashAttention vs eager scores), `timemodel.py` + `efficiency.py` (one FLOP formula "
             "`dtrain.flops`, GEMM roofline × achieved-fraction curve, ring α–β collectives, Megatron TP, uneven interleaved bubble (p−1)·ceil(L/(p·v))"
-            "/(m·ceil(L/p)) after Narayanan et al. 2021).",
+            "/(m·ceil(L/p)) after Narayanan et al. 2021, ZeRO-3 latency per FSDP unit).",
             "* Not modelled: NCCL tree/NVLS algorithms, network congestion and topology beyond one NIC per GPU "
-            "(rail-optimised), overlap of TP communication with compute, optimizer-step time (beyond a measured "
+            "(rail-optimised), overlap of TP communication with compute (Megatron/TransformerEngine userbuffers, "
+            "torchtitan async TP: no backtest row uses them), optimizer-step time (beyond a measured "
             "fixed per-step overhead), stragglers, and context/expert parallelism.",
             "* The GPU GEMM curve is a datasheet/published default until a CUDA `gemm-probe` run (written by "
-            "`dtrain capstone` on a GPU host) measures it; non-GEMM kernels are folded into its e_max.",
+            "`dtrain capstone` on a GPU host) measures it; non-GEMM kernels are folded into its e_max, one value "
+            "for every GPU: A100 runs reach a higher share of their peak than H100 runs (the backtest's A100 70B "
+            "full-recompute row needs e_max 0.76: its 51.7% MFU is 69% of peak in hardware FLOPs, recompute "
+            "included), so A100 rows are under-predicted and H100 rows over-predicted.",
             "* Predictions are a ranking aid: measure the top two or three layouts of `dtrain plan` on the real "
             "cluster before a long run.", ""]
 
