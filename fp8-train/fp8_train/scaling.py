@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtrain.train import Callback
 from fp8_train.formats import Format
 
 AMAX_ALGOS = ("max", "most_recent")
@@ -57,10 +58,11 @@ class DelayedScaler(nn.Module):
     the step-t cast uses what steps < t saw. The history is a buffer, so checkpoints keep it."""
 
     kind = "delayed"
-    # Ranks see different activations and gradients; TE reduces each amax over the data-parallel group
+    # Ranks see different activations and gradients; TE reduces the amaxes over the data-parallel group
     # so every rank keeps the same history and scale. Without it a DCP checkpoint (which saves one
     # rank's copy of a replicated buffer, whichever its planner picks) resumes the others off course.
-    amax_group = None  # set by reduce_amax_over
+    # With a group, amaxes wait in `pending` for AmaxReduction's one all-reduce at the step's end.
+    amax_group = None
 
     def __init__(self, fmt: Format, margin: int = 0, history_len: int = 16, algo: str = "max"):
         super().__init__()
@@ -72,6 +74,7 @@ class DelayedScaler(nn.Module):
         self.register_buffer("amax_history", torch.zeros(history_len), persistent=True)
         self.register_buffer("scale", torch.ones(()), persistent=True)
         self.register_buffer("last_amax", torch.zeros(()), persistent=True)
+        self.pending: list[torch.Tensor] = []
 
     def history_amax(self) -> torch.Tensor:
         if self.algo == "most_recent":
@@ -81,8 +84,11 @@ class DelayedScaler(nn.Module):
     def record(self, amax: torch.Tensor) -> None:
         """Push one amax (newest first) and recompute the scale for the next cast."""
         if self.amax_group is not None:
-            amax = amax.detach().clone()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
+            self.pending.append(amax.detach().float().reshape(()))
+            return
+        self.push(amax)
+
+    def push(self, amax: torch.Tensor) -> None:
         self.last_amax.copy_(amax)
         self.amax_history.copy_(torch.roll(self.amax_history, 1))
         self.amax_history[0] = amax
@@ -95,12 +101,30 @@ class DelayedScaler(nn.Module):
         return scale
 
 
-def reduce_amax_over(model: nn.Module, group) -> int:
-    """Every DelayedScaler of `model` reduces its amaxes (max) over `group`; returns how many."""
-    scalers = [m for m in model.modules() if isinstance(m, DelayedScaler)]
-    for m in scalers:
-        m.amax_group = group
-    return len(scalers)
+class AmaxReduction(Callback):
+    """A Trainer callback: at each step's end (before any checkpoint), one all-reduce (max) over `group`
+    of every amax the step recorded, then each DelayedScaler's history and scale; as TE's delayed
+    scaling does over the data-parallel group. With one micro-batch per step each scaler records once
+    per step, so the numerics equal a reduction at every cast."""
+
+    def __init__(self, model: nn.Module, group):
+        super().__init__()
+        self.group = group
+        self.scalers = [m for m in model.modules() if isinstance(m, DelayedScaler)]
+        for m in self.scalers:
+            m.amax_group = group
+
+    def on_step_end(self, trainer, step, metrics) -> None:
+        if not self.scalers:
+            return
+        amax = torch.stack([torch.stack(m.pending).max() if m.pending else torch.zeros(()) for m in self.scalers])
+        seen = torch.tensor([1.0 if m.pending else 0.0 for m in self.scalers])
+        both = torch.cat([amax, seen]).to(self.scalers[0].scale.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # "seen" by max: by any rank
+        for m, a, s in zip(self.scalers, both[:len(self.scalers)], both[len(self.scalers):]):
+            m.pending.clear()
+            if s > 0:
+                m.push(a)
 
 
 def make_scaler(kind: str, fmt: Format, margin: int = 0, history_len: int = 16,

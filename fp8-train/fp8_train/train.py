@@ -88,8 +88,8 @@ def rank_fn(ctx) -> dict:
     trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
                       grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None],
                       peak_flops=peak)
-    if ctx.world_size > 1:  # a group of its own: these all-reduces run inside DDP's/FSDP's backward
-        scaling.reduce_amax_over(trainer.model, dist.new_group(backend=ctx.backend))
+    if ctx.world_size > 1:  # first at each step's end: the guard's checkpoints then hold the reduced state
+        trainer.callbacks.insert(0, scaling.AmaxReduction(trainer.model, dist.new_group(backend=ctx.backend)))
     decisions = pmap.all_decisions() if factory else []
     if ctx.is_main:
         for d in decisions:
