@@ -10,7 +10,8 @@ import yaml
 
 from dtrain import contract
 from dtrain.costmodel import Cluster, LinkModel
-from dtrain.costmodel.calibrate import calibrate, tp_modelled_comm_s
+from dtrain.costmodel.calibrate import calibrate
+from dtrain.costmodel.calibration_records import tp_modelled_comm_s
 from dtrain.derived import write_derived_run
 from dtrain.guide.local_check import local_checks
 from dtrain.metrics import write_summary

@@ -65,7 +65,7 @@ def _layout_fixture(tmp_path, pp: int = 1):
 
 
 def test_layout_runs_calibrate_tp_and_pp_factors_by_hand(tmp_path):
-    from dtrain.costmodel.calibrate import leave_one_out
+    from dtrain.costmodel.calibration_records import leave_one_out
 
     root, run = _layout_fixture(tmp_path)
     rep = calibrate([root], base=tmp_path, warn=False)

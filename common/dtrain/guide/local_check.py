@@ -11,7 +11,7 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
                        (no step time of the checked runs is used); without one, the compute
                        efficiency of fsdp-scaling (leave-one-out over its runs)
   TP communication     α–β of allreduce-bench × the measured/modelled TP ratio of the OTHER runs
-                       (tp-attention and fsdp-scaling's TP layout runs, ``calibrate.leave_one_out``:
+                       (tp-attention and fsdp-scaling's TP layout runs, ``calibration_records.leave_one_out``:
                        never the row's own run); raw α–β when no other run measured it
   PP bubble            the bubble formula × the measured/formula ratio of the other PP layout runs
                        (leave-one-out, as above); the formula as is when there is none
@@ -29,8 +29,9 @@ import statistics
 from dataclasses import dataclass, replace
 
 from dtrain.costmodel import Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape, Param, step_time
-from dtrain.costmodel.calibrate import (Candidate, CalibrationReport, display_path, leave_one_out,
-                                        tp_modelled_comm_s, tp_rows, training_entries)
+from dtrain.costmodel.calibrate import CalibrationReport, display_path
+from dtrain.costmodel.calibration_records import (Candidate, leave_one_out, tp_modelled_comm_s, tp_rows,
+                                                  training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.fit import shape_of

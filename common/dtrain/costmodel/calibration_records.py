@@ -1,0 +1,277 @@
+"""The calibration's per-record-kind readers: each turns one kind of guide input (dtrain.contract)
+into candidate values with their provenance (``Source``); ``calibrate.calibrate`` picks among them."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+
+from dtrain import contract
+from dtrain.results import Run
+from dtrain.strategies import SHARDED
+
+from .hardware import LinkModel
+from .memory import Layout
+from .timemodel import Param, bubble_fraction, p2p_time, tp_comm_time
+
+LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The run a measured value comes from."""
+
+    run: str
+    date: str
+    device: str
+    backend: str
+    world_size: int
+    gpu_name: str | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def provenance(self, detail: str = "") -> str:
+        what = self.gpu_name or self.device
+        extra = f"; {detail}" if detail else ""
+        return (f"measured here: {self.run}, {self.date}, {what} ({self.backend}, "
+                f"{self.world_size} ranks){extra}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    value: float
+    source: Source
+    detail: str = ""
+
+    def param(self) -> Param:
+        return Param(self.value, self.source.provenance(self.detail))
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """One run's guide inputs and where they were measured."""
+
+    run: Run
+    source: Source
+    records: tuple
+
+    def of(self, kind) -> list:
+        return [r for r in self.records if isinstance(r, kind)]
+
+
+def _num(x) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+# ---------------------------------------------------------------- per record kind
+
+def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Candidate]:
+    out = []
+    for fit in map(dataclasses.asdict, fits):
+        cls = LINK_CLASSES.get(fit.get("link_class"))
+        alpha, beta = _num(fit.get("alpha_us")), _num(fit.get("beta_GBps"))
+        if fit.get("collective") != "all_reduce" or cls is None or alpha is None or not beta:
+            continue
+        # The fit's α is the latency of a whole all_reduce over `world_size` ranks; the time model
+        # charges α per ring hop, 2(n−1) of them, so convert to per-hop latency.
+        n = int(fit.get("world_size") or 2)
+        hops = 2 * (n - 1) if n > 1 else 1
+        detail = (f"all_reduce {fit.get('dtype', '?')} fit over {n} ranks, {fit.get('n_points', '?')} sizes, "
+                  f"r²={fit.get('r2', float('nan')):.3f}; α per hop = α/{hops}")
+        out.append(Candidate(f"{cls}_alpha_s", max(alpha, 0.0) * 1e-6 / hops, src, detail))
+        out.append(Candidate(f"{cls}_beta_Bps", beta * 1e9, src, detail))
+        pct = _num(fit.get("beta_pct_of_theoretical"))
+        if pct:
+            out.append(Candidate(f"{cls}_efficiency", pct / 100, src, detail + f", {pct:.0f}% of nominal"))
+    return out
+
+
+def training_entry(m: contract.TrainingMeasurement) -> dict:
+    """A training record as the flat dict the cost-model checks read (the trainer's vocabulary)."""
+    lay = m.layout
+    return {"strategy": lay.strategy, "world_size": lay.world_size, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "seq_len": lay.seq_len,
+            "pp_virtual": lay.pp_virtual, "pp_schedule": lay.pp_schedule, "model": dict(m.model),
+            "step_time_s": m.step_time_s, "tokens_per_s": m.tokens_per_s, "mfu": m.mfu, "peak_flops": m.peak_flops,
+            "peak_flops_source": m.peak_flops_source, "comm_s": m.comm_s, "exposed_comm_s": m.exposed_comm_s,
+            "overlap_fraction": m.overlap_fraction, "mixed_precision": m.precision, "precision": m.precision,
+            "recipe": m.recipe, "peak_mem_bytes": m.peak_mem_bytes, "device": m.where.device,
+            "breakdown": dataclasses.asdict(m.breakdown) if m.breakdown else None,
+            "step_callbacks": list(m.step_callbacks)}
+
+
+def training_entries(inputs: RunInputs, recipe: bool = False) -> list[dict]:
+    """The run's plain training records (they measure compute efficiency), or with ``recipe`` its
+    numerics-recipe runs (fp8-train's), as ``training_entry`` dicts."""
+    return [training_entry(m) for m in inputs.of(contract.TrainingMeasurement) if (m.recipe is not None) == recipe]
+
+
+def from_fsdp(entries: list[dict], src: Source) -> list[Candidate]:
+    out = []
+    for g in entries:
+        if (g.get("tp") or 1) * (g.get("pp") or 1) > 1:
+            continue  # a TP / PP layout run: its step holds TP comm and bubble; the guide checks it instead
+        step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
+        exposed = _num(g.get("exposed_comm_s")) or 0.0
+        if step and mfu and step > exposed:
+            # compute-only efficiency: the time model costs communication separately
+            eff = mfu * step / (step - exposed)
+            out.append(Candidate("mfu", eff, src, f"{g.get('strategy')} x{g.get('world_size')}: MFU "
+                                 f"{mfu:.1%} with {exposed / step:.0%} of the step exposed communication"))
+        overlap = _num(g.get("overlap_fraction"))
+        if overlap is not None and g.get("strategy") in SHARDED:
+            out.append(Candidate("dp_overlap", overlap, src, f"{g.get('strategy')} x{g.get('world_size')}"))
+    return out
+
+
+def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> list[Candidate]:
+    """TP and PP factors of DP x TP x PP layout runs (``training_entries``: the record's layout and
+    its profiled step breakdown):
+
+    tp_overhead  measured TP comm (profile) / ``timemodel.tp_comm_time`` (α–β with this device's link)
+    pp_overhead  measured (PP p2p wait + idle) − α–β p2p sends, over compute + TP comm, / the bubble
+                 formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
+                 model puts on its bubble
+    """
+    from dtrain.fit import shape_of
+    from dtrain.model import GPTConfig
+
+    if link is None:
+        return []
+    out = []
+    for g in entries:
+        tp, pp, b = int(g["tp"]), int(g["pp"]), g.get("breakdown") or {}
+        if tp * pp == 1 or not b:
+            continue
+        shape = shape_of(GPTConfig(**g["model"]))
+        dp, mb, ga = int(g["dp"]), int(g["micro_batch"]), int(g["grad_accum"])
+        v = int(g.get("pp_virtual") or 1) if pp > 1 else 1
+        lay = Layout(dp, tp, pp, micro_batch=mb, grad_accum=ga, virtual_stages=v)
+        vb = 4 if g.get("precision", "fp32") == "fp32" else 2
+        name = f"dp{dp} x tp{tp} x pp{pp}"
+        tp_meas = _num(b.get("tp_comm_s")) or 0.0
+        if tp > 1 and tp_meas > 0:
+            model = tp_comm_time(shape, lay, link, vb)
+            out.append(Candidate("tp_overhead", tp_meas / model, src, f"{name}: TP comm measured {tp_meas * 1e3:.0f} ms "
+                                 f"(profile) / alpha-beta {model * 1e3:.0f} ms"))
+        compute = _num(b.get("compute_s"))
+        if pp > 1 and compute:
+            sends = 2 * v * ga * p2p_time(mb * shape.seq_len * shape.d_model * vb / tp, link)
+            idle = max((_num(b.get("pp_p2p_s")) or 0.0) + (_num(b.get("idle_s")) or 0.0) - sends, 0.0)
+            formula = bubble_fraction(pp, ga, v, shape.n_layer)
+            share = idle / (compute + tp_meas)
+            out.append(Candidate("pp_overhead", share / formula, src, f"{name}: p2p wait + idle {share:.0%} of compute "
+                                 f"(profile) / bubble formula {formula:.0%}"))
+    return out
+
+
+def leave_one_out(cands: list[Candidate], name: str, run: str, on_gpu: bool = False) -> Candidate | None:
+    """The median of every ``name`` value measured on this kind of device by a run other than ``run``
+    (a display path, as ``Source.run``); None when no other run measured it."""
+    pool = [c for c in cands if c.name == name and c.source.run != run and c.source.on_gpu == on_gpu]
+    if not pool:
+        return None
+    vals = sorted(c.value for c in pool)
+    med = statistics.median(vals)
+    runs = ", ".join(f"{c.source.run} {c.value:.2f}" for c in sorted(pool, key=lambda c: c.source.run))
+    return Candidate(name, med, pool[0].source, f"leave-one-out: median of {len(pool)} other run(s) ({runs})")
+
+
+def tp_regions(module: str) -> int:
+    """TP regions per layer: a block has two (attention, MLP), attention alone one."""
+    return 1 if module == "attention" else 2
+
+
+def tp_modelled_comm_s(row: dict, link: LinkModel, regions: int = 2) -> float:
+    """α–β time of one layer's TP collectives, forward + backward. ``comm_bytes_per_layer`` is
+    already in bus bytes (tp-attention's convention, = nccl-tests busbw bytes), so it goes over β
+    unchanged; each region issues 2 all-reduces (or all-gather + reduce-scatter pairs with SP)
+    per direction, 2(n−1) latency hops each (Megatron §3; Korthikanti §4.2.2)."""
+    tp = int(row["tp"])
+    return float(row["comm_bytes_per_layer"]) / link.beta_Bps + 4 * regions * (tp - 1) * link.alpha_s
+
+
+def tp_rows(inputs: RunInputs) -> list[tuple[dict, int]]:
+    """The run's TP layer records as the flat rows the checks read, each with its TP regions per layer."""
+    return [({"tp": m.tp, "sequence_parallel": m.sequence_parallel, "step_time_s": m.step_time_s,
+              "single_rank_step_time_s": m.single_rank_step_time_s, "dtensor_step_time_s": m.dtensor_step_time_s,
+              "comm_share": m.comm_share, "comm_bytes_per_layer": m.comm_bytes_per_layer, "batch": m.micro_batch,
+              "seq": m.seq_len, "d_model": m.d_model, "n_head": m.n_head, "n_kv_head": m.n_kv_head,
+              "mlp_ratio": m.mlp_ratio}, tp_regions(m.module)) for m in inputs.of(contract.TpMeasurement)]
+
+
+def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -> list[Candidate]:
+    if link is None:
+        return []
+    ratios = []
+    for row, regions in rows:
+        step, share = _num(row.get("step_time_s")), _num(row.get("comm_share"))
+        if not step or share is None or int(row.get("tp", 1)) < 2 or not row.get("comm_bytes_per_layer"):
+            continue
+        ratios.append(step * share / tp_modelled_comm_s(row, link, regions))
+    if not ratios:
+        return []
+    ratios.sort()
+    med = ratios[len(ratios) // 2]
+    return [Candidate("tp_overhead", med, src, f"median over {len(ratios)} tp>1 rows of measured TP comm time "
+                      "(profile) / alpha-beta time with this device's measured link")]
+
+
+def from_fp8(comparisons: list[contract.Fp8Comparison], src: Source) -> tuple[list[Candidate], list[str] | None]:
+    if not comparisons:
+        return [], None
+    recipes = {c.recipe: dataclasses.asdict(c) for c in comparisons}
+    guide = {"baseline": comparisons[0].baseline, "keep_high_precision": comparisons[0].keep_high_precision}
+    good = {k: v for k, v in recipes.items() if v.get("within_noise")} or recipes
+    name = sorted(good, key=lambda k: (-(_num(good[k].get("speedup")) or 0), k))[0]
+    r = good[name]
+    detail = (f"recipe {name} vs {guide.get('baseline', '?')}"
+              + ("" if r.get("within_noise") else ", NOT within the loss noise band"))
+    out = []
+    if _num(r.get("speedup")):
+        out.append(Candidate("fp8_speedup", _num(r["speedup"]), src, detail))
+    if _num(r.get("memory_factor")):
+        out.append(Candidate("fp8_memory_factor", _num(r["memory_factor"]), src, detail + "; peak-memory ratio"))
+    return out, list(guide.get("keep_high_precision") or [])
+
+
+# ---------------------------------------------------------------- assembling
+
+def probe_entry(m: contract.GemmProbe) -> dict:
+    """A GEMM probe record as the dict the local checks read."""
+    g = dataclasses.asdict(m)
+    g["overheads"] = [{**{k: v for k, v in o.items() if k != "model_kind"}, "kind": o["model_kind"]}
+                      for o in g["overheads"]]
+    return g
+
+
+def from_probe(g: dict, src: Source) -> list[Candidate]:
+    e_max, w_half = _num(g.get("e_max")), _num(g.get("w_half"))
+    if not e_max:
+        return []
+    detail = f"fit over {len(g.get('points') or [])} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
+    out = [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
+                                                                         detail + "; W_half")]
+    over = [(o, _num(o.get("overhead_s"))) for o in g.get("overheads") or []]
+    over = [(o, v) for o, v in over if v is not None]
+    if over:
+        per = ", ".join(f"{_target_label(o)} {v * 1e3:.1f} ms" for o, v in over)
+        out.append(Candidate("step_overhead_s", statistics.median(v for _, v in over), src,
+                             f"median over {len(over)} models of the measured step minus the curve's GEMM time "
+                             f"(per model: {per}); the local checks use each model's own"))
+    return out
+
+
+def _target_label(o: dict) -> str:
+    c = o.get("config") or {}
+    if o.get("kind") == "gpt":
+        return f"GPT {c.get('n_layer')}x{c.get('d_model')} mb{o.get('micro_batch')}"
+    return f"{o.get('kind')} d{c.get('d_model')} mb{o.get('micro_batch')}"
