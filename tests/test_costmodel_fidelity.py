@@ -204,3 +204,28 @@ def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
     t = {"kind": "gpt", "config": vars(cfg), "micro_batch": 8, "tp": 1}
     tokens = 8 * cfg.seq_len
     assert gemm_step_s(t, GemmCurve(1.0, 0.0), 1e11, 4) == pytest.approx(tokens * flops_per_token(cfg) / 1e11)
+
+
+def test_gpu_e_max_default_is_the_median_fit_of_the_backtest_rows():
+    """GPU_E_MAX is not hand-picked: it is the median e_max reproducing each published row under the default
+    calibration (re-fit it when a row or a default changes)."""
+    import statistics
+
+    from dtrain.costmodel.backtest import fitted_e_max, load_rows
+    from dtrain.costmodel.timemodel import GPU_E_MAX
+
+    assert GPU_E_MAX == pytest.approx(statistics.median(fitted_e_max(r) for r in load_rows()), abs=0.005)
+
+
+def test_backtest_sensitivity_sweeps_dp_overlap_and_matches_the_default():
+    from dtrain.costmodel.backtest import sensitivity, sensitivity_line
+    from dtrain.costmodel.timemodel import Calibration
+
+    default = Calibration().dp_overlap.value
+    sweep = sensitivity((0.5, default))
+    assert [s["dp_overlap"] for s in sweep] == [0.5, default]
+    # the default's entry is the plain backtest's summary
+    assert {k: v for k, v in sweep[1].items() if k != "dp_overlap"} == summary(backtest())
+    # hiding less DP traffic can only slow the published layouts: the error moves, the line reports it
+    line = sensitivity_line(sweep)
+    assert line.startswith("dp_overlap") and "0.5: " in line and f"{default:.1f}: " in line

@@ -188,7 +188,8 @@ def fp8_section(report: CalibrationReport, cells: list[Cell], gpu: str) -> list[
 
 def backtest_section() -> list[str]:
     """``dtrain backtest``: the model against published GPU runs (data shipped in the repo)."""
-    from dtrain.costmodel.backtest import ERROR_GOAL, GAP_GOAL, SHARE_GOAL, backtest, summary
+    from dtrain.costmodel.backtest import (ERROR_GOAL, GAP_GOAL, SHARE_GOAL, backtest, sensitivity,
+                                           sensitivity_line, summary)
 
     rows = backtest()
     s = summary(rows)
@@ -213,7 +214,7 @@ def backtest_section() -> list[str]:
         out.append(f"| {_md(r.name)} | {r.layout}{fits} | {r.reported_tflops:.0f} | {r.predicted_tflops:.0f} | "
                    f"{r.error:+.0%} | {r.e_max:.2f} | {r.rank}/{r.candidates} | {r.gap_to_best:.1%} | {r.best} | "
                    f"{_md(r.source)} |")
-    return out + [""]
+    return out + ["", sensitivity_line(sensitivity()) + ".", ""]
 
 
 def plots_section(paths: list[Path], guide_dir: Path) -> list[str]:
@@ -239,8 +240,11 @@ def limits() -> list[str]:
             "* The GPU GEMM curve is a datasheet/published default until a CUDA `gemm-probe` run (written by "
             "`dtrain capstone` on a GPU host) measures it; non-GEMM kernels are folded into its e_max, one value "
             "for every GPU: A100 runs reach a higher share of their peak than H100 runs (the backtest's A100 70B "
-            "full-recompute row needs e_max 0.76: its 51.7% MFU is 69% of peak in hardware FLOPs, recompute "
-            "included), so A100 rows are under-predicted and H100 rows over-predicted.",
+            "full-recompute row: its 51.7% MFU is 69% of peak in hardware FLOPs, recompute included), so A100 "
+            "rows are under-predicted and H100 rows over-predicted.",
+            "* torchtitan's selective op activation checkpointing (recompute every second matmul of a block) is "
+            "not a level of the model: the backtest enters those runs as no recompute, about 12% of their GEMM "
+            "work too little.",
             "* Predictions are a ranking aid: measure the top two or three layouts of `dtrain plan` on the real "
             "cluster before a long run.", ""]
 
