@@ -38,7 +38,7 @@ from pathlib import Path
 from dtrain import contract
 from dtrain.results import Run, complete_runs
 
-from .calibration_records import (Candidate, RunInputs, Source, from_allreduce, from_fp8, from_fsdp, from_layout,
+from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_fp8, from_fsdp, from_layout,
                                   from_probe, from_tp, probe_entry, tp_rows, training_entries)
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
 from .timemodel import Calibration, Param
@@ -183,7 +183,13 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
     for cls in ("intra", "inter"):
         a, b = _latest(cands, f"{cls}_alpha_s", False), _latest(cands, f"{cls}_beta_Bps", False)
         if a and b:
-            local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node")
+            own = []  # collectives allreduce-bench fitted apart, from the same run as the all-reduce fit
+            for name in OWN_FIT_HOPS:
+                ca, cb = (_latest([c for c in cands if c.source == b.source], f"{cls}_{name}_{x}", False)
+                          for x in ("alpha_s", "beta_Bps"))
+                if ca and cb:
+                    own.append((name, ca.value, cb.value))
+            local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node", tuple(own))
             local_sources[cls] = b.source
     # TP overhead and the PP bubble factor need the α–β of the same kind of device the run used
     for ri in inputs:

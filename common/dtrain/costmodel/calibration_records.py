@@ -73,12 +73,27 @@ def _num(x) -> float | None:
 
 # ---------------------------------------------------------------- per record kind
 
+# Collectives the time model costs with their own α–β when allreduce-bench fitted them (``LinkModel.of``),
+# with the ring hops their whole-collective α spans over n ranks.
+OWN_FIT_HOPS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1, "sendrecv": lambda n: 1}
+
+
 def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Candidate]:
     out = []
     for fit in map(dataclasses.asdict, fits):
         cls = LINK_CLASSES.get(fit.get("link_class"))
         alpha, beta = _num(fit.get("alpha_us")), _num(fit.get("beta_GBps"))
-        if fit.get("collective") != "all_reduce" or cls is None or alpha is None or not beta:
+        name = fit.get("collective")
+        if cls is None or alpha is None or not beta:
+            continue
+        if name in OWN_FIT_HOPS:  # "<cls>_<collective>_alpha_s" / "_beta_Bps": the local link's own entries
+            n = int(fit.get("world_size") or 2)
+            hops = max(1, OWN_FIT_HOPS[name](n))
+            detail = f"{name} {fit.get('dtype', '?')} fit over {n} ranks; α per hop = α/{hops}"
+            out.append(Candidate(f"{cls}_{name}_alpha_s", max(alpha, 0.0) * 1e-6 / hops, src, detail))
+            out.append(Candidate(f"{cls}_{name}_beta_Bps", beta * 1e9, src, detail))
+            continue
+        if name != "all_reduce":
             continue
         # The fit's α is the latency of a whole all_reduce over `world_size` ranks; the time model
         # charges α per ring hop, 2(n−1) of them, so convert to per-hop latency.

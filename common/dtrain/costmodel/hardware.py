@@ -92,15 +92,29 @@ class LinkModel:
 
     ``beta_Bps`` is a *bus* bandwidth in the nccl-tests sense (busbw = algbw · 2(n−1)/n for
     all-reduce), so a busbw measured by allreduce-bench can be dropped in unchanged.
+
+    ``collectives``: (name, α per hop, β) of collectives measured apart from all-reduce
+    (allreduce-bench fits each one). Their bus bandwidths can differ: gloo on CPU reaches about
+    half the all-reduce busbw in all_gather / reduce_scatter, NCCL about the same. ``of(name)``
+    is the link a collective of that name runs at; unmeasured ones use ``alpha_s`` / ``beta_Bps``.
     """
 
     alpha_s: float
     beta_Bps: float
     name: str = ""
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.alpha_s < 0 or self.beta_Bps <= 0:
             raise ValueError(f"LinkModel needs alpha_s >= 0 and beta_Bps > 0, got {self}")
+        if any(a < 0 or b <= 0 for _, a, b in self.collectives):
+            raise ValueError(f"LinkModel collectives need alpha >= 0 and beta > 0, got {self.collectives}")
+
+    def of(self, collective: str) -> "LinkModel":
+        for name, alpha, beta in self.collectives:
+            if name == collective:
+                return LinkModel(alpha, beta, f"{self.name} {collective}".strip())
+        return self
 
 
 # Latency defaults (assumption, order of magnitude of nccl-tests small-message times: ~10-20 µs

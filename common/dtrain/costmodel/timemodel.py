@@ -52,23 +52,29 @@ def allreduce_time(nbytes: float, n: int, link: LinkModel) -> float:
     """Ring all-reduce: 2(n−1)/n · B/β + 2(n−1)·α (β = bus bandwidth, nccl-tests convention)."""
     if n <= 1:
         return 0.0
+    link = link.of("all_reduce")
     return 2 * (n - 1) / n * nbytes / link.beta_Bps + 2 * (n - 1) * link.alpha_s
 
 
+def _ring_half(nbytes: float, n: int, link: LinkModel) -> float:
+    return (n - 1) / n * nbytes / link.beta_Bps + (n - 1) * link.alpha_s if n > 1 else 0.0
+
+
 def all_gather_time(nbytes: float, n: int, link: LinkModel) -> float:
-    """Ring all-gather of a B-byte result: (n−1)/n · B/β + (n−1)·α."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) / n * nbytes / link.beta_Bps + (n - 1) * link.alpha_s
+    """Ring all-gather of a B-byte result: (n−1)/n · B/β + (n−1)·α (the link's all_gather α–β when
+    measured apart, ``LinkModel.of``)."""
+    return _ring_half(nbytes, n, link.of("all_gather"))
 
 
 def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
-    """Ring reduce-scatter of a B-byte input: (n−1)/n · B/β + (n−1)·α (mirror of all-gather)."""
-    return all_gather_time(nbytes, n, link)
+    """Ring reduce-scatter of a B-byte input: (n−1)/n · B/β + (n−1)·α (mirror of all-gather; its own
+    α–β when measured apart)."""
+    return _ring_half(nbytes, n, link.of("reduce_scatter"))
 
 
 def p2p_time(nbytes: float, link: LinkModel) -> float:
-    """One point-to-point send: B/β + α."""
+    """One point-to-point send: B/β + α (the link's sendrecv α–β when measured apart)."""
+    link = link.of("sendrecv")
     return nbytes / link.beta_Bps + link.alpha_s
 
 
@@ -240,7 +246,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
 
     compute   ``compute_time``: GEMM roofline × achieved-fraction curve (e_max = calib.mfu,
               W_half = calib.gemm_half_flops) over the busiest stage's GEMMs [/ fp8_speedup]
-    overhead  calib.step_overhead_s, fixed per step
+    overhead  calib.step_overhead_s, fixed per step [/ fp8_speedup: the factor is measured and
+              published as a whole-step tokens/s ratio, so it scales all per-rank work alike]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
     bubble    bubble_fraction(p, m, v, L) · (compute + tp_comm) · calib.pp_overhead
@@ -267,8 +274,10 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     layers = stage_layers(shape, lay.pp)
     curve = GemmCurve(calib.mfu.value, calib.gemm_half_flops.value)
     compute = compute_time(shape, lay, gpu.peak_bf16_flops, gpu.hbm_tbps * 1e12, curve, value_bytes)
-    if precision == "fp8":
+    overhead = calib.step_overhead_s.value
+    if precision == "fp8":  # a whole-step tokens/s ratio (see Calibration.fp8_speedup): compute and overhead
         compute /= calib.fp8_speedup.value
+        overhead /= calib.fp8_speedup.value
 
     act_bytes = lay.micro_batch * s * h * value_bytes
     tp_comm = 0.0
@@ -298,12 +307,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
             dp_comm = m * rs + ag
         else:
             units = layers + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
-            latency = (units - 1) * (lay.dp - 1) * link.alpha_s
-            dp_comm = m * (2 * (ag + latency) + rs + latency)
+            lat_ag, lat_rs = ((units - 1) * (lay.dp - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
+            dp_comm = m * (2 * (ag + lat_ag) + rs + lat_rs)
     hidden = min(calib.dp_overlap.value * dp_comm, compute)
     exposed = dp_comm - hidden
 
-    overhead = calib.step_overhead_s.value
     total = compute + tp_comm + pp_comm + bubble + exposed + overhead
     tokens = lay.dp * tokens_per_rank
     return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,

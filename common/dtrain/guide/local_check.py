@@ -15,7 +15,10 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
                        never the row's own run); raw α–β when no other run measured it
   PP bubble            the bubble formula × the measured/formula ratio of the other PP layout runs
                        (leave-one-out, as above); the formula as is when there is none
-  DP overlap           fsdp-scaling's measured overlap of the other runs (in-sample with one run)
+  DP overlap           fsdp-scaling's measured overlap of the other runs (in-sample with one run), times
+                       the share of cores the ranks' compute leaves free (``free_core_share``)
+  links                allreduce-bench's α–β per collective: all-reduce, and all_gather, reduce_scatter
+                       and send/recv where it fitted them (``LinkModel.of``)
   FP8 speed factor     fp8-train compare (in-sample for the fp8 rows: it measured those runs)
   shared cores         a run with more busy threads (ranks x threads_per_rank) than the host's cores
                        computes that many times slower: its peak is divided, its overhead multiplied
@@ -106,6 +109,17 @@ def oversubscription(env: dict, world: int) -> float:
     return max(1.0, world * threads / cores) if cores else 1.0
 
 
+def free_core_share(env: dict, world: int) -> float:
+    """Share of the host's cores not busy with the ranks' compute threads, max(0, 1 − ranks·threads /
+    cores). Hidden DP traffic is only free where a core is: gloo's threads copy and reduce on the CPU
+    (as NCCL's kernels take SMs, ``Calibration.dp_overlap``), so on a host whose cores all compute, a
+    collective that overlaps compute takes its time from it. The local rows scale the measured overlap
+    by this share."""
+    cores = int(env.get("cpu_count") or 0)
+    threads = int(env.get("threads_per_rank") or 1)
+    return max(0.0, 1.0 - world * threads / cores) if cores else 1.0
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -121,6 +135,7 @@ class _Fsdp:
     efficiency: float  # compute-only, cost-model FLOP convention
     experiment: str    # the run's subproject, as the checks label it
     oversub: float = 1.0
+    free_cores: float = 1.0  # free_core_share: scales the DP overlap
 
 
 def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
@@ -143,7 +158,8 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
             vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
             out.append(_Fsdp(display_path(ri.run.path, base), ri.source.on_gpu, g, shape, layout, vb, eff,
-                             ri.run.subproject, oversubscription(ri.run.env, world)))
+                             ri.run.subproject, oversubscription(ri.run.env, world),
+                             free_core_share(ri.run.env, world)))
     return out
 
 
@@ -219,6 +235,7 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None 
         eff = _median([o.efficiency for o in others]) if others else r.efficiency
         overlaps = [o.guide["overlap_fraction"] for o in others if o.guide.get("overlap_fraction") is not None]
         overlap = _median(overlaps) if overlaps else r.guide.get("overlap_fraction")
+        overlap = None if overlap is None else overlap * r.free_cores
         basis = (f"efficiency from {len(others)} other fsdp run(s)" if others else
                  "in-sample: compute efficiency from this run, only communication predicted")
         over = probe.overhead("gpt", _gpt_match(r.shape), r.layout.micro_batch, r.guide["peak_flops"]) if probe else None
@@ -231,6 +248,8 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None 
             basis += _factor_basis(factors[0], "TP comm", "raw alpha-beta TP comm")
         if r.layout.pp > 1:
             basis += _factor_basis(factors[1], "PP bubble", "bubble formula as is")
+        if r.free_cores < 1 and r.layout.dp > 1:
+            basis += f"; DP overlap x{r.free_cores:.2g} (cores free of compute)"
         if r.oversub > 1:
             basis += f"; {r.oversub:g} busy threads per core"
             over = over * r.oversub if over is not None else None
@@ -275,15 +294,21 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
         fp8 = g.get("recipe") not in BASELINE_RECIPES
         zero = ZERO_STAGE.get(g["strategy"], 0) if world > 1 else 0
         k = oversubscription(ri.run.env, world)
-        over = probe.overhead("gpt", _gpt_match(shape), mb, peak) if probe else None
+        free = free_core_share(ri.run.env, world)
+        run_peak = float(g.get("peak_flops") or peak)  # the run's own matmul probe: load at run time
+        over = probe.overhead("gpt", _gpt_match(shape), mb, run_peak) if probe else None
         over = over * k if over is not None else None
         row_calib = calib if over is None else replace(
             _calib(eff, "", calib.dp_overlap.value, probe, over), fp8_speedup=calib.fp8_speedup)
+        row_calib = replace(row_calib, dp_overlap=Param(row_calib.dp_overlap.value * free,
+                                                        row_calib.dp_overlap.provenance))
         t = step_time(shape, Layout(world, 1, 1, zero, micro_batch=mb, grad_accum=ga),
-                      host_cluster(peak / k, world, link or LinkModel(0, 1e30)), row_calib,
+                      host_cluster((run_peak if over is not None else peak) / k, world, link or LinkModel(0, 1e30)),
+                      row_calib,
                       precision="fp8" if fp8 else "bf16", value_bytes=4 if g.get("precision") != "bf16" else 2)
         basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
-            "; in-sample FP8 factor from fp8-train compare" if fp8 else "")
+            "; in-sample FP8 factor from fp8-train compare" if fp8 else "") + (
+            f"; DP overlap x{free:.2g} (cores free of compute)" if free < 1 and world > 1 else "")
         tools = g.get("step_callbacks") or []
         note = f"{CALLBACKS_NOTE}: {', '.join(tools)}" if tools else ""
         out.append(Check(ri.run.subproject, display_path(ri.run.path, base), f"{g.get('recipe')} x{world} step",

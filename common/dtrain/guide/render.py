@@ -140,7 +140,7 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
                       "allreduce-bench link). Run `dtrain capstone`.", ""]
     ok = sum(c.within_goal for c in checks)
     out += [f"The cost model's step time for each local run, with this machine as the 'cluster' (peak = the runs' "
-            f"measured CPU matmul probe, link = allreduce-bench's α–β fit). Goal: within {GOAL:.0%}. "
+            f"measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). Goal: within {GOAL:.0%}. "
             f"**{ok} of {len(checks)} within the goal.**" + _host(report), "",
             "| experiment | run | what | measured | predicted | error | inputs | where the difference sits |",
             "|---|---|---|---:|---:|---:|---|---|"]
@@ -158,7 +158,10 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
             "single-process step does not have. Compute is predicted from the gemm-probe (GEMM curve over the runs' shapes + the "
             "measured fixed step overhead of the same model at its real size, scaled by each run's own matmul "
             "probe for the load at the time, and by the busy threads per core when a run has more ranks than the "
-            "host has cores) when the results hold one. TP communication and the PP bubble carry the measured/"
+            "host has cores) when the results hold one. DP communication hides behind compute only on cores the "
+            "ranks' compute leaves free (gloo copies and reduces on the CPU, as NCCL's kernels take SMs on a GPU), "
+            "so the measured overlap is scaled by that share; an FP8 factor is a whole-step tokens/s ratio and "
+            "divides the whole step. TP communication and the PP bubble carry the measured/"
             "modelled factor of the OTHER runs that measured them (leave-one-out, never the row's own run; the "
             "inputs column says how many). The model was built for GPU clusters; these rows test its mechanics "
             "(FLOPs, bytes, α–β, overlap), not GPU numbers.", ""]
