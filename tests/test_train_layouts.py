@@ -77,6 +77,7 @@ def test_two_rank_tp_and_pipeline_schedules_match_single(tmp_path, reference):
     two = run_specs(tmp_path, 2, {
         "tp2": {"tp": 2},
         "tp2_sp": {"tp": 2, "sequence_parallel": True},
+        "tp2_sp_op_ac": {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "op"},
         "pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
         "pp2_interleaved_1f1b": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
     })

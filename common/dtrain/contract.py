@@ -82,7 +82,7 @@ class TrainLayout:
     micro_batch: int            # sequences per rank per micro-step
     grad_accum: int
     seq_len: int
-    recompute: str = "none"     # activation checkpointing: none | block
+    recompute: str = "none"     # activation checkpointing: none | op | block
     sequence_parallel: bool = False
     pp_schedule: str | None = None
     pp_virtual: int = 1

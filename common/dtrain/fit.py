@@ -31,7 +31,7 @@ from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memor
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
 from dtrain.parallel.pipeline import split_layers, stages_of_rank
-from dtrain.strategies import ZERO_STAGE
+from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING, ZERO_STAGE
 
 GiB = 2**30
 
@@ -79,7 +79,7 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     zero = ZERO_STAGE.get(strategy, 3) if dp > 1 else 0
     if pp > 1 and zero == 3:  # model_parallel: parameters stay gathered from forward to backward
         zero = 2
-    recompute = "full" if train.activation_checkpointing == "block" else "none"
+    recompute = RECOMPUTE_OF_CHECKPOINTING[train.activation_checkpointing]
     layout = Layout(dp=max(dp_shard, 1), tp=tp, pp=pp, zero_stage=zero, recompute=recompute,
                     micro_batch=train.micro_batch, grad_accum=train.grad_accum,
                     sequence_parallel=train.sequence_parallel, virtual_stages=train.pp_virtual if pp > 1 else 1)

@@ -70,6 +70,7 @@ def test_strategies_agree_and_resume_exactly(tmp_path):
         "zero2": {"strategy": "zero2"},
         "zero3": {"strategy": "zero3", "checkpoint_every": 3, "checkpoint_dir": ck},
         "zero3_prefetch_ac": {"strategy": "zero3", "prefetch": True, "activation_checkpointing": "block"},
+        "zero3_op_ac": {"strategy": "zero3", "activation_checkpointing": "op"},
         "zero3_resumed": {"strategy": "zero3", "resume_from": f"{ck}/step-000003"},
         "ddp_resumed_from_zero3": {"strategy": "ddp", "resume_from": f"{ck}/step-000003"},
     })
@@ -77,7 +78,7 @@ def test_strategies_agree_and_resume_exactly(tmp_path):
                                   "single_resumed": {"strategy": "single", "resume_from": f"{ck}/step-000003"}})
     ref = one["single"]["losses"]
     assert len(ref) == STEPS and ref[-1] < ref[0]
-    for name in ("ddp", "zero2", "zero3", "zero3_prefetch_ac"):
+    for name in ("ddp", "zero2", "zero3", "zero3_prefetch_ac", "zero3_op_ac"):
         assert two[name]["losses"] == pytest.approx(ref, abs=1e-5), name
     # resumed runs continue with exactly the uninterrupted losses, at the same and a different world size
     for resumed in (two["zero3_resumed"], two["ddp_resumed_from_zero3"], one["single_resumed"]):

@@ -114,7 +114,8 @@ def training_entry(m: contract.TrainingMeasurement) -> dict:
     lay = m.layout
     return {"strategy": lay.strategy, "world_size": lay.world_size, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
             "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "seq_len": lay.seq_len,
-            "pp_virtual": lay.pp_virtual, "pp_schedule": lay.pp_schedule, "model": dict(m.model),
+            "pp_virtual": lay.pp_virtual, "pp_schedule": lay.pp_schedule, "recompute": lay.recompute,
+            "model": dict(m.model),
             "step_time_s": m.step_time_s, "tokens_per_s": m.tokens_per_s, "mfu": m.mfu, "peak_flops": m.peak_flops,
             "peak_flops_source": m.peak_flops_source, "comm_s": m.comm_s, "exposed_comm_s": m.exposed_comm_s,
             "overlap_fraction": m.overlap_fraction, "mixed_precision": m.precision, "precision": m.precision,

@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
                    help="flash (default): attention scores never stored; eager: stored (5*a*s/h per layer), "
                         "selective recompute then pays")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= tp= pp= v= zero= recompute=none|selective|full mb= sp=on|off"; '
+                   help='score a layout: any of "dp= tp= pp= v= zero= recompute=none|op|selective|full mb= sp=on|off"; '
                         "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")

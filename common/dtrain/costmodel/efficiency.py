@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .memory import Layout, ModelShape
 
-__all__ = ["Gemm", "GemmCurve", "layer_gemms", "head_gemm", "gemm_time", "fit_curve"]
+__all__ = ["Gemm", "GemmCurve", "layer_gemms", "op_recompute_gemms", "head_gemm", "gemm_time", "fit_curve"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,17 @@ def layer_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
             Gemm(tokens, h, max(1, f // t), 1, "fc2"),
             Gemm(s, s, hd, layout.micro_batch * heads, "scores"),
             Gemm(s, hd, s, layout.micro_batch * heads, "av")]
+
+
+def op_recompute_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
+    """The forward GEMMs torchtitan's selective op AC re-runs in backward (every even-numbered matmul
+    of a block: wk, wo, and w3 of a gated MLP or w2 of a GELU one; see ``memory.op_checkpoint_bytes``)."""
+    t, s, h = layout.tp, shape.seq_len, shape.d_model
+    tokens = layout.micro_batch * s
+    kv = shape.n_kv_head * (h // shape.n_head)
+    f = shape.ffn_hidden
+    third = Gemm(tokens, max(1, f // t), h, 1, "w3") if shape.gated_mlp else Gemm(tokens, h, max(1, f // t), 1, "fc2")
+    return [Gemm(tokens, max(1, kv // t), h, 1, "k"), Gemm(tokens, h, max(1, h // t), 1, "proj"), third]
 
 
 def head_gemm(shape: ModelShape, layout: Layout) -> Gemm:

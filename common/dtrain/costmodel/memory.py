@@ -24,7 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-RECOMPUTE = ("none", "selective", "full")
+# Recompute levels, least to most: none; "op" = torchtitan's selective op AC (its checkpoint policy saves
+# the outputs of every other matmul and of SDPA, recomputes the rest); "selective" = Korthikanti et al.
+# 2022 §5 (the attention core only); "full" = whole blocks (the trainer's activation_checkpointing=block).
+RECOMPUTE = ("none", "op", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -258,12 +261,34 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
+    if recompute == "op":
+        return op_checkpoint_bytes(s, b, h, t, sequence_parallel, ffn_mult=ffn_mult, gated_mlp=gated_mlp,
+                                   kv_ratio=kv_ratio)
     attn = 0.0 if recompute == "selective" or flash_attention else (5 if dropout else 2) * a * s / h
     sharded = 4 + 4 * kv_ratio + 2 * ffn_mult * (3 if gated_mlp else 2) + attn
     replicated = 10 if dropout else 8
     if sequence_parallel:
         return sbh / t * (replicated + sharded)
     return sbh * (replicated + sharded / t)
+
+
+def op_checkpoint_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: bool = False, *,
+                        ffn_mult: float = 4.0, gated_mlp: bool = False, kv_ratio: float = 1.0) -> float:
+    """Bytes one layer keeps under torchtitan's selective op AC (``recompute="op"``).
+
+    torchtitan ``apply_ac`` (``selective_ac_option="op"``): inside a checkpointed block, SDPA's output
+    and the output of every odd-numbered matmul in forward order are saved (MUST_SAVE), everything
+    else is recomputed in backward. A Llama block's matmuls run wq, wk, wv, wo, w1, w3, w2: saved are
+    q, v, the attention output, w1's and w2's outputs, recomputed wk, wo, w3 (``op_recompute_gemms``);
+    a GELU block (wq, wk, wv, wo, w1, w2) saves q, v, the attention output and w1's output. Plus the
+    block input, the checkpoint's own input. In units of s·b, 16-bit values, F = ``ffn_mult``·h:
+      block input 2h (÷t with SP)   q 2h/t   v 2h·r/t   attention output 2h/t   w1 output 2F/t
+      gated only: w2 output 2h (a row-parallel matmul's output is the full, not yet reduced, sum)
+    No dropout masks (torchtitan's models have no dropout). Attention is taken to be SDPA (its output
+    saved, its scores never stored), as in torchtitan and dtrain's model."""
+    x = 2 * h / (t if sequence_parallel else 1)
+    per_token = x + (2 * h + 2 * h * kv_ratio + 2 * h + 2 * ffn_mult * h) / t + (2 * h if gated_mlp else 0.0)
+    return s * b * per_token
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = True,
@@ -303,7 +328,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``). The last stage
     holds one micro-batch plus the fp32 logits for the loss, 4·s·b·V/tp bytes (vocab-parallel;
     assumption after Korthikanti §4.3). Full recompute adds the working set of the one layer
-    being recomputed: its activations without recompute, once.
+    being recomputed: its activations without recompute, once (so does ``op``, which recomputes
+    part of each layer).
     ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe caches the
     linear-layer inputs in 1 byte instead of 2, see ``Calibration.fp8_memory_factor`` (an
     approximation; fp8-train measures it).
@@ -311,7 +337,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     lay = layout
     per_layer = layer_activation_bytes(shape, lay, flash_attention) * activation_bytes_factor
     working = 0.0
-    if lay.recompute == "full":
+    if lay.recompute in ("full", "op"):
         working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
     layers_here = stage_layers(shape, lay.pp)
     logits = 4 * shape.seq_len * lay.micro_batch * shape.vocab / lay.tp

@@ -4,8 +4,8 @@
     virtual_stages v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; else 1f1b, or
                       gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
     ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3
-    recompute none -> activation_checkpointing=none; selective or full -> block (whole blocks:
-                      the trainer's only recompute granularity)
+    recompute none / op / full -> activation_checkpointing=none / op / block; selective -> block
+                      (the trainer has no attention-core-only recompute)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
     precision bf16 / fp8 -> train.precision=bf16 (FP8 recipes are fp8-train's)
     the model's layers, hidden, heads, kv heads, seq -> model.n_layer, d_model, n_head, n_kv_head, seq_len
@@ -17,7 +17,7 @@ selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a g
 """
 from __future__ import annotations
 
-from dtrain.strategies import STRATEGY_OF_ZERO
+from dtrain.strategies import CHECKPOINTING_OF_RECOMPUTE, STRATEGY_OF_ZERO
 
 from .memory import Layout, ModelShape
 
@@ -31,7 +31,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
     out = [f"world_size={world}", f"train.strategy={strategy}", f"train.tp={layout.tp}", f"train.pp={layout.pp}",
            f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.virtual_stages}",
            f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
-           f"train.activation_checkpointing={'none' if layout.recompute == 'none' else 'block'}",
+           f"train.activation_checkpointing={CHECKPOINTING_OF_RECOMPUTE[layout.recompute]}",
            f"train.precision={'fp32' if precision == 'fp32' else 'bf16'}",
            f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",

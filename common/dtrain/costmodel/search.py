@@ -8,7 +8,8 @@ Enumerates every layout with dp·tp·pp = GPUs:
     there are at least pp micro-batches;
   * ZeRO 0–3, also with PP (torchtitan's FSDP + PP allows it, DeepSpeed refuses ZeRO-2/3 with
     PP); the model charges their per-micro-batch traffic;
-  * recompute none / selective / full; selective is left out under FlashAttention, which already
+  * recompute none / op (torchtitan's selective op AC) / selective / full; selective is left out
+    under FlashAttention, which already
     drops the stored attention scores at no extra cost (``flash_attention=False``: eager
     attention stores them and selective recompute pays);
   * micro-batch sizes dividing global_batch / dp; sequence parallelism on/off when tp > 1.

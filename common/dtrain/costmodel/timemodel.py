@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from .hardware import Cluster, LinkModel
 from dtrain.flops import transformer_flops_per_token
 
-from .efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms
+from .efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms, op_recompute_gemms
 from .memory import Layout, ModelShape, params_per_gpu, stage_layers
 
 __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
@@ -202,10 +202,12 @@ class StepTime:
 def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2) -> float:
     """α–β TP communication of one step on the busiest stage, before ``Calibration.tp_overhead``:
     ceil(L/pp) layers · m micro-batches · (4, or 6 with full recompute) ring all-reduces of b·s·h
-    values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume)."""
+    values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume).
+    Selective op AC re-runs wo and so the all-reduce after it (5), except with SP, whose
+    reduce-scatter output torchtitan's policy saves (4)."""
     if layout.tp <= 1:
         return 0.0
-    n_coll = 6 if layout.recompute == "full" else 4
+    n_coll = {"full": 6, "op": 4 if layout.sequence_parallel else 5}.get(layout.recompute, 4)
     act_bytes = layout.micro_batch * shape.seq_len * shape.d_model * value_bytes
     return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * allreduce_time(act_bytes, layout.tp, link)
 
@@ -221,8 +223,9 @@ def compute_time(shape: ModelShape, layout: Layout, peak_flops: float, hbm_Bps: 
     """Seconds of GEMM work per step on the busiest GPU (``efficiency``).
 
     Per layer and micro-batch: forward GEMMs ×3 (forward, dgrad, wgrad: the same FLOPs), plus one
-    more forward with full recompute, or the attention core (QKᵀ, AV) with selective recompute
-    (Korthikanti et al. 2022 §5). The busiest stage holds ceil(L/pp) layers; the output projection
+    more forward with full recompute, the attention core (QKᵀ, AV) with selective recompute
+    (Korthikanti et al. 2022 §5), or wk, wo and w3 (w2 without a gated MLP) with torchtitan's
+    selective op AC (``efficiency.op_recompute_gemms``). The busiest stage holds ceil(L/pp) layers; the output projection
     is given to the last stage, whose layer count Megatron's uneven split lowers to balance it,
     so a stage costs max(ceil(L/pp)·t_layer, (L·t_layer + t_head)/pp).
     """
@@ -234,6 +237,8 @@ def compute_time(shape: ModelShape, layout: Layout, peak_flops: float, hbm_Bps: 
         t_layer += fwd
     elif layout.recompute == "selective":
         t_layer += sum(t for g, t in zip(gemms, times) if g.name in ("scores", "av"))
+    elif layout.recompute == "op":
+        t_layer += sum(gemm_time(g, peak_flops, hbm_Bps, curve, value_bytes) for g in op_recompute_gemms(shape, layout))
     t_head = 3 * gemm_time(head_gemm(shape, layout), peak_flops, hbm_Bps, curve, value_bytes)
     layers = stage_layers(shape, layout.pp)
     per_micro = max(layers * t_layer, (shape.n_layer * t_layer + t_head) / layout.pp)

@@ -40,7 +40,7 @@ from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.fit import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
-from dtrain.strategies import ZERO_STAGE
+from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING, ZERO_STAGE
 
 GOAL = 0.15
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
@@ -152,7 +152,9 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
             tokens_per_rank = tps * step / world
             mb = int(g["micro_batch"])
             ga = int(g["grad_accum"])
-            layout = Layout(dp, tp, pp, ZERO_STAGE.get(g["strategy"], 3) if dp > 1 else 0, micro_batch=mb, grad_accum=ga,
+            recompute = RECOMPUTE_OF_CHECKPOINTING.get(str(g.get("recompute") or "none"), "none")
+            layout = Layout(dp, tp, pp, ZERO_STAGE.get(g["strategy"], 3) if dp > 1 else 0, recompute,
+                            micro_batch=mb, grad_accum=ga,
                             virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1)
             compute_s = step - (g.get("exposed_comm_s") or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)

@@ -245,9 +245,7 @@ def limits() -> list[str]:
             "for every GPU: A100 runs reach a higher share of their peak than H100 runs (the backtest's A100 70B "
             "full-recompute row: its 51.7% MFU is 69% of peak in hardware FLOPs, recompute included), so A100 "
             "rows are under-predicted and H100 rows over-predicted.",
-            "* torchtitan's selective op activation checkpointing (recompute every second matmul of a block) is "
-            "not a level of the model: the backtest enters those runs as no recompute, about 12% of their GEMM "
-            "work too little.",
+
             "* Predictions are a ranking aid: measure the top two or three layouts of `dtrain plan` on the real "
             "cluster before a long run.", ""]
 

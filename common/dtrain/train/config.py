@@ -12,7 +12,7 @@ from dtrain.errors import UserError
 from dtrain.strategies import SHARDED, STRATEGIES  # noqa: F401  (re-exported: dtrain.train.STRATEGIES)
 
 PRECISIONS = ("fp32", "bf16", "auto")
-ACTIVATION_CHECKPOINTING = ("none", "block")
+ACTIVATION_CHECKPOINTING = ("none", "op", "block")  # op: torchtitan's selective op AC
 
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
@@ -45,7 +45,7 @@ class TrainConfig:
     strategy: str = "zero3"        # single | ddp | zero2 | zero3 | hsdp
     hsdp_replicate: int = 2        # hsdp: replica groups; each shards over world_size / hsdp_replicate ranks
     precision: str = "fp32"        # fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU); FSDP2: bf16 params, fp32 reduce; single/ddp: autocast
-    activation_checkpointing: str = "none"  # none | block
+    activation_checkpointing: str = "none"  # none | op | block
     tp: int = 1                    # tensor-parallel degree (hand-rolled Megatron blocks, dtrain.parallel.tp)
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
     async_grad_allreduce: bool = False  # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs

@@ -87,8 +87,8 @@ class ModelParallel:
                 partial = apply_tp(part, dims.submesh("tp"), train.sequence_parallel, gpt.cfg.n_layer,
                                    train.async_grad_allreduce)
             self.partial_grads.append(set(partial))
-            if train.activation_checkpointing == "block":
-                apply_activation_checkpointing(part)
+            if train.activation_checkpointing != "none":
+                apply_activation_checkpointing(part, train.activation_checkpointing)
             if train.compile:
                 apply_compile(part)
             if self.fsdp:

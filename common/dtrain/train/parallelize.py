@@ -20,12 +20,41 @@ import torch.nn as nn
 from dtrain.train.config import TrainConfig
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward instead of keeping them."""
+def _op_policy_context():
+    """Selective op AC (torchtitan ``selective_ac_option="op"``): in each checkpointed block keep the
+    outputs of SDPA and of every other matmul (1st, 3rd, ... in forward order: wq, wv, w1 of a
+    GELU block), recompute the rest in backward (wk, wo, w2 and the element-wise ops). A fresh
+    count per block call, one for the forward and one for the recompute, so both see the same
+    numbering."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default}
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+        keep.add(aten._scaled_dot_product_cudnn_attention.default)
+    counts = {False: 0, True: 0}  # matmuls seen, forward / recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == aten.mm.default:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "block") -> None:
+    """Recompute in backward instead of keeping: each block's whole activations (``block``), or those
+    the selective op policy does not save (``op``, ``_op_policy_context``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    extra = {"context_fn": _op_policy_context} if mode == "op" else {}
     for name, block in list(model.blocks.named_children()):  # a GPT's ModuleList or a stage's ModuleDict
-        setattr(model.blocks, name, checkpoint_wrapper(block, preserve_rng_state=False))  # no dropout: no RNG to replay
+        # no dropout: no RNG to replay
+        setattr(model.blocks, name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -90,8 +119,8 @@ def set_explicit_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
 
 def parallelize(model: nn.Module, train: TrainConfig, world_size: int, device: torch.device) -> nn.Module:
     """The model wrapped for `train.strategy`; returns the module to call in the loop."""
-    if train.activation_checkpointing == "block":
-        apply_activation_checkpointing(model)
+    if train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, train.activation_checkpointing)
     if train.compile:
         apply_compile(model)
     if train.strategy == "single":
