@@ -76,10 +76,12 @@ def gemms_of(t: dict) -> list[Gemm]:
     return out + ([head_gemm(shape, lay)] if t["kind"] == "gpt" else [])
 
 
-def _time(fn, reps: int = 5, sync=None) -> float:
+def _time(fn, reps: int = 5, sync=None, min_total_s: float = 0.25, max_reps: int = 200) -> float:
+    """Median of at least ``reps`` timed calls after one warm-up, more (up to ``max_reps``) until
+    ``min_total_s`` is spent: a millisecond step on shared cores needs many samples for a stable median."""
     fn()
-    samples = []
-    for _ in range(reps):
+    samples: list[float] = []
+    while len(samples) < reps or (sum(samples) < min_total_s and len(samples) < max_reps):
         t0 = time.perf_counter()
         fn()
         if sync:

@@ -262,7 +262,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               scatters + one all-gather of params; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter),
               sharded grads being reduced every micro-batch (no no_sync); with m = 1 that is the
               ZeRO paper's 1.5× of DP; ZeRO-3 pays α once per FSDP unit (ceil(L/pp) blocks + the
-              root) per collective. exposed = dp_comm − min(overlap · dp_comm, compute).
+              root) per collective. exposed = dp_comm − min(overlap · dp_comm, compute), plus the
+              all-reduce of the step's loss over DP (4 bytes: its latency; dtrain's trainer and
+              Megatron average the logged loss every step).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
     4 for the fp32 runs on CPU whose step times the guide predicts).
@@ -316,6 +318,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
             dp_comm = m * (2 * (ag + lat_ag) + rs + lat_rs)
     hidden = min(calib.dp_overlap.value * dp_comm, compute)
     exposed = dp_comm - hidden
+    if lay.dp > 1:  # the step's loss, averaged over the DP ranks for the log (a 4-byte all-reduce, latency only)
+        exposed += allreduce_time(4, lay.dp, group_link(cluster, lay.dp, lay.tp, multi_rail=True))
 
     total = compute + tp_comm + pp_comm + bubble + exposed + overhead
     tokens = lay.dp * tokens_per_rank
