@@ -70,6 +70,7 @@ def _cell(**kw):
 
 def test_cell_text():
     assert cell_text(_cell(virtual_stages=2, recompute="full")) == "8×8×1 Z1 mb1 v2 full rc<br>40% · 50 GiB"
+    assert cell_text(_cell(recompute="op")) == "8×8×1 Z1 mb1 op rc<br>40% · 50 GiB"  # never shown as full
     assert cell_text(_cell(fits=False)) == "does not fit"
 
 

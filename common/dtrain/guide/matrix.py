@@ -23,6 +23,8 @@ GLOBAL_BATCH = 1024
 SEQ_LEN = 4096
 GPUS_PER_NODE = 8
 
+RECOMPUTE_LABEL = {"op": "op rc", "selective": "sel rc", "full": "full rc"}  # matrix cell knobs
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -101,5 +103,5 @@ def cell_text(c: Cell) -> str:
     if c.virtual_stages > 1:
         knobs.append(f"v{c.virtual_stages}")
     if c.recompute != "none":
-        knobs.append(c.recompute[:4] + " rc" if c.recompute == "selective" else "full rc")
+        knobs.append(RECOMPUTE_LABEL[c.recompute])
     return f"{c.layout} {' '.join(knobs)}<br>{c.mfu:.0%} · {c.mem_gib:.0f} GiB"

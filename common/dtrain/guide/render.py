@@ -64,7 +64,7 @@ def how_to_read(gpu: str) -> list[str]:
             f"of {SEQ_LEN} tokens, BF16 mixed precision with Adam, FlashAttention, 10% of HBM kept free:", "",
             "* `DP×TP×PP` — data-, tensor- and pipeline-parallel degrees (TP innermost, inside a node first);",
             "* `Z0`–`Z3` — ZeRO stage over the DP group (`Z3` = FSDP full sharding); `mbN` — micro-batch; `vN` — "
-            "interleaved pipeline stages; `full rc` — full activation recompute (none when absent); sequence "
+            "interleaved pipeline stages; `op rc` — torchtitan's selective op activation checkpointing, `full rc` — full activation recompute (none when absent); sequence "
             "parallelism is on whenever TP > 1;",
             "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak)) and memory per GPU;",
             "* *does not fit* — no layout fits in HBM.", "",

@@ -93,16 +93,20 @@ def rule_zero(cells: list[Cell]) -> str:
 
 def rule_recompute(cells: list[Cell]) -> str:
     fit = _fit(cells)
-    full = [c for c in fit if c.recompute == "full"]
-    if not full:
+    some = [c for c in fit if c.recompute != "none"]
+    if not some:
         return ("**No activation recompute** is chosen: with FlashAttention and sequence parallelism the "
                 "activations fit in every cell that fits at all.")
     floor = {p: min(c.gpus for c in fit if c.params == p) for p in {c.params for c in fit}}
-    near = sum(c.gpus <= 4 * floor[c.params] for c in full)
-    return (f"**Activation recompute**: full recompute in {len(full)} of {len(fit)} fitting cells ("
-            + ", ".join(sorted({c.model for c in full}, key=_size)) + f"), {near} of them within 4× of the "
-            "model's smallest fitting GPU count. It costs a third more compute (one more forward), so the "
-            "search takes it only where the activations would not fit otherwise.")
+    near = sum(c.gpus <= 4 * floor[c.params] for c in some)
+    by_level = "; ".join(f"{label} in {len(cs)} ({', '.join(sorted({c.model for c in cs}, key=_size))})"
+                         for label, cs in (("selective op AC", [c for c in some if c.recompute == "op"]),
+                                           ("full recompute", [c for c in some if c.recompute == "full"])) if cs)
+    return (f"**Activation recompute** in {len(some)} of {len(fit)} fitting cells: {by_level}; {near} of them "
+            "within 4× of the model's smallest fitting GPU count. Selective op AC (torchtitan's: every other "
+            "matmul's output kept) re-runs about a third of a block's forward matmuls, full recompute the whole "
+            "forward (a third more compute), so the search takes them only where the activations would not "
+            "fit otherwise.")
 
 
 def rule_ib(cells: list[Cell]) -> str:
