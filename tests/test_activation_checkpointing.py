@@ -3,7 +3,6 @@ gradients as no checkpointing, and saved bytes that order none > op > block, mat
 op count (memory.op_checkpoint_bytes) for the tensors the policy saves."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ from omegaconf import OmegaConf
 
 from dtrain.launch import launch
 from dtrain.model import GPTConfig
-from dtrain.results import read_jsonl
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
 from fsdp_scaling.probes import StateBytes

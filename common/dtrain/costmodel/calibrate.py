@@ -38,8 +38,8 @@ from pathlib import Path
 from dtrain import contract
 from dtrain.results import Run, complete_runs
 
-from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_fp8, from_fsdp, from_layout,
-                                  from_probe, from_tp, probe_entry, tp_rows, training_entries)
+from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_fp8, from_fsdp,
+                                  from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
 from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
 from .timemodel import Calibration, Param
 

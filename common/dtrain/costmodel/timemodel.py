@@ -225,9 +225,9 @@ def compute_time(shape: ModelShape, layout: Layout, peak_flops: float, hbm_Bps: 
     Per layer and micro-batch: forward GEMMs ×3 (forward, dgrad, wgrad: the same FLOPs), plus one
     more forward with full recompute, the attention core (QKᵀ, AV) with selective recompute
     (Korthikanti et al. 2022 §5), or wk, wo and w3 (w2 without a gated MLP) with torchtitan's
-    selective op AC (``efficiency.op_recompute_gemms``). The busiest stage holds ceil(L/pp) layers; the output projection
-    is given to the last stage, whose layer count Megatron's uneven split lowers to balance it,
-    so a stage costs max(ceil(L/pp)·t_layer, (L·t_layer + t_head)/pp).
+    selective op AC (``efficiency.op_recompute_gemms``). The busiest stage holds ceil(L/pp) layers; the
+    output projection is given to the last stage, whose layer count Megatron's uneven split lowers to
+    balance it, so a stage costs max(ceil(L/pp)·t_layer, (L·t_layer + t_head)/pp).
     """
     gemms = layer_gemms(shape, layout)
     times = [gemm_time(g, peak_flops, hbm_Bps, curve, value_bytes) for g in gemms]

@@ -64,7 +64,8 @@ def how_to_read(gpu: str) -> list[str]:
             f"of {SEQ_LEN} tokens, BF16 mixed precision with Adam, FlashAttention, 10% of HBM kept free:", "",
             "* `DP×TP×PP` — data-, tensor- and pipeline-parallel degrees (TP innermost, inside a node first);",
             "* `Z0`–`Z3` — ZeRO stage over the DP group (`Z3` = FSDP full sharding); `mbN` — micro-batch; `vN` — "
-            "interleaved pipeline stages; `op rc` — torchtitan's selective op activation checkpointing, `full rc` — full activation recompute (none when absent); sequence "
+            "interleaved pipeline stages; `op rc` — torchtitan's selective op activation checkpointing, `full rc` — "
+            "full activation recompute (none when absent); sequence "
             "parallelism is on whenever TP > 1;",
             "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak)) and memory per GPU;",
             "* *does not fit* — no layout fits in HBM.", "",
@@ -140,7 +141,8 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
                       "allreduce-bench link). Run `dtrain capstone`.", ""]
     ok = sum(c.within_goal for c in checks)
     out += [f"The cost model's step time for each local run, with this machine as the 'cluster' (peak = the runs' "
-            f"measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). Goal: within {GOAL:.0%}. "
+            f"measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). "
+            f"Goal: within {GOAL:.0%}. "
             f"**{ok} of {len(checks)} within the goal.**" + _host(report), "",
             "| experiment | run | what | measured | predicted | error | inputs | where the difference sits |",
             "|---|---|---|---:|---:|---:|---|---|"]
