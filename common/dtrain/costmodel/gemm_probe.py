@@ -179,7 +179,7 @@ def probe(results: Path, device: str = "auto") -> Path:
     record = contract.GemmProbe(dtype=str(dtype).replace("torch.", ""), peak_flops=peak, peak_flops_source=peak_source,
                                 points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
                                 e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,
-                                where=contract.where_of(dev, "none"))
+                                where=contract.where_of(dev, "none", torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
     env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
                           threads_per_rank=int(threads))
     return write_derived_run(Path(results) / SUBPROJECT, SUBPROJECT, sources,

@@ -28,6 +28,7 @@ QUIET_FP8 = ["fp8_debug.enabled=false", "health.enabled=false", "guard.enabled=f
 def steps(runs: Path) -> list[Step]:
     """(name, what, command, time limit); {runs} is filled per step with its results folder."""
     m = [sys.executable, "-m", "dtrain.gpucheck.measure"]
+    k = [sys.executable, "-m", "dtrain.gpucheck.kernels"]
     one_gpu = ["world_size=1", "device=cuda"]
     mfu = ["-m", "fsdp_scaling", *one_gpu, "model.preset=1b", "model.n_layer=8", "train.precision=bf16",
            "train.micro_batch=8", "train.steps=14", "train.timing_warmup=4", "profile.enabled=false"]
@@ -39,6 +40,10 @@ def steps(runs: Path) -> list[Step]:
         Step("copy", "device-to-device copy, 1 GiB, read + write bytes", [*m, "copy"], 120),
         Step("gemm_bf16", "bf16 GEMM 8192^3", [*m, "gemm_bf16"], 150),
         Step("gemm_fp8", "FP8 GEMM 8192^3 (torch._scaled_mm, E4M3 x E4M3 -> bf16)", [*m, "gemm_fp8"], 150),
+        Step("gemm_sweep", "bf16 / FP8 GEMM TFLOP/s over LLM training shapes", [*k, "gemm_sweep"], 240),
+        Step("attention_sweep", "SDPA fwd / fwd+bwd TFLOP/s by backend, head dim, sequence", [*k, "attention_sweep"],
+             240),
+        Step("membound", "memory-bound kernels (norms, SwiGLU, cross-entropy, AdamW) vs copy", [*k, "membound"], 180),
         Step("allreduce_nccl", "allreduce-bench over NCCL, one rank (correctness only)",
              [*py, "-m", "allreduce_bench", *one_gpu, "backend=nccl", "collectives=[all_reduce,all_gather,"
               "reduce_scatter,broadcast]", "max_bytes=64M", "dtypes=[float32,bfloat16]"], 240, kind="allreduce"),
@@ -59,6 +64,9 @@ def steps(runs: Path) -> list[Step]:
         Step("tp_attention", "TP attention block at tp=1 (bf16, b 4, s 2048, d 2048)",
              [*py, "-m", "tp_attention", *one_gpu, "tp=1", "precision=bf16", "sequence_parallel=false",
               "micro_batch=4", "model.seq_len=2048", "model.d_model=2048", "model.n_head=16"], 240, kind="tp"),
+        # the cost model's GPU compute calibration: the training runs above, their GEMMs timed on this GPU
+        Step("gemm_probe", "gemm-probe over this check's training runs (the GPU calibration)",
+             [*py, "-m", "dtrain.costmodel.gemm_probe", str(runs / "runs")], 300, kind="probe"),
         Step("gpu_tests", "pytest -m gpu", [*py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                                             "-o", "addopts="], 420, kind="pytest"),
     ]
@@ -68,7 +76,7 @@ def steps(runs: Path) -> list[Step]:
 def run_step(step: Step, run_dir: Path, deadline: float) -> Step:
     left = deadline - time.monotonic()
     if left < 30:
-        step.status, step.note = "skipped", "the 28-minute budget is spent"
+        step.status, step.note = "skipped", "the time budget (--budget-s) is spent"
         return step
     folder = run_dir / "runs" / step.name
     folder.mkdir(parents=True, exist_ok=True)
@@ -94,10 +102,20 @@ def run_step(step: Step, run_dir: Path, deadline: float) -> Step:
     return step
 
 
+def write_report(done: list[Step], run_dir: Path) -> str:
+    report = render(done, run_dir)
+    (run_dir / "report.md").write_text(report)
+    (run_dir / "report.json").write_text(json.dumps([s.to_dict() for s in done], indent=1, default=str))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck")
     p.add_argument("--results", default="results", help="the report goes to RESULTS/gpu-check/<time>/")
     p.add_argument("--only", default=None, help="comma-separated step names (default: all)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an earlier check in RUN_DIR: run the steps not yet ok, one report for all")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting steps after this many seconds")
     args = p.parse_args(argv)
     import torch
 
@@ -105,18 +123,28 @@ def main(argv: list[str] | None = None) -> int:
         print("error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    run_dir = Path(args.results) / "gpu-check" / datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True)
-    deadline = time.monotonic() + BUDGET_S
-    todo = [s for s in steps(run_dir) if args.only is None or s.name in args.only.split(",")]
-    done = []
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "report.json").is_file():
+            print(f"error: {run_dir} holds no report.json of an earlier gpu-check: pass the folder it printed",
+                  file=sys.stderr)
+            return 2
+        done = [Step(**d) for d in json.loads((run_dir / "report.json").read_text())]
+    else:
+        run_dir = Path(args.results) / "gpu-check" / datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir.mkdir(parents=True)
+        done = []
+    deadline = time.monotonic() + args.budget_s
+    ok = {s.name for s in done if s.status == "ok"}
+    done = [s for s in done if s.status == "ok"]
+    todo = [s for s in steps(run_dir) if (args.only is None or s.name in args.only.split(",")) and s.name not in ok]
+    report = write_report(done, run_dir)
     for step in todo:
         print(f"gpu-check: {step.name} ({step.what}) ...", file=sys.stderr, flush=True)
         done.append(run_step(step, run_dir, deadline))
         print(f"gpu-check: {step.name}: {step.status} in {step.seconds:.0f} s", file=sys.stderr, flush=True)
-    report = render(done, run_dir)
-    (run_dir / "report.md").write_text(report)
-    (run_dir / "report.json").write_text(json.dumps([s.to_dict() for s in done], indent=1, default=str))
+        # after every step, so a check stopped from outside still leaves what it measured
+        report = write_report(done, run_dir)
     print(report)
     print(f"report written to {run_dir / 'report.md'}", file=sys.stderr)
     return 0 if all(s.status == "ok" for s in done) else 1

@@ -68,12 +68,21 @@ def _allreduce(stdout: str, folder: Path) -> dict:
     return {"backend": s["backend"], "cases": s["cases"], "wrong_total": s["wrong_total"], "skipped": len(s["skipped"])}
 
 
+def _probe(stdout: str, folder: Path) -> dict:
+    from dtrain import contract
+
+    [summary] = list(folder.parent.glob("gemm-probe/summary.json"))  # the probe's derived run, beside the steps
+    [g] = [r for r in contract.read(json.loads(summary.read_text())) if isinstance(r, contract.GemmProbe)]
+    return {"run": str(summary.parent), "dtype": g.dtype, "e_max": g.e_max, "w_half": g.w_half,
+            "points": len(g.points), "overheads": [(o.config.get("d_model"), o.step_s, o.overhead_s) for o in g.overheads]}
+
+
 def _pytest(stdout: str, folder: Path) -> dict:
     last = [line for line in stdout.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)][-1]
     return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last)}
 
 
-COLLECT = {"measure": _json_line, "fsdp": _fsdp, "fp8": _fp8, "tp": _tp, "allreduce": _allreduce, "pytest": _pytest}
+COLLECT = {"measure": _json_line, "probe": _probe, "fsdp": _fsdp, "fp8": _fp8, "tp": _tp, "allreduce": _allreduce, "pytest": _pytest}
 
 
 def _f(v, spec: str, unit: str = "") -> str:
@@ -95,6 +104,29 @@ def summarize(step: Step) -> str:
         return (f"{_f(d['tflops_fast_accum'], '.0f')} TFLOP/s fast accum, {_f(d['tflops'], '.0f')} without "
                 f"({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')}); max rel err vs fp32 "
                 f"{d['max_rel_err_vs_fp32']:.1e}")
+    if step.name == "gemm_sweep":
+        best = max(d["points"], key=lambda p: p["bf16_tflops"])
+        out = f"bf16 up to {best['bf16_tflops']:.0f} TFLOP/s ({best['m']}x{best['n']}x{best['k']})"
+        if "fp8_fast_tflops" in best:
+            b8 = max(d["points"], key=lambda p: p["fp8_fast_tflops"])
+            out += f", FP8 fast accum up to {b8['fp8_fast_tflops']:.0f} ({b8['m']}x{b8['n']}x{b8['k']})"
+        return out + f"; {len(d['points'])} shapes in report.json"
+    if step.name == "attention_sweep":
+        ok = [p for p in d["points"] if "fwd_bwd_tflops" in p and p["causal"] and p["head_dim"] == 128]
+        best = {}
+        for p in ok:
+            if p["fwd_bwd_tflops"] > best.get(p["backend"], {}).get("fwd_bwd_tflops", 0):
+                best[p["backend"]] = p
+        return "; ".join(f"{b} causal hd128 fwd+bwd up to {p['fwd_bwd_tflops']:.0f} TFLOP/s (s {p['seq']})"
+                         for b, p in best.items()) or "-"
+    if step.name == "membound":
+        by = {(o["op"], o.get("d") or o.get("vocab") or o.get("params")): o["GBps"] for o in d["ops"]}
+        return ", ".join(f"{op} {v / 1e3:.2f} TB/s" for (op, size), v in by.items()
+                         if size in (4096, 128256, 1 << 27)) + f"; tiny kernel {d['tiny_kernel_s'] * 1e6:.1f} us"
+    if step.kind == "probe":
+        return (f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} FLOP, "
+                f"{d['points']} GEMM shapes; overheads " + ", ".join(f"d{o[0]}: step {o[1] * 1e3:.1f} ms, fixed "
+                                                                      f"{o[2] * 1e3:.1f} ms" for o in d["overheads"]))
     if step.kind == "fsdp":
         return (f"MFU {_f(d['mfu'], '.1%')}, {_f(d['tokens_per_s'], ',.0f')} tok/s, "
                 f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem {_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB")

@@ -1,0 +1,189 @@
+"""Kernel sweeps of `make gpu-check`: the per-GPU numbers the cost model's compute terms are built
+from (GEMM efficiency by shape and dtype, fused attention throughput by head dim and sequence
+length, memory-bound kernels against HBM bandwidth). One process each, one JSON line out:
+
+    python -m dtrain.gpucheck.kernels gemm_sweep | attention_sweep | membound [--small]
+
+`--small` runs the same code at CPU-sized shapes (the tests); only GPU numbers go into a report.
+
+Conventions (those of the published kernel benchmarks, so the numbers compare):
+- GEMM FLOPs = 2·m·n·k; random normal inputs (zeros run faster on Hopper and are not training).
+  FP8 is torch._scaled_mm, E4M3 x E4M3 -> bf16 with per-tensor fp32 scales, with and without
+  fast accumulation (torchao's float8 training uses fast accumulation in the forward GEMM only).
+- Attention FLOPs (FlashAttention's benchmark): forward 4·b·h·s²·d, halved when causal; backward
+  2.5x the forward (five matmuls against two); fwd+bwd = 3.5x.
+- Memory-bound kernels: bytes = what the op must read and write once (inputs, outputs, saved
+  tensors; fp32 optimizer states), over the median time, against the measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from dtrain.timing import time_fn
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _median_s(fn, dev: torch.device, iters: int = 10, warmup: int = 3) -> float:
+    return time_fn(fn, warmup=warmup, iters=iters, device=dev).median
+
+
+def gemm_sweep(small: bool = False) -> dict:
+    """bf16 (and FP8 where the GPU has it) TFLOP/s over the GEMM shapes LLM training runs: m = tokens
+    of a micro-batch, n and k from the model's hidden and FFN widths (TP shards included)."""
+    dev = _device()
+    ms = (64, 256) if small else (2048, 8192, 32768)
+    nks = (32, 128) if small else (1024, 2048, 4096, 8192, 16384)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fp8 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
+    g = torch.Generator(device=dev).manual_seed(0)
+    one = torch.ones((), device=dev, dtype=torch.float32)
+    points = []
+    for m in ms:
+        for n in nks:
+            for k in nks:
+                a = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
+                b = torch.randn(k, n, device=dev, dtype=dtype, generator=g)
+                flops = 2 * m * n * k
+                row = {"m": m, "n": n, "k": k, "flops": flops,
+                       "bf16_tflops": flops / _median_s(lambda: a @ b, dev) / 1e12}
+                if fp8:
+                    a8 = a.to(torch.float8_e4m3fn)
+                    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt takes B
+                    for fast in (False, True):
+                        s = _median_s(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
+                                                               use_fast_accum=fast), dev)
+                        row["fp8_fast_tflops" if fast else "fp8_tflops"] = flops / s / 1e12
+                points.append(row)
+                del a, b
+    return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "points": points}
+
+
+ATTN_BACKENDS = ("flash", "cudnn", "efficient", "default")
+
+
+def _backend_ctx(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return nullcontext() if name == "default" else sdpa_kernel({
+        "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name])
+
+
+def attention_sweep(small: bool = False) -> dict:
+    """SDPA forward and forward+backward TFLOP/s, bf16, per backend, FlashAttention's benchmark grid:
+    total tokens b·s fixed (16K), hidden 2048 = heads x head_dim, causal and not."""
+    dev = _device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tokens, hidden = (256, 64) if small else (16384, 2048)
+    seqs = (64, 128) if small else (512, 1024, 2048, 4096, 8192, 16384)
+    backends = ("math",) if dev.type != "cuda" else ATTN_BACKENDS
+    points = []
+    for head_dim in ((32,) if small else (64, 128)):
+        h = hidden // head_dim
+        for s in seqs:
+            b = max(1, tokens // s)
+            q, k, v = (torch.randn(b, h, s, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+            dout = torch.randn(b, h, s, head_dim, device=dev, dtype=dtype)
+            for causal in (True, False):
+                fwd_flops = 4 * b * h * s * s * head_dim / (2 if causal else 1)
+                for backend in backends:
+                    row = {"backend": backend, "head_dim": head_dim, "heads": h, "batch": b, "seq": s,
+                           "causal": causal, "fwd_flops": fwd_flops}
+                    try:
+                        with _backend_ctx(backend):
+                            fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+
+                            def fwd_bwd():
+                                out = fwd()
+                                torch.autograd.grad(out, (q, k, v), dout)
+                            tf = _median_s(fwd, dev)
+                            tfb = _median_s(fwd_bwd, dev)
+                        row |= {"fwd_tflops": fwd_flops / tf / 1e12, "fwd_bwd_tflops": 3.5 * fwd_flops / tfb / 1e12,
+                                "fwd_s": tf, "fwd_bwd_s": tfb}
+                    except RuntimeError as e:  # a backend that does not take this shape or GPU
+                        row["error"] = str(e).splitlines()[0][:160]
+                    points.append(row)
+            del q, k, v, dout
+    return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "hidden": hidden,
+            "points": points}
+
+
+def membound(small: bool = False) -> dict:
+    """Achieved GB/s of the memory-bound kernels a transformer step runs, at LLM widths, bf16 (fp32
+    for the optimizer), against a plain copy of the same bytes."""
+    dev = _device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    vb = torch.tensor([], dtype=dtype).element_size()
+    tokens = 512 if small else 16384
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+
+    def add(name: str, nbytes: float, fn, **facts):
+        s = _median_s(fn, dev)
+        rows.append({"op": name, "bytes": nbytes, "seconds": s, "GBps": nbytes / s / 1e9, **facts})
+
+    for d in ((64,) if small else (2048, 4096, 8192)):
+        x = torch.randn(tokens, d, device=dev, dtype=dtype, generator=g, requires_grad=True)
+        w = torch.ones(d, device=dev, dtype=dtype, requires_grad=True)
+        dy = torch.randn(tokens, d, device=dev, dtype=dtype, generator=g)
+        n = tokens * d * vb
+        add("copy", 2 * n, lambda: x.detach().clone(), d=d)
+        add("rms_norm_fwd", 2 * n, lambda: F.rms_norm(x.detach(), (d,), w.detach()), d=d)
+        # backward reads x, dy and writes dx (weight grad is a reduction): 3 passes, plus the forward's 2
+        add("rms_norm_fwd_bwd", 5 * n, lambda: torch.autograd.grad(F.rms_norm(x, (d,), w), (x, w), dy), d=d)
+        add("layer_norm_fwd_bwd", 5 * n, lambda: torch.autograd.grad(F.layer_norm(x, (d,), w), (x, w), dy), d=d)
+        a = torch.randn(tokens, 4 * d if not small else 2 * d, device=dev, dtype=dtype, generator=g,
+                        requires_grad=True)
+        b = torch.randn_like(a, requires_grad=True)
+        dh = torch.randn_like(a)
+        na = a.numel() * vb
+        # SwiGLU's elementwise part: fwd reads a, b writes h (3); bwd reads a, b, dh writes da, db (5)
+        add("swiglu_fwd_bwd", 8 * na, lambda: torch.autograd.grad(F.silu(a) * b, (a, b), dh), d=d)
+        add("residual_add", 3 * n, lambda: x.detach() + dy, d=d)
+        del x, w, dy, a, b, dh
+    for vocab in ((128,) if small else (32768, 128256)):
+        logits = torch.randn(tokens // 4, vocab, device=dev, dtype=dtype, generator=g, requires_grad=True)
+        tgt = torch.randint(0, vocab, (tokens // 4,), device=dev, generator=g)
+        n = logits.numel() * vb
+        # fp32 upcast of bf16 logits, log-softmax and its gradient: read logits twice, write dlogits once
+        add("cross_entropy_fwd_bwd", 3 * n, lambda: torch.autograd.grad(F.cross_entropy(logits.float(), tgt),
+                                                                        logits), vocab=vocab)
+        del logits
+    numel = 1 << 16 if small else 1 << 27  # 134M fp32 parameters
+    p = torch.zeros(numel, device=dev, requires_grad=True)
+    p.grad = torch.randn(numel, device=dev, generator=g)
+    for fused in ((False,) if dev.type != "cuda" else (False, True)):
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=None if fused else True)
+        opt.step()
+        # AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per parameter
+        add("adamw_fused" if fused else "adamw_foreach", 7 * 4 * numel, opt.step, params=numel)
+    launch = _median_s(lambda: torch.add(p[:1], 1.0), dev, iters=200, warmup=20)
+    return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "ops": rows,
+            "tiny_kernel_s": launch}
+
+
+def _name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+SWEEPS = {"gemm_sweep": gemm_sweep, "attention_sweep": attention_sweep, "membound": membound}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.kernels")
+    p.add_argument("name", choices=sorted(SWEEPS))
+    p.add_argument("--small", action="store_true", help="CPU-sized shapes (tests)")
+    args = p.parse_args(argv)
+    print(json.dumps(SWEEPS[args.name](small=args.small)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
