@@ -37,13 +37,14 @@ def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
     assert "train.activation_checkpointing=block" in overrides and "model.n_layer=8" in overrides
     assert "train.sequence_parallel=true" in overrides and any("ZeRO-1" in n for n in notes)
     world, train, model = as_configs(overrides)
-    train.validate(world).validate_model(model)
-    assert train.grad_accum == layout.grad_accum  # 16 / (micro_batch 2 x dp 2)
+    run = train.resolved(world, "cpu")
+    run.validate_model(model)
+    assert run.grad_accum == layout.grad_accum  # 16 / (micro_batch 2 x dp 2)
     # fewer micro-batches than stages: gpipe (1f1b would refuse)
     few, _ = train_overrides(Layout(dp=1, tp=1, pp=4, micro_batch=8, grad_accum=1), shape, global_batch=8)
     assert "train.pp_schedule=gpipe" in few
     world, train, model = as_configs(few)
-    train.validate(world).validate_model(model)
+    train.resolved(world, "cpu").validate_model(model)
 
 
 @pytest.mark.slow  # a 4-rank fsdp-scaling run in a subprocess: ~60-90 s on 2 busy cores

@@ -149,5 +149,10 @@ def test_config_errors(kw, world, message):
 def test_config_from_cfg_rejects_unknown_key_and_derives_accum():
     with pytest.raises(UserError, match="unknown train.stpes"):
         TrainConfig.from_cfg(OmegaConf.create({"stpes": 3}))
-    t = TrainConfig.from_cfg(OmegaConf.create({"micro_batch": 2, "global_batch": 16})).validate(4)
-    assert t.grad_accum == 2 and t.global_batch_for(4) == 16
+    asked = TrainConfig.from_cfg(OmegaConf.create({"micro_batch": 2, "global_batch": 16, "precision": "auto"}))
+    before = asked.to_dict()
+    asked.validate(4)
+    t = asked.resolved(4, "cpu")
+    assert asked.to_dict() == before  # validate and resolved leave the asked config as it was
+    assert t.grad_accum == 2 and t.global_batch_for(4) == 16 and t.precision == "fp32"
+    assert asked.resolved(4, "cuda").precision == "bf16" and asked.resolved(4).precision == "auto"

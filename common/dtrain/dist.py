@@ -134,3 +134,19 @@ def set_cpu_threads(threads_per_rank: int | None, local_world_size: int) -> int:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group=None, collective=None, divisor: int = 1) -> None:
+    """Sum `tensors` in place over `group` with one collective on one flat bucket (as DDP does),
+    then divide by `divisor` (gloo has no average). `collective(flat, group)` replaces
+    torch.distributed.all_reduce (the TP layers pass their counted, profiled one)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    (collective or (lambda t, g: dist.all_reduce(t, group=g)))(flat, group)
+    if divisor != 1:
+        flat /= divisor
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -14,7 +14,7 @@ trainer's own split (`params_per_rank`): the pipeline stages this rank holds (dt
 pipeline), block matrices / tp, norms, row-parallel biases, embeddings and lm_head whole on every
 tp rank (they are not vocab-parallel), wk/wv whole when kv_heads < tp. States are sharded over
 the dp ranks that shard (dp / hsdp_replicate); with pp > 1, FSDP2 keeps parameters gathered
-through the step (zero2, as dtrain.train.model_parallel does). Activations are the cost model's
+through the step (zero2, as dtrain.train.parallelize does; `mesh.zero_stage`). Activations are the cost model's
 (Korthikanti et al. per layer / tp, 1F1B in-flight micro-batches, interleaving), with the logits
 of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
 v of the one head each rank computes with.
@@ -27,19 +27,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dtrain.costmodel.memory import Layout, ModelShape, fsdp2_state_bytes, memory_per_gpu
+from dtrain.costmodel.gpt_shape import shape_of
+from dtrain.costmodel.memory import Layout, fsdp2_state_bytes, memory_per_gpu
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
+from dtrain.parallel.mesh import zero_stage
 from dtrain.parallel.pipeline import split_layers, stages_of_rank
-from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING, ZERO_STAGE
+from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING
 
 GiB = 2**30
-
-
-def shape_of(g: GPTConfig) -> ModelShape:
-    """dtrain's GPT in the cost model's terms (GELU MLP, learned positions counted as tiny)."""
-    return ModelShape(g.n_layer, g.d_model, g.n_head, g.n_kv_head, g.vocab_size, g.seq_len, float(g.mlp_ratio),
-                      False, g.tie_embeddings, name="run")
 
 
 @dataclass(frozen=True)
@@ -72,15 +68,14 @@ def params_per_rank(model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = 
 
 
 def training_need(model: GPTConfig, train, world_size: int) -> Need:
-    """Peak bytes on the busiest rank of dtrain's Trainer for this model, layout, strategy and batch."""
-    strategy, tp, pp = train.strategy, train.tp, train.pp
-    dp = world_size // (tp * pp)
-    dp_shard = dp // train.hsdp_replicate if strategy == "hsdp" else dp
-    zero = ZERO_STAGE.get(strategy, 3) if dp > 1 else 0
-    if pp > 1 and zero == 3:  # model_parallel: parameters stay gathered from forward to backward
-        zero = 2
+    """Peak bytes on the busiest rank of dtrain's Trainer for this model, layout, strategy and batch
+    (`train`: a resolved TrainConfig, grad_accum derived)."""
+    dims = train.dims(world_size)
+    tp, pp = dims.tp, dims.pp
     recompute = RECOMPUTE_OF_CHECKPOINTING[train.activation_checkpointing]
-    layout = Layout(dp=max(dp_shard, 1), tp=tp, pp=pp, zero_stage=zero, recompute=recompute,
+    # states are sharded over dp_shard ranks (1 for ddp: zero_stage 0 then ignores it)
+    layout = Layout(dp=dims.dp_shard, tp=tp, pp=pp, zero_stage=zero_stage(train.strategy, dims.dp, pp),
+                    recompute=recompute,
                     micro_batch=train.micro_batch, grad_accum=train.grad_accum,
                     sequence_parallel=train.sequence_parallel, virtual_stages=train.pp_virtual if pp > 1 else 1)
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
@@ -117,8 +112,8 @@ def check_fits(model: GPTConfig, train, world_size: int, device: torch.device, w
         total, where = need.per_rank * world_size, f"of host memory for {world_size} rank(s)"
     if total <= have:
         return
-    layout = f", busiest of dp{world_size // (train.tp * train.pp)}xtp{train.tp}xpp{train.pp}" \
-        if train.tp * train.pp > 1 else ""
+    dims = train.dims(world_size)
+    layout = f", busiest of {dims.describe}" if dims.model_parallel else ""
     raise UserError(
         f"{what} cannot fit: it needs about {total / GiB:.1f} GiB {where} but {have / GiB:.1f} GiB is available "
         f"(per rank{layout}: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "

@@ -41,10 +41,6 @@ def model_config(cfg: DictConfig) -> GPTConfig:
     return dtrain_config.model_config(cfg.model)
 
 
-def train_config(cfg: DictConfig, world_size: int) -> TrainConfig:
-    return TrainConfig.from_cfg(cfg.train).validate(world_size)
-
-
 def validate(cfg: DictConfig) -> None:
     if cfg.recipe not in backends.RECIPES:
         raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(backends.RECIPES)}")
@@ -52,13 +48,12 @@ def validate(cfg: DictConfig) -> None:
     if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
         backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
     model_cfg = model_config(cfg)
-    train = train_config(cfg, cfg.world_size)  # checks train.precision: auto | fp32 | bf16
+    local = mode_of(cfg) == "local"  # on Slurm the compute nodes' device and memory are not known here
+    device = ddist.pick_device(cfg.device, 0) if local else None
+    train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)  # checks train.*
     backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
-    if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
-        device = ddist.pick_device(cfg.device, 0)
-        train.precision = train.precision_on(device.type)
-        check_fits(model_cfg, train, cfg.world_size, device,
-                   f"model.preset={cfg.model.preset}")
+    if local:
+        check_fits(model_cfg, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
     with torch.device("meta"):
         names = {n for n, _ in GPT(model_cfg).named_modules()}
@@ -77,8 +72,8 @@ def rank_fn(ctx) -> dict:
     numerics = backends.build(cfg.recipe, cfg.train.precision, cfg.fp8, ctx.device)
     pmap = PrecisionMap.from_cfg(cfg.precision_map, model_cfg, multiple=backends.shape_multiple(cfg.recipe))
     factory = pmap.factory(numerics.fp8_linear) if numerics.fp8_linear else None
-    train = TrainConfig.from_cfg(cfg.train)
-    train.precision = numerics.train_precision
+    # the recipe decides the Trainer's precision (fp16 trains as fp32 under autocast); config.yaml keeps train.precision
+    train = dataclasses.replace(TrainConfig.from_cfg(cfg.train), precision=numerics.train_precision)
     guard = NanGuard(cfg.guard) if cfg.guard.enabled else None
     callbacks = [faults.FaultInjector(OmegaConf.to_container(cfg.faults, resolve=True), ctx.rank), guard,
                  DebugTool(cfg.fp8_debug, ctx.run_dir, ctx.rank),
@@ -102,7 +97,7 @@ def rank_fn(ctx) -> dict:
             "nan_events": guard.nan_events if guard else 0, "rollbacks": guard.rollbacks if guard else 0,
             "high_precision_layers": high, "switched_to_high_precision": guard.switched if guard else [],
             "notes": numerics.notes, "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,
-            "model": dataclasses.asdict(model_cfg), "train": train.to_dict()}
+            "model": dataclasses.asdict(model_cfg), "train": trainer.train.to_dict()}
 
 
 def step_rows(run_dir: Path) -> list[dict]:

@@ -27,11 +27,13 @@ def model_config(node) -> GPTConfig:
 
 
 def validate(cfg: DictConfig) -> None:
-    train = TrainConfig.from_cfg(cfg.train).validate(cfg.world_size)
+    local = mode_of(cfg) == "local"  # on Slurm the compute nodes' device and memory are not known here
+    device = ddist.pick_device(cfg.device, 0) if local else None
+    train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)
     model = model_config(cfg.model)
     train.validate_model(model)
-    if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
-        check_fits(model, train, cfg.world_size, ddist.pick_device(cfg.device, 0), f"model.preset={cfg.model.preset}")
+    if local:
+        check_fits(model, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
     if cfg.profile.enabled and cfg.profile.steps < 1:
         raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
     t = cfg.train
@@ -52,18 +54,15 @@ def rank_fn(ctx: RankContext) -> dict:
     trainer = Trainer(ctx, train, model_cfg, callbacks=callbacks)
     result = trainer.run()
     shapes = [memory.tp_local_shape(p) for p in trainer.model.parameters()]  # this rank's stages, tp shards
-    shards, index = memory.shard_degree(train.strategy, ctx.world_size, train.hsdp_replicate), None
-    if trainer.parallel is not None:  # dp ranks shard (FSDP2) or replicate (ddp) the tp x pp piece
-        shards = trainer.dims.dp_shard if trainer.parallel.fsdp else 1
-        index = trainer.dims.coordinate("shard") if trainer.parallel.fsdp else 0
-    formula = memory.formula_bytes(shapes, shards, ctx.rank % shards if index is None else index)
-    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards * trainer.dims.tp * trainer.dims.pp)
-    ctx.writer.record("state_bytes", rank=ctx.rank, shards=shards, **{f"measured_{k}": v for k, v in state.measured.items()},
+    dims = trainer.dims  # dp ranks shard (FSDP2: dp_shard of them) or replicate the tp x pp piece
+    formula = memory.formula_bytes(shapes, dims.dp_shard, dims.coordinate("shard"))
+    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), dims.dp_shard * dims.tp * dims.pp)
+    ctx.writer.record("state_bytes", rank=ctx.rank, shards=dims.dp_shard, **{f"measured_{k}": v for k, v in state.measured.items()},
                       **{f"formula_{k}": v for k, v in formula.items()}, **{f"ideal_{k}": v for k, v in ideal.items()})
     return {**result, "state_bytes": state.measured, "state_bytes_formula": formula, "state_bytes_ideal": ideal,
-            "shard_degree": shards, "overlap": window.result if window else None,
+            "shard_degree": dims.dp_shard, "overlap": window.result if window else None,
             "breakdown": window.breakdown if window else None,
             "trace": str(window.trace_path) if window and window.trace_path else None,
             "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,
             "model": dataclasses.asdict(model_cfg),
-            "train": train.to_dict()}
+            "train": trainer.train.to_dict()}  # as the run used it (grad_accum, precision derived)

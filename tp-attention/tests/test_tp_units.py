@@ -33,11 +33,15 @@ def test_expected_bytes_block_by_hand():
 
 
 def test_expected_bytes_replicated_kv_heads():
-    # n_kv_head=1 < tp=4: each rank holds k/v head 0 (2 x head_dim=4 rows of 16 + bias)
+    # n_kv_head=1 < tp=4: every rank holds wk and wv whole (2 x head_dim=4 rows of 16 + bias)
     # and sums their grads over all 4 ranks: payload 8 * 17 * 4 = 544 bytes, wire 2 * 3/4 * 544 = 816
-    got = comm.expected_wire_bytes(batch=1, seq=4, d_model=16, n_head=4, n_kv_head=1, tp=4,
-                                   sequence_parallel=False, bias=True)
-    assert got["grad_sync"] == 816
+    kw = dict(batch=1, seq=4, d_model=16, n_head=4, tp=4, bias=True)
+    assert comm.expected_wire_bytes(n_kv_head=1, sequence_parallel=False, **kw)["grad_sync"] == 816
+    # two k/v heads on tp=4: both whole on every rank, 16 rows: payload 16 * 17 * 4 = 1088, wire 1632
+    assert comm.expected_wire_bytes(n_kv_head=2, sequence_parallel=False, **kw)["grad_sync"] == 1632
+    # with SP the norm weights (2 x 16) and row biases (2 x 16) join the same all-reduce over tp:
+    # (136 + 64) * 4 = 800 bytes, wire 2 * 3/4 * 800 = 1200
+    assert comm.expected_wire_bytes(n_kv_head=1, sequence_parallel=True, **kw)["grad_sync"] == 1200
 
 
 @pytest.mark.parametrize("n_head,n_kv,tp,message", [

@@ -22,11 +22,10 @@ import torch.distributed as dist
 
 from dtrain.launch import RankContext
 from dtrain.model import Block
-from dtrain.parallel.tp import comm
+from dtrain.parallel.tp import comm, dtensor_plan
 from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
 from dtrain.parallel.tp.layers import allreduce_partial_grads
 from dtrain.timing import synchronize, time_fn
-from tp_attention import dtensor_baseline
 from tp_attention.config import as_list, model_config, torch_dtype, tp_degrees
 
 
@@ -139,10 +138,10 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
         out["comm_share_async"] = comm_share(step, cfg.profile.steps, device)[0] if tp > 1 else 0.0
-    if "dtensor" in impls and dtensor_baseline.supported(model_config(cfg).n_kv_head, tp):
+    if "dtensor" in impls and dtensor_plan.supported(model_config(cfg).n_kv_head, tp):
         from torch.distributed.tensor.debug import CommDebugMode
 
-        dt = dtensor_baseline.parallelize(copy.deepcopy(ref), groups, sp)
+        dt = dtensor_plan.parallelize_block(copy.deepcopy(ref), dtensor_plan.tp_mesh(groups), sp)
         step = make_step(dt, xl, gl, sync_grads=False)
         out["dtensor"] = _timed(step, cfg, device, groups.group)
         with CommDebugMode() as mode:
@@ -177,7 +176,7 @@ def rank_fn(ctx: RankContext) -> dict:
     combos = [(tp, sp) for tp in tp_degrees(cfg) for sp in as_list(cfg.sequence_parallel)]
     turns = Turns(cfg.dist_timeout_s)
     for tp, sp in _progress(combos, ctx.is_main):
-        groups = make_tp_groups(tp, n_kv)  # collective: every rank, same order
+        groups = make_tp_groups(tp)  # collective: every rank, same order
         # The first TP group (ranks 0..tp-1) measures; then rank 0 alone runs the single baselines.
         measured = turns.take(groups is not None and ctx.rank < tp, ctx.is_main,
                               lambda: measure_tp(cfg, tp, sp, groups, ref, x, g, device))

@@ -28,10 +28,9 @@ from dtrain.app import hydra_main
 from dtrain.errors import UserError
 from dtrain.launch import RankContext
 from dtrain.model import Block, GPTConfig
-from dtrain.parallel.tp import comm, ops
+from dtrain.parallel.tp import comm, dtensor_plan, ops
 from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
 from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, allreduce_partial_grads
-from tp_attention import dtensor_baseline
 from tp_attention.config import as_list, check_tp
 
 VARIANTS = ({"fused_qkv": False}, {"fused_qkv": True}, {"fused_qkv": True, "async_grad_allreduce": True},
@@ -158,7 +157,7 @@ def check_case(case: dict, groups, seed: int, device) -> tuple[dict[str, float],
     g = _randn(seed + 2, B, T, D, device=device)
     local = (lambda t: t.chunk(n, 1)[r]) if case["sequence_parallel"] else (lambda t: t)
     tp_mod = shard_like(ref, case, groups)
-    dt_mod = copy.deepcopy(ref) if dtensor_baseline.supported(case["n_kv_head"], n) else None
+    dt_mod = copy.deepcopy(ref) if dtensor_plan.supported(case["n_kv_head"], n) else None
 
     xr = x.clone().requires_grad_()
     ref_out = ref(xr)
@@ -175,7 +174,7 @@ def check_case(case: dict, groups, seed: int, device) -> tuple[dict[str, float],
     for name, p in tp_mod.named_parameters():
         errs[f"grad.{name}"] = rel_err(p.grad, expected[name], floor)
     if dt_mod is not None:
-        dt_mod = dtensor_baseline.parallelize(dt_mod, groups, case["sequence_parallel"])
+        dt_mod = dtensor_plan.parallelize_block(dt_mod, dtensor_plan.tp_mesh(groups), case["sequence_parallel"])
         xd = local(x).clone().requires_grad_()
         dout = dt_mod(xd)
         dout.backward(local(g))
@@ -221,14 +220,14 @@ def rank_fn(ctx: RankContext) -> dict:
 
     for tp in as_list(cfg.tp):
         layouts = ["mha", "gqa_kv_ge_tp"] + (["gqa_kv_lt_tp"] if tp > 1 else [])
-        groups = make_tp_groups(tp, tp)
+        groups = make_tp_groups(tp)
         seed = rng.randrange(1 << 30)
         report("ops", {"tp": tp}, check_ops(groups, seed, device) if groups else {})
         report("layers", {"tp": tp}, check_layers(groups, seed, device) if groups else {})
         for layout, sp in ((lay, sp) for lay in layouts for sp in (False, True)):
             for _ in range(cfg.cases_per_layout):
                 case, seed = draw_case(rng, tp, layout, sp, rng.randrange(3)), rng.randrange(1 << 30)
-                groups = make_tp_groups(tp, case["n_kv_head"])
+                groups = make_tp_groups(tp)
                 errs, volume = check_case(case, groups, seed, device) if groups else ({}, None)
                 report("case", {**case, "seed": seed}, errs, volume)
     if ctx.is_main and failures:

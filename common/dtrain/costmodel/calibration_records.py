@@ -157,8 +157,9 @@ def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> lis
                  formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
                  model puts on its bubble
     """
-    from dtrain.fit import shape_of
     from dtrain.model import GPTConfig
+
+    from .gpt_shape import shape_of
 
     if link is None:
         return []

@@ -37,7 +37,7 @@ from dtrain.costmodel.calibration_records import (Candidate, leave_one_out, tp_m
                                                   training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
-from dtrain.fit import shape_of
+from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
 from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING, ZERO_STAGE

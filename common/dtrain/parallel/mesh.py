@@ -2,21 +2,31 @@
 
     world_size = pp * dp * tp,   dp = dp_replicate * dp_shard
 
+Every layout has one: tp = pp = 1 included (then dp = world_size). The data-parallel strategy
+decides how dp splits (`of`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
+(dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single has dp = 1.
+
 Mesh dimensions, outermost first (as torchtitan's ParallelDims): ``pp``, ``replicate``,
 ``shard``, ``tp``; tp is innermost, so a tp group is consecutive ranks (one node's fast links),
-and pp is outermost (its point-to-point traffic is the lightest). Only dimensions of size > 1
-are built (each is a process group, and gloo groups are slow to create); the data-parallel
-dimensions are always built when dp > 1 because FSDP2 needs a mesh for them.
+and pp is outermost (its point-to-point traffic is the lightest). Only dimensions of size > 1 are
+built (each is a process group, and gloo groups are slow to create). A new dimension is one more
+entry in `ORDER` (and in `MODEL_DIMS` when it splits the model rather than the batch) and a field.
 
 Ranks that share a (replicate, shard) coordinate form one data-parallel replica: they read the
 same batch (`dp_rank`, `dp`), split the model by tp and pp, and their gradients are averaged
 with the other replicas'.
+
+Torch-free at import: the cost model uses `ParallelDims.of` for the dp and shard degrees.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from dtrain.errors import UserError
+from dtrain.strategies import SHARDED, ZERO_STAGE
+
+ORDER = ("pp", "replicate", "shard", "tp")  # mesh dimensions, outermost first
+MODEL_DIMS = ("pp", "tp")                    # dimensions that split the model; the rest split the batch
 
 
 @dataclass
@@ -24,7 +34,8 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     pp: int = 1
-    dp_replicate: int = 1  # hsdp replica groups (1 = plain sharding or ddp)
+    dp_replicate: int = 1  # data-parallel replicas (ddp: dp; hsdp: its replica groups)
+    dp_shard: int = -1     # ranks one replica is sharded over (FSDP2); -1 = the rest of dp
     _mesh: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -34,22 +45,37 @@ class ParallelDims:
         if self.world_size % (self.tp * self.pp):
             raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp = "
                             f"{self.tp} x {self.pp}: pick tp and pp whose product divides world_size")
-        if self.dp % self.dp_replicate:
-            raise UserError(f"dp = world_size / (tp x pp) = {self.dp} is not divisible by "
-                            f"train.hsdp_replicate={self.dp_replicate}: pick another hsdp_replicate")
+        if self.dp % self.dp_replicate:  # the one HSDP check
+            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp) = {self.dp} ranks do not factor into "
+                            f"train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
+                            "multiple of it or another hsdp_replicate")
+        if self.dp_shard == -1:
+            self.dp_shard = self.dp // self.dp_replicate
+        if self.dp_replicate * self.dp_shard != self.dp:
+            raise UserError(f"dp_replicate x dp_shard = {self.dp_replicate} x {self.dp_shard} != dp = {self.dp}")
+
+    @classmethod
+    def of(cls, world_size: int, tp: int = 1, pp: int = 1, strategy: str = "zero3",
+           hsdp_replicate: int = 1) -> "ParallelDims":
+        """The layout a data-parallel strategy gives: the one place dp is split into replicas and shards."""
+        dp = cls(world_size, tp=tp, pp=pp).dp
+        if strategy == "ddp":
+            return cls(world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1)
+        if strategy == "hsdp":
+            return cls(world_size, tp=tp, pp=pp, dp_replicate=hsdp_replicate)
+        return cls(world_size, tp=tp, pp=pp)  # zero2 / zero3: every dp rank holds a shard; single: dp = 1
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
 
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
+    def degree(self, name: str) -> int:
+        return {"pp": self.pp, "replicate": self.dp_replicate, "shard": self.dp_shard, "tp": self.tp}[name]
 
     @property
     def model_parallel(self) -> bool:
         """True when a rank holds only part of the model (tp or pp > 1)."""
-        return self.tp > 1 or self.pp > 1
+        return any(self.degree(d) > 1 for d in MODEL_DIMS)
 
     @property
     def describe(self) -> str:
@@ -57,21 +83,15 @@ class ParallelDims:
 
     def dims(self) -> list[tuple[str, int]]:
         """(name, size) of the mesh dimensions that are built, outermost first."""
-        out = [("pp", self.pp)] if self.pp > 1 else []
-        if self.dp_replicate > 1:
-            out.append(("replicate", self.dp_replicate))
-        if self.dp_shard > 1 or (self.dp > 1 and self.dp_replicate == 1):
-            out.append(("shard", self.dp_shard))
-        if self.tp > 1:
-            out.append(("tp", self.tp))
-        return out
+        return [(name, self.degree(name)) for name in ORDER if self.degree(name) > 1]
 
-    def build_mesh(self, device_type: str):
-        """The world's DeviceMesh (collective: every rank calls it once). None on one rank."""
-        if self._mesh is None and self.world_size > 1:
+    def build_mesh(self, device_type: str, *, one_rank: bool = False):
+        """The world's DeviceMesh (collective: every rank calls it once). None on one rank, unless
+        `one_rank`: then a 1-rank ``shard`` mesh (FSDP2 on a single rank measures its own cost)."""
+        if self._mesh is None and (self.world_size > 1 or one_rank):
             from torch.distributed.device_mesh import init_device_mesh
 
-            names, sizes = zip(*self.dims()) if self.dims() else ((), ())
+            names, sizes = zip(*self.dims()) if self.dims() else (("shard",), (1,))
             self._mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         return self._mesh
 
@@ -82,15 +102,19 @@ class ParallelDims:
         return self._mesh
 
     def submesh(self, name: str):
-        """The 1-D mesh of one dimension (None when that dimension has size 1)."""
-        return self.mesh[name] if name in dict(self.dims()) else None
+        """The 1-D mesh of one dimension (None when that dimension is not built)."""
+        if self._mesh is None or name not in self._mesh.mesh_dim_names:
+            return None
+        return self._mesh[name]
 
     def dp_mesh(self):
-        """The mesh FSDP2 shards over: (replicate, shard) for hsdp, (shard,) otherwise; None if dp = 1."""
-        names = [n for n, _ in self.dims() if n in ("replicate", "shard")]
+        """The data-parallel mesh, (replicate, shard) dims that are built; None if there is none."""
+        if self._mesh is None:
+            return None
+        names = [n for n in self._mesh.mesh_dim_names if n in ("replicate", "shard")]
         if not names:
             return None
-        return self.mesh[tuple(names)] if len(names) > 1 else self.mesh[names[0]]
+        return self._mesh[tuple(names)] if len(names) > 1 else self._mesh[names[0]]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along a dimension (0 when it is not built)."""
@@ -101,3 +125,12 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """Which data-parallel replica this rank belongs to, in [0, dp)."""
         return self.coordinate("replicate") * self.dp_shard + self.coordinate("shard")
+
+
+def zero_stage(strategy: str, dp: int, pp: int = 1) -> int:
+    """The ZeRO stage the trainer runs: the strategy's, 0 without data parallelism, and 2 for a
+    sharded strategy under pp > 1 (parameters stay gathered from forward to backward there)."""
+    if dp == 1:
+        return 0
+    stage = ZERO_STAGE[strategy]
+    return 2 if pp > 1 and strategy in SHARDED else stage

@@ -1,10 +1,13 @@
 """TrainConfig: the `train:` node of a subproject's config, typed and checked.
 
 Every problem with the node is a `UserError` that says what to change, raised before a rank
-starts (`validate(world_size)`), so bad input is one line and exit code 2.
+starts (`validate(world_size)`), so bad input is one line and exit code 2. `validate` only checks:
+the values a run derives (grad_accum from global_batch, precision `auto` -> fp32 | bf16) are in
+the copy `resolved` returns, never written back into the config the user asked for.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -12,6 +15,7 @@ from dtrain.errors import UserError
 from dtrain.strategies import SHARDED, STRATEGIES  # noqa: F401  (re-exported: dtrain.train.STRATEGIES)
 
 PRECISIONS = ("fp32", "bf16", "auto")
+TP_IMPLS = ("handrolled", "dtensor")  # dtrain.parallel.tp (the study's subject) | parallelize_module
 ACTIVATION_CHECKPOINTING = ("none", "op", "block")  # op: torchtitan's selective op AC
 
 
@@ -33,7 +37,7 @@ def _check_type(key: str, value, annotation: str) -> None:
 class TrainConfig:
     steps: int = 20
     micro_batch: int = 4           # sequences per rank per micro-step
-    grad_accum: int = 1            # micro-steps per optimizer step (derived when global_batch is set)
+    grad_accum: int = 1            # micro-steps per optimizer step (a run derives it when global_batch is set)
     global_batch: int | None = None  # sequences per optimizer step; set it to hold it fixed across world sizes
     lr: float = 3e-3
     warmup_steps: int = 2          # linear warmup, then cosine decay to min_lr at `steps`
@@ -46,7 +50,8 @@ class TrainConfig:
     hsdp_replicate: int = 2        # hsdp: replica groups; each shards over world_size / hsdp_replicate ranks
     precision: str = "fp32"        # fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU); FSDP2: bf16 params, fp32 reduce; single/ddp: autocast
     activation_checkpointing: str = "none"  # none | op | block
-    tp: int = 1                    # tensor-parallel degree (hand-rolled Megatron blocks, dtrain.parallel.tp)
+    tp: int = 1                    # tensor-parallel degree
+    tp_impl: str = "handrolled"    # handrolled (Megatron blocks, dtrain.parallel.tp) | dtensor (parallelize_module)
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
     async_grad_allreduce: bool = False  # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs
     pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp)
@@ -94,45 +99,35 @@ class TrainConfig:
         """The rank layout (dtrain.parallel.mesh.ParallelDims); raises UserError when it cannot be."""
         from dtrain.parallel.mesh import ParallelDims
 
-        return ParallelDims(world_size, tp=self.tp, pp=self.pp,
-                            dp_replicate=self.hsdp_replicate if self.strategy == "hsdp" else 1)
+        return ParallelDims.of(world_size, tp=self.tp, pp=self.pp, strategy=self.strategy,
+                               hsdp_replicate=self.hsdp_replicate)
 
-    def dp_degree(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp)
-
-    def validate(self, world_size: int) -> "TrainConfig":
-        """Check against the world size; derive grad_accum from global_batch (per data-parallel rank)."""
+    def validate(self, world_size: int) -> None:
+        """Check against the world size (changes nothing: see `resolved`)."""
         if self.strategy not in STRATEGIES:
             raise UserError(f"train.strategy={self.strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
         if self.precision not in PRECISIONS:
             raise UserError(f"train.precision={self.precision!r} is unknown: choose one of {', '.join(PRECISIONS)}")
+        if self.tp_impl not in TP_IMPLS:
+            raise UserError(f"train.tp_impl={self.tp_impl!r} is unknown: choose one of {', '.join(TP_IMPLS)}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise UserError(f"train.activation_checkpointing={self.activation_checkpointing!r} is unknown: "
                             f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")
         if self.strategy == "single" and world_size != 1:
             raise UserError(f"train.strategy=single runs on one rank but world_size={world_size}: "
                             "pass world_size=1 or pick ddp / zero2 / zero3 / hsdp")
-        for key in ("tp", "pp", "pp_virtual"):
+        for key in ("tp", "pp", "pp_virtual", "steps", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
-        if self.strategy == "hsdp" and self.tp * self.pp == 1:
-            r = self.hsdp_replicate
-            if r < 1 or world_size % r:
-                raise UserError(f"train.strategy=hsdp needs world_size divisible by train.hsdp_replicate, "
-                                f"but {world_size} ranks do not factor into {r} replicas x shards: "
-                                f"pick world_size as a multiple of {r} or another hsdp_replicate")
-        for key in ("steps", "micro_batch", "grad_accum"):
-            if getattr(self, key) < 1:
-                raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
-        dims = self.dims(world_size)  # tp x pp must divide world_size (single then needs tp = pp = 1)
+        if self.strategy == "hsdp" and self.hsdp_replicate < 1:
+            raise UserError(f"train.hsdp_replicate={self.hsdp_replicate} must be >= 1")
+        dims = self.dims(world_size)  # tp x pp divides world_size, hsdp_replicate divides dp
         if self.global_batch is not None:
-            dp = dims.dp
-            per_micro = self.micro_batch * dp
+            per_micro = self.micro_batch * dims.dp
             if self.global_batch < 1 or self.global_batch % per_micro:
                 raise UserError(f"train.global_batch={self.global_batch} is not divisible by train.micro_batch x "
-                                f"data-parallel ranks = {self.micro_batch} x {dp} = {per_micro}: "
+                                f"data-parallel ranks = {self.micro_batch} x {dims.dp} = {per_micro}: "
                                 "change global_batch, micro_batch or world_size")
-            self.grad_accum = self.global_batch // per_micro
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise UserError(f"train.lr={self.lr} and train.min_lr={self.min_lr} need 0 <= min_lr <= lr, lr > 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -148,16 +143,26 @@ class TrainConfig:
 
         if self.pp_schedule not in SCHEDULES:
             raise UserError(f"train.pp_schedule={self.pp_schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
-        return self
 
-    def validate_model(self, model_cfg) -> "TrainConfig":
-        """The layout against the model: heads divisible by tp, enough layers and micro-batches for pp."""
+    def resolved(self, world_size: int, device_type: str | None = None) -> "TrainConfig":
+        """Validated, as a run uses it: a copy with grad_accum derived from global_batch (per
+        data-parallel rank) and precision `auto` decided for the device (kept when it is None:
+        not known here, e.g. before a Slurm submission)."""
+        self.validate(world_size)
+        grad_accum = self.grad_accum
+        if self.global_batch is not None:
+            grad_accum = self.global_batch // (self.micro_batch * self.dims(world_size).dp)
+        precision = self.precision if device_type is None else self.precision_on(device_type)
+        return dataclasses.replace(self, grad_accum=grad_accum, precision=precision)
+
+    def validate_model(self, model_cfg) -> None:
+        """The layout against the model (on a `resolved` config: pp needs the real grad_accum):
+        heads divisible by tp, enough layers and micro-batches for pp."""
         from dtrain.parallel.pipeline import check_pipeline
         from dtrain.parallel.tp.apply import check_tp_model
 
-        check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce)
+        check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl)
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
-        return self
 
     def global_batch_for(self, world_size: int) -> int:
-        return self.micro_batch * self.grad_accum * self.dp_degree(world_size)
+        return self.micro_batch * self.grad_accum * self.dims(world_size).dp

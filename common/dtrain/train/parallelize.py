@@ -1,7 +1,11 @@
-"""Apply a data-parallel strategy to a GPT (torchtitan's order: checkpointing, compile, sharding).
+"""Apply a layout to a GPT: `parallelize`, the one path for every layout (dtrain.parallel.mesh's
+ParallelDims, tp = pp = 1 included), in torchtitan's order: pipeline split, tensor parallelism
+(`train.tp_impl`: the hand-rolled Megatron layers or the DTensor plan), activation checkpointing,
+compile, data parallelism.
 
+Data-parallel strategies:
     single  the model on this rank's device
-    ddp     DistributedDataParallel: full replica per rank, gradients all-reduced
+    ddp     full replica per rank, gradients all-reduced (DistributedDataParallel when tp = pp = 1)
     zero2   FSDP2 fully_shard per block then the root, reshard_after_forward=False: parameters
             stay gathered from forward until backward (no second all-gather), grads + optimizer
             state sharded
@@ -14,9 +18,12 @@ The model must arrive on CPU; FSDP2 moves only each rank's shard to the mesh's d
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
+from dtrain.parallel.mesh import ParallelDims
 from dtrain.train.config import TrainConfig
 
 
@@ -66,15 +73,6 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def device_mesh(train: TrainConfig, world_size: int, device: torch.device):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if train.strategy == "hsdp":
-        shape = (train.hsdp_replicate, world_size // train.hsdp_replicate)
-        return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-
-
 def mixed_precision_policy(train: TrainConfig):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -117,21 +115,69 @@ def set_explicit_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
 
 
-def parallelize(model: nn.Module, train: TrainConfig, world_size: int, device: torch.device) -> nn.Module:
-    """The model wrapped for `train.strategy`; returns the module to call in the loop."""
-    if train.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, train.activation_checkpointing)
-    if train.compile:
-        apply_compile(model)
-    if train.strategy == "single":
-        return model.to(device)
-    if train.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:
+    """DistributedDataParallel over the replicate group: bucketed all-reduces overlapped with backward."""
+    from torch.nn.parallel import DistributedDataParallel
 
-        model.to(device)
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    apply_fsdp(model, train, device_mesh(train, world_size, device), device)
-    return model
+    group = dims.submesh("replicate").get_group()
+    return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                                   process_group=group)
+
+
+def apply_tp(part: nn.Module, train: TrainConfig, dims: ParallelDims, n_layer: int) -> dict[str, tuple]:
+    """Tensor parallelism on one part, hand-rolled or DTensor (`train.tp_impl`); returns the
+    parameters whose gradients are partial sums over tp (name -> (group, rows))."""
+    if dims.tp == 1:
+        return {}
+    if train.tp_impl == "dtensor":
+        from dtrain.parallel.tp.dtensor_plan import apply_dtensor_tp
+
+        return apply_dtensor_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer)
+    from dtrain.parallel.tp.apply import apply_tp as apply_handrolled_tp
+
+    return apply_handrolled_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce)
+
+
+def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device):
+    """Every layout's one path (torchtitan's order): pipeline split, then per part tensor
+    parallelism -> activation checkpointing -> compile -> data parallelism. Returns the
+    ParallelModel the training loop drives.
+
+    Data parallelism: FSDP2 for the sharded strategies over the (replicate, shard) mesh (and on a
+    single rank, so zero3 there measures FSDP2's own cost); with pp > 1 parameters stay gathered
+    from forward to backward (as zero2). Replication (ddp, or hsdp with one rank per shard group)
+    is DistributedDataParallel when the model is whole; DDP takes no DTensor parameters, so with
+    tp or pp > 1 the ParallelModel all-reduces the gradients itself after backward."""
+    from dtrain.parallel import pipeline
+    from dtrain.train.parallel_model import ParallelModel
+
+    fsdp = train.sharded and (dims.dp_shard > 1 or dims.world_size == 1)
+    replicate = not fsdp and dims.dp_replicate > 1
+    dims.build_mesh(device.type, one_rank=fsdp)
+    pp_rank = dims.coordinate("pp")
+    staged = pipeline.split_model(gpt, dims.pp, pp_rank, train.pp_schedule, train.pp_virtual) if dims.pp > 1 \
+        else [(0, gpt)]
+    # With pp, parameters stay gathered from forward to backward (torchtitan's default): a stage
+    # runs many micro-batches per step, and the zero-bubble schedules' weight-gradient pass runs
+    # outside FSDP's backward hooks, so it needs them still unsharded.
+    fsdp_train = dataclasses.replace(train, strategy="zero2") if dims.pp > 1 else train
+    parts, partial = [], []
+    for _, part in staged:
+        partial.append(apply_tp(part, train, dims, gpt.cfg.n_layer))
+        if train.activation_checkpointing != "none":
+            apply_activation_checkpointing(part, train.activation_checkpointing)
+        if train.compile:
+            apply_compile(part)
+        if fsdp:
+            apply_fsdp(part, fsdp_train, dims.dp_mesh(), device)
+        elif replicate and not dims.model_parallel:
+            part = apply_ddp(part, dims, device)
+        else:
+            part.to(device)
+        parts.append(part)
+    staged = [(index, part) for (index, _), part in zip(staged, parts)]
+    return ParallelModel(staged, partial, train, dims, device, fsdp=fsdp,
+                         all_reduce_grads=replicate and dims.model_parallel)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -6,9 +6,11 @@ batch, never on the world size), then grad-norm clipping and AdamW. Loss and gra
 global (averaged / computed across data-parallel ranks), so every rank sees the same numbers and
 can take the same decision (skip a step, cut the LR, roll back).
 
-With train.tp or train.pp > 1 the model is split (dtrain.train.model_parallel): each
-data-parallel replica is tp x pp ranks that read the same batch, and a step's micro-batches run as
-gradient accumulation (pp = 1) or as one pipeline-schedule step (pp > 1).
+Every layout takes one path: the rank layout is a dtrain.parallel.mesh.ParallelDims, and
+dtrain.train.parallelize turns the GPT into the ParallelModel this loop drives (its parts, one
+loss reduction, one DTensor-aware clipping). Each data-parallel replica is tp x pp ranks that read
+the same batch, and a step's micro-batches run as gradient accumulation (pp = 1) or as one
+pipeline-schedule step (pp > 1).
 
 Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
 around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
@@ -34,6 +36,7 @@ from dtrain.timing import Stopwatch
 from dtrain.train import checkpoint, preemption
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
+from dtrain.train.parallel_model import OptimizerParts
 from dtrain.train.parallelize import parallelize
 
 
@@ -48,8 +51,10 @@ class Trainer:
     def __init__(self, ctx, train: TrainConfig, model_cfg: GPTConfig, *, linear_factory=None,
                  autocast: Callable[[], ContextManager] | None = None, grad_scaler=None,
                  callbacks: Sequence[Callback] = (), peak_flops: tuple[float, str] | None = None):
-        train.validate(ctx.world_size).precision = train.precision_on(ctx.device.type)  # auto -> fp32 | bf16
-        self.ctx, self.train, self.model_cfg = ctx, train.validate_model(model_cfg), model_cfg
+        self.ctx, self.model_cfg = ctx, model_cfg
+        self.train = train.resolved(ctx.world_size, ctx.device.type)  # the caller's config is left as asked
+        self.train.validate_model(model_cfg)
+        train = self.train
         self.device, self.world_size = ctx.device, ctx.world_size
         self.dims = train.dims(ctx.world_size)
         if self.dims.model_parallel and grad_scaler is not None:
@@ -59,7 +64,6 @@ class Trainer:
         if self.requeue:  # first, so a stop happens before any other callback acts on the step
             self.callbacks.insert(0, preemption.StopOnSignal())
         self.grad_scaler = grad_scaler
-        self.parallel = None  # the ModelParallel when tp or pp > 1
         self.step = 0          # optimizer steps completed
         self.lr_scale = 1.0    # multiplier on the scheduled LR (a callback may cut it)
         self.last_checkpoint = None
@@ -72,24 +76,14 @@ class Trainer:
         if data.vocab_size > model_cfg.vocab_size:
             raise UserError(f"dataset {train.dataset!r} has vocab {data.vocab_size} > model vocab_size="
                             f"{model_cfg.vocab_size}: raise model.vocab_size")
-        dp_rank = ctx.rank
-        if self.dims.model_parallel:
-            self.dims.build_mesh(self.device.type)
-            dp_rank = self.dims.dp_rank  # ranks of one tp x pp replica read the same batch
-        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=dp_rank,
+        torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every layout
+        self.parallel = parallelize(GPT(model_cfg, linear_factory), train, self.dims, self.device)
+        self.model, self.model_parts = self.parallel.module, self.parallel.parts
+        # ranks of one tp x pp replica read the same batch
+        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=self.dims.dp_rank,
                                     world_size=self.dims.dp, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
-        torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every strategy
-        adamw = dict(lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay, foreach=True)
-        if self.dims.model_parallel:
-            from dtrain.train.model_parallel import ModelParallel, OptimizerParts
-
-            self.parallel = ModelParallel(GPT(model_cfg, linear_factory), train, self.dims, self.device)
-            self.model, self.model_parts = self.parallel.module, self.parallel.parts
-            self.optimizer = OptimizerParts(self.model_parts, **adamw)
-        else:
-            self.model = parallelize(GPT(model_cfg, linear_factory), train, ctx.world_size, self.device)
-            self.model_parts = [self.model]
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
+        self.optimizer = OptimizerParts(self.model_parts, lr=train.lr, betas=(train.beta1, train.beta2),
+                                        weight_decay=train.weight_decay, foreach=True)
         self.autocast = autocast or self._default_autocast()
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
@@ -102,9 +96,8 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def _default_autocast(self) -> Callable[[], ContextManager]:
-        # FSDP2 casts parameters itself (MixedPrecisionPolicy); single/ddp use autocast for bf16.
-        fsdp = self.parallel.fsdp if self.parallel else self.train.sharded
-        if self.train.precision == "bf16" and not fsdp:
+        # FSDP2 casts parameters itself (MixedPrecisionPolicy); without it autocast does for bf16.
+        if self.train.precision == "bf16" and not self.parallel.fsdp:
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext
 
@@ -136,45 +129,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _micro_step(self, micro: int) -> torch.Tensor:
-        x, y = self.batcher.next()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        last = micro == self.train.grad_accum - 1
-        no_sync = self.model.no_sync() if (self.train.strategy == "ddp" and not last) else contextlib.nullcontext()
-        with no_sync:
-            with self.autocast():
-                loss = self.model(x, y)
-            scaled = loss / self.train.grad_accum
-            (self.grad_scaler.scale(scaled) if self.grad_scaler else scaled).backward()
-        return loss.detach()
-
-    def _model_parallel_step(self, step: int) -> tuple[float, float]:
-        """Forward + backward of all micro-batches on a split model; the loss is the mean over the
-        ranks holding the last stage (tp copies of it are equal, dp replicas are averaged)."""
-        batches = [tuple(t.to(self.device, non_blocking=True) for t in self.batcher.next())
-                   for _ in range(self.train.grad_accum)]
-        local = self.parallel.forward_backward(batches, self.autocast)
+    def _forward_backward(self, step: int) -> tuple[float, float]:
+        """All micro-batches of one step on this rank's parts; the global loss and grad norm."""
+        batches = [self.batcher.next() for _ in range(self.train.grad_accum)]
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else None
+        local = self.parallel.forward_backward(batches, self.autocast, scale)
         self._call("after_backward", step)
-        total = (local if local is not None else torch.zeros(())).to(self.device, torch.float32).reshape(())
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        loss = float(total) / (self.world_size // self.dims.pp)
-        return loss, self.parallel.clip_grad_norm(self.train.grad_clip)
-
-    def _clip_and_norm(self) -> float:
+        loss = self.parallel.global_loss(local)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
             self._agree_on_found_inf()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.train.grad_clip if self.train.grad_clip is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if hasattr(norm, "full_tensor"):  # DTensor: a norm over sharded grads, reduced across ranks
-            norm = norm.full_tensor()
-        return float(norm)
+        return loss, self.parallel.clip_grad_norm(self.train.grad_clip)
 
     def _agree_on_found_inf(self) -> None:
         """With sharded grads each rank only sees its shard's inf/NaN: take the max over ranks so
         every rank skips (or takes) the same step. Uses GradScaler's per-optimizer record."""
-        if self.world_size == 1 or not self.train.sharded:
+        if self.world_size == 1 or not self.parallel.fsdp:
             return
         state = self.grad_scaler._per_optimizer_states[id(self.optimizer)]
         for found in state["found_inf_per_device"].values():
@@ -189,17 +159,7 @@ class Trainer:
             group["lr"] = lr
         watch = Stopwatch(self.device)
         watch.start()
-        if self.parallel is not None:
-            loss, grad_norm = self._model_parallel_step(step)
-        else:
-            losses = [self._micro_step(m) for m in range(self.train.grad_accum)]
-            self._call("after_backward", step)
-            local_loss = torch.stack(losses).float().mean()
-            if self.world_size > 1:
-                dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
-                local_loss /= self.world_size
-            loss = float(local_loss)
-            grad_norm = self._clip_and_norm()
+        loss, grad_norm = self._forward_backward(step)
         take = all(r is not False for r in self._call("before_optimizer_step", step, loss, grad_norm))
         if take:
             if self.grad_scaler is not None:

@@ -8,9 +8,13 @@ Each block therefore has two TP regions and, per forward+backward, four all-redu
 sequence parallelism four all-gathers and four reduce-scatters).
 
 GQA: with kv_heads >= tp each rank owns kv_heads/tp k/v heads. With kv_heads < tp (tp must be a
-multiple) the k/v heads are replicated: the tp/kv_heads ranks whose query heads read k/v head g
-all hold a copy of its rows, and sum their partial gradients after backward (Megatron-LM and
-vLLM replicate KV heads the same way).
+multiple) the k/v heads are replicated, one layout for the trainer and the benchmark: every tp
+rank holds wk and wv whole (the model's own shape, so FSDP2 and DCP need nothing special) and
+computes with the rows of the one k/v head its query heads read; its gradient is nonzero only in
+those rows, and summed over the tp group after backward it is the full gradient on every rank.
+With one k/v head this is exactly Megatron-LM's replicated layout; with 1 < kv_heads < tp a rank
+keeps kv_heads - 1 heads it does not compute with (2·(kv_heads-1)·head_dim·d_model weights per
+layer, counted by dtrain.fit).
 """
 from __future__ import annotations
 
@@ -42,16 +46,14 @@ def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
 
 @dataclass
 class TPGroups:
-    """This rank's place in tensor parallelism: its TP group and, for replicated k/v heads, the
-    sub-group of ranks sharing its k/v head."""
+    """This rank's place in tensor parallelism: its TP group, its index in it and the group size."""
 
     group: object  # ProcessGroup of the tp ranks (None when tp == 1 and not distributed)
     rank: int  # index within the group
     tp: int
-    kv_replicas: object = None  # ProcessGroup of the ranks holding the same k/v head, or None
 
 
-_GROUP_CACHE: dict[tuple, list] = {}
+_GROUP_CACHE: dict[tuple, object] = {}
 
 
 def _new_group(ranks: list[int]):
@@ -61,7 +63,7 @@ def _new_group(ranks: list[int]):
     return _GROUP_CACHE[key]
 
 
-def make_tp_groups(tp: int, n_kv_head: int) -> TPGroups | None:
+def make_tp_groups(tp: int) -> TPGroups | None:
     """Split the world into consecutive blocks of tp ranks (collective: every rank must call it,
     in the same order). Returns None on ranks left over when tp does not divide the world size."""
     if not dist.is_initialized():
@@ -71,15 +73,12 @@ def make_tp_groups(tp: int, n_kv_head: int) -> TPGroups | None:
     world, me = dist.get_world_size(), dist.get_rank()
     if tp > world:
         raise UserError(f"tp={tp} is larger than world_size={world}: lower tp or raise world_size")
-    replicas = tp // n_kv_head if n_kv_head < tp else 1
     mine = None
     for start in range(0, world - tp + 1, tp):
         ranks = list(range(start, start + tp))
         group = _new_group(ranks)
-        rep_groups = [_new_group(ranks[i:i + replicas]) for i in range(0, tp, replicas)] if replicas > 1 else None
         if me in ranks:
-            local = me - start
-            mine = TPGroups(group, local, tp, rep_groups[local // replicas] if rep_groups else None)
+            mine = TPGroups(group, me - start, tp)
     return mine
 
 
@@ -94,36 +93,37 @@ def kv_heads_of(rank: int, tp: int, n_kv_head: int) -> range:
 
 class TensorParallelAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, n_kv_head: int, *, bias: bool, groups: TPGroups,
-                 sequence_parallel: bool = False, fused_qkv: bool = True, async_grad_allreduce: bool = False,
+                 sequence_parallel: bool = False, fused_qkv: bool = False, async_grad_allreduce: bool = False,
                  device=None, dtype=None):
         super().__init__()
         check_tp_heads(n_head, n_kv_head, groups.tp)
         tp, self.groups = groups.tp, groups
         self.head_dim = d_model // n_head
         self.q_out = n_head // tp * self.head_dim
-        self.kv_out = len(kv_heads_of(0, tp, n_kv_head)) * self.head_dim
+        heads = kv_heads_of(groups.rank, tp, n_kv_head)
+        self.kv_out = len(heads) * self.head_dim  # k/v rows this rank computes with
+        self.replicated_kv = n_kv_head < tp  # wk, wv whole on every rank (module docstring)
+        self.kv_held = kv_held = n_kv_head * self.head_dim if self.replicated_kv else self.kv_out
+        self.kv_rows = slice(heads.start * self.head_dim, heads.stop * self.head_dim) if self.replicated_kv else None
         self.fused_qkv, self.async_grad_allreduce = fused_qkv, async_grad_allreduce
         col = dict(bias=bias, group=groups.group, tp=tp, sequence_parallel=sequence_parallel,
                    device=device, dtype=dtype)
         if fused_qkv:  # one GEMM: local rows [q | k | v]
-            self.qkv = ColumnParallelLinear(d_model, tp * (self.q_out + 2 * self.kv_out),
+            self.qkv = ColumnParallelLinear(d_model, tp * (self.q_out + 2 * kv_held),
                                             async_grad_allreduce=async_grad_allreduce, **col)
+            kv_layers = [(self.qkv, slice(self.q_out, None))]
         else:
             self.wq = ColumnParallelLinear(d_model, tp * self.q_out, **col)
-            self.wk = ColumnParallelLinear(d_model, tp * self.kv_out, **col)
-            self.wv = ColumnParallelLinear(d_model, tp * self.kv_out, **col)
+            self.wk = ColumnParallelLinear(d_model, tp * kv_held, **col)
+            self.wv = ColumnParallelLinear(d_model, tp * kv_held, **col)
+            self.wk.rows = self.wv.rows = self.kv_rows
+            kv_layers = [(self.wk, None), (self.wv, None)]
         self.wo = RowParallelLinear(d_model, d_model, bias=bias, group=groups.group, tp=tp,
                                     sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        if groups.kv_replicas is not None:  # replicated k/v rows: partial grads summed over the replicas
-            for layer, rows in self._kv_layers():
-                layer.weight.grad_allreduce = (groups.kv_replicas, rows)
-                if layer.bias is not None:
-                    layer.bias.grad_allreduce = (groups.kv_replicas, rows)
-
-    def _kv_layers(self):
-        if self.fused_qkv:
-            return [(self.qkv, slice(self.q_out, None))]
-        return [(self.wk, None), (self.wv, None)]
+        if self.replicated_kv:  # partial k/v gradients, summed over the tp group
+            for layer, rows in kv_layers:
+                for p in layer.parameters():
+                    p.grad_allreduce = (groups.group, rows)
 
     @classmethod
     def from_full(cls, attn: Attention, groups: TPGroups, **options) -> "TensorParallelAttention":
@@ -135,7 +135,7 @@ class TensorParallelAttention(nn.Module):
         tp_attn = cls(d, n_head, n_kv, bias=attn.wq.bias is not None, groups=groups,
                       device=w.device, dtype=w.dtype, **options)
         heads = kv_heads_of(groups.rank, groups.tp, n_kv)
-        kv_rows = slice(heads.start * hd, heads.stop * hd)
+        kv_rows = slice(None) if tp_attn.replicated_kv else slice(heads.start * hd, heads.stop * hd)
         q_rows = slice(groups.rank * tp_attn.q_out, (groups.rank + 1) * tp_attn.q_out)
 
         def rows(layer, sl):
@@ -156,7 +156,9 @@ class TensorParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_qkv:
-            q, k, v = self.qkv(x).split([self.q_out, self.kv_out, self.kv_out], dim=-1)
+            q, k, v = self.qkv(x).split([self.q_out, self.kv_held, self.kv_held], dim=-1)
+            if self.kv_rows is not None:  # replicated k/v: this rank's head
+                k, v = k[..., self.kv_rows], v[..., self.kv_rows]
         elif self.async_grad_allreduce:  # one input-grad collective for q, k and v, overlapped
             q, k, v = linears_async_grad_reduce([self.wq, self.wk, self.wv], x)
         else:
@@ -192,7 +194,7 @@ class TensorParallelBlock(nn.Module):
 
     @classmethod
     def from_full(cls, block: Block, groups: TPGroups, sequence_parallel: bool = False,
-                  fused_qkv: bool = True, async_grad_allreduce: bool = False) -> "TensorParallelBlock":
+                  fused_qkv: bool = False, async_grad_allreduce: bool = False) -> "TensorParallelBlock":
         norms = copy.deepcopy(block.attn_norm), copy.deepcopy(block.mlp_norm)  # replicated
         if sequence_parallel:  # each rank normalised only its tokens: grads are partial sums
             for p in (*norms[0].parameters(), *norms[1].parameters()):

@@ -102,15 +102,8 @@ def all_reduce(t: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = F
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group, tag: str) -> None:
-    """Sum `tensors` in place over `group` with one collective (one flat bucket, as DDP does)."""
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    all_reduce(flat, group, tag=tag)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    """Sum `tensors` in place over `group` with one counted collective (one flat bucket)."""
+    ddist.all_reduce_flat(tensors, group, lambda flat, g: all_reduce(flat, g, tag=tag))
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = False):
@@ -141,10 +134,9 @@ def expected_wire_bytes(*, batch: int, seq: int, d_model: int, n_head: int, n_kv
     activation  each TP region (attention; MLP in a block) enters and leaves once per pass:
                 without SP an all-reduce of b*s*h in forward (leave) and backward (enter), with
                 SP an all-gather and a reduce-scatter of b*s*h in each pass.
-    grad_sync   with SP, the replicated parameters whose grads are partial sums (norm weights,
-                LayerNorm biases, row-parallel biases): one all-reduce over the TP group;
-                with kv_heads < tp, the replicated k/v rows: one all-reduce over the
-                tp / kv_heads ranks sharing a k/v head.
+    grad_sync   the replicated parameters whose grads are partial sums, in one all-reduce over
+                the TP group: with SP the norm weights, LayerNorm biases and row-parallel biases;
+                with kv_heads < tp the whole wk and wv (+ biases) every rank holds.
     """
     regions = 2 if module == "block" else 1
     act = batch * seq * d_model * elem_bytes
@@ -152,14 +144,11 @@ def expected_wire_bytes(*, batch: int, seq: int, d_model: int, n_head: int, n_kv
         activation = regions * 2 * (wire_bytes("all_gather", act, tp) + wire_bytes("reduce_scatter", act, tp))
     else:
         activation = regions * 2 * wire_bytes("all_reduce", act, tp)
-    grad_sync = 0
+    partial = 0  # elements
     if sequence_parallel and tp > 1:
         norms = 2 if module == "block" else 0
         per_norm = d_model * (2 if norm == "layernorm" and bias else 1)
-        row_biases = regions * d_model if bias else 0
-        grad_sync += wire_bytes("all_reduce", (norms * per_norm + row_biases) * elem_bytes, tp)
+        partial += norms * per_norm + (regions * d_model if bias else 0)
     if n_kv_head < tp:
-        head_dim = d_model // n_head
-        kv_rows = 2 * head_dim  # wk and wv rows of the one k/v head a rank holds
-        grad_sync += wire_bytes("all_reduce", kv_rows * (d_model + bias) * elem_bytes, tp // n_kv_head)
-    return {ACTIVATION: activation, GRAD_SYNC: grad_sync}
+        partial += 2 * n_kv_head * (d_model // n_head) * (d_model + bias)
+    return {ACTIVATION: activation, GRAD_SYNC: wire_bytes("all_reduce", partial * elem_bytes, tp)}

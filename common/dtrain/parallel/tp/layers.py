@@ -19,7 +19,8 @@ Parameters may be plain tensors (this rank's shard) or DTensors on the tp mesh (
 layout, so FSDP2 and DCP see global shapes); the GEMMs always run on the local shard.
 
 Parameters whose gradients are partial sums across ranks carry `param.grad_allreduce = (group,
-rows)`; `allreduce_partial_grads(module)` sums them after backward (one bucket per group).
+rows)`; `allreduce_partial_grads(module)` sums them after backward (one bucket per group), the
+one reducer of partial gradients (tp-attention and the trainer).
 """
 from __future__ import annotations
 
@@ -186,17 +187,32 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + local_shard(self.bias)
 
 
+def partial_grads(module: nn.Module, prefix: str = "") -> dict[str, tuple]:
+    """name -> (group, rows) of the parameters marked `grad_allreduce`: take it before anything
+    replaces the parameters (FSDP2, DTensor conversion), which drops the mark."""
+    return {prefix + n: p.grad_allreduce for n, p in module.named_parameters() if hasattr(p, "grad_allreduce")}
+
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
 @torch.no_grad()
-def allreduce_partial_grads(module: nn.Module) -> None:
-    """Sum the gradients marked `grad_allreduce = (group, rows)` over their group: one flat
-    bucket per group, in parameter order (identical on every rank). `rows` (a slice) limits
-    the sum to those rows of the parameter, e.g. the replicated k/v rows of a fused QKV weight."""
+def allreduce_partial_grads(module: nn.Module, specs: dict[str, tuple] | None = None) -> None:
+    """Sum the partial gradients over their group: one flat bucket per group, in parameter order
+    (identical on every rank). `specs` (from `partial_grads`, default: the module's own marks)
+    names them; `rows` (a slice) limits the sum to those rows, e.g. the replicated k/v rows of a
+    fused QKV weight. Local shards are summed, so it also works after FSDP2 has reduce-scattered
+    the gradients over dp."""
+    specs = partial_grads(module) if specs is None else specs
     buckets: dict[int, tuple] = {}
-    for p in module.parameters():
-        spec = getattr(p, "grad_allreduce", None)
+    for name, p in module.named_parameters():
+        for wrapper in _WRAPPERS:
+            name = name.replace(wrapper, "")
+        spec = specs.get(name)
         if spec is None or p.grad is None or comm.group_size(spec[0]) == 1:
             continue
         group, rows = spec
-        buckets.setdefault(id(group), (group, []))[1].append(p.grad if rows is None else p.grad[rows])
+        grad = local_shard(p.grad)
+        buckets.setdefault(id(group), (group, []))[1].append(grad if rows is None else grad[rows])
     for group, grads in buckets.values():
         comm.all_reduce_flat(grads, group, tag=comm.GRAD_SYNC)
