@@ -93,3 +93,16 @@ def test_runs_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "alpha" in out and "complete" in out and "1 incomplete/corrupt run(s) hidden" in out
     assert main(["runs", str(tmp_path / "nope")]) == 2
+
+
+def test_derived_runs_are_flagged(tmp_path):
+    """A run made from runs (dtrain.derived) carries Run.derived (and load_runs' `derived` column);
+    the runs it was made from do not."""
+    from dtrain.derived import write_derived_run
+
+    src = make_run(tmp_path / "measured", {"subproject": "x"}, [{"kind": "step", "step": 1}], {"final_loss": 4.0})
+    write_derived_run(tmp_path / "report", "x", [src], config={"report": True}, summary={"study": {}})
+    flags = {r.path.name: r.derived for r in results.complete_runs([tmp_path])}
+    assert flags == {"measured": False, "report": True}
+    runs = results.load_runs([tmp_path])
+    assert dict(zip(runs["run"].map(lambda p: p.rsplit("/", 1)[-1]), runs["derived"])) == flags

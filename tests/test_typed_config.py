@@ -84,8 +84,13 @@ def test_inspect_thresholds_default_from_the_dataclass():
     ("fp8_train.conf", "debug.freq=5", "fp8_debug.freq"),
     ("fp8_train.conf", "debug.enabled=false", "fp8_debug.enabled"),
     ("tp_attention.conf", "seq=64", "model.seq_len"),
-    ("tp_attention.conf", "batch=2", "micro_batch"),
-    ("tp_attention.conf", "dtype=bfloat16", "precision"),
+    ("tp_attention.conf", "batch=2", "train.micro_batch"),
+    ("tp_attention.conf", "dtype=bfloat16", "train.precision"),
+    ("tp_attention.conf", "micro_batch=2", "train.micro_batch"),
+    ("tp_attention.conf", "precision=bf16", "train.precision"),
+    ("tp_attention.conf", "tp=2", "train.tp"),
+    ("tp_attention.conf", "sequence_parallel=true", "train.sequence_parallel"),
+    ("tp_attention.conf", "fused_qkv=true", "train.fused_qkv"),
     ("tp_attention.conf", "d_model=64", "model.d_model"),
     ("tp_attention.conf", "n_head=4", "model.n_head"),
     ("tp_attention.conf", "n_kv_head=2", "model.n_kv_head"),
@@ -109,8 +114,8 @@ def test_the_new_keys_are_accepted():
     for module, overrides in [
         ("fsdp_scaling.conf", ["train.precision=bf16", "model.vocab_size=512", "profile.steps=1"]),
         ("fp8_train.conf", ["train.precision=auto", "model.n_layer=3", "fp8_debug.freq=5"]),
-        ("tp_attention.conf", ["model.seq_len=64", "micro_batch=2", "precision=bf16", "timing_warmup=1",
-                               "profile.steps=1", "model.n_kv_head=2"]),
+        ("tp_attention.conf", ["model.seq_len=64", "train.micro_batch=2", "train.precision=bf16", "timing_warmup=1",
+                               "profile.steps=1", "model.n_kv_head=2", "train.tp=[1,2]", "train.fused_qkv=true"]),
         ("allreduce_bench.conf", ["timing_warmup=1", "debug.simulate_nodes=2", "dtypes=[bf16]"]),
     ]:
         precheck.check_overrides(module, "config", overrides, None)
@@ -121,7 +126,7 @@ def test_the_new_keys_are_accepted():
     ("fsdp_scaling.conf", "train.steps=abc", "train.steps='abc' must be an integer"),
     ("fsdp_scaling.conf", "train.grad_clip=x", "train.grad_clip='x' must be a number or null"),
     ("fp8_train.conf", "guard.lr_cut_factor=big", "guard.lr_cut_factor='big' must be a number"),
-    ("tp_attention.conf", "micro_batch=two", "micro_batch='two' must be an integer"),
+    ("tp_attention.conf", "train.micro_batch=two", "train.micro_batch='two' must be an integer"),
     ("allreduce_bench.conf", "debug.bogus=1", "unknown key debug.bogus: debug's keys are simulate_nodes, inject_wrong"),
 ])
 def test_mistyped_keys_are_one_line(module, override, message):

@@ -161,7 +161,7 @@ def run(args) -> int:
     runs = [r for r in find_runs([results]) if r.status == "complete"]
     console.print(f"\n[bold]capstone complete in {time.perf_counter() - t0:.0f} s[/]; wrote:")
     for r in runs:
-        print(f"  run    {r.path}  ({r.subproject})")
+        print(f"  run    {r.path}  ({r.subproject}{', derived' if r.derived else ''})")
     for p in plots:
         print(f"  plot   {p}")
     print(f"  guide  {guide}")

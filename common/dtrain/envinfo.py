@@ -1,18 +1,14 @@
 """What ran where: the facts that go into env.json, so every number can be traced to a machine."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
 import sys
-from pathlib import Path
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-
-from dtrain.metrics import ENV, write_json_atomic
 
 
 def gpu_facts() -> list[dict]:
@@ -68,7 +64,6 @@ def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts:
         "cpu_count": os.cpu_count(),
         "threads_per_rank": threads_per_rank,
         "gpus": gpu_facts(),
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,  # fp32 GPU training turns it on (dtrain.perf)
         "backend": backend,
         "device": device,
         "world_size": world_size,
@@ -78,10 +73,3 @@ def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts:
         "topology": {"gpus_per_node": torch.cuda.device_count() if torch.cuda.is_available() else 0,
                      "nodes": len(set(hosts))},
     }
-
-
-def note(run_dir, **facts) -> None:
-    """Add facts a rank learns after start-up (e.g. TF32 switched on) to an existing env.json."""
-    path = Path(run_dir) / ENV
-    env = json.loads(path.read_text()) if path.exists() else {}
-    write_json_atomic(path, {**env, **facts})

@@ -16,6 +16,7 @@ from typing import Iterable
 import pandas as pd
 import yaml
 
+from dtrain.contract import DERIVED_FROM
 from dtrain.errors import UserError
 from dtrain.metrics import CONFIG, ENV, EVENTS, RECORDS, SUMMARY
 
@@ -32,6 +33,12 @@ class Run:
     @property
     def subproject(self) -> str:
         return self.config.get("subproject", self.path.parent.name)
+
+    @property
+    def derived(self) -> bool:
+        """Made from other runs (dtrain.derived: a study report, an FP8 comparison, the gemm-probe),
+        not a measurement of its own: readers of measurements skip it by this flag."""
+        return DERIVED_FROM in self.summary
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -166,12 +173,12 @@ def load_events(paths: Iterable[str | Path], kind: str | None = None, warn: bool
 
 
 def load_runs(paths: Iterable[str | Path], warn: bool = True) -> pd.DataFrame:
-    """One row per complete run: config columns, `summary.*` and `env.*`."""
+    """One row per complete run: config columns, `summary.*`, `env.*` and `derived` (Run.derived)."""
     rows = []
     for run in complete_runs(paths, warn):
         row = flatten(run.config)
         row.update(flatten(run.summary, "summary."))
         row.update(flatten(run.env, "env."))
-        row["run"] = str(run.path)
+        row["run"], row["derived"] = str(run.path), run.derived
         rows.append(row)
     return pd.DataFrame(rows)

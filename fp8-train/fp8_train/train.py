@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtrain import config as dtrain_config
 from dtrain import dist as ddist
-from dtrain import contract, perf
+from dtrain import contract
+from dtrain.costmodel import hardware
 from dtrain.errors import UserError
 from dtrain.fit import check_fits
 from dtrain.launch import mode_of
@@ -79,7 +80,7 @@ def rank_fn(ctx) -> dict:
                  DebugTool(cfg.fp8_debug, ctx.run_dir, ctx.rank),
                  HealthMonitor(cfg.health, ctx.rank, ctx.run_dir) if cfg.health.enabled else None]
     # fp16 trains as "fp32" to the Trainer (autocast does the casting): its GPU peak is the fp16 one
-    peak = perf.peak_flops(ctx.device, "fp16") if numerics.precision == "fp16" and ctx.device.type == "cuda" else None
+    peak = hardware.peak_flops(ctx.device, "fp16") if numerics.precision == "fp16" and ctx.device.type == "cuda" else None
     trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
                       grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None],
                       peak_flops=peak)

@@ -8,6 +8,8 @@ Formula (Adam(W), fp32 master parameters, b = 4 bytes, S = shard degree, n = par
     zero3      world_size              4*Psi_r       4*Psi_r       8*Psi_r + 4n
     hsdp       world_size / replicate  4*Psi_r       4*Psi_r       8*Psi_r + 4n
 
+S is the layout's `ParallelDims.dp_shard` (dtrain.parallel.mesh, the one home of the degrees).
+
 Psi_r is rank r's share. Ideally Psi / S; FSDP2 shards every parameter along dim 0 in torch.chunk
 pieces, so rank r holds rows [r*c, min((r+1)*c, d0)) with c = ceil(d0 / S) and Psi_r is the sum of
 those rows times the row size (the last ranks can hold fewer). `formula_bytes` computes exactly
@@ -26,7 +28,6 @@ import math
 import torch
 import torch.nn as nn
 
-from dtrain.strategies import SHARDED
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -57,14 +58,6 @@ def measure_grads(model: nn.Module) -> int:
 
 def measure_optimizer(optimizer: torch.optim.Optimizer) -> int:
     return sum(local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-
-
-def shard_degree(strategy: str, world_size: int, hsdp_replicate: int = 1) -> int:
-    if strategy not in SHARDED:  # single, ddp: every rank holds everything
-        return 1
-    if strategy == "hsdp":
-        return world_size // hsdp_replicate
-    return world_size
 
 
 def local_rows(d0: int, shards: int, index: int) -> int:

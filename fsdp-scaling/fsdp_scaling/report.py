@@ -40,7 +40,7 @@ BREAKDOWN = ("compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "idle_s"
 
 
 def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
-    runs = [r for r in results.complete_runs(paths) if r.subproject == "fsdp-scaling" and "strategy" in r.summary]
+    runs = [r for r in results.complete_runs(paths) if r.subproject == "fsdp-scaling" and not r.derived]
     if not runs:
         raise UserError(f"no complete fsdp-scaling training runs under {', '.join(map(str, paths))}: "
                         "run `python -m fsdp_scaling -m ...` first")

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from dtrain import perf
+from dtrain.costmodel import hardware
 from dtrain.model import GPTConfig, flops_per_token
 from fsdp_scaling import memory
 
@@ -18,18 +19,18 @@ def test_mfu_hand_case():
 
 
 def test_gpu_peak_table():
-    assert perf.gpu_profile_name("NVIDIA H100 80GB HBM3") == "h100-sxm"
-    assert perf.gpu_profile_name("NVIDIA H100 PCIe") == "h100-pcie"
-    assert perf.gpu_profile_name("NVIDIA H200") == "h200"
-    assert perf.gpu_profile_name("NVIDIA A100-SXM4-40GB") == "a100-40gb"
-    assert perf.gpu_profile_name("Tesla T4") is None
-    assert perf.datasheet_peak("h100-sxm", "bf16") == pytest.approx(989.4e12)
-    assert perf.datasheet_peak("h100-sxm", "fp8") == pytest.approx(1978.9e12)
-    assert perf.datasheet_peak("a100-80gb", "fp8") is None
+    assert hardware.gpu_profile_name("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert hardware.gpu_profile_name("NVIDIA H100 PCIe") == "h100-pcie"
+    assert hardware.gpu_profile_name("NVIDIA H200") == "h200"
+    assert hardware.gpu_profile_name("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert hardware.gpu_profile_name("Tesla T4") is None
+    assert hardware.datasheet_peak("h100-sxm", "bf16") == pytest.approx(989.4e12)
+    assert hardware.datasheet_peak("h100-sxm", "fp8") == pytest.approx(1978.9e12)
+    assert hardware.datasheet_peak("a100-80gb", "fp8") is None
 
 
 def test_cpu_peak_is_measured_and_labelled():
-    peak, source = perf.peak_flops(torch.device("cpu"))
+    peak, source = hardware.peak_flops(torch.device("cpu"))
     assert source == "measured cpu matmul probe" and peak > 1e8
 
 
@@ -41,5 +42,4 @@ def test_zero_formula_by_hand():
     assert memory.formula_bytes(shapes, 1, 0) == {"params": 336, "grads": 336, "optimizer": 8 * 84 + 8}
     r3 = memory.formula_bytes(shapes, 4, 3)  # 1 row of 8 + 1 of the vector = 9 elements
     assert r3 == {"params": 36, "grads": 36, "optimizer": 72 + 8}
-    assert memory.shard_degree("hsdp", 8, 2) == 4 and memory.shard_degree("ddp", 8) == 1
     assert memory.ideal_bytes(84, 2, 4) == {"params": 84, "grads": 84, "optimizer": 168 + 8}

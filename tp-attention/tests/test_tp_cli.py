@@ -9,7 +9,7 @@ from conftest import py
 from dtrain import contract, results
 from dtrain.parallel.tp import comm
 
-TINY = ["micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_head=4", "timing_warmup=1", "iters=2",
+TINY = ["train.micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_head=4", "timing_warmup=1", "iters=2",
         "profile.steps=1"]
 
 
@@ -39,7 +39,7 @@ def test_tiny_run_writes_the_guide_inputs(tmp_path):
 
 
 def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
-    out = py("-m", "tp_attention", *TINY, "model.n_kv_head=1", "sequence_parallel=false",
+    out = py("-m", "tp_attention", *TINY, "model.n_kv_head=1", "train.sequence_parallel=false",
              "impls=[single,handrolled,dtensor]", f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     [row] = contract.read(json.loads(next(tmp_path.rglob("summary.json")).read_text()))
@@ -47,11 +47,13 @@ def test_kv_heads_below_tp_has_no_dtensor_baseline(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["model.n_head=6", "model.d_model=48", "world_size=4", "tp=4"], "n_head=6 is not divisible by tp=4"),
-    (["tp=4"], "tp=4 is larger than world_size=2"),
-    (["sequence_parallel=true", "model.seq_len=15"], "model.seq_len=15 divisible by tp=2"),
+    (["model.n_head=6", "model.d_model=48", "world_size=4", "train.tp=4"], "n_head=6 is not divisible by tp=4"),
+    (["train.tp=4"], "train.tp=4 is larger than world_size=2"),
+    (["train.sequence_parallel=true", "model.seq_len=15"], "model.seq_len=15 divisible by tp=2"),
     (["seq=16"], "seq was renamed: use model.seq_len"),
-    (["precision=float32"], "precision='float32' is not one of fp32, bf16"),
+    (["tp=2"], "tp was renamed: use train.tp"),  # the trainers' vocabulary (train.*)
+    (["micro_batch=2"], "micro_batch was renamed: use train.micro_batch"),
+    (["train.precision=float32"], "train.precision='float32' is not one of fp32, bf16"),
 ])
 def test_bad_input_is_one_line_exit_2_no_run_dir(tmp_path, args, message):
     out = py("-m", "tp_attention", *args, f"results_dir={tmp_path}", timeout=60)
@@ -62,27 +64,27 @@ def test_bad_input_is_one_line_exit_2_no_run_dir(tmp_path, args, message):
 
 
 def test_parity_bad_tp_is_one_line(tmp_path):
-    out = py("-m", "tp_attention.parity", "world_size=2", "tp=[1,4]", f"results_dir={tmp_path}", timeout=60)
-    assert out.returncode == 2 and "tp=4 is larger than world_size=2" in out.stderr
+    out = py("-m", "tp_attention.parity", "world_size=2", "train.tp=[1,4]", f"results_dir={tmp_path}", timeout=60)
+    assert out.returncode == 2 and "train.tp=4 is larger than world_size=2" in out.stderr
 
 
 @pytest.mark.slow
 def test_local_multirun_sweep(tmp_path):
-    out = py("-m", "tp_attention", "-m", *TINY, "sequence_parallel=false,true", "impls=[single,handrolled]",
+    out = py("-m", "tp_attention", "-m", *TINY, "train.sequence_parallel=false,true", "impls=[single,handrolled]",
              f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     df = results.load_runs([tmp_path])
-    assert sorted(df["sequence_parallel"]) == [False, True]
+    assert sorted(df["train.sequence_parallel"]) == [False, True]
     assert all("/multirun-" in r for r in df["run"])
 
 
 @pytest.mark.slurm
 @pytest.mark.slow  # tests/test_slurm.py sweeps through submitit_slurm in the fast path
 def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
-    out = py("-m", "tp_attention", "-m", *TINY, "tp=1,2", "sequence_parallel=false", "impls=[single,handrolled]",
+    out = py("-m", "tp_attention", "-m", *TINY, "train.tp=1,2", "train.sequence_parallel=false", "impls=[single,handrolled]",
              "world_size=2", f"results_dir={tmp_path}", "hydra/launcher=submitit_slurm",
              "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
              "hydra.launcher.mem_gb=2", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     df = results.load_runs([tmp_path])
-    assert sorted(df["tp"]) == [1, 2]
+    assert sorted(df["train.tp"]) == [1, 2]

@@ -23,8 +23,8 @@ def test_tp1_block_bf16_on_cuda_matches_plain_block():
 
 
 def test_bench_single_gpu_bf16(tmp_path):
-    out = py("-m", "tp_attention", "device=cuda", "world_size=1", "tp=1", "precision=bf16",
-             "sequence_parallel=false", f"results_dir={tmp_path}", timeout=300)
+    out = py("-m", "tp_attention", "device=cuda", "world_size=1", "train.tp=1", "train.precision=bf16",
+             "train.sequence_parallel=false", f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = results.complete_runs([tmp_path])
     assert run.summary["device"] == "cuda" and run.summary["backend"] == "nccl" and run.summary["gpu_name"]
@@ -32,6 +32,6 @@ def test_bench_single_gpu_bf16(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_parity_over_nccl(tmp_path):
-    out = py("-m", "tp_attention.parity", "device=cuda", "world_size=2", "tp=[1,2]", f"results_dir={tmp_path}",
+    out = py("-m", "tp_attention.parity", "device=cuda", "world_size=2", "train.tp=[1,2]", f"results_dir={tmp_path}",
              timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -21,7 +21,7 @@ LAYOUTS = {1: {"mha", "gqa_kv_ge_tp"}, 2: {"mha", "gqa_kv_ge_tp", "gqa_kv_lt_tp"
 def test_parity_tp_1_2_4_random_shapes(tmp_path):
     seed = random.randrange(1 << 30)
     print(f"parity seed={seed} (rerun: python -m tp_attention.parity seed={seed})")
-    out = py("-m", "tp_attention.parity", "world_size=4", "tp=[1,2,4]", f"seed={seed}",
+    out = py("-m", "tp_attention.parity", "world_size=4", "train.tp=[1,2,4]", f"seed={seed}",
              f"results_dir={tmp_path}", timeout=240)
     assert out.returncode == 0, f"seed={seed}\n{out.stdout}\n{out.stderr[-4000:]}"
     [run] = results.complete_runs([tmp_path])

@@ -124,7 +124,7 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     xl, gl = local(x), local(g)
     cls = TensorParallelBlock if cfg.module == "block" else TensorParallelAttention
     out = {}
-    hand = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.fused_qkv)
+    hand = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.train.fused_qkv)
     step = make_step(hand, xl, gl, sync_grads=True)
     out["handrolled"] = _timed(step, cfg, device, groups.group)
     with comm.CommCounter() as counter:
@@ -134,7 +134,7 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     out["op_counts"] = counter.op_counts()
     out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
     if "handrolled_async" in impls:
-        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.fused_qkv, async_grad_allreduce=True)
+        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.train.fused_qkv, async_grad_allreduce=True)
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
         out["comm_share_async"] = comm_share(step, cfg.profile.steps, device)[0] if tp > 1 else 0.0
@@ -168,12 +168,12 @@ def rank_fn(ctx: RankContext) -> dict:
     n_kv = m.n_kv_head
     ref = build_reference(cfg, device, dtype)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    x = torch.randn(cfg.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)
-    g = torch.randn(cfg.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)
+    x = torch.randn(cfg.train.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)
+    g = torch.randn(cfg.train.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)
     threads = torch.get_num_threads()
     single_cache: dict[int, dict] = {}
     entries = []
-    combos = [(tp, sp) for tp in tp_degrees(cfg) for sp in as_list(cfg.sequence_parallel)]
+    combos = [(tp, sp) for tp in tp_degrees(cfg) for sp in as_list(cfg.train.sequence_parallel)]
     turns = Turns(cfg.dist_timeout_s)
     for tp, sp in _progress(combos, ctx.is_main):
         groups = make_tp_groups(tp)  # collective: every rank, same order
@@ -197,12 +197,12 @@ def rank_fn(ctx: RankContext) -> dict:
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
     elem_bytes, mc = torch.empty(0, dtype=torch_dtype(cfg)).element_size(), model_config(cfg)
-    analytic = comm.expected_wire_bytes(batch=cfg.micro_batch, seq=mc.seq_len, d_model=mc.d_model, n_head=mc.n_head,
+    analytic = comm.expected_wire_bytes(batch=cfg.train.micro_batch, seq=mc.seq_len, d_model=mc.d_model, n_head=mc.n_head,
                                         n_kv_head=mc.n_kv_head, tp=tp, sequence_parallel=sp,
                                         module=cfg.module, norm=mc.norm, bias=mc.bias, elem_bytes=elem_bytes)
     if analytic != m["counted"]:
         raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")
-    tokens = cfg.micro_batch * mc.seq_len
+    tokens = cfg.train.micro_batch * mc.seq_len
     e = {"tp": tp, "sequence_parallel": sp, "threads_per_rank": threads, "tokens": tokens,
          "comm_bytes_per_layer": analytic[comm.ACTIVATION], "grad_sync_bytes_per_layer": analytic[comm.GRAD_SYNC],
          "counted_bytes_per_layer": m["counted"][comm.ACTIVATION], "payload_bytes": m["payload_bytes"],

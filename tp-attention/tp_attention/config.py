@@ -20,15 +20,15 @@ def as_list(value) -> list:
 
 
 def tp_degrees(cfg) -> list[int]:
-    """`tp` as a list; null means one group over all ranks."""
-    return [cfg.world_size] if cfg.tp is None else as_list(cfg.tp)
+    """`train.tp` as a list; null means one group over all ranks."""
+    return [cfg.world_size] if cfg.train.tp is None else as_list(cfg.train.tp)
 
 
 def check_tp(tp, world_size: int) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise UserError(f"tp={tp!r} must be an integer >= 1")
+        raise UserError(f"train.tp={tp!r} must be an integer >= 1")
     if tp > world_size:
-        raise UserError(f"tp={tp} is larger than world_size={world_size}: lower tp or raise world_size")
+        raise UserError(f"train.tp={tp} is larger than world_size={world_size}: lower train.tp or raise world_size")
 
 
 def model_config(cfg) -> GPTConfig:
@@ -37,14 +37,14 @@ def model_config(cfg) -> GPTConfig:
 
 
 def torch_dtype(cfg) -> torch.dtype:
-    return getattr(torch, PRECISIONS[cfg.precision])
+    return getattr(torch, PRECISIONS[cfg.train.precision])
 
 
 def check_bench(cfg) -> None:
     """Everything the benchmark can reject before a process starts."""
-    for key in ("micro_batch", "iters"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise UserError(f"{key}={cfg[key]!r} must be an integer >= 1")
+    for key, value in (("train.micro_batch", cfg.train.micro_batch), ("iters", cfg.iters)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{key}={value!r} must be an integer >= 1")
     if cfg.timing_warmup < 0:
         raise UserError(f"timing_warmup={cfg.timing_warmup} must be >= 0")
     if not cfg.profile.enabled or cfg.profile.steps < 1:
@@ -54,20 +54,20 @@ def check_bench(cfg) -> None:
     n_kv = model.n_kv_head
     if cfg.module not in MODULES:
         raise UserError(f"module={cfg.module!r} is not one of {', '.join(MODULES)}")
-    if cfg.precision not in PRECISIONS:
-        raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.precision not in PRECISIONS:
+        raise UserError(f"train.precision={cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
     bad = [i for i in as_list(cfg.impls) if i not in IMPLS]
     if bad:
         raise UserError(f"impls has unknown {bad}: choose from {', '.join(IMPLS)}")
     missing = [i for i in ("handrolled", "single") if i not in as_list(cfg.impls)]
     if missing:
         raise UserError(f"impls must include {' and '.join(missing)}: the guide's numbers come from them")
-    for sp in as_list(cfg.sequence_parallel):
+    for sp in as_list(cfg.train.sequence_parallel):
         if not isinstance(sp, bool):
-            raise UserError(f"sequence_parallel={sp!r} must be true or false")
+            raise UserError(f"train.sequence_parallel={sp!r} must be true or false")
     for tp in tp_degrees(cfg):
         check_tp(tp, cfg.world_size)
         check_tp_heads(model.n_head, n_kv, tp)
-        if True in as_list(cfg.sequence_parallel) and model.seq_len % tp:
-            raise UserError(f"sequence_parallel needs model.seq_len={model.seq_len} divisible by tp={tp}: "
+        if True in as_list(cfg.train.sequence_parallel) and model.seq_len % tp:
+            raise UserError(f"train.sequence_parallel needs model.seq_len={model.seq_len} divisible by tp={tp}: "
                             "pick model.seq_len a multiple of tp")

@@ -218,7 +218,7 @@ def rank_fn(ctx: RankContext) -> dict:
             if bad:
                 failures.append(f"{kind} {info}: {', '.join(bad)}")
 
-    for tp in as_list(cfg.tp):
+    for tp in as_list(cfg.train.tp):
         layouts = ["mha", "gqa_kv_ge_tp"] + (["gqa_kv_lt_tp"] if tp > 1 else [])
         groups = make_tp_groups(tp)
         seed = rng.randrange(1 << 30)
@@ -227,7 +227,6 @@ def rank_fn(ctx: RankContext) -> dict:
         for layout, sp in ((lay, sp) for lay in layouts for sp in (False, True)):
             for _ in range(cfg.cases_per_layout):
                 case, seed = draw_case(rng, tp, layout, sp, rng.randrange(3)), rng.randrange(1 << 30)
-                groups = make_tp_groups(tp)
                 errs, volume = check_case(case, groups, seed, device) if groups else ({}, None)
                 report("case", {**case, "seed": seed}, errs, volume)
     if ctx.is_main and failures:
@@ -236,7 +235,7 @@ def rank_fn(ctx: RankContext) -> dict:
 
 
 def validate(cfg: DictConfig) -> None:
-    for tp in as_list(cfg.tp):
+    for tp in as_list(cfg.train.tp):
         check_tp(tp, cfg.world_size)
     if not isinstance(cfg.cases_per_layout, int) or cfg.cases_per_layout < 1:
         raise UserError(f"cases_per_layout={cfg.cases_per_layout!r} must be an integer >= 1")

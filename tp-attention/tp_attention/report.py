@@ -28,9 +28,9 @@ def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeas
     m = model_config(cfg)
     where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
     return [contract.TpMeasurement(
-        module=cfg.module, tp=e["tp"], sequence_parallel=e["sequence_parallel"], micro_batch=cfg.micro_batch, seq_len=m.seq_len,
+        module=cfg.module, tp=e["tp"], sequence_parallel=e["sequence_parallel"], micro_batch=cfg.train.micro_batch, seq_len=m.seq_len,
         d_model=m.d_model, n_head=m.n_head, n_kv_head=m.n_kv_head or m.n_head, mlp_ratio=int(m.mlp_ratio),
-        precision=str(cfg.precision), step_time_s=e["handrolled_s"], single_rank_step_time_s=e["single_s"],
+        precision=str(cfg.train.precision), step_time_s=e["handrolled_s"], single_rank_step_time_s=e["single_s"],
         comm_share=e["comm_share"], comm_bytes_per_layer=int(e["comm_bytes_per_layer"]),
         overhead_factor=e["handrolled_s"] * e["tp"] / e["single_s"], where=where, dtensor_step_time_s=e["dtensor_s"])
         for e in entries]
@@ -105,8 +105,8 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
     df = pd.DataFrame(entries)
     df["overhead_factor"] = df.handrolled_s * df.tp / df.single_s
     m = model_config(cfg)
-    title = (f"tp-attention {cfg.module}: b={cfg.micro_batch} s={m.seq_len} d={m.d_model} heads={m.n_head}"
-             f"/{m.n_kv_head} {cfg.precision} on {result['device']} ({result['backend']})")
+    title = (f"tp-attention {cfg.module}: b={cfg.train.micro_batch} s={m.seq_len} d={m.d_model} heads={m.n_head}"
+             f"/{m.n_kv_head} {cfg.train.precision} on {result['device']} ({result['backend']})")
     print_table(df, title)
     df.drop(columns=["op_counts", "dtensor_collectives"]).to_csv(Path(run_dir) / "tp_overhead.csv", index=False)
     plot(df, Path(run_dir) / "tp_step_time.png", title)

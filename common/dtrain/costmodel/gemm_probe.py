@@ -30,6 +30,7 @@ from dtrain import contract, envinfo, perf
 from dtrain.derived import write_derived_run
 from dtrain.results import complete_runs
 
+from . import hardware
 from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
 from .memory import Layout, ModelShape
 
@@ -41,6 +42,8 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
     threads per rank, the runs they came from), from the runs' guide inputs (dtrain.contract)."""
     found, threads, sources = {}, [], []
     for run in complete_runs([results], warn=False):
+        if run.derived:  # publishes no measurement of its own; its env.json is a source's copy
+            continue
         if run.env.get("threads_per_rank"):
             threads.append(int(run.env["threads_per_rank"]))
         used = False
@@ -161,7 +164,7 @@ def probe(results: Path, device: str = "auto") -> Path:
         torch.set_num_threads(max(1, int(threads)))
         dtype, (peak, peak_source) = torch.float32, (perf.cpu_matmul_probe.__wrapped__(), perf.CPU_PROBE_SOURCE)
     else:
-        dtype, (peak, peak_source) = torch.bfloat16, perf.peak_flops(dev, "bf16")
+        dtype, (peak, peak_source) = torch.bfloat16, hardware.peak_flops(dev, "bf16")
     points, seen = [], set()
     for t in tg:
         for g in gemms_of(t):

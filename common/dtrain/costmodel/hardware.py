@@ -1,4 +1,6 @@
-"""GPU profiles (from ``hardware.yaml``), link models and the cluster a plan runs on.
+"""GPU profiles (from ``hardware.yaml``), the peak of the device a run is on (``peak_flops``: the
+datasheet figure matched by CUDA device name, or the CPU matmul probe), link models and the
+cluster a plan runs on.
 
 Every number in ``hardware.yaml`` is a datasheet figure with its ``source``; units are documented
 at the top of that file. The cost model uses *dense* tensor-core peaks (no 2:4 sparsity) and the
@@ -8,6 +10,7 @@ is the figure nccl-tests' bus bandwidth is comparable with.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -84,6 +87,70 @@ def get_profile(name: str) -> GPUProfile:
     if name not in profiles:
         raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(profiles))}")
     return profiles[name]
+
+
+# Exact CUDA device names (torch.cuda.get_device_name, lower case, whole name) -> hardware.yaml
+# profile. Whole-name matches on purpose: "H100 NVL" and "H100 PCIe" have lower peaks than the SXM
+# part, so a name we do not know is an error, never the nearest guess.
+GPU_NAMES = [
+    (r"nvidia h100 80gb hbm3|nvidia h100 sxm5? ?(80gb)?", "h100-sxm"),
+    (r"nvidia h100 pcie", "h100-pcie"),
+    (r"nvidia h100 nvl", "h100-nvl"),
+    (r"nvidia h200", "h200"),
+    (r"nvidia a100-(sxm4|pcie)-40gb", "a100-40gb"),
+    (r"nvidia a100-(sxm4|pcie)-80gb|nvidia a100 80gb pcie", "a100-80gb"),
+    (r"nvidia b200", "b200"),
+]
+# matmul precision -> share of the dense bf16 tensor-core peak. TF32 runs at half the bf16 rate on
+# A100, H100 (SXM, PCIe, NVL), H200 and B200 (their datasheets); plain fp32 (CUDA cores, TF32 off)
+# has no tensor-core figure here, so fp32 training on a GPU turns TF32 on (enable_tf32).
+_SHARE_OF_BF16 = {"bf16": 1.0, "fp16": 1.0, "tf32": 0.5}
+
+
+def gpu_profile_name(device_name: str) -> str | None:
+    """hardware.yaml profile for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm")."""
+    name = " ".join(device_name.lower().split())
+    for pattern, profile in GPU_NAMES:
+        if re.fullmatch(pattern, name):
+            return profile
+    return None
+
+
+def datasheet_peak(profile: str, dtype: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of a known GPU for bf16 | fp16 | tf32 | fp8 (None: no such tensor cores)."""
+    p = get_profile(profile)
+    if dtype == "fp8":
+        return p.peak_fp8_flops
+    share = _SHARE_OF_BF16.get(dtype)
+    return None if share is None else p.peak_bf16_flops * share
+
+
+def peak_flops(device, dtype: str = "bf16") -> tuple[float, str]:
+    """(peak FLOP/s per device, source) of a torch device. dtype: the matmul precision, bf16 | fp16 | fp8 | fp32; on a
+    GPU fp32 means TF32 when it is on (enable_tf32) and is refused otherwise.
+
+    An unknown GPU is a UserError naming hardware.yaml rather than an invented peak. Every peak
+    carries its source ("datasheet: h100-sxm bf16", "... tf32" or perf.CPU_PROBE_SOURCE)."""
+    import torch
+
+    from dtrain import perf
+    from dtrain.errors import UserError
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        profile = gpu_profile_name(name)
+        if profile is None:
+            raise UserError(f"no datasheet peak for GPU {name!r}, so no MFU: add its profile to "
+                            "dtrain/costmodel/hardware.yaml and its name to dtrain.costmodel.hardware.GPU_NAMES")
+        if dtype == "fp32":
+            dtype = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        peak = datasheet_peak(profile, dtype)
+        if peak is None:
+            raise UserError(f"{profile} has no {dtype} tensor-core peak in dtrain/costmodel/hardware.yaml "
+                            "(fp8: Ada/Hopper and newer; fp32: turn TF32 on)")
+        return peak, f"datasheet: {profile} {dtype}"
+    return perf.cpu_matmul_probe(), perf.CPU_PROBE_SOURCE
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from dtrain import envinfo, perf
+from dtrain.costmodel import hardware
 from dtrain.errors import UserError
 from dtrain.timing import time_fn
 
@@ -30,7 +31,7 @@ def env() -> dict:
              "python": sys.version.split()[0], "device": str(dev), "gpus": envinfo.gpu_facts()}
     if dev.type == "cuda":
         facts["gpu_name"] = torch.cuda.get_device_name(dev)
-        facts["profile"] = perf.gpu_profile_name(facts["gpu_name"])
+        facts["profile"] = hardware.gpu_profile_name(facts["gpu_name"])
     return facts
 
 
@@ -46,7 +47,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, warmup: int = 3, iters: int = 20) -> d
 
 def _peak(dtype: str) -> tuple[float | None, str | None]:
     try:
-        return perf.peak_flops(device(), dtype) if device().type == "cuda" else (None, None)
+        return hardware.peak_flops(device(), dtype) if device().type == "cuda" else (None, None)
     except UserError as e:
         return None, str(e)
 

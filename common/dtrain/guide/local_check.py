@@ -40,7 +40,8 @@ from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
-from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING, ZERO_STAGE
+from dtrain.parallel.mesh import ParallelDims, zero_stage
+from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING
 
 GOAL = 0.15
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
@@ -147,13 +148,13 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
                 continue
             world = int(g["world_size"])
             tp, pp = int(g.get("tp") or 1), int(g.get("pp") or 1)  # a DP x TP x PP layout run (issue 14)
-            dp = world // (tp * pp)
+            dp = ParallelDims(world, tp=tp, pp=pp).dp
             shape = replace(shape_of(GPTConfig(**g["model"])), seq_len=int(g["seq_len"]))
             tokens_per_rank = tps * step / world
             mb = int(g["micro_batch"])
             ga = int(g["grad_accum"])
             recompute = RECOMPUTE_OF_CHECKPOINTING.get(str(g.get("recompute") or "none"), "none")
-            layout = Layout(dp, tp, pp, ZERO_STAGE.get(g["strategy"], 3) if dp > 1 else 0, recompute,
+            layout = Layout(dp, tp, pp, zero_stage(g["strategy"], dp, pp), recompute,
                             micro_batch=mb, grad_accum=ga,
                             virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1)
             compute_s = step - (g.get("exposed_comm_s") or 0.0)
@@ -294,7 +295,7 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
         shape = shape_of(GPTConfig(**g["model"]))
         measured = mb * ga * world * shape.seq_len / g["tokens_per_s"]
         fp8 = g.get("recipe") not in BASELINE_RECIPES
-        zero = ZERO_STAGE.get(g["strategy"], 0) if world > 1 else 0
+        zero = zero_stage(g["strategy"], world)
         k = oversubscription(ri.run.env, world)
         free = free_core_share(ri.run.env, world)
         run_peak = float(g.get("peak_flops") or peak)  # the run's own matmul probe: load at run time

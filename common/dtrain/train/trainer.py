@@ -27,7 +27,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain import envinfo, perf, requeue
+from dtrain import perf, requeue
+from dtrain.costmodel import hardware
 from dtrain.data import TokenBatcher, make_dataset
 from dtrain.errors import UserError
 from dtrain.metrics import finite_or_none
@@ -88,9 +89,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
         self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
-        self.tf32 = train.precision == "fp32" and perf.enable_tf32(self.device)
-        if self.tf32 and ctx.is_main:
-            envinfo.note(ctx.run_dir, matmul_tf32=True)
+        self.tf32 = train.precision == "fp32" and perf.enable_tf32(self.device)  # in the summary: matmul_tf32
         self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -102,7 +101,7 @@ class Trainer:
         return contextlib.nullcontext
 
     def _peak_flops(self) -> tuple[float, str]:
-        peak, source = perf.peak_flops(self.device, "fp32" if self.train.precision == "fp32" else "bf16")
+        peak, source = hardware.peak_flops(self.device, "fp32" if self.train.precision == "fp32" else "bf16")
         if source == perf.CPU_PROBE_SOURCE:  # every rank probed its own cores at once; agree on the mean
             peak = self._all_mean(peak)
         return peak, source

@@ -9,19 +9,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.config import RENAMED_MODEL, BaseConfig, ModelConfig, ProfileConfig, register
+from dtrain.train import TrainConfig
+
+
+@dataclass
+class TpLayerTrainConfig:
+    """The trainer's keys (dtrain.train.TrainConfig: same names, meanings and defaults) that one
+    measured TP layer takes; tp and sequence_parallel may be lists, each value measured in the run."""
+    micro_batch: int = TrainConfig.micro_batch  # sequences in the measured forward+backward
+    precision: str = TrainConfig.precision      # fp32 | bf16 (weights and activations; bf16 is for GPUs)
+    tp: Any = None                    # int or list of TP degrees measured in this run; null = world_size
+    sequence_parallel: Any = field(default_factory=lambda: [False, True])  # bool or list
+    # false: the trainer's layout (separate wq, wk, wv sharing one entry; its checkpoints keep the
+    # model's names); true: one column-parallel GEMM for q, k, v (this benchmark only)
+    fused_qkv: bool = False
 
 
 @dataclass
 class TpAttentionConfig(BaseConfig):
     subproject: str = "tp-attention"
-    tp: Any = None                    # int or list of TP degrees measured in this run; null = world_size
-    sequence_parallel: Any = field(default_factory=lambda: [False, True])  # bool or list
+    train: TpLayerTrainConfig = field(default_factory=TpLayerTrainConfig)
     module: str = "block"             # block (attention + MLP, 2 TP regions) | attention
-    micro_batch: int = 4              # sequences in the measured forward+backward
     model: ModelConfig = field(default_factory=lambda: ModelConfig(preset="small"))  # one block of it:
     #                                   seq_len, d_model, n_head, n_kv_head (< tp replicates k/v heads), mlp_ratio, norm, bias
-    fused_qkv: bool = True            # one column-parallel GEMM for q, k, v (false: three, sharing one entry)
-    precision: str = "fp32"           # fp32 | bf16 (weights and activations; bf16 is for GPUs)
     impls: Any = field(default_factory=lambda: ["single", "handrolled", "handrolled_async", "dtensor"])
     timing_warmup: int = 3            # untimed steps before the timed ones
     iters: int = 10                   # timed steps
@@ -29,17 +39,23 @@ class TpAttentionConfig(BaseConfig):
 
 
 @dataclass
+class TpParityTrainConfig:
+    tp: Any = field(default_factory=lambda: [1, 2, 4])  # every degree is checked in the same process group
+
+
+@dataclass
 class TpParityConfig(BaseConfig):
     subproject: str = "tp-attention-parity"
     world_size: int = 4               # 4 ranks oversubscribed on a 2-core CPU is fine: this checks, it does not time
-    tp: Any = field(default_factory=lambda: [1, 2, 4])  # every degree is checked in the same process group
+    train: TpParityTrainConfig = field(default_factory=TpParityTrainConfig)
     cases_per_layout: int = 1         # random cases per (tp, head layout, SP on/off)
     rtol: float = 1.0e-5              # max|tp - ref| / max|ref| per tensor (fp32)
 
 
 MODEL_KEYS = ("seq_len", "d_model", "n_head", "n_kv_head", "mlp_ratio", "norm", "bias")
-RENAMED = {**RENAMED_MODEL, "dtype": "precision", "seq": "model.seq_len", "batch": "micro_batch",
+TRAIN_KEYS = ("micro_batch", "precision", "tp", "sequence_parallel", "fused_qkv")  # the trainer's names
+RENAMED = {**RENAMED_MODEL, "dtype": "train.precision", "seq": "model.seq_len", "batch": "train.micro_batch",
            "warmup": "timing_warmup", "profile_steps": "profile.steps",
-           **{k: f"model.{k}" for k in MODEL_KEYS if k != "seq_len"}}
+           **{k: f"model.{k}" for k in MODEL_KEYS if k != "seq_len"}, **{k: f"train.{k}" for k in TRAIN_KEYS}}
 register("tp_attention_schema", TpAttentionConfig)
 register("tp_attention_parity_schema", TpParityConfig)
