@@ -3,6 +3,8 @@ experiments, and renamed keys refused with the new name. In process (Hydra's com
 real run whose config.yaml is compared with the dataclass's defaults."""
 from __future__ import annotations
 
+import json
+
 import dataclasses
 from pathlib import Path
 
@@ -136,15 +138,18 @@ def test_mistyped_keys_are_one_line(module, override, message):
 
 
 def test_a_run_writes_the_dataclass_defaults_to_config_yaml(tmp_path):
-    """The run's config.yaml = the dataclass's defaults + the command line (device resolved once)."""
+    """The run's config.yaml = the dataclass's defaults + the command line, as asked (device=auto
+    stays auto: the device the ranks used is in env.json)."""
     from dtrain.conf import SelftestConfig
 
     out = py("-m", "dtrain.selftest", "world_size=1", "numel=8", f"results_dir={tmp_path}", timeout=120)
     assert out.returncode == 0, out.stderr
     [written] = [yaml.safe_load(p.read_text()) for p in Path(tmp_path).rglob("config.yaml") if ".hydra" not in str(p)]
     expected = OmegaConf.to_container(OmegaConf.structured(SelftestConfig(world_size=1, numel=8,
-                                                                         results_dir=str(tmp_path), device="cpu")))
-    assert written == expected
+                                                                         results_dir=str(tmp_path))))
+    assert written == expected and written["device"] == "auto"
+    [env] = [json.loads(p.read_text()) for p in Path(tmp_path).rglob("env.json")]
+    assert env["device"] == "cpu"
 
 
 def test_cli_old_key_is_one_line_exit_2(tmp_path):

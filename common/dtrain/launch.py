@@ -102,18 +102,18 @@ def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path
     if mode == "job":
         return run_rank(rank_fn, cfg, run_dir, ddist.detect_job(), launcher="job")
     if mode == "local":
-        device = check_local(cfg)
-        cfg = cfg.copy()
-        with open_dict(cfg):
-            cfg.device = device  # the ranks do not re-decide: all of them cuda, or all cpu
-        return _launch_local(rank_fn, cfg, run_dir), run_dir
+        device = check_local(cfg)  # the ranks do not re-decide: all of them cuda, or all cpu
+        return _launch_local(rank_fn, cfg, run_dir, device), run_dir
     return _launch_slurm(rank_fn, cfg, run_dir), run_dir
 
 
 # ---------------------------------------------------------------- inside a rank
 
-def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launcher: str) -> tuple[Any, Path]:
-    device = ddist.pick_device(cfg.device, env.local_rank)
+def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launcher: str,
+             device_type: str | None = None) -> tuple[Any, Path]:
+    """`device_type`: decided by the local launcher for every rank (None: this rank decides from
+    cfg.device). cfg stays as composed: config.yaml records what was asked, env.json what was used."""
+    device = ddist.pick_device(device_type or cfg.device, env.local_rank)
     backend = ddist.pick_backend(cfg.backend, device)
     threads = ddist.set_cpu_threads(cfg.threads_per_rank, env.local_world_size) if device.type == "cpu" else None
     ddist.init(env, backend, device, cfg.dist_timeout_s)
@@ -169,13 +169,14 @@ def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
 
 # ---------------------------------------------------------------- local
 
-def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir, launcher_pid) -> None:
+def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir, launcher_pid,
+                  device_type) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher decides
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the launcher held them to spawn
     liveness.watch_rank(local_rank, Path(run_dir), Path(side_dir), cfg.get("heartbeat_timeout_s"), launcher_pid)
     env = ddist.DistEnv(local_rank, world_size, local_rank, world_size, "127.0.0.1", port)
     try:
-        result, _ = run_rank(rank_fn, cfg, Path(run_dir), env, launcher="local")
+        result, _ = run_rank(rank_fn, cfg, Path(run_dir), env, launcher="local", device_type=device_type)
     except UserError as e:
         Path(side_dir, f"usererror.{local_rank}").write_text(str(e))
         sys.exit(2)
@@ -191,7 +192,7 @@ def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side
             pickle.dump(result, f)
 
 
-def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
+def _launch_local(rank_fn, cfg, run_dir: Path, device_type: str) -> Any:
     import torch.multiprocessing as mp
 
     side_dir = tempfile.mkdtemp(prefix="dtrain-launch-")
@@ -201,7 +202,7 @@ def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
     try:
         try:
             ctx = mp.start_processes(_local_worker, args=(rank_fn, cfg, str(run_dir), cfg.world_size, ddist.free_port(),
-                                                          side_dir, os.getpid()),
+                                                          side_dir, os.getpid(), device_type),
                                      nprocs=cfg.world_size, join=False, start_method="spawn")
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})

@@ -9,7 +9,6 @@ from omegaconf import OmegaConf
 
 from conftest import py
 from dtrain import contract, results
-from fsdp_scaling.conf import FsdpScalingConfig
 from fsdp_scaling.summary import headline
 
 HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
@@ -18,19 +17,30 @@ HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "t
               "device", "backend", "tp", "pp", "dp", "pp_schedule", "breakdown"}
 
 
+def composed(config_module: str, overrides: list[str]) -> dict:
+    """The config Hydra composes for these overrides (what the app receives), resolved."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module=config_module, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
 def test_sweep_then_report(tmp_path):
     out = py("-m", "fsdp_scaling", "-m", "train.strategy=ddp,zero3", "model.preset=tiny", "train.steps=6",
-             f"results_dir={tmp_path}", timeout=240)
+             "train.global_batch=8", f"results_dir={tmp_path}", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = results.load_runs([tmp_path])
     assert sorted(runs["summary.strategy"]) == ["ddp", "zero3"]
     for run in results.complete_runs([tmp_path]):
-        # config.yaml = the dataclass's defaults + this point's overrides (device resolved once)
-        expected = OmegaConf.structured(FsdpScalingConfig)
-        for key, value in (("train.strategy", run.config["train"]["strategy"]), ("model.preset", "tiny"),
-                           ("train.steps", 6), ("results_dir", str(tmp_path)), ("device", "cpu")):
-            OmegaConf.update(expected, key, value)
-        assert run.config == OmegaConf.to_container(expected, resolve=True)
+        # config.yaml = the config Hydra composes for this point, as asked: nothing the run derives
+        # (device, grad_accum, precision) is written back into it
+        point = [f"train.strategy={run.config['train']['strategy']}", "model.preset=tiny", "train.steps=6",
+                 "train.global_batch=8", f"results_dir={tmp_path}"]
+        assert run.config == composed("fsdp_scaling.conf", point)
+        assert run.config["device"] == "auto" and run.env["device"] == "cpu"
+        # derived values are recorded apart: grad_accum = 8 / (micro_batch 2 x dp 2) in the summary
+        assert run.config["train"]["grad_accum"] == 1 and run.summary["grad_accum"] == 2
         g = headline(run.summary)
         assert set(g) == HEADLINE_KEYS and "guide" not in run.summary
         assert g["state_bytes"] == g["state_bytes_formula"] and g["peak_flops_source"] == "measured cpu matmul probe"
@@ -39,6 +49,7 @@ def test_sweep_then_report(tmp_path):
         assert (run.path / "steps.png").exists() and (run.path / "profile" / "trace.rank0.json.gz").exists()
         [m] = contract.read(run.summary)  # the typed guide input calibration reads
         assert (m.layout.strategy, m.layout.dp, m.step_time_s, m.mfu) == (g["strategy"], 2, g["step_time_s"], g["mfu"])
+        assert (m.layout.grad_accum, m.precision) == (2, "fp32")  # as the run used them
         assert m.exposed_comm_s == g["exposed_comm_s"] and (m.breakdown is None) == (not g["breakdown"]) and m.recipe is None
     steps = results.load([tmp_path], kind="step")
     assert len(steps) == 12 and steps["loss"].notna().all()
