@@ -75,7 +75,8 @@ def test_summaries_of_real_runs_are_read_and_reported(tmp_path):
         _cpu_step("fp8_torchao_tensorwise_compile_false", "fp8", ["fp8_train", "model.preset=tiny", "train.steps=3",
                                                                   "train.strategy=single", "recipe=torchao_tensorwise",
                                                                   "fp8_debug.enabled=false"]),
-        _cpu_step("tp_attention", "tp", ["tp_attention", "train.tp=1", "train.sequence_parallel=false", "iters=2", "timing_warmup=1"]),
+        _cpu_step("tp_attention", "tp", ["tp_attention", "train.tp=1", "train.sequence_parallel=false", "iters=2",
+                                         "timing_warmup=1"]),
         _cpu_step("allreduce_nccl", "allreduce", ["allreduce_bench", "collectives=[all_reduce]", "max_bytes=4K"]),
     ]
     done = [run_step(s, tmp_path, deadline=time.monotonic() + 900) for s in run]

@@ -221,7 +221,8 @@ def test_more_kv_heads_below_tp_and_async_layouts_match_single_and_resume(tmp_pa
      "train.tp_impl=dtensor cannot split model.n_kv_head=1 k/v heads over train.tp=2"),
     (2, {"tp": 2, "tp_impl": "dtensor", "async_grad_allreduce": True}, MODEL,
      "train.async_grad_allreduce=true is the hand-rolled layers' overlap"),
-    (2, {"tp": 2, "tp_impl": "megatron"}, MODEL, "train.tp_impl='megatron' is unknown: choose one of handrolled, dtensor"),
+    (2, {"tp": 2, "tp_impl": "megatron"}, MODEL,
+     "train.tp_impl='megatron' is unknown: choose one of handrolled, dtensor"),
     (6, {"strategy": "hsdp", "hsdp_replicate": 4}, MODEL, "dp = world_size / (tp x pp) = 6 ranks do not factor into "
                                                           "train.hsdp_replicate=4 replicas x shards"),
 ])

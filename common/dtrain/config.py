@@ -10,8 +10,9 @@ One vocabulary across the experiments:
 
     model.preset + model.<GPTConfig field>   the model (null = the preset's value)
     model.seq_len                            sequence length
-    train.micro_batch / micro_batch          sequences per rank per (micro-)step
-    train.precision / precision              compute precision: fp32 | bf16 (| auto in trainers)
+    train.micro_batch                        sequences per rank per (micro-)step
+    train.precision                          compute precision: fp32 | bf16 (| auto in trainers)
+    train.tp, train.sequence_parallel        tensor parallelism (tp-attention: lists, each measured)
     timing_warmup, iters                     untimed warm-up steps, timed steps
     profile.enabled, profile.steps           the torch.profiler window
     debug.*                                  test aids that fake a condition (allreduce-bench);

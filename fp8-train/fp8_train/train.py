@@ -80,7 +80,8 @@ def rank_fn(ctx) -> dict:
                  DebugTool(cfg.fp8_debug, ctx.run_dir, ctx.rank),
                  HealthMonitor(cfg.health, ctx.rank, ctx.run_dir) if cfg.health.enabled else None]
     # fp16 trains as "fp32" to the Trainer (autocast does the casting): its GPU peak is the fp16 one
-    peak = hardware.peak_flops(ctx.device, "fp16") if numerics.precision == "fp16" and ctx.device.type == "cuda" else None
+    fp16_gpu = numerics.precision == "fp16" and ctx.device.type == "cuda"
+    peak = hardware.peak_flops(ctx.device, "fp16") if fp16_gpu else None
     trainer = Trainer(ctx, train, model_cfg, linear_factory=factory, autocast=numerics.autocast,
                       grad_scaler=numerics.grad_scaler, callbacks=[c for c in callbacks if c is not None],
                       peak_flops=peak)

@@ -57,7 +57,8 @@ def rank_fn(ctx: RankContext) -> dict:
     dims = trainer.dims  # dp ranks shard (FSDP2: dp_shard of them) or replicate the tp x pp piece
     formula = memory.formula_bytes(shapes, dims.dp_shard, dims.coordinate("shard"))
     ideal = memory.ideal_bytes(trainer.model_params, len(shapes), dims.dp_shard * dims.tp * dims.pp)
-    ctx.writer.record("state_bytes", rank=ctx.rank, shards=dims.dp_shard, **{f"measured_{k}": v for k, v in state.measured.items()},
+    ctx.writer.record("state_bytes", rank=ctx.rank, shards=dims.dp_shard,
+                      **{f"measured_{k}": v for k, v in state.measured.items()},
                       **{f"formula_{k}": v for k, v in formula.items()}, **{f"ideal_{k}": v for k, v in ideal.items()})
     return {**result, "state_bytes": state.measured, "state_bytes_formula": formula, "state_bytes_ideal": ideal,
             "shard_degree": dims.dp_shard, "overlap": window.result if window else None,

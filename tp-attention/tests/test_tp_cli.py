@@ -81,7 +81,8 @@ def test_local_multirun_sweep(tmp_path):
 @pytest.mark.slurm
 @pytest.mark.slow  # tests/test_slurm.py sweeps through submitit_slurm in the fast path
 def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
-    out = py("-m", "tp_attention", "-m", *TINY, "train.tp=1,2", "train.sequence_parallel=false", "impls=[single,handrolled]",
+    out = py("-m", "tp_attention", "-m", *TINY, "train.tp=1,2", "train.sequence_parallel=false",
+             "impls=[single,handrolled]",
              "world_size=2", f"results_dir={tmp_path}", "hydra/launcher=submitit_slurm",
              "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
              "hydra.launcher.mem_gb=2", timeout=300)

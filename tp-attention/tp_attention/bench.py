@@ -2,7 +2,7 @@
 
     handrolled        TensorParallelBlock (or Attention) from attention.py
     handrolled_async  the same with the input-grad collective overlapped with the weight-grad GEMM
-    dtensor           the same layouts through parallelize_module (dtensor_baseline.py)
+    dtensor           the same layouts through parallelize_module (dtrain.parallel.tp.dtensor_plan)
     single            the unsharded dtrain.model layer on rank 0 alone, with one rank's threads
                       (the guide's baseline) and, on CPU, with the whole TP group's threads
 
@@ -134,7 +134,8 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     out["op_counts"] = counter.op_counts()
     out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
     if "handrolled_async" in impls:
-        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.train.fused_qkv, async_grad_allreduce=True)
+        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.train.fused_qkv,
+                                   async_grad_allreduce=True)
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
         out["comm_share_async"] = comm_share(step, cfg.profile.steps, device)[0] if tp > 1 else 0.0
@@ -197,8 +198,8 @@ def rank_fn(ctx: RankContext) -> dict:
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
     elem_bytes, mc = torch.empty(0, dtype=torch_dtype(cfg)).element_size(), model_config(cfg)
-    analytic = comm.expected_wire_bytes(batch=cfg.train.micro_batch, seq=mc.seq_len, d_model=mc.d_model, n_head=mc.n_head,
-                                        n_kv_head=mc.n_kv_head, tp=tp, sequence_parallel=sp,
+    analytic = comm.expected_wire_bytes(batch=cfg.train.micro_batch, seq=mc.seq_len, d_model=mc.d_model,
+                                        n_head=mc.n_head, n_kv_head=mc.n_kv_head, tp=tp, sequence_parallel=sp,
                                         module=cfg.module, norm=mc.norm, bias=mc.bias, elem_bytes=elem_bytes)
     if analytic != m["counted"]:
         raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")

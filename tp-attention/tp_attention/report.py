@@ -28,7 +28,8 @@ def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeas
     m = model_config(cfg)
     where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
     return [contract.TpMeasurement(
-        module=cfg.module, tp=e["tp"], sequence_parallel=e["sequence_parallel"], micro_batch=cfg.train.micro_batch, seq_len=m.seq_len,
+        module=cfg.module, tp=e["tp"], sequence_parallel=e["sequence_parallel"], micro_batch=cfg.train.micro_batch,
+        seq_len=m.seq_len,
         d_model=m.d_model, n_head=m.n_head, n_kv_head=m.n_kv_head or m.n_head, mlp_ratio=int(m.mlp_ratio),
         precision=str(cfg.train.precision), step_time_s=e["handrolled_s"], single_rank_step_time_s=e["single_s"],
         comm_share=e["comm_share"], comm_bytes_per_layer=int(e["comm_bytes_per_layer"]),

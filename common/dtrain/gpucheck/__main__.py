@@ -62,8 +62,9 @@ def steps(runs: Path) -> list[Step]:
                             240, kind="fp8"))
     out += [
         Step("tp_attention", "TP attention block at tp=1 (bf16, b 4, s 2048, d 2048)",
-             [*py, "-m", "tp_attention", *one_gpu, "train.tp=1", "train.precision=bf16", "train.sequence_parallel=false",
-              "train.micro_batch=4", "model.seq_len=2048", "model.d_model=2048", "model.n_head=16"], 240, kind="tp"),
+             [*py, "-m", "tp_attention", *one_gpu, "train.tp=1", "train.precision=bf16",
+              "train.sequence_parallel=false", "train.micro_batch=4", "model.seq_len=2048", "model.d_model=2048",
+              "model.n_head=16"], 240, kind="tp"),
         # the cost model's GPU compute calibration: the training runs above, their GEMMs timed on this GPU
         Step("gemm_probe", "gemm-probe over this check's training runs (the GPU calibration)",
              [*py, "-m", "dtrain.costmodel.gemm_probe", str(runs / "runs")], 300, kind="probe"),

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from dtrain import envinfo, perf
+from dtrain import envinfo
 from dtrain.costmodel import hardware
 from dtrain.errors import UserError
 from dtrain.timing import time_fn

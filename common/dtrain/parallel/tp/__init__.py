@@ -6,4 +6,6 @@
     attention.py  TensorParallelAttention / MLP / Block built from a dtrain.model Block
     apply.py      tensor-parallelize a whole GPT for the trainer (DTensor parameters, so FSDP2
                   and DCP see global shapes)
+    dtensor_plan.py  the same layouts with parallelize_module (train.tp_impl=dtensor; the
+                  benchmark's DTensor baseline)
 """

@@ -17,7 +17,6 @@ GEMMs (q, k, v share one collective: `linears_async_grad_reduce`), parameters un
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from dtrain.errors import UserError

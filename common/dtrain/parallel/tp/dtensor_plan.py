@@ -76,8 +76,8 @@ def apply_dtensor_tp(model: nn.Module, mesh, sequence_parallel: bool, n_layer: i
     for name, block in model.blocks.named_children():
         parallelize_block(block, mesh, sequence_parallel)
         if sequence_parallel and name == "0":  # replicated embeddings -> this rank's tokens (no communication)
-            parallelize_module(block, mesh, PrepareModuleInput(input_layouts=(Replicate(),),
-                                                               desired_input_layouts=(Shard(1),), use_local_output=True))
+            parallelize_module(block, mesh, PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
         if sequence_parallel and name == str(n_layer - 1):  # all tokens again for the replicated head
             parallelize_module(block, mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
                                                                 desired_output_layouts=(Replicate(),)))
