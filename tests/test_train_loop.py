@@ -156,3 +156,22 @@ def test_config_from_cfg_rejects_unknown_key_and_derives_accum():
     assert asked.to_dict() == before  # validate and resolved leave the asked config as it was
     assert t.grad_accum == 2 and t.global_batch_for(4) == 16 and t.precision == "fp32"
     assert asked.resolved(4, "cuda").precision == "bf16" and asked.resolved(4).precision == "auto"
+
+
+def test_clip_grad_norm_is_torchs_on_one_rank():
+    """The trainer's one clipping (dtrain.train.parallel_model.clip_grad_norm) against torch's
+    clip_grad_norm_ on plain tensors: same norm, same clipped gradients (the multi-rank layouts'
+    norms are checked against the single-process run in tests/test_train_layouts.py)."""
+    from dtrain.train.parallel_model import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    mine = clip_grad_norm(grads, 0.5, world_size=1, pp=1, device=torch.device("cpu"))
+    theirs = float(torch.nn.utils.clip_grad_norm_(params, 0.5))
+    assert mine == pytest.approx(theirs, rel=1e-6) and mine > 0.5
+    for g, p in zip(grads, params):
+        torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=0)
+    assert math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)) == pytest.approx(0.5, rel=1e-5)
