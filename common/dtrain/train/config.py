@@ -47,7 +47,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float | None = 1.0  # max global grad norm; null = no clipping (norm still measured)
     strategy: str = "zero3"        # single | ddp | zero2 | zero3 | hsdp
-    hsdp_replicate: int = 2        # hsdp: replica groups; each shards over world_size / hsdp_replicate ranks
+    hsdp_replicate: int = 2        # hsdp: replica groups; each shards over dp / hsdp_replicate ranks (ParallelDims.of)
     precision: str = "fp32"        # fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU); FSDP2: bf16 params, fp32 reduce; single/ddp: autocast
     activation_checkpointing: str = "none"  # none | op | block
     tp: int = 1                    # tensor-parallel degree
