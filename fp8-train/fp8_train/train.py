@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtrain import config as dtrain_config
 from dtrain import dist as ddist
-from dtrain import contract, perf
+from dtrain import checks, contract, perf
 from dtrain.errors import UserError
 from dtrain.fit import check_fits
 from dtrain.launch import mode_of
@@ -54,6 +54,8 @@ def validate(cfg: DictConfig) -> None:
     model_cfg = model_config(cfg)
     train = train_config(cfg, cfg.world_size)  # checks train.precision: auto | fp32 | bf16
     backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
+    checks.check_training_data(train, model_cfg)
+    checks.check_resume(train)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
         device = ddist.pick_device(cfg.device, 0)
         train.precision = train.precision_on(device.type)

@@ -11,6 +11,7 @@ import dataclasses
 
 from omegaconf import DictConfig
 
+from dtrain import checks
 from dtrain import config as dtrain_config
 from dtrain import dist as ddist
 from dtrain.errors import UserError
@@ -30,6 +31,8 @@ def validate(cfg: DictConfig) -> None:
     train = TrainConfig.from_cfg(cfg.train).validate(cfg.world_size)
     model = model_config(cfg.model)
     train.validate_model(model)
+    checks.check_training_data(train, model)
+    checks.check_resume(train)
     if mode_of(cfg) == "local":  # on Slurm the compute nodes' memory is not known here
         check_fits(model, train, cfg.world_size, ddist.pick_device(cfg.device, 0), f"model.preset={cfg.model.preset}")
     if cfg.profile.enabled and cfg.profile.steps < 1:
