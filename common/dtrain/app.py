@@ -119,7 +119,7 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
     rundir.remember(run_dir)  # a no-op when Hydra's callback already saw it before creating it
     job = ddist.detect_job(cfg.launcher)
     is_launcher = job is None or job.rank == 0
-    claimed, ckpt, ckpt_created, finalizing = False, _checkpoint_dir(cfg), False, False
+    claimed, ckpt, ckpt_created, finalizing = False, _checkpoint_dir(cfg), None, False
     # In a job (torchrun, Slurm task) the job's launcher owns the signals; here we do.
     interrupts = contextlib.ExitStack()
     if job is None:
@@ -145,7 +145,7 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
         fail(str(e), 2)  # another run's directory: leave it as it is
     except UserError as e:
         if is_launcher and not finalizing:
-            if ckpt is not None and claimed:
+            if ckpt_created is not None:  # claimed by this run: undo it
                 rundir.release_folder(ckpt, ckpt_created)
             rundir.discard(run_dir, claimed)  # bad input leaves no results behind, and nothing else touched
         if finalizing:

@@ -209,15 +209,10 @@ def _launch_local(rank_fn, cfg, run_dir: Path) -> Any:
         with open(Path(side_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
     finally:
-        # A second Ctrl-C must not cut the clean-up short (it would leave ranks or the temp folder behind):
-        # held until the end, then delivered.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        with liveness.deferred_interrupts():  # a second Ctrl-C must not leave ranks or the temp folder behind
             if ctx is not None:
                 liveness.kill_all(ctx.processes)  # no-op when they finished; on Interrupted they must not outlive us
             shutil.rmtree(side_dir, ignore_errors=True)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 # ---------------------------------------------------------------- slurm

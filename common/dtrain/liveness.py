@@ -78,6 +78,26 @@ def catch_interrupts():
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Clean-up that must finish (kill the ranks, remove the temp folder): SIGINT/SIGTERM arriving meanwhile
+    (a second Ctrl-C) are noted, then raised as `Interrupted` once it is done. A handler, not a signal
+    mask: the kernel may hand the signal to any thread, and Python runs handlers in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+           if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if caught:
+        raise Interrupted(caught[0])
+
+
 def error_line(text: str) -> str:
     """The line that names the error ("RuntimeError: ...") in a traceback or a log; else the last line."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]

@@ -108,6 +108,13 @@ def _typed_message(e: BaseException) -> str | None:
     return f"{key}={cause.value!r} must be {_WORDS[match.group(1)]}"
 
 
+def _quote_hint(e: BaseException, overrides: list[str]) -> str:
+    """Hydra's grammar takes non-ASCII characters (`results_dir=résultats`) only in a quoted value."""
+    if "token recognition error" in _one_line(e) and not "".join(overrides).isascii():
+        return ": quote a value with non-ASCII characters, e.g. 'results_dir=\"résultats\"'"
+    return ""
+
+
 def check_overrides(config_module: str, config_name: str, argv: list[str],
                     validate: Callable[[DictConfig], None] | None) -> None:
     """Raise UserError on a renamed key (the conf module's `RENAMED`) or an override Hydra would reject;
@@ -124,10 +131,7 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
     try:
         points = sweep_points(overrides) if multirun else [overrides]
     except (HydraException, OmegaConfBaseException) as e:
-        hint = ""
-        if "token recognition error" in str(e.__cause__ or e) and not "".join(overrides).isascii():
-            hint = ": quote a value with non-ASCII characters, e.g. 'results_dir=\"résultats\"'"
-        raise UserError(f"bad override: {_one_line(e)}{hint}") from None
+        raise UserError(f"bad override: {_one_line(e)}{_quote_hint(e, overrides)}") from None
     # Points a Hydra launcher plugin sends elsewhere (submitit_slurm) are checked as Slurm runs:
     # this host's devices and memory say nothing about the compute nodes'.
     remote = any(o.startswith("hydra/launcher=") and o != "hydra/launcher=basic" for o in overrides)
@@ -139,7 +143,7 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
             try:
                 cfg = compose(config_name=config_name, overrides=job)
             except (HydraException, OmegaConfBaseException) as e:
-                errors.append(f"{where}{_typed_message(e) or _one_line(e)}")
+                errors.append(f"{where}{_typed_message(e) or _one_line(e) + _quote_hint(e, job)}")
                 continue
             if validate is not None:  # single runs too: bad input never reaches Hydra's run folder
                 if remote:
