@@ -65,7 +65,7 @@ def check_path(key: str, value: str) -> None:
     target, existing = Path(value), Path(".")
     for q in (*reversed(target.parents), target):  # the existing part, from the top
         try:
-            st = os.stat(q)
+            os.stat(q)
         except FileNotFoundError:
             break
         except OSError as e:
@@ -138,7 +138,8 @@ def check_training_data(train, model) -> None:
             f.read(1)
         size = os.path.getsize(path)
     except OSError as e:
-        raise _dataset_error(path, f"cannot be read ({e.strerror})", "fix its permissions or pass another file") from None
+        raise _dataset_error(path, f"cannot be read ({e.strerror})",
+                             "fix its permissions or pass another file") from None
     if path.endswith(".bin"):
         if size == 0 or size % 2:
             raise _dataset_error(path, f"is {size} bytes: a nanoGPT .bin holds 2-byte (uint16) tokens, so it is "
