@@ -152,12 +152,22 @@ def test_stopped_rank_is_named_by_heartbeat(tmp_path, launcher_session):
     assert failed["error"].startswith("rank 1 (pid") and "heartbeat_timeout_s=3" in failed["error"]
 
 
-def test_bad_heartbeat_timeout_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dtrain.selftest", "heartbeat_timeout_s=-1", f"results_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert out.returncode == 2
-    assert out.stderr.strip() == ("error: heartbeat_timeout_s=-1.0 must be a number of seconds > 0, "
-                                  "or null to turn it off")
+@pytest.mark.parametrize("value", [-1.0, 0.001, float("inf")])
+def test_bad_heartbeat_timeout_is_one_line(value):
+    """Below the floor healthy ranks would be judged hung (they beat every timeout/5): refused before
+    any rank starts. In process: the command line reaches the same check through dtrain.precheck."""
+    from omegaconf import OmegaConf
+
+    from dtrain import app
+    from dtrain.config import BaseConfig, defaults
+    from dtrain.errors import UserError
+
+    cfg = OmegaConf.merge(defaults(BaseConfig), {"heartbeat_timeout_s": value, "world_size": 1})
+    with pytest.raises(UserError) as e:
+        app.check_base(cfg)
+    assert str(e.value) == (f"heartbeat_timeout_s={value!r} must be a number of seconds >= 2 (ranks beat every "
+                            "timeout/5; below that healthy ranks look hung), or null to turn it off")
+    app.check_base(OmegaConf.merge(cfg, {"heartbeat_timeout_s": 2.0}))  # the floor itself is fine
 
 
 # ---------------------------------------------------------------- root cause, without processes

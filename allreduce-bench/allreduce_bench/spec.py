@@ -100,6 +100,9 @@ def parse(cfg: DictConfig) -> BenchSpec:
             raise UserError(f"unknown collective {c!r}: choose from {', '.join(COLLECTIVES)}")
     if not collectives:
         raise UserError("collectives=[] is empty: name at least one, e.g. collectives=[all_reduce]")
+    if cfg.world_size < 2 and set(collectives) == {"sendrecv"}:  # every rank sends to the next: needs two
+        raise UserError("collectives=[sendrecv] needs world_size >= 2 (each rank sends to the next one): raise "
+                        "world_size or add another collective")
     lo, hi = parse_bytes(cfg.min_bytes, "min_bytes"), parse_bytes(cfg.max_bytes, "max_bytes")
     if hi > MAX_BYTES:
         raise UserError(f"max_bytes={cfg.max_bytes} is larger than {MAX_BYTES // 2**30}G per buffer: lower max_bytes")

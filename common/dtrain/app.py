@@ -18,21 +18,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import sys
-import tempfile
+import traceback
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from dtrain import checks, rundir, sweep
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
 from dtrain.liveness import Interrupted, catch_interrupts
 from dtrain.metrics import RunWriter, write_summary
-from dtrain.rundir import OWNER, RunDirTaken, claim
+from dtrain.rundir import RunDirTaken, claim
 
 Finalize = Callable[[Path, DictConfig, Any], dict]
 
@@ -43,9 +43,7 @@ def check_base(cfg: DictConfig) -> None:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
         raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
-    hb = cfg.get("heartbeat_timeout_s")
-    if hb is not None and (not isinstance(hb, (int, float)) or isinstance(hb, bool) or not 0 < hb < float("inf")):
-        raise UserError(f"heartbeat_timeout_s={hb!r} must be a number of seconds > 0, or null to turn it off")
+    checks.check_base_values(cfg)  # results_dir, timeouts, seed, threads: right type, impossible value
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
     if cfg.launcher == "slurm":
@@ -107,14 +105,24 @@ def disk_full(run_dir: Path, cause: str) -> None:
          f"incomplete run left (no summary.json) in {run_dir}", 1)
 
 
+def _checkpoint_dir(cfg: DictConfig) -> Path | None:
+    """An explicit train.checkpoint_dir: a folder outside the run dir that the run must own too."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, "train.checkpoint_dir", default=None)
+    return Path(os.path.abspath(value)) if value else None
+
+
 def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
             finalize: Finalize | None = None) -> dict | None:
-    run_dir = run_dir_for(cfg)  # under Hydra it exists already; removed again on bad input
-    is_launcher = ddist.detect_job() is None or ddist.detect_job().rank == 0
-    claimed = False
+    run_dir = run_dir_for(cfg)  # under Hydra it exists already; on bad input only what this run made is removed
+    rundir.remember(run_dir)  # a no-op when Hydra's callback already saw it before creating it
+    job = ddist.detect_job(cfg.launcher)
+    is_launcher = job is None or job.rank == 0
+    claimed, ckpt, ckpt_created, finalizing = False, _checkpoint_dir(cfg), None, False
     # In a job (torchrun, Slurm task) the job's launcher owns the signals; here we do.
     interrupts = contextlib.ExitStack()
-    if ddist.detect_job() is None:
+    if job is None:
         interrupts.enter_context(catch_interrupts())
     try:
         check_base(cfg)
@@ -123,22 +131,31 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
         check_writable(run_dir)
         if is_launcher:  # in a job, rank 0's directory is the run's (the others' are dropped)
             claimed = bool(claim(run_dir))
+            if ckpt is not None and ckpt != run_dir / "checkpoints":
+                ckpt_created = rundir.claim_folder(ckpt, "train.checkpoint_dir", run_dir,
+                                                   " (train.resume_from may still read it)")
         result, run_dir = launch(rank_fn, cfg, run_dir)
-        job = ddist.detect_job()
         if job is not None and job.rank != 0:
             return None  # rank 0 of the job finalizes
+        finalizing = True
         summary = finalize(run_dir, cfg, result) if finalize else dict(result or {})
         summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
         write_summary(run_dir, summary)
     except RunDirTaken as e:
         fail(str(e), 2)  # another run's directory: leave it as it is
     except UserError as e:
-        if is_launcher and (claimed or not (run_dir / OWNER).exists()):  # never another run's directory
-            shutil.rmtree(run_dir, ignore_errors=True)  # bad input leaves no results behind
+        if is_launcher and not finalizing:
+            if ckpt_created is not None:  # claimed by this run: undo it
+                rundir.release_folder(ckpt, ckpt_created)
+            rundir.discard(run_dir, claimed)  # bad input leaves no results behind, and nothing else touched
+        if finalizing:
+            _record_failure(run_dir, f"finalize: {e}")
         fail(str(e), 2)
     except OSError as e:
         if e.errno not in DISK_FULL:
-            raise
+            if not finalizing:
+                raise
+            _finalize_crashed(run_dir)
         disk_full(run_dir, f"{e.strerror}: {e.filename or run_dir}")
     except RankFailed as e:
         last = e.error or str(e).splitlines()[-1]
@@ -151,25 +168,30 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
         with contextlib.suppress(OSError), RunWriter(run_dir) as w:
             w.event("run_failed", error=str(e))
         fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
+    except Exception:
+        if not finalizing:
+            raise
+        _finalize_crashed(run_dir)
     finally:
         interrupts.close()
     print(f"run complete: {run_dir}  (summary.json written)", flush=True)
     return summary
 
 
-def _precheck_results_dir(argv: list[str]) -> None:
-    """Hydra creates the output dir before our code runs; check the override first so an
-    unwritable path gets one line instead of Hydra's traceback."""
-    for arg in argv:
-        key, _, value = arg.lstrip("+").partition("=")
-        if key == "results_dir" and value and "," not in value and "(" not in value:
-            target = Path(value)
-            while not target.exists() and target != target.parent:
-                target = target.parent
-            try:  # access() says yes to root everywhere; only a real write tells
-                tempfile.TemporaryDirectory(dir=target).cleanup()
-            except OSError as e:
-                fail(f"results_dir={value!r} is not writable ({e.strerror}): pass results_dir=<a writable folder>")
+def _record_failure(run_dir: Path, error: str) -> None:
+    with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+        w.event("run_failed", error=error[:500])
+
+
+def _finalize_crashed(run_dir: Path) -> None:
+    """Every rank finished but the summary could not be made: a failed run, said as one (exits 1)."""
+    from dtrain.liveness import error_line
+
+    text = traceback.format_exc()
+    error = f"finalize: {error_line(text)}"
+    _record_failure(run_dir, error)
+    print(text, file=sys.stderr, end="", flush=True)
+    fail(f"run failed after training ({error}); incomplete run left (no summary.json) in {run_dir}", 1)
 
 
 def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"):
@@ -189,19 +211,24 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
 
     @hydra.main(config_path=f"pkg://{config_module}", config_name=config_name, version_base="1.3")
     def _hydra_entry(cfg: DictConfig) -> None:
-        run_app(cfg, rank_fn=rank_fn, validate=validate, finalize=finalize)
+        with sweep.point():  # in a local sweep a failed point is noted and the next one runs
+            run_app(cfg, rank_fn=rank_fn, validate=validate, finalize=finalize)
 
     def main() -> None:
-        _precheck_results_dir(sys.argv[1:])
+        argv = sys.argv[1:]
         try:
-            job = ddist.detect_job()
+            precheck.check_literal_paths(argv)  # before Hydra creates a folder from them
+            job = ddist.detect_job(precheck.literal_override(argv, "launcher"))
+            precheck.check_job_size(argv, job)
             if job is None or job.rank == 0:  # ranks > 0 of a job never claim (rank 0's dir wins)
-                precheck.check_run_dirs(sys.argv[1:])
-            precheck.check_overrides(config_module, config_name, sys.argv[1:], validate_point)
+                precheck.check_run_dirs(argv)
+            precheck.check_overrides(config_module, config_name, argv, validate_point)
         except UserError as e:
             fail(str(e), 2)
         except KeyboardInterrupt:  # before Hydra: nothing was written yet
             fail("interrupted before the run started; nothing written", 130)
+        precheck.note_job_environment(argv, job)
         _hydra_entry()
+        sweep.finish()
 
     return main

@@ -127,6 +127,24 @@ def run_steps(steps, results: Path, launcher: str, extra: list[str], console) ->
     return outcome
 
 
+def results_folder(explicit: str | None) -> Path:
+    """This capstone's own folder, claimed atomically (dtrain.rundir.claim_folder): two capstones started
+    in the same second get two folders, and an explicit --results-dir must be new or empty."""
+    from dtrain import rundir
+
+    if explicit:
+        rundir.claim_folder(Path(explicit), "--results-dir", None)
+        return Path(explicit)
+    while True:
+        path = Path(f"results/capstone/{datetime.now():%Y%m%d-%H%M%S-%f}")
+        try:
+            path.mkdir(parents=True)  # exist_ok=False: the one that creates it owns it
+        except FileExistsError:
+            continue
+        rundir.claim_folder(path, "--results-dir", None)
+        return path
+
+
 def run(args) -> int:
     from rich.console import Console
 
@@ -134,10 +152,10 @@ def run(args) -> int:
     from dtrain.results import find_runs
 
     console = Console(stderr=True)
-    results = Path(args.results_dir or f"results/capstone/{datetime.now():%Y%m%d-%H%M%S}")
     bad = [s for s in args.set if "=" not in s]
     if bad:
         raise UserError(f"--set {bad[0]!r} is not KEY=VALUE, e.g. --set slurm.partition=gpu")
+    results = results_folder(args.results_dir)
     steps = [s for s in STEPS if s.name not in args.skip]
     console.print(f"capstone: {len(steps)} step(s), launcher={args.launcher}, results in {results}")
     t0 = time.perf_counter()

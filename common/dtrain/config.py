@@ -88,10 +88,14 @@ class ModelConfig:
         """The dtrain.model.GPTConfig, checked as one whole model (UserError when it cannot be)."""
         from dtrain.model import GPTConfig
 
+        from dtrain.checks import check_model_values
+
         try:
-            return GPTConfig.from_preset(self.preset, **self.overrides())
+            model = GPTConfig.from_preset(self.preset, **self.overrides())
         except (ValueError, TypeError) as e:
             raise UserError(f"model: {e}") from None
+        check_model_values(model)  # builds, but cannot train (vocab_size=1, init_std=nan)
+        return model
 
 
 @dataclass

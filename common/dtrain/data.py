@@ -220,6 +220,8 @@ class TokenBatcher:
         resumed run would silently see other data (drop those keys to change them on purpose)."""
         for key in ("seed", "global_batch"):
             if key in state and state[key] != getattr(self, key):
+                fix = {"seed": f"pass seed={state[key]}",  # fewer ranks: keep the batch, grad_accum grows
+                       "global_batch": f"pass train.global_batch={state[key]} to keep the checkpoint's batch"}[key]
                 raise ValueError(f"data state has {key}={state[key]} but this batcher has "
-                                 f"{key}={getattr(self, key)}; resuming would change the data")
+                                 f"{key}={getattr(self, key)}; resuming would change the data: {fix}")
         self.step, self.micro_step = int(state["step"]), int(state["micro_step"])

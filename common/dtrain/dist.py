@@ -64,8 +64,11 @@ def env_from_slurm() -> DistEnv | None:
     return DistEnv(t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_addr, t.master_port)
 
 
-def detect_job() -> DistEnv | None:
-    """The rank this process already is, when started by torchrun or as a Slurm task."""
+def detect_job(launcher: str | None = None) -> DistEnv | None:
+    """The rank this process already is, when started by torchrun or as a Slurm task. With
+    launcher=local never one: local ranks are spawned here, whatever the environment holds."""
+    if launcher == "local":
+        return None
     return env_from_torchrun() or env_from_slurm()
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtrain import dist as ddist
-from dtrain import envinfo, liveness, requeue, slurm_queue
+from dtrain import envinfo, liveness, requeue, rundir, slurm_queue
 from dtrain.errors import UserError
 from dtrain.liveness import Interrupted, RankFailed  # noqa: F401  (re-exported for apps)
 from dtrain.metrics import ENV, RunWriter, write_config, write_json_atomic
@@ -73,7 +73,7 @@ def mode_of(cfg: DictConfig) -> str:
     """'job' when this process already is a rank, else the configured launcher."""
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
-    if ddist.detect_job() is not None:
+    if ddist.detect_job(cfg.launcher) is not None:
         return "job"
     return "slurm" if cfg.launcher == "slurm" else "local"
 
@@ -162,7 +162,7 @@ def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
     dist.broadcast_object_list(box, src=0)
     chosen = Path(box[0])
     if chosen.resolve() != Path(run_dir).resolve():
-        shutil.rmtree(run_dir, ignore_errors=True)  # only Hydra's bookkeeping was in it
+        rundir.discard(run_dir, claimed=False)  # Hydra's bookkeeping, in a folder this process made
     chosen.mkdir(parents=True, exist_ok=True)
     return chosen
 
@@ -195,10 +195,10 @@ def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side
 def _launch_local(rank_fn, cfg, run_dir: Path, device_type: str) -> Any:
     import torch.multiprocessing as mp
 
-    side_dir = tempfile.mkdtemp(prefix="dtrain-launch-")
     ctx = None
     # An interrupt while spawning would leave half-started ranks: hold it until they are all known.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    side_dir = tempfile.mkdtemp(prefix="dtrain-launch-")
     try:
         try:
             ctx = mp.start_processes(_local_worker, args=(rank_fn, cfg, str(run_dir), cfg.world_size, ddist.free_port(),
@@ -210,9 +210,10 @@ def _launch_local(rank_fn, cfg, run_dir: Path, device_type: str) -> Any:
         with open(Path(side_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
     finally:
-        if ctx is not None:
-            liveness.kill_all(ctx.processes)  # no-op when they finished; on Interrupted they must not outlive us
-        shutil.rmtree(side_dir, ignore_errors=True)
+        with liveness.deferred_interrupts():  # a second Ctrl-C must not leave ranks or the temp folder behind
+            if ctx is not None:
+                liveness.kill_all(ctx.processes)  # no-op when they finished; on Interrupted they must not outlive us
+            shutil.rmtree(side_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- slurm

@@ -59,16 +59,12 @@ class Interrupted(BaseException):
 
 
 @contextlib.contextmanager
-def catch_interrupts():
-    """SIGINT/SIGTERM raise `Interrupted` in the main thread while inside (launching process only)."""
+def _interrupt_handler(handler):
+    """`handler` for SIGINT/SIGTERM while inside (main thread only; elsewhere nothing changes). A signal
+    ignored on purpose (`cmd &` in a script ignores SIGINT) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, _frame):
-        raise Interrupted(signum)
-
-    # A signal ignored on purpose (`cmd &` in a script ignores SIGINT) stays ignored.
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)
            if signal.getsignal(s) is not signal.SIG_IGN}
     try:
@@ -76,6 +72,25 @@ def catch_interrupts():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def catch_interrupts():
+    """SIGINT/SIGTERM raise `Interrupted` in the main thread while inside (launching process only)."""
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+    return _interrupt_handler(handler)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Clean-up that must finish (kill the ranks, remove the temp folder): SIGINT/SIGTERM arriving meanwhile
+    (a second Ctrl-C) are noted, then raised as `Interrupted` once it is done. A handler, not a signal
+    mask: the kernel may hand the signal to any thread, and Python runs handlers in the main thread."""
+    caught: list[int] = []
+    with _interrupt_handler(lambda signum, _frame: caught.append(signum)):
+        yield
+    if caught:
+        raise Interrupted(caught[0])
 
 
 def error_line(text: str) -> str:

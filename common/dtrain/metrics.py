@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,11 @@ def dumps(obj: Any) -> str:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """tmp + rename, so a reader never sees half a file (and a crash leaves none)."""
+    """tmp + rename, so a reader never sees half a file (and a crash leaves none). Mode 0666 less the
+    umask, like every other file of the run (mkstemp's 0600 would hide it from other users)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # unique: ranks share the dir
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(strict(obj), f, default=_jsonable, indent=2, sort_keys=True, allow_nan=False)

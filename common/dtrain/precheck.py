@@ -4,9 +4,12 @@ own multi-line errors with exit code 1; the project promises one `error:` line a
     check_overrides(...)  every override parses and composes against the typed config (an unknown
                           or renamed key, a wrong type is one line); in a sweep (-m) every point is
                           also validated before any point runs
-    check_run_dirs(argv)  an explicit hydra.run.dir / hydra.sweep.dir already used by a run is
-                          refused before Hydra writes its bookkeeping into it (rundir.claim is the
-                          atomic guarantee; this keeps the old run's .hydra/ intact)
+    check_run_dirs(argv)  an explicit hydra.run.dir / hydra.sweep.dir already used by a run, or
+                          holding anything but Hydra's bookkeeping (a folder of the user's, `.`), is
+                          refused before Hydra writes into it (rundir.claim is the atomic guarantee;
+                          this keeps the old run's .hydra/ and the user's files intact)
+    check_literal_paths   results_dir / hydra.*.dir values that cannot hold a run (dtrain.checks)
+    check_job_size        world_size= asked for against the job this process is already a rank of
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Callable
 from omegaconf import DictConfig, open_dict
 
 from dtrain.errors import UserError
-from dtrain.rundir import OWNER, owner_text
+from dtrain.rundir import OWNER, foreign_entries, owner_text
 
 # command-line flags after which Hydra does not run the app (help, config printing, completion)
 _NO_RUN = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion", "-sc",
@@ -105,6 +108,13 @@ def _typed_message(e: BaseException) -> str | None:
     return f"{key}={cause.value!r} must be {_WORDS[match.group(1)]}"
 
 
+def _quote_hint(e: BaseException, overrides: list[str]) -> str:
+    """Hydra's grammar takes non-ASCII characters (`results_dir=résultats`) only in a quoted value."""
+    if "token recognition error" in _one_line(e) and not "".join(overrides).isascii():
+        return ": quote a value with non-ASCII characters, e.g. 'results_dir=\"résultats\"'"
+    return ""
+
+
 def check_overrides(config_module: str, config_name: str, argv: list[str],
                     validate: Callable[[DictConfig], None] | None) -> None:
     """Raise UserError on a renamed key (the conf module's `RENAMED`) or an override Hydra would reject;
@@ -121,7 +131,7 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
     try:
         points = sweep_points(overrides) if multirun else [overrides]
     except (HydraException, OmegaConfBaseException) as e:
-        raise UserError(f"bad override: {_one_line(e)}") from None
+        raise UserError(f"bad override: {_one_line(e)}{_quote_hint(e, overrides)}") from None
     # Points a Hydra launcher plugin sends elsewhere (submitit_slurm) are checked as Slurm runs:
     # this host's devices and memory say nothing about the compute nodes'.
     remote = any(o.startswith("hydra/launcher=") and o != "hydra/launcher=basic" for o in overrides)
@@ -133,9 +143,9 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
             try:
                 cfg = compose(config_name=config_name, overrides=job)
             except (HydraException, OmegaConfBaseException) as e:
-                errors.append(f"{where}{_typed_message(e) or _one_line(e)}")
+                errors.append(f"{where}{_typed_message(e) or _one_line(e) + _quote_hint(e, job)}")
                 continue
-            if multirun and validate is not None:
+            if validate is not None:  # single runs too: bad input never reaches Hydra's run folder
                 if remote:
                     with open_dict(cfg):
                         cfg.launcher = "slurm"
@@ -163,3 +173,62 @@ def check_run_dirs(argv: list[str]) -> None:
         if owned:
             raise UserError(f"{key}={value} already holds a run ({owner_text(owned[0])}): "
                             "pass a new directory (or delete the old run); a run directory is never reused")
+        others = foreign_entries(path)
+        if others:
+            raise UserError(f"{key}={value} is not empty (it holds {', '.join(others[:3])}"
+                            f"{', ...' if len(others) > 3 else ''}): pass a new or empty directory; a run writes "
+                            "only into a folder it creates, never among files it did not make")
+
+
+def literal_override(argv: list[str], key: str) -> str | None:
+    """The value of `key=...` on the command line when it is one plain value (no sweep, no interpolation)."""
+    value = None
+    for arg in split_argv(argv)[0]:
+        k, eq, v = arg.lstrip("+").partition("=")
+        if eq and k == key:
+            value = v
+    if value is None or any(c in value for c in ",$()[]"):
+        return None
+    return value.strip("'\"")
+
+
+def check_literal_paths(argv: list[str]) -> None:
+    """results_dir / hydra.run.dir / hydra.sweep.dir given as a plain value: Hydra creates a folder from
+    them before any of our code runs, so an empty, too long, looping or unwritable path is refused here."""
+    from dtrain.checks import check_path
+
+    if any(arg.split("=", 1)[0] in _NO_RUN for arg in argv):
+        return
+    for key in ("results_dir", "hydra.run.dir", "hydra.sweep.dir"):
+        value = literal_override(argv, key)
+        if value is not None:
+            check_path(key, value)
+
+
+def check_job_size(argv: list[str], job) -> None:
+    """Inside a job (RANK/WORLD_SIZE set: torchrun, srun, or left over in the shell) the job's size is the
+    run's; an explicit world_size= that disagrees is refused instead of silently running another size."""
+    asked = literal_override(argv, "world_size")
+    if job is None or asked is None or not asked.isdigit() or int(asked) == job.world_size:
+        return
+    raise UserError(f"world_size={asked} but this process is rank {job.rank} of a {job.world_size}-rank job "
+                    "(RANK and WORLD_SIZE are set: torchrun, srun, or left over in this shell): drop world_size= "
+                    f"to run as that rank, pass launcher=local to start {asked} ranks here, or unset RANK "
+                    "WORLD_SIZE MASTER_ADDR MASTER_PORT")
+
+
+def note_job_environment(argv: list[str], job) -> None:
+    """Say which way torchrun's variables were taken when they may be a leftover: no torchrun agent set them."""
+    import os
+    import sys
+
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(n in os.environ for n in names) or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    if job is None:
+        print("note: launcher=local: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment are "
+              "ignored; ranks are started here", file=sys.stderr, flush=True)
+    elif "SLURM_STEP_ID" not in os.environ:
+        print(f"note: RANK={job.rank} WORLD_SIZE={job.world_size} are set without torchrun: running as that rank "
+              f"(it waits up to dist_timeout_s for its peers); pass launcher=local to start ranks here instead",
+              file=sys.stderr, flush=True)

@@ -5,19 +5,30 @@ NFSv3+), so of two runs pointed at the same directory - one after the other or b
 the first writes there; the other gets `RunDirTaken`, one `error:` line, and leaves the directory
 alone. The file stays after the run: a finished (or failed) run's directory is never reused, except
 by the same Slurm job requeued (same job id), which continues its own run.
+
+A run owns only what it created. `remember(path)` notes, before anything is written, which of a path
+and its parents exist and what an existing folder holds (Hydra's callback `RememberRunDirs` does it
+before Hydra creates the run or sweep folder); on bad input `discard(run_dir)` removes only what was
+not there before: a folder this process created (and its parents it created, when empty), or the
+entries it added to a folder that existed. `claim_folder` makes another folder (a checkpoint
+directory, a capstone's results) this run's own the way `claim` does for the run directory.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 from datetime import datetime
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
+
 from dtrain.errors import UserError
 
 OWNER = ".run-owner"
+HYDRA_BOOKKEEPING = (".hydra", "multirun.yaml")  # what Hydra writes into a run / sweep folder (and <job>.log)
 
 
 class RunDirTaken(UserError):
@@ -48,6 +59,11 @@ def _same_job_restarted(path: Path) -> bool:
         return False
 
 
+def _owner_record(**extra) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv, "slurm_job": slurm_job(),
+            "started": datetime.now().isoformat(timespec="seconds"), **extra}
+
+
 def claim(run_dir: Path) -> Path:
     """Make this process the directory's only run, or raise RunDirTaken."""
     path = Path(run_dir) / OWNER
@@ -59,6 +75,129 @@ def claim(run_dir: Path) -> Path:
         raise RunDirTaken(f"run directory {run_dir} already holds a run ({owner_text(path)}): pass a new "
                           "hydra.run.dir (or delete the old run); a run directory is never reused") from None
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv, "slurm_job": slurm_job(),
-                   "started": datetime.now().isoformat(timespec="seconds")}, f)
+        json.dump(_owner_record(), f)
     return path
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What a folder holds besides Hydra's bookkeeping: a run must not write among these."""
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n not in HYDRA_BOOKKEEPING and not n.endswith(".log")]
+
+
+def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -> bool:
+    """Make `folder` (the value of `key`) this run's own: create it, or take a new or empty one, and
+    write its `.run-owner` naming `run_dir` atomically. Another run's folder, or one holding anything
+    else, is a UserError; one claimed for the same `run_dir` (a requeued run) is this run's again.
+    Returns True when this call created the folder (see `release_folder`)."""
+    folder = Path(folder)
+    owner = folder / OWNER
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        try:
+            mine = run_dir is not None and json.loads(owner.read_text()).get("run_dir") == str(run_dir)
+        except (OSError, ValueError, AttributeError):
+            mine = False
+        if mine:  # the same run again (a requeued job)
+            return False
+        raise UserError(f"{key}={folder} belongs to another run ({owner_text(owner)}): pass a new {key}{hint}; "
+                        "a run never writes into another run's folder") from None
+    except OSError as e:
+        raise UserError(f"{key}={folder} cannot be created ({e.strerror}): pass a writable {key}") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(_owner_record(run_dir=str(run_dir) if run_dir else None), f)
+    others = [n for n in foreign_entries(folder) if n != OWNER]
+    if others:
+        owner.unlink(missing_ok=True)
+        raise UserError(f"{key}={folder} is not empty (it holds {', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''}): pass a new or empty {key}{hint}; a run writes "
+                        "only into folders it creates")
+    return created
+
+
+def release_folder(folder: Path, created: bool) -> None:
+    """Undo `claim_folder` for a run that never started: its owner file, and the folder if it created it."""
+    folder = Path(folder)
+    (folder / OWNER).unlink(missing_ok=True)
+    if created:
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- what existed before this process
+
+_MISSING: set[Path] = set()                 # paths that did not exist when first looked at
+_LISTED: dict[Path, frozenset[str]] = {}    # an existing folder's entries when first looked at
+
+
+def _abs(path) -> Path:
+    return Path(os.path.abspath(path))
+
+
+def remember(path) -> None:
+    """Note (once per path) which of `path` and its parents exist, and what the deepest existing one holds."""
+    for q in (p := _abs(path), *p.parents):
+        if q in _MISSING or q in _LISTED:
+            return
+        try:
+            _LISTED[q] = frozenset(os.listdir(q))
+            return
+        except FileNotFoundError:
+            _MISSING.add(q)
+        except OSError:  # a file, unreadable: never ours to remove
+            _LISTED[q] = frozenset()
+            return
+
+
+def created_here(path) -> bool:
+    """True only when this process saw `path` (or a parent of it) missing, or its parent without it."""
+    p = _abs(path)
+    if any(q in _MISSING for q in (p, *p.parents)):
+        return True
+    before = _LISTED.get(p.parent)
+    return before is not None and p.name not in before
+
+
+def discard(run_dir: Path, claimed: bool) -> None:
+    """Bad input: remove what this process created for the run, never anything that was there before
+    or another run's directory."""
+    run_dir = _abs(run_dir)
+    if not claimed and (run_dir / OWNER).exists():
+        return
+    if created_here(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in run_dir.parents:  # <results_dir>/<subproject>/ made for this run, if still empty
+            if not created_here(parent):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        return
+    before = _LISTED.get(run_dir)
+    if before is None:
+        return
+    for entry in run_dir.iterdir():
+        if entry.name not in before:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+class RememberRunDirs(Callback):
+    """A Hydra callback (dtrain_base.yaml): note the run / sweep folder before Hydra creates it."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        remember(config.hydra.run.dir)
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        remember(config.hydra.sweep.dir)

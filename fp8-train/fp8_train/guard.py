@@ -59,6 +59,7 @@ class NanGuard(Callback):
         if self.cfg.rollback_after and trainer.last_checkpoint is None:
             self.last_good = trainer.save_checkpoint()  # something to roll back to
         self.last_good = self.last_good or trainer.last_checkpoint
+        trainer.pinned = {self.last_good}  # checkpoint pruning keeps the rollback target
 
     def _watch(self, name: str):
         def hook(module, inputs, output):
@@ -142,6 +143,7 @@ class NanGuard(Callback):
             self._rollback(trainer, step)
         elif self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0 and self.bad_in_a_row == 0:
             self.last_good = trainer.save_checkpoint()
+            trainer.pinned = {self.last_good}
 
     def _rollback(self, trainer, step: int) -> None:
         self._rollback_pending = False

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtrain import config as dtrain_config
 from dtrain import dist as ddist
-from dtrain import contract
+from dtrain import checks, contract
 from dtrain.costmodel import hardware
 from dtrain.errors import UserError
 from dtrain.fit import check_fits
@@ -53,6 +53,8 @@ def validate(cfg: DictConfig) -> None:
     device = ddist.pick_device(cfg.device, 0) if local else None
     train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)  # checks train.*
     backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
+    checks.check_training_data(train, model_cfg)
+    checks.check_resume(train)
     if local:
         check_fits(model_cfg, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)

@@ -11,6 +11,7 @@ import dataclasses
 
 from omegaconf import DictConfig
 
+from dtrain import checks
 from dtrain import config as dtrain_config
 from dtrain import dist as ddist
 from dtrain.errors import UserError
@@ -32,6 +33,8 @@ def validate(cfg: DictConfig) -> None:
     train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)
     model = model_config(cfg.model)
     train.validate_model(model)
+    checks.check_training_data(train, model)
+    checks.check_resume(train)
     if local:
         check_fits(model, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
     if cfg.profile.enabled and cfg.profile.steps < 1:

@@ -20,8 +20,12 @@ def as_list(value) -> list:
 
 
 def tp_degrees(cfg) -> list[int]:
-    """`train.tp` as a list; null means one group over all ranks."""
-    return [cfg.world_size] if cfg.train.tp is None else as_list(cfg.train.tp)
+    """`train.tp` as a list; null means one group over all ranks. An empty list measures nothing: refused."""
+    degrees = [cfg.world_size] if cfg.train.tp is None else as_list(cfg.train.tp)
+    if not degrees:
+        raise UserError(f"train.tp=[] is empty: name at least one degree, e.g. train.tp=[1,{cfg.world_size}] (or "
+                        "train.tp=null for one group over all ranks)")
+    return degrees
 
 
 def check_tp(tp, world_size: int) -> None:
@@ -62,6 +66,8 @@ def check_bench(cfg) -> None:
     missing = [i for i in ("handrolled", "single") if i not in as_list(cfg.impls)]
     if missing:
         raise UserError(f"impls must include {' and '.join(missing)}: the guide's numbers come from them")
+    if not as_list(cfg.train.sequence_parallel):
+        raise UserError("train.sequence_parallel=[] is empty: pass false, true or [false,true]")
     for sp in as_list(cfg.train.sequence_parallel):
         if not isinstance(sp, bool):
             raise UserError(f"train.sequence_parallel={sp!r} must be true or false")

@@ -205,6 +205,15 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
                              probes=probes, inputs=inputs)
 
 
+def calibrate_naming_skips(paths, base: Path | None = None) -> tuple[CalibrationReport, list[str]]:
+    """calibrate(), and one message per run it left out (incomplete, corrupt, breaking the contract:
+    a newer schema_version, an unknown record kind), for a command to print: never dropped unnamed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = calibrate(paths, base=base, warn=True)
+    return report, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
 def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:
     pool = [c for c in cands if c.source.on_gpu == on_gpu]
     a, b = _latest(pool, "intra_alpha_s", False), _latest(pool, "intra_beta_Bps", False)

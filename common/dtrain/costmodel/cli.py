@@ -127,8 +127,9 @@ LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero"
                "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel"}
 
 
-def parse_layout(text: str) -> dict:
-    """'tp=8 pp=16 v=8 zero=1 recompute=selective mb=1' -> search(fixed=...) fields; UserError on bad input."""
+def parse_layout(text: str, gpus: int | None = None) -> dict:
+    """'tp=8 pp=16 v=8 zero=1 recompute=selective mb=1' -> search(fixed=...) fields; UserError on bad input
+    (an unknown or repeated field, a value out of range, dp·tp·pp that cannot make `gpus`, v without pp)."""
     fixed = {}
     for item in text.replace(",", " ").split():
         key, eq, value = item.partition("=")
@@ -136,6 +137,8 @@ def parse_layout(text: str) -> dict:
             raise UserError(f"--layout: {item!r} is not one of {', '.join(k + '=' for k in LAYOUT_KEYS)} "
                             '(e.g. --layout "tp=8 pp=16 v=8 zero=1 recompute=selective mb=1")')
         field = LAYOUT_KEYS[key]
+        if field in fixed:
+            raise UserError(f"--layout: {key}= is given twice: give each field once")
         if field == "recompute":
             if value not in RECOMPUTE:
                 raise UserError(f"--layout: recompute={value} must be one of {', '.join(RECOMPUTE)}")
@@ -153,6 +156,15 @@ def parse_layout(text: str) -> dict:
                 raise UserError(f"--layout: {key}={value} is out of range (zero 0..3, the others >= 1)")
     if not fixed:
         raise UserError('--layout is empty: give fields such as "tp=8 pp=16 mb=1"')
+    if fixed.get("virtual_stages", 1) > 1 and fixed.get("pp", 2) < 2:
+        raise UserError(f"--layout: v={fixed['virtual_stages']} interleaves pipeline stages but pp=1: "
+                        "drop v= or give pp >= 2")
+    dims = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
+    product = math.prod(dims.values())
+    if gpus is not None and (gpus % product or (len(dims) == 3 and product != gpus)):
+        given = "·".join(f"{k}={v}" for k, v in dims.items())
+        raise UserError(f"--layout: {given} = {product} {'does not divide' if gpus % product else 'is not'} "
+                        f"--gpus {gpus}: dp·tp·pp must equal the GPUs")
     return fixed
 
 
@@ -160,7 +172,7 @@ def layout_result(shape, cluster, a, calib, best: SearchResult):
     """(search restricted to --layout, its gap to ``best``) or (None, None) without --layout."""
     if not a.layout:
         return None, None
-    fixed = parse_layout(a.layout)
+    fixed = parse_layout(a.layout, cluster.gpus)
     res = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
                  flash_attention=a.attention == "flash", fixed=fixed)
     if res.best is None or best.best is None:
@@ -169,7 +181,7 @@ def layout_result(shape, cluster, a, calib, best: SearchResult):
 
 
 def run(a) -> int:
-    from .calibrate import calibrate
+    from .calibrate import calibrate_naming_skips
 
     shape, cluster = shape_from_args(a), cluster_from_args(a)
     if a.precision == "fp8" and cluster.gpu.fp8_tflops is None:
@@ -177,9 +189,11 @@ def run(a) -> int:
     notes = ["calibration: datasheet/published values (pass --results DIR to use measured ones)"]
     calib = None
     if a.results:
-        report = calibrate(a.results, warn=False)
+        report, skipped = calibrate_naming_skips(a.results)
+        for message in skipped:
+            print(f"warning: {message}", file=sys.stderr)
         calib, cluster = report.cluster, report.cluster_links.apply(cluster)
-        notes = calibration_notes(report)
+        notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
     result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
                     flash_attention=a.attention == "flash")
     mine, gap = layout_result(shape, cluster, a, calib, result)
@@ -194,7 +208,9 @@ def run(a) -> int:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(result))
         print("\n".join(lines))
     if mine is not None and mine.best is None:
-        return 1
+        print(f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the report above '
+              "shows the best layout)", file=sys.stderr)
+        return 2
     if result.best is None:
         if not a.json:
             print("hint: more GPUs, a GPU with more memory (--gpu), or a shorter --seq", file=sys.stderr)

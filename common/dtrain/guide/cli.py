@@ -7,10 +7,9 @@ the plots (into docs/guide/ beside the guide by default) and writes the markdown
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
-from dtrain.costmodel.calibrate import calibrate, display_path
+from dtrain.costmodel.calibrate import calibrate_naming_skips, display_path
 from dtrain.costmodel.hardware import load_profiles
 from dtrain.errors import UserError
 from dtrain.metrics import write_text_atomic
@@ -58,10 +57,12 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
             raise UserError(f"no such results path: {r}: run `dtrain capstone` first, pass --results DIR, "
                             "or --no-results for a datasheet-only guide")
     base = Path.cwd()
-    skipped = sorted(display_path(r.path, base) for r in find_runs(results) if r.status != "complete") if results else []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the skipped runs are named in the guide itself
-        report = calibrate(results, base=base, warn=False)
+    runs = find_runs(results) if results else []
+    report, messages = calibrate_naming_skips(results, base=base)
+    for message in messages:  # named here and in the guide's header
+        print(f"warning: {message}", file=sys.stderr)
+    used = {r.path for r in report.runs}
+    skipped = sorted(display_path(r.path, base) for r in runs if r.path not in used)
     bar = _progress()
     with bar:
         task = bar.add_task("matrix", total=None)

@@ -8,11 +8,15 @@ name, not by position), and DCP re-shards on load, so a checkpoint saved by zero
 loads into ddp on 4 or a single rank, and one saved by tp2 x pp2 loads into dp4.
 
 Layout: <checkpoint_dir>/step-000123/ (DCP files; `.metadata` is written last, so a folder
-without it is an interrupted save and is ignored when looking for the latest).
+without it is an interrupted save and is ignored when looking for the latest). `damage(path)` checks
+that every shard `.metadata` names is there and long enough (a copy cut short, a lost file);
+`prune` keeps the newest `train.keep_checkpoints` of a run's own checkpoint folder.
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -47,6 +51,48 @@ def resolve(path: str | Path) -> Path:
         raise UserError(f"train.resume_from={str(path)!r} holds no complete checkpoint (no .metadata): "
                         "pass a step-N folder written by a finished save")
     return steps[-1][1]
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a step folder whose `.metadata` exists: a shard it names that is missing or
+    shorter than the bytes it should hold (None when whole)."""
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a torn pickle, an unreadable file: whatever it is, the checkpoint cannot load
+        return f".metadata cannot be read: {type(e).__name__}: {e}"[:300]
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        try:
+            have = os.path.getsize(Path(path) / name)
+        except OSError:
+            return f"shard {name} is missing"
+        if have < size:
+            return f"shard {name} is truncated: {have} of {size} bytes"
+    return None
+
+
+def previous_intact(path: Path) -> Path | None:
+    """The newest undamaged step folder before `path` in the same checkpoint folder."""
+    done = step_of(path)
+    earlier = sorted((s, p) for p in Path(path).parent.glob("step-*")
+                     if (s := step_of(p)) is not None and (done is None or s < done) and is_complete(p))
+    return next((p for _, p in reversed(earlier) if damage(p) is None), None)
+
+
+def prune(checkpoint_dir: str | Path, keep: int | None, pinned=()) -> list[Path]:
+    """Remove all but the newest `keep` complete step folders of a run's own checkpoint folder (and
+    never one in `pinned`, e.g. the NaN guard's rollback target). Returns what was removed."""
+    if not keep:
+        return []
+    pinned = {Path(p).resolve() for p in pinned if p}
+    steps = sorted((s, p) for p in Path(checkpoint_dir).glob("step-*")
+                   if (s := step_of(p)) is not None and is_complete(p))
+    gone = [p for _, p in steps[:-keep] if p.resolve() not in pinned]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -91,8 +137,11 @@ def check_compatible(path: Path, model, steps: int) -> None:
         diff = (sorted(set(stored) ^ set(wanted)) if not stage else []) or \
             sorted(k for k in wanted if stored.get(k) != wanted[k])
         k = diff[0]
-        raise UserError(f"cannot resume from {path}: it holds another model ({k}: checkpoint "
-                        f"{stored.get(k, 'absent')}, this run {wanted.get(k, 'absent')}): "
+        what = f"({k}: checkpoint {stored.get(k, 'absent')}, this run {wanted.get(k, 'absent')})"
+        if not re.search(r"\.(weight|bias)$", k):  # not a GPT parameter: an FP8 recipe's scales or history
+            raise UserError(f"cannot resume from {path}: it was saved with another recipe's state {what}: "
+                            "resume with the recipe (and fp8.* keys) it was trained with")
+        raise UserError(f"cannot resume from {path}: it holds another model {what}: "
                         "pass the model overrides the checkpoint was trained with")
 
 

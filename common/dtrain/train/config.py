@@ -62,7 +62,8 @@ class TrainConfig:
     timing_warmup: int = 2         # first steps left out of step-time statistics
     log_every: int = 10            # print a line every N steps (0 = never)
     checkpoint_every: int = 0      # save every N steps (0 = only when asked)
-    checkpoint_dir: str | None = None  # null = <run_dir>/checkpoints
+    checkpoint_dir: str | None = None  # null = <run_dir>/checkpoints; else a new or empty folder this run claims
+    keep_checkpoints: int | None = 3  # newest step-N folders kept in the run's checkpoint_dir; null = all
     resume_from: str | None = None  # a step-N checkpoint folder, or a folder of them (latest is taken)
     dataset: str = "synthetic"     # "synthetic" (Markov corpus), a nanoGPT .bin file, or any file (bytes)
     dataset_tokens: int = 500_000  # size of the synthetic corpus
@@ -104,6 +105,9 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         """Check against the world size (changes nothing: see `resolved`)."""
+        from dtrain import checks
+
+        checks.check_train_values(self)  # finite, AdamW-sized numbers
         if self.strategy not in STRATEGIES:
             raise UserError(f"train.strategy={self.strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
         if self.precision not in PRECISIONS:

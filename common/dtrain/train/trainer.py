@@ -48,6 +48,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+class NonFiniteLoss(RuntimeError):
+    """Training ended on a NaN/Inf loss: the run failed (never `complete`, nothing calibrates from it)."""
+
+
+def require_finite_end(last: dict) -> None:
+    """A run is complete only when its last step's loss is finite (records store NaN/Inf as null)."""
+    if last and last.get("loss") is None:
+        raise NonFiniteLoss(f"the loss is non-finite at the last step ({last.get('step')}): the run diverged; "
+                            "lower train.lr, set train.grad_clip, or check the data and model.init_std")
+
+
 class Trainer:
     def __init__(self, ctx, train: TrainConfig, model_cfg: GPTConfig, *, linear_factory=None,
                  autocast: Callable[[], ContextManager] | None = None, grad_scaler=None,
@@ -68,6 +79,7 @@ class Trainer:
         self.step = 0          # optimizer steps completed
         self.lr_scale = 1.0    # multiplier on the scheduled LR (a callback may cut it)
         self.last_checkpoint = None
+        self.pinned: set[str] = set()  # checkpoints `prune` must keep (the NaN guard's rollback target)
         self.step_times: list[float] = []
         self._recorded = 0          # last step whose record is written
         self._offset_due = None     # step of a checkpoint whose records offset is still to note
@@ -219,6 +231,8 @@ class Trainer:
                                self._trainer_state())
         self.last_checkpoint = str(path)
         self.ctx.writer.event("checkpoint_saved", step=self.step, path=str(path))
+        if self.ctx.is_main:  # every rank has finished its shards when dcp.save returns
+            checkpoint.prune(root, self.train.keep_checkpoints, {*self.pinned, self.last_checkpoint})
         return self.last_checkpoint
 
     def load_checkpoint(self, path) -> None:
@@ -259,6 +273,7 @@ class Trainer:
                 self.save_checkpoint()
         progress.close()
         self._call("on_train_end")
+        require_finite_end(last)
         return self.final_metrics(last)
 
     def _progress(self):
