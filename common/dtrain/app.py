@@ -28,6 +28,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from dtrain import dist as ddist
+from dtrain import slurm_sweep
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
 from dtrain.liveness import Interrupted, catch_interrupts
@@ -202,6 +203,11 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
             fail(str(e), 2)
         except KeyboardInterrupt:  # before Hydra: nothing was written yet
             fail("interrupted before the run started; nothing written", 130)
+        slurm_sweep.install(sys.argv[1:])  # a submitit sweep: one line when sbatch refuses, run dirs when done
         _hydra_entry()
 
+    def check(argv: list[str]) -> None:  # the checks main() runs before Hydra starts, for tests and tools
+        precheck.check_overrides(config_module, config_name, argv, validate_point)
+
+    main.check = check
     return main
