@@ -88,7 +88,8 @@ def test_a_gemm_above_the_roofline_is_left_out(tmp_path, monkeypatch):
     out = gemm_probe.probe(tmp_path / "r")
     [g] = contract.read(json.loads((out / "summary.json").read_text()))
     assert calls.count(calls[0]) == 3  # timed, then twice again
-    assert [(p.m, p.n, p.k) for p in g.rejected] == [calls[0]] and g.rejected[0].fraction > 1
+    # (on a busy host a real point may be left out too: only the impossible one is certain)
+    assert calls[0] in [(p.m, p.n, p.k) for p in g.rejected] and all(p.fraction > 1 for p in g.rejected)
     assert all((p.m, p.n, p.k) != calls[0] for p in g.points)
     assert g.e_max <= 1.0 and all(p.fraction <= gemm_probe.ABOVE_ROOFLINE for p in g.points)
 

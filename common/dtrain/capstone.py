@@ -164,7 +164,8 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
-def run_steps(steps, results: Path, launcher: str, extra: list[str], progress: StepProgress) -> list[tuple[str, str, float]]:
+def run_steps(steps, results: Path, launcher: str, extra: list[str],
+              progress: StepProgress) -> list[tuple[str, str, float]]:
     """Run each step; returns (name, 'ok' | error, seconds). Stops at the first failure."""
     logs = results / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,8 @@ def compact_table(cols: list[str], rows: list[list[str]], width: int = COMPACT) 
     widths[0] = max(min(widths[0], width - sum(widths[1:]) - 2 * (len(cols) - 1)), 12)
     out = []
     for row in [cols, *rows]:
-        cells = [shorten(str(row[0]), widths[0]).ljust(widths[0])] + [str(x).ljust(w) for x, w in zip(row[1:], widths[1:])]
+        cells = [shorten(str(row[0]), widths[0]).ljust(widths[0])]
+        cells += [str(x).ljust(w) for x, w in zip(row[1:], widths[1:])]
         out.append("  ".join(cells).rstrip())
     return out
 

@@ -6,9 +6,11 @@ thread, the time it ran on a CPU and the time it was ready to run but waited for
 factor** (cpu + wait) / cpu is how many times longer it took than on cores it had to itself;
 sleeping (a rank waiting for a collective) counts in neither, so communication does not disturb it.
 
+Both sum over the busy threads only (ready to run for a quarter of the interval, `delta`).
+
 * `Contention` times a piece of work in this process: wall seconds and the factor, so
   ``wall / factor`` is what it would have taken without the wait (``dtrain.costmodel.gemm_probe``).
-* `Sampler` (a thread) sums both times over every thread of our process tree (the capstone and the
+* `Sampler` (a thread) sums both times over the threads of our process tree (the capstone and the
   ranks it started) every `interval` s into a JSON-lines timeline, one object per sample:
   ``{"t": end time (time.time()), "dt": s, "cpu": s, "wait": s}``. `load_factor` gives the factor
   over a time window (a run's timed steps), its 10th-90th percentile over the samples, and divides
@@ -65,11 +67,20 @@ def thread_times(pid: int | str = "self") -> tuple[int, int]:
     return sum(c for c, _ in times), sum(w for _, w in times)
 
 
-def delta(before: dict, after: dict) -> tuple[int, int]:
-    """CPU and wait ns between two snapshots: threads in both, plus those born in between from zero."""
-    cpu = sum(c - before.get(k, (0, 0))[0] for k, (c, _) in after.items())
-    wait = sum(w - before.get(k, (0, 0))[1] for k, (_, w) in after.items())
-    return max(cpu, 0), max(wait, 0)
+BUSY = 0.25  # a thread counts when it ran or waited to run for this share of the interval
+
+
+def delta(before: dict, after: dict, interval_ns: float, always=()) -> tuple[int, int]:
+    """CPU and wait ns between two snapshots, summed over the threads that were busy: ready to run (on a
+    CPU or waiting for one) for at least BUSY of the interval, plus `always`. Threads born in between
+    count from zero. A thread that wakes now and then (a heartbeat, the sampler itself) waits for a CPU
+    behind the busy ones at every wake-up: its short waits would inflate the factor of the work."""
+    cpu = wait = 0
+    for k, (c, w) in after.items():
+        c0, w0 = before.get(k, (0, 0))
+        if (c - c0) + (w - w0) >= BUSY * interval_ns or k in always:
+            cpu, wait = cpu + max(c - c0, 0), wait + max(w - w0, 0)
+    return cpu, wait
 
 
 def available() -> bool:
@@ -91,7 +102,8 @@ class Contention:
 
     def __exit__(self, *exc) -> None:
         self.wall = time.perf_counter() - self._t0
-        self.factor = factor(*delta(self._times, per_thread()))
+        me = str(threading.get_native_id())  # the thread that ran the work counts, however briefly
+        self.factor = factor(*delta(self._times, per_thread(), self.wall * 1e9, always=(me,)))
         self.idle = self.wall / self.factor
 
 
@@ -144,7 +156,7 @@ class Sampler:
             while not self._stop.wait(self.interval):
                 now, t2 = self._read(), time.time()
                 # a thread born in this interval counts from zero; one that ended loses its last interval
-                cpu, wait = delta(before, now)
+                cpu, wait = delta(before, now, (t2 - t) * 1e9)
                 out.write(json.dumps({"t": round(t2, 3), "dt": round(t2 - t, 3), "cpu": round(cpu / 1e9, 4),
                                       "wait": round(wait / 1e9, 4)}) + "\n")
                 out.flush()

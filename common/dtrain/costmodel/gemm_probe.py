@@ -17,10 +17,12 @@ real width, not on a shrunk model) and the optimizer. Writes a derived run
 ``dtrain.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
 
 Load cancels (``dtrain.hostload``): on CPU every timing has the time its threads waited for a CPU
-taken out (the kernel's per-thread run-queue delay), so the reference rate (the 512³ matmul of the
-runs' MFU probe, the roofline here), each GEMM's achieved fraction and each step are those of cores
-the probe had to itself. Each run the probe read gets the load factor of its own timed window from
-the capstone's timeline (``<results>/host-load.jsonl``, when there is one): the local check scales
+taken out (the kernel's per-thread run-queue delay), and is paired with the reference matmul (the
+512³ of the runs' MFU probe) timed right before and after it, so a slowdown that is not a wait (a
+busy SMT sibling, cooled caches) cancels too: a GEMM's fraction is its rate over the reference's of
+that moment, a step is scaled to the idle reference (the 90th percentile of all its timings: the
+roofline here). Each run the probe read gets the load factor of its own timed window from the
+capstone's timeline (``<results>/host-load.jsonl``, when there is one): the local check scales
 that run's prediction by it, with its 10th-90th percentile spread. A fraction above 1 (faster than
 the roofline) is a measurement error: the point is timed again and, if it stays above, left out of
 the fit and listed in ``rejected``; a fitted e_max above 1 is capped at 1.
@@ -119,11 +121,35 @@ class Timer:
         return self.wall / self.idle if self.cpu and self.idle > 0 else None
 
 
-def reference_rate(timer: Timer, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of the 512³ matmul without waits for a CPU: the roofline the fractions are shares of."""
-    a = torch.randn(REF_N, REF_N, device=device, dtype=dtype)
-    b = torch.randn(REF_N, REF_N, device=device, dtype=dtype)
-    return 2 * REF_N ** 3 / statistics.median(timer.times(lambda: a @ b, reps=20))
+class Reference:
+    """The 512³ matmul of the runs' MFU probe, timed (waits taken out) right before and after every
+    measurement: its best rates are the idle roofline, and its rate of the moment is the yardstick for
+    slowdowns that are not waits (a busy SMT sibling, caches another process cooled)."""
+
+    def __init__(self, timer: Timer, device: torch.device, dtype: torch.dtype):
+        self.timer, self.rates = timer, []
+        a = torch.randn(REF_N, REF_N, device=device, dtype=dtype)
+        b = torch.randn(REF_N, REF_N, device=device, dtype=dtype)
+        self.matmul = lambda: a @ b
+        for _ in range(4):
+            self.now()
+
+    def now(self) -> float:
+        """FLOP/s of a short block of reference matmuls (median), kept for `idle`."""
+        rates = [2 * REF_N ** 3 / s for s in self.timer.times(self.matmul, reps=5, min_total_s=0.0)]
+        self.rates += rates
+        return statistics.median(rates)
+
+    def around(self, measure):
+        """(measure(), the reference rate around it: the mean of one block before and one after)."""
+        before = self.now()
+        value = measure()
+        return value, (before + self.now()) / 2
+
+    @property
+    def idle(self) -> float:
+        """The roofline: the 90th percentile of every rate timed (the fastest moments, robust to one outlier)."""
+        return statistics.quantiles(self.rates, n=10, method="inclusive")[-1]
 
 
 def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer) -> float:
@@ -226,12 +252,19 @@ def probe(results: Path, device: str = "auto") -> Path:
     results = Path(results)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tg, threads, sources = targets(results)
-    timer = Timer(dev)
+    timer, ref = Timer(dev), None
     if dev.type == "cpu":
         torch.set_num_threads(max(1, int(threads)))
-        dtype, peak, peak_source = torch.float32, reference_rate(timer, dev, torch.float32), perf.CPU_PROBE_SOURCE
+        dtype, peak_source = torch.float32, perf.CPU_PROBE_SOURCE
+        ref = Reference(timer, dev, dtype)
     else:
         dtype, (peak, peak_source) = torch.bfloat16, perf.peak_flops(dev, "bf16")
+
+    def fraction(g: Gemm) -> float:  # of the reference of the moment (CPU) or of the datasheet peak (CUDA)
+        seconds, rate = ref.around(lambda: gemm_seconds(g, dev, dtype, timer)) if ref else \
+            (gemm_seconds(g, dev, dtype, timer), peak)
+        return g.flops * g.count / seconds / rate
+
     points, rejected, seen = [], [], set()
     for t in tg:
         for g in gemms_of(t):
@@ -240,27 +273,32 @@ def probe(results: Path, device: str = "auto") -> Path:
                 continue
             seen.add(key)
             for _ in range(3):  # above the roofline is a measurement error: time it again, twice at most
-                seconds = gemm_seconds(g, dev, dtype, timer)
-                if g.flops * g.count / seconds / peak <= ABOVE_ROOFLINE:
+                frac = fraction(g)
+                if frac <= ABOVE_ROOFLINE:
                     break
-            p = {"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": seconds,
-                 "fraction": g.flops * g.count / seconds / peak}
-            (points if p["fraction"] <= ABOVE_ROOFLINE else rejected).append(p)
+            p = {"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "fraction": frac}
+            (points if frac <= ABOVE_ROOFLINE else rejected).append(p)
+    # each step as at the idle roofline: x (the reference of its moment / the idle reference)
+    steps = [(t, *(ref.around(lambda: step_s(t, dev, timer)) if ref else (step_s(t, dev, timer), None)))
+             for t in tg if t["tp"] == 1]
+    if ref:
+        peak = ref.idle
+    for p in points + rejected:
+        p["seconds"] = p["flops"] / (p["fraction"] * peak)  # on the idle host
     curve = fit(points)
     vb = 4 if dtype == torch.float32 else 2
     overheads = []
-    for t in tg:
-        if t["tp"] != 1:
-            continue
-        step = step_s(t, dev, timer)
+    for t, step, rate in steps:
+        step = step * rate / peak if rate else step
         gemm = gemm_step_s(t, curve, peak, vb) if curve else 0.0
         overheads.append(contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"],
                                                max(step - gemm, 0.0), step_s=step, gemm_s=gemm))
     runs = [r for r in complete_runs([results], warn=False) if r.path.resolve() in {s.resolve() for s in sources}]
+    gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     record = contract.GemmProbe(dtype=str(dtype).replace("torch.", ""), peak_flops=peak, peak_flops_source=peak_source,
                                 points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
                                 e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,
-                                where=contract.where_of(dev, "none", torch.cuda.get_device_name(dev) if dev.type == "cuda" else None),
+                                where=contract.where_of(dev, "none", gpu_name),
                                 rejected=[contract.GemmPoint(**p) for p in rejected], probe_load=timer.load(),
                                 loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)))
     env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
