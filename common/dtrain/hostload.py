@@ -179,14 +179,23 @@ def read(path: str | Path) -> list[Sample]:
     return out
 
 
-def load_factor(samples: list[Sample], start: float, end: float, oversubscription: float = 1.0) -> LoadFactor | None:
-    """The contention factor over [start, end] divided by the run's own `oversubscription` (at least 1);
-    None when no sample with CPU work overlaps the window."""
+def load_factor(samples: list[Sample], start: float, end: float, busy: float = 1.0,
+                cores: int | None = None) -> LoadFactor | None:
+    """The contention factor over [start, end] of a job of `busy` CPU-bound threads on `cores` cores, its
+    own oversubscription (busy / cores, at least 1) divided out; None when no sample with CPU work overlaps
+    the window. When the job waited for CPUs (median above 1.05), the spread's top also allows for ranks
+    that wait on each other: a rank whose peer was descheduled sleeps in the collective, which is no
+    wait of its own, so the job can lose up to the cores it did not get, min(busy, cores) x time / cpu."""
     inside = [s for s in samples if s.t > start and s.t - s.dt < end and s.cpu > 0.02 * s.dt]
     if not inside:
         return None
-    over = max(oversubscription, 1.0)
+    cores = cores or os.cpu_count() or 1
+    over = max(busy / cores, 1.0)
     each = sorted(max(factor(s.cpu, s.wait) / over, 1.0) for s in inside)
     q = statistics.quantiles(each, n=10, method="inclusive") if len(each) > 1 else [each[0]] * 9
-    total = max(factor(sum(s.cpu for s in inside), sum(s.wait for s in inside)) / over, 1.0)
-    return LoadFactor(total, min(q[0], total), max(q[-1], total), len(each))
+    cpu = sum(s.cpu for s in inside)
+    total = max(factor(cpu, sum(s.wait for s in inside)) / over, 1.0)
+    high = max(q[-1], total)
+    if total > 1.05:
+        high = max(high, min(busy, cores) * sum(s.dt for s in inside) / cpu)
+    return LoadFactor(total, min(q[0], total), high, len(each))

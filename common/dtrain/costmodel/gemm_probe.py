@@ -240,7 +240,7 @@ def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> lis
     for run in runs:
         busy = int(run.env.get("world_size") or 1) * int(run.env.get("threads_per_rank") or 1)
         cores = int(run.env.get("cpu_count") or 0)
-        lf = hostload.load_factor(timeline, *run_window(run), busy / cores if cores else 1.0)
+        lf = hostload.load_factor(timeline, *run_window(run), busy, cores or None)
         if lf is not None:
             out.append(contract.RunLoad(str(run.path.resolve().relative_to(results.resolve())), busy,
                                         lf.median, lf.low, lf.high, lf.samples))
