@@ -114,6 +114,31 @@ def test_capstone_reports_a_failing_experiment_with_its_log(monkeypatch, tmp_pat
     assert (tmp_path / "r" / "logs" / "broken.log").exists()
 
 
+def test_capstone_piped_prints_a_line_per_step_with_elapsed_time_and_eta(monkeypatch, tmp_path, capsys):
+    """Not on a terminal (CI, `| tee`): each step's start and end is a line, the probe and guide included."""
+    from dtrain.costmodel import gemm_probe
+    from dtrain.guide import cli as guide_cli
+
+    steps = tuple(capstone.Step(n, "this", (), module="this", needs_launcher=False, expected_s=e)
+                  for n, e in (("first", 30), ("second", 60)))
+    monkeypatch.setattr(capstone, "STEPS", steps)
+    monkeypatch.setattr(capstone, "PROBE_EXPECTED_S", 20.0)
+    monkeypatch.setattr(capstone, "GUIDE_EXPECTED_S", 10.0)
+    monkeypatch.setattr(gemm_probe, "probe", lambda results: results / "gemm-probe")
+    monkeypatch.setattr(guide_cli, "generate", lambda results, out, quiet: (Path(out), []))
+    assert main(["capstone", "--results-dir", str(tmp_path / "r"), "--out", str(tmp_path / "G.md")]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("capstone")]
+    assert err[0].startswith("capstone: 4 steps (2 experiment runs, the matmul probe, the guide)")
+    assert err[0].endswith("about 2:00 on an idle 2-core host")
+    names = ["first", "second", "gemm-probe", "guide"]
+    starts = [ln for ln in err if "started at" in ln]
+    assert [ln.split("] ")[1].split(":")[0] for ln in starts] == names
+    assert re.fullmatch(r"capstone \[1/4\] first: started at 0:00, expected ~30 s \(all done ~2:00\)", starts[0])
+    assert re.fullmatch(r"capstone \[2/4\] second: started at 0:0\d, expected ~60 s \(all done ~1:3\d\)", starts[1])
+    ends = [ln for ln in err if ": done in " in ln]
+    assert len(ends) == 4 and ends[-1].startswith("capstone [4/4] guide: done in 0 s at 0:0")
+
+
 def test_capstone_commands_pass_results_dir_and_launcher(tmp_path):
     steps = {s.name: s for s in capstone.STEPS}
     cmd = capstone.command(steps["tp-attention"], tmp_path, "slurm", ["slurm.partition=gpu"])

@@ -37,6 +37,7 @@ def test_hydra_multirun_through_submitit_slurm(tmp_path, slurm_cluster):
              "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2",
              "hydra.launcher.timeout_min=5", "hydra.launcher.mem_gb=2", timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("run complete: ") == 2 and "sweep complete: 2 point(s)" in out.stdout  # where results are
     df = results.load_runs([tmp_path])
     assert sorted(df["numel"]) == [16, 64]
     assert set(df["summary.allreduce_sum"]) == {3.0}

@@ -65,5 +65,5 @@ def test_sweep_with_one_failing_point_runs_the_others_and_lists_it(tmp_path, slu
     table, bad = listed.stdout.split("1 Slurm job(s) without a complete run:")
     assert run.env["slurm_job"] in table  # the good point: its job id, state, nodes and logs
     job = run.env["slurm_job"].split("_")[0] + "_1"
-    assert f"job {job}" in bad and f"(sweep point {run.path.parent}/1)" in bad
+    assert f"job {job}" in bad and f"(sweep point {run.path.parent.relative_to(tmp_path)}/1)" in bad
     assert "RuntimeError: selftest: rank 1 fails on purpose (fail_rank=1)" in bad

@@ -27,3 +27,33 @@ def test_sacct_absent_gives_unknown_state(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm_runs.shutil, "which", lambda name: None)
     [job] = slurm_runs.jobs_in([tmp_path])
     assert (job.job, job.state, job.sweep_point, job.error_tail) == ("7", "?", None, "RuntimeError: boom")
+
+
+def test_dtrain_runs_fits_100_columns_and_wide_shows_everything(tmp_path, monkeypatch, capsys):
+    """Long sweep paths on Slurm, sacct unreachable: the default listing keeps to 100 columns, cutting a path
+    at its start (the end tells runs apart), says once why the state is unknown; --wide has the full path."""
+    from omegaconf import OmegaConf
+
+    from dtrain.cli import main
+    from dtrain.metrics import write_config, write_json_atomic, write_summary
+
+    monkeypatch.setattr(slurm_runs.shutil, "which", lambda name: None)  # no sacct here
+    deep = tmp_path / "fsdp-scaling" / ("multirun-20261125-110744-886682-" + "x" * 60)
+    for point in ("0", "1"):
+        run = deep / point
+        run.mkdir(parents=True)
+        write_config(run, OmegaConf.create({"subproject": "fsdp-scaling", "world_size": 8}))
+        write_json_atomic(run / "env.json", {"world_size": 8, "backend": "nccl", "device": "cuda",
+                                             "created": "2026-11-25T11:07:08+00:00", "slurm_job": f"4242_{point}"})
+        write_summary(run, {"ok": True})
+    assert main(["runs", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100, lines
+    header = lines[1].split()
+    assert header == ["run", "subproject", "status", "ranks", "created", "job", "state"]
+    rows = [ln for ln in lines if "4242_" in ln]
+    assert [r.split()[0][-2:] for r in rows] == ["/0", "/1"] and all(r.startswith("…") for r in rows)
+    assert "8 nccl cuda  11-25 11:07  4242_0  unknown" in rows[0]
+    assert lines[-1].startswith("Slurm state unknown: sacct is not on PATH: for the local cluster run eval")
+    assert main(["runs", "--wide", str(tmp_path)]) == 0
+    assert str(deep / "0") in capsys.readouterr().out.replace("\n", "")

@@ -100,7 +100,10 @@ def plot_busbw(df: pd.DataFrame, path: Path) -> Path:
         sns.lineplot(data=part, x="nbytes", y="busbw_GBps", hue="collective",
                      style="dtype" if part.dtype.nunique() > 1 else None, marker="o", ax=ax)
         plots.log2_bytes_axis(ax)
-        ax.set(xlabel="message size S", ylabel="busbw (GB/s)", title=f"busbw vs size ({link_class})")
+        ax.set(xlabel="message size S", ylabel="bus bandwidth (GB/s)", title=f"busbw vs size ({link_class})")
+        if ax is not axes[0][-1]:
+            ax.get_legend().remove()
+    plots.legend_outside(axes[0][-1])  # one legend, right of the last panel: the collectives are the same
     return plots.save(fig, path)
 
 
@@ -121,9 +124,9 @@ def plot_fits(df: pd.DataFrame, fitted: list[dict], path: Path) -> Path:
             ax.plot(rows.nbytes, rows.time_us, "o", color=colors[f["collective"]], label=f["collective"])
             ax.plot(s, model, "-", color=colors[f["collective"]], alpha=0.6)
         plots.log2_bytes_axis(ax)
-        ax.set_yscale("log")
+        plots.log_axis_plain(ax, "y")
         ax.set(xlabel="message size S", ylabel="time per op (µs)", title=f"α–β fit ({link_class}; lines = fit)")
-        ax.legend(fontsize="small")
+    plots.legend_outside(axes[0][-1], "collective")
     return plots.save(fig, path)
 
 

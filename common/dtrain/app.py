@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 from dtrain import checks, rundir, sweep
 from dtrain import dist as ddist
+from dtrain import slurm_sweep
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
 from dtrain.liveness import Interrupted, catch_interrupts
@@ -228,7 +229,12 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
         except KeyboardInterrupt:  # before Hydra: nothing was written yet
             fail("interrupted before the run started; nothing written", 130)
         precheck.note_job_environment(argv, job)
+        slurm_sweep.install(sys.argv[1:])  # a submitit sweep: one line when sbatch refuses, run dirs when done
         _hydra_entry()
         sweep.finish()
 
+    def check(argv: list[str]) -> None:  # the checks main() runs before Hydra starts, for tests and tools
+        precheck.check_overrides(config_module, config_name, argv, validate_point)
+
+    main.check = check
     return main

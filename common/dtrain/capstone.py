@@ -5,7 +5,10 @@
                                              each experiment as a Slurm job (launcher=slurm)
 
 Each experiment runs as its own process, `python -m <package> results_dir=<dir> ...`, its output
-going to <dir>/logs/<name>.log; a rich display shows which one is running. If a package is missing
+going to <dir>/logs/<name>.log; a rich display shows which one is running (piped: a line per step
+start and end, with elapsed time and an ETA from the steps' expected times). While the steps run,
+`dtrain.hostload` records the CPU time other processes take (<dir>/host-load.jsonl): the local
+check scales each run's prediction by the load it had. If a package is missing
 or an experiment fails, the capstone names it, shows the end of its log and exits 1 without
 writing a guide (a guide that silently lacks an experiment would mislead). Otherwise the guide is
 generated from exactly this capstone's runs.
@@ -30,6 +33,7 @@ class Step:
     args: tuple          # after `python -m <module>`; results_dir and launcher are added
     module: str = ""     # default: package
     needs_launcher: bool = True
+    expected_s: float = 30.0  # on an idle 2-core host, local ranks: the ETA printed when output is piped
 
     @property
     def command_module(self) -> str:
@@ -37,23 +41,89 @@ class Step:
 
 
 # The small configurations: each subproject's embedded default, plus what the guide needs from it.
+# expected_s: measured on an idle 2-core host (make capstone, local launcher)
 STEPS = (
-    Step("allreduce-bench", "allreduce_bench", ()),
+    Step("allreduce-bench", "allreduce_bench", (), expected_s=10),
     # two strategies, so each fsdp run's step time is predicted from the other's efficiency
-    Step("fsdp-scaling", "fsdp_scaling", ("-m", "train.strategy=ddp,zero3")),
+    Step("fsdp-scaling", "fsdp_scaling", ("-m", "train.strategy=ddp,zero3"), expected_s=20),
     # TP, TP x DP and PP layouts of the shared trainer: the guide predicts them too (their own rows)
-    Step("fsdp-scaling tp", "fsdp_scaling", ("-m", "world_size=2,4", "train.tp=2")),
-    Step("fsdp-scaling pp", "fsdp_scaling", ("train.pp=2",)),
+    Step("fsdp-scaling tp", "fsdp_scaling", ("-m", "world_size=2,4", "train.tp=2"), expected_s=30),
+    Step("fsdp-scaling pp", "fsdp_scaling", ("train.pp=2",), expected_s=14),
     Step("fsdp-scaling report", "fsdp_scaling", ("{results}/fsdp-scaling", "--out", "{results}/fsdp-scaling/report"),
-         module="fsdp_scaling.report", needs_launcher=False),
-    Step("tp-attention", "tp_attention", ()),
+         module="fsdp_scaling.report", needs_launcher=False, expected_s=3),
+    Step("tp-attention", "tp_attention", (), expected_s=25),
     # FP8 speed and memory factors and the layers to keep in BF16 come from `compare`; without the per-step
     # tooling (NaN guard hooks on every linear, health and debug statistics), which would dilute the speed
     # factor and is not training work the cost model predicts (numerics runs keep it: the default)
     Step("fp8-train", "fp8_train", ("compare", "--recipes", "fp32,emulated_delayed", "--seeds", "0,1",
                                     "train.steps=20", "guard.enabled=false", "health.enabled=false",
-                                    "fp8_debug.enabled=false")),
+                                    "fp8_debug.enabled=false"), expected_s=40),
 )
+# after the experiments, in this process: the matmul probe over their runs, then the guide
+PROBE_EXPECTED_S, GUIDE_EXPECTED_S = 20.0, 8.0
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}:{s:02d}"
+
+
+class StepProgress:
+    """What runs now. On a terminal: a live display. Piped (CI, `| tee`): one line when a step starts
+    (elapsed time, its expected time, the ETA of the whole capstone) and one when it ends."""
+
+    def __init__(self, names: list[str], expected: list[float], console):
+        self.names, self.expected, self.console = names, expected, console
+        self.t0 = time.perf_counter()
+        self.live = None
+        if console.is_terminal:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.live = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                 console=console)
+            self.tasks = [self.live.add_task(f"[dim]{n}: waiting", total=1) for n in names]
+
+    def __enter__(self) -> StepProgress:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def _eta(self, i: int, started: float) -> float:
+        """Elapsed + what is left of step i (by its expected time) + the expected time of the later steps."""
+        now = time.perf_counter() - self.t0
+        return now + max(self.expected[i] - (now - started), 0.0) + sum(self.expected[i + 1:])
+
+    def _line(self, i: int, text: str) -> None:
+        self.console.print(f"capstone [{i + 1}/{len(self.names)}] {self.names[i]}: {text}", highlight=False,
+                           soft_wrap=True)
+
+    def start(self, i: int) -> float:
+        started = time.perf_counter() - self.t0
+        if self.live:
+            self.live.update(self.tasks[i], description=f"[bold]{self.names[i]}: running")
+        else:
+            self._line(i, f"started at {_clock(started)}, expected ~{self.expected[i]:.0f} s "
+                          f"(all done ~{_clock(self._eta(i, started))})")
+        return started
+
+    def done(self, i: int, started: float) -> float:
+        secs = time.perf_counter() - self.t0 - started
+        if self.live:
+            self.live.update(self.tasks[i], completed=1, description=f"[green]{self.names[i]}: done in {secs:.0f} s")
+        else:
+            self._line(i, f"done in {secs:.0f} s at {_clock(time.perf_counter() - self.t0)}"
+                          f"{'' if i + 1 == len(self.names) else f' (all done ~{_clock(self._eta(i, started))})'}")
+        return secs
+
+    def failed(self, i: int, why: str) -> None:
+        if self.live:
+            self.live.update(self.tasks[i], completed=1, description=f"[red]{self.names[i]}: {why}")
+        else:
+            self._line(i, f"FAILED: {why}")
 
 
 def add_parser(sub) -> None:
@@ -94,36 +164,29 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
-def run_steps(steps, results: Path, launcher: str, extra: list[str], console) -> list[tuple[str, str, float]]:
+def run_steps(steps, results: Path, launcher: str, extra: list[str],
+              progress: StepProgress) -> list[tuple[str, str, float]]:
     """Run each step; returns (name, 'ok' | error, seconds). Stops at the first failure."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     logs = results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     outcome = []
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
-        tasks = {s.name: bar.add_task(f"[dim]{s.name}: waiting", total=1) for s in steps}
-        for step in steps:
-            task = tasks[step.name]
-            why = missing_package(step)
-            if why:
-                bar.update(task, description=f"[red]{step.name}: {why}")
-                outcome.append((step.name, why, 0.0))
-                break
-            bar.update(task, description=f"[bold]{step.name}: running")
-            log = logs / f"{step.name.replace(' ', '-')}.log"
-            t0 = time.perf_counter()
-            with open(log, "w") as f:
-                f.write("$ " + " ".join(command(step, results, launcher, extra)) + "\n")
-                f.flush()
-                rc = subprocess.run(command(step, results, launcher, extra), stdout=f, stderr=subprocess.STDOUT).returncode
-            secs = time.perf_counter() - t0
-            if rc:
-                bar.update(task, completed=1, description=f"[red]{step.name}: failed (exit {rc}), log {log}")
-                outcome.append((step.name, f"exit code {rc}; last lines of {log}:\n{_tail(log)}", secs))
-                break
-            bar.update(task, completed=1, description=f"[green]{step.name}: done in {secs:.0f} s")
-            outcome.append((step.name, "ok", secs))
+    for i, step in enumerate(steps):
+        why = missing_package(step)
+        if why:
+            progress.failed(i, why)
+            outcome.append((step.name, why, 0.0))
+            break
+        started = progress.start(i)
+        log = logs / f"{step.name.replace(' ', '-')}.log"
+        with open(log, "w") as f:
+            f.write("$ " + " ".join(command(step, results, launcher, extra)) + "\n")
+            f.flush()
+            rc = subprocess.run(command(step, results, launcher, extra), stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc:
+            progress.failed(i, f"failed (exit {rc}), log {log}")
+            outcome.append((step.name, f"exit code {rc}; last lines of {log}:\n{_tail(log)}", 0.0))
+            break
+        outcome.append((step.name, "ok", progress.done(i, started)))
     return outcome
 
 
@@ -148,6 +211,8 @@ def results_folder(explicit: str | None) -> Path:
 def run(args) -> int:
     from rich.console import Console
 
+    from dtrain import hostload
+    from dtrain.costmodel.gemm_probe import LOAD_FILE, probe
     from dtrain.guide.cli import generate
     from dtrain.results import find_runs
 
@@ -157,10 +222,24 @@ def run(args) -> int:
         raise UserError(f"--set {bad[0]!r} is not KEY=VALUE, e.g. --set slurm.partition=gpu")
     results = results_folder(args.results_dir)
     steps = [s for s in STEPS if s.name not in args.skip]
-    console.print(f"capstone: {len(steps)} step(s), launcher={args.launcher}, results in {results}")
+    names = [s.name for s in steps] + ["gemm-probe", "guide"]
+    expected = [s.expected_s for s in steps] + [PROBE_EXPECTED_S, GUIDE_EXPECTED_S]
+    console.print(f"capstone: {len(names)} steps ({len(steps)} experiment runs, the matmul probe, the guide), "
+                  f"launcher={args.launcher}, results in {results}, about {_clock(sum(expected))} on an idle "
+                  "2-core host", highlight=False, soft_wrap=True)
     t0 = time.perf_counter()
-    outcome = run_steps(steps, results, args.launcher, args.set, console)
-    failed = [(n, why) for n, why, _ in outcome if why != "ok"]
+    results.mkdir(parents=True, exist_ok=True)
+    # the CPU time other processes take while the steps run: the local check scales each run's prediction by it
+    with hostload.Sampler(results / LOAD_FILE), StepProgress(names, expected, console) as progress:
+        outcome = run_steps(steps, results, args.launcher, args.set, progress)
+        failed = [(n, why) for n, why, _ in outcome if why != "ok"]
+        if not failed and not args.skip:
+            started = progress.start(len(steps))
+            probe(results)  # this host's GEMM curve and fixed step overhead for the runs' models (calibration)
+            progress.done(len(steps), started)
+            started = progress.start(len(steps) + 1)
+            guide, plots = generate([str(results)], args.out, quiet=True)
+            progress.done(len(steps) + 1, started)
     not_run = [s.name for s in steps[len(outcome):]]
     for name, why in failed:
         console.print(f"[red]error: {name} failed: {why}")
@@ -170,12 +249,6 @@ def run(args) -> int:
         left = sorted({n for n, _ in failed} | set(not_run) | set(args.skip))
         console.print(f"[red]no guide written: it would lack {', '.join(left)}[/]")
         return 1
-    from dtrain.costmodel.gemm_probe import probe
-
-    t_probe = time.perf_counter()
-    probe(results)  # this host's GEMM curve and fixed step overhead for the runs' models (cost model calibration)
-    console.print(f"gemm-probe: done in {time.perf_counter() - t_probe:.0f} s")
-    guide, plots = generate([str(results)], args.out, quiet=True)
     runs = [r for r in find_runs([results]) if r.status == "complete"]
     console.print(f"\n[bold]capstone complete in {time.perf_counter() - t0:.0f} s[/]; wrote:")
     for r in runs:

@@ -190,8 +190,8 @@ class GemmPoint:
     k: int
     count: int
     flops: float
-    seconds: float
-    fraction: float             # of the peak
+    seconds: float              # flops / (fraction x peak_flops): the GEMM on the idle host
+    fraction: float             # of the peak (CPU: median ratio to the reference matmul timed around it)
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,21 @@ class GemmProbe:
     e_max: float | None
     w_half: float | None
     where: Where
+    rejected: list[GemmPoint] = dataclasses.field(default_factory=list)  # above the roofline: measurement errors
+    probe_load: float | None = None  # load factor while the probe ran (dtrain.hostload); CPU only
+    loads: list[RunLoad] = dataclasses.field(default_factory=list)  # each probed run's, from the capstone
+
+
+@dataclass(frozen=True)
+class RunLoad:
+    """How much foreign load slowed one run's timed steps (``dtrain.hostload.load_factor``)."""
+
+    run: str                    # relative to the results folder the probe read
+    busy_threads: int           # ranks x threads per rank
+    load_factor: float          # median over the window; 1 = as on an idle host
+    low: float                  # 10th percentile
+    high: float                 # 90th percentile
+    samples: int
 
 
 RECORDS = {c.kind: c for c in (CollectiveFit, TrainingMeasurement, TpMeasurement, Fp8Comparison, GemmProbe)}

@@ -284,9 +284,9 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal; we say it once
             job = ex.submit(SlurmTask(rank_fn, cfg, str(run_dir)))
-    except FailedJobError as e:  # sbatch said no: an option the cluster does not know or allow
-        raise UserError(f"Slurm refused the job ({liveness.error_line(str(e))}): check slurm.partition, "
-                        "slurm.constraint, slurm.account, slurm.qos and slurm.additional") from None
+    except FailedJobError as e:  # sbatch said no: an option the cluster does not know or allow, or no cluster
+        raise slurm_queue.refused(str(e), "job", "check slurm.partition, slurm.constraint, slurm.account, "
+                                  "slurm.qos and slurm.additional") from None
     watch = liveness.start_client_watch(job.job_id, run_dir)  # cancels the job if this process is killed
     print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
     try:

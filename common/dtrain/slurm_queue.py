@@ -7,10 +7,35 @@ says it can never start.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
 from dtrain.errors import UserError
+
+# what Slurm's client tools say when they have no configuration or no controller to talk to
+NO_CLUSTER = ("configuration source", "configuration file", "slurm.conf", "Unable to contact slurm controller",
+              "Unable to establish controller machine")
+CLUSTER_HINT = ('for the local cluster run eval "$(scripts/slurm-cluster env)" (start it first: make slurm-up); '
+                "on a real cluster set SLURM_CONF to its slurm.conf or log in to a node that has one")
+
+
+def no_cluster(text: str) -> str | None:
+    """One line saying why Slurm cannot be asked at all (no configuration, no controller), or None."""
+    if not any(s in text for s in NO_CLUSTER):
+        return None
+    from dtrain.liveness import error_line
+
+    conf = os.environ.get("SLURM_CONF")
+    return (f"Slurm cannot be reached ({error_line(text)}; "
+            f"{f'SLURM_CONF={conf}' if conf else 'SLURM_CONF is not set'}): {CLUSTER_HINT}")
+
+
+def refused(text: str, what: str, fix: str) -> UserError:
+    """sbatch's refusal (its stderr in `text`) as one line: the missing cluster when that is the cause."""
+    from dtrain.liveness import error_line
+
+    return UserError(no_cluster(text) or f"Slurm refused the {what} ({error_line(text)}): {fix}")
 
 # squeue reasons that do not go away by waiting (other jobs finishing); see `man squeue`, JOB REASON CODES.
 NEVER_REASONS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
@@ -18,11 +43,14 @@ NEVER_REASONS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", 
 _PER_JOB_LIMIT = re.compile(r"^(Assoc|QOS)\w*PerJob\w*Limit$")
 
 
-def _run(args: list[str]) -> str | None:
+def _run(args: list[str], need_cluster: bool = False) -> str | None:
+    """stdout, or None when the tool failed (`need_cluster`: UserError when for want of a cluster)."""
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    if out.returncode and need_cluster and no_cluster(out.stderr):
+        raise UserError(no_cluster(out.stderr))
     return out.stdout if out.returncode == 0 else None
 
 
@@ -37,10 +65,11 @@ def _gpus(gres: str) -> int:
 
 
 def check_fits(s, tasks_per_node: int) -> None:
-    """UserError when no `s.nodes` nodes of the partition can each hold the request. `s` = cfg.slurm.
-    Silent when sinfo cannot answer: the pending-reason watch is the backstop."""
+    """UserError when no `s.nodes` nodes of the partition can each hold the request, or when sinfo finds
+    no cluster to ask (no SLURM_CONF, no controller). `s` = cfg.slurm. Silent when sinfo cannot answer
+    otherwise: the pending-reason watch is the backstop."""
     part = s.get("partition")
-    out = _run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"] + (["-p", part] if part else []))
+    out = _run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"] + (["-p", part] if part else []), need_cluster=True)
     if out is None:
         return
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4]

@@ -34,6 +34,27 @@ class SlurmJob:
         return None
 
 
+def job_of(env: dict) -> str:
+    """The Slurm job id a run's env.json names ("" for a run that did not run on Slurm)."""
+    return str(env.get("slurm_job") or env.get("slurm_job_id") or "")
+
+
+def sacct_problem() -> str | None:
+    """Why job states are unknown (sacct absent, or no cluster to ask), or None when sacct answers."""
+    from dtrain.slurm_queue import CLUSTER_HINT, no_cluster
+
+    if shutil.which("sacct") is None:
+        return "sacct is not on PATH: " + CLUSTER_HINT
+    try:
+        out = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"sacct did not answer ({e})"
+    if out.returncode:
+        return no_cluster(out.stderr) or f"sacct failed ({out.stderr.strip().splitlines()[-1:]})"
+    return None
+
+
 def sacct(jobs: Iterable[str]) -> dict[str, tuple[str, str]]:
     """{job: (state, node list)} for the given ids; empty when sacct is absent or fails."""
     jobs = sorted(set(j for j in jobs if j))

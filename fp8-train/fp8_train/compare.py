@@ -101,19 +101,22 @@ def plot_curves(steps: pd.DataFrame, baseline: str, k: float, out: Path) -> Path
             ax.fill_between(curve.index, curve["mean"] - k * curve["std"], curve["mean"] + k * curve["std"],
                             alpha=0.25, label=f"{baseline} ±{k:g}σ (seeds)")
     ax.set(xlabel="step", ylabel="loss (mean over seeds)", title="loss curves and the seed-noise band")
-    ax.legend(fontsize=8)
+    plots.integer_axis(ax)
     ax = axes[0][1]
     tail = steps[steps["step"] > steps["step"].max() * 0.75]
     for recipe, g in tail.groupby("recipe", sort=False):
         curve = g.groupby("step")["loss"].mean()
         ax.plot(curve.index, curve.values, label=recipe, marker=".")
-    ax.set(xlabel="step", ylabel="loss", title="last quarter, zoomed")
+    ax.set(xlabel="step", ylabel="loss (mean over seeds)", title="last quarter, zoomed")
+    plots.integer_axis(ax)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # the band's entry is on the first panel
+    plots.legend_outside(ax, "recipe", handles=handles, labels=labels)
     return plots.save(fig, out)
 
 
 def report(out_dir: Path, recipes: dict, baseline: str, k: float, events: pd.DataFrame, keep: list[str],
            device: str, figures: list[str]) -> str:
-    lines = [f"# FP8 comparison: {', '.join(recipes)} vs {baseline}", "",
+    lines = [f"# FP8 comparison: {', '.join(r for r in recipes if r != baseline)} vs {baseline}", "",
              f"Device: {device}. Final loss = mean of the last 5 steps, then mean ± std over seeds.",
              f"Within noise: |mean_r - mean_{baseline}| <= {k:g} x std_{baseline} (the baseline's seed band).", "",
              "| recipe | final loss | tokens/s | speed-up | peak memory factor | within noise | diff / SE | NaN events |",

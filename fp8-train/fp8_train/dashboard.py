@@ -55,7 +55,9 @@ def plot(steps: pd.DataFrame, events: pd.DataFrame, out: Path) -> Path:
         ax.set_xlabel("step")
         if col not in steps or steps[col].dropna().empty:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([]), ax.set_yticks([])  # no axis to read: the panel only says what is missing
             continue
+        plots.integer_axis(ax)
         for run, g in steps.groupby("run", sort=False):
             g = g.dropna(subset=[col])
             ax.plot(g["step"], g[col], marker="." if len(g) < 30 else None, label=run, linewidth=1.2)
@@ -68,7 +70,8 @@ def plot(steps: pd.DataFrame, events: pd.DataFrame, out: Path) -> Path:
             if not e.empty and not steps.empty and steps["loss"].notna().any():
                 y = steps["loss"].dropna().max()
                 ax.scatter(e["step"], [y] * len(e), marker=marker, color="crimson", label=kind, zorder=5)
-    axes.flat[0].legend(fontsize=7)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    plots.legend_outside(axes[0][-1], "run", handles=handles, labels=labels)
     return plots.save(fig, out)
 
 

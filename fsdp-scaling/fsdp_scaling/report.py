@@ -33,6 +33,7 @@ import pandas as pd
 from dtrain import plots, results
 from dtrain.errors import UserError
 from dtrain.derived import write_derived_run
+from dtrain.strategies import SHARDED
 from fsdp_scaling.summary import headline
 
 GROUP = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
@@ -80,35 +81,46 @@ def add_efficiency(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def label(df: pd.DataFrame) -> pd.Series:
+    """strategy (+prefetch where FSDP2 prefetches: sharded strategies only), layout, scaling."""
     layout = df["layout"].where(df["layout"] != "tp1xpp1", "").map(lambda x: f" {x}" if x else "")
-    return df["strategy"] + df["prefetch"].map({True: "+prefetch", False: ""}) + layout + " (" + df["scaling"] + ")"
+    prefetch = (df["prefetch"] & df["strategy"].isin(SHARDED)).map({True: "+prefetch", False: ""})
+    return df["strategy"] + prefetch + layout + " (" + df["scaling"] + ")"
+
+
+def _bars(df: pd.DataFrame, y: str, ylabel: str, title: str, path: Path) -> Path:
+    """One bar per series at each world size: every run is visible, however few ranks each series has."""
+    import seaborn as sns
+
+    fig, ax = plots.figure(width=6.4, height=4.0)
+    sns.barplot(df, x="world_size", y=y, hue="series", errorbar=None, ax=ax[0][0])
+    ax[0][0].set(xlabel="ranks", ylabel=ylabel, title=title)
+    plots.legend_outside(ax[0][0], "strategy, layout (scaling)")
+    return plots.save(fig, path)
 
 
 def write_plots(df: pd.DataFrame, out: Path) -> list[Path]:
     import seaborn as sns
 
-    df = df.assign(series=label(df)).sort_values("world_size")
-    paths = []
-    for y, name, title in (("tokens_per_s", "throughput_vs_ranks.png", "throughput"),
-                           ("efficiency", "efficiency.png", "scaling efficiency (1 = linear)")):
-        fig, ax = plots.figure()
-        sns.lineplot(df, x="world_size", y=y, hue="series", style="model", marker="o", ax=ax[0][0])
-        ax[0][0].set(xlabel="ranks", title=title)
-        paths.append(plots.save(fig, out / name))
-    fig, ax = plots.figure()
-    sns.barplot(df, x="strategy", y="state_bytes", hue="world_size", ax=ax[0][0])
-    ax[0][0].set(ylabel="params + grads + optimizer bytes / rank", title="state memory per rank")
-    plots.log2_bytes_axis(ax[0][0], "y")
+    df = df.assign(series=label(df) + " " + df["model"].astype(str)).sort_values(["world_size", "series"])
+    paths = [_bars(df, "tokens_per_s", "tokens/s (all ranks)", "throughput", out / "throughput_vs_ranks.png"),
+             _bars(df, "efficiency", "scaling efficiency (1 = linear)",
+                   "per-rank throughput vs the series' fewest ranks", out / "efficiency.png")]
+    fig, ax = plots.figure(width=6.4, height=4.0)
+    mem = df.assign(state_mib=df["state_bytes"] / 2**20, ranks=df["world_size"].astype(str))
+    sns.barplot(mem, x="strategy", y="state_mib", hue="ranks", errorbar=None, palette="colorblind", ax=ax[0][0])
+    ax[0][0].set(ylabel="params + grads + optimizer per rank (MiB)", title="state memory per rank")  # linear axis
+    plots.legend_outside(ax[0][0], "ranks")
     paths.append(plots.save(fig, out / "memory_per_strategy.png"))
     ov = df.dropna(subset=["comm_s"]).copy()
     if not ov.empty:
-        ov["overlapped_s"] = ov["comm_s"] - ov["exposed_comm_s"]
-        ov["point"] = ov["series"] + " x" + ov["world_size"].astype(str)
-        fig, ax = plots.figure(width=8)
-        ax[0][0].barh(ov["point"], ov["overlapped_s"], label="overlapped")
-        ax[0][0].barh(ov["point"], ov["exposed_comm_s"], left=ov["overlapped_s"], label="exposed")
-        ax[0][0].set(xlabel="communication s / step", title="communication hidden behind compute")
-        ax[0][0].legend()
+        ov["overlapped_ms"] = (ov["comm_s"] - ov["exposed_comm_s"]) * 1e3
+        ov["exposed_ms"] = ov["exposed_comm_s"] * 1e3
+        ov["point"] = label(ov) + " x" + ov["world_size"].astype(str)
+        fig, ax = plots.figure(width=7)
+        ax[0][0].barh(ov["point"], ov["overlapped_ms"], label="overlapped")
+        ax[0][0].barh(ov["point"], ov["exposed_ms"], left=ov["overlapped_ms"], label="exposed")
+        ax[0][0].set(xlabel="communication per step (ms)", title="communication hidden behind compute")
+        plots.legend_outside(ax[0][0])
         paths.append(plots.save(fig, out / "overlap.png"))
     return paths
 

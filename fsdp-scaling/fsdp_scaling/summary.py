@@ -70,6 +70,7 @@ def plot_steps(run_dir: Path) -> Path | None:
     axes[0][0].set(xlabel="step", ylabel="loss", title="training loss")
     axes[0][1].plot(df["step"], df["step_time_s"], marker="o")
     axes[0][1].set(xlabel="step", ylabel="step time (s)", title="step time (incl. warmup / profiled)")
+    plots.integer_axis(axes[0][0]), plots.integer_axis(axes[0][1])
     return plots.save(fig, run_dir / "steps.png")
 
 

@@ -97,6 +97,7 @@ def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
     axes[0][1].axhline(1.0, color="grey", ls="--", lw=1)
     axes[0][1].set_xticks(sorted(set(df.tp)))
     axes[0][1].set(title="TP overhead factor (1 = perfect)", ylabel="step time x tp / single rank", ylim=(0, None))
+    plots.legend_outside(axes[0][1], "sequence parallel")
     fig.suptitle(title)
     return plots.save(fig, path)
 

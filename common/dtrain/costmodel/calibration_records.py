@@ -275,6 +275,10 @@ def from_probe(g: dict, src: Source) -> list[Candidate]:
     if not e_max:
         return []
     detail = f"fit over {len(g.get('points') or [])} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
+    if g.get("rejected"):
+        detail += f", {len(g['rejected'])} left out (above the roofline: measurement errors)"
+    if g.get("probe_load"):
+        detail += f", timed against the reference matmul under load x{g['probe_load']:.2f}"
     out = [Candidate("mfu", e_max, src, detail + "; e_max"), Candidate("gemm_half_flops", w_half or 0.0, src,
                                                                          detail + "; W_half")]
     over = [(o, _num(o.get("overhead_s"))) for o in g.get("overheads") or []]

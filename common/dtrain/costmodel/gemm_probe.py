@@ -15,18 +15,28 @@ time the fitted curve gives its GEMMs: the cost of Python, autograd, elementwise
 real width, not on a shrunk model) and the optimizer. Writes a derived run
 ``<results>/gemm-probe/`` (``dtrain.derived``: config.yaml, env.json, summary.json with one
 ``dtrain.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
+
+Load cancels (``dtrain.hostload``): on CPU every timing has the time its threads waited for a CPU
+taken out (the kernel's per-thread run-queue delay), and is paired with the reference matmul (the
+512³ of the runs' MFU probe) timed right before and after it, so a slowdown that is not a wait (a
+busy SMT sibling, cooled caches) cancels too: a GEMM's fraction is its rate over the reference's of
+that moment, a step is scaled to the idle reference (the 90th percentile of all its timings: the
+roofline here). Each run the probe read gets the load factor of its own timed window from the
+capstone's timeline (``<results>/host-load.jsonl``, when there is one): the local check scales
+that run's prediction by it, with its 10th-90th percentile spread. A fraction above 1 (faster than
+the roofline) is a measurement error: the point is timed again and, if it stays above, left out of
+the fit and listed in ``rejected``; a fitted e_max above 1 is capped at 1.
 """
 from __future__ import annotations
 
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from dtrain import contract, envinfo, perf
+from dtrain import contract, envinfo, hostload, perf
 from dtrain.derived import write_derived_run
 from dtrain.results import complete_runs
 
@@ -79,28 +89,82 @@ def gemms_of(t: dict) -> list[Gemm]:
     return out + ([head_gemm(shape, lay)] if t["kind"] == "gpt" else [])
 
 
-def _time(fn, reps: int = 5, sync=None, min_total_s: float = 0.25, max_reps: int = 200) -> float:
-    """Median of at least ``reps`` timed calls after one warm-up, more (up to ``max_reps``) until
-    ``min_total_s`` is spent: a millisecond step on shared cores needs many samples for a stable median."""
-    fn()
-    samples: list[float] = []
-    while len(samples) < reps or (sum(samples) < min_total_s and len(samples) < max_reps):
-        t0 = time.perf_counter()
+REF_N = 512             # the reference matmul: the runs' own peak probe (perf.cpu_matmul_probe)
+ABOVE_ROOFLINE = 1.05   # a fraction above this is a measurement error; up to it, timer noise (clipped to 1)
+LOAD_FILE = "host-load.jsonl"  # the capstone's timeline of its processes' CPU and wait times (dtrain.hostload)
+
+
+class Timer:
+    """Seconds per call with the wait for a CPU taken out (CPU: ``hostload.Contention``; CUDA: wall
+    time, other processes do not share the GPU's SMs). Keeps the wall and idle totals: their ratio
+    is the load this probe ran under."""
+
+    def __init__(self, device: torch.device):
+        self.cpu = device.type == "cpu" and hostload.available()
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.wall = self.idle = 0.0
+
+    def times(self, fn, reps: int = 5, min_total_s: float = 0.2, max_reps: int = 200) -> list[float]:
+        """At least ``reps`` calls after one warm-up, more (up to ``max_reps``) until ``min_total_s`` of wall
+        time is spent: a millisecond step on shared cores needs many samples for a stable median."""
         fn()
-        if sync:
-            sync()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        out: list[float] = []
+        spent = 0.0
+        while len(out) < reps or (spent < min_total_s and len(out) < max_reps):
+            with hostload.Contention() as c:
+                fn()
+                if self.sync:
+                    self.sync()
+            out.append(c.idle if self.cpu else c.wall)
+            spent += c.wall
+            self.wall, self.idle = self.wall + c.wall, self.idle + out[-1]
+        return out
+
+    def load(self) -> float | None:
+        return self.wall / self.idle if self.cpu and self.idle > 0 else None
 
 
-def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype) -> float:
+class Reference:
+    """The 512³ matmul of the runs' MFU probe, timed (waits taken out) right before and after every
+    measurement: its best rates are the idle roofline, and its rate of the moment is the yardstick for
+    slowdowns that are not waits (a busy SMT sibling, caches another process cooled)."""
+
+    def __init__(self, timer: Timer, device: torch.device, dtype: torch.dtype):
+        self.timer, self.rates = timer, []
+        a = torch.randn(REF_N, REF_N, device=device, dtype=dtype)
+        b = torch.randn(REF_N, REF_N, device=device, dtype=dtype)
+        self.matmul = lambda: a @ b
+        for _ in range(4):
+            self.now()
+
+    def now(self) -> float:
+        """FLOP/s of a short block of reference matmuls (median), kept for `idle`."""
+        rates = [2 * REF_N ** 3 / s for s in self.timer.times(self.matmul, reps=5, min_total_s=0.0)]
+        self.rates += rates
+        return statistics.median(rates)
+
+    def around(self, measure):
+        """(measure(), the reference rate around it: the mean of one block before and one after)."""
+        before = self.now()
+        value = measure()
+        return value, (before + self.now()) / 2
+
+    @property
+    def idle(self) -> float:
+        """The roofline: the 90th percentile of every rate timed (the fastest moments, robust to one outlier)."""
+        return statistics.quantiles(self.rates, n=10, method="inclusive")[-1]
+
+
+def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer) -> float:
     a = torch.randn(g.count, g.m, g.k, device=device, dtype=dtype)
     b = torch.randn(g.count, g.k, g.n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    return _time(lambda: torch.bmm(a, b), sync=sync)
+    if device.type == "cuda":  # launched back to back, as in a training step (no launch gap per call)
+        from dtrain.gpucheck.kernels import _queued_s
+        return _queued_s(lambda: torch.bmm(a, b), device)
+    return statistics.median(timer.times(lambda: torch.bmm(a, b)))
 
 
-def step_s(t: dict, device: torch.device) -> float:
+def step_s(t: dict, device: torch.device, timer: Timer) -> float:
     """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its real size."""
     from dtrain.model import GPT, Block, GPTConfig
 
@@ -131,8 +195,7 @@ def step_s(t: dict, device: torch.device) -> float:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             loss.item()
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    return _time(step, reps=7, sync=sync)
+    return statistics.median(timer.times(step, reps=7, min_total_s=0.25))
 
 
 def gemm_step_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> float:
@@ -149,40 +212,101 @@ def _gpt_gemm_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> flo
     return shape.n_layer * layer + gemm_time(head_gemm(shape, lay), peak, 0.0, curve, value_bytes)
 
 
-def overhead_s(t: dict, device: torch.device, curve: GemmCurve | None, peak: float, value_bytes: int) -> dict:
-    """The measured step, the curve's GEMM time and their difference (>= 0), the fixed overhead."""
-    step = step_s(t, device)
-    gemm = gemm_step_s(t, curve, peak, value_bytes) if curve else 0.0
-    return {"step_s": step, "gemm_s": gemm, "overhead_s": max(step - gemm, 0.0)}
+def fit(points: list[dict]) -> GemmCurve | None:
+    """The curve over the kept points; e_max above 1 (above the roofline) is capped at 1, with W_half
+    refitted for it (weighted least squares of 1/f - 1 = W_half/W, as ``fit_curve`` weighs)."""
+    if len(points) < 2:
+        return None
+    pts = [(p["flops"], min(p["fraction"], 1.0)) for p in points]  # W: the whole (batched) GEMM, as gemm_time
+    curve = fit_curve(pts)
+    if curve.e_max <= 1.0:
+        return curve
+    num = sum(f * f * (1 / w) * (1 / f - 1) for w, f in pts)
+    den = sum(f * f * (1 / w) ** 2 for w, f in pts)
+    return GemmCurve(1.0, max(num / den, 0.0) if den > 0 else 0.0)
+
+
+def run_window(run) -> tuple[float, float]:
+    """When a run timed its steps: the trainer's timed steps end when records.jsonl was last written
+    and last as long as their step times add up to; other runs span env.json to records.jsonl."""
+    from dtrain.results import read_jsonl
+
+    records = run.path / "records.jsonl"
+    end = records.stat().st_mtime if records.exists() else (run.path / "summary.json").stat().st_mtime
+    steps = [r for r in read_jsonl(records) if r.get("kind") == "step" and "warmup_step" in r] \
+        if records.exists() else []
+    timed = sum(float(r["step_time_s"]) for r in steps if not r["warmup_step"])
+    return (end - timed, end) if timed > 0 else ((run.path / "env.json").stat().st_mtime, end)
+
+
+def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> list[contract.RunLoad]:
+    """Each run's load factor over its timed window, its own oversubscription divided out (busy threads =
+    ranks x threads per rank, against env.json's cores)."""
+    out = []
+    for run in runs:
+        busy = int(run.env.get("world_size") or 1) * int(run.env.get("threads_per_rank") or 1)
+        cores = int(run.env.get("cpu_count") or 0)
+        lf = hostload.load_factor(timeline, *run_window(run), busy, cores or None)
+        if lf is not None:
+            out.append(contract.RunLoad(str(run.path.resolve().relative_to(results.resolve())), busy,
+                                        lf.median, lf.low, lf.high, lf.samples))
+    return out
 
 
 def probe(results: Path, device: str = "auto") -> Path:
     """Run the probe for the runs under ``results``; returns the run directory written."""
+    results = Path(results)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tg, threads, sources = targets(results)
+    timer, ref = Timer(dev), None
     if dev.type == "cpu":
         torch.set_num_threads(max(1, int(threads)))
-        dtype, (peak, peak_source) = torch.float32, (perf.cpu_matmul_probe.__wrapped__(), perf.CPU_PROBE_SOURCE)
+        dtype, peak_source = torch.float32, perf.CPU_PROBE_SOURCE
+        ref = Reference(timer, dev, dtype)
     else:
         dtype, (peak, peak_source) = torch.bfloat16, hardware.peak_flops(dev, "bf16")
-    points, seen = [], set()
+
+    def fraction(g: Gemm) -> float:  # of the reference of the moment (CPU) or of the datasheet peak (CUDA)
+        seconds, rate = ref.around(lambda: gemm_seconds(g, dev, dtype, timer)) if ref else \
+            (gemm_seconds(g, dev, dtype, timer), peak)
+        return g.flops * g.count / seconds / rate
+
+    points, rejected, seen = [], [], set()
     for t in tg:
         for g in gemms_of(t):
             key = (g.m, g.n, g.k, g.count)
             if key in seen:
                 continue
             seen.add(key)
-            s = time_gemm(g, dev, dtype)
-            points.append({"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": s,
-                           "fraction": g.flops * g.count / s / peak})
-    curve = fit_curve([(p["flops"] / p["count"], p["fraction"]) for p in points]) if len(points) >= 2 else None
+            for _ in range(3):  # above the roofline is a measurement error: time it again, twice at most
+                frac = fraction(g)
+                if frac <= ABOVE_ROOFLINE:
+                    break
+            p = {"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "fraction": frac}
+            (points if frac <= ABOVE_ROOFLINE else rejected).append(p)
+    # each step as at the idle roofline: x (the reference of its moment / the idle reference)
+    steps = [(t, *(ref.around(lambda: step_s(t, dev, timer)) if ref else (step_s(t, dev, timer), None)))
+             for t in tg if t["tp"] == 1]
+    if ref:
+        peak = ref.idle
+    for p in points + rejected:
+        p["seconds"] = p["flops"] / (p["fraction"] * peak)  # on the idle host
+    curve = fit(points)
     vb = 4 if dtype == torch.float32 else 2
-    overheads = [contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"],
-                                       **overhead_s(t, dev, curve, peak, vb)) for t in tg if t["tp"] == 1]
+    overheads = []
+    for t, step, rate in steps:
+        step = step * rate / peak if rate else step
+        gemm = gemm_step_s(t, curve, peak, vb) if curve else 0.0
+        overheads.append(contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"],
+                                               max(step - gemm, 0.0), step_s=step, gemm_s=gemm))
+    runs = [r for r in complete_runs([results], warn=False) if r.path.resolve() in {s.resolve() for s in sources}]
+    gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     record = contract.GemmProbe(dtype=str(dtype).replace("torch.", ""), peak_flops=peak, peak_flops_source=peak_source,
                                 points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
                                 e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,
-                                where=contract.where_of(dev, "none", torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
+                                where=contract.where_of(dev, "none", gpu_name),
+                                rejected=[contract.GemmPoint(**p) for p in rejected], probe_load=timer.load(),
+                                loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)))
     env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
                           threads_per_rank=int(threads))
     return write_derived_run(Path(results) / SUBPROJECT, SUBPROJECT, sources,

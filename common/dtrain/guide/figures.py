@@ -17,65 +17,92 @@ def _save(fig, path: Path) -> Path:
 
 
 def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, title: str) -> Path:
-    """Predicted MFU of the best layout against one swept axis (`x`), one line per model and topology."""
-    fig, axes = plots.figure(width=7.5, height=4.5)
+    """Predicted MFU of the best layout against one swept axis (`x`): colour = model, line = node type,
+    each in its own legend beside the plot."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import PercentFormatter
+
+    fig, axes = plots.figure(width=7.0, height=4.5)
     ax = axes[0][0]
     palette = plots.sns.color_palette("colorblind", len(MODELS))
+    styles = (("NVLink", "-"), ("PCIe", "--"))
     for color, p in zip(palette, MODELS):
-        for topo, style in (("NVLink", "-"), ("PCIe", "--")):
+        for topo, style in styles:
             pts = sorted((getattr(c, x), c.mfu) for c in cells if c.params == p and c.topology == topo
                          and keep(c) and c.fits)
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", color=color, label=f"{model_label(p)} {topo}")
+                ax.plot(*zip(*pts), style, marker="o", markersize=4, color=color)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.set(xlabel=xlabel, ylabel="predicted MFU", title=title)
-    ax.legend(ncol=2, fontsize=7)
+    ax.minorticks_off()
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set(xlabel=xlabel, ylabel="predicted MFU (% of peak)", title=title)
+    models = ax.legend([Line2D([], [], color=c, marker="o", markersize=4) for c in palette],
+                       [model_label(p) for p in MODELS], title="model", loc="upper left",
+                       bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, title_fontsize=8, frameon=False)
+    ax.add_artist(models)
+    ax.legend([Line2D([], [], color="0.3", ls=st) for _, st in styles], [t for t, _ in styles], title="node",
+              loc="lower left", bbox_to_anchor=(1.01, 0.0), borderaxespad=0.0, fontsize=8, title_fontsize=8,
+              frameon=False)
     return _save(fig, path)
 
 
 def mfu_vs_gpus(cells: list[Cell], path: Path) -> Path:
     return _mfu_lines(cells, path, "gpus", lambda c: c.ib_gbit == REF_IB, GPU_COUNTS, "GPUs",
-                      f"Best layout's MFU (IB {REF_IB} Gbit/s per GPU; dashed: PCIe node)")
+                      f"Best layout's MFU (IB {REF_IB} Gbit/s per GPU)")
 
 
 def mfu_vs_ib(cells: list[Cell], path: Path) -> Path:
-    return _mfu_lines(cells, path, "ib_gbit", lambda c: c.gpus == REF_GPUS, IB_GBITS, "InfiniBand Gbit/s per GPU",
+    return _mfu_lines(cells, path, "ib_gbit", lambda c: c.gpus == REF_GPUS, IB_GBITS, "InfiniBand per GPU (Gbit/s)",
                       f"{REF_GPUS} GPUs: MFU vs inter-node bandwidth")
 
 
 def step_breakdown(cells: list[Cell], path: Path) -> Path:
-    fig, axes = plots.figure(width=7.5, height=4.2)
+    """One horizontal bar per model (its best layout), split into the step's parts."""
+    from matplotlib.ticker import PercentFormatter
+
+    fig, axes = plots.figure(width=7.0, height=3.8)
     ax = axes[0][0]
     chosen = [c for p in MODELS for c in cells if c.params == p and c.gpus == REF_GPUS and c.topology == "NVLink"
               and c.ib_gbit == REF_IB and c.fits]
-    labels = [f"{c.model}\n{c.layout}" for c in chosen]
-    bottom = [0.0] * len(chosen)
+    labels = [f"{c.model}  {c.layout}" for c in chosen]
+    left = [0.0] * len(chosen)
     for i, name in enumerate(PARTS):
         vals = [c.parts[i] / c.step_s for c in chosen]
-        ax.bar(labels, vals, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set(ylabel="share of predicted step time", title=f"Where the step goes ({REF_GPUS} GPUs, NVLink, IB {REF_IB})")
-    ax.legend(fontsize=7)
+        ax.barh(labels, vals, left=left, label=name)
+        left = [b + v for b, v in zip(left, vals)]
+    ax.invert_yaxis()  # smallest model on top, as the matrix lists them
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set(xlabel="share of predicted step time", ylabel="model, layout (dp×tp×pp)",
+           title=f"Where the step goes ({REF_GPUS} GPUs, NVLink, IB {REF_IB} Gbit/s)")
+    plots.legend_outside(ax, "part of the step")
     return _save(fig, path)
 
 
 def predicted_vs_measured(checks: list[Check], path: Path) -> Path | None:
+    """Each local run: measured vs predicted step time (ms, log axes), the goal band, and the spread of the
+    prediction over the load measured during the run as a vertical bar."""
     if not checks:
         return None
-    fig, axes = plots.figure(width=5.5, height=5.0)
+    fig, axes = plots.figure(width=6.2, height=4.6)
     ax = axes[0][0]
     for exp in sorted({c.experiment for c in checks}):
-        pts = [(c.measured_s, c.predicted_s) for c in checks if c.experiment == exp]
-        ax.scatter(*zip(*pts), label=exp, s=40)
-    lo = min(min(c.measured_s, c.predicted_s) for c in checks) * 0.7
-    hi = max(max(c.measured_s, c.predicted_s) for c in checks) * 1.4
+        rows = [c for c in checks if c.experiment == exp]
+        x, y = [c.measured_s for c in rows], [c.predicted_s for c in rows]
+        lo = [c.predicted_s - (c.predicted_range or (c.predicted_s,) * 2)[0] for c in rows]
+        hi = [(c.predicted_range or (c.predicted_s,) * 2)[1] - c.predicted_s for c in rows]
+        ax.errorbar(x, y, yerr=[lo, hi], fmt="o", markersize=6, capsize=3, label=exp)
+    lo = min(min(c.measured_s, (c.predicted_range or (c.predicted_s,))[0]) for c in checks) * 0.7
+    hi = max(max(c.measured_s, (c.predicted_range or (0, c.predicted_s))[1]) for c in checks) * 1.4
     ax.plot([lo, hi], [lo, hi], "k-", lw=1)
     ax.fill_between([lo, hi], [lo * (1 - GOAL), hi * (1 - GOAL)], [lo * (1 + GOAL), hi * (1 + GOAL)],
-                    color="grey", alpha=0.2, label=f"±{GOAL:.0%}")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (s)",
-           ylabel="predicted step time (s)", title="Cost model vs local runs")
-    ax.legend(fontsize=8)
+                    color="grey", alpha=0.2, label=f"±{GOAL:.0%} (goal)")
+    for axis in ("x", "y"):
+        plots.log_axis_plain(ax, axis, scale=1e3)
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (ms)", ylabel="predicted step time (ms)",
+           title="Cost model vs local runs")
+    ax.set_aspect("equal")
+    plots.legend_outside(ax, "bars: 10th-90th pct. of load")
     return _save(fig, path)
 
 

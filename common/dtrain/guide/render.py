@@ -140,27 +140,40 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
         return out + ["No local run could be predicted (none of fsdp-scaling, fp8-train or tp-attention, or no "
                       "allreduce-bench link). Run `dtrain capstone`.", ""]
     ok = sum(c.within_goal for c in checks)
-    out += [f"The cost model's step time for each local run, with this machine as the 'cluster' (peak = the runs' "
+    spread = [c for c in checks if c.predicted_range]
+    loaded = ""
+    if spread:
+        in_spread = sum(c.within_spread for c in checks)
+        widths = sorted((c.predicted_range[1] - c.predicted_range[0]) / c.predicted_s for c in spread)
+        loaded = (f" Predictions carry the load other processes put on the cores during each run (measured, "
+                  f"`dtrain.hostload`); across its 10th-90th percentile they move by {widths[len(widths) // 2]:.0%} "
+                  f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(checks)} reach the goal somewhere "
+                  "in that spread.")
+    out += [f"The cost model's step time for each local run, with this machine as the 'cluster' (peak = the "
             f"measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). "
             f"Goal: within {GOAL:.0%}. "
-            f"**{ok} of {len(checks)} within the goal.**" + _host(report), "",
+            f"**{ok} of {len(checks)} within the goal.**" + loaded + _host(report), "",
             "| experiment | run | what | measured | predicted | error | inputs | where the difference sits |",
             "|---|---|---|---:|---:|---:|---|---|"]
     for c in checks:
         mark = "" if c.within_goal else " ✗"
         where = "; ".join(x for x in (c.detail, c.miss_reason(checks) and "miss: " + c.miss_reason(checks)) if x)
+        rng = f" ({c.predicted_range[0] * 1e3:.0f}–{c.predicted_range[1] * 1e3:.0f})" if c.predicted_range else ""
         out.append(f"| {c.experiment} | `{c.run}` | {c.what} | {c.measured_s * 1e3:.1f} ms | "
-                   f"{c.predicted_s * 1e3:.1f} ms | {c.error:+.0%}{mark} | {_md(c.basis)} |"
+                   f"{c.predicted_s * 1e3:.1f} ms{rng} | {c.error:+.0%}{mark} | {_md(c.basis)} |"
                    + (f" {_md(where)} |" if where else " |"))
-    out += ["", "Each miss names its likeliest cause in the last column: run-to-run noise (identical runs on the "
+    out += ["", "Each miss names its likeliest cause in the last column: load that varied during the run (the "
+            "row reaches the goal within its spread), run-to-run noise (identical runs on the "
             "shared cores differ by more than the goal), in-training gloo communication slower than allreduce-"
             "bench's isolated α–β (compare the profiled and predicted communication), fp8-train's per-step tooling "
             "(NaN guard hooks, health and debug statistics: not training compute, so not modelled), or per-step "
             "framework work of the distributed trainer (DDP/FSDP/TP hooks, FP8 casts) that the probe's "
             "single-process step does not have. Compute is predicted from the gemm-probe (GEMM curve over the runs' shapes + the "
-            "measured fixed step overhead of the same model at its real size, scaled by each run's own matmul "
-            "probe for the load at the time, and by the busy threads per core when a run has more ranks than the "
-            "host has cores) when the results hold one. DP communication hides behind compute only on cores the "
+            "measured fixed step overhead of the same model at its real size, each timed with its waits for a CPU "
+            "taken out and between runs of the reference matmul, so that load cancels; scaled by the load factor measured during each run, or without "
+            "one by the run's own matmul probe, and by the busy threads per core when a run has more ranks than "
+            "the host has cores) when the results hold one; in brackets, the prediction at the 10th and 90th "
+            "percentile of the run's load. DP communication hides behind compute only on cores the "
             "ranks' compute leaves free (gloo copies and reduces on the CPU, as NCCL's kernels take SMs on a GPU), "
             "so the measured overlap is scaled by that share; an FP8 factor is a whole-step tokens/s ratio and "
             "divides the whole step. TP communication and the PP bubble carry the measured/"
@@ -215,7 +228,7 @@ def backtest_section() -> list[str]:
            "model's best | source |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        fits = "" if r.fits else " (model: over HBM)"
+        fits = "" if r.fits else " (model: does not fit)"
         out.append(f"| {_md(r.name)} | {r.layout}{fits} | {r.reported_tflops:.0f} | {r.predicted_tflops:.0f} | "
                    f"{r.error:+.0%} | {r.e_max:.2f} | {r.rank}/{r.candidates} | {r.gap_to_best:.1%} | {r.best} | "
                    f"{_md(r.source)} |")

@@ -267,7 +267,8 @@ class Trainer:
             last = self.train_step()
             progress.update(1)
             if self.train.log_every and self.ctx.is_main and self.step % self.train.log_every == 0:
-                progress.write(f"step {self.step:5d}  loss {last['loss']}  {last['tokens_per_s']:.0f} tok/s  "
+                loss = "nan" if last["loss"] is None else f"{last['loss']:.4f}"
+                progress.write(f"step {self.step:5d}  loss {loss}  {last['tokens_per_s']:.0f} tok/s  "
                                f"mfu {last['mfu']:.3f}")
             if self.train.checkpoint_every and self.step % self.train.checkpoint_every == 0:
                 self.save_checkpoint()
