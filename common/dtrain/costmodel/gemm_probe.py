@@ -93,8 +93,10 @@ def _time(fn, reps: int = 5, sync=None, min_total_s: float = 0.25, max_reps: int
 def time_gemm(g: Gemm, device: torch.device, dtype: torch.dtype) -> float:
     a = torch.randn(g.count, g.m, g.k, device=device, dtype=dtype)
     b = torch.randn(g.count, g.k, g.n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    return _time(lambda: torch.bmm(a, b), sync=sync)
+    if device.type == "cuda":  # launched back to back, as in a training step (no launch gap per call)
+        from dtrain.gpucheck.kernels import _queued_s
+        return _queued_s(lambda: torch.bmm(a, b), device)
+    return _time(lambda: torch.bmm(a, b))
 
 
 def step_s(t: dict, device: torch.device) -> float:
@@ -172,7 +174,7 @@ def probe(results: Path, device: str = "auto") -> Path:
             s = time_gemm(g, dev, dtype)
             points.append({"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "seconds": s,
                            "fraction": g.flops * g.count / s / peak})
-    curve = fit_curve([(p["flops"] / p["count"], p["fraction"]) for p in points]) if len(points) >= 2 else None
+    curve = fit_curve([(p["flops"], p["fraction"]) for p in points]) if len(points) >= 2 else None
     vb = 4 if dtype == torch.float32 else 2
     overheads = [contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"],
                                        **overhead_s(t, dev, curve, peak, vb)) for t in tg if t["tp"] == 1]
