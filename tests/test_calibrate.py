@@ -70,15 +70,18 @@ def test_tp_overhead_is_measured_over_alpha_beta_comm_time():
 def test_gpu_runs_win_for_the_matrix_and_cpu_values_stay_local():
     rep = calibrate([CPU, GPU], base=FIXTURES, warn=False)
     assert rep.measured_on_gpu
-    assert rep.cluster.mfu.provenance.startswith("measured here: gpu/fsdp-scaling/")
-    assert "NVIDIA H100 80GB HBM3 (nccl, 8 ranks)" in rep.cluster.mfu.provenance
+    # on a GPU a training run's MFU is what the term-by-term model predicts, not an input: the GEMM curve stays
+    # published until a CUDA gemm-probe measures it
+    assert rep.cluster.mfu.provenance.startswith("datasheet/published:")
+    assert rep.cluster.dp_overlap.provenance.startswith("measured here: gpu/fsdp-scaling/")
+    assert "NVIDIA H100 80GB HBM3 (nccl, 8 ranks)" in rep.cluster.dp_overlap.provenance
     assert rep.cluster.dp_overlap.value == 0.81
     assert rep.cluster.tp_overhead.provenance.startswith("datasheet/published:")  # no GPU tp-attention run
     links = rep.cluster_links
     assert links.intra_efficiency.value == pytest.approx(0.8) and links.inter_efficiency.value == pytest.approx(0.82)
     assert links.intra_alpha_s.value == pytest.approx(14e-6 / 30)  # 16-rank fit: 2(n-1) = 30 hops
-    # the local (any device) calibration still takes the latest value: here the GPU one is newer
-    assert rep.local.mfu.provenance == rep.cluster.mfu.provenance
+    # the local (any device) calibration takes the CPU runs' compute efficiency
+    assert rep.local.mfu.provenance.startswith("measured here: cpu/")
 
 
 def test_link_calibration_scales_the_nominal_rates():

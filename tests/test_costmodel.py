@@ -39,8 +39,8 @@ def test_unknown_gpu_error_lists_known_names():
 @pytest.mark.parametrize("stage, expected", [
     (0, 18 * 7e9),                        # Megatron: 18 bytes/param (fp32 main grads)
     (1, (6 + 12 / 64) * 7e9),             # Megatron distributed optimizer: 6 + 12/d
-    (2, 2 * 7e9 + 18 * 7e9 / 64),         # DeepSpeed ZeRO-2: 2Ψ + 18Ψ/N
-    (3, 20 * 7e9 / 64),                   # + sharded bf16 weights: (2 + 6 + 12)Ψ/N
+    (2, 2 * 7e9 + 16 * 7e9 / 64),         # bf16 weights replicated, fp32 grads + Adam sharded: 2Ψ + 16Ψ/N
+    (3, 16 * 7e9 / 64),                   # FSDP2: fp32 master weights, fp32 grads, m, v sharded: 16Ψ/N
 ])
 def test_zero_model_states_7b_on_64_gpus(stage, expected):
     params, grads, optimizer = model_state_bytes(7e9, stage, 64)
@@ -50,8 +50,8 @@ def test_zero_model_states_7b_on_64_gpus(stage, expected):
 def test_zero_components():
     psi, nd = 7e9, 64
     assert model_state_bytes(psi, 0, nd) == pytest.approx((2 * psi, 4 * psi, 12 * psi))
-    assert model_state_bytes(psi, 2, nd) == pytest.approx((2 * psi, 6 * psi / nd, 12 * psi / nd))
-    assert model_state_bytes(psi, 3, nd) == pytest.approx((2 * psi / nd, 6 * psi / nd, 12 * psi / nd))
+    assert model_state_bytes(psi, 2, nd) == pytest.approx((2 * psi, 4 * psi / nd, 12 * psi / nd))
+    assert model_state_bytes(psi, 3, nd) == pytest.approx((4 * psi / nd, 4 * psi / nd, 8 * psi / nd))
 
 
 def test_gpt_param_count_and_tp_pp_division():
@@ -61,7 +61,7 @@ def test_gpt_param_count_and_tp_pp_division():
     assert params_per_gpu(gpt2, tp=4, pp=2) == pytest.approx((6 * (12 * 768**2 + 2 * 768) + 50257 * 768) / 4)
     layout = Layout(dp=8, tp=4, pp=2, zero_stage=3)
     psi = params_per_gpu(gpt2, 4, 2)
-    assert memory_per_gpu(gpt2, layout).params == pytest.approx(2 * psi / 8)
+    assert memory_per_gpu(gpt2, layout).params == pytest.approx(4 * psi / 8)  # FSDP2: fp32 sharded master weights
 
 
 def test_from_params_uses_known_shapes_and_interpolates():
@@ -99,10 +99,15 @@ def test_pipeline_first_stage_holds_pp_microbatches():
     shape = ModelShape(8, 1024, 8, 8, 1000, 512)
     one = memory_per_gpu(shape, Layout(1, 1, 1, grad_accum=8)).activations
     per_layer = activation_bytes_per_layer(512, 1, 1024, 8, flash_attention=True, dropout=False)  # no dropout
-    logits = 4 * 512 * 1000
-    assert one == pytest.approx(8 * per_layer + logits)
+    output = 4 * 512 * (1024 + 1000)   # output layer input + fp32 logits (Megatron's count)
+    ids = 8 * 512                      # the embedding's token ids, per micro-batch in flight
+    temporaries = 1.05                 # without SP (Megatron's precise count)
+    assert one == pytest.approx((8 * per_layer + ids + output) * temporaries)
     four = memory_per_gpu(shape, Layout(1, 1, 4, grad_accum=8)).activations
-    assert four == pytest.approx(2 * per_layer * 4)  # 2 layers/stage, 4 micro-batches in flight
+    # first stage: 2 layers, 4 micro-batches in flight (its last stage holds one and the logits: less)
+    assert four == pytest.approx((2 * per_layer * 4 + 4 * ids) * temporaries)
+    gpipe = memory_per_gpu(shape, Layout(1, 1, 4, grad_accum=8, pp_schedule="gpipe")).activations
+    assert gpipe == pytest.approx((2 * per_layer * 8 + 8 * ids) * temporaries)  # GPipe holds all 8
 
 
 def test_memory_breakdown_fits():
@@ -139,7 +144,7 @@ def test_step_time_bubble_and_total():
     shape = ModelShape.from_params(7e9)
     for pp, m, v in [(2, 8, 1), (4, 8, 2), (8, 16, 4)]:
         t = step_time(shape, Layout(64 // (2 * pp), 2, pp, grad_accum=m, virtual_stages=v), _cluster())
-        assert t.bubble == pytest.approx((pp - 1) / (v * m) * (t.compute + t.tp_comm))
+        assert t.bubble == pytest.approx((pp - 1) / (v * m) * (t.compute - t.terms.optimizer + t.tp_comm))
         assert t.total == pytest.approx(t.compute + t.tp_comm + t.pp_comm + t.bubble + t.dp_comm_exposed)
         assert t.mfu == pytest.approx(t.model_flops / (t.total * 64 * 989.4e12))
 
@@ -157,21 +162,24 @@ def test_dp_volumes_fp32_grads_bf16_weights():
 
 
 def test_recompute_costs_extra_forward():
-    from dtrain.costmodel.efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms
+    """Full recompute re-runs every layer's forward (GEMMs, attention forward, the forward's memory-bound
+    passes); selective the attention forward alone; no recompute none of it."""
+    from dtrain.costmodel.compute import _FORWARD_SHARE, _KIND, attention_s, memory_bytes
+    from dtrain.costmodel.efficiency import layer_gemms
+    from dtrain.costmodel.compute import Stack
+    from dtrain.costmodel.timemodel import device_of
+
     shape, cluster = ModelShape.from_params(7e9), _cluster()
+    dev = device_of(cluster, Calibration(), Stack("eager"))
     lay = Layout(64, 1, 1)
-    calib = Calibration()
-    curve = GemmCurve(calib.mfu.value, calib.gemm_half_flops.value)
-    peak, hbm = cluster.gpu.peak_bf16_flops, cluster.gpu.hbm_tbps * 1e12
-    times = {g.name: gemm_time(g, peak, hbm, curve) for g in layer_gemms(shape, lay)}
-    fwd, head = sum(times.values()), gemm_time(head_gemm(shape, lay), peak, hbm, curve)
+    fwd = sum(dev.gemm_s(g) for g in layer_gemms(shape, lay) if g.name not in ("scores", "av"))
+    mem_fwd = sum(dev.mem_s(b, _KIND[k]) * _FORWARD_SHARE[k] for k, b in memory_bytes(shape, lay, "bf16", True).items())
     L = shape.n_layer
-    base = step_time(shape, lay, cluster).compute
-    assert base == pytest.approx(L * 3 * fwd + 3 * head)  # forward + dgrad + wgrad
-    full = step_time(shape, Layout(64, 1, 1, recompute="full"), cluster).compute
-    assert full == pytest.approx(base + L * fwd)  # one more forward of every layer
-    sel = step_time(shape, Layout(64, 1, 1, recompute="selective"), cluster).compute
-    assert sel == pytest.approx(base + L * (times["scores"] + times["av"]))  # attention core only
+    t = lambda rc: step_time(shape, Layout(64, 1, 1, recompute=rc), cluster, stack=Stack("eager")).terms  # noqa: E731
+    base = t("none")
+    assert base.recompute == 0 and base.gemm == pytest.approx(L * 3 * fwd)  # forward + dgrad + wgrad
+    assert t("full").recompute == pytest.approx(L * (fwd + attention_s(shape, lay, dev, True) + mem_fwd))
+    assert t("selective").recompute == pytest.approx(L * attention_s(shape, lay, dev, True))
 
 
 def test_links_nvlink_inside_node_ib_across():

@@ -8,6 +8,8 @@ import pytest
 from conftest import py
 from dtrain.cli import main
 from dtrain.costmodel import Cluster, ModelShape, memory_per_gpu, search
+from dtrain.costmodel.hardware import LINK_EFFICIENCY
+from dtrain.costmodel.links import default_links
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
 BASE = ["plan", "--params", "70e9", "--gpus", "512", "--gpus-per-node", "8", "--nvlink-gbps", "900", "--ib-gbps", "400"]
@@ -22,9 +24,10 @@ def plan(capsys, *args):
 def test_text_output_has_choice_memory_time_and_runners_up(capsys):
     code, out, _ = plan(capsys, *BASE)
     assert code == 0
-    # units: 900 GB/s bidirectional -> 450 per direction; 400 Gbit/s -> 50 GB/s
-    assert "NVLink 450 GB/s per direction (900 GB/s both)" in out
-    assert "400 Gbit/s = 50 GB/s per GPU" in out
+    # units: 900 GB/s bidirectional -> 450 per direction; 400 Gbit/s -> 50 GB/s; collectives reach
+    # LINK_EFFICIENCY of each (the bus bandwidth the model uses)
+    assert f"NVLink {450 * LINK_EFFICIENCY:.4g} GB/s per direction achieved" in out
+    assert f"{50 * LINK_EFFICIENCY:.4g} GB/s per GPU achieved ({400 * LINK_EFFICIENCY:.4g} Gbit/s)" in out
     choice = re.search(r"choice:\s+dp=(\d+) tp=(\d+) pp=(\d+)", out)
     assert choice and int(choice[1]) * int(choice[2]) * int(choice[3]) == 512
     assert re.search(r"step time\s+[\d.]+ s = compute", out) and re.search(r"MFU \d+\.\d%", out)
@@ -37,10 +40,10 @@ def test_json_answer_matches_a_direct_search(capsys):
     code, out, _ = plan(capsys, *BASE, "--json")
     assert code == 0
     ans = json.loads(out)
-    assert ans["fits"] and ans["cluster"]["intra_node_GBps_per_direction"] == 450
-    assert ans["cluster"]["inter_node_Gbps_per_gpu"] == 400
+    assert ans["fits"] and ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(450 * LINK_EFFICIENCY)
+    assert ans["cluster"]["inter_node_Gbps_per_gpu"] == pytest.approx(400 * LINK_EFFICIENCY)
     shape = ModelShape.from_params(70e9)
-    direct = search(shape, Cluster.from_profile("h100-sxm", 512, 8, 400, 450), 1024).best
+    direct = search(shape, default_links().apply(Cluster.from_profile("h100-sxm", 512, 8, 400, 450)), 1024).best
     c = ans["choice"]
     assert c["describe"] == direct.describe()
     assert c["step_time_s"]["total"] == pytest.approx(direct.time.total)
@@ -53,7 +56,7 @@ def test_shape_flags_and_gpu_choice(capsys):
                         "--seq", "2048", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "256", "--json")
     ans = json.loads(out)
     assert code == 0 and ans["model"]["kv_heads"] == 8 and ans["model"]["seq"] == 2048
-    assert ans["cluster"]["gpu"] == "a100-80gb" and ans["cluster"]["intra_node_GBps_per_direction"] == 300
+    assert ans["cluster"]["gpu"] == "a100-80gb" and ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(300 * LINK_EFFICIENCY)
     assert ans["choice"]["dp"] * ans["choice"]["micro_batch"] * ans["choice"]["grad_accum"] == 256
 
 
@@ -87,7 +90,10 @@ def test_results_calibrate_from_gpu_runs_only(capsys):
     assert any("measured on CPU ignored" in n for n in ans["notes"])
     code, out, _ = plan(capsys, *BASE, "--results", str(FIXTURES / "gpu"), "--json")
     ans = json.loads(out)
-    assert ans["calibration"]["mfu"]["provenance"].startswith("measured here:")
+    # a GPU training run calibrates the DP overlap and the links; its MFU checks the GEMM curve, it does not set
+    # it (only a CUDA gemm-probe does: test_gpu_probe_sets_the_gemm_curve)
+    assert ans["calibration"]["dp_overlap"]["provenance"].startswith("measured here:")
+    assert ans["calibration"]["mfu"]["provenance"].startswith("datasheet/published:")
     assert ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(0.8 * 450)
 
 

@@ -20,6 +20,7 @@ from dtrain.errors import UserError
 
 # module -> provides add_parser(subparsers); optional ones are skipped until they exist
 SUBCOMMAND_MODULES = ["dtrain.cli_runs", "dtrain.costmodel.cli", "dtrain.costmodel.backtest", "dtrain.guide.cli", "dtrain.capstone"]
+SUBCOMMAND_OF = {"plan": "dtrain.costmodel.cli", "backtest": "dtrain.costmodel.backtest"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,10 +30,13 @@ class OneLineParser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``only``: import just the module of that subcommand (``dtrain plan`` then loads neither
+    pandas nor torch, which the other subcommands import)."""
     parser = OneLineParser(prog="dtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMAND_MODULES:
+    modules = [SUBCOMMAND_OF[only]] if only in SUBCOMMAND_OF else SUBCOMMAND_MODULES
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -45,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else argv
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.func(args) or 0)

@@ -40,36 +40,9 @@ from dtrain.results import Run, complete_runs
 
 from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_fp8, from_fsdp,
                                   from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
-from .hardware import IB_ALPHA_S, NVLINK_ALPHA_S, Cluster, LinkModel
+from .hardware import LinkModel
+from .links import LinkCalibration, default_links  # noqa: F401 - re-exported: calibrate's callers use them
 from .timemodel import Calibration, Param
-
-@dataclass(frozen=True)
-class LinkCalibration:
-    """α per link class and the achieved share of the nominal rate (β measured / β datasheet)."""
-
-    intra_alpha_s: Param
-    intra_efficiency: Param
-    inter_alpha_s: Param
-    inter_efficiency: Param
-
-    def apply(self, cluster: Cluster) -> Cluster:
-        intra = LinkModel(self.intra_alpha_s.value, cluster.nvlink.beta_Bps * self.intra_efficiency.value,
-                          cluster.nvlink.name)
-        inter = LinkModel(self.inter_alpha_s.value, cluster.ib.beta_Bps * self.inter_efficiency.value,
-                          cluster.ib.name)
-        return replace(cluster, nvlink=intra, ib=inter)
-
-
-def default_links() -> LinkCalibration:
-    pub = "datasheet/published: "
-    return LinkCalibration(
-        Param(NVLINK_ALPHA_S, pub + "assumption, order of magnitude of nccl-tests small-message latency "
-              "on an NVSwitch node (dtrain.costmodel.hardware.NVLINK_ALPHA_S)"),
-        Param(1.0, pub + "datasheet per-direction NVLink/PCIe rate taken as the achievable bus bandwidth "
-              "(an upper bound until allreduce-bench measures it on GPUs)"),
-        Param(IB_ALPHA_S, pub + "assumption, a few µs per InfiniBand hop (dtrain.costmodel.hardware.IB_ALPHA_S)"),
-        Param(1.0, pub + "NIC line rate taken as the achievable bus bandwidth (upper bound)"))
-
 
 @dataclass
 class CalibrationReport:

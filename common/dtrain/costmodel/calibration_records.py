@@ -11,6 +11,7 @@ from dtrain import contract
 from dtrain.results import Run
 from dtrain.strategies import SHARDED
 
+from .efficiency import fit_curve
 from .hardware import LinkModel
 from .memory import Layout
 from .timemodel import Param, bubble_fraction, p2p_time, tp_comm_time
@@ -137,7 +138,8 @@ def from_fsdp(entries: list[dict], src: Source) -> list[Candidate]:
             continue  # a TP / PP layout run: its step holds TP comm and bubble; the guide checks it instead
         step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
         exposed = _num(g.get("exposed_comm_s")) or 0.0
-        if step and mfu and step > exposed:
+        if step and mfu and step > exposed and not src.on_gpu:
+            # (on a GPU the model prices compute term by term: a run's MFU checks it, it does not calibrate it)
             # compute-only efficiency: the time model costs communication separately
             eff = mfu * step / (step - exposed)
             out.append(Candidate("mfu", eff, src, f"{g.get('strategy')} x{g.get('world_size')}: MFU "
@@ -271,10 +273,27 @@ def probe_entry(m: contract.GemmProbe) -> dict:
 
 
 def from_probe(g: dict, src: Source) -> list[Candidate]:
+    """The GEMM curve (and, off GPUs, the fixed per-step overhead) a gemm-probe measured.
+
+    On a GPU the curve is refitted over the single GEMMs alone: attention runs there in a fused kernel,
+    not as the batched per-head products the probe also timed, and the step's memory-bound kernels,
+    attention and optimizer are priced term by term (``compute``), so no fixed overhead is taken."""
     e_max, w_half = _num(g.get("e_max")), _num(g.get("w_half"))
+    points = g.get("points") or []
+    if src.on_gpu:
+        # single GEMMs of >= 100 us: below that the probe's per-call synchronisation, not the kernel, is timed
+        single = [(p["flops"], p["fraction"]) for p in points
+                  if p.get("count", 1) == 1 and _num(p.get("fraction")) and (_num(p.get("seconds")) or 0) >= 1e-4]
+        if len(single) < 2:
+            return []
+        curve = fit_curve(single)
+        detail = (f"fit over the {len(single)} single GEMMs (>= 100 us) of the runs' models, {g.get('dtype', '?')} "
+                  "(attention, memory-bound kernels and the optimizer: costmodel/kernels.yaml)")
+        return [Candidate("mfu", curve.e_max, src, detail + "; e_max"),
+                Candidate("gemm_half_flops", curve.w_half, src, detail + "; W_half")]
     if not e_max:
         return []
-    detail = f"fit over {len(g.get('points') or [])} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
+    detail = f"fit over {len(points)} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
     if g.get("rejected"):
         detail += f", {len(g['rejected'])} left out (above the roofline: measurement errors)"
     if g.get("probe_load"):

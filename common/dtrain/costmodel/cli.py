@@ -22,7 +22,8 @@ import sys
 from dtrain.errors import UserError
 
 from .hardware import GiB, Cluster, load_profiles
-from .memory import RECOMPUTE, ModelShape
+from .compute import ATTENTION_KERNELS, EAGER_BYTES, Stack
+from .memory import PP_SCHEDULES, RECOMPUTE, ModelShape
 from .search import SearchResult, explain, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
@@ -78,17 +79,32 @@ def add_parser(sub) -> None:
     r.add_argument("--global-batch", type=POS_INT, default=1024, help="sequences per optimizer step (default 1024)")
     r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
     r.add_argument("--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)")
-    r.add_argument("--attention", choices=("flash", "eager"), default="flash",
-                   help="flash (default): attention scores never stored; eager: stored (5*a*s/h per layer), "
-                        "selective recompute then pays")
+    r.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                   help="flash (default): the GPU's best fused attention (FlashAttention-2 on A100; cuDNN / "
+                        "FlashAttention-3 class on H100, PyTorch SDPA's default there); flash2: FlashAttention-2 "
+                        "(PyTorch's flash backend, flash-attn 2) on any GPU; eager: scores stored (5*a*s/h per "
+                        "layer) and the softmax run over them, selective recompute then pays")
+    r.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+                   help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); eager: "
+                        "PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES)
+    r.add_argument("--loss", choices=("fused", "eager"), default=None,
+                   help="the cross-entropy: fused (vocab-parallel, in place on fp32 logits, 4 B/logit) or eager "
+                        "(PyTorch's F.cross_entropy, 14 B/logit; torchtitan compiles its blocks but not its loss); "
+                        "default: as --kernels")
+    r.add_argument("--tp-overlap", action="store_true",
+                   help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan AsyncTP)")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= tp= pp= v= zero= recompute=none|op|selective|full mb= sp=on|off"; '
+                   help='score a layout: any of "dp= tp= pp= v= schedule=1f1b|gpipe|zbv zero= recompute=none|op|selective|full mb= sp=on|off"; '
                         "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
     p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
+
+
+def stack_of(a) -> Stack:
+    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap)
 
 
 def shape_from_args(a) -> ModelShape:
@@ -124,7 +140,7 @@ def cluster_from_args(a) -> Cluster:
 
 
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
-               "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel"}
+               "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule"}
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
@@ -142,6 +158,10 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
         if field == "recompute":
             if value not in RECOMPUTE:
                 raise UserError(f"--layout: recompute={value} must be one of {', '.join(RECOMPUTE)}")
+            fixed[field] = value
+        elif field == "pp_schedule":
+            if value not in PP_SCHEDULES:
+                raise UserError(f"--layout: schedule={value} must be one of {', '.join(PP_SCHEDULES)}")
             fixed[field] = value
         elif field == "sequence_parallel":
             if value not in ("on", "off", "1", "0", "true", "false"):
@@ -174,28 +194,31 @@ def layout_result(shape, cluster, a, calib, best: SearchResult):
         return None, None
     fixed = parse_layout(a.layout, cluster.gpus)
     res = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
-                 flash_attention=a.attention == "flash", fixed=fixed)
+                 stack=stack_of(a), fixed=fixed)
     if res.best is None or best.best is None:
         return res, None
     return res, 100 * (1 - res.best.time.tokens_per_s / best.best.time.tokens_per_s)
 
 
 def run(a) -> int:
-    from .calibrate import calibrate_naming_skips
+    from .links import default_links
 
-    shape, cluster = shape_from_args(a), cluster_from_args(a)
-    if a.precision == "fp8" and cluster.gpu.fp8_tflops is None:
-        raise UserError(f"{cluster.gpu.name} has no FP8 tensor cores: use --precision bf16")
+    shape, datasheet = shape_from_args(a), cluster_from_args(a)
+    if a.precision == "fp8" and datasheet.gpu.fp8_tflops is None:
+        raise UserError(f"{datasheet.gpu.name} has no FP8 tensor cores: use --precision bf16")
     notes = ["calibration: datasheet/published values (pass --results DIR to use measured ones)"]
     calib = None
+    cluster = default_links().apply(datasheet)
     if a.results:
+        from .calibrate import calibrate_naming_skips  # reads run directories: pandas, only when asked
+
         report, skipped = calibrate_naming_skips(a.results)
         for message in skipped:
             print(f"warning: {message}", file=sys.stderr)
-        calib, cluster = report.cluster, report.cluster_links.apply(cluster)
+        calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
     result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
-                    flash_attention=a.attention == "flash")
+                    stack=stack_of(a))
     mine, gap = layout_result(shape, cluster, a, calib, result)
     if a.json:
         out = to_json(result, a.top, notes)
@@ -230,9 +253,11 @@ def calibration_notes(report) -> list[str]:
 
 
 def describe_cluster(c: Cluster) -> str:
+    """The links as the model uses them: the bus bandwidth collectives reach (datasheet rate x link efficiency,
+    or allreduce-bench's measurement)."""
     return (f"{c.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; intra-node {c.nvlink.name} "
-            f"{c.nvlink.beta_Bps / 1e9:g} GB/s per direction ({2 * c.nvlink.beta_Bps / 1e9:g} GB/s both), "
-            f"inter-node {c.ib.beta_Bps * 8 / 1e9:g} Gbit/s = {c.ib.beta_Bps / 1e9:g} GB/s per GPU")
+            f"{c.nvlink.beta_Bps / 1e9:.4g} GB/s per direction achieved, inter-node "
+            f"{c.ib.beta_Bps / 1e9:.4g} GB/s per GPU achieved ({c.ib.beta_Bps * 8 / 1e9:.4g} Gbit/s)")
 
 
 def describe_model(s: ModelShape) -> str:
@@ -259,9 +284,13 @@ def res_usable(res: SearchResult) -> float:
 def plan_lines(p, usable_gib: float) -> list[str]:
     """The step breakdown, throughput and memory of one plan."""
     t, m = p.time, p.memory
+    c = t.terms
     return [f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
             f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
             f"(of {t.dp_comm:.3f})" + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
+            f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + memory-bound "
+            f"{c.memory:.3f} + output layer & loss {c.head:.3f} + recompute {c.recompute:.3f} + optimizer "
+            f"{c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
             f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), "
             f"MFU {t.mfu:.1%}",
             f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params {m.params / GiB:.1f}, "
@@ -294,8 +323,10 @@ def plan_dict(p) -> dict:
             "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
             "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "total": m.total},
+            "pp_schedule": p.pp_schedule,
             "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "pp_comm": t.pp_comm,
-                            "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed},
+                            "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,
+                            "overhead": t.overhead, "compute_terms": t.terms.as_dict()},
             "tokens_per_s": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu}
 
 
@@ -311,7 +342,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
                         "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
                         "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom)},
             "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
-            "attention": "flash" if res.flash_attention else "eager",
+            "attention": res.stack.attention, "kernels": res.stack.kernels, "loss": res.stack.loss or res.stack.kernels,
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
             **_overrides_json(res),

@@ -48,24 +48,27 @@ class GemmCurve:
 
 
 def gemm_time(g: Gemm, peak_flops: float, hbm_Bps: float, curve: GemmCurve, value_bytes: int = 2) -> float:
-    """Seconds for ``g``: roofline bound max(W/peak, bytes/HBM) over the achieved fraction f(W)."""
+    """Seconds for ``g``: roofline bound max(W/peak, bytes/HBM) over the achieved fraction f(W), W the whole
+    (batched) GEMM's FLOPs: one strided-batched kernel fills the GPU with all ``count`` products at once, so a
+    per-head attention product is not priced as a lone small GEMM."""
     bound = g.flops / peak_flops
     if hbm_Bps > 0:
         bound = max(bound, value_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) / hbm_Bps)
-    return g.count * bound / curve.fraction(g.flops)
+    return g.count * bound / curve.fraction(g.flops * g.count)
 
 
 def layer_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
     """Forward GEMMs of one transformer layer for one micro-batch on one TP rank (Megatron
     column/row-parallel split: QKV and fc1 split their outputs, proj and fc2 their inputs);
-    attention core as batched s×s×hd products (QKᵀ, then AV) over the local heads."""
+    attention core as batched s×s×hd products (QKᵀ, then AV) over the local heads. With tp > n_kv_head
+    each rank computes one whole K and V head (replicated)."""
     t, s, h = layout.tp, shape.seq_len, shape.d_model
     tokens = layout.micro_batch * s
     hd = h // shape.n_head
-    kv = shape.n_kv_head * hd
+    kv_local = max(shape.n_kv_head // t, 1) * hd
     f = shape.ffn_hidden
     heads = max(1, shape.n_head // t)
-    return [Gemm(tokens, max(1, (h + 2 * kv) // t), h, 1, "qkv"),
+    return [Gemm(tokens, max(1, h // t + 2 * kv_local), h, 1, "qkv"),
             Gemm(tokens, h, max(1, h // t), 1, "proj"),
             Gemm(tokens, max(1, (2 if shape.gated_mlp else 1) * f // t), h, 1, "fc1"),
             Gemm(tokens, h, max(1, f // t), 1, "fc2"),

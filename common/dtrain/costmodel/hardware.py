@@ -16,6 +16,7 @@ from functools import lru_cache
 from importlib import resources
 
 import yaml
+from .hashing import cached_hash
 
 GiB = 1024**3
 _FIELDS = (
@@ -27,6 +28,8 @@ _FIELDS = (
 @dataclass(frozen=True)
 class GPUProfile:
     """One GPU model as printed on its datasheet (units as in ``hardware.yaml``)."""
+
+    __hash__ = cached_hash
 
     name: str
     bf16_tflops: float
@@ -40,6 +43,7 @@ class GPUProfile:
     pcie_gbps_per_dir: float
     ib_gbit_per_gpu: float
     source: str
+    power_w: float | None = None    # board power cap where a machine runs below the part's (kernels.yaml power_w)
 
     @property
     def peak_bf16_flops(self) -> float:
@@ -166,6 +170,8 @@ class LinkModel:
     is the link a collective of that name runs at; unmeasured ones use ``alpha_s`` / ``beta_Bps``.
     """
 
+    __hash__ = cached_hash
+
     alpha_s: float
     beta_Bps: float
     name: str = ""
@@ -189,6 +195,9 @@ class LinkModel:
 # replaces them with fitted values.
 NVLINK_ALPHA_S = 1e-6
 IB_ALPHA_S = 5e-6
+# Share of the datasheet rate a collective's bus bandwidth reaches (calibrate.default_links applies it; a
+# measured allreduce-bench fit replaces it): fitted to dtrain backtest's development set, a test pins it.
+LINK_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,8 @@ class Cluster:
     inter-node link *of one GPU* (its own NIC: 400 Gbit/s = 50 GB/s). Nodes are assumed
     rail-optimised, one NIC per GPU, as in DGX/HGX systems; see ``timemodel.group_link``.
     """
+
+    __hash__ = cached_hash
 
     gpus: int
     gpus_per_node: int

@@ -23,11 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from .hashing import cached_hash
 
 # Recompute levels, least to most: none; "op" = torchtitan's selective op AC (its checkpoint policy saves
 # the outputs of every other matmul and of SDPA, recomputes the rest); "selective" = Korthikanti et al.
 # 2022 §5 (the attention core only); "full" = whole blocks (the trainer's activation_checkpointing=block).
 RECOMPUTE = ("none", "op", "selective", "full")
+# Pipeline schedules: 1F1B (Narayanan et al. 2021; interleaved with v > 1 virtual stages), GPipe (Huang et
+# al. 2019: every micro-batch's forward before any backward) and zero-bubble V (Qi et al. 2024, ICLR: two
+# chunks per rank in a V, weight-gradient work fills the bubble).
+PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class ModelShape:
     dropout layer), which is the default: no dropout masks are stored for backward.
     """
 
+    __hash__ = cached_hash
+
     n_layer: int
     d_model: int
     n_head: int
@@ -51,6 +59,7 @@ class ModelShape:
     tied_embeddings: bool = False
     name: str = ""
     dropout: bool = False
+    rotary: bool = True         # RoPE on q and k (GPT-3-style models add learned positions to the input)
 
     def __post_init__(self) -> None:
         if min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.vocab, self.seq_len) < 1:
@@ -151,8 +160,13 @@ class Layout:
     grad_accum: int = 1
     sequence_parallel: bool = False
     virtual_stages: int = 1
+    pp_schedule: str = "1f1b"   # 1f1b (interleaved when virtual_stages > 1) | gpipe | zbv
 
     def __post_init__(self) -> None:
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+        if self.pp_schedule == "zbv" and self.virtual_stages != 2:
+            raise ValueError("the zbv schedule runs 2 virtual stages per rank (virtual_stages=2)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -182,16 +196,18 @@ class MemoryBreakdown:
 
 
 def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard.
+    """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard, N = ``dp``.
 
-    Mixed-precision Adam, N = ``dp`` (Megatron ``theoretical_memory_usage.py``: 18 bytes per
-    parameter, ``6 + 12 / data_parallel_size`` with ``--use-distributed-optimizer``):
-      stage 0 (plain DP):                 2Ψ bf16 + 4Ψ fp32 grads + 12Ψ      = 18Ψ
-      stage 1 (distributed optimizer):    2Ψ + 4Ψ + 12Ψ/N                    = 6Ψ + 12Ψ/N
-      stage 2 (+ sharded grads):          2Ψ + 6Ψ/N + 12Ψ/N                  = 2Ψ + 18Ψ/N
-      stage 3 (+ sharded weights, FSDP):  (2 + 6 + 12)Ψ/N                    = 20Ψ/N
-    Stage 2/3 gradients: the reduced bf16 shard (2Ψ/N) plus its fp32 copy for the step (4Ψ/N),
-    as DeepSpeed holds them (ZeRO paper §5 counts (2 + 2 + K)Ψ with K = 12).
+    Mixed-precision AdamW as the stacks that use each stage hold it:
+      stage 0 (plain DP, Megatron):              2Ψ bf16 + 4Ψ fp32 main grads + 12Ψ fp32 master, m, v = 18Ψ
+      stage 1 (Megatron distributed optimizer):  2Ψ + 4Ψ + 12Ψ/N                     = 6Ψ + 12Ψ/N
+        (both: Megatron-LM ``theoretical_memory_usage.py``, 18 and 6 + 12/dp bytes per parameter)
+      stage 2 (bf16 weights replicated):         2Ψ + 4Ψ/N fp32 grads + 12Ψ/N         = 2Ψ + 16Ψ/N
+      stage 3 (FSDP2 full sharding):             (4 fp32 params + 4 fp32 grads + 8 m, v)Ψ/N = 16Ψ/N
+    FSDP2 keeps the fp32 sharded parameters as the master copy (MixedPrecisionPolicy casts a bf16 copy
+    per unit for compute) and reduces gradients in fp32 (torchtitan's default), so a fully sharded
+    parameter costs 16 bytes, not DeepSpeed's 2 + 2 + 12 + 4 (fp32 gradient partition). Its gathered
+    bf16 working set is ``MemoryBreakdown.buffers``.
     """
     nd = dp
     if zero_stage == 0:
@@ -199,9 +215,9 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
     if zero_stage == 1:
         return 2 * psi, 4 * psi, 12 * psi / nd
     if zero_stage == 2:
-        return 2 * psi, 6 * psi / nd, 12 * psi / nd
+        return 2 * psi, 4 * psi / nd, 12 * psi / nd
     if zero_stage == 3:
-        return 2 * psi / nd, 6 * psi / nd, 12 * psi / nd
+        return 4 * psi / nd, 4 * psi / nd, 8 * psi / nd
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
 
 
@@ -306,51 +322,85 @@ def stage_layers(shape: ModelShape, pp: int) -> int:
     return -(-shape.n_layer // pp)
 
 
+@lru_cache(maxsize=1 << 12)
 def params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
     """Parameters on the most loaded GPU: ceil(L/pp) layers / tp plus embeddings / tp.
 
     The vocab-parallel embedding and output projection are split over TP (Megatron); with pp > 1
     the input embedding sits on the first stage and the output projection on the last (a tied
     embedding is held by both), so a stage holds at most one V·h matrix; with pp = 1 it holds
-    both. Norm weights (replicated under TP in Megatron) are divided too: negligible.
+    both. Norm weights (replicated under TP in Megatron) are divided too: negligible. With
+    tp > n_kv_head each rank keeps one whole K and V head (replicated), as Megatron and dtrain do.
     """
     matrices = (1 if shape.tied_embeddings else 2) if pp == 1 else 1
-    layers = stage_layers(shape, pp) * shape.params_per_layer() / tp
+    hd = shape.d_model // shape.n_head
+    kv = 2 * shape.d_model * shape.n_kv_head * hd
+    kv_local = 2 * shape.d_model * hd * max(shape.n_kv_head // tp, 1)
+    layers = stage_layers(shape, pp) * ((shape.params_per_layer() - kv) / tp + kv_local)
     return layers + matrices * shape.vocab * shape.d_model / tp
 
 
+def in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak.
+
+    1F1B (Narayanan et al. 2021): min(pp, m); interleaved with v virtual stages that times
+    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``); zero-bubble V the
+    same as 1F1B (Qi et al. 2024: ZB-V keeps 1F1B's peak); GPipe all m (every forward runs before the
+    first backward, Huang et al. 2019). Without PP one."""
+    lay = layout
+    if lay.pp == 1:
+        return 1.0
+    if lay.pp_schedule == "gpipe":
+        return float(lay.grad_accum)
+    n = float(min(lay.pp, lay.grad_accum))
+    if lay.virtual_stages > 1 and lay.pp_schedule != "zbv":
+        n *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
+    return n
+
+
+# Bytes per logit the loss holds at its peak: a fused vocab-parallel cross-entropy works on the fp32 logits in
+# place (Megatron's count, 4); PyTorch's unfused F.cross_entropy over bf16 logits holds the bf16 logits (2), their
+# fp32 copy (4), the log-softmax (4) and the gradient (4): 14. torchtitan's Llama 3.1 8B on 8 H100 (mb 2, seq 8192,
+# vocab 128256: 2.1G logits) reported 82.4 GiB (docs/performance.md 2024-12, Table 1) where the layer
+# activations and states count 59 GiB: the 21 GiB of the difference are these 10 extra bytes per logit.
+LOSS_BYTES_PER_LOGIT = {"fused": 4, "eager": 14}
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
-                     flash_attention: bool = True) -> float:
+                     flash_attention: bool = True, fused_loss: bool = True) -> float:
     """Peak activation bytes on the most loaded pipeline stage.
 
-    1F1B (Narayanan et al. 2021): the first stage holds min(pp, grad_accum) micro-batches in
-    flight, each with ceil(n_layer/pp) layers; interleaving with v virtual stages multiplies this by
-    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``). The last stage
-    holds one micro-batch plus the fp32 logits for the loss, 4·s·b·V/tp bytes (vocab-parallel;
-    assumption after Korthikanti §4.3). Full recompute adds the working set of the one layer
-    being recomputed: its activations without recompute, once (so does ``op``, which recomputes
-    part of each layer).
+    The first stage holds ``in_flight`` micro-batches, each with ceil(n_layer/pp) layers, plus their
+    embedding-layer inputs: the token ids (8·s·b) and, with dropout, its mask (s·b·h) (Megatron
+    ``compute_activation_memory``). The last stage holds one micro-batch plus the output layer's
+    input, 4·s·b·h/tp, and the loss's logits, ``LOSS_BYTES_PER_LOGIT`` x s·b·V/tp (vocab-parallel; 4 bytes
+    fused as Megatron counts them, 14 in unfused PyTorch). Full recompute adds
+    the working set of the one layer being recomputed: its activations without recompute, once (so
+    does ``op``, which recomputes part of each layer). Without sequence parallelism the replicated
+    tensors add 5% of temporaries, as Megatron's precise count without SP does
+    (``compute_activation_memory_without_sp``: "buffer for optimizer and miscellaneous temporaries").
     ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe caches the
     linear-layer inputs in 1 byte instead of 2, see ``Calibration.fp8_memory_factor`` (an
     approximation; fp8-train measures it).
     """
     lay = layout
+    s, b, h = shape.seq_len, lay.micro_batch, shape.d_model
     per_layer = layer_activation_bytes(shape, lay, flash_attention) * activation_bytes_factor
     working = 0.0
     if lay.recompute in ("full", "op"):
         working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
     layers_here = stage_layers(shape, lay.pp)
-    logits = 4 * shape.seq_len * lay.micro_batch * shape.vocab / lay.tp
-    in_flight = min(lay.pp, lay.grad_accum)
-    if lay.virtual_stages > 1:
-        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
-    first = per_layer * layers_here * in_flight + working
-    last = per_layer * layers_here + working + logits
-    return first + logits if lay.pp == 1 else max(first, last)
+    output = (4 * s * b * h + LOSS_BYTES_PER_LOGIT["fused" if fused_loss else "eager"] * s * b * shape.vocab) / lay.tp
+    n = in_flight(lay)
+    embed = n * (8 * s * b + (s * b * h if shape.dropout else 0)) / lay.tp
+    first = per_layer * layers_here * n + working + embed
+    last = per_layer * layers_here + working + output
+    total = first + output if lay.pp == 1 else max(first, last)
+    return total * (1.0 if lay.sequence_parallel else 1.05)
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
-                   flash_attention: bool = True) -> MemoryBreakdown:
+                   flash_attention: bool = True, fused_loss: bool = True) -> MemoryBreakdown:
     """Model states (ZeRO over dp, Ψ already divided by TP and PP) plus activations.
 
     ``flash_attention`` (default on, as in every current training stack) drops the stored
@@ -358,12 +408,15 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
 
     ZeRO-3 / FSDP also holds a working set (``buffers``): the bf16 weights of the block being
     computed and of the one prefetched, plus that block's unsharded bf16 grads before the
-    reduce-scatter, 3 · 2 · Ψ_layer bytes (FSDP default: one block per unit, prefetch of one).
+    reduce-scatter, 3 · 2 · Ψ_layer bytes (FSDP default: one block per unit, prefetch of one). Under
+    PP a stage keeps its weights gathered across the micro-batches and reduces its gradients once, at
+    the last (torchtitan: reshard_after_forward off, gradient sync on the last micro-batch only): the
+    stage's bf16 weights and unsharded bf16 gradients, 2·2·Ψ.
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp)
     p, g, o = model_state_bytes(psi, layout.zero_stage, layout.dp)
     buffers = 0.0
     if layout.zero_stage == 3 and layout.dp > 1:
-        buffers = 3 * 2 * shape.params_per_layer() / layout.tp
-    act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention)
+        buffers = 4 * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
+    act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)

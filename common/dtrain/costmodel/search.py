@@ -9,9 +9,8 @@ Enumerates every layout with dp·tp·pp = GPUs:
   * ZeRO 0–3, also with PP (torchtitan's FSDP + PP allows it, DeepSpeed refuses ZeRO-2/3 with
     PP); the model charges their per-micro-batch traffic;
   * recompute none / op (torchtitan's selective op AC) / selective / full; selective is left out
-    under FlashAttention, which already
-    drops the stored attention scores at no extra cost (``flash_attention=False``: eager
-    attention stores them and selective recompute pays);
+    under fused (flash) attention, which already drops the stored attention scores at no extra cost
+    (``attention="eager"``: the scores are stored and selective recompute pays);
   * micro-batch sizes dividing global_batch / dp; sequence parallelism on/off when tp > 1.
 Keeps the layouts whose memory fits HBM with headroom and ranks them by predicted tokens/s
 (ties: less memory first). Nothing is raised when nothing fits: ``best`` is None and ``reason``
@@ -24,8 +23,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .hardware import GiB, Cluster
+from .compute import Stack
 from .memory import RECOMPUTE, Layout, MemoryBreakdown, ModelShape, memory_per_gpu
-from .timemodel import Calibration, StepTime, group_link, step_time
+from .timemodel import Calibration, StepTime, group_link, step_model, step_time
 
 __all__ = ["Cluster", "Calibration", "Plan", "SearchResult", "search", "explain"]
 
@@ -33,7 +33,11 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 # Memory does not depend on the links: a grid over bandwidths (the guide) reuses it.
 _memory = lru_cache(maxsize=1 << 17)(memory_per_gpu)
 VIRTUAL_STAGES = (1, 2, 4, 8)
-LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel")
+# A pruned search skips a layout whose compute alone is this many times the best step: it can be neither the
+# best nor one of the runners-up ``explain`` names.
+PRUNE_BOUND = 1.5
+LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel",
+                 "pp_schedule")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,10 +48,7 @@ class Plan(Layout):
     time: StepTime
 
     def describe(self) -> str:
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        sp = " sp" if self.sequence_parallel else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{v} zero={self.zero_stage} "
-                f"recompute={self.recompute} mb={self.micro_batch} ga={self.grad_accum}{sp}")
+        return describe_layout(self)
 
 
 @dataclass
@@ -64,7 +65,19 @@ class SearchResult:
     calib: Calibration = field(default_factory=Calibration)
     precision: str = "bf16"
     headroom: float = 0.1
-    flash_attention: bool = True
+    stack: Stack = field(default_factory=Stack)   # attention kernel, fused or eager kernels and loss
+
+    @property
+    def flash_attention(self) -> bool:
+        return self.stack.flash
+
+
+def describe_layout(lay: Layout) -> str:
+    v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+    sched = f" {lay.pp_schedule}" if lay.pp > 1 and lay.pp_schedule != "1f1b" else ""
+    sp = " sp" if lay.sequence_parallel else ""
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp}{v}{sched} zero={lay.zero_stage} "
+            f"recompute={lay.recompute} mb={lay.micro_batch} ga={lay.grad_accum}{sp}")
 
 
 def _pow2_up_to(limit: int) -> list[int]:
@@ -97,20 +110,32 @@ def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batch
                 ga = global_batch // (dp * mb)
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
-                for v in vs:
+                for v, sched in ((v, sc) for v in vs for sc in _schedules(pp, v, fixed)):
                     zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,)
                     for zero in [z for z in zeros if z == fixed.get("zero_stage", z)]:
                         for rc in recompute:
                             for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
-                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v)
+                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched)
                                 if all(getattr(lay, k) == val for k, val in fixed.items()):
                                     yield lay, None
 
 
+def _schedules(pp: int, v: int, fixed: dict) -> tuple[str, ...]:
+    """Pipeline schedules for pp stages of v chunks: 1F1B (interleaved when v > 1), the schedule Megatron,
+    DeepSpeed and torchtitan run by default. Zero-bubble V (v = 2) and GPipe (never faster than 1F1B, and it
+    holds every micro-batch) are scored when asked for (``fixed["pp_schedule"]``, ``dtrain plan --layout
+    schedule=zbv``): ZB-V needs a runtime that splits weight-gradient work (torch.distributed.pipelining's
+    ScheduleZBVZeroBubble, dtrain's train.pp_schedule=zbv), so the search does not assume one."""
+    if "pp_schedule" in fixed:
+        want = fixed["pp_schedule"]
+        return (want,) if pp > 1 and (want != "zbv" or v == 2) and (want != "gpipe" or v == 1) or pp == 1 else ()
+    return ("1f1b",)
+
+
 def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibration | None = None, *,
-           precision: str = "bf16", headroom: float = 0.1, flash_attention: bool = True,
+           precision: str = "bf16", headroom: float = 0.1, stack: Stack = Stack(),
            micro_batches: tuple[int, ...] = MICRO_BATCHES, prune: bool = False,
-           fixed: dict | None = None) -> SearchResult:
+           fixed: dict | None = None, keep_within: float = PRUNE_BOUND) -> SearchResult:
     """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences.
 
     ``prune`` skips layouts that cannot be the best (same ``best``, ~10x faster; the decision
@@ -118,6 +143,8 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     memory, ZeRO-1 (reduce-scatter of fp32 grads + all-gather of bf16 weights) moves less than
     ZeRO-0's fp32 all-reduce with less memory, and from ZeRO-1 up a higher stage is never faster,
     so per (dp, tp, pp, micro-batch, v, recompute) only the lowest fitting stage ≥ 1 is timed.
+    It also skips a layout whose lower bound (``StepModel.lower_bound``) is ``keep_within`` x the best step:
+    1.0 keeps exactly the best (the decision matrix), the default keeps the runners-up ``explain`` names.
     ``fixed`` pins layout fields (``LAYOUT_FIELDS``), as ``dtrain plan --layout`` does."""
     calib = calib or Calibration()
     if global_batch < 1:
@@ -131,27 +158,43 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     ranked: list[Plan] = []
     rejected: list[tuple[Layout, str]] = []
     smallest: tuple[float, Layout] | None = None
+    flash_attention = stack.flash
     levels = tuple(r for r in RECOMPUTE if not (flash_attention and r == "selective"))
     if fixed and "recompute" in fixed:
         levels = (fixed["recompute"],)
     if fixed and "micro_batch" in fixed:
         micro_batches = (fixed["micro_batch"],)
     timed: set[tuple] = set()
+    step_time(model, Layout(1, 1, 1), cluster, calib, precision, stack=stack)  # checks precision vs the GPU
+    steps = step_model(model, cluster, calib, precision, 2, stack)
+    candidates = []
     for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed):
         if why:
             rejected.append((lay, why))
+        elif prune:  # ordered by a lower bound of their step below
+            candidates.append((steps.lower_bound(lay), lay))
+        else:
+            candidates.append((0.0, lay))
+    # Every candidate moves the same tokens (the global batch), so step time ranks them, and a step is never
+    # shorter than its lower bound: in that order (stable: ZeRO stages stay in increasing order within a group),
+    # once the bound is ``keep_within`` x the best step found, no later layout can be the best or a runner-up
+    # worth naming.
+    best_s = float("inf")
+    for bound, lay in sorted(candidates, key=lambda x: x[0]) if prune else candidates:
+        if bound > keep_within * best_s:
+            break
+        group = (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.pp_schedule, lay.recompute)
+        if prune and group in timed and lay.zero_stage < 3:
             continue
-        group = (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.recompute)
-        if prune and group in timed:
-            continue
-        mem = _memory(model, lay, act_factor, flash_attention)
-        if not mem.fits(cluster.gpu.hbm_bytes, headroom):
-            rejected.append((lay, _no_fit(mem, cluster, headroom)))
+        mem = _memory(model, lay, act_factor, flash_attention, stack.fused_loss)
+        if mem.total > usable:
+            rejected.append((lay, NoFit(mem.total, usable, cluster.gpu.hbm_gib, headroom)))
             if smallest is None or mem.total < smallest[0]:
                 smallest = (mem.total, lay)
             continue
-        timed.add(group)  # _layouts yields ZeRO stages in increasing order within a group
-        t = step_time(model, lay, cluster, calib, precision)
+        timed.add(group)
+        t = steps.time(lay)
+        best_s = min(best_s, t.total)
         ranked.append(Plan(**vars(lay), memory=mem, time=t))
     ranked.sort(key=lambda p: (-p.time.tokens_per_s, p.memory.total))
     if ranked:
@@ -168,19 +211,31 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
                   f"(micro-batches {micro_batches})")
     return SearchResult(ranked[0] if ranked else None, ranked, rejected, reason, model, cluster,
-                        global_batch, calib, precision, headroom, flash_attention)
+                        global_batch, calib, precision, headroom, stack)
 
 
-def _no_fit(mem: MemoryBreakdown, cluster: Cluster, headroom: float) -> str:
-    usable = cluster.gpu.hbm_bytes * (1 - headroom) / GiB
-    return (f"does not fit: needs {mem.total / GiB:.1f} GiB > {usable:.1f} GiB usable "
-            f"({cluster.gpu.hbm_gib:g} GiB HBM, {headroom:.0%} headroom)")
+@dataclass(frozen=True)
+class NoFit:
+    """Why a layout was rejected for memory, written out only when read (a search rejects thousands)."""
+
+    need: float
+    usable: float
+    hbm_gib: float
+    headroom: float
+
+    def __str__(self) -> str:
+        return (f"does not fit: needs {self.need / GiB:.1f} GiB > {self.usable / GiB:.1f} GiB usable "
+                f"({self.hbm_gib:g} GiB HBM, {self.headroom:.0%} headroom)")
+
+    def startswith(self, prefix: str) -> bool:
+        return str(self).startswith(prefix)
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
 
 
 def _short(lay: Layout) -> str:
-    sp = " sp" if lay.sequence_parallel else ""
-    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} recompute={lay.recompute} "
-            f"mb={lay.micro_batch}{sp}")
+    return describe_layout(lay)
 
 
 def _ms(seconds: float) -> str:
@@ -257,10 +312,11 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
     for lay, why in result.rejected_with_reasons:
         if not why.startswith("does not fit"):
             continue
-        tps = step_time(result.model, lay, result.cluster, result.calib, result.precision).tokens_per_s
+        tps = step_time(result.model, lay, result.cluster, result.calib, result.precision,
+                        stack=result.stack).tokens_per_s
         if tps <= target:
             continue
-        need = memory_per_gpu(result.model, lay, act, result.flash_attention).total
+        need = memory_per_gpu(result.model, lay, act, result.flash_attention, result.stack.fused_loss).total
         g = groups.setdefault((lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
         g[0] = max(g[0], tps)
         if need < g[1]:

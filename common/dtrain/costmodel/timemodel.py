@@ -31,21 +31,27 @@ Sources
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from .hardware import Cluster, LinkModel
+from .hardware import Cluster, GPUProfile, LinkModel
 from dtrain.flops import transformer_flops_per_token
 
-from .efficiency import GemmCurve, gemm_time, head_gemm, layer_gemms, op_recompute_gemms
+from .compute import ComputeTerms, Device, KernelModel, Stack, _micro_terms, optimizer_s, published, step_terms
+from .efficiency import GemmCurve
 from .memory import Layout, ModelShape, params_per_gpu, stage_layers
+from .hashing import cached_hash
 
 __all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
            "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link", "tp_comm_time",
            "model_flops_per_token", "compute_time", "step_time"]
 
 PROVENANCES = ("datasheet/published:", "measured here:")
-GPU_E_MAX = 0.58
-GPU_W_HALF = 2.1e9
-GPU_DP_OVERLAP = 0.8
+# GEMM curve of a device without a kernel table in kernels.yaml (every GPU profile has one; the local CPU
+# check replaces it with its gemm-probe's): H100's, the kernels.yaml entry
+GPU_E_MAX = 0.82
+GPU_W_HALF = 4.8e9
+# Share of DP traffic that overlap hides: fitted to dtrain backtest's development set (a test pins it to the fit)
+GPU_DP_OVERLAP = 0.5
 
 
 def allreduce_time(nbytes: float, n: int, link: LinkModel) -> float:
@@ -91,6 +97,7 @@ def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> f
     return (p - 1) * -(-n_layer // (p * v)) / (m * -(-n_layer // p))
 
 
+@lru_cache(maxsize=1 << 12)
 def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
     """The link a group of ``size`` ranks ``stride`` apart runs its collectives over.
 
@@ -113,6 +120,8 @@ def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True
 class Param:
     """A calibrated number and where it came from: 'datasheet/published: …' or 'measured here: …'."""
 
+    __hash__ = cached_hash
+
     value: float
     provenance: str
 
@@ -133,24 +142,24 @@ def _published(value: float, source: str) -> Param:
 class Calibration:
     """The empirical inputs of the model; calibration from measured runs replaces each Param."""
 
+    __hash__ = cached_hash
+
     mfu: Param = field(default_factory=lambda: _published(
-        GPU_E_MAX, "e_max of the GEMM achieved-fraction curve (share of the roofline bound a large GEMM "
-        "reaches, non-GEMM kernels folded in): median over the published runs of dtrain backtest "
-        "(costmodel/backtest_runs.yaml) of the e_max reproducing each; the backtest predicts each row with "
-        "the median of the OTHER rows (leave-one-out)"))
+        GPU_E_MAX, "e_max of the GEMM achieved-fraction curve: each GPU's from its GEMM benchmark "
+        "(costmodel/kernels.yaml; H100's shown), replaced by a gemm-probe's measured curve"))
     gemm_half_flops: Param = field(default_factory=lambda: _published(
-        GPU_W_HALF, "W_half of the GEMM achieved-fraction curve: FLOPs of a GEMM reaching half of e_max; "
-        "assumption: a 1024^3 bf16 GEMM (2.1 GFLOP) reaches about half of a large one on A100/H100 "
-        "until a CUDA gemm-probe run measures it"))
+        GPU_W_HALF, "W_half of the GEMM achieved-fraction curve (FLOPs of a GEMM reaching half of e_max): "
+        "each GPU's from its GEMM benchmark (costmodel/kernels.yaml; H100's shown)"))
     step_overhead_s: Param = field(default_factory=lambda: _published(
-        0.0, "fixed per-step overhead (optimizer step, launch, data loading) not modelled on GPUs "
-        "until a gemm-probe run measures it"))
+        0.0, "fixed per-step overhead beyond the modelled terms: none on GPUs, whose memory-bound kernels "
+        "and optimizer step are modelled term by term (costmodel/compute.py); the gemm-probe measures it on "
+        "the local CPU"))
     dp_overlap: Param = field(default_factory=lambda: _published(
-        GPU_DP_OVERLAP, "DDP bucketing (Li et al. 2020, VLDB) and FSDP prefetching (Zhao et al. 2023, VLDB) "
-        "run DP traffic behind compute, but NCCL runs a collective as a kernel of one CTA (SM) per channel "
-        "(NCCL user guide: ncclConfig_t minCTAs/maxCTAs, CTA policy flags), 16-32 of A100's 108 / H100's "
-        "132 SMs, slowing the compute it overlaps: ~70-88% of the overlapped time is hidden, 80% taken; "
-        "dtrain backtest prints how its goals move with this value; fsdp-scaling measures it"))
+        GPU_DP_OVERLAP, "share of the DP traffic that runs hidden behind the compute it can overlap (DDP "
+        "bucketing, Li et al. 2020; FSDP prefetching, Zhao et al. 2023): NCCL runs a collective as a kernel "
+        "of one CTA (SM) per channel (NCCL user guide: ncclConfig_t minCTAs/maxCTAs) and shares HBM with the "
+        "GEMMs it overlaps, so part of the overlapped time is lost; fitted to the development set of dtrain "
+        "backtest (leave-one-source-out there); fsdp-scaling measures it"))
     pp_overhead: Param = field(default_factory=lambda: _published(
         1.0, "bubble formula (p-1)*ceil(L/(p*v))/(m*ceil(L/p)) taken as is (Narayanan et al. 2021); "
         "fsdp-scaling's PP layout runs measure the real/formula ratio"))
@@ -158,13 +167,13 @@ class Calibration:
         1.0, "alpha-beta prediction taken as is; Megatron TP collectives are not overlapped "
         "(Shoeybi et al. 2019), tp-attention measures the real/modelled ratio"))
     fp8_speedup: Param = field(default_factory=lambda: _published(
-        1.3, "compute speed-up over BF16; about 1.3-1.5x tokens/s reported for Llama 3 8B-405B on "
-        "H100 with float8 + FSDP2 vs FSDP1 bf16 (PyTorch blog 'Supercharging training using float8 "
-        "and FSDP2', IBM and Meta, 2024); 1.3x taken as the conservative end"))
+        1.3, "whole-step speed factor of FP8 over BF16, used only on a device without an FP8 GEMM benchmark "
+        "(the local check's emulated FP8, where fp8-train measures it); GPUs price FP8 per GEMM at their FP8 "
+        "peak and benchmark share, plus the casts (costmodel/compute.py)"))
     fp8_memory_factor: Param = field(default_factory=lambda: _published(
-        0.8, "activation bytes factor: FP8 recipes cache the inputs of the linear layers in 1 byte; "
-        "those are 14 of the 34 s*b*h bytes per layer of Korthikanti et al. 2022 (QKV, proj, fc1 "
-        "2+2+2, fc2 8), so (34-7)/34 ~ 0.8"))
+        1.0, "activation bytes factor of an FP8 recipe: 1, the recipes keep their activations in BF16 (torchao "
+        "float8 training: torchtitan's Llama 3.1 8B on 8 H100 reported 76.8 GiB with Float8 and 77.0 without, "
+        "docs/performance.md 2024-12 Table 1); fp8-train measures it per recipe"))
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,7 @@ class StepTime:
     gpus: int
     peak_flops: float
     overhead: float = 0.0
+    terms: ComputeTerms = field(default_factory=ComputeTerms)
 
     @property
     def tokens_per_s(self) -> float:
@@ -212,118 +222,241 @@ def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes
     return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * allreduce_time(act_bytes, layout.tp, link)
 
 
+@lru_cache(maxsize=1 << 10)
 def model_flops_per_token(shape: ModelShape) -> float:
     """``dtrain.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
     return transformer_flops_per_token(shape.n_layer, shape.d_model, shape.n_head, shape.n_kv_head,
                                        shape.ffn_hidden, shape.vocab, shape.seq_len, shape.gated_mlp)
 
 
-def compute_time(shape: ModelShape, layout: Layout, peak_flops: float, hbm_Bps: float, curve: GemmCurve,
-                 value_bytes: int = 2) -> float:
-    """Seconds of GEMM work per step on the busiest GPU (``efficiency``).
+def device_of(cluster: Cluster, calib: Calibration, stack: Stack = Stack()) -> Device:
+    """The rates a step runs at on ``cluster``'s GPU: its published kernel table (``kernels.yaml``), the GEMM
+    curve replaced by a measured one (``calib.mfu`` measured: the gemm-probe), or, for a device without a
+    table (the local CPU check), a GEMM-only model on the calibrated curve."""
+    return _device(cluster.gpu, calib.mfu, calib.gemm_half_flops, stack)
 
-    Per layer and micro-batch: forward GEMMs ×3 (forward, dgrad, wgrad: the same FLOPs), plus one
-    more forward with full recompute, the attention core (QKᵀ, AV) with selective recompute
-    (Korthikanti et al. 2022 §5), or wk, wo and w3 (w2 without a gated MLP) with torchtitan's
-    selective op AC (``efficiency.op_recompute_gemms``). The busiest stage holds ceil(L/pp) layers; the
-    output projection is given to the last stage, whose layer count Megatron's uneven split lowers to
-    balance it, so a stage costs max(ceil(L/pp)·t_layer, (L·t_layer + t_head)/pp).
-    """
-    gemms = layer_gemms(shape, layout)
-    times = [gemm_time(g, peak_flops, hbm_Bps, curve, value_bytes) for g in gemms]
-    fwd = sum(times)
-    t_layer = 3 * fwd
-    if layout.recompute == "full":
-        t_layer += fwd
-    elif layout.recompute == "selective":
-        t_layer += sum(t for g, t in zip(gemms, times) if g.name in ("scores", "av"))
-    elif layout.recompute == "op":
-        t_layer += sum(gemm_time(g, peak_flops, hbm_Bps, curve, value_bytes) for g in op_recompute_gemms(shape, layout))
-    t_head = 3 * gemm_time(head_gemm(shape, layout), peak_flops, hbm_Bps, curve, value_bytes)
-    layers = stage_layers(shape, layout.pp)
-    per_micro = max(layers * t_layer, (shape.n_layer * t_layer + t_head) / layout.pp)
-    return layout.grad_accum * per_micro
+
+@lru_cache(maxsize=256)
+def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -> Device:
+    calib = Calibration(mfu=mfu, gemm_half_flops=gemm_half_flops)
+    curve = GemmCurve(calib.mfu.value, calib.gemm_half_flops.value)
+    kernels = published(gpu.name, stack.attention)
+    if kernels is None:
+        kernels = KernelModel(gpu.name, {"bf16": curve})
+    elif calib.mfu.measured:
+        kernels = kernels.with_gemm("bf16", curve, calib.mfu.provenance)
+    scale = 1.0 / kernels.sustained
+    if kernels.power_w and gpu.power_w and gpu.power_w < kernels.power_w:
+        scale *= (kernels.power_w / gpu.power_w) ** (1 / 3)
+    return Device(gpu.peak_bf16_flops, gpu.peak_fp8_flops, gpu.hbm_tbps * 1e12, kernels, scale, stack.fused,
+                  stack.fused_loss)
+
+
+def compute_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
+                 precision: str = "bf16", value_bytes: int = 2, stack: Stack = Stack()) -> ComputeTerms:
+    """Seconds of compute per step on the busiest GPU, by term (``compute.step_terms``)."""
+    calib = calib or Calibration()
+    dev = device_of(cluster, calib, stack)
+    psi = params_per_gpu(shape, layout.tp, layout.pp)
+    with_states = psi / layout.dp if layout.zero_stage >= 1 else psi
+    local = psi / layout.dp if layout.zero_stage >= 2 else psi
+    per_gemm_fp8 = precision == "fp8" and "fp8" in dev.kernels.gemm
+    terms = step_terms(shape, layout, dev, with_states, local, precision if per_gemm_fp8 else "bf16", value_bytes)
+    if precision == "fp8" and not per_gemm_fp8:  # no FP8 kernel table (local check): the measured whole-step factor
+        terms = terms.scaled(1 / calib.fp8_speedup.value)
+    return terms
+
+
+@lru_cache(maxsize=1 << 14)
+def micro_compute_s(shape: ModelShape, tp: int, pp: int, micro_batch: int, recompute: str, sequence_parallel: bool,
+                    cluster: Cluster, calib: Calibration, precision: str = "bf16", stack: Stack = Stack()) -> float:
+    """Compute seconds of one micro-batch on the busiest stage, optimizer left out: m times it bounds a
+    layout's step from below (``search`` orders and prunes by it)."""
+    lay = Layout(1, tp, pp, 0, recompute, micro_batch, 1, sequence_parallel)
+    t = compute_time(shape, lay, cluster, calib, precision, 2, stack)
+    return t.total - t.optimizer
+
+
+@lru_cache(maxsize=1 << 14)
+def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int) -> tuple[float, float]:
+    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``)."""
+    if lay.dp <= 1:
+        return 0.0, 0.0
+    psi = params_per_gpu(shape, lay.tp, lay.pp)
+    grads, weights = 4 * psi, value_bytes * psi  # fp32 gradient reduction, bf16 weights
+    link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
+    ag = all_gather_time(weights, lay.dp, link)
+    rs = reduce_scatter_time(grads, lay.dp, link)
+    m = lay.grad_accum
+    if lay.zero_stage == 0:
+        return allreduce_time(grads, lay.dp, link), 0.0
+    if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
+        return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
+    if lay.zero_stage == 2:
+        return m * rs, ag
+    units = stage_layers(shape, lay.pp) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
+    lat_ag, lat_rs = ((units - 1) * (lay.dp - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
+    return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
 
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
-              precision: str = "bf16", value_bytes: int = 2) -> StepTime:
+              precision: str = "bf16", value_bytes: int = 2, stack: Stack = Stack()) -> StepTime:
     """Predicted time of one step for ``layout`` (see module docstring for every term).
 
-    compute   ``compute_time``: GEMM roofline × achieved-fraction curve (e_max = calib.mfu,
-              W_half = calib.gemm_half_flops) over the busiest stage's GEMMs [/ fp8_speedup]
-    overhead  calib.step_overhead_s, fixed per step [/ fp8_speedup: the factor is measured and
-              published as a whole-step tokens/s ratio, so it scales all per-rank work alike]
-    tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP
+    compute   ``compute_time`` (``compute.step_terms``): GEMMs, attention, memory-bound kernels, output
+              projection + cross-entropy, recompute, optimizer; on a device without a kernel table the
+              GEMM curve (e_max = calib.mfu, W_half = calib.gemm_half_flops) and the measured
+              whole-step FP8 factor
+    overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0 on
+              GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
+    tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
+              ``stack.tp_overlap`` the dp_overlap share of it hidden behind the GEMMs
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
-    bubble    bubble_fraction(p, m, v, L) · (compute + tp_comm) · calib.pp_overhead
+    bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
+              zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
     dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes, weights
-              value_bytes·Ψ): ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads +
-              an all-gather of weights (Megatron distributed optimizer); ZeRO-2 m reduce-
-              scatters + one all-gather of params; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter),
-              sharded grads being reduced every micro-batch (no no_sync); with m = 1 that is the
-              ZeRO paper's 1.5× of DP; ZeRO-3 pays α once per FSDP unit (ceil(L/pp) blocks + the
-              root) per collective. exposed = dp_comm − min(overlap · dp_comm, compute), plus the
-              all-reduce of the step's loss over DP (4 bytes: its latency; dtrain's trainer and
-              Megatron average the logged loss every step).
+              value_bytes·Ψ): ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
+              all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
+              keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m reduce-
+              scatters + one all-gather; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP
+              unit (ceil(L/pp) blocks + the root).
+    exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, at most
+              calib.dp_overlap of it: ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
+              the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1, ZeRO-3 under PP)
+              only behind the last micro-batch's backward (2/3 of its compute) and the pipeline's
+              cooldown, its weight all-gather behind the first micro-batch's forward (1/3); plus the
+              all-reduce of the step's loss over DP (4 bytes: its latency).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
     4 for the fp32 runs on CPU whose step times the guide predicts).
     """
-    calib = calib or Calibration()
-    lay, s, h = layout, shape.seq_len, shape.d_model
-    gpu = cluster.gpu
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
-    if precision == "fp8" and gpu.fp8_tflops is None:
-        raise ValueError(f"{gpu.name} has no FP8 tensor cores; use precision='bf16'")
-    m = lay.grad_accum
-    tokens_per_rank = lay.micro_batch * m * s
-    layers = stage_layers(shape, lay.pp)
-    curve = GemmCurve(calib.mfu.value, calib.gemm_half_flops.value)
-    compute = compute_time(shape, lay, gpu.peak_bf16_flops, gpu.hbm_tbps * 1e12, curve, value_bytes)
-    overhead = calib.step_overhead_s.value
-    if precision == "fp8":  # a whole-step tokens/s ratio (see Calibration.fp8_speedup): compute and overhead
-        compute /= calib.fp8_speedup.value
-        overhead /= calib.fp8_speedup.value
+    if precision == "fp8" and cluster.gpu.fp8_tflops is None:
+        raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores; use precision='bf16'")
+    return step_model(shape, cluster, calib or Calibration(), precision, value_bytes, stack).time(layout)
 
-    act_bytes = lay.micro_batch * s * h * value_bytes
-    tp_comm = 0.0
-    if lay.tp > 1:
-        link = group_link(cluster, lay.tp, 1, multi_rail=False)
-        tp_comm = tp_comm_time(shape, lay, link, value_bytes) * calib.tp_overhead.value
 
-    pp_comm = bubble = 0.0
-    if lay.pp > 1:
-        link = cluster.nvlink if lay.tp * lay.dp * lay.pp <= cluster.node_size else cluster.ib
-        pp_comm = 2 * lay.virtual_stages * m * p2p_time(act_bytes / lay.tp, link)
-        bubble = (bubble_fraction(lay.pp, m, lay.virtual_stages, shape.n_layer) * (compute + tp_comm)
-                  * calib.pp_overhead.value)
+@lru_cache(maxsize=64)
+def step_model(shape: ModelShape, cluster: Cluster, calib: Calibration, precision: str = "bf16",
+               value_bytes: int = 2, stack: Stack = Stack()) -> StepModel:
+    """``StepModel`` for one (model, cluster, calibration, precision, stack): a search times thousands of layouts
+    on it, sharing the pieces that depend on a few of their fields."""
+    return StepModel(shape, cluster, calib, precision, value_bytes, stack)
 
-    dp_comm = 0.0
-    if lay.dp > 1:
-        psi = params_per_gpu(shape, lay.tp, lay.pp)
-        grads, weights = 4 * psi, value_bytes * psi  # fp32 gradient reduction, bf16 weights
-        link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
-        ag = all_gather_time(weights, lay.dp, link)
-        rs = reduce_scatter_time(grads, lay.dp, link)
-        if lay.zero_stage == 0:
-            dp_comm = allreduce_time(grads, lay.dp, link)
-        elif lay.zero_stage == 1:
-            dp_comm = rs + ag
-        elif lay.zero_stage == 2:
-            dp_comm = m * rs + ag
-        else:
-            units = layers + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
-            lat_ag, lat_rs = ((units - 1) * (lay.dp - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
-            dp_comm = m * (2 * (ag + lat_ag) + rs + lat_rs)
-    hidden = min(calib.dp_overlap.value * dp_comm, compute)
-    exposed = dp_comm - hidden
-    if lay.dp > 1:  # the step's loss, averaged over the DP ranks for the log (a 4-byte all-reduce, latency only)
-        exposed += allreduce_time(4, lay.dp, group_link(cluster, lay.dp, lay.tp, multi_rail=True))
 
-    total = compute + tp_comm + pp_comm + bubble + exposed + overhead
-    tokens = lay.dp * tokens_per_rank
-    return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,
-                    pp_comm=pp_comm, bubble=bubble, total=total, tokens=tokens,
-                    model_flops=tokens * model_flops_per_token(shape),
-                    gpus=lay.dp * lay.tp * lay.pp, peak_flops=gpu.peak_bf16_flops, overhead=overhead)
+class StepModel:
+    """``step_time`` for one model on one cluster; each piece is kept per the layout fields it depends on."""
+
+    def __init__(self, shape: ModelShape, cluster: Cluster, calib: Calibration, precision: str, value_bytes: int,
+                 stack: Stack):
+        self.shape, self.cluster, self.calib, self.precision, self.vb, self.stack = \
+            shape, cluster, calib, precision, value_bytes, stack
+        self.dev = device_of(cluster, calib, stack)
+        self.fp8_gemms = precision == "fp8" and "fp8" in self.dev.kernels.gemm
+        self.fp8_factor = calib.fp8_speedup.value if precision == "fp8" and not self.fp8_gemms else 1.0
+        self.overhead = calib.step_overhead_s.value / (self.fp8_factor if published(cluster.gpu.name) is None else 1.0)
+        self.flops_per_token = model_flops_per_token(shape)
+        self._micro: dict = {}
+        self._tp: dict = {}
+        self._dp: dict = {}
+        self._p2p: dict = {}
+        self._loss: dict = {}
+
+    def micro_terms(self, lay: Layout) -> ComputeTerms:
+        """One micro-batch's compute on the busiest stage (no optimizer)."""
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel)
+        t = self._micro.get(key)
+        if t is None:
+            one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel)
+            t = _micro_terms(self.shape, one, self.dev, self.precision if self.fp8_gemms else "bf16", self.vb)
+            if self.fp8_factor != 1.0:  # no FP8 kernel table (local check): the measured whole-step factor
+                t = t.scaled(1 / self.fp8_factor)
+            self._micro[key] = t
+        return t
+
+    def compute(self, lay: Layout) -> ComputeTerms:
+        psi = params_per_gpu(self.shape, lay.tp, lay.pp)
+        with_states = psi / lay.dp if lay.zero_stage >= 1 else psi
+        local = psi / lay.dp if lay.zero_stage >= 2 else psi
+        opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
+        return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+
+    def tp_comm(self, lay: Layout, gemm_s: float) -> float:
+        if lay.tp <= 1:
+            return 0.0
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel)
+        per_micro = self._tp.get(key)
+        if per_micro is None:
+            link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
+            one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel)
+            per_micro = self._tp[key] = tp_comm_time(self.shape, one, link, self.vb) * self.calib.tp_overhead.value
+        t = per_micro * lay.grad_accum
+        if self.stack.tp_overlap:  # hidden behind the GEMMs as DP traffic is behind compute (same SM/HBM sharing)
+            t -= min(self.calib.dp_overlap.value * t, gemm_s)
+        return t
+
+    def p2p(self, lay: Layout) -> float:
+        intra = lay.tp * lay.dp * lay.pp <= self.cluster.node_size
+        key = (lay.micro_batch, lay.tp, intra)
+        t = self._p2p.get(key)
+        if t is None:
+            act = lay.micro_batch * self.shape.seq_len * self.shape.d_model * self.vb
+            t = self._p2p[key] = p2p_time(act / lay.tp, self.cluster.nvlink if intra else self.cluster.ib)
+        return t
+
+    def dp(self, lay: Layout) -> tuple[float, float, float]:
+        """(gradient traffic, weight traffic, the loss all-reduce) per step over DP."""
+        key = (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum)
+        t = self._dp.get(key)
+        if t is None:
+            g, w = _dp_comm(self.shape, Layout(lay.dp, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum),
+                            self.cluster, self.vb)
+            loss = allreduce_time(4, lay.dp, group_link(self.cluster, lay.dp, lay.tp, multi_rail=True)) \
+                if lay.dp > 1 else 0.0
+            t = self._dp[key] = (g, w, loss)
+        return t
+
+    def lower_bound(self, lay: Layout) -> float:
+        """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble (what DP
+        overlap cannot shorten): ``search`` orders and prunes by it."""
+        micro = self.micro_terms(lay)
+        m = lay.grad_accum
+        work = micro.total * m
+        tp_comm = self.tp_comm(lay, micro.gemm * m)
+        return work + tp_comm + self._pipeline(lay, work, tp_comm)[1]
+
+    def _pipeline(self, lay: Layout, work: float, tp_comm: float) -> tuple[float, float]:
+        """(pp_comm, pp_comm + bubble)."""
+        if lay.pp <= 1:
+            return 0.0, 0.0
+        m = lay.grad_accum
+        pp_comm = 2 * lay.virtual_stages * m * self.p2p(lay)
+        frac = bubble_fraction(lay.pp, m, lay.virtual_stages, self.shape.n_layer)
+        if lay.pp_schedule == "zbv":
+            frac /= 3
+        return pp_comm, pp_comm + frac * (work + tp_comm) * self.calib.pp_overhead.value
+
+    def time(self, lay: Layout) -> StepTime:
+        m, calib = lay.grad_accum, self.calib
+        terms = self.compute(lay)
+        compute = terms.total
+        work = compute - terms.optimizer
+        tp_comm = self.tp_comm(lay, terms.gemm)
+        pp_comm, pipe = self._pipeline(lay, work, tp_comm)
+        bubble = pipe - pp_comm
+        grad_comm, param_comm, loss = self.dp(lay)
+        dp_comm = grad_comm + param_comm
+        ov = calib.dp_overlap.value
+        if lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
+            hidden = min(ov * dp_comm, work)
+        else:  # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
+            micro = work / m
+            hidden = min(ov * grad_comm, 2 / 3 * micro + bubble / 2) + min(ov * param_comm, micro / 3)
+        exposed = dp_comm - hidden + loss  # + the step's loss averaged over DP for the log (latency only)
+        total = compute + tp_comm + pp_comm + bubble + exposed + self.overhead
+        tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
+        return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,
+                        pp_comm=pp_comm, bubble=bubble, total=total, tokens=tokens,
+                        model_flops=tokens * self.flops_per_token, gpus=lay.dp * lay.tp * lay.pp,
+                        peak_flops=self.cluster.gpu.peak_bf16_flops, overhead=self.overhead, terms=terms)

@@ -44,6 +44,8 @@ def steps(runs: Path) -> list[Step]:
         Step("attention_sweep", "SDPA fwd / fwd+bwd TFLOP/s by backend, head dim, sequence", [*k, "attention_sweep"],
              240),
         Step("membound", "memory-bound kernels (norms, SwiGLU, cross-entropy, AdamW) vs copy", [*k, "membound"], 180),
+        Step("step_profile", "GPU time per kernel category of one GPT training step (profiler)",
+             [*k, "step_profile"], 240),
         Step("allreduce_nccl", "allreduce-bench over NCCL, one rank (correctness only)",
              [*py, "-m", "allreduce_bench", *one_gpu, "backend=nccl", "collectives=[all_reduce,all_gather,"
               "reduce_scatter,broadcast]", "max_bytes=64M", "dtypes=[float32,bfloat16]"], 240, kind="allreduce"),

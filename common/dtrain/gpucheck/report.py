@@ -123,6 +123,13 @@ def summarize(step: Step) -> str:
         by = {(o["op"], o.get("d") or o.get("vocab") or o.get("params")): o["GBps"] for o in d["ops"]}
         return ", ".join(f"{op} {v / 1e3:.2f} TB/s" for (op, size), v in by.items()
                          if size in (4096, 128256, 1 << 27)) + f"; tiny kernel {d['tiny_kernel_s'] * 1e6:.1f} us"
+    if step.name == "step_profile":
+        return "; ".join(
+            f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c['overrides'] else ''} mb {c['micro_batch']}: step "
+            f"{c['step_s'] * 1e3:.1f} ms, GPU busy {c['gpu_busy_s'] / c['step_s']:.0%} ("
+            + ", ".join(f"{k} {v / c['step_s']:.0%}" for k, v in sorted(c["gpu_s_by_category"].items(),
+                                                                      key=lambda kv: -kv[1])) + ")"
+            for c in d["cases"])
     if step.kind == "probe":
         return (f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} FLOP, "
                 f"{d['points']} GEMM shapes; overheads " + ", ".join(f"d{o[0]}: step {o[1] * 1e3:.1f} ms, fixed "

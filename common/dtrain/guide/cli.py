@@ -44,7 +44,6 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
              gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
     """Write the guide and its plots; returns (guide path, plot paths)."""
     from .figures import draw_all
-    from .local_check import local_checks
     from .matrix import compute_matrix
     from .render import render
     from .rules import derive_rules
@@ -68,7 +67,11 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
         task = bar.add_task("matrix", total=None)
         cells = compute_matrix(report.cluster, report.cluster_links, gpu,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))
-    checks = local_checks(report, base)
+    checks = []
+    if report.runs:  # the local checks read runs with dtrain's model (torch): only when there are runs
+        from .local_check import local_checks
+
+        checks = local_checks(report, base)
     plot_paths = draw_all(cells, checks, plots_dir)
     label = ", ".join(display_path(Path(r), base) for r in results) or "(none: --no-results)"
     text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu)

@@ -9,6 +9,8 @@ traffic over its PCIe x16 link instead of NVLink, so the two topologies differ o
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 from dataclasses import dataclass, replace
 
 from dtrain.costmodel import Calibration, Cluster, LinkModel, ModelShape, search
@@ -70,7 +72,7 @@ def cluster_for(gpu: str, gpus: int, topology: str, ib_gbit: float, links: LinkC
 def cell(params: float, gpus: int, topology: str, ib: int, gpu: str, calib: Calibration,
          links: LinkCalibration | None) -> Cell:
     shape = ModelShape.from_params(params, seq_len=SEQ_LEN)
-    res = search(shape, cluster_for(gpu, gpus, topology, ib, links), GLOBAL_BATCH, calib, prune=True)
+    res = search(shape, cluster_for(gpu, gpus, topology, ib, links), GLOBAL_BATCH, calib, prune=True, keep_within=1.0)
     key = dict(model=model_label(params), params=params, gpus=gpus, topology=topology, ib_gbit=ib)
     b = res.best
     if b is None:
@@ -83,15 +85,33 @@ def cell(params: float, gpus: int, topology: str, ib: int, gpu: str, calib: Cali
                 mem_parts=tuple(x / GiB for x in (m.params, m.grads, m.optimizer, m.activations, m.buffers)))
 
 
+def _cell(args) -> Cell:
+    return cell(*args)
+
+
 def compute_matrix(calib: Calibration, links: LinkCalibration | None = None, gpu: str = "h100-sxm",
-                   progress=None) -> list[Cell]:
-    """Every cell in a fixed order (model, GPUs, topology, IB). ``progress(n_done, n_total)``."""
-    grid = [(p, g, t, ib) for p in MODELS for g in GPU_COUNTS for t in TOPOLOGIES for ib in IB_GBITS]
+                   progress=None, workers: int | None = None) -> list[Cell]:
+    """Every cell in a fixed order (model, GPUs, topology, IB). ``progress(n_done, n_total)``. The searches are
+    independent: ``workers`` processes (default: the usable cores, at most 8) run them side by side."""
+    grid = [(p, g, t, ib, gpu, calib, links) for p in MODELS for g in GPU_COUNTS for t in TOPOLOGIES
+            for ib in IB_GBITS]
+    workers = workers or min(len(os.sched_getaffinity(0)), 8)
     cells = []
-    for i, (p, g, t, ib) in enumerate(grid):
-        cells.append(cell(p, g, t, ib, gpu, calib, links))
-        if progress:
-            progress(i + 1, len(grid))
+    if workers <= 1:
+        it = map(_cell, grid)
+        pool = None
+    else:  # fork: the workers start with the cost model already imported
+        pool = multiprocessing.get_context("fork").Pool(workers)
+        it = pool.imap(_cell, grid, chunksize=4)
+    try:
+        for i, c in enumerate(it):
+            cells.append(c)
+            if progress:
+                progress(i + 1, len(grid))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     return cells
 
 

@@ -1,0 +1,370 @@
+"""Compute time of one training step on the busiest GPU, term by term (``ComputeTerms``).
+
+Each term is work over a rate, the work counted from the model's shape and layout, the rate a
+kernel benchmark's share of the datasheet peak (``kernels.yaml`` per GPU, ``KernelModel``):
+
+  gemm       the linear layers' GEMMs: forward, dgrad and wgrad, 2mnk FLOPs each, at
+             f(W) = e_max·W/(W + W_half) of the dtype's peak (FP8 runs the blocks' linears in FP8,
+             the output projection in BF16, as TransformerEngine and torchao do)
+  attention  fused (flash) attention at the benchmark's TFLOP/s for its sequence length and head
+             dim: forward 2·2·s²·hd per head, halved by the causal mask, backward 2.5x the forward
+             (FlashAttention's count); or, eager, QKᵀ and AV as batched GEMMs plus the softmax
+             (and dropout) passes over the stored s x s scores
+  memory     the memory-bound kernels (norms, residual adds, RoPE, the MLP activation, dropout,
+             FP8 casts) as bytes over HBM bandwidth x the kernel's measured share; `eager`
+             (unfused PyTorch) moves EAGER_BYTES times the fused count
+  head       output projection (vocab-parallel) and the cross-entropy over its logits
+  recompute  what activation checkpointing runs again: a whole forward (full), the attention
+             core (selective), or torchtitan's op policy's every-second matmul (op)
+  optimizer  AdamW over the rank's shard of the states plus gradient clipping, bytes over HBM
+
+A device without a kernel table (the local CPU check) is a GEMM-only model: its GEMM curve comes
+from the gemm-probe, attention runs as batched GEMMs, and the probe's measured fixed overhead stands
+for everything memory-bound (``Calibration.step_overhead_s``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+
+import yaml
+
+from .efficiency import Gemm, GemmCurve, gemm_time, head_gemm, layer_gemms, op_recompute_gemms
+from .memory import Layout, ModelShape, stage_layers
+from .hashing import cached_hash
+
+# Unfused PyTorch moves this many times the bytes of the fused count for the same memory-bound work
+# (measured: dtrain's eager GPT, d_model 2048, spent 237 ps per token and layer in elementwise kernels
+# on the H100 against 95 ps for the count below; measured/h100-sxm/gpu-check-20261125-105450, step_profile).
+EAGER_BYTES = 2.5
+# FP8 casts per element of a linear layer's input and output gradient: scale + cast (read 2, write 1)
+# and the transposed copy the other GEMM needs (2); 3 when a compiler fuses the cast into the
+# producing op (torch.compile, TransformerEngine's fused norm/activation casts).
+FP8_CAST_BYTES = {"fused": 3.0, "eager": 7.0}
+# AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads the
+# gradients and scales them: 12 B.
+OPTIMIZER_BYTES, CLIP_BYTES = 28.0, 12.0
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """Fused attention forward+backward share of the bf16 peak: e(s) = e_max·s/(s + s_half)."""
+
+    __hash__ = cached_hash
+
+    e_max: float
+    s_half: float
+    hd64: float = 0.8
+
+    def share(self, seq: int, head_dim: int) -> float:
+        e = self.e_max * seq / (seq + self.s_half)
+        return e * (self.hd64 if head_dim <= 64 else 1.0)
+
+
+class FrozenMap(tuple):
+    """A hashable read-only mapping (sorted (key, value) pairs), so a KernelModel can key a cache."""
+
+    def __new__(cls, d: dict | None = None):
+        obj = super().__new__(cls, sorted((d or {}).items()))
+        obj._d = dict(obj)
+        return obj
+
+    def get(self, key, default=None):
+        return self._d.get(key, default)
+
+    def __getitem__(self, key):
+        return tuple.__getitem__(self, key) if isinstance(key, int) else self._d[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
+    def as_dict(self) -> dict:
+        return dict(self._d)
+
+
+@dataclass(frozen=True)
+class KernelModel:
+    """How fast one device runs each kind of kernel (``kernels.yaml``); ``memory`` None: memory-bound
+    work is not modelled (a measured fixed overhead covers it), ``attention`` None: batched GEMMs."""
+
+    __hash__ = cached_hash
+
+    name: str
+    gemm: FrozenMap                  # dtype -> GemmCurve
+    attention: AttentionCurve | None = None
+    memory: FrozenMap | None = None  # kernel kind -> share of HBM bandwidth
+    power_w: float | None = None
+    sustained: float = 1.0           # share of the benchmark rate kept under continuous load (GEMM, attention)
+    sources: FrozenMap = field(default_factory=FrozenMap)
+    gemm_measured: bool = False      # the GEMM curve was measured on this GPU (gemm-probe): its clocks are in it
+
+    def __post_init__(self) -> None:
+        for name in ("gemm", "memory", "sources"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, FrozenMap(value))
+
+    def with_gemm(self, dtype: str, curve: GemmCurve, source: str) -> KernelModel:
+        return KernelModel(self.name, {**self.gemm.as_dict(), dtype: curve}, self.attention, self.memory,
+                           self.power_w, self.sustained, {**self.sources.as_dict(), f"gemm_{dtype}": source}, True)
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict:
+    return yaml.safe_load(resources.files(__package__).joinpath("kernels.yaml").read_text(encoding="utf-8"))
+
+
+# the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on Hopper), the
+# FlashAttention-2 class on any GPU, and eager attention over stored scores
+ATTENTION_KERNELS = ("flash", "flash2", "eager")
+
+
+@lru_cache(maxsize=64)
+def published(gpu: str, attention: str = "flash") -> KernelModel | None:
+    """The kernel table of a ``hardware.yaml`` profile (its ``attention`` kernel: flash | flash2 | eager),
+    None for a device without one."""
+    e = _table().get(gpu)
+    if e is None:
+        return None
+    gemm = {d: GemmCurve(c["e_max"], c["w_half_gflop"] * 1e9) for d in ("bf16", "fp8")
+            if (c := e.get(f"gemm_{d}"))}
+    a = e["attention"]["flash2" if attention == "flash2" else "flash"]
+    curve = None if attention == "eager" else AttentionCurve(a["e_max"], a["s_half"], a.get("hd64", 0.8))
+    mem = {k: v for k, v in e["memory"].items() if k != "source"}
+    return KernelModel(gpu, gemm, curve, mem, e.get("power_w"),
+                       e.get("sustained", 1.0), {"gemm": e["gemm_source"], "attention": a["source"],
+                                                 "memory": e["memory"]["source"], "sustained": e.get("sustained_source", "")})
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The software a layout runs on, as far as it moves the cost: the attention kernel (ATTENTION_KERNELS),
+    fused or eager norm / activation / cast kernels (Megatron's fused kernels, torch.compile; or PyTorch without
+    compile), and a fused vocab-parallel cross-entropy or PyTorch's unfused one (default: as the kernels;
+    torchtitan compiles its blocks but not its loss); ``tp_overlap``: TP collectives run overlapped with the
+    GEMMs they feed (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``; torchtitan's AsyncTP)."""
+
+    __hash__ = cached_hash
+
+    attention: str = "flash"
+    kernels: str = "fused"
+    loss: str | None = None
+    tp_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        for name in ("kernels", "loss"):
+            if getattr(self, name) not in ("fused", "eager", None if name == "loss" else "fused"):
+                raise ValueError(f"{name} must be fused or eager, got {getattr(self, name)!r}")
+
+    @property
+    def fused(self) -> bool:
+        return self.kernels == "fused"
+
+    @property
+    def fused_loss(self) -> bool:
+        return (self.loss or self.kernels) == "fused"
+
+    @property
+    def flash(self) -> bool:
+        return self.attention != "eager"
+
+    def describe(self) -> str:
+        loss = f", {self.loss} loss" if self.loss and self.loss != self.kernels else ""
+        tp = ", TP overlapped" if self.tp_overlap else ""
+        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}"
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    """Seconds of one step's compute on the busiest GPU, by term (see the module docstring)."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    head: float = 0.0
+    recompute: float = 0.0
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.memory + self.head + self.recompute + self.optimizer
+
+    def times(self, m: int, optimizer: float = 0.0) -> ComputeTerms:
+        """m micro-batches of these terms plus one optimizer step."""
+        return ComputeTerms(self.gemm * m, self.attention * m, self.memory * m, self.head * m, self.recompute * m,
+                            optimizer)
+
+    def scaled(self, f: float, optimizer: float | None = None) -> ComputeTerms:
+        return ComputeTerms(self.gemm * f, self.attention * f, self.memory * f, self.head * f, self.recompute * f,
+                            self.optimizer if optimizer is None else optimizer)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("gemm", "attention", "memory", "head", "recompute", "optimizer")}
+
+
+@dataclass(frozen=True)
+class Device:
+    """The rates one step runs at: peaks, the kernel model, HBM bandwidth, the power scale."""
+
+    __hash__ = cached_hash
+
+    peak_bf16: float
+    peak_fp8: float | None
+    hbm_Bps: float
+    kernels: KernelModel
+    power_scale: float = 1.0   # time multiplier of compute-bound kernels: sustained clocks, a lower power cap
+    fused: bool = True
+    fused_loss: bool = True
+
+    def gemm_s(self, g: Gemm, dtype: str = "bf16", value_bytes: int = 2) -> float:
+        curve = self.kernels.gemm.get(dtype) or self.kernels.gemm["bf16"]
+        peak = self.peak_fp8 if dtype == "fp8" and self.peak_fp8 else self.peak_bf16
+        scale = self.power_scale * (self.kernels.sustained if self.kernels.gemm_measured and dtype != "fp8" else 1.0)
+        return gemm_time(g, peak, self.hbm_Bps, curve, value_bytes) * scale
+
+    def mem_s(self, nbytes: float, kind: str) -> float:
+        mem = self.kernels.memory
+        return 0.0 if mem is None else nbytes / (self.hbm_Bps * mem[kind])
+
+
+def _local_heads(shape: ModelShape, tp: int) -> tuple[int, int]:
+    """(query heads, KV heads) on one TP rank; KV heads are replicated when tp > n_kv_head."""
+    return max(1, shape.n_head // tp), max(1, shape.n_kv_head // tp)
+
+
+def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bool = False) -> float:
+    """The attention core of one layer and micro-batch (forward+backward, or its forward alone)."""
+    s, b = shape.seq_len, layout.micro_batch
+    hd = shape.d_model // shape.n_head
+    heads, _ = _local_heads(shape, layout.tp)
+    if dev.kernels.attention is not None:  # fused kernel: FLOPs executed over the benchmark's rate
+        fwd = 2 * 2 * b * heads * s * s * hd / 2   # causal: half of the s x s products
+        work = fwd if forward_only else 3.5 * fwd
+        return work / (dev.peak_bf16 * dev.kernels.attention.share(s, hd)) * dev.power_scale
+    qk, av = Gemm(s, s, hd, b * heads, "scores"), Gemm(s, hd, s, b * heads, "av")
+    t = (dev.gemm_s(qk) + dev.gemm_s(av)) * (1 if forward_only else 3)
+    elems = b * heads * s * s   # the stored scores: QKᵀ written, softmax forward (r+w) and backward (r, r, w)
+    t += dev.mem_s(elems * (6 if forward_only else 12), "softmax") if dev.kernels.memory else 0.0
+    if shape.dropout and dev.kernels.memory:  # dropout on the probabilities: r+w+mask forward, again backward
+        t += dev.mem_s(elems * (5 if forward_only else 10), "dropout")
+    return t
+
+
+def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool) -> dict:
+    """Bytes the memory-bound kernels of one layer move per micro-batch, forward+backward, by kind.
+
+    Per token, 16-bit values, h_r the width of the replicated ops (h, or h/t with SP), on one TP rank:
+      norm (2 per layer)      forward read+write, backward read x and dy, write dx: 2·10·h_r
+      add (2 residuals)       forward 3 passes, backward the gradient sum 3: 2·12·h_r
+      RoPE on q and k         4 bytes per element forward, 4 backward
+      MLP activation          GELU 10·F/t (forward 2 passes, backward 3), SwiGLU 16·F/t (3 + 5)
+      dropout (if any)        2 layers x (forward r+w+mask, backward r+mask+w): 2·10·h_r
+      FP8 casts               each block linear's input and output gradient, FP8_CAST_BYTES per element
+    """
+    t, h = layout.tp, shape.d_model
+    h_r = h / t if layout.sequence_parallel else h
+    heads, kv_heads = _local_heads(shape, t)
+    hd = h // shape.n_head
+    f = shape.ffn_hidden / t
+    out = {"norm": 20 * h_r, "add": 24 * h_r,
+           "act_swiglu" if shape.gated_mlp else "act_gelu": (16 if shape.gated_mlp else 10) * f}
+    if shape.rotary:
+        out["rope"] = 8 * (heads + kv_heads) * hd
+    if shape.dropout:
+        out["dropout"] = 20 * h_r
+    if precision == "fp8":
+        q, kv = heads * hd, kv_heads * hd
+        elems = (h + (q + 2 * kv)) + (q + h) + (h + (2 if shape.gated_mlp else 1) * f) + (f + h)
+        out["fp8_cast"] = FP8_CAST_BYTES["fused" if fused else "eager"] * elems
+    tokens = layout.micro_batch * shape.seq_len
+    scale = 1.0 if fused else EAGER_BYTES
+    return {k: v * tokens * scale for k, v in out.items()}
+
+
+# which measured share each byte count streams at
+_KIND = {"norm": "norm", "add": "add", "rope": "norm", "act_gelu": "act_gelu", "act_swiglu": "act_swiglu",
+         "dropout": "dropout", "fp8_cast": "add"}
+# share of each kind's bytes that the forward moves (what full recompute runs again)
+_FORWARD_SHARE = {"norm": 0.4, "add": 0.5, "rope": 0.5, "act_gelu": 0.4, "act_swiglu": 0.375, "dropout": 0.5,
+                  "fp8_cast": 0.5}
+
+
+def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str = "bf16",
+                value_bytes: int = 2) -> ComputeTerms:
+    """One layer, one micro-batch: GEMMs, attention, memory-bound kernels and recompute (cached on what they
+    depend on: a search times thousands of layouts that share them)."""
+    key = Layout(1, layout.tp, 1, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel)
+    return _layer_terms(shape, key, dev, precision, value_bytes)
+
+
+@lru_cache(maxsize=1 << 14)
+def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
+    gemms = [g for g in layer_gemms(shape, layout) if g.name not in ("scores", "av")]
+    dtype = "fp8" if precision == "fp8" and "fp8" in dev.kernels.gemm else ("bf16" if value_bytes == 2 else "fp32")
+    fwd_gemm = sum(dev.gemm_s(g, dtype, value_bytes) for g in gemms)
+    attn = attention_s(shape, layout, dev)
+    mem = {k: dev.mem_s(v, _KIND[k]) for k, v in memory_bytes(shape, layout, precision, dev.fused).items()} \
+        if dev.kernels.memory else {}
+    rc = 0.0
+    if layout.recompute == "full":
+        rc = fwd_gemm + attention_s(shape, layout, dev, forward_only=True) + sum(
+            t * _FORWARD_SHARE[k] for k, t in mem.items())
+    elif layout.recompute == "selective":
+        rc = attention_s(shape, layout, dev, forward_only=True)
+    elif layout.recompute == "op":
+        rc = sum(dev.gemm_s(g, dtype, value_bytes) for g in op_recompute_gemms(shape, layout)) + sum(
+            t * _FORWARD_SHARE[k] for k, t in mem.items() if k != "add")
+    return ComputeTerms(gemm=3 * fwd_gemm, attention=attn, memory=sum(mem.values()), recompute=rc)
+
+
+@lru_cache(maxsize=1 << 12)
+def _head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int) -> float:
+    return head_s(shape, layout, dev, value_bytes)
+
+
+def head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int = 2) -> float:
+    """Output projection (forward, dgrad, wgrad; BF16 under FP8 recipes) and the cross-entropy over
+    the rank's vocab shard of logits, for one micro-batch."""
+    g = head_gemm(shape, layout)
+    t = 3 * dev.gemm_s(g, "bf16" if value_bytes == 2 else "fp32", value_bytes)
+    if dev.kernels.memory:
+        logits = layout.micro_batch * shape.seq_len * g.n
+        t += dev.mem_s(6 * logits, "softmax" if dev.fused_loss else "cross_entropy")
+    return t
+
+
+def optimizer_s(params_with_states: float, params_local: float, dev: Device) -> float:
+    """AdamW over the rank's optimizer shard plus clipping over its gradients (memory-bound)."""
+    if not dev.kernels.memory:
+        return 0.0
+    return dev.mem_s(OPTIMIZER_BYTES * params_with_states + CLIP_BYTES * params_local, "optimizer")
+
+
+def step_terms(shape: ModelShape, layout: Layout, dev: Device, params_with_states: float, params_local: float,
+               precision: str = "bf16", value_bytes: int = 2) -> ComputeTerms:
+    """All micro-batches of one step on the busiest pipeline stage, plus the optimizer.
+
+    Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus the output
+    projection (Megatron's and DeepSpeed's default split; Llama 3 405B ran 126 layers on 16 stages this way):
+    a micro-batch costs max(ceil(L/pp)·t_layer, last·t_layer + t_head) on the busiest stage."""
+    key = Layout(1, layout.tp, layout.pp, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel)
+    micro = _micro_terms(shape, key, dev, precision, value_bytes)
+    m = layout.grad_accum
+    return ComputeTerms(micro.gemm * m, micro.attention * m, micro.memory * m, micro.head * m, micro.recompute * m,
+                        optimizer_s(params_with_states, params_local, dev))
+
+
+@lru_cache(maxsize=1 << 14)
+def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
+    """One micro-batch on the busiest stage (no optimizer)."""
+    lt = layer_terms(shape, layout, dev, precision, value_bytes)
+    head = _head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch), dev, value_bytes)
+    layers = stage_layers(shape, layout.pp)
+    last = max(shape.n_layer - (layout.pp - 1) * layers, 0)
+    first_busiest = layout.pp > 1 and layers * lt.total >= last * lt.total + head
+    n = layers if first_busiest else last          # the busiest stage's layers
+    return ComputeTerms(gemm=lt.gemm * n, attention=lt.attention * n, memory=lt.memory * n,
+                        head=0.0 if first_busiest else head, recompute=lt.recompute * n)
