@@ -45,7 +45,8 @@ def test_guide_sections_provenance_and_plots(cpu_guides):
     # 7 models x 6 GPU counts, 8 columns each
     rows = [line for line in text.splitlines() if re.match(r"\| \d+ \| ", line)]
     assert len(rows) == 7 * 6 and all(line.count(" | ") == 8 for line in rows)
-    assert "| GEMM achieved fraction of the roofline bound, large GEMMs (e_max) | 58.0% | datasheet/published:" in text
+    # the GEMM curve is the H100's kernel benchmark until a CUDA gemm-probe measures it
+    assert "| GEMM achieved fraction of the roofline bound, large GEMMs (e_max) | 82.0% | datasheet/published:" in text
     assert "measured here: " in text and ", cpu (gloo, 2 ranks)" in text
     for p in plots:
         assert f"](plots/{p.name})" in text  # referenced relative to the guide
@@ -57,8 +58,9 @@ def test_gpu_results_calibrate_the_matrix(tmp_path):
     guide, _ = generate([str(FIXTURES / "cpu"), str(FIXTURES / "gpu")], tmp_path / "G.md", quiet=True)
     text = guide.read_text()
     assert "uses values measured on CUDA GPUs where they exist" in text
-    row = next(line for line in text.splitlines() if line.startswith("| GEMM achieved fraction"))
-    assert "| 42.3% | measured here: " in row and "NVIDIA H100 80GB HBM3" in row
+    # GPU training runs calibrate the DP overlap (their MFU checks the model; only a CUDA gemm-probe sets the curve)
+    row = next(line for line in text.splitlines() if line.startswith("| share of DP/ZeRO traffic hidden"))
+    assert "| 81% | measured here: " in row and "NVIDIA H100 80GB HBM3" in row
     assert (tmp_path / "docs" / "guide" / "mfu_vs_gpus.png").exists()  # default plots dir beside the guide
 
 

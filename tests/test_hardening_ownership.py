@@ -189,7 +189,7 @@ def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(tm
     monkeypatch.setattr(liveness, "kill_all", second_ctrl_c)
     cfg = OmegaConf.create({"world_size": 2, "heartbeat_timeout_s": None})
     with pytest.raises(liveness.Interrupted), liveness.catch_interrupts():
-        launch._launch_local(None, cfg, tmp_path)
+        launch._launch_local(None, cfg, tmp_path, "cpu")
     assert not side.exists()
 
 

@@ -21,6 +21,7 @@ from dtrain import app, checks, precheck, results
 from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.train import TrainConfig
+from dtrain.train.checkpoint import check_resume
 from test_hardening_runs import _cfg, _stub_launch, one_error_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results" / "cpu"
@@ -106,18 +107,18 @@ def test_resume_checks_in_the_launcher_name_the_damage_and_the_way_out(tmp_path)
     last, previous = ck / "step-000003", ck / "step-000002"
     with pytest.raises(UserError, match=r"train.steps=3 leaves nothing to train after the checkpoint's step 3 "
                                         r"\(.*step-000003\): pass train.steps > 3"):
-        checks.check_resume(TrainConfig(steps=3, resume_from=str(ck)))
-    checks.check_resume(TrainConfig(steps=4, resume_from=str(ck)))  # intact and something left: fine
+        check_resume(TrainConfig(steps=3, resume_from=str(ck)))
+    check_resume(TrainConfig(steps=4, resume_from=str(ck)))  # intact and something left: fine
     shard = sorted(last.glob("*.distcp"))[0]
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
     with pytest.raises(UserError) as e:
-        checks.check_resume(TrainConfig(steps=4, resume_from=str(last)))
+        check_resume(TrainConfig(steps=4, resume_from=str(last)))
     assert str(e.value) == (f"checkpoint {last} is damaged (shard {shard.name} is truncated: {size // 2} of "
                             f"{size} bytes): pass train.resume_from={previous}")
     shard.unlink()
     with pytest.raises(UserError, match=f"shard {shard.name} is missing"):
-        checks.check_resume(TrainConfig(steps=4, resume_from=str(last)))
+        check_resume(TrainConfig(steps=4, resume_from=str(last)))
 
 
 def test_resume_with_another_recipe_or_fewer_ranks_says_what_to_pass(tmp_path):
@@ -183,8 +184,8 @@ def test_runs_that_used_to_crash_in_finalize_are_refused_up_front():
     with pytest.raises(UserError, match=r"collectives=\[sendrecv\] needs world_size >= 2"):
         spec.parse(ar)
     tp = OmegaConf.structured(TpAttentionConfig)
-    tp.world_size, tp.tp = 2, []
-    with pytest.raises(UserError, match=r"tp=\[\] is empty: name at least one degree"):
+    tp.world_size, tp.train.tp = 2, []
+    with pytest.raises(UserError, match=r"train.tp=\[\] is empty: name at least one degree"):
         check_bench(tp)
 
 

@@ -162,24 +162,3 @@ def check_training_data(train, model) -> None:
     if model.vocab_size < 256:
         raise _dataset_error(path, f"is read as bytes (token ids up to 255) but model.vocab_size={model.vocab_size}",
                              "pass model.vocab_size >= 256, or a .bin token file")
-
-
-# ---------------------------------------------------------------- resume
-
-def check_resume(train) -> None:
-    """train.resume_from: a complete checkpoint (every shard its .metadata names is there, whole)
-    whose step leaves something to train."""
-    if not train.resume_from:
-        return
-    from dtrain.train import checkpoint
-
-    path = checkpoint.resolve(train.resume_from)
-    problem = checkpoint.damage(path)
-    if problem:
-        previous = checkpoint.previous_intact(path)
-        offer = f"pass train.resume_from={previous}" if previous else "no earlier complete checkpoint is next to it"
-        raise UserError(f"checkpoint {path} is damaged ({problem}): {offer}")
-    done = checkpoint.step_of(path)
-    if done is not None and train.steps <= done:
-        raise UserError(f"train.steps={train.steps} leaves nothing to train after the checkpoint's step {done} "
-                        f"({path}): pass train.steps > {done}")

@@ -84,7 +84,8 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
     # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
     shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp))
-    m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True)
+    # dtrain's GPT: SDPA attention, its loss PyTorch's unfused F.cross_entropy
+    m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True, fused_loss=False)
     psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)
     states = sum(fsdp2_state_bytes(psi, layout.zero_stage, layout.dp))
     m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's

@@ -24,6 +24,7 @@ from dtrain.errors import UserError
 from dtrain.fit import check_fits
 from dtrain.launch import mode_of
 from dtrain.metrics import RECORDS
+from dtrain.train.checkpoint import check_resume
 from dtrain.model import GPT, GPTConfig
 from dtrain.results import read_jsonl
 from dtrain.train import Trainer, TrainConfig
@@ -54,7 +55,7 @@ def validate(cfg: DictConfig) -> None:
     train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)  # checks train.*
     backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
     checks.check_training_data(train, model_cfg)
-    checks.check_resume(train)
+    check_resume(train)
     if local:
         check_fits(model_cfg, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
     PrecisionMap.from_cfg(cfg.precision_map, model_cfg)

@@ -19,6 +19,7 @@ from dtrain.fit import check_fits
 from dtrain.launch import RankContext, mode_of
 from dtrain.model import GPTConfig
 from dtrain.train import Trainer, TrainConfig
+from dtrain.train.checkpoint import check_resume
 from fsdp_scaling import memory
 from fsdp_scaling.probes import ProfileWindow, StateBytes
 
@@ -34,7 +35,7 @@ def validate(cfg: DictConfig) -> None:
     model = model_config(cfg.model)
     train.validate_model(model)
     checks.check_training_data(train, model)
-    checks.check_resume(train)
+    check_resume(train)
     if local:
         check_fits(model, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
     if cfg.profile.enabled and cfg.profile.steps < 1:

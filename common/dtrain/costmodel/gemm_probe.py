@@ -39,6 +39,7 @@ import torch
 from dtrain import contract, envinfo, hostload, perf
 from dtrain.derived import write_derived_run
 from dtrain.results import complete_runs
+from dtrain.timing import queued_s
 
 from . import hardware
 from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
@@ -159,8 +160,7 @@ def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer
     a = torch.randn(g.count, g.m, g.k, device=device, dtype=dtype)
     b = torch.randn(g.count, g.k, g.n, device=device, dtype=dtype)
     if device.type == "cuda":  # launched back to back, as in a training step (no launch gap per call)
-        from dtrain.gpucheck.kernels import _queued_s
-        return _queued_s(lambda: torch.bmm(a, b), device)
+        return queued_s(lambda: torch.bmm(a, b), device)
     return statistics.median(timer.times(lambda: torch.bmm(a, b)))
 
 

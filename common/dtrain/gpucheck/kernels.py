@@ -6,7 +6,7 @@ length, memory-bound kernels against HBM bandwidth). One process each, one JSON 
 
 `--small` runs the same code at CPU-sized shapes (the tests); only GPU numbers go into a report.
 
-Timing: `_queued_s`, CUDA events around R back-to-back calls (R chosen so a timing lasts ~5 ms), the
+Timing: `dtrain.timing.queued_s`, CUDA events around R back-to-back calls (R chosen so a timing lasts ~5 ms), the
 median of 3 such timings over R: the time a kernel costs inside a training step, where the CPU has
 already queued the next one. (Timing each call alone adds the launch gap, ~10-30 us, which made the
 small shapes of the first H100 check, measured that way, look 2-5x slower.)
@@ -30,24 +30,13 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from dtrain.timing import time_fn
+from dtrain.timing import queued_s, time_fn
 
 
 def _device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _queued_s(fn, dev: torch.device, target_s: float = 5e-3, repeats: int = 3) -> float:
-    """Seconds per call of ``fn`` launched back to back (see the module docstring)."""
-    for _ in range(3):
-        fn()
-    one = time_fn(fn, warmup=0, iters=1, device=dev).median
-    reps = int(min(max(target_s / max(one, 1e-7), 3), 400))
-    return statistics.median(time_fn(lambda: [fn() for _ in range(reps)], warmup=0, iters=repeats,
-                                     device=dev).samples_s) / reps
-
-
-_median_s = _queued_s
 
 
 def gemm_sweep(small: bool = False) -> dict:
@@ -70,12 +59,12 @@ def gemm_sweep(small: bool = False) -> dict:
                 b = torch.randn(k, n, device=dev, dtype=dtype, generator=g)
                 flops = 2 * m * n * k
                 row = {"m": m, "n": n, "k": k, "flops": flops,
-                       "bf16_tflops": flops / _median_s(lambda: a @ b, dev) / 1e12}
+                       "bf16_tflops": flops / queued_s(lambda: a @ b, dev) / 1e12}
                 if fp8:
                     a8 = a.to(torch.float8_e4m3fn)
                     b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt takes B
                     for fast in (False, True):
-                        s = _median_s(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
+                        s = queued_s(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
                                                                use_fast_accum=fast), dev)
                         row["fp8_fast_tflops" if fast else "fp8_tflops"] = flops / s / 1e12
                 points.append(row)
@@ -124,8 +113,8 @@ def attention_sweep(small: bool = False) -> dict:
                             def fwd_bwd():
                                 out = fwd()
                                 torch.autograd.grad(out, (q, k, v), dout)
-                            tf = _median_s(fwd, dev)
-                            tfb = _median_s(fwd_bwd, dev)
+                            tf = queued_s(fwd, dev)
+                            tfb = queued_s(fwd_bwd, dev)
                         row |= {"fwd_tflops": fwd_flops / tf / 1e12, "fwd_bwd_tflops": 3.5 * fwd_flops / tfb / 1e12,
                                 "fwd_s": tf, "fwd_bwd_s": tfb}
                     except RuntimeError as e:  # a backend that does not take this shape or GPU
@@ -155,11 +144,11 @@ def eager_attention(small: bool = False) -> list[dict]:
         def fwd():
             return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)).masked_fill_(mask, float("-inf")), -1), v)
         row = {"seq": s, "batch": b, "heads": h, "head_dim": hd, "score_elements": b * h * s * s,
-               "bmm_qk_s": _queued_s(lambda: torch.bmm(q.detach(), k.detach().transpose(1, 2)), dev),
-               "softmax_fwd_bwd_s": _queued_s(lambda: torch.autograd.grad(torch.softmax(scores, -1), scores,
+               "bmm_qk_s": queued_s(lambda: torch.bmm(q.detach(), k.detach().transpose(1, 2)), dev),
+               "softmax_fwd_bwd_s": queued_s(lambda: torch.autograd.grad(torch.softmax(scores, -1), scores,
                                                                            scores.detach()), dev),
-               "fwd_s": _queued_s(fwd, dev),
-               "fwd_bwd_s": _queued_s(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), dev)}
+               "fwd_s": queued_s(fwd, dev),
+               "fwd_bwd_s": queued_s(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), dev)}
         out.append(row)
         del q, k, v, scores, dout, mask
     return out
@@ -176,7 +165,7 @@ def membound(small: bool = False) -> dict:
     rows = []
 
     def add(name: str, nbytes: float, fn, **facts):
-        s = _median_s(fn, dev)
+        s = queued_s(fn, dev)
         rows.append({"op": name, "bytes": nbytes, "seconds": s, "GBps": nbytes / s / 1e9, **facts})
 
     for d in ((64,) if small else (768, 2048, 4096, 8192)):
@@ -217,7 +206,7 @@ def membound(small: bool = False) -> dict:
         opt.step()
         # AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per parameter
         add("adamw_fused" if fused else "adamw_foreach", 7 * 4 * numel, opt.step, params=numel)
-    launch = _queued_s(lambda: torch.add(p[:1], 1.0), dev)  # eager dispatch per op: the CPU-bound floor
+    launch = queued_s(lambda: torch.add(p[:1], 1.0), dev)  # eager dispatch per op: the CPU-bound floor
     return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "ops": rows,
             "tiny_kernel_s": launch}
 

@@ -166,3 +166,20 @@ def load(path: str | Path, model, optimizer, trainer_state: dict) -> dict:
         set_model_state_dict(part, state["model"], options=options)
         set_optimizer_state_dict(part, opt, state["optim"], options=options)
     return state["trainer"]
+
+
+def check_resume(train) -> None:
+    """train.resume_from: a complete checkpoint (every shard its .metadata names is there, whole)
+    whose step leaves something to train."""
+    if not train.resume_from:
+        return
+    path = resolve(train.resume_from)
+    problem = damage(path)
+    if problem:
+        previous = previous_intact(path)
+        offer = f"pass train.resume_from={previous}" if previous else "no earlier complete checkpoint is next to it"
+        raise UserError(f"checkpoint {path} is damaged ({problem}): {offer}")
+    done = step_of(path)
+    if done is not None and train.steps <= done:
+        raise UserError(f"train.steps={train.steps} leaves nothing to train after the checkpoint's step {done} "
+                        f"({path}): pass train.steps > {done}")
