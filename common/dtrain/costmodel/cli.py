@@ -23,7 +23,7 @@ from dtrain.errors import UserError
 
 from .hardware import GiB, Cluster, load_profiles
 from .compute import ATTENTION_KERNELS, EAGER_BYTES, Stack
-from .memory import PP_SCHEDULES, RECOMPUTE, ModelShape
+from .memory import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
 from .search import SearchResult, explain, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
@@ -94,7 +94,7 @@ def add_parser(sub) -> None:
     r.add_argument("--tp-overlap", action="store_true",
                    help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan AsyncTP)")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= tp= pp= v= schedule=1f1b|gpipe|zbv zero= recompute=none|op|selective|full mb= sp=on|off"; '
+                   help='score a layout: any of "dp= cp= cp_impl=ring|a2a tp= pp= v= schedule=1f1b|gpipe|zbv zero= recompute=none|op|selective|full mb= sp=on|off"; '
                         "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
@@ -140,7 +140,8 @@ def cluster_from_args(a) -> Cluster:
 
 
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
-               "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule"}
+               "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule",
+               "cp": "cp", "cp_impl": "cp_impl"}
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
@@ -158,6 +159,10 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
         if field == "recompute":
             if value not in RECOMPUTE:
                 raise UserError(f"--layout: recompute={value} must be one of {', '.join(RECOMPUTE)}")
+            fixed[field] = value
+        elif field == "cp_impl":
+            if value not in CP_IMPLS:
+                raise UserError(f"--layout: cp_impl={value} must be one of {', '.join(CP_IMPLS)}")
             fixed[field] = value
         elif field == "pp_schedule":
             if value not in PP_SCHEDULES:
@@ -179,12 +184,15 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
     if fixed.get("virtual_stages", 1) > 1 and fixed.get("pp", 2) < 2:
         raise UserError(f"--layout: v={fixed['virtual_stages']} interleaves pipeline stages but pp=1: "
                         "drop v= or give pp >= 2")
-    dims = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
+    dims = {k: fixed[k] for k in ("dp", "cp", "tp", "pp") if k in fixed}
     product = math.prod(dims.values())
-    if gpus is not None and (gpus % product or (len(dims) == 3 and product != gpus)):
+    whole = len(dims) == 4  # with cp left free, dp·tp·pp need only divide the GPUs (cp takes the rest)
+    if gpus is not None and (gpus % product or (whole and product != gpus)):
         given = "·".join(f"{k}={v}" for k, v in dims.items())
         raise UserError(f"--layout: {given} = {product} {'does not divide' if gpus % product else 'is not'} "
-                        f"--gpus {gpus}: dp·tp·pp must equal the GPUs")
+                        f"--gpus {gpus}: dp·cp·tp·pp must equal the GPUs")
+    if fixed.get("cp_impl") and fixed.get("cp", 2) < 2:
+        raise UserError(f"--layout: cp_impl={fixed['cp_impl']} needs cp >= 2")
     return fixed
 
 
@@ -323,8 +331,9 @@ def plan_dict(p) -> dict:
             "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
             "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "total": m.total},
-            "pp_schedule": p.pp_schedule,
-            "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "pp_comm": t.pp_comm,
+            "pp_schedule": p.pp_schedule, "cp": p.cp, "cp_impl": p.cp_impl,
+            "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "cp_comm": t.cp_comm,
+                            "pp_comm": t.pp_comm,
                             "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,
                             "overhead": t.overhead, "compute_terms": t.terms.as_dict()},
             "tokens_per_s": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu}

@@ -16,7 +16,8 @@ kernel benchmark's share of the datasheet peak (``kernels.yaml`` per GPU, ``Kern
   head       output projection (vocab-parallel) and the cross-entropy over its logits
   recompute  what activation checkpointing runs again: a whole forward (full), the attention
              core (selective), or torchtitan's op policy's every-second matmul (op)
-  optimizer  AdamW over the rank's shard of the states plus gradient clipping, bytes over HBM
+  optimizer  AdamW over the rank's shard of the states plus gradient clipping, bytes over HBM (fused AdamW with
+             fused kernels, PyTorch's default foreach AdamW in an eager stack)
 
 A device without a kernel table (the local CPU check) is a GEMM-only model: its GEMM curve comes
 from the gemm-probe, attention runs as batched GEMMs, and the probe's measured fixed overhead stands
@@ -24,7 +25,7 @@ for everything memory-bound (``Calibration.step_overhead_s``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 
@@ -236,17 +237,23 @@ def _local_heads(shape: ModelShape, tp: int) -> tuple[int, int]:
 
 
 def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bool = False) -> float:
-    """The attention core of one layer and micro-batch (forward+backward, or its forward alone)."""
-    s, b = shape.seq_len, layout.micro_batch
+    """The attention core of one layer and micro-batch on one rank (forward+backward, or its forward alone).
+
+    With context parallelism each rank does 1/cp of the causal work: the ring's load-balanced chunks in
+    kernel calls over s/cp queries and keys (the benchmark's rate at s/cp), the all-to-all's full sequence
+    for heads/cp of the heads (the rate at s)."""
+    s, b, cp = shape.seq_len, layout.micro_batch, layout.cp
     hd = shape.d_model // shape.n_head
     heads, _ = _local_heads(shape, layout.tp)
     if dev.kernels.attention is not None:  # fused kernel: FLOPs executed over the benchmark's rate
-        fwd = 2 * 2 * b * heads * s * s * hd / 2   # causal: half of the s x s products
+        fwd = 2 * 2 * b * heads * s * s * hd / 2 / cp   # causal: half of the s x s products; 1/cp per rank
         work = fwd if forward_only else 3.5 * fwd
-        return work / (dev.peak_bf16 * dev.kernels.attention.share(s, hd)) * dev.power_scale
-    qk, av = Gemm(s, s, hd, b * heads, "scores"), Gemm(s, hd, s, b * heads, "av")
+        call = s // cp if layout.cp_impl == "ring" else s
+        return work / (dev.peak_bf16 * dev.kernels.attention.share(call, hd)) * dev.power_scale
+    sq = s // cp   # eager: the rank's queries against every key, scores stored
+    qk, av = Gemm(sq, s, hd, b * heads, "scores"), Gemm(sq, hd, s, b * heads, "av")
     t = (dev.gemm_s(qk) + dev.gemm_s(av)) * (1 if forward_only else 3)
-    elems = b * heads * s * s   # the stored scores: QKᵀ written, softmax forward (r+w) and backward (r, r, w)
+    elems = b * heads * sq * s   # the stored scores: QKᵀ written, softmax forward (r+w) and backward (r, r, w)
     t += dev.mem_s(elems * (6 if forward_only else 12), "softmax") if dev.kernels.memory else 0.0
     if shape.dropout and dev.kernels.memory:  # dropout on the probabilities: r+w+mask forward, again backward
         t += dev.mem_s(elems * (5 if forward_only else 10), "dropout")
@@ -296,24 +303,28 @@ def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str =
                 value_bytes: int = 2) -> ComputeTerms:
     """One layer, one micro-batch: GEMMs, attention, memory-bound kernels and recompute (cached on what they
     depend on: a search times thousands of layouts that share them)."""
-    key = Layout(1, layout.tp, 1, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel)
+    key = Layout(1, layout.tp, 1, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel,
+                 cp=layout.cp, cp_impl=layout.cp_impl)
     return _layer_terms(shape, key, dev, precision, value_bytes)
 
 
 @lru_cache(maxsize=1 << 14)
 def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
+    local = replace(shape, seq_len=shape.seq_len // layout.cp)  # a rank's tokens: s/cp of each sequence
+    attention = shape
+    shape = local
     gemms = [g for g in layer_gemms(shape, layout) if g.name not in ("scores", "av")]
     dtype = "fp8" if precision == "fp8" and "fp8" in dev.kernels.gemm else ("bf16" if value_bytes == 2 else "fp32")
     fwd_gemm = sum(dev.gemm_s(g, dtype, value_bytes) for g in gemms)
-    attn = attention_s(shape, layout, dev)
+    attn = attention_s(attention, layout, dev)
     mem = {k: dev.mem_s(v, _KIND[k]) for k, v in memory_bytes(shape, layout, precision, dev.fused).items()} \
         if dev.kernels.memory else {}
     rc = 0.0
     if layout.recompute == "full":
-        rc = fwd_gemm + attention_s(shape, layout, dev, forward_only=True) + sum(
+        rc = fwd_gemm + attention_s(attention, layout, dev, forward_only=True) + sum(
             t * _FORWARD_SHARE[k] for k, t in mem.items())
     elif layout.recompute == "selective":
-        rc = attention_s(shape, layout, dev, forward_only=True)
+        rc = attention_s(attention, layout, dev, forward_only=True)
     elif layout.recompute == "op":
         rc = sum(dev.gemm_s(g, dtype, value_bytes) for g in op_recompute_gemms(shape, layout)) + sum(
             t * _FORWARD_SHARE[k] for k, t in mem.items() if k != "add")
@@ -327,11 +338,11 @@ def _head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int) ->
 
 def head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int = 2) -> float:
     """Output projection (forward, dgrad, wgrad; BF16 under FP8 recipes) and the cross-entropy over
-    the rank's vocab shard of logits, for one micro-batch."""
-    g = head_gemm(shape, layout)
+    the rank's vocab shard of logits (its s/cp tokens), for one micro-batch."""
+    g = head_gemm(replace(shape, seq_len=shape.seq_len // layout.cp), layout)
     t = 3 * dev.gemm_s(g, "bf16" if value_bytes == 2 else "fp32", value_bytes)
     if dev.kernels.memory:
-        logits = layout.micro_batch * shape.seq_len * g.n
+        logits = layout.micro_batch * shape.seq_len // layout.cp * g.n
         t += dev.mem_s(6 * logits, "softmax" if dev.fused_loss else "cross_entropy")
     return t
 
@@ -340,7 +351,8 @@ def optimizer_s(params_with_states: float, params_local: float, dev: Device) -> 
     """AdamW over the rank's optimizer shard plus clipping over its gradients (memory-bound)."""
     if not dev.kernels.memory:
         return 0.0
-    return dev.mem_s(OPTIMIZER_BYTES * params_with_states + CLIP_BYTES * params_local, "optimizer")
+    kind = "optimizer" if dev.fused or "optimizer_foreach" not in dev.kernels.memory else "optimizer_foreach"
+    return dev.mem_s(OPTIMIZER_BYTES * params_with_states + CLIP_BYTES * params_local, kind)
 
 
 def step_terms(shape: ModelShape, layout: Layout, dev: Device, params_with_states: float, params_local: float,
@@ -350,7 +362,8 @@ def step_terms(shape: ModelShape, layout: Layout, dev: Device, params_with_state
     Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus the output
     projection (Megatron's and DeepSpeed's default split; Llama 3 405B ran 126 layers on 16 stages this way):
     a micro-batch costs max(ceil(L/pp)·t_layer, last·t_layer + t_head) on the busiest stage."""
-    key = Layout(1, layout.tp, layout.pp, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel)
+    key = Layout(1, layout.tp, layout.pp, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel,
+                 cp=layout.cp, cp_impl=layout.cp_impl)
     micro = _micro_terms(shape, key, dev, precision, value_bytes)
     m = layout.grad_accum
     return ComputeTerms(micro.gemm * m, micro.attention * m, micro.memory * m, micro.head * m, micro.recompute * m,
@@ -361,7 +374,7 @@ def step_terms(shape: ModelShape, layout: Layout, dev: Device, params_with_state
 def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
     """One micro-batch on the busiest stage (no optimizer)."""
     lt = layer_terms(shape, layout, dev, precision, value_bytes)
-    head = _head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch), dev, value_bytes)
+    head = _head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch, cp=layout.cp), dev, value_bytes)
     layers = stage_layers(shape, layout.pp)
     last = max(shape.n_layer - (layout.pp - 1) * layers, 0)
     first_busiest = layout.pp > 1 and layers * lt.total >= last * lt.total + head

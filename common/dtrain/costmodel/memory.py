@@ -34,6 +34,9 @@ RECOMPUTE = ("none", "op", "selective", "full")
 # al. 2019: every micro-batch's forward before any backward) and zero-bubble V (Qi et al. 2024, ICLR: two
 # chunks per rank in a V, weight-gradient work fills the bubble).
 PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
+# Context parallelism: ring attention (Liu et al. 2023; PyTorch's context_parallel and Llama 3's all-gather CP move
+# the same K/V bytes) or all-to-all sequence<->heads (Jacobs et al. 2023, DeepSpeed Ulysses).
+CP_IMPLS = ("ring", "a2a")
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,13 @@ KNOWN_SHAPES = {  # nominal size -> shape
 
 @dataclass(frozen=True)
 class Layout:
-    """How one step is parallelised: dp·tp·pp GPUs; ``grad_accum`` micro-batches per DP rank.
+    """How one step is parallelised: dp·cp·tp·pp GPUs; ``grad_accum`` micro-batches per DP rank.
 
-    Rank order is Megatron's: TP innermost (consecutive ranks), then DP, then PP.
-    ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021).
+    Rank order is torchtitan's and Megatron's: TP innermost (consecutive ranks), then CP, then DP, then PP.
+    ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021). ``cp`` > 1 splits every
+    sequence over cp ranks (context parallelism): ``cp_impl`` ring passes K and V around the cp group
+    (ring attention; PyTorch's and torchtitan's CP, Llama 3's all-gather variant move the same bytes),
+    a2a swaps sequence for heads with all-to-alls (DeepSpeed Ulysses).
     """
 
     dp: int
@@ -161,8 +167,22 @@ class Layout:
     sequence_parallel: bool = False
     virtual_stages: int = 1
     pp_schedule: str = "1f1b"   # 1f1b (interleaved when virtual_stages > 1) | gpipe | zbv
+    cp: int = 1
+    cp_impl: str = "ring"       # ring | a2a
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks that hold different data of the same model shard: the DP group of the gradients and of
+        ZeRO's sharding, dp·cp (FSDP shards over dp x cp, as torchtitan does; Megatron reduces over both)."""
+        return self.dp * self.cp
 
     def __post_init__(self) -> None:
+        if self.cp < 1 or self.cp_impl not in CP_IMPLS:
+            raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         if self.pp_schedule == "zbv" and self.virtual_stages != 2:
@@ -309,8 +329,8 @@ def op_checkpoint_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: b
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = True,
                            recompute: str | None = None) -> float:
-    """``activation_bytes_per_layer`` for one layer of ``shape`` under ``layout``."""
-    return activation_bytes_per_layer(shape.seq_len, layout.micro_batch, shape.d_model, shape.n_head, layout.tp,
+    """``activation_bytes_per_layer`` for one layer of ``shape`` under ``layout`` (its rank's s/cp tokens)."""
+    return activation_bytes_per_layer(shape.seq_len // layout.cp, layout.micro_batch, shape.d_model, shape.n_head, layout.tp,
                                       layout.sequence_parallel, recompute or layout.recompute, flash_attention,
                                       ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=shape.gated_mlp,
                                       kv_ratio=shape.n_kv_head / shape.n_head, dropout=shape.dropout)
@@ -381,14 +401,16 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     (``compute_activation_memory_without_sp``: "buffer for optimizer and miscellaneous temporaries").
     ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe caches the
     linear-layer inputs in 1 byte instead of 2, see ``Calibration.fp8_memory_factor`` (an
-    approximation; fp8-train measures it).
+    approximation; fp8-train measures it). With context parallelism every count is of the rank's s/cp
+    tokens, plus the attention's communication buffers (``cp_buffer_bytes``).
     """
     lay = layout
-    s, b, h = shape.seq_len, lay.micro_batch, shape.d_model
+    s, b, h = shape.seq_len // lay.cp, lay.micro_batch, shape.d_model   # a rank's tokens: s/cp of each sequence
     per_layer = layer_activation_bytes(shape, lay, flash_attention) * activation_bytes_factor
     working = 0.0
     if lay.recompute in ("full", "op"):
         working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
+    working += cp_buffer_bytes(shape, lay)
     layers_here = stage_layers(shape, lay.pp)
     output = (4 * s * b * h + LOSS_BYTES_PER_LOGIT["fused" if fused_loss else "eager"] * s * b * shape.vocab) / lay.tp
     n = in_flight(lay)
@@ -397,6 +419,22 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     last = per_layer * layers_here + working + output
     total = first + output if lay.pp == 1 else max(first, last)
     return total * (1.0 if lay.sequence_parallel else 1.05)
+
+
+def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
+    """The working buffers of one layer's context-parallel attention (16-bit), on one TP rank:
+      ring  the K and V chunk being received while the local one is used (double buffering), and in backward
+            their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
+      a2a   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp"""
+    if layout.cp <= 1:
+        return 0.0
+    b, s, t, cp = layout.micro_batch, shape.seq_len, layout.tp, layout.cp
+    hd = shape.d_model // shape.n_head
+    kv = max(shape.n_kv_head // t, 1) * hd
+    q = max(shape.n_head // t, 1) * hd
+    if layout.cp_impl == "a2a":
+        return 2 * b * s * (2 * q + 2 * kv) / cp
+    return 2 * 2 * 2 * b * (s / cp) * kv
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
@@ -411,12 +449,12 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     reduce-scatter, 3 · 2 · Ψ_layer bytes (FSDP default: one block per unit, prefetch of one). Under
     PP a stage keeps its weights gathered across the micro-batches and reduces its gradients once, at
     the last (torchtitan: reshard_after_forward off, gradient sync on the last micro-batch only): the
-    stage's bf16 weights and unsharded bf16 gradients, 2·2·Ψ.
+    stage's bf16 weights and unsharded bf16 gradients, 2·2·Ψ. ZeRO shards over ``data_shards`` (dp·cp).
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp)
-    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.dp)
+    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.data_shards)
     buffers = 0.0
-    if layout.zero_stage == 3 and layout.dp > 1:
+    if layout.zero_stage == 3 and layout.data_shards > 1:
         buffers = 4 * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)

@@ -37,7 +37,11 @@ VIRTUAL_STAGES = (1, 2, 4, 8)
 # best nor one of the runners-up ``explain`` names.
 PRUNE_BOUND = 1.5
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel",
-                 "pp_schedule")
+                 "pp_schedule", "cp", "cp_impl")
+# The shortest sequence chunk a context-parallel rank computes on (half its share: the load-balanced split gives
+# it two): fused attention reaches about half its long-sequence rate at ~1K tokens (kernels.yaml's s_half) and
+# ~60% at 2K, so the search does not split sequences finer (at 4K tokens: no CP)
+MIN_CP_CHUNK = 2048
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +77,11 @@ class SearchResult:
 
 
 def describe_layout(lay: Layout) -> str:
+    cp = f" cp={lay.cp}{' a2a' if lay.cp_impl == 'a2a' else ''}" if lay.cp > 1 else ""
     v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     sched = f" {lay.pp_schedule}" if lay.pp > 1 and lay.pp_schedule != "1f1b" else ""
     sp = " sp" if lay.sequence_parallel else ""
-    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp}{v}{sched} zero={lay.zero_stage} "
+    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched} zero={lay.zero_stage} "
             f"recompute={lay.recompute} mb={lay.micro_batch} ga={lay.grad_accum}{sp}")
 
 
@@ -88,20 +93,44 @@ def _pow2_up_to(limit: int) -> list[int]:
     return out
 
 
+def context_parallel_degrees(model: ModelShape, limit: int) -> list[int]:
+    """cp degrees a sequence can be split over: powers of two with 2·cp chunks of at least MIN_CP_CHUNK tokens
+    (the ring's load-balanced causal split gives each rank chunks r and 2cp−1−r)."""
+    return [c for c in _pow2_up_to(limit) if model.seq_len % (2 * c) == 0 and model.seq_len // (2 * c) >= MIN_CP_CHUNK]
+
+
 def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False,
-             fixed: dict | None = None):
+             fixed: dict | None = None, context_parallel: bool = True) -> tuple:
+    """``_enumerate``'s layouts, kept per what they depend on (the GPU count and node size, not the links: the
+    decision matrix searches each (model, GPUs) for eight link settings)."""
+    return _enumerated(model, cluster.gpus, cluster.node_size, global_batch, tuple(micro_batches), tuple(recompute),
+                       prune, tuple(sorted((fixed or {}).items())), context_parallel)
+
+
+@lru_cache(maxsize=64)
+def _enumerated(model, gpus, node_size, global_batch, micro_batches, recompute, prune, fixed, context_parallel):
+    return tuple(_enumerate(model, gpus, node_size, global_batch, micro_batches, recompute, prune, dict(fixed),
+                            context_parallel))
+
+
+def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, micro_batches, recompute, prune=False,
+               fixed: dict | None = None, context_parallel: bool = True):
     """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections;
     ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 (see ``search``); ``fixed``
     (field -> value, names of ``LAYOUT_FIELDS``) keeps only the layouts with those values."""
     fixed = fixed or {}
-    n = cluster.gpus
-    for tp in _pow2_up_to(min(2 * cluster.node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
+    for tp in _pow2_up_to(min(2 * node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
         if model.n_head % tp or n % tp:
             continue
-        for pp in (p for p in range(1, min(model.n_layer, n // tp) + 1) if (n // tp) % p == 0):
-            dp = n // (tp * pp)
+        cps = [fixed["cp"]] if "cp" in fixed else (context_parallel_degrees(model, n // tp) if context_parallel
+                                                    else [1])
+        for cp, pp in ((c, p) for c in cps if (n // tp) % c == 0
+                       for p in range(1, min(model.n_layer, n // (tp * c)) + 1) if (n // (tp * c)) % p == 0):
+            dp = n // (tp * cp * pp)
             if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]):
                 continue
+            impls = [fixed["cp_impl"]] if "cp_impl" in fixed else (
+                ["ring"] + (["a2a"] if (model.n_head // tp) % cp == 0 else []) if cp > 1 else ["ring"])
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     yield Layout(dp, tp, pp, micro_batch=mb), (
@@ -110,14 +139,20 @@ def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batch
                 ga = global_batch // (dp * mb)
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
-                for v, sched in ((v, sc) for v in vs for sc in _schedules(pp, v, fixed)):
-                    zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp > 1 else (0,)
+                for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
+                    zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp * cp > 1 else (0,)
                     for zero in [z for z in zeros if z == fixed.get("zero_stage", z)]:
                         for rc in recompute:
                             for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
-                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched)
-                                if all(getattr(lay, k) == val for k, val in fixed.items()):
+                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched, cp, impl)
+                                if not fixed or all(getattr(lay, k) == val for k, val in fixed.items()):
                                     yield lay, None
+
+
+def _design(lay: Layout) -> tuple:
+    """A layout but for its ZeRO stage."""
+    return (lay.dp, lay.cp, lay.cp_impl, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.pp_schedule,
+            lay.recompute, lay.sequence_parallel)
 
 
 def _schedules(pp: int, v: int, fixed: dict) -> tuple[str, ...]:
@@ -168,11 +203,16 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     step_time(model, Layout(1, 1, 1), cluster, calib, precision, stack=stack)  # checks precision vs the GPU
     steps = step_model(model, cluster, calib, precision, 2, stack)
     candidates = []
-    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed):
+    bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO stage: once per design
+    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed, flash_attention):
         if why:
             rejected.append((lay, why))
         elif prune:  # ordered by a lower bound of their step below
-            candidates.append((steps.lower_bound(lay), lay))
+            key = _design(lay)
+            bound = bounds.get(key)
+            if bound is None:
+                bound = bounds[key] = steps.lower_bound(lay)
+            candidates.append((bound, lay))
         else:
             candidates.append((0.0, lay))
     # Every candidate moves the same tokens (the global batch), so step time ranks them, and a step is never
@@ -183,7 +223,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     for bound, lay in sorted(candidates, key=lambda x: x[0]) if prune else candidates:
         if bound > keep_within * best_s:
             break
-        group = (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.pp_schedule, lay.recompute)
+        group = _design(lay)
         if prune and group in timed and lay.zero_stage < 3:
             continue
         mem = _memory(model, lay, act_factor, flash_attention, stack.fused_loss)
@@ -248,8 +288,11 @@ def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
     """One clause naming the step-time component that grew most against ``best``."""
     a, b = p.time, best.time
     deltas = {k: getattr(a, k) - getattr(b, k)
-              for k in ("compute", "dp_comm_exposed", "tp_comm", "pp_comm", "bubble")}
+              for k in ("compute", "dp_comm_exposed", "tp_comm", "cp_comm", "pp_comm", "bubble")}
     part = max(deltas, key=deltas.get)
+    if part == "cp_comm":
+        how = "all-to-alls" if p.cp_impl == "a2a" else "ring sends not hidden by attention"
+        return f"cp={p.cp}: context-parallel {how} cost {_ms(a.cp_comm)} vs {_ms(b.cp_comm)}"
     if part == "tp_comm":
         if p.tp > cluster.node_size:
             return (f"tp={p.tp} crosses nodes: TP all-reduce over IB costs {_ms(a.tp_comm)} "
@@ -281,7 +324,26 @@ def explain(result: SearchResult, k: int = 5) -> list[str]:
     for p in _runners_up(result, k):
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
         out.append(f"{p.describe()}: {loss:.1%} slower; {_why_slower(p, best, result.cluster)}")
-    return out + _faster_but_too_big(result, k)
+    return out + _without_cp(result) + _faster_but_too_big(result, k)
+
+
+def _without_cp(result: SearchResult) -> list[str]:
+    """Why context parallelism, when the best plan uses it: the best plan without it, or why none fits."""
+    best = result.best
+    if best.cp <= 1:
+        return []
+    s = result.model.seq_len
+    plain = next((p for p in result.ranked if p.cp == 1), None)
+    if plain is not None:
+        loss = 1 - plain.time.tokens_per_s / best.time.tokens_per_s
+        return [f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each): "
+                f"without context parallelism the best plan, {plain.describe()}, is {loss:.1%} slower "
+                f"({_why_slower(plain, best, result.cluster)})"]
+    need = [(str(w), lay) for lay, w in result.rejected_with_reasons if lay.cp == 1 and str(w).startswith("does not")]
+    smallest = min(need, key=lambda x: float(x[0].split("needs ")[1].split(" GiB")[0]), default=None)
+    why = f": the smallest ({describe_layout(smallest[1])}) {smallest[0][len('does not fit: '):]}" if smallest else ""
+    return [f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each, "
+            f"activations / {best.cp}): without context parallelism no layout fits in memory{why}"]
 
 
 def _runners_up(result: SearchResult, k: int) -> list[Plan]:
@@ -317,12 +379,12 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
         if tps <= target:
             continue
         need = memory_per_gpu(result.model, lay, act, result.flash_attention, result.stack.fused_loss).total
-        g = groups.setdefault((lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
+        g = groups.setdefault((lay.cp, lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
         g[0] = max(g[0], tps)
         if need < g[1]:
             g[1:] = [need, lay]
     usable = result.cluster.gpu.hbm_bytes * (1 - result.headroom) / GiB
-    return [f"dp={lay.dp} tp={lay.tp} pp={lay.pp} recompute={lay.recompute} would be up to "
+    return [f"dp={lay.dp}{f' cp={lay.cp}' if lay.cp > 1 else ''} tp={lay.tp} pp={lay.pp} recompute={lay.recompute} would be up to "
             f"{tps / target - 1:.1%} faster but does not fit: the smallest faster variant "
             f"({_short(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable"
             for tps, need, lay in sorted(groups.values(), key=lambda g: -g[0])[:k]]

@@ -30,7 +30,7 @@ Sources
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .hardware import Cluster, GPUProfile, LinkModel
@@ -160,6 +160,10 @@ class Calibration:
         "of one CTA (SM) per channel (NCCL user guide: ncclConfig_t minCTAs/maxCTAs) and shares HBM with the "
         "GEMMs it overlaps, so part of the overlapped time is lost; fitted to the development set of dtrain "
         "backtest (leave-one-source-out there); fsdp-scaling measures it"))
+    cp_overlap: Param = field(default_factory=lambda: _published(
+        GPU_DP_OVERLAP, "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring attention, "
+        "Liu et al. 2023: the next chunk travels while this one is computed): the DP overlap's share (the same "
+        "NCCL kernels sharing SMs and HBM), until tp-attention's CP study measures it"))
     pp_overhead: Param = field(default_factory=lambda: _published(
         1.0, "bubble formula (p-1)*ceil(L/(p*v))/(m*ceil(L/p)) taken as is (Narayanan et al. 2021); "
         "fsdp-scaling's PP layout runs measure the real/formula ratio"))
@@ -193,6 +197,7 @@ class StepTime:
     peak_flops: float
     overhead: float = 0.0
     terms: ComputeTerms = field(default_factory=ComputeTerms)
+    cp_comm: float = 0.0        # context-parallel attention traffic left exposed (ring: behind the attention)
 
     @property
     def tokens_per_s(self) -> float:
@@ -365,10 +370,11 @@ class StepModel:
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel)
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.cp_impl)
         t = self._micro.get(key)
         if t is None:
-            one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel)
+            one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel,
+                         cp=lay.cp, cp_impl=lay.cp_impl)
             t = _micro_terms(self.shape, one, self.dev, self.precision if self.fp8_gemms else "bf16", self.vb)
             if self.fp8_factor != 1.0:  # no FP8 kernel table (local check): the measured whole-step factor
                 t = t.scaled(1 / self.fp8_factor)
@@ -377,43 +383,71 @@ class StepModel:
 
     def compute(self, lay: Layout) -> ComputeTerms:
         psi = params_per_gpu(self.shape, lay.tp, lay.pp)
-        with_states = psi / lay.dp if lay.zero_stage >= 1 else psi
-        local = psi / lay.dp if lay.zero_stage >= 2 else psi
+        with_states = psi / lay.data_shards if lay.zero_stage >= 1 else psi
+        local = psi / lay.data_shards if lay.zero_stage >= 2 else psi
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
         return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
 
     def tp_comm(self, lay: Layout, gemm_s: float) -> float:
         if lay.tp <= 1:
             return 0.0
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel)
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp)
         per_micro = self._tp.get(key)
         if per_micro is None:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
             one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel)
-            per_micro = self._tp[key] = tp_comm_time(self.shape, one, link, self.vb) * self.calib.tp_overhead.value
+            local = replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
+            per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb) * self.calib.tp_overhead.value
         t = per_micro * lay.grad_accum
         if self.stack.tp_overlap:  # hidden behind the GEMMs as DP traffic is behind compute (same SM/HBM sharing)
             t -= min(self.calib.dp_overlap.value * t, gemm_s)
         return t
 
+    def cp_comm(self, lay: Layout, attention_s: float) -> float:
+        """Exposed context-parallel traffic of a step on the busiest stage: per layer and micro-batch
+          ring  cp−1 sends of the rank's K and V chunk forward, twice that backward (K, V again and their
+                gradients), a third pass with full recompute; hidden up to cp_overlap x the attention
+          a2a   all-to-alls of q, k, v and the output forward, of their gradients backward, not hidden
+        over the cp group's link (cp ranks tp apart, one NIC each across nodes)."""
+        if lay.cp <= 1:
+            return 0.0
+        s, cp, t = self.shape.seq_len, lay.cp, lay.tp
+        hd = self.shape.d_model // self.shape.n_head
+        kv = max(self.shape.n_kv_head // t, 1) * hd
+        q = max(self.shape.n_head // t, 1) * hd
+        link = group_link(self.cluster, cp, t, multi_rail=False)
+        recompute = 1 if lay.recompute == "full" else 0   # full recompute runs the forward's traffic again
+        tokens = lay.micro_batch * s / cp
+        if lay.cp_impl == "a2a":
+            per_layer = (2 + recompute) * (cp - 1) * (tokens * (2 * q + 2 * kv) * self.vb / cp / link.beta_Bps
+                                                        + link.alpha_s)
+            hidden = 0.0
+        else:
+            chunk = 2 * tokens * kv * self.vb   # the rank's K and V
+            per_layer = (3 + recompute) * (cp - 1) * p2p_time(chunk, link)
+            hidden = self.calib.cp_overlap.value
+        layers = stage_layers(self.shape, lay.pp)
+        total = per_layer * layers * lay.grad_accum
+        return max(total - hidden * attention_s, 0.0) if hidden else total
+
     def p2p(self, lay: Layout) -> float:
-        intra = lay.tp * lay.dp * lay.pp <= self.cluster.node_size
-        key = (lay.micro_batch, lay.tp, intra)
+        intra = lay.gpus <= self.cluster.node_size
+        key = (lay.micro_batch, lay.tp, intra, lay.cp)
         t = self._p2p.get(key)
         if t is None:
-            act = lay.micro_batch * self.shape.seq_len * self.shape.d_model * self.vb
+            act = lay.micro_batch * self.shape.seq_len // lay.cp * self.shape.d_model * self.vb
             t = self._p2p[key] = p2p_time(act / lay.tp, self.cluster.nvlink if intra else self.cluster.ib)
         return t
 
     def dp(self, lay: Layout) -> tuple[float, float, float]:
         """(gradient traffic, weight traffic, the loss all-reduce) per step over DP."""
-        key = (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum)
+        n = lay.data_shards  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
+        key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum)
         t = self._dp.get(key)
         if t is None:
-            g, w = _dp_comm(self.shape, Layout(lay.dp, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum),
+            g, w = _dp_comm(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum),
                             self.cluster, self.vb)
-            loss = allreduce_time(4, lay.dp, group_link(self.cluster, lay.dp, lay.tp, multi_rail=True)) \
-                if lay.dp > 1 else 0.0
+            loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
             t = self._dp[key] = (g, w, loss)
         return t
 
@@ -423,8 +457,8 @@ class StepModel:
         micro = self.micro_terms(lay)
         m = lay.grad_accum
         work = micro.total * m
-        tp_comm = self.tp_comm(lay, micro.gemm * m)
-        return work + tp_comm + self._pipeline(lay, work, tp_comm)[1]
+        comm = self.tp_comm(lay, micro.gemm * m) + self.cp_comm(lay, micro.attention * m)
+        return work + comm + self._pipeline(lay, work, comm)[1]
 
     def _pipeline(self, lay: Layout, work: float, tp_comm: float) -> tuple[float, float]:
         """(pp_comm, pp_comm + bubble)."""
@@ -443,7 +477,8 @@ class StepModel:
         compute = terms.total
         work = compute - terms.optimizer
         tp_comm = self.tp_comm(lay, terms.gemm)
-        pp_comm, pipe = self._pipeline(lay, work, tp_comm)
+        cp_comm = self.cp_comm(lay, terms.attention)
+        pp_comm, pipe = self._pipeline(lay, work, tp_comm + cp_comm)
         bubble = pipe - pp_comm
         grad_comm, param_comm, loss = self.dp(lay)
         dp_comm = grad_comm + param_comm
@@ -454,9 +489,10 @@ class StepModel:
             micro = work / m
             hidden = min(ov * grad_comm, 2 / 3 * micro + bubble / 2) + min(ov * param_comm, micro / 3)
         exposed = dp_comm - hidden + loss  # + the step's loss averaged over DP for the log (latency only)
-        total = compute + tp_comm + pp_comm + bubble + exposed + self.overhead
+        total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,
                         pp_comm=pp_comm, bubble=bubble, total=total, tokens=tokens,
-                        model_flops=tokens * self.flops_per_token, gpus=lay.dp * lay.tp * lay.pp,
-                        peak_flops=self.cluster.gpu.peak_bf16_flops, overhead=self.overhead, terms=terms)
+                        model_flops=tokens * self.flops_per_token, gpus=lay.gpus,
+                        peak_flops=self.cluster.gpu.peak_bf16_flops, overhead=self.overhead, terms=terms,
+                        cp_comm=cp_comm)

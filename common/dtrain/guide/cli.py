@@ -44,6 +44,7 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
              gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
     """Write the guide and its plots; returns (guide path, plot paths)."""
     from .figures import draw_all
+    from .long_context import compute_long
     from .matrix import compute_matrix
     from .render import render
     from .rules import derive_rules
@@ -67,6 +68,7 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
         task = bar.add_task("matrix", total=None)
         cells = compute_matrix(report.cluster, report.cluster_links, gpu,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+    long_cells = compute_long(report.cluster, report.cluster_links, gpu)
     checks = []
     if report.runs:  # the local checks read runs with dtrain's model (torch): only when there are runs
         from .local_check import local_checks
@@ -74,7 +76,7 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
         checks = local_checks(report, base)
     plot_paths = draw_all(cells, checks, plots_dir)
     label = ", ".join(display_path(Path(r), base) for r in results) or "(none: --no-results)"
-    text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu)
+    text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu, long_cells)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text)
     if not quiet:

@@ -102,7 +102,7 @@ def compute_matrix(calib: Calibration, links: LinkCalibration | None = None, gpu
         pool = None
     else:  # fork: the workers start with the cost model already imported
         pool = multiprocessing.get_context("fork").Pool(workers)
-        it = pool.imap(_cell, grid, chunksize=4)
+        it = pool.imap(_cell, grid, chunksize=len(TOPOLOGIES) * len(IB_GBITS))  # one (model, GPUs) per worker: its layouts once
     try:
         for i, c in enumerate(it):
             cells.append(c)

@@ -265,11 +265,17 @@ def limits() -> list[str]:
 
 
 def render(report: CalibrationReport, cells: list[Cell], rules: list[str], checks: list[Check],
-           plot_paths: list[Path], guide_path: Path, results_label: str, skipped: list[str], gpu: str) -> str:
+           plot_paths: list[Path], guide_path: Path, results_label: str, skipped: list[str], gpu: str,
+           long_cells: list | None = None) -> str:
     lines = header(report, results_label, skipped, gpu) + how_to_read(gpu)
     lines += ["## Rules the matrix shows", "", "Computed from the cells below (each sentence is generated from "
               "the matrix, so it cannot disagree with it):", ""] + [f"* {r}" for r in rules] + [""]
-    lines += matrix_tables(cells) + calibration_table(report) + checks_table(checks, report) + backtest_section()
+    lines += matrix_tables(cells)
+    if long_cells:
+        from .long_context import long_context_section
+
+        lines += long_context_section(long_cells)
+    lines += calibration_table(report) + checks_table(checks, report) + backtest_section()
     lines += fp8_section(report, cells, gpu)
     lines += plots_section(plot_paths, guide_path.parent) + limits()
     return "\n".join(lines).rstrip() + "\n"
