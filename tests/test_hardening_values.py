@@ -245,8 +245,10 @@ def test_plan_and_calibration_name_every_skipped_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("layout, message", [
-    ("dp=3 tp=2 pp=2", "--layout: dp=3·tp=2·pp=2 = 12 does not divide --gpus 8: dp·tp·pp must equal the GPUs"),
-    ("dp=2 tp=2 pp=1", "--layout: dp=2·tp=2·pp=1 = 4 is not --gpus 8: dp·tp·pp must equal the GPUs"),
+    ("dp=3 tp=2 pp=2", "--layout: dp=3·tp=2·pp=2 = 12 does not divide --gpus 8: dp·cp·tp·pp must equal the GPUs"),
+    ("dp=2 cp=1 tp=2 pp=1", "--layout: dp=2·cp=1·tp=2·pp=1 = 4 is not --gpus 8: dp·cp·tp·pp must equal the GPUs"),
+    ("dp=2 tp=2 pp=1", "matches {'dp': 2, 'tp': 2, 'pp': 1}: dp·cp·tp·pp must equal the GPUs (a cp left out is "
+                       "searched over powers of two that leave 2·cp chunks of >= 2048 tokens)"),
     ("v=3 pp=1", "--layout: v=3 interleaves pipeline stages but pp=1: drop v= or give pp >= 2"),
     ("tp=2 tp=4", "--layout: tp= is given twice: give each field once"),
 ])

@@ -94,7 +94,7 @@ def add_parser(sub) -> None:
     r.add_argument("--tp-overlap", action="store_true",
                    help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan AsyncTP)")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= cp= cp_impl=ring|a2a tp= pp= v= schedule=1f1b|gpipe|zbv zero= recompute=none|op|selective|full mb= sp=on|off"; '
+                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= recompute=none|op|selective|full mb= sp=on|off"; '
                         "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")

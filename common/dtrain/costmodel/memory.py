@@ -36,7 +36,7 @@ RECOMPUTE = ("none", "op", "selective", "full")
 PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
 # Context parallelism: ring attention (Liu et al. 2023; PyTorch's context_parallel and Llama 3's all-gather CP move
 # the same K/V bytes) or all-to-all sequence<->heads (Jacobs et al. 2023, DeepSpeed Ulysses).
-CP_IMPLS = ("ring", "a2a")
+CP_IMPLS = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class Layout:
     ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021). ``cp`` > 1 splits every
     sequence over cp ranks (context parallelism): ``cp_impl`` ring passes K and V around the cp group
     (ring attention; PyTorch's and torchtitan's CP, Llama 3's all-gather variant move the same bytes),
-    a2a swaps sequence for heads with all-to-alls (DeepSpeed Ulysses).
+    ulysses swaps sequence for heads with all-to-alls (DeepSpeed Ulysses).
     """
 
     dp: int
@@ -168,7 +168,7 @@ class Layout:
     virtual_stages: int = 1
     pp_schedule: str = "1f1b"   # 1f1b (interleaved when virtual_stages > 1) | gpipe | zbv
     cp: int = 1
-    cp_impl: str = "ring"       # ring | a2a
+    cp_impl: str = "ring"       # ring | ulysses
 
     @property
     def gpus(self) -> int:
@@ -425,14 +425,14 @@ def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
     """The working buffers of one layer's context-parallel attention (16-bit), on one TP rank:
       ring  the K and V chunk being received while the local one is used (double buffering), and in backward
             their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
-      a2a   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp"""
+      ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp"""
     if layout.cp <= 1:
         return 0.0
     b, s, t, cp = layout.micro_batch, shape.seq_len, layout.tp, layout.cp
     hd = shape.d_model // shape.n_head
     kv = max(shape.n_kv_head // t, 1) * hd
     q = max(shape.n_head // t, 1) * hd
-    if layout.cp_impl == "a2a":
+    if layout.cp_impl == "ulysses":
         return 2 * b * s * (2 * q + 2 * kv) / cp
     return 2 * 2 * 2 * b * (s / cp) * kv
 

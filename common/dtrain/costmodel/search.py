@@ -77,7 +77,7 @@ class SearchResult:
 
 
 def describe_layout(lay: Layout) -> str:
-    cp = f" cp={lay.cp}{' a2a' if lay.cp_impl == 'a2a' else ''}" if lay.cp > 1 else ""
+    cp = f" cp={lay.cp}{' ulysses' if lay.cp_impl == 'ulysses' else ''}" if lay.cp > 1 else ""
     v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     sched = f" {lay.pp_schedule}" if lay.pp > 1 and lay.pp_schedule != "1f1b" else ""
     sp = " sp" if lay.sequence_parallel else ""
@@ -96,7 +96,8 @@ def _pow2_up_to(limit: int) -> list[int]:
 def context_parallel_degrees(model: ModelShape, limit: int) -> list[int]:
     """cp degrees a sequence can be split over: powers of two with 2·cp chunks of at least MIN_CP_CHUNK tokens
     (the ring's load-balanced causal split gives each rank chunks r and 2cp−1−r)."""
-    return [c for c in _pow2_up_to(limit) if model.seq_len % (2 * c) == 0 and model.seq_len // (2 * c) >= MIN_CP_CHUNK]
+    return [1] + [c for c in _pow2_up_to(limit)[1:]
+                  if model.seq_len % (2 * c) == 0 and model.seq_len // (2 * c) >= MIN_CP_CHUNK]
 
 
 def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False,
@@ -122,15 +123,17 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
     for tp in _pow2_up_to(min(2 * node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
         if model.n_head % tp or n % tp:
             continue
-        cps = [fixed["cp"]] if "cp" in fixed else (context_parallel_degrees(model, n // tp) if context_parallel
+        cps = ([fixed["cp"]] if model.seq_len % (2 * fixed["cp"]) == 0 else []) if "cp" in fixed else (context_parallel_degrees(model, n // tp) if context_parallel
                                                     else [1])
         for cp, pp in ((c, p) for c in cps if (n // tp) % c == 0
                        for p in range(1, min(model.n_layer, n // (tp * c)) + 1) if (n // (tp * c)) % p == 0):
             dp = n // (tp * cp * pp)
             if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]):
                 continue
-            impls = [fixed["cp_impl"]] if "cp_impl" in fixed else (
-                ["ring"] + (["a2a"] if (model.n_head // tp) % cp == 0 else []) if cp > 1 else ["ring"])
+            ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
+            impls = ["ring"] + (["ulysses"] if ulysses else [])
+            if "cp_impl" in fixed:
+                impls = [i for i in impls if i == fixed["cp_impl"]]
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     yield Layout(dp, tp, pp, micro_batch=mb), (
@@ -244,9 +247,10 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
                   f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
                   f"{cluster.gpus}x {cluster.gpu.name}")
     elif fixed:
-        reason = (f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·tp·pp must equal the GPUs, tp divide the "
-                  f"{model.n_head} heads, v ≤ ceil(layers/pp) with at least pp micro-batches, and dp·mb divide "
-                  f"the global batch {global_batch}")
+        reason = (f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·cp·tp·pp must equal the GPUs (a cp left "
+                  f"out is searched over powers of two that leave 2·cp chunks of >= {MIN_CP_CHUNK} tokens), tp "
+                  f"divide the {model.n_head} heads, v ≤ ceil(layers/pp) with at least pp micro-batches, and dp·mb "
+                  f"divide the global batch {global_batch}")
     else:
         reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
                   f"(micro-batches {micro_batches})")
@@ -291,7 +295,7 @@ def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
               for k in ("compute", "dp_comm_exposed", "tp_comm", "cp_comm", "pp_comm", "bubble")}
     part = max(deltas, key=deltas.get)
     if part == "cp_comm":
-        how = "all-to-alls" if p.cp_impl == "a2a" else "ring sends not hidden by attention"
+        how = "all-to-alls" if p.cp_impl == "ulysses" else "ring sends not hidden by attention"
         return f"cp={p.cp}: context-parallel {how} cost {_ms(a.cp_comm)} vs {_ms(b.cp_comm)}"
     if part == "tp_comm":
         if p.tp > cluster.node_size:

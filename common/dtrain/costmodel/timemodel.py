@@ -407,7 +407,7 @@ class StepModel:
         """Exposed context-parallel traffic of a step on the busiest stage: per layer and micro-batch
           ring  cp−1 sends of the rank's K and V chunk forward, twice that backward (K, V again and their
                 gradients), a third pass with full recompute; hidden up to cp_overlap x the attention
-          a2a   all-to-alls of q, k, v and the output forward, of their gradients backward, not hidden
+          ulysses   all-to-alls of q, k, v and the output forward, of their gradients backward, not hidden
         over the cp group's link (cp ranks tp apart, one NIC each across nodes)."""
         if lay.cp <= 1:
             return 0.0
@@ -418,7 +418,7 @@ class StepModel:
         link = group_link(self.cluster, cp, t, multi_rail=False)
         recompute = 1 if lay.recompute == "full" else 0   # full recompute runs the forward's traffic again
         tokens = lay.micro_batch * s / cp
-        if lay.cp_impl == "a2a":
+        if lay.cp_impl == "ulysses":
             per_layer = (2 + recompute) * (cp - 1) * (tokens * (2 * q + 2 * kv) * self.vb / cp / link.beta_Bps
                                                         + link.alpha_s)
             hidden = 0.0

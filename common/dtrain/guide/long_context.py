@@ -48,7 +48,7 @@ class LongCell:
 
 
 def _layout(p) -> str:
-    cp = f" cp{p.cp}{' a2a' if p.cp_impl == 'a2a' else ''}" if p.cp > 1 else ""
+    cp = f" cp{p.cp}{' ulysses' if p.cp_impl == 'ulysses' else ''}" if p.cp > 1 else ""
     return f"dp{p.dp}{cp} tp{p.tp} pp{p.pp}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") + \
         f" Z{p.zero_stage}" + (f" {p.recompute} rc" if p.recompute != "none" else "")
 
