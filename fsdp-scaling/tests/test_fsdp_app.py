@@ -14,7 +14,7 @@ from fsdp_scaling.summary import headline
 HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
               "exposed_comm_s", "peak_mem_bytes", "state_bytes", "state_bytes_formula", "mixed_precision",
-              "device", "backend", "tp", "pp", "dp", "pp_schedule", "breakdown"}
+              "device", "backend", "tp", "pp", "dp", "cp", "pp_schedule", "breakdown"}
 
 
 def composed(config_module: str, overrides: list[str]) -> dict:

@@ -65,10 +65,11 @@ def select_impl(requested: str, device_type: str, backend: str) -> str:
 class ContextParallelCore:
     """The attention math over the cp group, with dtrain.model.causal_attention's signature
     (projections (B, s/cp, heads·hd) in, the same shape out), so it replaces the core of a
-    dtrain.model Attention or of a tensor-parallel shard of one."""
+    dtrain.model Attention or of a tensor-parallel shard of one. `ring_options` go to
+    ring.ring_attention (the study's serial baseline, a test's planted bug)."""
 
-    def __init__(self, impl: str, group):
-        self.impl, self.group = impl, group
+    def __init__(self, impl: str, group, **ring_options):
+        self.impl, self.group, self.ring_options = impl, group, ring_options
 
     def __call__(self, q, k, v, head_dim: int):
         from dtrain.parallel.cp.ring import ring_attention
@@ -76,8 +77,11 @@ class ContextParallelCore:
 
         b, t, _ = q.shape
         q, k, v = (x.view(b, t, -1, head_dim).transpose(1, 2) for x in (q, k, v))
-        attend = ring_attention if self.impl == "ring" else ulysses_attention
-        return attend(q, k, v, self.group).transpose(1, 2).reshape(b, t, -1)
+        if self.impl == "ring":
+            y = ring_attention(q, k, v, self.group, **self.ring_options)
+        else:
+            y = ulysses_attention(q, k, v, self.group)
+        return y.transpose(1, 2).reshape(b, t, -1)
 
     def __deepcopy__(self, memo):  # a process group cannot be copied; the core holds no state
         return self

@@ -63,19 +63,34 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
-def block_attention(q, k, v, causal: bool, scale: float):
+def block_attention_math(q, k, v, causal: bool, scale: float):
     """softmax(q·kᵀ·scale)·v over one block of keys, and each query's log-sum-exp."""
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, -1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def block_grads(q, k, v, out, lse, dout, causal: bool, scale: float):
+def block_grads_math(q, k, v, out, lse, dout, causal: bool, scale: float):
     """dq, dk, dv of one block, given the final out and lse of its queries."""
     p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
     return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale,
             torch.matmul(p.transpose(-2, -1), dout))
+
+
+# On CPU PyTorch's fused flash-attention kernel returns the lse too, and its backward takes any
+# (out, lse): the same two functions, ~4x faster (the study times the ring against fused SDPA).
+def block_attention(q, k, v, causal: bool, scale: float):
+    if q.device.type != "cpu":
+        return block_attention_math(q, k, v, causal, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+
+
+def block_grads(q, k, v, out, lse, dout, causal: bool, scale: float):
+    if q.device.type != "cpu":
+        return block_grads_math(q, k, v, out, lse, dout, causal, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
 
 
 class _RingAttention(torch.autograd.Function):

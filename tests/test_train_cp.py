@@ -1,0 +1,93 @@
+"""Context parallelism in the shared trainer (train.cp): cp ranks of one replica share each
+sequence (zigzag shards), so losses and grad norms equal the single-process run's (fp32, gloo,
+within 1e-6 relative, as every layout in test_train_layouts); a DCP checkpoint resumes across a
+change of cp; what cannot run is one line before any rank starts; and the implementation a run
+uses (ring | ulysses | PyTorch's context_parallel) is chosen, and recorded, as documented.
+
+The model and data are test_train_layouts' (tiny GPT, 4 layers, global batch 4 of seq 64)."""
+from __future__ import annotations
+
+import pytest
+
+from dtrain.errors import UserError
+from dtrain.model import GPTConfig
+from dtrain.parallel.cp.apply import select_impl
+from dtrain.parallel.mesh import ParallelDims
+from dtrain.train import TrainConfig
+from test_train_layouts import assert_matches, references, reference, run_specs  # noqa: F401  (fixtures)
+
+
+def test_two_rank_cp_matches_single_and_resumes_across_a_change_of_cp(tmp_path, reference):
+    """cp=2 under FSDP2 (over the cp ranks), under DDP, with the all-to-all variant, and a cp=2
+    checkpoint resumed at cp=1 (dp2), all against the single process."""
+    ck = str(tmp_path / "ck")
+    two = run_specs(tmp_path, 2, {
+        "cp2_zero3": {"cp": 2, "checkpoint_every": 3, "checkpoint_dir": ck},
+        "cp2_ddp": {"cp": 2, "strategy": "ddp"},
+        "cp2_ulysses_op_ac": {"cp": 2, "cp_impl": "ulysses", "activation_checkpointing": "op"},
+        "dp2_from_cp2": {"resume_from": f"{ck}/step-000003"},
+    })
+    for name in ("cp2_zero3", "cp2_ddp", "cp2_ulysses_op_ac"):
+        assert_matches(two[name], reference, name)
+    assert_matches(two["dp2_from_cp2"], reference, "dp2_from_cp2", first=3)
+    assert two["cp2_zero3"]["result"]["cp"] == 2 and two["cp2_zero3"]["result"]["cp_impl"] == "ring"
+    assert two["cp2_ulysses_op_ac"]["result"]["cp_impl"] == "ulysses"
+
+
+def test_a_cp1_checkpoint_resumes_at_cp2(tmp_path, reference):
+    ck = str(tmp_path / "ck")
+    run_specs(tmp_path, 1, {"single": {"strategy": "zero3", "checkpoint_every": 2, "checkpoint_dir": ck}})
+    two = run_specs(tmp_path, 2, {"cp2_from_cp1": {"cp": 2, "resume_from": f"{ck}/step-000002"}})
+    assert_matches(two["cp2_from_cp1"], reference, "cp2_from_cp1", first=2)
+
+
+@pytest.mark.slow
+def test_four_rank_cp_composes_with_dp_tp_and_gqa(tmp_path, references):
+    """dp2 x cp2 (FSDP2 over shard x cp), cp2 x tp2 with SP (hand-rolled and DTensor TP), ring at
+    cp=4 with one k/v head."""
+    four = run_specs(tmp_path, 4, {
+        "dp2_cp2": {"cp": 2},
+        "cp2_tp2_sp": {"cp": 2, "tp": 2, "sequence_parallel": True},
+        "cp2_tp2_dtensor": {"cp": 2, "tp": 2, "tp_impl": "dtensor"},
+        "cp4_kv1": {"cp": 4, "model": {"n_kv_head": 1}},
+    })
+    for name in ("dp2_cp2", "cp2_tp2_sp", "cp2_tp2_dtensor"):
+        assert_matches(four[name], references["single"], name)
+    assert_matches(four["cp4_kv1"], references["single_kv1"], "cp4_kv1")
+
+
+def test_the_mesh_puts_cp_between_shard_and_tp_and_dp_excludes_it():
+    dims = ParallelDims.of(16, tp=2, cp=2, strategy="hsdp", hsdp_replicate=2)
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard, dims.cp) == (4, 2, 2, 2)
+    assert [n for n, _ in dims.dims()] == ["replicate", "shard", "cp", "tp"]
+    assert dims.describe == "dp4xtp2xpp1xcp2"
+    assert TrainConfig(cp=2, strategy="ddp").dims(4).dp_replicate == 2
+
+
+def test_auto_picks_torch_only_on_cuda_with_nccl():
+    assert select_impl("auto", "cuda", "nccl") == "torch"
+    assert select_impl("auto", "cpu", "gloo") == "ring"
+    assert select_impl("auto", "cuda", "gloo") == "ring"
+    assert select_impl("ulysses", "cuda", "nccl") == "ulysses"
+
+
+@pytest.mark.parametrize("train, world, model, message", [
+    ({"cp": 2, "pp": 2}, 4, {}, "train.cp=2 with train.pp=2 is not supported"),
+    ({"cp": 0}, 2, {}, "train.cp=0 must be an integer >= 1"),
+    ({"cp": 2, "cp_impl": "flash"}, 2, {}, "train.cp_impl='flash' is unknown"),
+    ({"cp": 3}, 2, {}, "world_size=2 is not divisible by train.tp x train.pp x train.cp"),
+    ({"cp": 2}, 2, {"seq_len": 66}, "model.seq_len=66 is not divisible by 2 x cp = 4"),
+    ({"cp": 2, "cp_impl": "ulysses"}, 2, {"n_head": 1}, "train.cp_impl=ulysses spreads a rank's 1 query heads"),
+    ({"cp": 2, "tp": 4, "sequence_parallel": True}, 8, {"seq_len": 12}, "6 tokens .* not divisible by train.tp=4"),
+])
+def test_layouts_cp_cannot_run_are_one_line(train, world, model, message):
+    cfg = TrainConfig(micro_batch=1, **train)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        resolved = cfg.resolved(world, "cpu")
+        resolved.validate_model(GPTConfig.from_preset("tiny", **model))
+
+
+def test_torch_context_parallel_is_refused_off_cuda():
+    with pytest.raises(UserError, match="train.cp_impl=torch needs CUDA"):
+        TrainConfig(cp=2, cp_impl="torch").resolved(2, "cpu")
+    assert TrainConfig(cp=2, cp_impl="torch").resolved(2, "cuda").cp_impl == "torch"
