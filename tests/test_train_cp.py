@@ -34,7 +34,9 @@ def test_two_rank_cp_matches_single_and_resumes_across_a_change_of_cp(tmp_path, 
     assert two["cp2_ulysses_op_ac"]["result"]["cp_impl"] == "ulysses"
 
 
+@pytest.mark.slow
 def test_a_cp1_checkpoint_resumes_at_cp2(tmp_path, reference):
+    """The reverse direction (the fast test above saves at cp=2 and resumes at cp=1)."""
     ck = str(tmp_path / "ck")
     run_specs(tmp_path, 1, {"single": {"strategy": "zero3", "checkpoint_every": 2, "checkpoint_dir": ck}})
     two = run_specs(tmp_path, 2, {"cp2_from_cp1": {"cp": 2, "resume_from": f"{ck}/step-000002"}})

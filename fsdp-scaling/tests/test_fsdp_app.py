@@ -82,6 +82,7 @@ def test_sweep_then_report(tmp_path):
     (["train.strategy=hsdp", "world_size=3"], "do not factor"),
     (["train.global_batch=5"], "not divisible"),
     (["model.preset=huge"], "unknown model preset"),
+    (["train.cp=2", "model.preset=tiny", "model.seq_len=66"], "model.seq_len=66 is not divisible by 2 x cp = 4"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     out = py("-m", "fsdp_scaling", *args, f"results_dir={tmp_path}", timeout=60)

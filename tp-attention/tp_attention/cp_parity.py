@@ -61,7 +61,8 @@ def check_case(case: dict, group, seed: int, device, core: ContextParallelCore |
         out = model(xc)
         out.backward(sharding.shard(g, cp, rank))
     floor = ZERO_GRAD_FLOOR * max(float(p.grad.abs().max()) for p in ref.parameters())
-    errs = {"out": rel_err(out, sharding.shard(ref_out, cp, rank)), "input_grad": rel_err(xc.grad, sharding.shard(xr.grad, cp, rank))}
+    errs = {"out": rel_err(out, sharding.shard(ref_out, cp, rank)),
+            "input_grad": rel_err(xc.grad, sharding.shard(xr.grad, cp, rank))}
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if cp > 1:
             dist.all_reduce(p.grad, group=group)

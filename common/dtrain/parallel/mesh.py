@@ -28,7 +28,7 @@ from dtrain.errors import UserError
 from dtrain.strategies import SHARDED, ZERO_STAGE
 
 ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
-MODEL_DIMS = ("pp", "tp")                    # dimensions that split the model; the rest split the batch (cp: its sequences)
+MODEL_DIMS = ("pp", "tp")  # dimensions that split the model; the rest split the batch (cp: its sequences)
 
 
 @dataclass
@@ -46,12 +46,13 @@ class ParallelDims:
         for name in ("world_size", "tp", "pp", "cp", "dp_replicate"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be >= 1")
+        cp_key, cp_name, cp_value = (" x train.cp", " x cp", f" x {self.cp}") if self.cp > 1 else ("", "", "")
         if self.world_size % (self.tp * self.pp * self.cp):
-            raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp x train.cp = "
-                            f"{self.tp} x {self.pp} x {self.cp}: pick degrees whose product divides world_size")
+            raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp{cp_key} = "
+                            f"{self.tp} x {self.pp}{cp_value}: pick degrees whose product divides world_size")
         if self.dp % self.dp_replicate:  # the one HSDP check
-            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp x cp) = {self.dp} ranks do not factor into "
-                            f"train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
+            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not factor "
+                            f"into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
                             "multiple of it or another hsdp_replicate")
         if self.dp_shard == -1:
             self.dp_shard = self.dp // self.dp_replicate

@@ -55,7 +55,7 @@ class TrainConfig:
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
     async_grad_allreduce: bool = False  # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs
     pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp * cp)
-    cp: int = 1                    # context parallelism: ranks sharing each sequence (zigzag shards, dtrain.parallel.cp)
+    cp: int = 1                    # context parallelism: ranks sharing each sequence (dtrain.parallel.cp)
     cp_impl: str = "auto"          # auto (torch on CUDA + NCCL, else ring) | ring | ulysses | torch (context_parallel)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual: int = 1            # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)

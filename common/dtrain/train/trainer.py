@@ -9,8 +9,8 @@ can take the same decision (skip a step, cut the LR, roll back).
 Every layout takes one path: the rank layout is a dtrain.parallel.mesh.ParallelDims, and
 dtrain.train.parallelize turns the GPT into the ParallelModel this loop drives (its parts, one
 loss reduction, one DTensor-aware clipping). Each data-parallel replica is tp x pp x cp ranks that
-read the same batch (cp ranks each train on their shard of its sequences), and a step's micro-batches run as gradient accumulation (pp = 1) or as one
-pipeline-schedule step (pp > 1).
+read the same batch (cp ranks each train on their shard of its sequences), and a step's
+micro-batches run as gradient accumulation (pp = 1) or as one pipeline-schedule step (pp > 1).
 
 Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
 around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
