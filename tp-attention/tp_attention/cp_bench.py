@@ -107,7 +107,7 @@ def measure_cp(cfg, seq_len: int, cp: int, groups, ref, x, g, device) -> list[di
         case = dict(impl=impl, cp=cp, n_head=m.n_head, n_kv_head=m.n_kv_head, head_dim=m.head_dim,
                     batch=cfg.train.micro_batch, seq=seq_len, bias=m.bias)
         errs, volume = check_case(case, group, cfg.seed, device, ref=ref)
-        bad = failures(_worst(errs, group), volume, cfg.rtol)
+        bad = failures(_worst(errs, group, device), volume, cfg.rtol)
         if bad:
             raise RuntimeError(f"cp={cp} {impl} seq_len={seq_len}: not equal to one device: {', '.join(bad)}")
         layer = copy.deepcopy(ref)
@@ -142,9 +142,9 @@ def _tp_can_split(m, tp: int) -> bool:
     return m.seq_len % tp == 0
 
 
-def _worst(errs: dict[str, float], group) -> dict[str, float]:
+def _worst(errs: dict[str, float], group, device) -> dict[str, float]:
     """The worst error of each tensor over the cp ranks."""
-    t = torch.tensor(list(errs.values()), dtype=torch.float64)
+    t = torch.tensor(list(errs.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(errs, t.tolist()))
 
