@@ -101,6 +101,7 @@ class StepBreakdown:
     dp_comm_s: float
     dp_comm_exposed_s: float
     idle_s: float
+    cp_comm_s: float = 0.0      # context parallelism's ring sends / all-to-alls, exposed (0 in records before it)
 
 
 MODEL_SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio")  # GPTConfig's
@@ -390,5 +391,6 @@ def training_inputs(result: dict, model: dict, train: dict, where: Where, precis
         peak_flops_source=result.get("peak_flops_source"), model_params=result.get("model_params"),
         flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
         exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
-        breakdown=StepBreakdown(**{f.name: float(breakdown[f.name]) for f in dataclasses.fields(StepBreakdown)})
-        if breakdown else None, step_callbacks=list(step_callbacks))]
+        breakdown=StepBreakdown(**{f.name: float(breakdown[f.name] if f.name in breakdown else f.default)
+                                   for f in dataclasses.fields(StepBreakdown)}) if breakdown else None,
+        step_callbacks=list(step_callbacks))]

@@ -52,10 +52,10 @@ def print_tables(r: dict, console: Console | None = None) -> None:
     b = g["breakdown"]
     if b:
         bt = Table(title=f"step breakdown on rank 0, dp{g['dp']} x tp{g['tp']} x pp{g['pp']} (profiled steps, s/step)")
-        for col in ("step", "compute", "TP comm", "PP p2p", "DP comm", "DP exposed", "idle / bubble"):
+        for col in ("step", "compute", "TP comm", "CP comm", "PP p2p", "DP comm", "DP exposed", "idle / bubble"):
             bt.add_column(col, justify="right")
-        bt.add_row(*(format(b[k], ".4f") for k in ("step_s", "compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_s",
-                                                    "dp_comm_exposed_s", "idle_s")))
+        bt.add_row(*(format(b.get(k, 0.0), ".4f") for k in ("step_s", "compute_s", "tp_comm_s", "cp_comm_s",
+                                                              "pp_p2p_s", "dp_comm_s", "dp_comm_exposed_s", "idle_s")))
         console.print(bt)
 
 
