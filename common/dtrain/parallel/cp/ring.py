@@ -15,8 +15,10 @@ hides, and every rank does the same work: its own block causally, then per step 
 Backward (a custom autograd.Function) walks the ring again: the softmax is recomputed from the
 saved lse (FlashAttention's backward: P = e^(S - lse), dS = P·(dP - rowsum(dO·O))), and the
 gradient of each k/v block travels behind it, every rank adding its part, until it reaches the
-rank that owns the block. Computed in fp32 (the merge needs it), autocast off. GQA: k/v carry
-fewer heads on the wire; each query head reads k/v head h // (n_head / n_kv).
+rank that owns the block. Computed in fp32 (the merge needs it), autocast off; a block is the
+explicit math of `block_attention_math` / `block_grads_math`, or on CPU PyTorch's fused
+flash-attention kernel, which returns the lse too. GQA: k/v carry fewer heads on the wire; each
+query head reads k/v head h // (n_head / n_kv).
 """
 from __future__ import annotations
 
@@ -93,65 +95,59 @@ def block_grads(q, k, v, out, lse, dout, causal: bool, scale: float):
         dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
 
 
+def _walk_ring(k, v, group, overlap: bool, n_rep: int, length: int):
+    """Each step's (step, query rows, key rows, causal, k block, v block) on this rank, the k/v block
+    already on its way to the next rank while the step computes (overlap=False: delivered first)."""
+    cp, rank = group_size(group), comm.rank_in(group)
+    kv = torch.stack([k, v])  # what travels, in the input dtype
+    for step in range(cp):
+        pending = comm.ring_exchange(kv, group, comm.KV) if step + 1 < cp else None
+        if pending is not None and not overlap:
+            pending.wait()
+        rows, keys, causal = block_plan(rank, (rank - step) % cp, length)
+        yield (step, rows, keys, causal, *(_expand(t[:, :, keys].float(), n_rep) for t in kv))
+        if pending is not None:
+            kv = pending.wait()
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, overlap, merge):
-        cp, rank = group_size(group), comm.rank_in(group)
-        n_rep, scale, length = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5, q.shape[2]
-        dtype = q.dtype
+        n_rep, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         with torch.autocast(q.device.type, enabled=False):
-            q32 = q.float()
-            kv = torch.stack([k, v])  # what travels, in the input dtype
-            out = lse = None
-            for step in range(cp):
-                pending = comm.ring_exchange(kv, group, comm.KV) if step + 1 < cp else None
-                if pending is not None and not overlap:
-                    pending.wait()
-                rows, keys, causal = block_plan(rank, (rank - step) % cp, length)
-                k_blk, v_blk = (_expand(t[:, :, keys].float(), n_rep) for t in kv)
+            q32, out, lse = q.float(), None, None
+            for step, rows, keys, causal, k_blk, v_blk in _walk_ring(k, v, group, overlap, n_rep, q.shape[2]):
                 block_out, block_lse = block_attention(q32[:, :, rows], k_blk, v_blk, causal, scale)
                 if out is None:
                     out, lse = block_out, block_lse
                 else:
                     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-                if pending is not None:
-                    kv = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.overlap = group, overlap
-        return out.to(dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, overlap = ctx.group, ctx.overlap
-        cp, rank = group_size(group), comm.rank_in(group)
-        n_rep, scale, length = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5, q.shape[2]
+        n_rep, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         with torch.autocast(q.device.type, enabled=False):
             q32, dout = q.float(), dout.float()
             dq = torch.zeros_like(q32)
-            kv = torch.stack([k, v])
             home = travelling = None  # this rank's own block's gradient; the gradient exchange in flight
-            for step in range(cp):
-                pending = comm.ring_exchange(kv, group, comm.KV) if step + 1 < cp else None
-                if pending is not None and not overlap:
-                    pending.wait()
-                rows, keys, causal = block_plan(rank, (rank - step) % cp, length)
-                k_blk, v_blk = (_expand(t[:, :, keys].float(), n_rep) for t in kv)
+            for step, rows, keys, causal, k_blk, v_blk in _walk_ring(k, v, ctx.group, ctx.overlap, n_rep, q.shape[2]):
                 dq_b, dk_b, dv_b = block_grads(q32[:, :, rows], k_blk, v_blk, out[:, :, rows], lse[:, :, rows],
                                                dout[:, :, rows], causal, scale)
                 dq[:, :, rows] += dq_b
-                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
                 dkv[0][:, :, keys], dkv[1][:, :, keys] = _fold(dk_b, n_rep), _fold(dv_b, n_rep)
                 if step == 0:
                     home = dkv
                 else:  # add to what the ranks before added to this block's gradient, pass it on
                     if travelling is not None:
                         dkv += travelling.wait()
-                    travelling = comm.ring_exchange(dkv, group, comm.KV_GRAD)
-                    if not overlap:
+                    travelling = comm.ring_exchange(dkv, ctx.group, comm.KV_GRAD)
+                    if not ctx.overlap:
                         travelling.wait()
-                if pending is not None:
-                    kv = pending.wait()
             if travelling is not None:  # the last hop brings this rank's own block's gradient home
                 home = home + travelling.wait()
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
