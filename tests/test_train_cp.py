@@ -93,3 +93,13 @@ def test_torch_context_parallel_is_refused_off_cuda():
     with pytest.raises(UserError, match="train.cp_impl=torch needs CUDA"):
         TrainConfig(cp=2, cp_impl="torch").resolved(2, "cpu")
     assert TrainConfig(cp=2, cp_impl="torch").resolved(2, "cuda").cp_impl == "torch"
+
+
+def test_the_memory_check_counts_a_cp_ranks_tokens_and_fsdp_over_cp():
+    from dtrain.fit import training_need
+
+    model = GPTConfig.from_preset("1b", seq_len=8192)
+    need = {cp: training_need(model, TrainConfig(cp=cp, micro_batch=1).resolved(4, "cuda"), 4) for cp in (1, 2, 4)}
+    assert need[1].states == need[2].states == need[4].states  # FSDP2 shards over shard x cp = 4 ranks each time
+    assert need[4].activations < need[2].activations < need[1].activations  # s / cp tokens per rank
+    assert need[2].activations == pytest.approx(need[1].activations / 2, rel=0.05)
