@@ -103,3 +103,34 @@ def test_the_memory_check_counts_a_cp_ranks_tokens_and_fsdp_over_cp():
     assert need[1].states == need[2].states == need[4].states  # FSDP2 shards over shard x cp = 4 ranks each time
     assert need[4].activations < need[2].activations < need[1].activations  # s / cp tokens per rank
     assert need[2].activations == pytest.approx(need[1].activations / 2, rel=0.05)
+
+
+@pytest.mark.slow
+def test_cli_cp2_equals_one_rank_and_records_cp(tmp_path):
+    """The issue's check, as a user runs it: two CLI runs, the same global batch (2 sequences)."""
+    from conftest import py
+    from dtrain import contract, results
+
+    args = ["model.preset=tiny", "model.seq_len=256", "train.steps=8"]
+    for world, extra in ((2, ["train.cp=2"]), (1, [])):
+        out = py("-m", "fsdp_scaling", f"world_size={world}", *extra, *args, f"results_dir={tmp_path}/w{world}",
+                 timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+    steps = {w: results.load([tmp_path / f"w{w}"], kind="step") for w in (1, 2)}
+    for key in ("loss", "grad_norm"):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(steps[2][key], steps[1][key], strict=True))
+        assert rel <= 1e-6, (key, rel)
+    [run] = results.complete_runs([tmp_path / "w2"])
+    assert (run.summary["cp"], run.summary["cp_impl"], run.summary["global_batch"]) == (2, "ring", 2)
+    [m] = contract.read(run.summary)
+    assert (m.layout.cp, m.layout.dp, m.layout.world_size) == (2, 1, 2)
+
+
+def test_cp_refuses_an_attention_that_is_not_dtrain_models_sdpa():
+    from dtrain.model import GPT
+    from dtrain.parallel.cp.apply import apply_cp
+
+    gpt = GPT(GPTConfig.from_preset("tiny"))
+    gpt.blocks[1].attn.core = lambda q, k, v, head_dim: q  # e.g. an experiment's own attention
+    with pytest.raises(UserError, match=r"needs dtrain.model's SDPA attention in every block, but blocks.1.attn runs"):
+        apply_cp(gpt, "ring", mesh=None)

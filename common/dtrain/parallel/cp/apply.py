@@ -94,9 +94,9 @@ def apply_cp(part: torch.nn.Module, impl: str, mesh) -> int:
     from dtrain.model import causal_attention
 
     attentions = [(name, m) for name, m in part.named_modules() if hasattr(m, "core")]
-    other = [name for name, m in attentions if m.core is not causal_attention]
+    other = [(name, m.core) for name, m in attentions if m.core is not causal_attention]
     if other or not attentions:
-        where = f"{other[0]} runs {attentions[0][1].core!r}" if other else "the model has no dtrain.model attention"
+        where = f"{other[0][0]} runs {other[0][1]!r}" if other else "the model has no dtrain.model attention"
         raise UserError(f"train.cp needs dtrain.model's SDPA attention in every block, but {where}: use train.cp=1")
     if impl != "torch":
         for _, m in attentions:
