@@ -45,8 +45,9 @@ def test_step_breakdown_puts_the_rings_sends_under_cp_comm():
     from fsdp_scaling.overlap import step_breakdown
 
     us = 1e6
-    ev = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts * us, "dur": dur * us,  # noqa: E731
-                                       "tid": tid}
+    def ev(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts * us, "dur": dur * us, "tid": tid}
+
     trace = {"traceEvents": [
         ev("aten::mm", 0, 4),
         ev("cp_comm:send_recv", 4, 1), ev("gloo:send", 4.5, 1.5),  # a send outlasting its range: still the ring's

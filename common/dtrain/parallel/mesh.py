@@ -51,8 +51,8 @@ class ParallelDims:
             raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp{cp_key} = "
                             f"{self.tp} x {self.pp}{cp_value}: pick degrees whose product divides world_size")
         if self.dp % self.dp_replicate:  # the one HSDP check
-            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not factor "
-                            f"into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
+            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not "
+                            f"factor into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
                             "multiple of it or another hsdp_replicate")
         if self.dp_shard == -1:
             self.dp_shard = self.dp // self.dp_replicate
