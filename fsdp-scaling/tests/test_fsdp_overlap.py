@@ -45,6 +45,7 @@ def test_step_breakdown_puts_the_rings_sends_under_cp_comm():
     from fsdp_scaling.overlap import step_breakdown
 
     us = 1e6
+
     def ev(name, ts, dur, tid=1):
         return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts * us, "dur": dur * us, "tid": tid}
 
