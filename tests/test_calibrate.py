@@ -34,7 +34,7 @@ def test_cpu_runs_calibrate_local_but_not_the_gpu_matrix():
     assert not rep.measured_on_gpu
     assert all(p.provenance.startswith("datasheet/published:") for p in vars(rep.cluster_links).values())
     # the incomplete run is not read
-    assert not any("crashed" in str(r.path) for r in rep.runs) and len(rep.runs) == 6
+    assert not any("crashed" in str(r.path) for r in rep.runs) and len(rep.runs) == 7  # tp-attention-cp included
 
 
 def test_local_values_and_provenance_by_hand():

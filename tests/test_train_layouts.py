@@ -49,8 +49,9 @@ def many_layouts(ctx) -> dict:
         spec = OmegaConf.to_container(spec)
         model = GPTConfig.from_preset("tiny", **{"n_layer": 4, **spec.pop("model", {})})
         trainer = Trainer(ctx, train_of(**spec), model, callbacks=[seen])
-        trainer.run()
-        out[name] = {"losses": seen.losses, "grad_norms": seen.grad_norms, "checkpoint": trainer.last_checkpoint}
+        result = trainer.run()
+        out[name] = {"losses": seen.losses, "grad_norms": seen.grad_norms, "checkpoint": trainer.last_checkpoint,
+                     "result": {k: result[k] for k in ("dp", "tp", "pp", "cp", "cp_impl")}}
     return out
 
 

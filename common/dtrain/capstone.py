@@ -52,6 +52,8 @@ STEPS = (
     Step("fsdp-scaling report", "fsdp_scaling", ("{results}/fsdp-scaling", "--out", "{results}/fsdp-scaling/report"),
          module="fsdp_scaling.report", needs_launcher=False, expected_s=3),
     Step("tp-attention", "tp_attention", (), expected_s=25),
+    # context parallelism (ring, all-to-all) vs one device vs TP+SP: the CpMeasurement records
+    Step("tp-attention cp", "tp_attention", (), module="tp_attention.cp", expected_s=18),
     # FP8 speed and memory factors and the layers to keep in BF16 come from `compare`; without the per-step
     # tooling (NaN guard hooks on every linear, health and debug statistics), which would dilute the speed
     # factor and is not training work the cost model predicts (numerics runs keep it: the default)

@@ -13,6 +13,7 @@ One vocabulary across the experiments:
     train.micro_batch                        sequences per rank per (micro-)step
     train.precision                          compute precision: fp32 | bf16 (| auto in trainers)
     train.tp, train.sequence_parallel        tensor parallelism (tp-attention: lists, each measured)
+    train.cp, train.cp_impl                  context parallelism (tp-attention's CP study: lists)
     timing_warmup, iters                     untimed warm-up steps, timed steps
     profile.enabled, profile.steps           the torch.profiler window
     debug.*                                  test aids that fake a condition (allreduce-bench);

@@ -15,6 +15,7 @@ is calibrated like the four here.
     CollectiveFit        allreduce-bench                      α, β per link class
     TrainingMeasurement  fsdp-scaling runs, fp8-train runs    compute efficiency, DP overlap, local checks
     TpMeasurement        tp-attention                         TP overhead, local checks
+    CpMeasurement        tp-attention's CP study              CP (ring / all-to-all) overhead and overlap
     Fp8Comparison        fp8-train compare (a derived run)    FP8 speed / memory factor, layers kept high
     GemmProbe            dtrain.costmodel.gemm_probe (derived) GEMM efficiency curve, fixed step overhead
 
@@ -86,6 +87,7 @@ class TrainLayout:
     sequence_parallel: bool = False
     pp_schedule: str | None = None
     pp_virtual: int = 1
+    cp: int = 1                 # context parallelism: ranks sharing each sequence (1 in records before it)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class StepBreakdown:
     dp_comm_s: float
     dp_comm_exposed_s: float
     idle_s: float
+    cp_comm_s: float = 0.0      # context parallelism's ring sends / all-to-alls, exposed (0 in records before it)
 
 
 MODEL_SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio")  # GPTConfig's
@@ -163,6 +166,31 @@ class TpMeasurement:
     overhead_factor: float      # step_time_s * tp / single_rank_step_time_s
     where: Where
     dtensor_step_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CpMeasurement:
+    """One context-parallel attention layer, forward + backward, at one cp degree and sequence length.
+    Times are per layer on one rank; ``comm_bytes_per_layer`` is what one rank sends (counted =
+    analytic, ``dtrain.parallel.cp.comm``)."""
+
+    kind: ClassVar[str] = "cp_layer"
+    impl: str                   # ring | ulysses
+    cp: int
+    seq_len: int                # the whole sequence; each rank holds seq_len / cp tokens
+    micro_batch: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    precision: str
+    step_time_s: float          # one layer at this cp (the ring with its sends overlapped)
+    single_device_step_time_s: float  # the whole sequence on one rank
+    comm_bytes_per_layer: int
+    saved_bytes: int            # activations autograd keeps for backward, per rank
+    where: Where
+    serial_step_time_s: float | None = None  # ring: each send waited before the compute it could hide behind
+    overlap_fraction: float | None = None    # ring: (serial - overlapped) / send time alone, in [0, 1]
+    tp_sp_step_time_s: float | None = None   # TP with sequence parallelism at tp = cp (the alternative)
 
 
 @dataclass(frozen=True)
@@ -238,7 +266,8 @@ class RunLoad:
     samples: int
 
 
-RECORDS = {c.kind: c for c in (CollectiveFit, TrainingMeasurement, TpMeasurement, Fp8Comparison, GemmProbe)}
+RECORDS = {c.kind: c for c in (CollectiveFit, TrainingMeasurement, TpMeasurement, CpMeasurement, Fp8Comparison,
+                                GemmProbe)}
 
 
 # ---------------------------------------------------------------- encoding
@@ -355,12 +384,13 @@ def training_inputs(result: dict, model: dict, train: dict, where: Where, precis
                            seq_len=seq, recompute=str(train.get("activation_checkpointing") or "none"),
                            sequence_parallel=bool(train.get("sequence_parallel")) and tp > 1,
                            pp_schedule=result.get("pp_schedule"), pp_virtual=int(train.get("pp_virtual") or 1)
-                           if pp > 1 else 1),
+                           if pp > 1 else 1, cp=int(result.get("cp") or 1)),
         precision=str(precision or result["mixed_precision"]), step_time_s=float(result["step_time_s"]),
         tokens_per_s=float(result["tokens_per_s"]), peak_mem_bytes=int(result["peak_mem_bytes"]), where=where,
         recipe=recipe, mfu=result.get("mfu"), peak_flops=result.get("peak_flops"),
         peak_flops_source=result.get("peak_flops_source"), model_params=result.get("model_params"),
         flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
         exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
-        breakdown=StepBreakdown(**{f.name: float(breakdown[f.name]) for f in dataclasses.fields(StepBreakdown)})
-        if breakdown else None, step_callbacks=list(step_callbacks))]
+        breakdown=StepBreakdown(**{f.name: float(breakdown[f.name] if f.name in breakdown else f.default)
+                                   for f in dataclasses.fields(StepBreakdown)}) if breakdown else None,
+        step_callbacks=list(step_callbacks))]

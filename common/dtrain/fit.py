@@ -73,8 +73,10 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     dims = train.dims(world_size)
     tp, pp = dims.tp, dims.pp
     recompute = RECOMPUTE_OF_CHECKPOINTING[train.activation_checkpointing]
-    # states are sharded over dp_shard ranks (1 for ddp: zero_stage 0 then ignores it)
-    layout = Layout(dp=dims.dp_shard, tp=tp, pp=pp, zero_stage=zero_stage(train.strategy, dims.dp, pp),
+    # states are sharded over dp_shard ranks (1 for ddp: zero_stage 0 then ignores it), and FSDP2
+    # shards over the cp ranks too (dtrain.train.parallelize); a cp rank holds seq_len / cp tokens
+    shards = dims.dp_shard * (dims.cp if train.sharded else 1)
+    layout = Layout(dp=shards, tp=tp, pp=pp, zero_stage=zero_stage(train.strategy, dims.dp * dims.cp, pp),
                     recompute=recompute,
                     micro_batch=train.micro_batch, grad_accum=train.grad_accum,
                     sequence_parallel=train.sequence_parallel, virtual_stages=train.pp_virtual if pp > 1 else 1)
@@ -83,7 +85,8 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
     # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
     # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
-    shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp))
+    shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp),
+                    seq_len=model.seq_len // dims.cp)
     # dtrain's GPT: SDPA attention, its loss PyTorch's unfused F.cross_entropy
     m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True, fused_loss=False)
     psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)

@@ -117,9 +117,10 @@ class Attention(nn.Module):
         self.wk = make_linear(f"{prefix}.wk", d, kv, cfg.bias)
         self.wv = make_linear(f"{prefix}.wv", d, kv, cfg.bias)
         self.wo = make_linear(f"{prefix}.wo", d, d, cfg.bias)
+        self.core = causal_attention  # the attention math; context parallelism swaps in its own (dtrain.parallel.cp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(causal_attention(self.wq(x), self.wk(x), self.wv(x), self.head_dim))
+        return self.wo(self.core(self.wq(x), self.wk(x), self.wv(x), self.head_dim))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -167,7 +168,9 @@ def default_linear(name: str, in_features: int, out_features: int, bias: bool) -
 
 class GPT(nn.Module):
     """``forward(idx)`` returns logits (B, T, vocab); ``forward(idx, targets)`` returns only the
-    scalar mean cross-entropy loss, computed in fp32 (targets of -100 are ignored)."""
+    scalar mean cross-entropy loss, computed in fp32 (targets of -100 are ignored). ``positions``
+    (T,): the tokens' places in the sequence when `idx` holds only some of them (context
+    parallelism's shards); default 0..T-1."""
 
     def __init__(self, cfg: GPTConfig, linear_factory: LinearFactory | None = None):
         super().__init__()
@@ -219,11 +222,12 @@ class GPT(nn.Module):
             if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()  # weight 1, bias 0
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device) if positions is None else positions)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.norm(x))

@@ -8,7 +8,8 @@ Formula (Adam(W), fp32 master parameters, b = 4 bytes, S = shard degree, n = par
     zero3      world_size              4*Psi_r       4*Psi_r       8*Psi_r + 4n
     hsdp       world_size / replicate  4*Psi_r       4*Psi_r       8*Psi_r + 4n
 
-S is the layout's `ParallelDims.dp_shard` (dtrain.parallel.mesh, the one home of the degrees).
+S is the ranks FSDP2 shards over, `ParallelModel.shard_degree`: the layout's dp_shard x cp
+(dtrain.parallel.mesh, the one home of the degrees); 1 when parameters are whole (ddp).
 
 Psi_r is rank r's share. Ideally Psi / S; FSDP2 shards every parameter along dim 0 in torch.chunk
 pieces, so rank r holds rows [r*c, min((r+1)*c, d0)) with c = ceil(d0 / S) and Psi_r is the sum of

@@ -106,7 +106,9 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
 
         compute_s      main-thread aten ops (as in intervals_from_trace)
         tp_comm_s      the hand-rolled TP collectives' `tp_comm:*` ranges (blocking: all exposed)
-        pp_p2p_s       pipeline send/recv issued on the main thread
+        cp_comm_s      context parallelism's `cp_comm:*` ranges (issuing the ring's sends, waiting
+                       for them, the all-to-alls): what the attention compute did not hide
+        pp_p2p_s       pipeline send/recv issued on the main thread (with cp: the ring's, in cp_comm_s)
         dp_comm_s      every other collective (gradient sync, loss and norm reductions) while no
                        TP collective was in flight, and its part not hidden behind compute
         dp_comm_exposed_s
@@ -120,15 +122,18 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
         return {}
     compute = merge((s, e) for s, e, k in intervals_from_trace(trace, main_tid) if k == "compute")
     tp = merge(span(e) for e in main if e["name"].startswith("tp_comm:"))
+    cp = merge(span(e) for e in main if e["name"].startswith("cp_comm:"))
     p2p = merge(span(e) for e in main if e["name"].startswith(_P2P))
+    if cp:  # the trainer runs cp only without pp: every send/recv is the ring's (some outlast their cp range)
+        cp, p2p = merge([*cp, *p2p]), []
     other_comm = merge(span(e) for e in events if e["name"].startswith("gloo:") and not e["name"].startswith(_P2P))
     tp_total = total(tp)
-    dp = merge(iv for iv in _subtract(other_comm, tp))
+    dp = merge(iv for iv in _subtract(other_comm, merge([*tp, *cp])))
     dp_exposed = _subtract(dp, compute)
     start, end = min(e["ts"] for e in main) / 1e6, max(e["ts"] + e["dur"] for e in main) / 1e6
-    busy = total(merge([*compute, *tp, *p2p, *dp_exposed]))
+    busy = total(merge([*compute, *tp, *cp, *p2p, *dp_exposed]))
     return {"step_s": (end - start) / steps, "compute_s": total(compute) / steps, "tp_comm_s": tp_total / steps,
-            "pp_p2p_s": total(p2p) / steps, "dp_comm_s": total(dp) / steps,
+            "cp_comm_s": total(cp) / steps, "pp_p2p_s": total(p2p) / steps, "dp_comm_s": total(dp) / steps,
             "dp_comm_exposed_s": total(dp_exposed) / steps, "idle_s": max(0.0, end - start - busy) / steps}
 
 

@@ -58,14 +58,14 @@ def rank_fn(ctx: RankContext) -> dict:
     trainer = Trainer(ctx, train, model_cfg, callbacks=callbacks)
     result = trainer.run()
     shapes = [memory.tp_local_shape(p) for p in trainer.model.parameters()]  # this rank's stages, tp shards
-    dims = trainer.dims  # dp ranks shard (FSDP2: dp_shard of them) or replicate the tp x pp piece
-    formula = memory.formula_bytes(shapes, dims.dp_shard, dims.coordinate("shard"))
-    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), dims.dp_shard * dims.tp * dims.pp)
-    ctx.writer.record("state_bytes", rank=ctx.rank, shards=dims.dp_shard,
+    dims, shards = trainer.dims, trainer.parallel.shard_degree  # FSDP2 shards the tp x pp piece over shard x cp
+    formula = memory.formula_bytes(shapes, shards, trainer.parallel.shard_index)
+    ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards * dims.tp * dims.pp)
+    ctx.writer.record("state_bytes", rank=ctx.rank, shards=shards,
                       **{f"measured_{k}": v for k, v in state.measured.items()},
                       **{f"formula_{k}": v for k, v in formula.items()}, **{f"ideal_{k}": v for k, v in ideal.items()})
     return {**result, "state_bytes": state.measured, "state_bytes_formula": formula, "state_bytes_ideal": ideal,
-            "shard_degree": dims.dp_shard, "overlap": window.result if window else None,
+            "shard_degree": shards, "overlap": window.result if window else None,
             "breakdown": window.breakdown if window else None,
             "trace": str(window.trace_path) if window and window.trace_path else None,
             "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,

@@ -24,14 +24,15 @@ def headline(r: dict) -> dict:
             "exposed_comm_s": ov.get("exposed_comm_s"), "peak_mem_bytes": r["peak_mem_bytes"],
             "state_bytes": dict(r["state_bytes"]), "state_bytes_formula": dict(r["state_bytes_formula"]),
             "mixed_precision": r["mixed_precision"], "device": r["device"], "backend": r["backend"],
-            "tp": r.get("tp", 1), "pp": r.get("pp", 1), "dp": r.get("dp", r["world_size"]),
+            "tp": r.get("tp", 1), "pp": r.get("pp", 1), "dp": r.get("dp", r["world_size"]), "cp": r.get("cp", 1),
             "pp_schedule": r.get("pp_schedule"), "breakdown": r.get("breakdown")}
 
 
 def print_tables(r: dict, console: Console | None = None) -> None:
     console = console or Console(width=120)
     g = headline(r)
-    layout = f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}" if g["tp"] * g["pp"] > 1 else ""
+    cp = f" x cp{g['cp']} ({r.get('cp_impl')})" if g["cp"] > 1 else ""
+    layout = f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}" if g["tp"] * g["pp"] * g["cp"] > 1 else ""
     t = Table(title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), {g['device']}/{g['backend']}")
     for col in ("tokens/s", "step s", "TFLOP/s/rank", "MFU", "comm s/step", "exposed s/step", "overlap", "peak mem"):
         t.add_column(col, justify="right")
@@ -51,10 +52,10 @@ def print_tables(r: dict, console: Console | None = None) -> None:
     b = g["breakdown"]
     if b:
         bt = Table(title=f"step breakdown on rank 0, dp{g['dp']} x tp{g['tp']} x pp{g['pp']} (profiled steps, s/step)")
-        for col in ("step", "compute", "TP comm", "PP p2p", "DP comm", "DP exposed", "idle / bubble"):
+        for col in ("step", "compute", "TP comm", "CP comm", "PP p2p", "DP comm", "DP exposed", "idle / bubble"):
             bt.add_column(col, justify="right")
-        bt.add_row(*(format(b[k], ".4f") for k in ("step_s", "compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_s",
-                                                    "dp_comm_exposed_s", "idle_s")))
+        bt.add_row(*(format(b.get(k, 0.0), ".4f") for k in ("step_s", "compute_s", "tp_comm_s", "cp_comm_s",
+                                                              "pp_p2p_s", "dp_comm_s", "dp_comm_exposed_s", "idle_s")))
         console.print(bt)
 
 

@@ -14,7 +14,7 @@ from fsdp_scaling.summary import headline
 HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
               "tflops_per_rank", "mfu", "peak_flops", "peak_flops_source", "overlap_fraction", "comm_s",
               "exposed_comm_s", "peak_mem_bytes", "state_bytes", "state_bytes_formula", "mixed_precision",
-              "device", "backend", "tp", "pp", "dp", "pp_schedule", "breakdown"}
+              "device", "backend", "tp", "pp", "dp", "cp", "pp_schedule", "breakdown"}
 
 
 def composed(config_module: str, overrides: list[str]) -> dict:
@@ -82,6 +82,7 @@ def test_sweep_then_report(tmp_path):
     (["train.strategy=hsdp", "world_size=3"], "do not factor"),
     (["train.global_batch=5"], "not divisible"),
     (["model.preset=huge"], "unknown model preset"),
+    (["train.cp=2", "model.preset=tiny", "model.seq_len=66"], "model.seq_len=66 is not divisible by 2 x cp = 4"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     out = py("-m", "fsdp_scaling", *args, f"results_dir={tmp_path}", timeout=60)

@@ -39,3 +39,22 @@ def test_intervals_from_cpu_and_gpu_traces():
     ]}
     s = overlap_stats(intervals_from_trace(gpu, main_tid=1))
     assert (s["comm_s"], s["exposed_comm_s"], s["overlap_fraction"]) == (4.0, 3.0, 0.25)
+
+
+def test_step_breakdown_puts_the_rings_sends_under_cp_comm():
+    from fsdp_scaling.overlap import step_breakdown
+
+    us = 1e6
+
+    def ev(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts * us, "dur": dur * us, "tid": tid}
+
+    trace = {"traceEvents": [
+        ev("aten::mm", 0, 4),
+        ev("cp_comm:send_recv", 4, 1), ev("gloo:send", 4.5, 1.5),  # a send outlasting its range: still the ring's
+        ev("aten::mm", 6, 2), ev("cp_comm:wait", 8, 1),
+        ev("gloo:all_reduce", 9, 1, tid=5),  # the gradient all-reduce on gloo's thread: DP comm, exposed
+    ]}
+    b = step_breakdown(trace, 1)
+    assert (b["compute_s"], b["cp_comm_s"], b["pp_p2p_s"], b["tp_comm_s"]) == (6.0, 3.0, 0.0, 0.0)
+    assert (b["dp_comm_s"], b["dp_comm_exposed_s"], b["step_s"]) == (1.0, 1.0, 9.0)

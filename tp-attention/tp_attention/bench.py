@@ -176,7 +176,7 @@ def rank_fn(ctx: RankContext) -> dict:
     entries = []
     combos = [(tp, sp) for tp in tp_degrees(cfg) for sp in as_list(cfg.train.sequence_parallel)]
     turns = Turns(cfg.dist_timeout_s)
-    for tp, sp in _progress(combos, ctx.is_main):
+    for tp, sp in progress(combos, ctx.is_main):
         groups = make_tp_groups(tp)  # collective: every rank, same order
         # The first TP group (ranks 0..tp-1) measures; then rank 0 alone runs the single baselines.
         measured = turns.take(groups is not None and ctx.rank < tp, ctx.is_main,
@@ -230,7 +230,7 @@ def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
     return e
 
 
-def _progress(items, show: bool):
+def progress(items, show: bool, desc: str = "tp x sp"):
     from tqdm import tqdm
 
-    return tqdm(items, desc="tp x sp", disable=not show, leave=False)
+    return tqdm(items, desc=desc, disable=not show, leave=False)

@@ -1,20 +1,22 @@
-"""ParallelDims: the layout of the ranks, pp x dp x tp, checked once and turned into one mesh.
+"""ParallelDims: the layout of the ranks, pp x dp x cp x tp, checked once and turned into one mesh.
 
-    world_size = pp * dp * tp,   dp = dp_replicate * dp_shard
+    world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
 
 Every layout has one: tp = pp = 1 included (then dp = world_size). The data-parallel strategy
 decides how dp splits (`of`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
 (dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single has dp = 1.
 
 Mesh dimensions, outermost first (as torchtitan's ParallelDims): ``pp``, ``replicate``,
-``shard``, ``tp``; tp is innermost, so a tp group is consecutive ranks (one node's fast links),
-and pp is outermost (its point-to-point traffic is the lightest). Only dimensions of size > 1 are
+``shard``, ``cp``, ``tp``; tp is innermost, so a tp group is consecutive ranks (one node's fast links),
+then cp (context parallelism: the ranks that share each sequence, dtrain.parallel.cp), and pp is
+outermost (its point-to-point traffic is the lightest). Only dimensions of size > 1 are
 built (each is a process group, and gloo groups are slow to create). A new dimension is one more
 entry in `ORDER` (and in `MODEL_DIMS` when it splits the model rather than the batch) and a field.
 
 Ranks that share a (replicate, shard) coordinate form one data-parallel replica: they read the
-same batch (`dp_rank`, `dp`), split the model by tp and pp, and their gradients are averaged
-with the other replicas'.
+same batch (`dp_rank`, `dp`), split the model by tp and pp and each sequence by cp. Gradients are
+averaged over replicate x shard x cp: the cp ranks of a replica computed the gradients of
+different tokens, like data-parallel ranks (FSDP2 shards over shard x cp, as torchtitan does).
 
 Torch-free at import: the cost model uses `ParallelDims.of` for the dp and shard degrees.
 """
@@ -25,8 +27,8 @@ from dataclasses import dataclass, field
 from dtrain.errors import UserError
 from dtrain.strategies import SHARDED, ZERO_STAGE
 
-ORDER = ("pp", "replicate", "shard", "tp")  # mesh dimensions, outermost first
-MODEL_DIMS = ("pp", "tp")                    # dimensions that split the model; the rest split the batch
+ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
+MODEL_DIMS = ("pp", "tp")  # dimensions that split the model; the rest split the batch (cp: its sequences)
 
 
 @dataclass
@@ -36,18 +38,21 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1  # data-parallel replicas (ddp: dp; hsdp: its replica groups)
     dp_shard: int = -1     # ranks one replica is sharded over (FSDP2); -1 = the rest of dp
+    cp: int = 1            # context parallelism: ranks that share each sequence
     _mesh: object = field(default=None, repr=False, compare=False)
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes, by name
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "pp", "dp_replicate"):
+        for name in ("world_size", "tp", "pp", "cp", "dp_replicate"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.world_size % (self.tp * self.pp):
-            raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp = "
-                            f"{self.tp} x {self.pp}: pick tp and pp whose product divides world_size")
+        cp_key, cp_name, cp_value = (" x train.cp", " x cp", f" x {self.cp}") if self.cp > 1 else ("", "", "")
+        if self.world_size % (self.tp * self.pp * self.cp):
+            raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp{cp_key} = "
+                            f"{self.tp} x {self.pp}{cp_value}: pick degrees whose product divides world_size")
         if self.dp % self.dp_replicate:  # the one HSDP check
-            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp) = {self.dp} ranks do not factor into "
-                            f"train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
+            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not "
+                            f"factor into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
                             "multiple of it or another hsdp_replicate")
         if self.dp_shard == -1:
             self.dp_shard = self.dp // self.dp_replicate
@@ -56,21 +61,23 @@ class ParallelDims:
 
     @classmethod
     def of(cls, world_size: int, tp: int = 1, pp: int = 1, strategy: str = "zero3",
-           hsdp_replicate: int = 1) -> "ParallelDims":
+           hsdp_replicate: int = 1, cp: int = 1) -> "ParallelDims":
         """The layout a data-parallel strategy gives: the one place dp is split into replicas and shards."""
-        dp = cls(world_size, tp=tp, pp=pp).dp
+        dp = cls(world_size, tp=tp, pp=pp, cp=cp).dp
         if strategy == "ddp":
-            return cls(world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1)
+            return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=dp, dp_shard=1)
         if strategy == "hsdp":
-            return cls(world_size, tp=tp, pp=pp, dp_replicate=hsdp_replicate)
-        return cls(world_size, tp=tp, pp=pp)  # zero2 / zero3: every dp rank holds a shard; single: dp = 1
+            return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=hsdp_replicate)
+        return cls(world_size, tp=tp, pp=pp, cp=cp)  # zero2 / zero3: every dp rank holds a shard; single: dp = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel replicas: groups of ranks that read different batches."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     def degree(self, name: str) -> int:
-        return {"pp": self.pp, "replicate": self.dp_replicate, "shard": self.dp_shard, "tp": self.tp}[name]
+        return {"pp": self.pp, "replicate": self.dp_replicate, "shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp}[name]
 
     @property
     def model_parallel(self) -> bool:
@@ -79,7 +86,7 @@ class ParallelDims:
 
     @property
     def describe(self) -> str:
-        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}"
+        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "")
 
     def dims(self) -> list[tuple[str, int]]:
         """(name, size) of the mesh dimensions that are built, outermost first."""
@@ -107,14 +114,29 @@ class ParallelDims:
             return None
         return self._mesh[name]
 
+    def flat_mesh(self, names: tuple[str, ...]):
+        """The 1-D mesh over the built dimensions among `names` (flattened when several: e.g.
+        shard x cp); None when none is built."""
+        built = tuple(n for n in names if self._mesh is not None and n in self._mesh.mesh_dim_names)
+        if len(built) <= 1:
+            return self._mesh[built[0]] if built else None
+        name = "_".join(built)
+        if name not in self._flat:
+            self._flat[name] = self._mesh[built]._flatten(name)
+        return self._flat[name]
+
     def dp_mesh(self):
-        """The data-parallel mesh, (replicate, shard) dims that are built; None if there is none."""
-        if self._mesh is None:
-            return None
-        names = [n for n in self._mesh.mesh_dim_names if n in ("replicate", "shard")]
-        if not names:
-            return None
-        return self._mesh[tuple(names)] if len(names) > 1 else self._mesh[names[0]]
+        """The mesh FSDP2 shards over: (replicate, shard x cp), the dims that are built; None if there is none."""
+        shard = self.flat_mesh(("shard", "cp"))
+        if shard is None or self.submesh("replicate") is None:
+            return shard or self.submesh("replicate")
+        return self._mesh[("replicate", "_".join(n for n in ("shard", "cp") if self.degree(n) > 1))]
+
+    def replica_group(self):
+        """The process group over which whole-model replicas average their gradients (DDP, or the
+        loop's all-reduce): replicate x cp; None when it is one rank."""
+        mesh = self.flat_mesh(("replicate", "cp"))
+        return None if mesh is None else mesh.get_group()
 
     def coordinate(self, name: str) -> int:
         """This rank's index along a dimension (0 when it is not built)."""

@@ -54,7 +54,9 @@ class TrainConfig:
     tp_impl: str = "handrolled"    # handrolled (Megatron blocks, dtrain.parallel.tp) | dtensor (parallelize_module)
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
     async_grad_allreduce: bool = False  # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs
-    pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp)
+    pp: int = 1                    # pipeline stages over ranks; dp = world_size / (tp * pp * cp)
+    cp: int = 1                    # context parallelism: ranks sharing each sequence (dtrain.parallel.cp)
+    cp_impl: str = "auto"          # auto (torch on CUDA + NCCL, else ring) | ring | ulysses | torch (context_parallel)
     pp_schedule: str = "1f1b"      # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual: int = 1            # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)
     prefetch: bool = False         # FSDP2 explicit forward/backward prefetch of the next block
@@ -101,7 +103,7 @@ class TrainConfig:
         from dtrain.parallel.mesh import ParallelDims
 
         return ParallelDims.of(world_size, tp=self.tp, pp=self.pp, strategy=self.strategy,
-                               hsdp_replicate=self.hsdp_replicate)
+                               hsdp_replicate=self.hsdp_replicate, cp=self.cp)
 
     def validate(self, world_size: int) -> None:
         """Check against the world size (changes nothing: see `resolved`)."""
@@ -120,6 +122,9 @@ class TrainConfig:
         if self.strategy == "single" and world_size != 1:
             raise UserError(f"train.strategy=single runs on one rank but world_size={world_size}: "
                             "pass world_size=1 or pick ddp / zero2 / zero3 / hsdp")
+        from dtrain.parallel.cp.apply import check_cp_layout
+
+        check_cp_layout(self.cp, self.cp_impl, self.pp)
         for key in ("tp", "pp", "pp_virtual", "steps", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
@@ -157,15 +162,21 @@ class TrainConfig:
         if self.global_batch is not None:
             grad_accum = self.global_batch // (self.micro_batch * self.dims(world_size).dp)
         precision = self.precision if device_type is None else self.precision_on(device_type)
+        if device_type is not None:
+            from dtrain.parallel.cp.apply import check_cp_device
+
+            check_cp_device(self.cp, self.cp_impl, device_type)
         return dataclasses.replace(self, grad_accum=grad_accum, precision=precision)
 
     def validate_model(self, model_cfg) -> None:
         """The layout against the model (on a `resolved` config: pp needs the real grad_accum):
-        heads divisible by tp, enough layers and micro-batches for pp."""
+        heads divisible by tp, enough layers and micro-batches for pp, a sequence cp can shard."""
+        from dtrain.parallel.cp.apply import check_cp_model
         from dtrain.parallel.pipeline import check_pipeline
         from dtrain.parallel.tp.apply import check_tp_model
 
         check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl)
+        check_cp_model(model_cfg, self.cp, self.cp_impl, self.tp, self.sequence_parallel)
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
 
     def global_batch_for(self, world_size: int) -> int:

@@ -5,7 +5,8 @@ the one whole model), built by dtrain.train.parallelize.
                                pipeline-schedule step), then the gradient sums the layout needs;
                                returns this rank's mean loss (None on ranks without the last stage)
     global_loss(local)         the loss every rank reports: the mean over the ranks holding the
-                               last stage (tp copies of it are equal, dp replicas are averaged)
+                               last stage (tp copies of it are equal, dp replicas and cp ranks,
+                               each holding as many tokens, are averaged)
     clip_grad_norm(max_norm)   the global L2 norm of all gradients, clipped (DTensor-aware)
 
 One optimizer per part (`OptimizerParts`), driven as one.
@@ -92,8 +93,15 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None, world_size
 
 class ParallelModel:
     def __init__(self, staged: list[tuple[int, nn.Module]], partial_grads: list[dict], train: TrainConfig,
-                 dims: ParallelDims, device: torch.device, *, fsdp: bool, all_reduce_grads: bool):
+                 dims: ParallelDims, device: torch.device, *, fsdp: bool, all_reduce_grads: bool,
+                 cp_impl: str | None = None, seq_len: int | None = None):
         self.train, self.dims, self.device = train, dims, device
+        self.cp_impl = cp_impl                     # ring | ulysses | torch; None without cp
+        self.cp = None
+        if cp_impl is not None:
+            from dtrain.parallel.cp.apply import ContextParallel
+
+            self.cp = ContextParallel(cp_impl, dims.submesh("cp"), seq_len, device)
         self.fsdp = fsdp                           # FSDP2 shards the parts over dp
         self.all_reduce_grads = all_reduce_grads   # replicas the loop all-reduces (no DDP wrapper)
         self.parts = [part for _, part in staged]
@@ -109,6 +117,16 @@ class ParallelModel:
                                                     dims.submesh("pp").get_group(), device)
 
     @property
+    def shard_degree(self) -> int:
+        """Ranks FSDP2 shards a parameter over (shard x cp); 1 when parameters are whole."""
+        return self.dims.dp_shard * self.dims.cp if self.fsdp else 1
+
+    @property
+    def shard_index(self) -> int:
+        """This rank's shard among them (the flattened (shard, cp) coordinate)."""
+        return self.dims.coordinate("shard") * self.dims.cp + self.dims.coordinate("cp") if self.fsdp else 0
+
+    @property
     def module(self) -> nn.Module:
         """One module whose parameters() are this rank's (the single part, or all parts in a list)."""
         return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
@@ -121,9 +139,10 @@ class ParallelModel:
             losses, model = [], self.parts[0]
             for i, (x, y) in enumerate(batches):
                 last = i == len(batches) - 1  # DDP: all-reduce only after the last micro-batch
-                with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()):
+                with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()), \
+                        self._tokens(x, y) as (x, y, positions):
                     with autocast():
-                        loss = model(x, y)
+                        loss = model(x, y) if positions is None else model(x, y, positions=positions)
                     scaled = loss / len(batches)
                     (scale(scaled) if scale else scaled).backward()
                 losses.append(loss.detach())
@@ -139,6 +158,16 @@ class ParallelModel:
         self._sync_grads()
         return torch.stack(losses).float().mean() if losses else None
 
+    @contextlib.contextmanager
+    def _tokens(self, x: torch.Tensor, y: torch.Tensor):
+        """(x, y, positions) this rank trains on: the whole micro-batch (positions None), or with cp
+        its sequence shard, forward and backward inside the cp context."""
+        if self.cp is None:
+            yield x, y, None
+        else:
+            with self.cp.batch(x, y) as shard:
+                yield shard
+
     @torch.no_grad()
     def _sync_grads(self) -> None:
         """The sums autograd does not do: partial gradients over tp (the hand-rolled layers' marked
@@ -152,7 +181,7 @@ class ParallelModel:
                 p.grad = p.grad.redistribute(placements=p.placements)
         if self.all_reduce_grads:
             grads = [local_shard(p.grad) for p in self.parameters() if p.grad is not None]
-            ddist.all_reduce_flat(grads, self.dims.submesh("replicate").get_group(), divisor=self.dims.dp_replicate)
+            ddist.all_reduce_flat(grads, self.dims.replica_group(), divisor=self.dims.dp_replicate * self.dims.cp)
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for part in self.parts for p in part.parameters()]

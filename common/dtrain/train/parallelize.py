@@ -1,7 +1,8 @@
 """Apply a layout to a GPT: `parallelize`, the one path for every layout (dtrain.parallel.mesh's
 ParallelDims, tp = pp = 1 included), in torchtitan's order: pipeline split, tensor parallelism
-(`train.tp_impl`: the hand-rolled Megatron layers or the DTensor plan), activation checkpointing,
-compile, data parallelism.
+(`train.tp_impl`: the hand-rolled Megatron layers or the DTensor plan), context parallelism
+(`train.cp`: the attention core, dtrain.parallel.cp), activation checkpointing, compile, data
+parallelism (over dp x cp: cp ranks hold gradients of different tokens).
 
 Data-parallel strategies:
     single  the model on this rank's device
@@ -116,10 +117,10 @@ def set_explicit_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:
-    """DistributedDataParallel over the replicate group: bucketed all-reduces overlapped with backward."""
+    """DistributedDataParallel over the replicas (replicate x cp): bucketed all-reduces overlapped with backward."""
     from torch.nn.parallel import DistributedDataParallel
 
-    group = dims.submesh("replicate").get_group()
+    group = dims.replica_group()
     return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
                                    process_group=group)
 
@@ -138,10 +139,23 @@ def apply_tp(part: nn.Module, train: TrainConfig, dims: ParallelDims, n_layer: i
     return apply_handrolled_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce)
 
 
+def apply_cp(part: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device) -> str | None:
+    """Context parallelism on one part: the implementation this run uses (None without cp)."""
+    if dims.cp == 1:
+        return None
+    import torch.distributed as dist
+
+    from dtrain.parallel.cp.apply import apply_cp as swap_attention_core, select_impl
+
+    impl = select_impl(train.cp_impl, device.type, dist.get_backend())
+    swap_attention_core(part, impl, dims.submesh("cp"))
+    return impl
+
+
 def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device):
     """Every layout's one path (torchtitan's order): pipeline split, then per part tensor
-    parallelism -> activation checkpointing -> compile -> data parallelism. Returns the
-    ParallelModel the training loop drives.
+    parallelism -> context parallelism -> activation checkpointing -> compile -> data
+    parallelism. Returns the ParallelModel the training loop drives.
 
     Data parallelism: FSDP2 for the sharded strategies over the (replicate, shard) mesh (and on a
     single rank, so zero3 there measures FSDP2's own cost); with pp > 1 parameters stay gathered
@@ -151,8 +165,8 @@ def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: 
     from dtrain.parallel import pipeline
     from dtrain.train.parallel_model import ParallelModel
 
-    fsdp = train.sharded and (dims.dp_shard > 1 or dims.world_size == 1)
-    replicate = not fsdp and dims.dp_replicate > 1
+    fsdp = train.sharded and (dims.dp_shard * dims.cp > 1 or dims.world_size == 1)
+    replicate = not fsdp and dims.dp_replicate * dims.cp > 1
     dims.build_mesh(device.type, one_rank=fsdp)
     pp_rank = dims.coordinate("pp")
     staged = pipeline.split_model(gpt, dims.pp, pp_rank, train.pp_schedule, train.pp_virtual) if dims.pp > 1 \
@@ -161,9 +175,10 @@ def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: 
     # runs many micro-batches per step, and the zero-bubble schedules' weight-gradient pass runs
     # outside FSDP's backward hooks, so it needs them still unsharded.
     fsdp_train = dataclasses.replace(train, strategy="zero2") if dims.pp > 1 else train
-    parts, partial = [], []
+    parts, partial, cp_impl = [], [], None
     for _, part in staged:
         partial.append(apply_tp(part, train, dims, gpt.cfg.n_layer))
+        cp_impl = apply_cp(part, train, dims, device)
         if train.activation_checkpointing != "none":
             apply_activation_checkpointing(part, train.activation_checkpointing)
         if train.compile:
@@ -177,7 +192,8 @@ def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: 
         parts.append(part)
     staged = [(index, part) for (index, _), part in zip(staged, parts)]
     return ParallelModel(staged, partial, train, dims, device, fsdp=fsdp,
-                         all_reduce_grads=replicate and dims.model_parallel)
+                         all_reduce_grads=replicate and dims.model_parallel, cp_impl=cp_impl,
+                         seq_len=gpt.cfg.seq_len)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -8,9 +8,9 @@ can take the same decision (skip a step, cut the LR, roll back).
 
 Every layout takes one path: the rank layout is a dtrain.parallel.mesh.ParallelDims, and
 dtrain.train.parallelize turns the GPT into the ParallelModel this loop drives (its parts, one
-loss reduction, one DTensor-aware clipping). Each data-parallel replica is tp x pp ranks that read
-the same batch, and a step's micro-batches run as gradient accumulation (pp = 1) or as one
-pipeline-schedule step (pp > 1).
+loss reduction, one DTensor-aware clipping). Each data-parallel replica is tp x pp x cp ranks that
+read the same batch (cp ranks each train on their shard of its sequences), and a step's
+micro-batches run as gradient accumulation (pp = 1) or as one pipeline-schedule step (pp > 1).
 
 Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
 around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
@@ -92,7 +92,7 @@ class Trainer:
         torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every layout
         self.parallel = parallelize(GPT(model_cfg, linear_factory), train, self.dims, self.device)
         self.model, self.model_parts = self.parallel.module, self.parallel.parts
-        # ranks of one tp x pp replica read the same batch
+        # ranks of one tp x pp x cp replica read the same batch
         self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=self.dims.dp_rank,
                                     world_size=self.dims.dp, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
         self.optimizer = OptimizerParts(self.model_parts, lr=train.lr, betas=(train.beta1, train.beta2),
@@ -296,7 +296,8 @@ class Trainer:
                 "flops_per_token": self.flops_per_token, "model_params": self.model_params,
                 "peak_mem_bytes": peak_memory_bytes(self.device), "global_batch": self.batcher.global_batch,
                 "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
-                "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp,
+                "cp_impl": self.parallel.cp_impl,
                 "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
                 "mixed_precision": self.train.precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
                 "last_checkpoint": self.last_checkpoint}

@@ -1,12 +1,13 @@
-"""tp-attention's typed configs: every default of `python -m tp_attention` and of
-`python -m tp_attention.parity` (conf/config.yaml and conf/parity.yaml only name them).
+"""tp-attention's typed configs: every default of `python -m tp_attention`, of
+`python -m tp_attention.parity` and of the context-parallel study `python -m tp_attention.cp`
+(conf/config.yaml, parity.yaml and cp.yaml only name them).
 
 The benchmark's default is small enough for a 2-core CPU (world_size=2, gloo) in ~30 s.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from dtrain.config import RENAMED_MODEL, BaseConfig, ModelConfig, ProfileConfig, register
 from dtrain.train import TrainConfig
@@ -52,6 +53,34 @@ class TpParityConfig(BaseConfig):
     rtol: float = 1.0e-5              # max|tp - ref| / max|ref| per tensor (fp32)
 
 
+@dataclass
+class CpStudyTrainConfig:
+    """The trainer's names (dtrain.train.TrainConfig) for what one measured CP layer takes; cp and
+    cp_impl are lists here, each value measured in the run."""
+    micro_batch: int = 1                     # sequences in the measured forward+backward
+    precision: str = TrainConfig.precision   # fp32 | bf16 (weights and activations; bf16 is for GPUs)
+    cp: Any = None                           # int or list of cp degrees (>= 2); null = world_size
+    cp_impl: Any = field(default_factory=lambda: ["ring", "ulysses"])  # this package's implementations
+
+
+@dataclass
+class CpStudyModelConfig(ModelConfig):
+    """The shared model node; seq_len may be a list here (each length measured). GQA by default."""
+    seq_len: Any = field(default_factory=lambda: [256, 512, 1024])
+    n_kv_head: Optional[int] = 2
+
+
+@dataclass
+class CpStudyConfig(BaseConfig):
+    subproject: str = "tp-attention-cp"
+    train: CpStudyTrainConfig = field(default_factory=CpStudyTrainConfig)
+    model: CpStudyModelConfig = field(default_factory=CpStudyModelConfig)  # its attention layer is measured
+    tp_sp: bool = True                # also measure TP with sequence parallelism at tp = cp (the alternative)
+    timing_warmup: int = 2            # untimed steps before the timed ones
+    iters: int = 5                    # timed steps
+    rtol: float = 1.0e-5              # parity of every measured layer with one device: max|cp - ref| / max|ref|
+
+
 MODEL_KEYS = ("seq_len", "d_model", "n_head", "n_kv_head", "mlp_ratio", "norm", "bias")
 TRAIN_KEYS = ("micro_batch", "precision", "tp", "sequence_parallel", "fused_qkv")  # the trainer's names
 RENAMED = {**RENAMED_MODEL, "dtype": "train.precision", "seq": "model.seq_len", "batch": "train.micro_batch",
@@ -59,3 +88,4 @@ RENAMED = {**RENAMED_MODEL, "dtype": "train.precision", "seq": "model.seq_len", 
            **{k: f"model.{k}" for k in MODEL_KEYS if k != "seq_len"}, **{k: f"train.{k}" for k in TRAIN_KEYS}}
 register("tp_attention_schema", TpAttentionConfig)
 register("tp_attention_parity_schema", TpParityConfig)
+register("tp_attention_cp_schema", CpStudyConfig)

@@ -120,6 +120,7 @@ class TensorParallelAttention(nn.Module):
             kv_layers = [(self.wk, None), (self.wv, None)]
         self.wo = RowParallelLinear(d_model, d_model, bias=bias, group=groups.group, tp=tp,
                                     sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.core = causal_attention  # the attention math on the local heads; dtrain.parallel.cp swaps it
         if self.replicated_kv:  # partial k/v gradients, summed over the tp group
             for layer, rows in kv_layers:
                 for p in layer.parameters():
@@ -164,7 +165,7 @@ class TensorParallelAttention(nn.Module):
         else:
             x = self.wq.enter(x)  # one entry (one backward all-reduce) shared by q, k and v
             q, k, v = self.wq.local(x), self.wk.local(x), self.wv.local(x)
-        return self.wo(causal_attention(q, k, v, self.head_dim))
+        return self.wo(self.core(q, k, v, self.head_dim))
 
 
 class TensorParallelMLP(nn.Module):
