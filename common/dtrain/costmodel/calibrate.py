@@ -10,6 +10,7 @@ contract is skipped with a warning that names it. By record:
       (recipe None)      TP / PP layout runs'    tp_overhead (measured TP comm / α–β) and pp_overhead
                          layout + breakdown      (measured p2p + idle share / bubble formula), ``from_layout``
     TpMeasurement        per-tp rows          -> measured / α–β-modelled TP communication time
+    CpMeasurement        ring overlap_fraction -> cp_overlap (share of the K/V sends hidden), ``from_cp``
     Fp8Comparison        per-recipe factors   -> FP8 speed factor, memory factor, layers kept in BF16
     GemmProbe            e_max, w_half        -> GEMM achieved-fraction curve (``gemm_probe``); its
                          overheads[]             per-model fixed step overhead feeds the local checks
@@ -38,8 +39,8 @@ from pathlib import Path
 from dtrain import contract
 from dtrain.results import Run, complete_runs
 
-from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_fp8, from_fsdp,
-                                  from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
+from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_cp, from_fp8,
+                                  from_fsdp, from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
 from .hardware import LinkModel
 from .links import LinkCalibration, default_links  # noqa: F401 - re-exported: calibrate's callers use them
 from .timemodel import Calibration, Param
@@ -114,8 +115,8 @@ def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | No
 
 def _calibration(cands: list[Candidate], gpu_only: bool) -> Calibration:
     calib = Calibration()
-    for name in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "tp_overhead", "pp_overhead",
-                 "fp8_speedup", "fp8_memory_factor"):
+    for name in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "cp_overlap", "tp_overhead",
+                 "pp_overhead", "fp8_speedup", "fp8_memory_factor"):
         best = _latest(cands, name, gpu_only)
         if best is not None:
             calib = replace(calib, **{name: best.param()})
@@ -143,6 +144,7 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
     for ri in inputs:
         cands += from_allreduce(ri.of(contract.CollectiveFit), ri.source)
         cands += from_fsdp(training_entries(ri), ri.source)
+        cands += from_cp(ri.of(contract.CpMeasurement), ri.source)
         for m in ri.of(contract.GemmProbe):
             g = probe_entry(m)
             cands += from_probe(g, ri.source)

@@ -114,6 +114,7 @@ def training_entry(m: contract.TrainingMeasurement) -> dict:
     """A training record as the flat dict the cost-model checks read (the trainer's vocabulary)."""
     lay = m.layout
     return {"strategy": lay.strategy, "world_size": lay.world_size, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "cp": lay.cp,
             "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "seq_len": lay.seq_len,
             "pp_virtual": lay.pp_virtual, "pp_schedule": lay.pp_schedule, "recompute": lay.recompute,
             "model": dict(m.model),
@@ -134,8 +135,8 @@ def training_entries(inputs: RunInputs, recipe: bool = False) -> list[dict]:
 def from_fsdp(entries: list[dict], src: Source) -> list[Candidate]:
     out = []
     for g in entries:
-        if (g.get("tp") or 1) * (g.get("pp") or 1) > 1:
-            continue  # a TP / PP layout run: its step holds TP comm and bubble; the guide checks it instead
+        if (g.get("tp") or 1) * (g.get("pp") or 1) * (g.get("cp") or 1) > 1:
+            continue  # a TP / PP / CP layout run: its step holds TP comm, bubble, ring sends; the guide checks it
         step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
         exposed = _num(g.get("exposed_comm_s")) or 0.0
         if step and mfu and step > exposed and not src.on_gpu:
@@ -242,6 +243,17 @@ def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -
     med = ratios[len(ratios) // 2]
     return [Candidate("tp_overhead", med, src, f"median over {len(ratios)} tp>1 rows of measured TP comm time "
                       "(profile) / alpha-beta time with this device's measured link")]
+
+
+def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate]:
+    """cp_overlap: the median over the ring rows of the share of the K/V sends hidden behind attention
+    (tp-attention's CP study: (serial − overlapped) / the sends alone)."""
+    shares = sorted(m.overlap_fraction for m in layers if m.impl == "ring" and m.overlap_fraction is not None)
+    if not shares:
+        return []
+    return [Candidate("cp_overlap", shares[len(shares) // 2], src, f"median over {len(shares)} ring layers "
+                      f"(cp {', '.join(sorted({str(m.cp) for m in layers if m.impl == 'ring'}))}) of the K/V sends' "
+                      "hidden share")]
 
 
 def from_fp8(comparisons: list[contract.Fp8Comparison], src: Source) -> tuple[list[Candidate], list[str] | None]:

@@ -287,8 +287,8 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool)
         elems = (h + (q + 2 * kv)) + (q + h) + (h + (2 if shape.gated_mlp else 1) * f) + (f + h)
         out["fp8_cast"] = FP8_CAST_BYTES["fused" if fused else "eager"] * elems
     tokens = layout.micro_batch * shape.seq_len
-    scale = 1.0 if fused else EAGER_BYTES
-    return {k: v * tokens * scale for k, v in out.items()}
+    scale = 1.0 if fused else EAGER_BYTES  # FP8_CAST_BYTES counts eager casts itself
+    return {k: v * tokens * (1.0 if k == "fp8_cast" else scale) for k, v in out.items()}
 
 
 # which measured share each byte count streams at

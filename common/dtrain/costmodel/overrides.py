@@ -1,6 +1,6 @@
 """A plan as Hydra overrides for the shared trainer (`python -m fsdp_scaling <overrides>`).
 
-    world_size = dp·tp·pp                   train.tp, train.pp
+    world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses)
     virtual_stages v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; else 1f1b, or
                       gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
     ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3
@@ -13,7 +13,7 @@
     sequence_parallel -> train.sequence_parallel
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
-selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP.
+selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp.
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from .memory import Layout, ModelShape
 def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precision: str = "bf16",
                     preset: str = "small") -> tuple[list[str], list[str]]:
     """(overrides, notes) for `layout` of `model`; the overrides run as is with fsdp-scaling."""
-    world = layout.dp * layout.tp * layout.pp
+    world = layout.dp * layout.cp * layout.tp * layout.pp
     strategy = "single" if world == 1 else STRATEGY_OF_ZERO[layout.zero_stage]
     schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b" if layout.grad_accum >= layout.pp else "gpipe"
     out = [f"world_size={world}", f"train.strategy={strategy}", f"train.tp={layout.tp}", f"train.pp={layout.pp}",
+           *([f"train.cp={layout.cp}", f"train.cp_impl={layout.cp_impl}"] if layout.cp > 1 else []),
            f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.virtual_stages}",
            f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
            f"train.activation_checkpointing={CHECKPOINTING_OF_RECOMPUTE[layout.recompute]}",
@@ -37,6 +38,8 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
            f"model.n_head={model.n_head}", f"model.n_kv_head={model.n_kv_head}", f"model.seq_len={model.seq_len}"]
     notes = []
+    if layout.cp > 1 and layout.pp > 1:
+        notes.append("the trainer refuses cp with pp > 1: run cp·dp data-parallel ranks or pp without cp")
     if layout.zero_stage == 1:
         notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
     if layout.recompute == "selective":

@@ -167,15 +167,17 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
                 continue
             world = int(g["world_size"])
             tp, pp = int(g.get("tp") or 1), int(g.get("pp") or 1)  # a DP x TP x PP layout run (issue 14)
-            dp = ParallelDims(world, tp=tp, pp=pp).dp
+            cp = int(g.get("cp") or 1)  # context parallel ranks share each sequence (issue 24)
+            dp = ParallelDims(world, tp=tp, pp=pp, cp=cp).dp
             shape = replace(shape_of(GPTConfig(**g["model"])), seq_len=int(g["seq_len"]))
             tokens_per_rank = tps * step / world
             mb = int(g["micro_batch"])
             ga = int(g["grad_accum"])
             recompute = RECOMPUTE_OF_CHECKPOINTING.get(str(g.get("recompute") or "none"), "none")
-            layout = Layout(dp, tp, pp, zero_stage(g["strategy"], dp, pp), recompute,
+            layout = Layout(dp, tp, pp, zero_stage(g["strategy"], dp * cp, pp), recompute,
                             micro_batch=mb, grad_accum=ga,
-                            virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1)
+                            virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1,
+                            cp=cp, cp_impl="ulysses" if g.get("cp_impl") == "ulysses" else "ring")
             compute_s = step - (g.get("exposed_comm_s") or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
             vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2

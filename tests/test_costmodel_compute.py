@@ -1,0 +1,134 @@
+"""The compute terms (costmodel/compute.py) against hand-computed values, and against one measured GPU.
+
+Each hand value below is written from the module docstring's formulas with the H100 numbers of
+hardware.yaml (989.4 TFLOP/s bf16, 1978.9 fp8, 3.35 TB/s) and kernels.yaml (shares), not by calling the code under
+test; the last test reproduces steps profiled on an H100 (measured/h100-sxm, make gpu-check)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dtrain.costmodel.compute import (CLIP_BYTES, EAGER_BYTES, OPTIMIZER_BYTES, Stack, attention_s, memory_bytes,
+                                      optimizer_s, published)
+from dtrain.costmodel.efficiency import Gemm
+from dtrain.costmodel.gpt_shape import shape_of
+from dtrain.costmodel.hardware import Cluster
+from dtrain.costmodel.memory import Layout, ModelShape
+from dtrain.costmodel.timemodel import Calibration, device_of, step_time
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = Cluster.from_profile("h100-sxm", 8, 8)
+PEAK, PEAK_FP8, HBM = 989.4e12, 1978.9e12, 3.35e12
+LLAMA8B = ModelShape(32, 4096, 32, 8, 128256, 8192, 3.5, True, name="llama3-8b")
+
+
+def dev(stack: Stack = Stack()):
+    return device_of(H100, Calibration(), stack)
+
+
+def test_h100_rates_are_the_datasheet_ones():
+    d = dev()
+    assert d.peak_bf16 == pytest.approx(PEAK) and d.hbm_Bps == pytest.approx(HBM)
+    assert d.peak_fp8 == pytest.approx(PEAK_FP8)
+
+
+@pytest.mark.parametrize("cp, impl", [(1, "ring"), (2, "ring"), (4, "ring"), (4, "ulysses")])
+def test_fused_attention_is_causal_flops_over_the_benchmark_rate(cp, impl):
+    """forward 2·2·b·heads·s²·hd / 2 (causal), backward 2.5x: 3.5x in all; 1/cp per rank; the ring's kernels
+    run over s/cp tokens, Ulysses' over the whole sequence (flash: e(s) = 0.59·s/(s + 1300), hd 128)."""
+    s, b, heads, hd = 8192, 2, 32, 128
+    work = 3.5 * 2 * 2 * b * heads * s * s * hd / 2 / cp
+    call = s // cp if impl == "ring" else s
+    share = 0.59 * call / (call + 1300)
+    d = dev()
+    expected = work / (PEAK * share) * d.power_scale
+    got = attention_s(LLAMA8B, Layout(1, 1, 1, micro_batch=b, cp=cp, cp_impl=impl), d)
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_fused_attention_forward_alone_is_two_sevenths():
+    d, lay = dev(), Layout(1, 2, 1, micro_batch=1)
+    assert attention_s(LLAMA8B, lay, d, forward_only=True) == pytest.approx(attention_s(LLAMA8B, lay, d) / 3.5)
+
+
+def test_memory_bound_bytes_per_layer_by_hand():
+    """Llama-3-8B layer, tp 2 with SP, b=1, s=8192: per token norm 20·h/t, add 24·h/t, SwiGLU 16·F/t,
+    RoPE 8·(q + kv heads)·hd on the rank (16 + 4 heads of 128)."""
+    lay = Layout(1, 2, 1, micro_batch=1, sequence_parallel=True)
+    tokens, h_r, f = 8192, 4096 / 2, 3.5 * 4096 / 2
+    want = {"norm": 20 * h_r * tokens, "add": 24 * h_r * tokens, "act_swiglu": 16 * f * tokens,
+            "rope": 8 * (16 + 4) * 128 * tokens}
+    got = memory_bytes(LLAMA8B, lay, "bf16", fused=True)
+    assert got == pytest.approx(want, rel=1e-12)
+    eager = memory_bytes(LLAMA8B, lay, "bf16", fused=False)
+    assert eager == pytest.approx({k: v * EAGER_BYTES for k, v in want.items()}, rel=1e-12)
+
+
+def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
+    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h),
+    at 3 B per element fused, 7 eager (the casts' own count: not scaled again by EAGER_BYTES)."""
+    lay = Layout(1, 1, 1, micro_batch=1)
+    q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
+    elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
+    assert memory_bytes(LLAMA8B, lay, "fp8", fused=True)["fp8_cast"] == pytest.approx(3 * elems * 8192)
+    assert memory_bytes(LLAMA8B, lay, "fp8", fused=False)["fp8_cast"] == pytest.approx(7 * elems * 8192)
+
+
+def test_optimizer_is_bytes_over_the_measured_adamw_bandwidth():
+    """fused AdamW at 0.74 of HBM, PyTorch's foreach default (eager stacks) at 0.27; 28 B per parameter of
+    the rank's optimizer shard, 12 B of clipping per local parameter."""
+    sharded, local = 1e9 / 8, 1e9
+    nbytes = OPTIMIZER_BYTES * sharded + CLIP_BYTES * local
+    assert OPTIMIZER_BYTES == 28 and CLIP_BYTES == 12
+    assert optimizer_s(sharded, local, dev()) == pytest.approx(nbytes / (HBM * 0.74))
+    assert optimizer_s(sharded, local, dev(Stack("flash", "eager"))) == pytest.approx(nbytes / (HBM * 0.27))
+
+
+def test_fp8_gemm_runs_at_the_fp8_peak_on_its_own_curve():
+    """A 8192³ GEMM: 2mnk FLOPs at e_max·W/(W + W_half) of the dtype's peak (bf16 0.82, 4.8 GFLOP; fp8
+    0.76, 9.6 GFLOP), over the sustained-clock share (0.885)."""
+    g, d = Gemm(8192, 8192, 8192), dev()
+    w = 2 * 8192 ** 3
+    assert d.gemm_s(g, "bf16") == pytest.approx(w / (PEAK * 0.82 * w / (w + 4.8e9)) * d.power_scale)
+    assert d.gemm_s(g, "fp8") == pytest.approx(w / (PEAK_FP8 * 0.76 * w / (w + 9.6e9)) * d.power_scale)
+    assert d.power_scale == pytest.approx(1 / published("h100-sxm").sustained)
+
+
+def test_a_lower_power_cap_slows_compute_by_the_cube_root():
+    """h100-pcie's 350 W against the 700 W its kernel table assumes... has its own table at 350 W: no scale;
+    an H100 SXM profile capped to 350 W runs (700/350)^(1/3) = 1.26x slower on compute-bound kernels."""
+    from dataclasses import replace
+
+    capped = replace(H100, gpu=replace(H100.gpu, power_w=350))
+    full, slow = dev(), device_of(capped, Calibration(), Stack())
+    assert slow.power_scale / full.power_scale == pytest.approx(2 ** (1 / 3))
+    assert device_of(Cluster.from_profile("h100-pcie", 8, 8), Calibration(), Stack()).power_scale == \
+        pytest.approx(full.power_scale)
+
+
+def _profiled_steps():
+    report = ROOT / "measured/h100-sxm/gpu-check-20261125-105450/report.json"
+    steps = {s["name"]: s for s in json.loads(report.read_text())}["step_profile"]
+    return steps["data"]["cases"]
+
+
+def test_single_gpu_steps_measured_on_an_h100_are_predicted_within_15pct():
+    """dtrain's GPT (SDPA attention, no compile, foreach AdamW) profiled on one H100 80GB HBM3: 125M at
+    mb 8, a 1B model cut to 8 layers, a 7B model cut to 4 layers at mb 1 and 2. The eager stack prices
+    the unfused elementwise kernels, the unfused loss and foreach AdamW; the step is the compute alone
+    (one GPU). Measured in measured/h100-sxm/gpu-check-20261125-105450 (step_profile)."""
+    from dtrain.model import GPTConfig
+
+    cases = _profiled_steps()
+    assert len(cases) == 4
+    for c in cases:
+        cfg = GPTConfig.from_preset(c["preset"], **c["overrides"])
+        assert (cfg.n_layer, cfg.d_model, cfg.seq_len) == (c["n_layer"], c["d_model"], c["seq_len"])
+        pred = step_time(shape_of(cfg), Layout(1, 1, 1, 0, "none", c["micro_batch"], 1),
+                         Cluster.from_profile("h100-sxm", 1, 8), stack=Stack("flash", "eager")).total
+        err = pred / c["step_s"] - 1
+        print(f"{c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured {c['step_s'] * 1e3:.1f} ms, "
+              f"predicted {pred * 1e3:.1f} ms ({err:+.0%})")
+        assert abs(err) < 0.15, c

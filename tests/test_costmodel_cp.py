@@ -1,0 +1,113 @@
+"""Context parallelism in the cost model (issue 21 long context, issue 24's vocabulary): the degrees a
+sequence can be split over, the ring's and Ulysses' traffic against hand-computed values, the memory it
+frees, the search choosing it for long sequences and saying why, and the plan as trainer overrides."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain.costmodel.hardware import Cluster
+from dtrain.costmodel.memory import Layout, ModelShape, activation_bytes, cp_buffer_bytes, memory_per_gpu
+from dtrain.costmodel.overrides import train_overrides
+from dtrain.costmodel.search import context_parallel_degrees
+from dtrain.costmodel.timemodel import Calibration, Param, step_model
+
+LLAMA8B_128K = ModelShape(32, 4096, 32, 8, 128256, 131072, 3.5, True, name="llama3-8b")
+H100x64 = Cluster.from_profile("h100-sxm", 64, 8)
+
+
+def test_cp_degrees_leave_chunks_of_at_least_2048_tokens_and_always_include_1():
+    """2·cp load-balanced chunks of >= 2048 tokens: 131072 -> up to 32; 4096 -> 1 only (cp=2: 1024 each)."""
+    assert context_parallel_degrees(LLAMA8B_128K, 64) == [1, 2, 4, 8, 16, 32]
+    short = ModelShape(32, 4096, 32, 8, 128256, 4096, 3.5, True)
+    assert context_parallel_degrees(short, 64) == [1]
+    assert context_parallel_degrees(LLAMA8B_128K, 8) == [1, 2, 4, 8]
+
+
+def _no_overlap():
+    return Calibration(cp_overlap=Param(0.0, "measured here: test"))
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_traffic_is_three_passes_of_the_kv_chunk_per_layer(cp):
+    """Per layer and micro-batch: (cp−1) sends of the rank's K and V (2·b·s/cp·kv_heads·hd·2 B) forward,
+    twice that backward, each α + B/β over NVLink (cp ≤ 8 ranks in one node); nothing hidden here."""
+    m = step_model(LLAMA8B_128K, H100x64, _no_overlap())
+    lay = Layout(64 // cp, 1, 1, 3, "none", 1, 2, cp=cp)
+    link = H100x64.nvlink.of("sendrecv")
+    chunk = 2 * 1 * (131072 / cp) * 8 * 128 * 2
+    want = 3 * (cp - 1) * (chunk / link.beta_Bps + link.alpha_s) * 32 * 2
+    assert m.cp_comm(lay, attention_s=0.0) == pytest.approx(want, rel=1e-12)
+    full = Layout(64 // cp, 1, 1, 3, "full", 1, 2, cp=cp)   # full recompute runs the forward's sends again
+    assert m.cp_comm(full, 0.0) == pytest.approx(want * 4 / 3, rel=1e-12)
+
+
+def test_ring_sends_hide_behind_attention_up_to_cp_overlap():
+    lay = Layout(8, 1, 1, 3, "none", 1, 1, cp=8)
+    exposed = step_model(LLAMA8B_128K, H100x64, _no_overlap()).cp_comm(lay, 0.0)
+    half = step_model(LLAMA8B_128K, H100x64, Calibration(cp_overlap=Param(0.5, "measured here: test")))
+    assert half.cp_comm(lay, attention_s=exposed) == pytest.approx(exposed / 2)
+    assert half.cp_comm(lay, attention_s=10 * exposed) == 0.0
+
+
+def test_ulysses_all_to_alls_are_never_hidden():
+    """2 all-to-alls' worth per layer (forward, backward): (cp−1) pieces of tokens·(2q + 2kv)·2 B / cp each."""
+    cp = 4
+    m = step_model(LLAMA8B_128K, H100x64, Calibration(cp_overlap=Param(1.0, "measured here: test")))
+    lay = Layout(16, 1, 1, 3, "none", 1, 1, cp=cp, cp_impl="ulysses")
+    link = H100x64.nvlink
+    tokens = 131072 / cp
+    want = 2 * (cp - 1) * (tokens * (2 * 4096 + 2 * 1024) * 2 / cp / link.beta_Bps + link.alpha_s) * 32
+    assert m.cp_comm(lay, attention_s=1e9) == pytest.approx(want, rel=1e-12)
+
+
+def test_cp_divides_activations_by_cp_plus_the_rings_buffers():
+    """A rank keeps the activations of its s/cp tokens; the ring adds its K/V send and receive buffers and
+    their gradients: 2·2·2·b·(s/cp)·kv_heads·hd bytes."""
+    one = Layout(8, 1, 1, 3, "none", 1, 1)
+    four = Layout(2, 1, 1, 3, "none", 1, 1, cp=4)
+    assert cp_buffer_bytes(LLAMA8B_128K, one) == 0
+    assert cp_buffer_bytes(LLAMA8B_128K, four) == 2 * 2 * 2 * 1 * (131072 / 4) * 8 * 128
+    # (tp=1 has no SP: Megatron's 5% of temporaries scale everything, the buffers too)
+    assert activation_bytes(LLAMA8B_128K, four) - 1.05 * cp_buffer_bytes(LLAMA8B_128K, four) == pytest.approx(
+        activation_bytes(LLAMA8B_128K, one) / 4, rel=1e-9)
+    # states shard over dp·cp: cp=4 x dp=2 holds what dp=8 does
+    assert memory_per_gpu(LLAMA8B_128K, four).params == pytest.approx(memory_per_gpu(LLAMA8B_128K, one).params)
+
+
+def test_plan_picks_context_parallelism_for_128k_tokens_and_says_why(capsys):
+    from dtrain.cli import main
+
+    args = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--gated-mlp",
+            "--seq", "131072", "--gpus", "64", "--global-batch", "64"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "cp=" in text.split("choice:")[1].splitlines()[0]
+    assert "splits each 131,072-token sequence over" in text
+    assert "without context parallelism the best plan" in text
+    assert main([*args, "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["choice"]
+    assert c["cp"] > 1 and c["dp"] * c["cp"] * c["tp"] * c["pp"] == 64
+
+
+def test_plan_layout_pins_cp_and_refuses_what_cannot_split(capsys):
+    from dtrain.cli import main
+
+    base = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--seq", "32768",
+            "--gpus", "8", "--global-batch", "8", "--json"]
+    assert main([*base, "--layout", "cp=4 cp_impl=ulysses"]) == 0
+    lay = json.loads(capsys.readouterr().out)["layout"]
+    assert (lay["cp"], lay["cp_impl"]) == (4, "ulysses")
+    assert main([*base, "--layout", "cp_impl=ring cp=1"]) == 2
+    assert "error: --layout: cp_impl=ring needs cp >= 2" in capsys.readouterr().err
+    assert main([*base, "--layout", "cp_impl=allgather"]) == 2
+    assert "cp_impl=allgather must be one of ring, ulysses" in capsys.readouterr().err
+
+
+def test_a_cp_plan_runs_in_the_trainer_as_train_cp():
+    lay = Layout(2, 2, 1, 3, "none", 1, 4, sequence_parallel=True, cp=2, cp_impl="ulysses")
+    out, notes = train_overrides(lay, LLAMA8B_128K, 8)
+    assert "world_size=8" in out and "train.cp=2" in out and "train.cp_impl=ulysses" in out
+    _, notes = train_overrides(Layout(2, 1, 2, 3, "none", 1, 4, cp=2), LLAMA8B_128K, 8)
+    assert any("refuses cp with pp > 1" in n for n in notes)
