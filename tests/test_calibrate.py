@@ -180,3 +180,23 @@ def test_gemm_probe_overheads_give_the_local_step_overhead(tmp_path):
     assert rep.local.step_overhead_s.value == pytest.approx(0.010)  # median of the three models
     assert "GPT 2x64 mb1 4.0 ms" in rep.local.step_overhead_s.provenance
     assert rep.cluster.step_overhead_s.value == 0.0  # a CPU probe does not set the GPU matrix's
+
+
+def test_a_cuda_gemm_probe_measures_the_plateau_under_the_kernel_tables_w_half():
+    """On a GPU with a kernel table, e_max = median over the single GEMMs of >= 100 us of f·(W + W_half)/W with
+    W_half the table's (4.8 GFLOP on h100-sxm): the runs' GEMMs sit on the plateau and do not pin W_half. Shorter
+    and batched GEMMs are left out; a GPU without a table keeps the two-parameter fit."""
+    from dtrain.costmodel.calibration_records import Source, from_probe
+
+    pts = [{"flops": 1.1e12, "count": 1, "fraction": 0.74, "seconds": 1.5e-3},
+           {"flops": 1.37e11, "count": 1, "fraction": 0.70, "seconds": 2e-4},
+           {"flops": 5.5e11, "count": 1, "fraction": 0.76, "seconds": 7e-4},
+           {"flops": 9.7e9, "count": 1, "fraction": 0.20, "seconds": 5e-5},       # < 100 us: left out
+           {"flops": 1.3e10, "count": 96, "fraction": 0.14, "seconds": 9e-4}]     # batched: left out
+    h100 = Source("gpu/gemm-probe", "2026-11-25", "cuda", "none", 1, "NVIDIA H100 80GB HBM3")
+    got = {c.name: c.value for c in from_probe({"points": pts, "dtype": "bfloat16"}, h100)}
+    want = sorted(f * (w + 4.8e9) / w for w, f in [(1.1e12, 0.74), (1.37e11, 0.70), (5.5e11, 0.76)])[1]
+    assert got == {"mfu": pytest.approx(want), "gemm_half_flops": 4.8e9}
+    unknown = Source("gpu/gemm-probe", "2026-11-25", "cuda", "none", 1, "NVIDIA RTX 4090")
+    got = {c.name: c.value for c in from_probe({"points": pts, "dtype": "bfloat16"}, unknown)}
+    assert got["gemm_half_flops"] != 4.8e9 and 0.7 < got["mfu"] < 0.8

@@ -11,7 +11,9 @@ start and end, with elapsed time and an ETA from the steps' expected times). Whi
 check scales each run's prediction by the load it had. If a package is missing
 or an experiment fails, the capstone names it, shows the end of its log and exits 1 without
 writing a guide (a guide that silently lacks an experiment would mislead). Otherwise the guide is
-generated from exactly this capstone's runs.
+generated from exactly this capstone's runs, plus the GPU measurements committed under measured/
+(`make gpu-check` reports: their CUDA gemm-probe calibrates the GPU decision matrix; `--measured none`
+leaves them out). The capstone only reads them.
 """
 from __future__ import annotations
 
@@ -137,9 +139,26 @@ def add_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every experiment, e.g. --set slurm.partition=gpu")
     p.add_argument("--out", default="PARALLELISM_GUIDE.md", help="guide to write (default PARALLELISM_GUIDE.md)")
+    p.add_argument("--measured", default="measured",
+                   help="committed GPU measurements the guide also reads (default measured/ when it exists; none: "
+                        "leave them out)")
     p.add_argument("--skip", action="append", default=[], choices=sorted({s.name for s in STEPS}),
                    help="leave an experiment out (then no guide is written)")
     p.set_defaults(func=run)
+
+
+def gpu_measurements(measured: str) -> list[str]:
+    """The committed GPU measurements the guide reads besides this capstone's runs: ``measured`` when it is a
+    folder, nothing for ``none`` or the default when the checkout has none; a folder named but missing is an
+    error (checked before any experiment starts)."""
+    if measured == "none":
+        return []
+    if Path(measured).is_dir():
+        return [measured]
+    if measured == "measured":
+        return []
+    raise UserError(f"--measured {measured}: no such folder: give the folder `make gpu-check` reports were "
+                    "copied to, or --measured none")
 
 
 def command(step: Step, results: Path, launcher: str, extra: list[str]) -> list[str]:
@@ -222,6 +241,7 @@ def run(args) -> int:
     bad = [s for s in args.set if "=" not in s]
     if bad:
         raise UserError(f"--set {bad[0]!r} is not KEY=VALUE, e.g. --set slurm.partition=gpu")
+    measured = gpu_measurements(args.measured)  # before any step starts
     results = results_folder(args.results_dir)
     steps = [s for s in STEPS if s.name not in args.skip]
     names = [s.name for s in steps] + ["gemm-probe", "guide"]
@@ -240,7 +260,7 @@ def run(args) -> int:
             probe(results)  # this host's GEMM curve and fixed step overhead for the runs' models (calibration)
             progress.done(len(steps), started)
             started = progress.start(len(steps) + 1)
-            guide, plots = generate([str(results)], args.out, quiet=True)
+            guide, plots = generate([str(results), *measured], args.out, quiet=True)
             progress.done(len(steps) + 1, started)
     not_run = [s.name for s in steps[len(outcome):]]
     for name, why in failed:
@@ -257,6 +277,6 @@ def run(args) -> int:
         print(f"  run    {r.path}  ({r.subproject}{', derived' if r.derived else ''})")
     for p in plots:
         print(f"  plot   {p}")
-    print(f"  guide  {guide}")
+    print(f"  guide  {guide}" + (f"  (with the GPU measurements in {', '.join(measured)})" if measured else ""))
     print(f"  logs   {results / 'logs'}")
     return 0

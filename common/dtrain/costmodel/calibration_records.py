@@ -293,16 +293,25 @@ def from_probe(g: dict, src: Source) -> list[Candidate]:
     e_max, w_half = _num(g.get("e_max")), _num(g.get("w_half"))
     points = g.get("points") or []
     if src.on_gpu:
-        # single GEMMs of >= 100 us: below that the probe's per-call synchronisation, not the kernel, is timed
+        # single GEMMs of >= 100 us: below that a probe timed with a synchronisation per call times the sync
         single = [(p["flops"], p["fraction"]) for p in points
                   if p.get("count", 1) == 1 and _num(p.get("fraction")) and (_num(p.get("seconds")) or 0) >= 1e-4]
         if len(single) < 2:
             return []
-        curve = fit_curve(single)
-        detail = (f"fit over the {len(single)} single GEMMs (>= 100 us) of the runs' models, {g.get('dtype', '?')} "
-                  "(attention, memory-bound kernels and the optimizer: costmodel/kernels.yaml)")
-        return [Candidate("mfu", curve.e_max, src, detail + "; e_max"),
-                Candidate("gemm_half_flops", curve.w_half, src, detail + "; W_half")]
+        w_half, whence = _table_w_half(src.gpu_name)
+        if w_half is None:   # no kernel table for this GPU: the probe's own two-parameter fit
+            curve = fit_curve(single)
+            e_max, w_half, whence = curve.e_max, curve.w_half, "fitted with e_max"
+        else:
+            # The runs' GEMMs of >= 100 us all sit on the plateau (W >> W_half), where W_half is not
+            # determined: fitting it there extrapolates wildly to small GEMMs (a 62 GFLOP W_half from one
+            # H100 probe against 342 shapes swept at ~5). The plateau is what the probe measures.
+            e_max = statistics.median(f * (w + w_half) / w for w, f in single)
+        detail = (f"{len(single)} single GEMMs (>= 100 us) of the runs' models, {g.get('dtype', '?')}: e_max their "
+                  f"median of f·(W + W_half)/W, W_half {w_half / 1e9:.1f} GFLOP {whence} (attention, memory-bound "
+                  "kernels and the optimizer: costmodel/kernels.yaml)")
+        return [Candidate("mfu", e_max, src, detail + "; e_max"),
+                Candidate("gemm_half_flops", w_half, src, detail + "; W_half")]
     if not e_max:
         return []
     detail = f"fit over {len(points)} GEMM shapes of the runs' models, {g.get('dtype', '?')}"
@@ -320,6 +329,18 @@ def from_probe(g: dict, src: Source) -> list[Candidate]:
                              f"median over {len(over)} models of the measured step minus the curve's GEMM time "
                              f"(per model: {per}); the local checks use each model's own"))
     return out
+
+
+def _table_w_half(gpu_name: str | None) -> tuple[float | None, str]:
+    """W_half of the GPU's published bf16 GEMM curve (kernels.yaml), and where it is from."""
+    from .compute import published
+    from .hardware import gpu_profile_name
+
+    profile = gpu_profile_name(gpu_name) if gpu_name else None
+    table = published(profile) if profile else None
+    if table is None or "bf16" not in table.gemm:
+        return None, ""
+    return table.gemm["bf16"].w_half, f"from kernels.yaml ({profile})"
 
 
 def _target_label(o: dict) -> str:
