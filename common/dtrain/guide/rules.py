@@ -82,13 +82,21 @@ def rule_pipeline(cells: list[Cell]) -> str:
 def rule_zero(cells: list[Cell]) -> str:
     fit = _fit(cells)
     counts = Counter(c.zero for c in fit)
-    z3 = sorted({(c.params, c.model) for c in fit if c.zero == 3})
-    text = ("**ZeRO stage: the lowest that fits.** Stages chosen over all fitting cells: "
-            + ", ".join(f"ZeRO-{z} {n}" for z, n in sorted(counts.items())) + ". ")
-    text += ("ZeRO-3 (full FSDP) appears for " + ", ".join(m for _, m in z3) + ", where sharding the bf16 "
-             "weights is what makes the model fit without more TP/PP." if z3 else "ZeRO-3 is never needed.")
-    return text + (" From ZeRO-1 up, higher stages never lower the predicted step time (they add all-gathers "
-                   "per micro-batch); ZeRO-1 moves less than ZeRO-0 (fp32 reduce-scatter + bf16 all-gather).")
+    flat = [c for c in fit if c.zero == 3 and c.pp == 1]
+    piped = [c for c in fit if c.zero == 3 and c.pp > 1]
+    text = ("**ZeRO stage: the least memory among the fastest.** Stages chosen over all fitting cells: "
+            + ", ".join(f"ZeRO-{z} {n}" for z, n in sorted(counts.items())) + ". From ZeRO-1 up a higher stage "
+            "never shortens the predicted step, and ZeRO-1 moves less than ZeRO-0 (fp32 reduce-scatter + bf16 "
+            "all-gather against an fp32 all-reduce). ")
+    if flat:
+        text += (f"Without PP, ZeRO-3 gathers the weights again for every micro-batch; it is chosen in {len(flat)} "
+                 "cells (" + ", ".join(sorted({c.model for c in flat}, key=lambda m: float(m.rstrip("B")))) + ") "
+                 "where sharding the bf16 weights is what makes the layout fit, or its traffic hides behind the "
+                 "backward. ")
+    if piped:
+        text += (f"Under PP a stage keeps its weights gathered through the step (torchtitan's FSDP with PP, the "
+                 f"trainer's zero3), so ZeRO-3 moves what ZeRO-1 moves with smaller states: {len(piped)} cells.")
+    return text.rstrip()
 
 
 def rule_recompute(cells: list[Cell]) -> str:
