@@ -132,3 +132,18 @@ def test_single_gpu_steps_measured_on_an_h100_are_predicted_within_15pct():
         print(f"{c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured {c['step_s'] * 1e3:.1f} ms, "
               f"predicted {pred * 1e3:.1f} ms ({err:+.0%})")
         assert abs(err) < 0.15, c
+
+
+def test_a_model_whose_sharded_states_exceed_hbm_is_refused_without_timing_a_layout():
+    """16 B per parameter over all GPUs (ZeRO-3 of every state) is the least any layout keeps: 405B on 64 H100s
+    needs 16·405e9/64 = 94 GiB > 72 usable. The pruned search (the matrix's) says so at once; the exhaustive
+    one finds no fitting layout either."""
+    from dtrain.costmodel.search import search
+
+    shape = ModelShape.from_params(405e9)
+    cluster = Cluster.from_profile("h100-sxm", 64, 8)
+    fast = search(shape, cluster, 1024, prune=True)
+    assert fast.best is None and fast.ranked == []
+    floor = 16 * shape.num_params() / 64 / 2**30
+    assert f"need {floor:.1f} GiB per GPU > 72.0 GiB usable" in fast.reason
+    assert search(shape, cluster, 1024).best is None

@@ -36,6 +36,9 @@ VIRTUAL_STAGES = (1, 2, 4, 8)
 # A pruned search skips a layout whose compute alone is this many times the best step: it can be neither the
 # best nor one of the runners-up ``explain`` names.
 PRUNE_BOUND = 1.5
+# The least model-state bytes per parameter any layout keeps, summed over its GPUs: ZeRO-3 (FSDP) sharding
+# every state over every GPU (memory.py's 16/N at stage 3); a layout's busiest GPU holds at least 1/N of them.
+STATE_BYTES_FLOOR = 16.0
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel",
                  "pp_schedule", "cp", "cp_impl")
 # The shortest sequence chunk a context-parallel rank computes on (half its share: the load-balanced split gives
@@ -204,6 +207,12 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         micro_batches = (fixed["micro_batch"],)
     timed: set[tuple] = set()
     step_time(model, Layout(1, 1, 1), cluster, calib, precision, stack=stack)  # checks precision vs the GPU
+    floor = STATE_BYTES_FLOOR * model.num_params() / cluster.gpus
+    if prune and floor > usable:  # no layout can fit: skip timing thousands (the matrix's small-cluster cells)
+        reason = (f"does not fit: even sharded over all {cluster.gpus} GPUs (ZeRO-3) the weights, gradients and "
+                  f"Adam states need {floor / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
+                  f"{cluster.gpus}x {cluster.gpu.name}")
+        return SearchResult(None, [], [], reason, model, cluster, global_batch, calib, precision, headroom, stack)
     steps = step_model(model, cluster, calib, precision, 2, stack)
     candidates = []
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO stage: once per design

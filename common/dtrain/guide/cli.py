@@ -6,6 +6,8 @@ the plots (into docs/guide/ beside the guide by default) and writes the markdown
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +46,8 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
              gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
     """Write the guide and its plots; returns (guide path, plot paths)."""
     from .figures import draw_all
-    from .long_context import compute_long
+    from . import long_context as lc
+    from .long_context import long_search, long_tasks
     from .matrix import compute_matrix
     from .render import render
     from .rules import derive_rules
@@ -64,11 +67,23 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
     used = {r.path for r in report.runs}
     skipped = sorted(display_path(r.path, base) for r in runs if r.path not in used)
     bar = _progress()
-    with bar:
-        task = bar.add_task("matrix", total=None)
-        cells = compute_matrix(report.cluster, report.cluster_links, gpu,
-                               progress=lambda done, total: bar.update(task, completed=done, total=total))
-    long_cells = compute_long(report.cluster, report.cluster_links, gpu)
+    workers = min(len(os.sched_getaffinity(0)), 8)
+    # one pool for the matrix and the long-context grid: the long searches are queued first (the slowest
+    # first), so every core stays busy until both are done (fork: the workers start with the model imported)
+    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    try:
+        long_async = pool.map_async(long_search, long_tasks(report.cluster, report.cluster_links, gpu),
+                                    chunksize=1) if pool else None
+        with bar:
+            task = bar.add_task("matrix", total=None)
+            cells = compute_matrix(report.cluster, report.cluster_links, gpu, pool=pool,
+                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
+        long_cells = (lc.long_cells(long_async.get()) if long_async
+                      else lc.compute_long(report.cluster, report.cluster_links, gpu))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     checks = []
     if report.runs:  # the local checks read runs with dtrain's model (torch): only when there are runs
         from .local_check import local_checks

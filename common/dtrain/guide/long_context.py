@@ -53,34 +53,58 @@ def _layout(p) -> str:
         f" Z{p.zero_stage}" + (f" {p.recompute} rc" if p.recompute != "none" else "")
 
 
-def long_cell(args) -> LongCell:
-    name, seq, gpus, calib, links, gpu = args
+def long_search(args) -> tuple:
+    """One search of the grid: (model, seq, GPUs, free?) -> the summary ``long_cells`` assembles (picklable)."""
+    name, seq, gpus, free, calib, links, gpu = args
     shape = replace(SHAPES[name], seq_len=seq)
     cluster = cluster_for(gpu, gpus, "NVLink", 400, links)
     batch = max(TOKENS_PER_STEP // seq, 1)
-    free = search(shape, cluster, batch, calib, prune=True, keep_within=1.0)
-    plain = search(shape, cluster, batch, calib, prune=True, keep_within=1.0, fixed={"cp": 1})
-    cell = LongCell(name, seq, gpus)
-    if free.best is not None:
-        b = free.best
-        cell = replace(cell, best=_layout(b), cp=b.cp, mfu=b.time.mfu, mem_gib=b.memory.total / GiB,
-                       tokens_per_s=b.time.tokens_per_s)
-    if plain.best is not None:
-        cell = replace(cell, plain=_layout(plain.best), plain_tokens_per_s=plain.best.time.tokens_per_s,
-                       plain_mem_gib=plain.best.memory.total / GiB)
-    else:
-        needs = [w.need for _, w in plain.rejected_with_reasons if hasattr(w, "need")]
-        cell = replace(cell, plain_mem_gib=min(needs) / GiB if needs else 0.0)
-    return cell
+    res = search(shape, cluster, batch, calib, prune=True, keep_within=1.0, fixed=None if free else {"cp": 1})
+    if res.best is None:
+        needs = [w.need for _, w in res.rejected_with_reasons if hasattr(w, "need")]
+        return (name, seq, gpus, free, None, min(needs) / GiB if needs else 0.0)
+    b = res.best
+    return (name, seq, gpus, free, (_layout(b), b.cp, b.time.mfu, b.time.tokens_per_s), b.memory.total / GiB)
 
 
-def compute_long(calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm") -> list[LongCell]:
-    grid = [(m, s, g, calib, links, gpu) for m in SHAPES for s in SEQS for g in GPUS]
+def long_tasks(calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm") -> list[tuple]:
+    """Every search of the grid, the longest first (405B, 128K tokens, 512 GPUs), so two workers finish together."""
+    grid = [(m, s, g, free, calib, links, gpu) for m in SHAPES for s in SEQS for g in GPUS for free in (True, False)]
+    return sorted(grid, key=lambda a: -(SHAPES[a[0]].n_layer * a[1] * a[2]))
+
+
+def long_cells(found: list[tuple]) -> list[LongCell]:
+    """The cells, in grid order (model, seq, GPUs), from ``long_search``'s results in any order."""
+    by = {(r[0], r[1], r[2], r[3]): r for r in found}
+    out = []
+    for name in SHAPES:
+        for seq in SEQS:
+            for gpus in GPUS:
+                cell = LongCell(name, seq, gpus)
+                _, _, _, _, best, mem = by[name, seq, gpus, True]
+                if best is not None:
+                    layout, cp, mfu, tps = best
+                    cell = replace(cell, best=layout, cp=cp, mfu=mfu, mem_gib=mem, tokens_per_s=tps)
+                _, _, _, _, plain, mem = by[name, seq, gpus, False]
+                if plain is not None:
+                    cell = replace(cell, plain=plain[0], plain_tokens_per_s=plain[3], plain_mem_gib=mem)
+                else:
+                    cell = replace(cell, plain_mem_gib=mem)
+                out.append(cell)
+    return out
+
+
+def compute_long(calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm",
+                 pool=None) -> list[LongCell]:
+    """Every cell; the searches run on ``pool`` (a multiprocessing pool) when given, else on the usable cores."""
+    tasks = long_tasks(calib, links, gpu)
+    if pool is not None:
+        return long_cells(pool.map(long_search, tasks, chunksize=1))
     workers = min(len(os.sched_getaffinity(0)), 8)
     if workers <= 1:
-        return [long_cell(a) for a in grid]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        return pool.map(long_cell, grid)
+        return long_cells([long_search(a) for a in tasks])
+    with multiprocessing.get_context("fork").Pool(workers) as p:
+        return long_cells(p.map(long_search, tasks, chunksize=1))
 
 
 def cp_rule(cells: list[LongCell]) -> str:

@@ -90,26 +90,31 @@ def _cell(args) -> Cell:
 
 
 def compute_matrix(calib: Calibration, links: LinkCalibration | None = None, gpu: str = "h100-sxm",
-                   progress=None, workers: int | None = None) -> list[Cell]:
+                   progress=None, workers: int | None = None, pool=None) -> list[Cell]:
     """Every cell in a fixed order (model, GPUs, topology, IB). ``progress(n_done, n_total)``. The searches are
-    independent: ``workers`` processes (default: the usable cores, at most 8) run them side by side."""
+    independent: ``workers`` processes (default: the usable cores, at most 8) run them side by side, or the
+    caller's ``pool`` (kept open)."""
     grid = [(p, g, t, ib, gpu, calib, links) for p in MODELS for g in GPU_COUNTS for t in TOPOLOGIES
             for ib in IB_GBITS]
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     cells = []
-    if workers <= 1:
+    chunk = len(TOPOLOGIES) * len(IB_GBITS)  # one (model, GPUs) per task: its layouts are enumerated once
+    own = pool is None
+    if not own:
+        it = pool.imap(_cell, grid, chunksize=chunk)
+    elif workers <= 1:
         it = map(_cell, grid)
         pool = None
     else:  # fork: the workers start with the cost model already imported
         pool = multiprocessing.get_context("fork").Pool(workers)
-        it = pool.imap(_cell, grid, chunksize=len(TOPOLOGIES) * len(IB_GBITS))  # one (model, GPUs) per worker: its layouts once
+        it = pool.imap(_cell, grid, chunksize=chunk)
     try:
         for i, c in enumerate(it):
             cells.append(c)
             if progress:
                 progress(i + 1, len(grid))
     finally:
-        if pool is not None:
+        if own and pool is not None:
             pool.close()
             pool.join()
     return cells

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dtrain.costmodel import ModelShape, search
 from dtrain.costmodel.calibrate import CalibrationReport
 
-from .local_check import GOAL, Check
 from .matrix import (GLOBAL_BATCH, GPU_COUNTS, GPUS_PER_NODE, IB_GBITS, MODELS, SEQ_LEN, TOPOLOGIES, Cell,
                      cell_text, cluster_for, model_label)
+
+if TYPE_CHECKING:  # local_check imports dtrain's model (torch): a --no-results guide never needs it
+    from .local_check import Check
 
 PARAM_NAMES = [
     ("mfu", "GEMM achieved fraction of the roofline bound, large GEMMs (e_max)", "{:.1%}"),
@@ -142,6 +145,7 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
     if not checks:
         return out + ["No local run could be predicted (none of fsdp-scaling, fp8-train or tp-attention, or no "
                       "allreduce-bench link). Run `dtrain capstone`.", ""]
+    from .local_check import GOAL
     ok = sum(c.within_goal for c in checks)
     spread = [c for c in checks if c.predicted_range]
     loaded = ""
