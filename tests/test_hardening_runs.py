@@ -91,6 +91,7 @@ def test_second_run_into_a_used_dir_is_refused_and_leaves_it_alone(tmp_path, mon
         assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == first  # nothing mixed, nothing removed
 
 
+@pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_cli_sequential_and_concurrent_reuse(tmp_path):
     """Real runs: the same hydra.run.dir twice in a row, and two runs started at once."""
     args = [sys.executable, "-m", "dtrain.selftest", "world_size=1"]

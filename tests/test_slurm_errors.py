@@ -76,10 +76,17 @@ def test_submitit_sweep_refused_by_sbatch_is_one_line_and_listed(tmp_path, capsy
 def test_a_finished_sweep_prints_its_run_dirs(tmp_path, capsys):
     from hydra.core.utils import JobReturn
 
+    from omegaconf import OmegaConf
+
     done, failed = tmp_path / "0", tmp_path / "1"
     done.mkdir()
     (done / "summary.json").write_text("{}")
-    slurm_sweep.report([JobReturn(working_dir=str(done)), JobReturn(working_dir=str(failed))])
+
+    def job(out):  # Hydra's JobReturn: working_dir is where the sweep was submitted from (hydra.job.chdir false)
+        return JobReturn(working_dir=str(tmp_path), hydra_cfg=OmegaConf.create(
+            {"hydra": {"runtime": {"output_dir": str(out)}}}))
+
+    slurm_sweep.report([job(done), job(failed)])
     assert capsys.readouterr().out.splitlines() == [
         f"run complete: {done}  (summary.json written)",
         f"run without summary.json: {failed} (see dtrain runs --all)"]

@@ -106,6 +106,7 @@ def test_two_rank_tp_and_pipeline_schedules_match_single(tmp_path, reference):
         assert_matches(res, reference, name)
 
 
+@pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_four_rank_2d_layouts_match_single_and_resume_across_layouts(tmp_path, reference):
     """dp2 x tp2 (FSDP2 over dp on top of TP, both TP implementations), tp2 x pp2, and a tp2 x pp2
     checkpoint resumed on dp4."""

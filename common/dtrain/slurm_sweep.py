@@ -56,12 +56,22 @@ def record_refusal(sweep_dir: Path, error: str, argv: list[str]) -> None:
         {"error": error, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "argv": argv}, indent=1))
 
 
+def run_dir_of(r) -> str | None:
+    """A point's run directory: Hydra's output dir for the job (dtrain.app.run_dir_for), not its working dir,
+    which is the submitting directory (hydra.job.chdir is false)."""
+    try:
+        return str(r.hydra_cfg.hydra.runtime.output_dir)
+    except AttributeError:
+        return None
+
+
 def report(returns) -> None:
     """One line per point, as a local run prints (`run complete: <dir>  (summary.json written)`)."""
     for r in returns:
-        done = r.working_dir and (Path(r.working_dir) / "summary.json").exists()
-        print(f"run complete: {r.working_dir}  (summary.json written)" if done else
-              f"run without summary.json: {r.working_dir} (see dtrain runs --all)", flush=True)
+        where = run_dir_of(r)
+        done = where and (Path(where) / "summary.json").exists()
+        print(f"run complete: {where}  (summary.json written)" if done else
+              f"run without summary.json: {where or '?'} (see dtrain runs --all)", flush=True)
 
 
 def install(argv: list[str]) -> None:

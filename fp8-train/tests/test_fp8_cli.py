@@ -84,6 +84,7 @@ def _train(root: Path, *overrides: str) -> Path:
     return _only_run(root)
 
 
+@pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_injected_inf_climbs_the_ladder_on_every_rank(tmp_path):
     run = _train(tmp_path, "train.steps=14", FAULT)
     events = load_events([run])
@@ -137,6 +138,7 @@ def test_compare_writes_report_and_guide(tmp_path):
     assert len(sources) == 4 and sorted(contract.derived_from(summary, out)) == sorted(r.path.resolve() for r in sources)
 
 
+@pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
     """On a GPU train.precision=auto resolves to bf16: the emulated recipe must train under CPU bf16
     autocast too (it once failed in backward with `BFloat16 != float`). A model field as the README writes it."""
@@ -151,6 +153,7 @@ def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
     assert summary["model_params"] == num_params(GPTConfig.from_preset("tiny", n_layer=3))
 
 
+@pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_delayed_scaling_resumes_exactly_on_two_ranks(tmp_path):
     """Delayed scaling's amax history is per rank unless reduced (TE reduces it over the data-parallel
     group); a DCP checkpoint holds one rank's copy, so without the reduction a 2-rank resume drifted
