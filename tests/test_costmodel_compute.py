@@ -15,8 +15,9 @@ from dtrain.costmodel.compute import (CLIP_BYTES, EAGER_BYTES, OPTIMIZER_BYTES, 
 from dtrain.costmodel.efficiency import Gemm
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.hardware import Cluster
-from dtrain.costmodel.memory import Layout, ModelShape
-from dtrain.costmodel.timemodel import Calibration, device_of, step_time
+from dtrain.costmodel.shapes import Layout, ModelShape
+from dtrain.costmodel.calibration import Calibration
+from dtrain.costmodel.timemodel import device_of, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = Cluster.from_profile("h100-sxm", 8, 8)

@@ -8,10 +8,12 @@ import json
 import pytest
 
 from dtrain.costmodel.hardware import Cluster
-from dtrain.costmodel.memory import Layout, ModelShape, activation_bytes, cp_buffer_bytes, memory_per_gpu
+from dtrain.costmodel.shapes import Layout, ModelShape
+from dtrain.costmodel.memory import activation_bytes, cp_buffer_bytes, memory_per_gpu
 from dtrain.costmodel.overrides import train_overrides
 from dtrain.costmodel.search import context_parallel_degrees
-from dtrain.costmodel.timemodel import Calibration, Param, step_model
+from dtrain.costmodel.calibration import Calibration, Param
+from dtrain.costmodel.timemodel import step_model
 
 LLAMA8B_128K = ModelShape(32, 4096, 32, 8, 128256, 131072, 3.5, True, name="llama3-8b")
 H100x64 = Cluster.from_profile("h100-sxm", 64, 8)

@@ -211,6 +211,6 @@ def test_fitted_defaults_are_the_fit_to_every_development_row():
     (re-fit them when a row or a term changes)."""
     from dtrain.costmodel.backtest import fit, load_rows
     from dtrain.costmodel.hardware import LINK_EFFICIENCY
-    from dtrain.costmodel.timemodel import GPU_DP_OVERLAP
+    from dtrain.costmodel.calibration import GPU_DP_OVERLAP
 
     assert fit(list(load_rows())) == {"dp_overlap": GPU_DP_OVERLAP, "link_efficiency": LINK_EFFICIENCY}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.costmodel.memory import Layout, ModelShape, memory_per_gpu
+from dtrain.costmodel.shapes import Layout, ModelShape
+from dtrain.costmodel.memory import memory_per_gpu
 
 
 def megatron_reference(L, h, a, V, s, b, tp, pp, dp, m, v=None, dist_opt=True, sp=True):
@@ -22,22 +23,18 @@ def megatron_reference(L, h, a, V, s, b, tp, pp, dp, m, v=None, dist_opt=True, s
     block = layer * L + 2 * h                          # + final LayerNorm
     shard = (block / pp + emb) / tp + (emb / tp if pp == 1 else 0)
     weights = shard * (6 + 12 / dp if dist_opt else 18)
-    if sp:  # compute_activation_memory (SP + selective recompute)
-        act = s * b * h * (18 + 4 * ffn / h) * L
-        act += 8 * s * b * pp + s * b * h * pp
-        if v:
-            act *= 1 + (pp - 1) / (pp * v)
-        elif pp > 1:
-            act *= min(1, m / pp)
-        if pp == 1:
-            act += s * b * h * 4 * (1 + V / h)
-        return weights, act / tp
-    act = s * b * h * (10 + 24 / tp) * L              # compute_activation_memory_without_sp
-    act += 8 * s * b * pp + s * b * h * pp
+    # compute_activation_memory (SP + selective recompute) / compute_activation_memory_without_sp: the layers'
+    # activations plus the embedding's inputs, scaled alike for the pipeline's in-flight micro-batches
+    per_layer = (18 + 4 * ffn / h) if sp else (10 + 24 / tp)
+    act = s * b * h * per_layer * L + 8 * s * b * pp + s * b * h * pp
     if v:
         act *= 1 + (pp - 1) / (pp * v)
     elif pp > 1:
         act *= min(1, m / pp)
+    if sp:
+        if pp == 1:  # output layer: its input and the logits
+            act += s * b * h * 4 * (1 + V / h)
+        return weights, act / tp
     if pp == 1:
         act += (s * b * V / tp + s * b * h) * 2
     return weights, act * 1.05

@@ -106,7 +106,7 @@ def test_oversubscribed_run_computes_slower():
 
 
 def test_fp8_rows_name_the_tooling_the_model_leaves_out():
-    from dtrain.guide.local_check import CALLBACKS_NOTE, Check
+    from dtrain.guide.check import CALLBACKS_NOTE, Check
 
     row = Check("fp8-train", "r", "fp32 x2 step", 0.030, 0.012, "probe", f"{CALLBACKS_NOTE}: guard, health")
     assert "NaN guard's hooks" in row.miss_reason([row])
@@ -115,7 +115,7 @@ def test_fp8_rows_name_the_tooling_the_model_leaves_out():
 
 
 def test_fp8_rows_get_the_callbacks_note_from_the_record(tmp_path):
-    from dtrain.guide.local_check import CALLBACKS_NOTE
+    from dtrain.guide.check import CALLBACKS_NOTE
 
     shutil.copytree(CPU, tmp_path / "cpu")
     run = tmp_path / "cpu" / "fp8-train" / "20250301-100300-000000"

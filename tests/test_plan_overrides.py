@@ -7,7 +7,7 @@ import pytest
 
 from conftest import py
 from dtrain import results
-from dtrain.costmodel.memory import Layout, ModelShape
+from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.overrides import train_overrides
 from dtrain.model import GPTConfig
 from dtrain.train import TrainConfig

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from dtrain.costmodel.gpt_shape import shape_of
-from dtrain.costmodel.memory import Layout, fsdp2_state_bytes, memory_per_gpu
+from dtrain.costmodel.shapes import Layout
+from dtrain.costmodel.memory import fsdp2_state_bytes, memory_per_gpu
 from dtrain.errors import UserError
 from dtrain.model import GPTConfig, num_params
 from dtrain.parallel.mesh import zero_stage

@@ -15,6 +15,7 @@ directory, a capstone's results) this run's own the way `claim` does for the run
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,10 +127,8 @@ def release_folder(folder: Path, created: bool) -> None:
     folder = Path(folder)
     (folder / OWNER).unlink(missing_ok=True)
     if created:
-        try:
-            folder.rmdir()  # only when empty
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # only when empty
+            folder.rmdir()
 
 
 # ---------------------------------------------------------------- what existed before this process

@@ -11,7 +11,7 @@ STRATEGIES = tuple(ZERO_STAGE)
 SHARDED = ("zero2", "zero3", "hsdp")  # built with FSDP2's fully_shard
 # the strategy that runs a cost-model ZeRO stage (the trainer has no optimizer-only sharding)
 STRATEGY_OF_ZERO = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
-# train.activation_checkpointing <-> the cost model's recompute level (costmodel.memory.RECOMPUTE): block
+# train.activation_checkpointing <-> the cost model's recompute level (costmodel.shapes.RECOMPUTE): block
 # checkpointing is "full"; Korthikanti's "selective" (the attention core) runs as whole blocks
 RECOMPUTE_OF_CHECKPOINTING = {"none": "none", "op": "op", "block": "full"}
 CHECKPOINTING_OF_RECOMPUTE = {"none": "none", "op": "op", "selective": "block", "full": "block"}

@@ -166,7 +166,6 @@ def measure_single(cfg, ref, x, g, device, threads: int | None) -> dict:
 def rank_fn(ctx: RankContext) -> dict:
     cfg, device = ctx.cfg, ctx.device
     dtype, m = torch_dtype(cfg), model_config(cfg)
-    n_kv = m.n_kv_head
     ref = build_reference(cfg, device, dtype)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     x = torch.randn(cfg.train.micro_batch, m.seq_len, m.d_model, generator=gen).to(device, dtype)

@@ -6,18 +6,23 @@ over DP×TP×PP, ZeRO stage, recompute, micro-batch and sequence parallelism.
     result = search(ModelShape.from_params(70e9), cluster, global_batch=1024)
     print("\\n".join(explain(result)))
 
-Modules: ``hardware`` (GPU datasheets, links, cluster), ``memory`` (bytes per GPU),
-``efficiency`` (GEMM roofline × achieved-fraction curve), ``timemodel`` (seconds per step,
-calibration inputs), ``search`` (the chooser), ``gemm_probe`` (the matmul probe that fits the
-curve), ``backtest`` (published GPU runs). Model FLOPs: ``dtrain.flops``.
+Modules: ``hardware`` (GPU datasheets, links, cluster), ``shapes`` (``ModelShape``, ``Layout``),
+``memory`` (bytes per GPU), ``compute`` + ``kernels.yaml`` (the compute terms and each GPU's kernel
+rates), ``efficiency`` (GEMM roofline × achieved-fraction curve), ``collectives`` (α–β times),
+``calibration`` (the empirical inputs, with provenance), ``timemodel`` (seconds per step), ``search``
+(the chooser), ``gemm_probe`` (the matmul probe that fits the curve), ``backtest`` (published GPU
+runs). Model FLOPs: ``dtrain.flops``.
 """
 
 from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles
-from .memory import (KNOWN_SHAPES, Layout, MemoryBreakdown, ModelShape, activation_bytes_per_layer,
-                     memory_per_gpu, model_state_bytes, params_per_gpu)
-from .search import Plan, SearchResult, explain, search
-from .timemodel import (Calibration, Param, StepTime, all_gather_time, allreduce_time, bubble_fraction,
-                        group_link, p2p_time, reduce_scatter_time, step_time)
+from .shapes import KNOWN_SHAPES, Layout, ModelShape
+from .memory import (MemoryBreakdown, activation_bytes_per_layer, memory_per_gpu, model_state_bytes,
+                     params_per_gpu)
+from .explain import explain
+from .search import Plan, SearchResult, search
+from .calibration import Calibration, Param
+from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, reduce_scatter_time
+from .timemodel import StepTime, bubble_fraction, step_time
 
 __all__ = [
     "Cluster", "GPUProfile", "LinkModel", "get_profile", "load_profiles",

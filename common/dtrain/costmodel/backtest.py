@@ -10,7 +10,7 @@ Out of sample: the model's kernel rates come from kernel benchmarks (``kernels.y
 rows. Two numbers are fitted to rows: the share of DP traffic that overlap hides (``dp_overlap``) and
 the share of the datasheet link rate collectives reach (``link_efficiency``). Each row is predicted
 with the two fitted on the OTHER sources only (leave-one-source-out, ``loso``: a source's rows never
-tune their own prediction); the defaults (``timemodel.GPU_DP_OVERLAP``, ``hardware.LINK_EFFICIENCY``)
+tune their own prediction); the defaults (``calibration.GPU_DP_OVERLAP``, ``hardware.LINK_EFFICIENCY``)
 are the fit to every row. Goals (issue 21): median |error| <= 10 %, >= 80 % of rows within 15 %,
 every published layout predicted to fit.
 """
@@ -28,9 +28,11 @@ import yaml
 from .links import default_links
 from .compute import Stack
 from .hardware import LINK_EFFICIENCY, Cluster, GiB, get_profile
-from .memory import Layout, ModelShape, memory_per_gpu
-from .search import search
-from .timemodel import GPU_DP_OVERLAP, Calibration, Param, StepTime, model_flops_per_token, step_time
+from .shapes import Layout, ModelShape
+from .memory import memory_per_gpu
+from .search import describe_layout, search
+from .calibration import GPU_DP_OVERLAP, Calibration, Param
+from .timemodel import StepTime, model_flops_per_token, step_time
 
 ERROR_GOAL, WITHIN, WITHIN_SHARE, GAP_GOAL = 0.10, 0.15, 0.80, 0.10
 # The grids the two fitted numbers are chosen from: their physical ranges. NCCL hides at least half of the DP traffic
@@ -187,11 +189,12 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
         gpus = s.layout.gpus
         act = calib.fp8_memory_factor.value if s.precision == "fp8" else 1.0
         mem = memory_per_gpu(s.shape, s.layout, act, s.stack.flash, s.stack.fused_loss)
-        terms = {**t.terms.as_dict(), "tp_comm": t.tp_comm, "cp_comm": t.cp_comm, "pp_comm": t.pp_comm, "bubble": t.bubble,
+        terms = {**t.terms.as_dict(), "tp_comm": t.tp_comm, "cp_comm": t.cp_comm, "pp_comm": t.pp_comm,
+                 "bubble": t.bubble,
                  "dp_exposed": t.dp_comm_exposed}
         r = BacktestRow(row["name"], row["group"], row["source"], reported_tps(row, s.shape), t.tokens_per_s / gpus,
                         mem.fits(cluster.gpu.hbm_bytes, 0.0), mem.total / GiB, cluster.gpu.hbm_gib,
-                        _describe(s.layout), terms=terms, fitted=fitted, expect_oom=bool(row.get("expect_oom")))
+                        describe_layout(s.layout), terms=terms, fitted=fitted, expect_oom=bool(row.get("expect_oom")))
         if rank and not r.expect_oom:
             res = search(s.shape, cluster, s.global_batch, calib, precision=s.precision,
                          stack=s.stack, prune=True)
@@ -201,13 +204,6 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
                         best=res.best.describe() if res.best else "none fits")
         out.append(r)
     return out
-
-
-def _describe(lay: Layout) -> str:
-    v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-    cp = f" cp={lay.cp}" if lay.cp > 1 else ""
-    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v} zero={lay.zero_stage} recompute={lay.recompute} "
-            f"mb={lay.micro_batch}")
 
 
 def summary(rows: list[BacktestRow]) -> dict:
@@ -220,7 +216,8 @@ def summary(rows: list[BacktestRow]) -> dict:
             "error_goal_met": bool(errs) and statistics.median(errs) <= ERROR_GOAL,
             "within_goal_met": bool(errs) and sum(e <= WITHIN for e in errs) >= WITHIN_SHARE * len(errs),
             "fit": sum(r.fits for r in ran), "ran": len(ran), "fit_goal_met": all(r.fits for r in ran),
-            "oom_rows": sum(r.expect_oom for r in rows), "oom_predicted": sum(r.expect_oom and not r.fits for r in rows),
+            "oom_rows": sum(r.expect_oom for r in rows),
+            "oom_predicted": sum(r.expect_oom and not r.fits for r in rows),
             "within_10pct_of_best": sum(r.gap_to_best <= GAP_GOAL for r in ranked), "ranked": len(ranked),
             "by_group": {g: statistics.median(abs(r.error) for r in scored if r.group == g)
                          for g in sorted({r.group for r in scored})}}

@@ -43,7 +43,7 @@ from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, fr
                                   from_fsdp, from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
 from .hardware import LinkModel
 from .links import LinkCalibration, default_links  # noqa: F401 - re-exported: calibrate's callers use them
-from .timemodel import Calibration, Param
+from .calibration import Calibration
 
 @dataclass
 class CalibrationReport:

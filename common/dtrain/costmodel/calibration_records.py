@@ -13,8 +13,10 @@ from dtrain.strategies import SHARDED
 
 from .efficiency import fit_curve
 from .hardware import LinkModel
-from .memory import Layout
-from .timemodel import Param, bubble_fraction, p2p_time, tp_comm_time
+from .shapes import Layout
+from .calibration import Param
+from .collectives import p2p_time
+from .timemodel import bubble_fraction, tp_comm_time
 
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
 

@@ -23,8 +23,9 @@ from dtrain.errors import UserError
 
 from .hardware import GiB, Cluster, load_profiles
 from .compute import ATTENTION_KERNELS, EAGER_BYTES, Stack
-from .memory import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
-from .search import SearchResult, explain, search
+from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
+from .explain import explain
+from .search import SearchResult, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
 900 GB/s" for H100 SXM; 600 for A100; a PCIe Gen5 x16 node without NVLink is 128); the cost model
@@ -94,7 +95,8 @@ def add_parser(sub) -> None:
     r.add_argument("--tp-overlap", action="store_true",
                    help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan AsyncTP)")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= recompute=none|op|selective|full mb= sp=on|off"; '
+                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
+                        'recompute=none|op|selective|full mb= sp=on|off"; '
                         "given fields are fixed, the rest searched")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")

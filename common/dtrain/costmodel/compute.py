@@ -32,7 +32,7 @@ from importlib import resources
 import yaml
 
 from .efficiency import Gemm, GemmCurve, gemm_time, head_gemm, layer_gemms, op_recompute_gemms
-from .memory import Layout, ModelShape, stage_layers
+from .shapes import Layout, ModelShape, stage_layers
 from .hashing import cached_hash
 
 # Unfused PyTorch moves this many times the bytes of the fused count for the same memory-bound work
@@ -135,7 +135,8 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
     mem = {k: v for k, v in e["memory"].items() if k != "source"}
     return KernelModel(gpu, gemm, curve, mem, e.get("power_w"),
                        e.get("sustained", 1.0), {"gemm": e["gemm_source"], "attention": a["source"],
-                                                 "memory": e["memory"]["source"], "sustained": e.get("sustained_source", "")})
+                                                 "memory": e["memory"]["source"],
+                                                 "sustained": e.get("sustained_source", "")})
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,10 @@ class ComputeTerms:
         return ComputeTerms(self.gemm * m, self.attention * m, self.memory * m, self.head * m, self.recompute * m,
                             optimizer)
 
-    def scaled(self, f: float, optimizer: float | None = None) -> ComputeTerms:
+    def scaled(self, f: float) -> ComputeTerms:
+        """Every term but the optimizer times ``f``."""
         return ComputeTerms(self.gemm * f, self.attention * f, self.memory * f, self.head * f, self.recompute * f,
-                            self.optimizer if optimizer is None else optimizer)
+                            self.optimizer)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("gemm", "attention", "memory", "head", "recompute", "optimizer")}
@@ -332,10 +334,6 @@ def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
 
 
 @lru_cache(maxsize=1 << 12)
-def _head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int) -> float:
-    return head_s(shape, layout, dev, value_bytes)
-
-
 def head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int = 2) -> float:
     """Output projection (forward, dgrad, wgrad; BF16 under FP8 recipes) and the cross-entropy over
     the rank's vocab shard of logits (its s/cp tokens), for one micro-batch."""
@@ -355,26 +353,15 @@ def optimizer_s(params_with_states: float, params_local: float, dev: Device) -> 
     return dev.mem_s(OPTIMIZER_BYTES * params_with_states + CLIP_BYTES * params_local, kind)
 
 
-def step_terms(shape: ModelShape, layout: Layout, dev: Device, params_with_states: float, params_local: float,
-               precision: str = "bf16", value_bytes: int = 2) -> ComputeTerms:
-    """All micro-batches of one step on the busiest pipeline stage, plus the optimizer.
+@lru_cache(maxsize=1 << 14)
+def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
+    """One micro-batch on the busiest pipeline stage (no optimizer; ``StepModel.compute`` adds it).
 
     Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus the output
     projection (Megatron's and DeepSpeed's default split; Llama 3 405B ran 126 layers on 16 stages this way):
     a micro-batch costs max(ceil(L/pp)·t_layer, last·t_layer + t_head) on the busiest stage."""
-    key = Layout(1, layout.tp, layout.pp, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel,
-                 cp=layout.cp, cp_impl=layout.cp_impl)
-    micro = _micro_terms(shape, key, dev, precision, value_bytes)
-    m = layout.grad_accum
-    return ComputeTerms(micro.gemm * m, micro.attention * m, micro.memory * m, micro.head * m, micro.recompute * m,
-                        optimizer_s(params_with_states, params_local, dev))
-
-
-@lru_cache(maxsize=1 << 14)
-def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
-    """One micro-batch on the busiest stage (no optimizer)."""
     lt = layer_terms(shape, layout, dev, precision, value_bytes)
-    head = _head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch, cp=layout.cp), dev, value_bytes)
+    head = head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch, cp=layout.cp), dev, value_bytes)
     layers = stage_layers(shape, layout.pp)
     last = max(shape.n_layer - (layout.pp - 1) * layers, 0)
     first_busiest = layout.pp > 1 and layers * lt.total >= last * lt.total + head

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .memory import Layout, ModelShape
+from .shapes import Layout, ModelShape
 
 __all__ = ["Gemm", "GemmCurve", "layer_gemms", "op_recompute_gemms", "head_gemm", "gemm_time", "fit_curve"]
 

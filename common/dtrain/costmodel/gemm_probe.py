@@ -43,7 +43,7 @@ from dtrain.timing import queued_s
 
 from . import hardware
 from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
-from .memory import Layout, ModelShape
+from .shapes import Layout, ModelShape
 
 SUBPROJECT = "gemm-probe"
 

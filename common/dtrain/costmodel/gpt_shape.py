@@ -5,7 +5,7 @@ readers both call it, so no cost-model module reaches up into them for it.
 """
 from __future__ import annotations
 
-from .memory import ModelShape
+from .shapes import ModelShape
 
 
 def shape_of(g) -> ModelShape:

@@ -206,7 +206,7 @@ class Cluster:
 
     ``nvlink`` is the intra-node link (per-GPU, per-direction bus bandwidth) and ``ib`` the
     inter-node link *of one GPU* (its own NIC: 400 Gbit/s = 50 GB/s). Nodes are assumed
-    rail-optimised, one NIC per GPU, as in DGX/HGX systems; see ``timemodel.group_link``.
+    rail-optimised, one NIC per GPU, as in DGX/HGX systems; see ``collectives.group_link``.
     """
 
     __hash__ = cached_hash

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .hardware import IB_ALPHA_S, LINK_EFFICIENCY, NVLINK_ALPHA_S, Cluster, LinkModel
-from .timemodel import Param
+from .calibration import Param
 
 LINK_EFFICIENCY_SOURCE = ("share of the datasheet link rate (NVLink per direction, NIC line rate) that collectives' "
                           "bus bandwidth reaches: fitted to the development set of dtrain backtest (leave-one-source-"

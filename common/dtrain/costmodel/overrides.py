@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dtrain.strategies import CHECKPOINTING_OF_RECOMPUTE, STRATEGY_OF_ZERO
 
-from .memory import Layout, ModelShape
+from .shapes import Layout, ModelShape
 
 
 def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precision: str = "bf16",

@@ -1,4 +1,4 @@
-"""Time of one training step: GEMM compute on a calibrated roofline plus α–β costed collectives.
+"""Time of one training step: compute term by term plus α–β costed communication, bubble and overlap.
 
 Sources
 -------
@@ -6,10 +6,11 @@ Sources
   12·L·h·s, lm_head kept when tied, full non-causal attention as in PaLM App. B, Megatron-LM and
   torchtitan). MFU and TFLOP/s use these *model* FLOPs; recompute adds *hardware* FLOPs (time)
   but never model FLOPs.
-* Compute time: ``efficiency`` (a roofline per GEMM × an achieved-fraction curve fitted from a
-  matmul probe) plus a fixed per-step overhead.
-* Collectives: ring algorithms as in NCCL, costed with Hockney's α–β model; β is the nccl-tests
-  *bus* bandwidth (nccl-tests doc/PERFORMANCE.md), so all-reduce moves 2(n−1)/n·B over β.
+* Compute time: ``compute`` (GEMMs, attention, memory-bound kernels, output layer and loss, recompute,
+  optimizer, each work over a kernel benchmark's rate, ``kernels.yaml``); on a device without a kernel table
+  (the local CPU check) the gemm-probe's GEMM curve plus its measured fixed per-step overhead.
+* Collectives: ``collectives`` (ring algorithms as in NCCL, Hockney's α–β model, β the nccl-tests bus
+  bandwidth).
 * Data parallel / ZeRO volumes: Rajbhandari et al. 2020 (ZeRO) §7: ZeRO-1/2 move the same volume
   as DP's all-reduce, ZeRO-3 1.5× (all-gather in forward, again in backward, reduce-scatter).
 * Tensor parallel: Shoeybi et al. 2019 (Megatron-LM) §3: 2 all-reduces in forward and 2 in
@@ -36,53 +37,15 @@ from functools import lru_cache
 from .hardware import Cluster, GPUProfile, LinkModel
 from dtrain.flops import transformer_flops_per_token
 
-from .compute import ComputeTerms, Device, KernelModel, Stack, _micro_terms, optimizer_s, published, step_terms
+from .calibration import Calibration, Param
+from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, reduce_scatter_time
+from .compute import ComputeTerms, Device, KernelModel, Stack, _micro_terms, optimizer_s, published
 from .efficiency import GemmCurve
-from .memory import Layout, ModelShape, params_per_gpu, stage_layers
-from .hashing import cached_hash
+from .shapes import Layout, ModelShape, stage_layers
+from .memory import params_per_gpu
 
-__all__ = ["LinkModel", "Param", "Calibration", "StepTime", "allreduce_time", "all_gather_time",
-           "reduce_scatter_time", "p2p_time", "bubble_fraction", "group_link", "tp_comm_time",
-           "model_flops_per_token", "compute_time", "step_time"]
-
-PROVENANCES = ("datasheet/published:", "measured here:")
-# GEMM curve of a device without a kernel table in kernels.yaml (every GPU profile has one; the local CPU
-# check replaces it with its gemm-probe's): H100's, the kernels.yaml entry
-GPU_E_MAX = 0.82
-GPU_W_HALF = 4.8e9
-# Share of DP traffic that overlap hides: fitted to dtrain backtest's development set (a test pins it to the fit)
-GPU_DP_OVERLAP = 0.5
-
-
-def allreduce_time(nbytes: float, n: int, link: LinkModel) -> float:
-    """Ring all-reduce: 2(n−1)/n · B/β + 2(n−1)·α (β = bus bandwidth, nccl-tests convention)."""
-    if n <= 1:
-        return 0.0
-    link = link.of("all_reduce")
-    return 2 * (n - 1) / n * nbytes / link.beta_Bps + 2 * (n - 1) * link.alpha_s
-
-
-def _ring_half(nbytes: float, n: int, link: LinkModel) -> float:
-    return (n - 1) / n * nbytes / link.beta_Bps + (n - 1) * link.alpha_s if n > 1 else 0.0
-
-
-def all_gather_time(nbytes: float, n: int, link: LinkModel) -> float:
-    """Ring all-gather of a B-byte result: (n−1)/n · B/β + (n−1)·α (the link's all_gather α–β when
-    measured apart, ``LinkModel.of``)."""
-    return _ring_half(nbytes, n, link.of("all_gather"))
-
-
-def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
-    """Ring reduce-scatter of a B-byte input: (n−1)/n · B/β + (n−1)·α (mirror of all-gather; its own
-    α–β when measured apart)."""
-    return _ring_half(nbytes, n, link.of("reduce_scatter"))
-
-
-def p2p_time(nbytes: float, link: LinkModel) -> float:
-    """One point-to-point send: B/β + α (the link's sendrecv α–β when measured apart)."""
-    link = link.of("sendrecv")
-    return nbytes / link.beta_Bps + link.alpha_s
-
+__all__ = ["StepTime", "StepModel", "bubble_fraction", "tp_comm_time", "model_flops_per_token", "step_time",
+           "step_model", "device_of"]
 
 def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> float:
     """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2).
@@ -98,88 +61,6 @@ def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> f
 
 
 @lru_cache(maxsize=1 << 12)
-def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
-    """The link a group of ``size`` ranks ``stride`` apart runs its collectives over.
-
-    Inside one node: the intra-node link (NVLink). Across nodes the inter-node hop is the
-    bottleneck. With ``multi_rail`` (DP, bandwidth-bound), NCCL runs one ring per NIC and each
-    of the k group members in a node drives its own NIC, so β = min(β_NVLink, k·β_IB) with
-    k = GPUs of the group per node; α is the IB latency for every hop (pessimistic: real rings
-    mix NVLink and IB hops, and NCCL switches to trees for small messages). Without it (TP, on
-    the critical path, sharing NICs with DP and PP traffic) the group gets one NIC: β = β_IB.
-    """
-    node = cluster.node_size
-    if size * stride <= node:
-        return cluster.nvlink
-    k = max(1, min(size, node // stride)) if multi_rail else 1
-    beta = min(cluster.nvlink.beta_Bps, k * cluster.ib.beta_Bps)
-    return LinkModel(cluster.ib.alpha_s, beta, "IB" if k == 1 else f"IB x{k} rails")
-
-
-@dataclass(frozen=True)
-class Param:
-    """A calibrated number and where it came from: 'datasheet/published: …' or 'measured here: …'."""
-
-    __hash__ = cached_hash
-
-    value: float
-    provenance: str
-
-    def __post_init__(self) -> None:
-        if not self.provenance.startswith(PROVENANCES):
-            raise ValueError(f"provenance must start with one of {PROVENANCES}: {self.provenance!r}")
-
-    @property
-    def measured(self) -> bool:
-        return self.provenance.startswith("measured here:")
-
-
-def _published(value: float, source: str) -> Param:
-    return Param(value, "datasheet/published: " + source)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The empirical inputs of the model; calibration from measured runs replaces each Param."""
-
-    __hash__ = cached_hash
-
-    mfu: Param = field(default_factory=lambda: _published(
-        GPU_E_MAX, "e_max of the GEMM achieved-fraction curve: each GPU's from its GEMM benchmark "
-        "(costmodel/kernels.yaml; H100's shown), replaced by a gemm-probe's measured curve"))
-    gemm_half_flops: Param = field(default_factory=lambda: _published(
-        GPU_W_HALF, "W_half of the GEMM achieved-fraction curve (FLOPs of a GEMM reaching half of e_max): "
-        "each GPU's from its GEMM benchmark (costmodel/kernels.yaml; H100's shown)"))
-    step_overhead_s: Param = field(default_factory=lambda: _published(
-        0.0, "fixed per-step overhead beyond the modelled terms: none on GPUs, whose memory-bound kernels "
-        "and optimizer step are modelled term by term (costmodel/compute.py); the gemm-probe measures it on "
-        "the local CPU"))
-    dp_overlap: Param = field(default_factory=lambda: _published(
-        GPU_DP_OVERLAP, "share of the DP traffic that runs hidden behind the compute it can overlap (DDP "
-        "bucketing, Li et al. 2020; FSDP prefetching, Zhao et al. 2023): NCCL runs a collective as a kernel "
-        "of one CTA (SM) per channel (NCCL user guide: ncclConfig_t minCTAs/maxCTAs) and shares HBM with the "
-        "GEMMs it overlaps, so part of the overlapped time is lost; fitted to the development set of dtrain "
-        "backtest (leave-one-source-out there); fsdp-scaling measures it"))
-    cp_overlap: Param = field(default_factory=lambda: _published(
-        GPU_DP_OVERLAP, "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring attention, "
-        "Liu et al. 2023: the next chunk travels while this one is computed): the DP overlap's share (the same "
-        "NCCL kernels sharing SMs and HBM), until tp-attention's CP study measures it"))
-    pp_overhead: Param = field(default_factory=lambda: _published(
-        1.0, "bubble formula (p-1)*ceil(L/(p*v))/(m*ceil(L/p)) taken as is (Narayanan et al. 2021); "
-        "fsdp-scaling's PP layout runs measure the real/formula ratio"))
-    tp_overhead: Param = field(default_factory=lambda: _published(
-        1.0, "alpha-beta prediction taken as is; Megatron TP collectives are not overlapped "
-        "(Shoeybi et al. 2019), tp-attention measures the real/modelled ratio"))
-    fp8_speedup: Param = field(default_factory=lambda: _published(
-        1.3, "whole-step speed factor of FP8 over BF16, used only on a device without an FP8 GEMM benchmark "
-        "(the local check's emulated FP8, where fp8-train measures it); GPUs price FP8 per GEMM at their FP8 "
-        "peak and benchmark share, plus the casts (costmodel/compute.py)"))
-    fp8_memory_factor: Param = field(default_factory=lambda: _published(
-        1.0, "activation bytes factor of an FP8 recipe: 1, the recipes keep their activations in BF16 (torchao "
-        "float8 training: torchtitan's Llama 3.1 8B on 8 H100 reported 76.8 GiB with Float8 and 77.0 without, "
-        "docs/performance.md 2024-12 Table 1); fp8-train measures it per recipe"))
-
-
 @dataclass(frozen=True)
 class StepTime:
     """Seconds per optimizer step on every GPU; ``total`` = the sum of the exposed parts."""
@@ -257,31 +138,6 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
                   stack.fused_loss)
 
 
-def compute_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
-                 precision: str = "bf16", value_bytes: int = 2, stack: Stack = Stack()) -> ComputeTerms:
-    """Seconds of compute per step on the busiest GPU, by term (``compute.step_terms``)."""
-    calib = calib or Calibration()
-    dev = device_of(cluster, calib, stack)
-    psi = params_per_gpu(shape, layout.tp, layout.pp)
-    with_states = psi / layout.dp if layout.zero_stage >= 1 else psi
-    local = psi / layout.dp if layout.zero_stage >= 2 else psi
-    per_gemm_fp8 = precision == "fp8" and "fp8" in dev.kernels.gemm
-    terms = step_terms(shape, layout, dev, with_states, local, precision if per_gemm_fp8 else "bf16", value_bytes)
-    if precision == "fp8" and not per_gemm_fp8:  # no FP8 kernel table (local check): the measured whole-step factor
-        terms = terms.scaled(1 / calib.fp8_speedup.value)
-    return terms
-
-
-@lru_cache(maxsize=1 << 14)
-def micro_compute_s(shape: ModelShape, tp: int, pp: int, micro_batch: int, recompute: str, sequence_parallel: bool,
-                    cluster: Cluster, calib: Calibration, precision: str = "bf16", stack: Stack = Stack()) -> float:
-    """Compute seconds of one micro-batch on the busiest stage, optimizer left out: m times it bounds a
-    layout's step from below (``search`` orders and prunes by it)."""
-    lay = Layout(1, tp, pp, 0, recompute, micro_batch, 1, sequence_parallel)
-    t = compute_time(shape, lay, cluster, calib, precision, 2, stack)
-    return t.total - t.optimizer
-
-
 @lru_cache(maxsize=1 << 14)
 def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``)."""
@@ -308,8 +164,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               precision: str = "bf16", value_bytes: int = 2, stack: Stack = Stack()) -> StepTime:
     """Predicted time of one step for ``layout`` (see module docstring for every term).
 
-    compute   ``compute_time`` (``compute.step_terms``): GEMMs, attention, memory-bound kernels, output
-              projection + cross-entropy, recompute, optimizer; on a device without a kernel table the
+    compute   ``StepModel.compute`` (``compute._micro_terms`` x m + ``compute.optimizer_s``): GEMMs,
+              attention, memory-bound kernels, output projection + cross-entropy, recompute, optimizer;
+              on a device without a kernel table the
               GEMM curve (e_max = calib.mfu, W_half = calib.gemm_half_flops) and the measured
               whole-step FP8 factor
     overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0 on

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dtrain import plots
 
+from .check import GOAL, Check
 from .matrix import GPU_COUNTS, IB_GBITS, MODELS, Cell, model_label
 
-if TYPE_CHECKING:  # local_check imports dtrain's model (torch): a --no-results guide never needs it
-    from .local_check import Check
 
 REF_IB, REF_GPUS = 400, 1024
 PARTS = ("compute", "TP comm", "PP comm", "bubble", "exposed DP comm")
@@ -87,7 +85,6 @@ def predicted_vs_measured(checks: list[Check], path: Path) -> Path | None:
     prediction over the load measured during the run as a vertical bar."""
     if not checks:
         return None
-    from .local_check import GOAL
     fig, axes = plots.figure(width=6.2, height=4.6)
     ax = axes[0][0]
     for exp in sorted({c.experiment for c in checks}):

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dtrain.costmodel import ModelShape, search
 from dtrain.costmodel.calibrate import CalibrationReport
 
+from .check import GOAL, Check
 from .matrix import (GLOBAL_BATCH, GPU_COUNTS, GPUS_PER_NODE, IB_GBITS, MODELS, SEQ_LEN, TOPOLOGIES, Cell,
                      cell_text, cluster_for, model_label)
 
-if TYPE_CHECKING:  # local_check imports dtrain's model (torch): a --no-results guide never needs it
-    from .local_check import Check
 
 PARAM_NAMES = [
     ("mfu", "GEMM achieved fraction of the roofline bound, large GEMMs (e_max)", "{:.1%}"),
@@ -145,7 +143,6 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
     if not checks:
         return out + ["No local run could be predicted (none of fsdp-scaling, fp8-train or tp-attention, or no "
                       "allreduce-bench link). Run `dtrain capstone`.", ""]
-    from .local_check import GOAL
     ok = sum(c.within_goal for c in checks)
     spread = [c for c in checks if c.predicted_range]
     loaded = ""
@@ -259,7 +256,7 @@ def limits() -> list[str]:
             "trained with dropout; fused vs eager attention and loss), `compute.py` + `kernels.yaml` (GEMMs on each "
             "GPU's GEMM benchmark, fused attention on FlashAttention-2 / cuDNN benchmarks by sequence length, "
             "memory-bound kernels and the optimizer over HBM at measured shares, FP8 per GEMM at the FP8 peak plus its "
-            "casts, sustained clocks and power caps), `timemodel.py` (ring α–β collectives, Megatron TP, uneven "
+            "casts, sustained clocks and power caps), `collectives.py` + `timemodel.py` (ring α–β collectives, Megatron TP, uneven "
             "interleaved bubble, zero-bubble V, ZeRO-3 latency per FSDP unit, DP overlap windows per ZeRO stage).",
             "* Not modelled: NCCL tree/NVLS algorithms, network congestion and topology beyond one NIC per GPU "
             "(rail-optimised), stragglers, a pipeline engine's own overhead (DeepSpeed's pipeline engine ran MT-NLG, "

@@ -1,0 +1,82 @@
+"""The cost model's empirical inputs (``Calibration``), each a ``Param`` that says where it came from.
+
+``dtrain.costmodel.calibrate`` replaces the datasheet/published defaults below with values measured in this
+project's run directories.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hashing import cached_hash
+
+PROVENANCES = ("datasheet/published:", "measured here:")
+# GEMM curve of a device without a kernel table in kernels.yaml (every GPU profile has one; the local CPU
+# check replaces it with its gemm-probe's): H100's, the kernels.yaml entry
+GPU_E_MAX = 0.82
+GPU_W_HALF = 4.8e9
+# Share of DP traffic that overlap hides: fitted to dtrain backtest's development set (a test pins it to the fit)
+GPU_DP_OVERLAP = 0.5
+
+
+@dataclass(frozen=True)
+class Param:
+    """A calibrated number and where it came from: 'datasheet/published: …' or 'measured here: …'."""
+
+    __hash__ = cached_hash
+
+    value: float
+    provenance: str
+
+    def __post_init__(self) -> None:
+        if not self.provenance.startswith(PROVENANCES):
+            raise ValueError(f"provenance must start with one of {PROVENANCES}: {self.provenance!r}")
+
+    @property
+    def measured(self) -> bool:
+        return self.provenance.startswith("measured here:")
+
+
+def _published(value: float, source: str) -> Param:
+    return Param(value, "datasheet/published: " + source)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The empirical inputs of the model; calibration from measured runs replaces each Param."""
+
+    __hash__ = cached_hash
+
+    mfu: Param = field(default_factory=lambda: _published(
+        GPU_E_MAX, "e_max of the GEMM achieved-fraction curve: each GPU's from its GEMM benchmark "
+        "(costmodel/kernels.yaml; H100's shown), replaced by a gemm-probe's measured curve"))
+    gemm_half_flops: Param = field(default_factory=lambda: _published(
+        GPU_W_HALF, "W_half of the GEMM achieved-fraction curve (FLOPs of a GEMM reaching half of e_max): "
+        "each GPU's from its GEMM benchmark (costmodel/kernels.yaml; H100's shown)"))
+    step_overhead_s: Param = field(default_factory=lambda: _published(
+        0.0, "fixed per-step overhead beyond the modelled terms: none on GPUs, whose memory-bound kernels "
+        "and optimizer step are modelled term by term (costmodel/compute.py); the gemm-probe measures it on "
+        "the local CPU"))
+    dp_overlap: Param = field(default_factory=lambda: _published(
+        GPU_DP_OVERLAP, "share of the DP traffic that runs hidden behind the compute it can overlap (DDP "
+        "bucketing, Li et al. 2020; FSDP prefetching, Zhao et al. 2023): NCCL runs a collective as a kernel "
+        "of one CTA (SM) per channel (NCCL user guide: ncclConfig_t minCTAs/maxCTAs) and shares HBM with the "
+        "GEMMs it overlaps, so part of the overlapped time is lost; fitted to the development set of dtrain "
+        "backtest (leave-one-source-out there); fsdp-scaling measures it"))
+    cp_overlap: Param = field(default_factory=lambda: _published(
+        GPU_DP_OVERLAP, "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring attention, "
+        "Liu et al. 2023: the next chunk travels while this one is computed): the DP overlap's share (the same "
+        "NCCL kernels sharing SMs and HBM), until tp-attention's CP study measures it"))
+    pp_overhead: Param = field(default_factory=lambda: _published(
+        1.0, "bubble formula (p-1)*ceil(L/(p*v))/(m*ceil(L/p)) taken as is (Narayanan et al. 2021); "
+        "fsdp-scaling's PP layout runs measure the real/formula ratio"))
+    tp_overhead: Param = field(default_factory=lambda: _published(
+        1.0, "alpha-beta prediction taken as is; Megatron TP collectives are not overlapped "
+        "(Shoeybi et al. 2019), tp-attention measures the real/modelled ratio"))
+    fp8_speedup: Param = field(default_factory=lambda: _published(
+        1.3, "whole-step speed factor of FP8 over BF16, used only on a device without an FP8 GEMM benchmark "
+        "(the local check's emulated FP8, where fp8-train measures it); GPUs price FP8 per GEMM at their FP8 "
+        "peak and benchmark share, plus the casts (costmodel/compute.py)"))
+    fp8_memory_factor: Param = field(default_factory=lambda: _published(
+        1.0, "activation bytes factor of an FP8 recipe: 1, the recipes keep their activations in BF16 (torchao "
+        "float8 training: torchtitan's Llama 3.1 8B on 8 H100 reported 76.8 GiB with Float8 and 77.0 without, "
+        "docs/performance.md 2024-12 Table 1); fp8-train measures it per recipe"))

@@ -1,0 +1,56 @@
+"""α–β (Hockney) times of the collectives a step runs, ring algorithms as in NCCL.
+
+β is the nccl-tests *bus* bandwidth (nccl-tests doc/PERFORMANCE.md), so an all-reduce moves 2(n−1)/n·B
+over β; α is paid per ring hop. ``group_link`` picks the link a group of ranks runs over.
+"""
+from __future__ import annotations
+
+from .hardware import Cluster, LinkModel
+
+
+def allreduce_time(nbytes: float, n: int, link: LinkModel) -> float:
+    """Ring all-reduce: 2(n−1)/n · B/β + 2(n−1)·α (β = bus bandwidth, nccl-tests convention)."""
+    if n <= 1:
+        return 0.0
+    link = link.of("all_reduce")
+    return 2 * (n - 1) / n * nbytes / link.beta_Bps + 2 * (n - 1) * link.alpha_s
+
+
+def _ring_half(nbytes: float, n: int, link: LinkModel) -> float:
+    return (n - 1) / n * nbytes / link.beta_Bps + (n - 1) * link.alpha_s if n > 1 else 0.0
+
+
+def all_gather_time(nbytes: float, n: int, link: LinkModel) -> float:
+    """Ring all-gather of a B-byte result: (n−1)/n · B/β + (n−1)·α (the link's all_gather α–β when
+    measured apart, ``LinkModel.of``)."""
+    return _ring_half(nbytes, n, link.of("all_gather"))
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
+    """Ring reduce-scatter of a B-byte input: (n−1)/n · B/β + (n−1)·α (mirror of all-gather; its own
+    α–β when measured apart)."""
+    return _ring_half(nbytes, n, link.of("reduce_scatter"))
+
+
+def p2p_time(nbytes: float, link: LinkModel) -> float:
+    """One point-to-point send: B/β + α (the link's sendrecv α–β when measured apart)."""
+    link = link.of("sendrecv")
+    return nbytes / link.beta_Bps + link.alpha_s
+
+
+def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
+    """The link a group of ``size`` ranks ``stride`` apart runs its collectives over.
+
+    Inside one node: the intra-node link (NVLink). Across nodes the inter-node hop is the
+    bottleneck. With ``multi_rail`` (DP, bandwidth-bound), NCCL runs one ring per NIC and each
+    of the k group members in a node drives its own NIC, so β = min(β_NVLink, k·β_IB) with
+    k = GPUs of the group per node; α is the IB latency for every hop (pessimistic: real rings
+    mix NVLink and IB hops, and NCCL switches to trees for small messages). Without it (TP, on
+    the critical path, sharing NICs with DP and PP traffic) the group gets one NIC: β = β_IB.
+    """
+    node = cluster.node_size
+    if size * stride <= node:
+        return cluster.nvlink
+    k = max(1, min(size, node // stride)) if multi_rail else 1
+    beta = min(cluster.nvlink.beta_Bps, k * cluster.ib.beta_Bps)
+    return LinkModel(cluster.ib.alpha_s, beta, "IB" if k == 1 else f"IB x{k} rails")

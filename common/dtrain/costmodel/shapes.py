@@ -1,0 +1,185 @@
+"""The model (``ModelShape``) and how a step is parallelised over GPUs (``Layout``): the cost model's two inputs.
+
+``KNOWN_SHAPES`` are the standard models the decision matrix and ``ModelShape.from_params`` use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .hashing import cached_hash
+
+# Recompute levels, least to most: none; "op" = torchtitan's selective op AC (its checkpoint policy saves
+# the outputs of every other matmul and of SDPA, recomputes the rest); "selective" = Korthikanti et al.
+# 2022 §5 (the attention core only); "full" = whole blocks (the trainer's activation_checkpointing=block).
+RECOMPUTE = ("none", "op", "selective", "full")
+# Pipeline schedules: 1F1B (Narayanan et al. 2021; interleaved with v > 1 virtual stages), GPipe (Huang et
+# al. 2019: every micro-batch's forward before any backward) and zero-bubble V (Qi et al. 2024, ICLR: two
+# chunks per rank in a V, weight-gradient work fills the bubble).
+PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
+# Context parallelism: ring attention (Liu et al. 2023; PyTorch's context_parallel and Llama 3's all-gather CP move
+# the same K/V bytes) or all-to-all sequence<->heads (Jacobs et al. 2023, DeepSpeed Ulysses).
+CP_IMPLS = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer. ``ffn_mult`` is MLP hidden / d_model; ``gated_mlp`` = SwiGLU.
+
+    ``dropout``: trained with dropout layers (hidden and attention dropout, as Megatron-LM's
+    defaults of 0.1 and the GPT-3-style models of Korthikanti et al. 2022). Llama-style models
+    have none (Touvron et al. 2023 use no dropout; torchtitan's and dtrain's models have no
+    dropout layer), which is the default: no dropout masks are stored for backward.
+    """
+
+    __hash__ = cached_hash
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    vocab: int
+    seq_len: int
+    ffn_mult: float = 4.0
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+    name: str = ""
+    dropout: bool = False
+    rotary: bool = True         # RoPE on q and k (GPT-3-style models add learned positions to the input)
+
+    def __post_init__(self) -> None:
+        if min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.vocab, self.seq_len) < 1:
+            raise ValueError(f"{self}: every size must be a positive integer")
+        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"{self}: n_head must divide d_model and n_kv_head must divide n_head")
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(round(self.ffn_mult * self.d_model))
+
+    def params_per_layer(self) -> int:
+        """Attention q,k,v,o + MLP (2 matrices, 3 if gated) + 2 norms; no biases.
+
+        A GPT with GELU 4x MLP and n_kv_head = n_head gives the familiar 12·h² + 2h per layer.
+        """
+        h, kv = self.d_model, self.d_model * self.n_kv_head // self.n_head
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        return attn + mlp + 2 * h
+
+    def embedding_params(self) -> int:
+        """Input embedding plus output projection (one matrix when tied); positions use RoPE."""
+        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+
+    def num_params(self) -> int:
+        return self.n_layer * self.params_per_layer() + self.embedding_params() + self.d_model
+
+    @classmethod
+    def from_params(cls, params: float, seq_len: int = 4096) -> ModelShape:
+        """A standard shape with about ``params`` parameters (``KNOWN_SHAPES`` table).
+
+        Within ±10 % of a known model's nominal size its shape is returned as is (seq_len
+        replaced), so ``from_params(70e9)`` is Llama-2-70B (69.0e9 parameters). Otherwise d_model is
+        interpolated geometrically (log-linear in parameter count) between the two neighbouring
+        known shapes, rounded to a multiple of 8 heads; head size, KV-head count, MLP ratio and
+        vocabulary come from the nearer neighbour, and n_layer is solved for the parameter count.
+        """
+        if params <= 0:
+            raise ValueError(f"params must be positive, got {params}")
+        for nominal, shape in KNOWN_SHAPES.items():
+            if abs(params / nominal - 1) <= 0.10:
+                return replace(shape, seq_len=seq_len)
+        known = sorted(((s.num_params(), s) for s in KNOWN_SHAPES.values()), key=lambda x: x[0])
+        i = min(max(sum(n < params for n, _ in known), 1), len(known) - 1)
+        (n_a, a), (n_b, b) = known[i - 1], known[i]
+        f = math.log(params / n_a) / math.log(n_b / n_a)
+        style = a if f < 0.5 else b
+        head_dim = style.d_model // style.n_head
+        d_raw = math.exp(math.log(a.d_model) + f * math.log(b.d_model / a.d_model))
+        n_head = max(8, 8 * round(d_raw / head_dim / 8))
+        n_kv = n_head if style.n_kv_head == style.n_head else math.gcd(n_head, style.n_kv_head)
+        probe = replace(style, n_layer=1, d_model=n_head * head_dim, n_head=n_head,
+                        n_kv_head=n_kv, seq_len=seq_len, name="")
+        rest = params - probe.embedding_params() - probe.d_model
+        n_layer = max(1, round(rest / probe.params_per_layer()))
+        return replace(probe, n_layer=n_layer, name=f"~{params / 1e9:g}B (interpolated)")
+
+
+# Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
+#   1B    Llama 3.2 1B     16 x 2048, 32 heads / 8 KV, SwiGLU 8192, vocab 128256, tied   (1.24e9)
+#   7B    Llama 2 7B       32 x 4096, 32 / 32, SwiGLU 11008, vocab 32000                  (6.74e9)
+#   13B   Llama 2 13B      40 x 5120, 40 / 40, SwiGLU 13824, vocab 32000                  (13.0e9)
+#   34B   Code Llama 34B   48 x 8192, 64 / 8,  SwiGLU 22016, vocab 32000                  (33.7e9)
+#   70B   Llama 2 70B      80 x 8192, 64 / 8,  SwiGLU 28672, vocab 32000                  (69.0e9)
+#   175B  GPT-3 175B       96 x 12288, 96 / 96, GELU 4h, vocab 50257, tied                (174.6e9)
+#   405B  Llama 3.1 405B  126 x 16384, 128 / 8, SwiGLU 53248, vocab 128256                (405.9e9)
+# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model); the Llama
+# family trains without it.
+# Sources: Touvron et al. 2023 (Llama 2), Rozière et al. 2023 (Code Llama), Brown et al. 2020
+# (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of Models" (Table 3), Meta's Llama 3.2
+# model card; ffn sizes as in the released config.json files.
+KNOWN_SHAPES = {  # nominal size -> shape
+    1e9: ModelShape(16, 2048, 32, 8, 128256, 4096, 8192 / 2048, True, True, "Llama-3.2-1B"),
+    7e9: ModelShape(32, 4096, 32, 32, 32000, 4096, 11008 / 4096, True, False, "Llama-2-7B"),
+    13e9: ModelShape(40, 5120, 40, 40, 32000, 4096, 13824 / 5120, True, False, "Llama-2-13B"),
+    34e9: ModelShape(48, 8192, 64, 8, 32000, 4096, 22016 / 8192, True, False, "CodeLlama-34B"),
+    70e9: ModelShape(80, 8192, 64, 8, 32000, 4096, 28672 / 8192, True, False, "Llama-2-70B"),
+    175e9: ModelShape(96, 12288, 96, 96, 50257, 2048, 4.0, False, True, "GPT-3-175B", dropout=True),
+    405e9: ModelShape(126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is parallelised: dp·cp·tp·pp GPUs; ``grad_accum`` micro-batches per DP rank.
+
+    Rank order is torchtitan's and Megatron's: TP innermost (consecutive ranks), then CP, then DP, then PP.
+    ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021). ``cp`` > 1 splits every
+    sequence over cp ranks (context parallelism): ``cp_impl`` ring passes K and V around the cp group
+    (ring attention; PyTorch's and torchtitan's CP, Llama 3's all-gather variant move the same bytes),
+    ulysses swaps sequence for heads with all-to-alls (DeepSpeed Ulysses).
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int = 0
+    recompute: str = "none"
+    micro_batch: int = 1
+    grad_accum: int = 1
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    pp_schedule: str = "1f1b"   # 1f1b (interleaved when virtual_stages > 1) | gpipe | zbv
+    cp: int = 1
+    cp_impl: str = "ring"       # ring | ulysses
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks that hold different data of the same model shard: the DP group of the gradients and of
+        ZeRO's sharding, dp·cp (FSDP shards over dp x cp, as torchtitan does; Megatron reduces over both)."""
+        return self.dp * self.cp
+
+    def __post_init__(self) -> None:
+        if self.cp < 1 or self.cp_impl not in CP_IMPLS:
+            raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+        if self.pp_schedule == "zbv" and self.virtual_stages != 2:
+            raise ValueError("the zbv schedule runs 2 virtual stages per rank (virtual_stages=2)")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+
+
+def stage_layers(shape: ModelShape, pp: int) -> int:
+    """Layers on the busiest pipeline stage, ceil(L/pp): pp need not divide L (Megatron's uneven
+    first/last stages; Llama 3 405B ran 126 layers on 16 stages)."""
+    return -(-shape.n_layer // pp)
