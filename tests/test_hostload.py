@@ -113,6 +113,9 @@ def test_local_check_scales_each_run_by_its_measured_load(tmp_path, monkeypatch)
     shutil.copytree(CPU, res)
     monkeypatch.setattr(gemm_probe, "gemm_seconds", lambda g, d, dt, timer: g.flops * g.count / 5e10)
     monkeypatch.setattr(gemm_probe, "step_s", lambda t, dev, timer: 0.05)
+    # the reference matmul at one fixed rate: the two probes then differ only by the load timeline (a live
+    # reference on a busy CI host made the second probe's curve differ from the first's)
+    monkeypatch.setattr(gemm_probe.Reference, "now", lambda self: (self.rates.append(1e11), 1e11)[1])
     gemm_probe.probe(res)
     idle = {(c.run, c.what): c for c in local_checks(calibrate([res], warn=False))}
     shutil.rmtree(res / "gemm-probe")
