@@ -2,6 +2,8 @@
 
 import pytest
 
+from conftest import py
+
 from dtrain.costmodel import (Calibration, Cluster, Layout, LinkModel, ModelShape, Param, all_gather_time,
                               allreduce_time, bubble_fraction, explain, get_profile, group_link,
                               load_profiles, memory_per_gpu, model_state_bytes, p2p_time, params_per_gpu,
@@ -62,6 +64,9 @@ def test_gpt_param_count_and_tp_pp_division():
     layout = Layout(dp=8, tp=4, pp=2, zero_stage=3)
     psi = params_per_gpu(gpt2, 4, 2)
     assert memory_per_gpu(gpt2, layout).params == pytest.approx(4 * psi / 8)  # FSDP2: fp32 sharded master weights
+    # under PP the stage keeps its bf16 weights gathered (2 psi) and FSDP2 accumulates its unsharded gradients
+    # in the fp32 reduce dtype until the last micro-batch syncs them (FSDPParam.to_accumulated_grad_if_needed)
+    assert memory_per_gpu(gpt2, layout).buffers == pytest.approx(2 * psi + 4 * psi)
 
 
 def test_from_params_uses_known_shapes_and_interpolates():
@@ -259,3 +264,33 @@ def test_global_batch_not_divisible_is_reported():
     res = search(ModelShape.from_params(1e9), Cluster.from_profile("h100-sxm", 8), global_batch=3)
     assert any("not a multiple" in why for _, why in res.rejected_with_reasons)
     assert res.best.dp == 1 and res.best.micro_batch * res.best.grad_accum == 3  # only dp=1 divides 3
+
+
+FSDP2_ACCUMULATION = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for block in model:  # as a pipeline stage under torchtitan and dtrain: gathered across micro-batches, no sync
+    fully_shard(block, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy, reshard_after_forward=False)
+model[0].set_requires_gradient_sync(False)
+for _ in range(2):
+    model(torch.randn(4, 64)).sum().backward()
+for p in model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params:
+    print(p._unsharded_param.dtype, p.unsharded_accumulated_grad.dtype)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_accumulates_unsharded_grads_in_the_reduce_dtype():
+    """The 6 psi of ZeRO-3 under PP, checked against PyTorch itself: between gradient syncs FSDP2 keeps the
+    gathered bf16 weights (2 B/param) and the accumulated unsharded gradients in fp32 (4 B/param)."""
+    from dtrain.dist import free_port
+
+    r = py("-c", FSDP2_ACCUMULATION, str(free_port()), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["torch.bfloat16 torch.float32"] * 2

@@ -115,3 +115,26 @@ def test_pruned_search_finds_the_same_best(params, gpus, gpu, link):
         assert pruned.best.describe() == full.best.describe()
         assert pruned.best.time.total == full.best.time.total
         assert len(pruned.ranked) < len(full.ranked)
+
+
+# A 32B Llama-style model with FSDP on one node at 8K tokens: its states alone are 16 B/param / 8 = 60 GiB.
+FSDP_32B = ["plan", "--layers", "60", "--hidden", "6656", "--heads", "52", "--ffn-hidden", "17920", "--gated-mlp",
+            "--seq", "8192", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "8"]
+
+
+def test_a_given_layout_is_judged_against_the_whole_hbm(capsys):
+    """--headroom is for choosing; a layout the user gives (a published one that ran) fits if it fits the HBM:
+    between 72 and 80 GiB it is scored and marked tight, over 80 it is one error line and exit 2."""
+    code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1", "--json")
+    mine = json.loads(out)["layout"]
+    total = mine["memory_bytes"]["total"] / 2 ** 30
+    assert code == 0 and mine["fits"] and mine["tight"] and 72.0 < total <= 80.0
+    assert mine["hbm_usable_bytes"] == 80 * 2 ** 30 and mine["tokens_per_s"] > 0
+    code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1")
+    assert code == 0 and re.search(r"memory/GPU\s+7[2-9]\.\d GiB of 80\.0 GiB usable", out)
+    assert "caution     fits only in the HBM that --headroom keeps free" in out
+    code, out, err = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=none mb=1")
+    assert code == 2 and err.startswith('error: your layout "dp=8 zero=3 recompute=none mb=1" cannot run: does not fit')
+    assert re.search(r"needs [\d.]+ GiB per GPU > 80\.0 GiB usable", err) and err.count("\n") == 1
+    code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1", "--headroom", "0", "--json")
+    assert code == 0 and json.loads(out)["layout"]["tight"] is False

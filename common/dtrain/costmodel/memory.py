@@ -273,13 +273,16 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     computed and of the one prefetched, plus that block's unsharded bf16 grads before the
     reduce-scatter, 3 · 2 · Ψ_layer bytes (FSDP default: one block per unit, prefetch of one). Under
     PP a stage keeps its weights gathered across the micro-batches and reduces its gradients once, at
-    the last (torchtitan: reshard_after_forward off, gradient sync on the last micro-batch only): the
-    stage's bf16 weights and unsharded bf16 gradients, 2·2·Ψ. ZeRO shards over ``data_shards`` (dp·cp).
+    the last (torchtitan: reshard_after_forward off; torch.distributed.pipelining: gradient sync on the
+    last micro-batch only): the stage's bf16 weights, 2Ψ, and its unsharded gradients, which FSDP2
+    accumulates between syncs in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``: fp32
+    under bf16 mixed precision with fp32 reduction, torchtitan's default and dtrain's), 4Ψ: 6Ψ.
+    ZeRO shards over ``data_shards`` (dp·cp).
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp)
     p, g, o = model_state_bytes(psi, layout.zero_stage, layout.data_shards)
     buffers = 0.0
     if layout.zero_stage == 3 and layout.data_shards > 1:
-        buffers = 4 * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
+        buffers = (2 + 4) * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)
