@@ -8,7 +8,7 @@ import pytest
 
 from dtrain import contract
 from dtrain.costmodel import Layout, ModelShape, bubble_fraction, memory_per_gpu, params_per_gpu
-from dtrain.costmodel.backtest import backtest, summary
+from dtrain.costmodel.backtest import backtest, summary, text_lines
 from dtrain.costmodel.efficiency import GemmCurve, fit_curve
 from dtrain.costmodel.memory import activation_bytes_per_layer
 from dtrain.costmodel.timemodel import model_flops_per_token
@@ -85,6 +85,12 @@ def test_backtest_rows_cite_sources_and_report_goals():
     l, h, s_, v = 24, 2304, 2048, 51200
     assert reported_tps(row, row_setup(row).shape) == pytest.approx(
         137e12 / (96 * l * h * h * (1 + s_ / (6 * h) + v / (16 * l * h))))
+    # a source's reported peak memory (torchtitan's table) is read and compared with the prediction
+    [tt] = [r for r in rows if r.name == "torchtitan Llama 3.1 8B, FSDP, 8 H100"]
+    assert tt.reported_memory_gib == 82.4 and tt.memory_error == pytest.approx(tt.memory_gib / 82.4 - 1)
+    mem = sorted(r.memory_error for r in rows if r.reported_memory_gib)
+    assert s["memory_rows"] == len(mem) == 17 and s["memory_error_range"] == (mem[0], mem[-1])
+    assert any("(82.4)" in line for line in text_lines(rows))
 
 
 def _plan(*args):

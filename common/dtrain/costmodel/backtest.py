@@ -74,6 +74,11 @@ class BacktestRow:
     terms: dict = field(default_factory=dict)     # seconds per step by term (TERMS)
     fitted: dict = field(default_factory=dict)    # the fitted numbers the row was predicted with
     expect_oom: bool = False
+    reported_memory_gib: float | None = None   # the source's peak memory per GPU (torchtitan: max reserved)
+
+    @property
+    def memory_error(self) -> float | None:
+        return None if not self.reported_memory_gib else self.memory_gib / self.reported_memory_gib - 1
 
     @property
     def error(self) -> float | None:
@@ -194,7 +199,8 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
                  "dp_exposed": t.dp_comm_exposed}
         r = BacktestRow(row["name"], row["group"], row["source"], reported_tps(row, s.shape), t.tokens_per_s / gpus,
                         mem.fits(cluster.gpu.hbm_bytes, 0.0), mem.total / GiB, cluster.gpu.hbm_gib,
-                        describe_layout(s.layout), terms=terms, fitted=fitted, expect_oom=bool(row.get("expect_oom")))
+                        describe_layout(s.layout), terms=terms, fitted=fitted, expect_oom=bool(row.get("expect_oom")),
+                        reported_memory_gib=(row.get("reported") or {}).get("memory_gib"))
         if rank and not r.expect_oom:
             res = search(s.shape, cluster, s.global_batch, calib, precision=s.precision,
                          stack=s.stack, prune=True)
@@ -211,7 +217,11 @@ def summary(rows: list[BacktestRow]) -> dict:
     errs = [abs(r.error) for r in scored]
     ranked = [r for r in scored if r.candidates]
     ran = [r for r in rows if not r.expect_oom]
-    return {"rows": len(scored), "median_abs_error": statistics.median(errs) if errs else None,
+    mem = sorted(r.memory_error for r in rows if r.memory_error is not None)
+    return {"memory_rows": len(mem), "memory_median_error": statistics.median(mem) if mem else None,
+            "memory_error_range": (mem[0], mem[-1]) if mem else None,
+            "memory_within_10pct": sum(abs(e) <= 0.10 for e in mem),
+            "rows": len(scored), "median_abs_error": statistics.median(errs) if errs else None,
             "within_15pct": sum(e <= WITHIN for e in errs),
             "error_goal_met": bool(errs) and statistics.median(errs) <= ERROR_GOAL,
             "within_goal_met": bool(errs) and sum(e <= WITHIN for e in errs) >= WITHIN_SHARE * len(errs),
@@ -225,18 +235,19 @@ def summary(rows: list[BacktestRow]) -> dict:
 
 def text_lines(rows: list[BacktestRow]) -> list[str]:
     s = summary(rows)
-    out = [f"{'run':58} {'reported':>8} {'predicted':>9} {'error':>6} {'memory GiB':>11} {'gap':>6}  dominant term"]
+    out = [f"{'run':58} {'reported':>8} {'predicted':>9} {'error':>6} {'memory GiB':>18} {'gap':>6}  dominant term"]
     for r in rows:
-        mem = f"{r.memory_gib:5.1f}/{r.hbm_gib:<4g}" + ("" if r.fits else "!")
+        rep = f"({r.reported_memory_gib:g})" if r.reported_memory_gib else ""
+        mem = f"{r.memory_gib:5.1f}/{r.hbm_gib:<4g}{' ' if r.fits else '!'}{rep:>7}"
         if r.expect_oom:
-            out.append(f"{r.name[:58]:58} {'OOM':>8} {'':>9} {'':>6} {mem:>11} {'':>6}  "
+            out.append(f"{r.name[:58]:58} {'OOM':>8} {'':>9} {'':>6} {mem:>18} {'':>6}  "
                        f"{'predicted not to fit' if not r.fits else 'NOT predicted: the model says it fits'}")
             continue
         gap = f"{r.gap_to_best:6.1%}" if r.candidates else ""
-        out.append(f"{r.name[:58]:58} {r.reported_tps:8.0f} {r.predicted_tps:9.0f} {r.error:+6.0%} {mem:>11} {gap:>6}  "
+        out.append(f"{r.name[:58]:58} {r.reported_tps:8.0f} {r.predicted_tps:9.0f} {r.error:+6.0%} {mem:>18} {gap:>6}  "
                    f"{r.dominant}")
     out += ["", "tokens/s per GPU; each row predicted with dp_overlap and link_efficiency fitted on the OTHER sources "
-            "(leave-one-source-out); memory per GPU predicted / HBM ('!': over); gap = how much slower the published "
+            "(leave-one-source-out); memory per GPU predicted / HBM ('!': over) (reported, where the source gives it); gap = how much slower the published "
             "layout is predicted to be than the model's best; dominant = the step's largest predicted term.",
             "median |error| by source: " + ", ".join(f"{g} {v:.0%}" for g, v in s["by_group"].items()),
             f"median |error| {s['median_abs_error']:.1%} (goal <= {ERROR_GOAL:.0%}: "
@@ -245,6 +256,11 @@ def text_lines(rows: list[BacktestRow]) -> list[str]:
             f"{s['fit']} of {s['ran']} layouts that ran ({'met' if s['fit_goal_met'] else 'NOT met'}); "
             f"{s['oom_predicted']} of {s['oom_rows']} reported OOM predicted not to fit; published layout within "
             f"{GAP_GOAL:.0%} of the model's best: {s['within_10pct_of_best']} of {s['ranked']}"]
+    if s["memory_rows"]:
+        lo, hi = s["memory_error_range"]
+        out.append(f"memory against the {s['memory_rows']} rows that report it (torchtitan: max reserved, "
+                   f"fragmentation included): median {s['memory_median_error']:+.0%}, {lo:+.0%} to {hi:+.0%}, "
+                   f"{s['memory_within_10pct']} within 10%")
     return out
 
 
