@@ -138,3 +138,30 @@ def test_a_given_layout_is_judged_against_the_whole_hbm(capsys):
     assert re.search(r"needs [\d.]+ GiB per GPU > 80\.0 GiB usable", err) and err.count("\n") == 1
     code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1", "--headroom", "0", "--json")
     assert code == 0 and json.loads(out)["layout"]["tight"] is False
+
+
+def _bench_module():
+    import importlib.machinery
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench-costmodel"
+    loader = importlib.machinery.SourceFileLoader("bench_costmodel", str(path))
+    spec = importlib.util.spec_from_loader("bench_costmodel", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def test_bench_refuses_to_time_a_command_that_failed(tmp_path, monkeypatch, capsys):
+    """A command that exits non-zero (an interpreter without dtrain's dependencies answers in 40 ms) is an
+    error line and exit 2, not a time; the bench's own folder is removed, nothing else is touched."""
+    import sys
+
+    bench = _bench_module()
+    failing = [sys.executable, "-c", "import sys; sys.exit('no module named rich')"]
+    monkeypatch.setattr(bench, "commands", lambda out: {"plan 405B on 8192 GPUs": failing})
+    monkeypatch.setattr(sys, "argv", ["bench-costmodel", "--repeat", "1", "--out", str(tmp_path / "bench")])
+    assert bench.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "exited 1" in err and "no module named rich" in err and err.count("\n") == 1
+    assert list((tmp_path / "bench").iterdir()) == []
