@@ -294,3 +294,16 @@ def test_fsdp2_accumulates_unsharded_grads_in_the_reduce_dtype():
     r = py("-c", FSDP2_ACCUMULATION, str(free_port()), timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:2] == ["torch.bfloat16 torch.float32"] * 2
+
+
+def test_in_flight_micro_batches_by_schedule():
+    """The first stage's peak: 1F1B min(pp, m); interleaved x (1 + (pp-1)/(pp v)) but never more than the m
+    micro-batches there are (pp=8, v=2, m=8: the warm-up's 2*7 + 8 = 22 chunk forwards cover all 16); GPipe m."""
+    from dtrain.costmodel.memory import in_flight
+
+    assert in_flight(Layout(1, 1, 8, grad_accum=32)) == 8
+    assert in_flight(Layout(1, 1, 8, grad_accum=4)) == 4
+    assert in_flight(Layout(1, 1, 8, grad_accum=32, virtual_stages=2)) == pytest.approx(8 * (1 + 7 / 16))
+    assert in_flight(Layout(1, 1, 8, grad_accum=8, virtual_stages=2)) == 8
+    assert in_flight(Layout(1, 1, 8, grad_accum=32, pp_schedule="gpipe")) == 32
+    assert in_flight(Layout(8, 1, 1, grad_accum=32)) == 1

@@ -189,7 +189,9 @@ def in_flight(layout: Layout) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak.
 
     1F1B (Narayanan et al. 2021): min(pp, m); interleaved with v virtual stages that times
-    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``); zero-bubble V the
+    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``), at most m: when the
+    warm-up, (v−1)·pp + 2(pp−1) chunk forwards on the first rank, covers all m·v of them (m = pp, as
+    torchtitan's default), every micro-batch is in flight at once, as under GPipe; zero-bubble V the
     same as 1F1B (Qi et al. 2024: ZB-V keeps 1F1B's peak); GPipe all m (every forward runs before the
     first backward, Huang et al. 2019). Without PP one."""
     lay = layout
@@ -199,7 +201,7 @@ def in_flight(layout: Layout) -> float:
         return float(lay.grad_accum)
     n = float(min(lay.pp, lay.grad_accum))
     if lay.virtual_stages > 1 and lay.pp_schedule != "zbv":
-        n *= 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)
+        n = min(n * (1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages)), float(lay.grad_accum))
     return n
 
 
