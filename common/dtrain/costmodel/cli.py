@@ -18,10 +18,11 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
 from dtrain.errors import UserError
 
-from .hardware import GiB, Cluster, load_profiles
+from .hardware import GiB, Cluster, get_profile, load_profiles
 from .compute import ATTENTION_KERNELS, EAGER_BYTES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
 from .explain import explain
@@ -68,6 +69,10 @@ def add_parser(sub) -> None:
     m.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (3 matrices), as in Llama")
     m.add_argument("--vocab", type=POS_INT, default=32000, help="vocabulary size (default 32000)")
     m.add_argument("--seq", type=POS_INT, default=4096, help="sequence length in tokens (default 4096)")
+    m.add_argument("--dropout", action="store_true",
+                   help="GPT-3-style dropout (attention probabilities and residuals): masks stored, passes priced")
+    m.add_argument("--no-rope", action="store_true",
+                   help="no rotary embeddings (learned or ALiBi positions, as GPT-3, BLOOM): no RoPE pass priced")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=POS_INT, required=True, help="GPUs in the job")
     c.add_argument("--gpus-per-node", type=POS_INT, default=8, help="GPUs per node (default 8)")
@@ -76,6 +81,11 @@ def add_parser(sub) -> None:
                    "(default: the GPU's datasheet NVLink figure)")
     c.add_argument("--ib-gbps", type=POS_FLOAT, help="inter-node Gbit/s per GPU, NIC line rate "
                    "(default: the GPU's reference system)")
+    c.add_argument("--hbm-gib", type=POS_FLOAT, help="HBM per GPU in GiB, for a variant of --gpu (e.g. 96 for "
+                   "the 96 GB H100 SXM; default: the profile's)")
+    c.add_argument("--hbm-tbps", type=POS_FLOAT, help="HBM bandwidth in TB/s, for a variant of --gpu")
+    c.add_argument("--power-w", type=POS_FLOAT, help="board power cap in W, for a variant of --gpu (a lower cap "
+                   "slows tensor-core work as (cap/profile)^(1/3))")
     r = p.add_argument_group("training")
     r.add_argument("--global-batch", type=POS_INT, default=1024, help="sequences per optimizer step (default 1024)")
     r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
@@ -116,13 +126,13 @@ def shape_from_args(a) -> ModelShape:
     if a.params is not None:
         if a.params <= 0:
             raise UserError(f"--params {a.params:g} must be positive, e.g. --params 70e9")
-        return ModelShape.from_params(a.params, seq_len=a.seq)
+        return replace(ModelShape.from_params(a.params, seq_len=a.seq), dropout=a.dropout, rotary=not a.no_rope)
     if any(x is None for x in shape_flags):
         raise UserError("the model needs --params, or all of --layers, --hidden and --heads")
     ffn = a.ffn_hidden or (int(8 * a.hidden / 3) if a.gated_mlp else 4 * a.hidden)
     try:
         return ModelShape(a.layers, a.hidden, a.heads, a.kv_heads or a.heads, a.vocab, a.seq, ffn / a.hidden,
-                          a.gated_mlp, name=f"{a.layers} x {a.hidden}")
+                          a.gated_mlp, name=f"{a.layers} x {a.hidden}", dropout=a.dropout, rotary=not a.no_rope)
     except ValueError as e:
         raise UserError(f"bad model shape: {e}") from None
 
@@ -138,7 +148,10 @@ def cluster_from_args(a) -> Cluster:
     if not 0 <= a.headroom < 1:
         raise UserError(f"--headroom {a.headroom} must be in [0, 1)")
     per_dir = None if a.nvlink_gbps is None else a.nvlink_gbps / 2  # datasheet bidirectional -> per direction
-    return Cluster.from_profile(a.gpu, a.gpus, a.gpus_per_node, ib_gbit_per_gpu=a.ib_gbps, nvlink_gbps_per_dir=per_dir)
+    variant = {k: v for k, v in (("hbm_gib", a.hbm_gib), ("hbm_tbps", a.hbm_tbps), ("power_w", a.power_w))
+               if v is not None}
+    gpu = replace(get_profile(a.gpu), **variant) if variant else a.gpu
+    return Cluster.from_profile(gpu, a.gpus, a.gpus_per_node, ib_gbit_per_gpu=a.ib_gbps, nvlink_gbps_per_dir=per_dir)
 
 
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
