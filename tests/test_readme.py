@@ -27,7 +27,8 @@ from conftest import REPO
 README = REPO / "README.md"
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # overrides that make a README command small (appended; README sizes are already small on CPU)
-SMALL = {"fsdp_scaling": ["train.steps=4", "train.timing_warmup=1"], "tp_attention": ["iters=2", "timing_warmup=1"]}
+SMALL = {"fsdp_scaling": ["train.steps=4", "train.timing_warmup=1"], "tp_attention": ["iters=2", "timing_warmup=1"],
+         "scripts/bench-costmodel": ["--repeat", "1", "--out", "results/bench-costmodel"]}  # into the scratch folder
 
 
 def commands(text: str | None = None) -> list[str]:
@@ -129,6 +130,7 @@ def test_readme_local_commands_run_in_a_new_shell(tmp_path):
     if not (REPO / ".venv" / "bin" / "activate").exists():
         pytest.skip(".venv is made by make test / make capstone (scripts/setup-venv)")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")   # the README's scripts/ commands, as from the checkout
     ran = []
     for i, cmd in enumerate(commands()):
         if is_state(cmd) or not_local(cmd):
@@ -136,7 +138,7 @@ def test_readme_local_commands_run_in_a_new_shell(tmp_path):
         found = module_and_args(cmd)
         if cmd.startswith("torchrun") and not (REPO / ".venv" / "bin" / "torchrun").exists():
             continue  # a venv sharing another's site-packages has no torchrun script (a fresh one has)
-        small = " ".join(SMALL.get(found[0], [])) if found else ""
+        small = " ".join(SMALL.get(found[0] if found else cmd.split()[0], []))
         out = bare_shell("\n".join(_state_lines(i) + [f"{cmd} {small}"]), tmp_path, 240)
         assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
         ran.append(cmd)
