@@ -227,11 +227,19 @@ def backtest_section() -> list[str]:
            f"{WITHIN:.0%}** (goal ≥ {WITHIN_SHARE:.0%}: {'met' if s['within_goal_met'] else 'not met'}); "
            f"**{s['fit']} of {s['ran']} layouts that ran predicted to fit**; {s['oom_predicted']} of {s['oom_rows']} "
            "reported out-of-memory predicted not to fit.", "",
-           "Median |error| by source: " + ", ".join(f"{g} {v:.0%}" for g, v in s["by_group"].items()) + ".", "",
+           "Median |error| by source: " + ", ".join(f"{g} {v:.0%}" for g, v in s["by_group"].items()) + ".", ""]
+    if s["memory_rows"]:
+        lo, hi = s["memory_error_range"]
+        out += [f"Memory against the {s['memory_rows']} rows whose source prints its peak (torchtitan: max reserved, "
+                f"fragmentation included; in brackets below): median {s['memory_median_error']:+.0%}, {lo:+.0%} to "
+                f"{hi:+.0%}, {s['memory_within_10pct']} within 10%.", ""]
+    out += [
+           "| run | published layout | reported tokens/s/GPU | predicted | error | memory / HBM (GiB) | largest term | "
            "| run | published layout | reported tokens/s/GPU | predicted | error | memory / HBM (GiB) | largest term | "
            "source |", "|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        mem = f"{r.memory_gib:.0f} / {r.hbm_gib:g}" + ("" if r.fits else " (does not fit)")
+        mem = f"{r.memory_gib:.0f} / {r.hbm_gib:g}" + ("" if r.fits else " (does not fit)") + (
+            f" [{r.reported_memory_gib:g}]" if r.reported_memory_gib else "")
         if r.expect_oom:
             out.append(f"| {_md(r.name)} | {r.layout} | OOM | | | {mem} | | {_md(r.source)} |")
             continue
