@@ -65,3 +65,21 @@ def test_plan_json_for_a_four_gpu_cluster_runs_in_fsdp_scaling(tmp_path):
     s = done.summary
     assert (s["world_size"], s["tp"], s["pp"], s["dp"]) == (4, c["tp"], c["pp"], c["dp"])
     assert s["global_batch"] == 8 and s["final_loss"] > 0
+
+
+def test_overrides_of_an_hsdp_layout_validate_in_the_trainer():
+    """hsdp=R in a plan is the trainer's train.strategy=hsdp with R replica groups: the same mesh."""
+    shape = ModelShape(8, 128, 8, 8, 256, 64)
+    layout = Layout(dp=8, tp=1, pp=1, zero_stage=3, micro_batch=1, grad_accum=2, dp_replicate=2)
+    overrides, _ = train_overrides(layout, shape, global_batch=16)
+    assert "train.strategy=hsdp" in overrides and "train.hsdp_replicate=2" in overrides
+    kv = dict(o.split("=", 1) for o in overrides)
+    world, train, model = as_configs([o for o in overrides if not o.startswith("train.hsdp_replicate")])
+    from dataclasses import replace
+
+    run = replace(train, hsdp_replicate=int(kv["train.hsdp_replicate"])).resolved(world, "cpu")
+    run.validate_model(model)
+    from dtrain.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.of(world, strategy="hsdp", hsdp_replicate=run.hsdp_replicate)
+    assert (dims.dp_replicate, dims.dp) == (2, 8) and run.grad_accum == layout.grad_accum

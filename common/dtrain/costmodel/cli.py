@@ -106,8 +106,8 @@ def add_parser(sub) -> None:
                    help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan AsyncTP)")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
-                        'recompute=none|op|selective|full mb= sp=on|off"; '
-                        "given fields are fixed, the rest searched")
+                        'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
+                        "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
     p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
@@ -156,7 +156,7 @@ def cluster_from_args(a) -> Cluster:
 
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
                "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule",
-               "cp": "cp", "cp_impl": "cp_impl"}
+               "cp": "cp", "cp_impl": "cp_impl", "hsdp": "dp_replicate"}
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
@@ -208,6 +208,15 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
                         f"--gpus {gpus}: dp·cp·tp·pp must equal the GPUs")
     if fixed.get("cp_impl") and fixed.get("cp", 2) < 2:
         raise UserError(f"--layout: cp_impl={fixed['cp_impl']} needs cp >= 2")
+    replicas = fixed.get("dp_replicate", 1)
+    if replicas > 1:
+        if fixed.setdefault("zero_stage", 3) < 2:
+            raise UserError(f"--layout: hsdp={replicas} shards with FSDP inside each replica group: "
+                            f"give zero=3 (or 2), not zero={fixed['zero_stage']}")
+        shards = fixed.get("dp", 0) * fixed.get("cp", 1)
+        if shards and shards % replicas:
+            raise UserError(f"--layout: hsdp={replicas} replica groups do not divide dp·cp = {shards}: "
+                            "give a divisor of dp·cp")
     return fixed
 
 
@@ -359,7 +368,7 @@ def plan_dict(p) -> dict:
             "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
             "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "total": m.total},
-            "pp_schedule": p.pp_schedule, "cp": p.cp, "cp_impl": p.cp_impl,
+            "pp_schedule": p.pp_schedule, "cp": p.cp, "cp_impl": p.cp_impl, "hsdp_replicate": p.dp_replicate,
             "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "cp_comm": t.cp_comm,
                             "pp_comm": t.pp_comm,
                             "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,

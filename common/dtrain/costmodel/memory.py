@@ -279,12 +279,12 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     last micro-batch only): the stage's bf16 weights, 2Ψ, and its unsharded gradients, which FSDP2
     accumulates between syncs in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``: fp32
     under bf16 mixed precision with fp32 reduction, torchtitan's default and dtrain's), 4Ψ: 6Ψ.
-    ZeRO shards over ``data_shards`` (dp·cp).
+    ZeRO shards over ``shard_group`` (dp·cp, or one HSDP replica group's dp·cp / dp_replicate).
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp)
-    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.data_shards)
+    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.shard_group)
     buffers = 0.0
-    if layout.zero_stage == 3 and layout.data_shards > 1:
+    if layout.zero_stage == 3 and layout.shard_group > 1:
         buffers = (2 + 4) * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)

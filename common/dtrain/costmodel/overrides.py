@@ -3,7 +3,8 @@
     world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses)
     virtual_stages v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; else 1f1b, or
                       gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
-    ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3
+    ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3;
+                      dp_replicate R > 1 -> hsdp with train.hsdp_replicate=R
     recompute none / op / full -> activation_checkpointing=none / op / block; selective -> block
                       (the trainer has no attention-core-only recompute)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
@@ -26,10 +27,11 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
                     preset: str = "small") -> tuple[list[str], list[str]]:
     """(overrides, notes) for `layout` of `model`; the overrides run as is with fsdp-scaling."""
     world = layout.dp * layout.cp * layout.tp * layout.pp
-    strategy = "single" if world == 1 else STRATEGY_OF_ZERO[layout.zero_stage]
+    strategy = "single" if world == 1 else "hsdp" if layout.dp_replicate > 1 else STRATEGY_OF_ZERO[layout.zero_stage]
     schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b" if layout.grad_accum >= layout.pp else "gpipe"
     out = [f"world_size={world}", f"train.strategy={strategy}", f"train.tp={layout.tp}", f"train.pp={layout.pp}",
            *([f"train.cp={layout.cp}", f"train.cp_impl={layout.cp_impl}"] if layout.cp > 1 else []),
+           *([f"train.hsdp_replicate={layout.dp_replicate}"] if layout.dp_replicate > 1 else []),
            f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.virtual_stages}",
            f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
            f"train.activation_checkpointing={CHECKPOINTING_OF_RECOMPUTE[layout.recompute]}",
@@ -42,6 +44,8 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
         notes.append("the trainer refuses cp with pp > 1: run cp·dp data-parallel ranks or pp without cp")
     if layout.zero_stage == 1:
         notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
+    if layout.dp_replicate > 1 and layout.zero_stage == 2:
+        notes.append("HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in each group)")
     if layout.recompute == "selective":
         notes.append("selective recompute runs as whole-block checkpointing")
     if precision == "fp8":

@@ -42,7 +42,7 @@ PRUNE_BOUND = 1.5
 # every state over every GPU (memory.py's 16/N at stage 3); a layout's busiest GPU holds at least 1/N of them.
 STATE_BYTES_FLOOR = 16.0
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel",
-                 "pp_schedule", "cp", "cp_impl")
+                 "pp_schedule", "cp", "cp_impl", "dp_replicate")
 # The shortest sequence chunk a context-parallel rank computes on (half its share: the load-balanced split gives
 # it two): fused attention reaches about half its long-sequence rate at ~1K tokens (kernels.yaml's s_half) and
 # ~60% at 2K, so the search does not split sequences finer (at 4K tokens: no CP)
@@ -86,7 +86,8 @@ def describe_layout(lay: Layout) -> str:
     v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     sched = f" {lay.pp_schedule}" if lay.pp > 1 and lay.pp_schedule != "1f1b" else ""
     sp = " sp" if lay.sequence_parallel else ""
-    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched} zero={lay.zero_stage} "
+    hsdp = f" hsdp={lay.dp_replicate}" if lay.dp_replicate > 1 else ""
+    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched} zero={lay.zero_stage}{hsdp} "
             f"recompute={lay.recompute} mb={lay.micro_batch} ga={lay.grad_accum}{sp}")
 
 
@@ -149,12 +150,15 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 ga = global_batch // (dp * mb)
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
+                replicas = fixed.get("dp_replicate", 1)  # HSDP is scored when asked for, never searched
+                if (dp * cp) % replicas:
+                    continue
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
                     zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp * cp > 1 else (0,)
-                    for zero in [z for z in zeros if z == fixed.get("zero_stage", z)]:
+                    for zero in [z for z in zeros if z == fixed.get("zero_stage", z) and (replicas == 1 or z >= 2)]:
                         for rc in recompute:
                             for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
-                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched, cp, impl)
+                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched, cp, impl, replicas)
                                 if not fixed or all(getattr(lay, k) == val for k, val in fixed.items()):
                                     yield lay, None
 
@@ -162,7 +166,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
 def _design(lay: Layout) -> tuple:
     """A layout but for its ZeRO stage."""
     return (lay.dp, lay.cp, lay.cp_impl, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.pp_schedule,
-            lay.recompute, lay.sequence_parallel)
+            lay.recompute, lay.sequence_parallel, lay.dp_replicate)
 
 
 def _schedules(pp: int, v: int, fixed: dict) -> tuple[str, ...]:

@@ -138,7 +138,9 @@ class Layout:
     ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021). ``cp`` > 1 splits every
     sequence over cp ranks (context parallelism): ``cp_impl`` ring passes K and V around the cp group
     (ring attention; PyTorch's and torchtitan's CP, Llama 3's all-gather variant move the same bytes),
-    ulysses swaps sequence for heads with all-to-alls (DeepSpeed Ulysses).
+    ulysses swaps sequence for heads with all-to-alls (DeepSpeed Ulysses). ``dp_replicate`` > 1 is HSDP (FSDP2's
+    hybrid sharding, dtrain's ``train.strategy=hsdp``): ZeRO shards over ``shard_group`` = dp·cp / dp_replicate
+    ranks and the dp_replicate groups all-reduce the sharded gradients.
     """
 
     dp: int
@@ -153,6 +155,7 @@ class Layout:
     pp_schedule: str = "1f1b"   # 1f1b (interleaved when virtual_stages > 1) | gpipe | zbv
     cp: int = 1
     cp_impl: str = "ring"       # ring | ulysses
+    dp_replicate: int = 1       # HSDP replica groups (1: ZeRO over every data shard)
 
     @property
     def gpus(self) -> int:
@@ -164,7 +167,16 @@ class Layout:
         ZeRO's sharding, dp·cp (FSDP shards over dp x cp, as torchtitan does; Megatron reduces over both)."""
         return self.dp * self.cp
 
+    @property
+    def shard_group(self) -> int:
+        """Ranks ZeRO shards the states over: every data shard, or under HSDP one replica group's."""
+        return self.data_shards // self.dp_replicate
+
     def __post_init__(self) -> None:
+        if self.dp_replicate < 1 or self.data_shards % self.dp_replicate:
+            raise ValueError(f"dp_replicate {self.dp_replicate} must divide dp·cp = {self.data_shards}")
+        if self.dp_replicate > 1 and self.zero_stage not in (2, 3):
+            raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group (zero_stage 2 or 3)")
         if self.cp < 1 or self.cp_impl not in CP_IMPLS:
             raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
         if self.pp_schedule not in PP_SCHEDULES:

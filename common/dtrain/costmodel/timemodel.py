@@ -145,9 +145,12 @@ def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int)
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp)
     grads, weights = 4 * psi, value_bytes * psi  # fp32 gradient reduction, bf16 weights
-    link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
-    ag = all_gather_time(weights, lay.dp, link)
-    rs = reduce_scatter_time(grads, lay.dp, link)
+    n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
+    link = group_link(cluster, n, lay.tp, multi_rail=True)
+    ag = all_gather_time(weights, n, link)
+    rs = reduce_scatter_time(grads, n, link)
+    if r > 1:
+        rs += allreduce_time(grads / n, r, group_link(cluster, r, lay.tp * n, multi_rail=True))
     m = lay.grad_accum
     if lay.zero_stage == 0:
         return allreduce_time(grads, lay.dp, link), 0.0
@@ -156,7 +159,7 @@ def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int)
     if lay.zero_stage == 2:
         return m * rs, ag
     units = stage_layers(shape, lay.pp) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
-    lat_ag, lat_rs = ((units - 1) * (lay.dp - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
+    lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
     return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
 
 
@@ -181,7 +184,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
               keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m reduce-
               scatters + one all-gather; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP
-              unit (ceil(L/pp) blocks + the root).
+              unit (ceil(L/pp) blocks + the root). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
+              reduce-scatters run inside a replica group of dp·cp/R ranks, each reduce-scatter followed by
+              an all-reduce of the fp32 gradient shard over the R groups.
     exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, at most
               calib.dp_overlap of it: ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
               the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1, ZeRO-3 under PP)
@@ -240,8 +245,8 @@ class StepModel:
 
     def compute(self, lay: Layout) -> ComputeTerms:
         psi = params_per_gpu(self.shape, lay.tp, lay.pp)
-        with_states = psi / lay.data_shards if lay.zero_stage >= 1 else psi
-        local = psi / lay.data_shards if lay.zero_stage >= 2 else psi
+        with_states = psi / lay.shard_group if lay.zero_stage >= 1 else psi
+        local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
         return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
 
@@ -299,11 +304,11 @@ class StepModel:
     def dp(self, lay: Layout) -> tuple[float, float, float]:
         """(gradient traffic, weight traffic, the loss all-reduce) per step over DP."""
         n = lay.data_shards  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
-        key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum)
+        key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate)
         t = self._dp.get(key)
         if t is None:
-            g, w = _dp_comm(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum),
-                            self.cluster, self.vb)
+            g, w = _dp_comm(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum,
+                                               dp_replicate=lay.dp_replicate), self.cluster, self.vb)
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
             t = self._dp[key] = (g, w, loss)
         return t
