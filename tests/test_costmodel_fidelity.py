@@ -89,7 +89,7 @@ def test_backtest_rows_cite_sources_and_report_goals():
     [tt] = [r for r in rows if r.name == "torchtitan Llama 3.1 8B, FSDP, 8 H100"]
     assert tt.reported_memory_gib == 82.4 and tt.memory_error == pytest.approx(tt.memory_gib / 82.4 - 1)
     mem = sorted(r.memory_error for r in rows if r.reported_memory_gib)
-    assert s["memory_rows"] == len(mem) == 17 and s["memory_error_range"] == (mem[0], mem[-1])
+    assert s["memory_rows"] == len(mem) == 18 and s["memory_error_range"] == (mem[0], mem[-1])
     assert any("(82.4)" in line for line in text_lines(rows))
 
 
@@ -213,10 +213,36 @@ def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
 
 
 def test_fitted_defaults_are_the_fit_to_every_development_row():
-    """GPU_DP_OVERLAP and LINK_EFFICIENCY are not hand-picked: they are the backtest's fit to all its rows
-    (re-fit them when a row or a term changes)."""
+    """GPU_DP_OVERLAP, LINK_EFFICIENCY and ASYNC_TP_HIDDEN are not hand-picked: they are the backtest's fit to all
+    its rows and AsyncTP pairs (re-fit them when a row or a term changes)."""
     from dtrain.costmodel.backtest import fit, load_rows
     from dtrain.costmodel.hardware import LINK_EFFICIENCY
-    from dtrain.costmodel.calibration import GPU_DP_OVERLAP
+    from dtrain.costmodel.calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP
 
-    assert fit(list(load_rows())) == {"dp_overlap": GPU_DP_OVERLAP, "link_efficiency": LINK_EFFICIENCY}
+    assert fit(list(load_rows())) == {"dp_overlap": GPU_DP_OVERLAP, "link_efficiency": LINK_EFFICIENCY,
+                                      "async_tp_hidden": ASYNC_TP_HIDDEN}
+
+
+def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
+    """A pair (the row with AsyncTP, its `without` twin) measures the share of TP traffic AsyncTP hides: the
+    reported step time it saved over the TP traffic the model prices, by hand; a source's rows are predicted with
+    the other sources' pairs only."""
+    from dtrain.costmodel.backtest import async_tp_shares, load_rows, loso_fits, predict, row_setup
+
+    rows = load_rows()
+    by_name = {r["name"]: r for r in rows}
+    shares = async_tp_shares(rows, {})
+    assert len(shares) == 2
+    name = "torchtitan Llama 3.1 70B, FSDP32 x TP8, 256 H100, Float8 + AsyncTP"
+    base = row_setup(by_name[by_name[name]["without"]])
+    step = 512 * 8192 / 256 / 829    # global batch x seq / GPUs / reported tokens/s per GPU, without AsyncTP
+    assert shares[name] == pytest.approx(step * (1 - 829 / 876) / predict(base, {})[0].tp_comm)
+    other = "torchtitan Llama 3.1 405B, FSDP16 x TP8, 128 H100, Float8 + AsyncTP"
+    fits = loso_fits(rows)
+    eff = fits["torchtitan-2024-12"]["link_efficiency"]
+    assert fits["torchtitan-2024-12"]["async_tp_hidden"] == round(
+        async_tp_shares(rows, {"link_efficiency": eff})[other], 2)   # 2024-12 rows: the 2024-08 pair alone
+    # the stack runs it: AsyncTP hides that share of the TP traffic (no more than the GEMMs it overlaps)
+    with_it = row_setup(by_name[name])
+    t0, t1 = predict(base, {"async_tp_hidden": 0.2})[0], predict(with_it, {"async_tp_hidden": 0.2})[0]
+    assert t1.tp_comm == pytest.approx(0.8 * t0.tp_comm)

@@ -8,10 +8,12 @@ stack, and the step's terms (``StepTime.terms`` + communication) with the one th
 
 Out of sample: the model's kernel rates come from kernel benchmarks (``kernels.yaml``), not from these
 rows. Two numbers are fitted to rows: the share of DP traffic that overlap hides (``dp_overlap``) and
-the share of the datasheet link rate collectives reach (``link_efficiency``). Each row is predicted
-with the two fitted on the OTHER sources only (leave-one-source-out, ``loso``: a source's rows never
-tune their own prediction); the defaults (``calibration.GPU_DP_OVERLAP``, ``hardware.LINK_EFFICIENCY``)
-are the fit to every row. Goals (issue 21): median |error| <= 10 %, >= 80 % of rows within 15 %,
+the share of the datasheet link rate collectives reach (``link_efficiency``); a third is measured by
+pairs of rows, the share of TP traffic torchtitan's AsyncTP hides (``async_tp_hidden``: a row with it and
+its ``without`` twin). Each row is predicted with all three from the OTHER sources only
+(leave-one-source-out, ``loso``: a source's rows never tune their own prediction); the defaults
+(``calibration.GPU_DP_OVERLAP``, ``hardware.LINK_EFFICIENCY``, ``calibration.ASYNC_TP_HIDDEN``) are the
+fit to every row. Goals (issue 21): median |error| <= 10 %, >= 80 % of rows within 15 %,
 every published layout predicted to fit.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .hardware import LINK_EFFICIENCY, Cluster, GiB, get_profile
 from .shapes import Layout, ModelShape
 from .memory import memory_per_gpu
 from .search import describe_layout, search
-from .calibration import GPU_DP_OVERLAP, Calibration, Param
+from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .timemodel import StepTime, model_flops_per_token, step_time
 
 ERROR_GOAL, WITHIN, WITHIN_SHARE, GAP_GOAL = 0.10, 0.15, 0.80, 0.10
@@ -139,6 +141,9 @@ def calibration(fitted: dict) -> tuple[Calibration, object]:
                     inter_efficiency=replace(links.inter_efficiency, value=eff))
     calib = replace(Calibration(), dp_overlap=Param(fitted.get("dp_overlap", GPU_DP_OVERLAP),
                                                     "datasheet/published: fitted to the development set"))
+    if "async_tp_hidden" in fitted:
+        calib = replace(calib, async_tp_hidden=Param(fitted["async_tp_hidden"],
+                                                     "datasheet/published: the other sources' AsyncTP pairs"))
     return calib, links
 
 
@@ -149,14 +154,44 @@ def predict(s: Setup, fitted: dict) -> tuple[StepTime, Cluster, Calibration]:
         cluster, calib
 
 
-def _log_errors(rows: tuple[dict, ...]) -> dict:
+def async_tp_shares(rows: tuple[dict, ...], fitted: dict) -> dict[str, float]:
+    """Per pair (a row with AsyncTP, its ``without`` twin): the share of TP traffic AsyncTP hid, the reported step
+    time it saved over the TP traffic the model prices for the layout without it (links as ``fitted``)."""
+    by_name = {r["name"]: r for r in rows}
+    out = {}
+    for r in rows:
+        if "without" in r:
+            base = by_name[r["without"]]
+            s = row_setup(base)
+            tps = reported_tps(base, s.shape)
+            step = base["layout"]["global_batch"] * s.shape.seq_len / base["gpus"] / tps
+            saved = step * (1 - tps / reported_tps(r, row_setup(r).shape))
+            out[r["name"]] = saved / predict(s, fitted)[0].tp_comm
+    return out
+
+
+def _async_tp_by_efficiency(rows: tuple[dict, ...], group: str | None) -> tuple[tuple[float, float], ...]:
+    """((link_efficiency, AsyncTP share), ...) over the grid: the mean share of the pairs outside ``group`` (every
+    pair when None), to 2 decimals, the default without any. The TP traffic a pair's share is taken of depends on
+    the links' efficiency, so the share is fitted with it."""
+    out = []
+    for eff in FIT_GRID["link_efficiency"]:
+        shares = async_tp_shares(rows, {"link_efficiency": eff})
+        keep = [shares[r["name"]] for r in rows if r["name"] in shares and r["group"] != group]
+        out.append((eff, round(statistics.mean(keep), 2) if keep else ASYNC_TP_HIDDEN))
+    return tuple(out)
+
+
+def _log_errors(rows: tuple[dict, ...], async_tp: tuple[tuple[float, float], ...] = ()) -> dict:
     """|log(predicted / reported)| of every row that ran at every grid point: {(dp_overlap, eff): [errors]}, in
-    row order (the fits below only aggregate these, so leave-one-source-out costs one pass)."""
+    row order, AsyncTP's share per efficiency as ``async_tp`` gives it (the fits below only aggregate these, so
+    leave-one-source-out costs one pass per distinct set of shares)."""
     pts = [(row_setup(r), reported_tps(r, row_setup(r).shape)) for r in rows if not r.get("expect_oom")]
+    share = dict(async_tp)
     out = {}
     for ov in FIT_GRID["dp_overlap"]:
         for eff in FIT_GRID["link_efficiency"]:
-            f = {"dp_overlap": ov, "link_efficiency": eff}
+            f = {"dp_overlap": ov, "link_efficiency": eff, "async_tp_hidden": share.get(eff, ASYNC_TP_HIDDEN)}
             out[ov, eff] = [abs(math.log(predict(s, f)[0].tokens_per_s / s.layout.gpus / rep)) for s, rep in pts]
     return out
 
@@ -169,16 +204,25 @@ def _best(errors: dict, keep: list[bool]) -> dict:
 
 
 def fit(rows: list[dict]) -> dict:
-    """The grid point minimising the median |log error| over ``rows`` (ties: the larger values)."""
+    """The grid point minimising the median |log error| over ``rows`` (ties: the larger values), with AsyncTP's
+    share from every pair at its link efficiency."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
-    return _best(_log_errors(ran), [True] * len(ran))
+    shares = _async_tp_by_efficiency(ran, None)
+    best = _best(_log_errors(ran, shares), [True] * len(ran))
+    return {**best, "async_tp_hidden": dict(shares)[best["link_efficiency"]]}
 
 
 def loso_fits(rows: tuple[dict, ...]) -> dict[str, dict]:
-    """Per source (``group``): the fit to every OTHER source's rows."""
+    """Per source (``group``): the fit to every OTHER source's rows, AsyncTP's share from the OTHER sources' pairs."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
-    errors = _log_errors(ran)
-    return {g: _best(errors, [r["group"] != g for r in ran]) for g in sorted({r["group"] for r in rows})}
+    groups = sorted({r["group"] for r in rows})
+    shares = {g: _async_tp_by_efficiency(ran, g) for g in groups}
+    errors = {v: _log_errors(ran, v) for v in set(shares.values())}
+    out = {}
+    for g in groups:
+        best = _best(errors[shares[g]], [r["group"] != g for r in ran])
+        out[g] = {**best, "async_tp_hidden": dict(shares[g])[best["link_efficiency"]]}
+    return out
 
 
 def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:

@@ -103,7 +103,9 @@ def add_parser(sub) -> None:
                         "(PyTorch's F.cross_entropy, 14 B/logit; torchtitan compiles its blocks but not its loss); "
                         "default: as --kernels")
     r.add_argument("--tp-overlap", action="store_true",
-                   help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan AsyncTP)")
+                   help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, TransformerEngine)")
+    r.add_argument("--async-tp", action="store_true",
+                   help="torchtitan's AsyncTP: hides the share of TP traffic its published with/without pairs show")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
                         'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
@@ -116,7 +118,10 @@ def add_parser(sub) -> None:
 
 
 def stack_of(a) -> Stack:
-    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap)
+    if a.tp_overlap and a.async_tp:
+        raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
+                        "give the one the run used")
+    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp)
 
 
 def shape_from_args(a) -> ModelShape:

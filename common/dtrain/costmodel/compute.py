@@ -145,7 +145,9 @@ class Stack:
     fused or eager norm / activation / cast kernels (Megatron's fused kernels, torch.compile; or PyTorch without
     compile), and a fused vocab-parallel cross-entropy or PyTorch's unfused one (default: as the kernels;
     torchtitan compiles its blocks but not its loss); ``tp_overlap``: TP collectives run overlapped with the
-    GEMMs they feed (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``; torchtitan's AsyncTP)."""
+    GEMMs they feed (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``); ``async_tp``: torchtitan's
+    AsyncTP (PyTorch's symmetric-memory micro-pipelining of the TP all-gathers and reduce-scatters with their
+    matmuls), which hides its own measured share (``Calibration.async_tp_hidden``)."""
 
     __hash__ = cached_hash
 
@@ -153,6 +155,7 @@ class Stack:
     kernels: str = "fused"
     loss: str | None = None
     tp_overlap: bool = False
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -160,6 +163,8 @@ class Stack:
         for name in ("kernels", "loss"):
             if getattr(self, name) not in ("fused", "eager", None if name == "loss" else "fused"):
                 raise ValueError(f"{name} must be fused or eager, got {getattr(self, name)!r}")
+        if self.tp_overlap and self.async_tp:
+            raise ValueError("tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: give one")
 
     @property
     def fused(self) -> bool:
@@ -175,7 +180,7 @@ class Stack:
 
     def describe(self) -> str:
         loss = f", {self.loss} loss" if self.loss and self.loss != self.kernels else ""
-        tp = ", TP overlapped" if self.tp_overlap else ""
+        tp = ", TP overlapped" if self.tp_overlap else ", AsyncTP" if self.async_tp else ""
         return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}"
 
 

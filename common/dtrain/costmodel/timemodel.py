@@ -175,7 +175,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0 on
               GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
-              ``stack.tp_overlap`` the dp_overlap share of it hidden behind the GEMMs
+              ``stack.tp_overlap`` the dp_overlap share of it hidden behind the GEMMs, with
+              ``stack.async_tp`` (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
     bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
               zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
@@ -263,6 +264,8 @@ class StepModel:
         t = per_micro * lay.grad_accum
         if self.stack.tp_overlap:  # hidden behind the GEMMs as DP traffic is behind compute (same SM/HBM sharing)
             t -= min(self.calib.dp_overlap.value * t, gemm_s)
+        elif self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
+            t -= min(self.calib.async_tp_hidden.value * t, gemm_s)
         return t
 
     def cp_comm(self, lay: Layout, attention_s: float) -> float:
