@@ -170,29 +170,35 @@ def async_tp_shares(rows: tuple[dict, ...], fitted: dict) -> dict[str, float]:
     return out
 
 
-def _async_tp_by_efficiency(rows: tuple[dict, ...], group: str | None) -> tuple[tuple[float, float], ...]:
+def _async_tp_by_efficiency(rows: tuple[dict, ...], group: str | None, pairs: tuple) -> tuple[tuple[float, float], ...]:
     """((link_efficiency, AsyncTP share), ...) over the grid: the mean share of the pairs outside ``group`` (every
     pair when None), to 2 decimals, the default without any. The TP traffic a pair's share is taken of depends on
-    the links' efficiency, so the share is fitted with it."""
+    the links' efficiency, so the share is fitted with it. ``pairs``: ``_pair_shares(rows)``."""
     out = []
-    for eff in FIT_GRID["link_efficiency"]:
-        shares = async_tp_shares(rows, {"link_efficiency": eff})
+    for eff, shares in pairs:
         keep = [shares[r["name"]] for r in rows if r["name"] in shares and r["group"] != group]
         out.append((eff, round(statistics.mean(keep), 2) if keep else ASYNC_TP_HIDDEN))
     return tuple(out)
 
 
-def _log_errors(rows: tuple[dict, ...], async_tp: tuple[tuple[float, float], ...] = ()) -> dict:
+def _pair_shares(rows: tuple[dict, ...]) -> tuple[tuple[float, dict], ...]:
+    return tuple((eff, async_tp_shares(rows, {"link_efficiency": eff})) for eff in FIT_GRID["link_efficiency"])
+
+
+def _log_errors(rows: tuple[dict, ...], async_tp: tuple[tuple[float, float], ...] = (), base: dict | None = None
+                ) -> dict:
     """|log(predicted / reported)| of every row that ran at every grid point: {(dp_overlap, eff): [errors]}, in
     row order, AsyncTP's share per efficiency as ``async_tp`` gives it (the fits below only aggregate these, so
-    leave-one-source-out costs one pass per distinct set of shares)."""
+    leave-one-source-out costs one pass, and the AsyncTP rows again per other set of shares: pass the first
+    pass as ``base``)."""
     pts = [(row_setup(r), reported_tps(r, row_setup(r).shape)) for r in rows if not r.get("expect_oom")]
     share = dict(async_tp)
     out = {}
     for ov in FIT_GRID["dp_overlap"]:
         for eff in FIT_GRID["link_efficiency"]:
             f = {"dp_overlap": ov, "link_efficiency": eff, "async_tp_hidden": share.get(eff, ASYNC_TP_HIDDEN)}
-            out[ov, eff] = [abs(math.log(predict(s, f)[0].tokens_per_s / s.layout.gpus / rep)) for s, rep in pts]
+            out[ov, eff] = [abs(math.log(predict(s, f)[0].tokens_per_s / s.layout.gpus / rep))
+                            if base is None or s.stack.async_tp else base[ov, eff][i] for i, (s, rep) in enumerate(pts)]
     return out
 
 
@@ -207,7 +213,7 @@ def fit(rows: list[dict]) -> dict:
     """The grid point minimising the median |log error| over ``rows`` (ties: the larger values), with AsyncTP's
     share from every pair at its link efficiency."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
-    shares = _async_tp_by_efficiency(ran, None)
+    shares = _async_tp_by_efficiency(ran, None, _pair_shares(ran))
     best = _best(_log_errors(ran, shares), [True] * len(ran))
     return {**best, "async_tp_hidden": dict(shares)[best["link_efficiency"]]}
 
@@ -216,8 +222,11 @@ def loso_fits(rows: tuple[dict, ...]) -> dict[str, dict]:
     """Per source (``group``): the fit to every OTHER source's rows, AsyncTP's share from the OTHER sources' pairs."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
     groups = sorted({r["group"] for r in rows})
-    shares = {g: _async_tp_by_efficiency(ran, g) for g in groups}
-    errors = {v: _log_errors(ran, v) for v in set(shares.values())}
+    pairs = _pair_shares(ran)
+    shares = {g: _async_tp_by_efficiency(ran, g, pairs) for g in groups}
+    first, *rest = sorted(set(shares.values()))
+    errors = {first: _log_errors(ran, first)}
+    errors.update({v: _log_errors(ran, v, errors[first]) for v in rest})
     out = {}
     for g in groups:
         best = _best(errors[shares[g]], [r["group"] != g for r in ran])

@@ -173,10 +173,11 @@ class Layout:
         return self.data_shards // self.dp_replicate
 
     def __post_init__(self) -> None:
-        if self.dp_replicate < 1 or self.data_shards % self.dp_replicate:
-            raise ValueError(f"dp_replicate {self.dp_replicate} must divide dp·cp = {self.data_shards}")
-        if self.dp_replicate > 1 and self.zero_stage not in (2, 3):
-            raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group (zero_stage 2 or 3)")
+        if self.dp_replicate != 1:  # (a search builds ~10^5 layouts: the common case costs one comparison)
+            if self.dp_replicate < 1 or self.data_shards % self.dp_replicate:
+                raise ValueError(f"dp_replicate {self.dp_replicate} must divide dp·cp = {self.data_shards}")
+            if self.zero_stage not in (2, 3):
+                raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group (zero_stage 2 or 3)")
         if self.cp < 1 or self.cp_impl not in CP_IMPLS:
             raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
         if self.pp_schedule not in PP_SCHEDULES:

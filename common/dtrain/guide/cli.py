@@ -45,6 +45,8 @@ def _progress():
 def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path | None = None,
              gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
     """Write the guide and its plots; returns (guide path, plot paths)."""
+    from dtrain.costmodel.backtest import backtest
+
     from .figures import draw_all
     from . import long_context as lc
     from .long_context import long_search, long_tasks
@@ -78,20 +80,23 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
             task = bar.add_task("matrix", total=None)
             cells = compute_matrix(report.cluster, report.cluster_links, gpu, pool=pool,
                                    progress=lambda done, total: bar.update(task, completed=done, total=total))
+        backtest_async = pool.apply_async(backtest, (True, False)) if pool else None  # beside the last searches
         long_cells = (lc.long_cells(long_async.get()) if long_async
                       else lc.compute_long(report.cluster, report.cluster_links, gpu))
+        checks = []
+        if report.runs:  # the local checks read runs with dtrain's model (torch): only when there are runs
+            from .local_check import local_checks
+
+            checks = local_checks(report, base)
+        plot_paths = draw_all(cells, checks, plots_dir, pool)
+        backtest_rows = backtest_async.get() if backtest_async else None
     finally:
         if pool is not None:
             pool.close()
             pool.join()
-    checks = []
-    if report.runs:  # the local checks read runs with dtrain's model (torch): only when there are runs
-        from .local_check import local_checks
-
-        checks = local_checks(report, base)
-    plot_paths = draw_all(cells, checks, plots_dir)
     label = ", ".join(display_path(Path(r), base) for r in results) or "(none: --no-results)"
-    text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu, long_cells)
+    text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu, long_cells,
+                  backtest_rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text)
     if not quiet:

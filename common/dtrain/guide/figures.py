@@ -107,11 +107,21 @@ def predicted_vs_measured(checks: list[Check], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def draw_all(cells: list[Cell], checks: list[Check], out_dir: Path) -> list[Path]:
+FIGURES = {"mfu_vs_gpus": mfu_vs_gpus, "mfu_vs_ib": mfu_vs_ib, "step_breakdown": step_breakdown,
+           "predicted_vs_measured": predicted_vs_measured}
+
+
+def _draw(task: tuple) -> Path | None:
+    name, data, path = task
+    return FIGURES[name](data, path)
+
+
+def draw_all(cells: list[Cell], checks: list[Check], out_dir: Path, pool=None) -> list[Path]:
+    """Every figure (``pool``: side by side in its workers, which forked with matplotlib imported)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    made = [mfu_vs_gpus(cells, out_dir / "mfu_vs_gpus.png"), mfu_vs_ib(cells, out_dir / "mfu_vs_ib.png"),
-            step_breakdown(cells, out_dir / "step_breakdown.png"),
-            predicted_vs_measured(checks, out_dir / "predicted_vs_measured.png")]
+    tasks = [(name, checks if name == "predicted_vs_measured" else cells, out_dir / f"{name}.png")
+             for name in FIGURES]
+    made = pool.map(_draw, tasks, chunksize=1) if pool is not None else [_draw(t) for t in tasks]
     if made[-1] is None:  # no local runs: drop a stale plot from an earlier generation
         (out_dir / "predicted_vs_measured.png").unlink(missing_ok=True)
     return [p for p in made if p is not None]

@@ -208,11 +208,12 @@ def fp8_section(report: CalibrationReport, cells: list[Cell], gpu: str) -> list[
     return out
 
 
-def backtest_section() -> list[str]:
-    """``dtrain backtest``: the model against the published development runs (data shipped in the repo)."""
+def backtest_section(rows: list | None = None) -> list[str]:
+    """``dtrain backtest``: the model against the published development runs (data shipped in the repo);
+    ``rows``: its ``backtest(rank=False)``, when the caller computed it beside the matrix."""
     from dtrain.costmodel.backtest import ERROR_GOAL, WITHIN, WITHIN_SHARE, backtest, summary
 
-    rows = backtest(rank=False)
+    rows = backtest(rank=False) if rows is None else rows
     s = summary(rows)
     out = ["## Backtest against published runs", "",
            "`dtrain backtest`: each published GPU training run of `common/dtrain/costmodel/backtest_runs.yaml` (the "
@@ -279,7 +280,7 @@ def limits() -> list[str]:
 
 def render(report: CalibrationReport, cells: list[Cell], rules: list[str], checks: list[Check],
            plot_paths: list[Path], guide_path: Path, results_label: str, skipped: list[str], gpu: str,
-           long_cells: list | None = None) -> str:
+           long_cells: list | None = None, backtest_rows: list | None = None) -> str:
     lines = header(report, results_label, skipped, gpu) + how_to_read(gpu)
     lines += ["## Rules the matrix shows", "", "Computed from the cells below (each sentence is generated from "
               "the matrix, so it cannot disagree with it):", ""] + [f"* {r}" for r in rules] + [""]
@@ -288,7 +289,7 @@ def render(report: CalibrationReport, cells: list[Cell], rules: list[str], check
         from .long_context import long_context_section
 
         lines += long_context_section(long_cells)
-    lines += calibration_table(report) + checks_table(checks, report) + backtest_section()
+    lines += calibration_table(report) + checks_table(checks, report) + backtest_section(backtest_rows)
     lines += fp8_section(report, cells, gpu)
     lines += plots_section(plot_paths, guide_path.parent) + limits()
     return "\n".join(lines).rstrip() + "\n"
