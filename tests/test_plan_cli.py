@@ -34,6 +34,7 @@ def test_text_output_has_choice_memory_time_and_runners_up(capsys):
     used, usable = map(float, re.search(r"memory/GPU\s+([\d.]+) GiB of ([\d.]+) GiB usable", out).groups())
     assert used <= usable == 72.0
     assert "why the runners-up lost:" in out and "slower;" in out
+    assert "stack:    flash attention, fused kernels (--attention" in out  # the software it assumed, said
 
 
 def test_json_answer_matches_a_direct_search(capsys):
@@ -77,6 +78,8 @@ def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
     (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"], "bad model shape"),
     (["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no FP8 tensor cores"),
     (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "argument --ib-gbps: 0 must be a finite number > 0"),
+    (["--params", "7e9", "--gpus", "8", "--tp-overlap", "--async-tp"],
+     "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):
     code, out, err = plan(capsys, "plan", *args)
