@@ -22,10 +22,10 @@ from dataclasses import replace
 
 from dtrain.errors import UserError
 
-from .hardware import GiB, Cluster, get_profile, load_profiles
+from .hardware import Cluster, get_profile, load_profiles
 from .compute import ATTENTION_KERNELS, EAGER_BYTES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
-from .explain import explain
+from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
 from .search import SearchResult, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
@@ -285,129 +285,3 @@ def run(a) -> int:
             print("hint: more GPUs, a GPU with more memory (--gpu), or a shorter --seq", file=sys.stderr)
         return 1
     return 0
-
-
-def calibration_notes(report) -> list[str]:
-    gpu = [c for c in report.candidates if c.source.on_gpu]
-    cpu = [c for c in report.candidates if not c.source.on_gpu]
-    notes = [f"calibration: {len(report.runs)} complete run(s); {len(gpu)} value(s) measured on CUDA used"]
-    if cpu:
-        notes.append(f"  {len(cpu)} value(s) measured on CPU ignored: a CPU/gloo run does not describe a GPU cluster")
-    if not gpu:
-        notes.append("  no GPU measurements: datasheet/published values are used")
-    return notes
-
-
-def describe_cluster(c: Cluster) -> str:
-    """The links as the model uses them: the bus bandwidth collectives reach (datasheet rate x link efficiency,
-    or allreduce-bench's measurement)."""
-    return (f"{c.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; intra-node {c.nvlink.name} "
-            f"{c.nvlink.beta_Bps / 1e9:.4g} GB/s per direction achieved, inter-node "
-            f"{c.ib.beta_Bps / 1e9:.4g} GB/s per GPU achieved ({c.ib.beta_Bps * 8 / 1e9:.4g} Gbit/s)")
-
-
-def describe_model(s: ModelShape) -> str:
-    return (f"{s.name or 'custom'}: {s.n_layer} layers, d_model {s.d_model}, {s.n_head} heads "
-            f"({s.n_kv_head} KV), seq {s.seq_len}, {s.num_params() / 1e9:.1f}B params")
-
-
-def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
-    tokens = res.global_batch * res.model.seq_len
-    out = [f"model:    {describe_model(res.model)}",
-           f"cluster:  {describe_cluster(res.cluster)}",
-           f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
-           f"{res.precision}",
-           f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp: the run's "
-           "software moves the cost)", *notes, ""]
-    if res.best is None:
-        return out + [res.reason]
-    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), "", "why the runners-up lost:"]
-    return out + [f"  - {line}" for line in explain(res, top)[1:]]
-
-
-def res_usable(res: SearchResult) -> float:
-    return res.cluster.gpu.hbm_bytes * (1 - res.headroom) / GiB
-
-
-def plan_lines(p, usable_gib: float) -> list[str]:
-    """The step breakdown, throughput and memory of one plan."""
-    t, m = p.time, p.memory
-    c = t.terms
-    return [f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
-            f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
-            f"(of {t.dp_comm:.3f})" + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
-            f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + memory-bound "
-            f"{c.memory:.3f} + output layer & loss {c.head:.3f} + recompute {c.recompute:.3f} + optimizer "
-            f"{c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
-            f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), "
-            f"MFU {t.mfu:.1%}",
-            f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params {m.params / GiB:.1f}, "
-            f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
-            f"ZeRO-3 buffers {m.buffers / GiB:.1f}"]
-
-
-def layout_text(res: SearchResult, gap: float | None, spec: str, usable_gib: float, tight: bool = False) -> list[str]:
-    head = f'your layout "{spec}"'
-    if res.best is None:
-        return [f"{head}: {res.reason}"]
-    out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib)]
-    if tight:
-        out.append(f"  caution     fits only in the HBM that --headroom keeps free when choosing: it runs by this count, "
-                   "with little margin for allocator fragmentation")
-    if gap is not None:
-        out.append(f"  vs best     {gap:.1f}% slower than the unconstrained best" if gap > 0.05
-                   else "  vs best     this is the unconstrained best (within 0.05%)")
-    return out
-
-
-def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = False) -> dict:
-    d = {"spec": spec, "fits": res.best is not None, "tight": tight, "reason": res.reason,
-         "hbm_usable_bytes": res.cluster.gpu.hbm_bytes * (1 - res.headroom)}
-    if res.best is not None:
-        d.update(plan_dict(res.best), slower_than_best_pct=gap)
-    return d
-
-
-def plan_dict(p) -> dict:
-    t, m = p.time, p.memory
-    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage,
-            "recompute": p.recompute, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum,
-            "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
-            "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-                             "activations": m.activations, "buffers": m.buffers, "total": m.total},
-            "pp_schedule": p.pp_schedule, "cp": p.cp, "cp_impl": p.cp_impl, "hsdp_replicate": p.dp_replicate,
-            "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "cp_comm": t.cp_comm,
-                            "pp_comm": t.pp_comm,
-                            "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,
-                            "overhead": t.overhead, "compute_terms": t.terms.as_dict()},
-            "tokens_per_s": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu}
-
-
-def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
-    s, c = res.model, res.cluster
-    calib = {k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
-             for k in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "tp_overhead", "fp8_speedup",
-                       "fp8_memory_factor")}
-    return {"model": {"name": s.name, "layers": s.n_layer, "hidden": s.d_model, "heads": s.n_head,
-                      "kv_heads": s.n_kv_head, "seq": s.seq_len, "vocab": s.vocab, "params": s.num_params()},
-            "cluster": {"gpu": c.gpu.name, "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,
-                        "intra_node_GBps_per_direction": c.nvlink.beta_Bps / 1e9,
-                        "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
-                        "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom)},
-            "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
-            "attention": res.stack.attention, "kernels": res.stack.kernels, "loss": res.stack.loss or res.stack.kernels,
-            "tp_overlap": res.stack.tp_overlap, "async_tp": res.stack.async_tp,
-            "fits": res.best is not None, "reason": res.reason,
-            "choice": plan_dict(res.best) if res.best else None,
-            **_overrides_json(res),
-            "explanation": explain(res, top)}
-
-
-def _overrides_json(res: SearchResult) -> dict:
-    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its notes."""
-    from .overrides import train_overrides
-
-    if res.best is None:
-        return {"train_overrides": None, "train_overrides_notes": []}
-    overrides, notes = train_overrides(res.best, res.model, res.global_batch, res.precision)
-    return {"train_overrides": overrides, "train_overrides_notes": notes}
