@@ -126,6 +126,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
     ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 (see ``search``); ``fixed``
     (field -> value, names of ``LAYOUT_FIELDS``) keeps only the layouts with those values."""
     fixed = fixed or {}
+    replicas = fixed.get("dp_replicate", 1)  # HSDP is scored when asked for, never searched
     for tp in _pow2_up_to(min(2 * node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
         if model.n_head % tp or n % tp:
             continue
@@ -136,7 +137,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
         for cp, pp in ((c, p) for c in cps if (n // tp) % c == 0
                        for p in range(1, min(model.n_layer, n // (tp * c)) + 1) if (n // (tp * c)) % p == 0):
             dp = n // (tp * cp * pp)
-            if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]):
+            if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]) or (dp * cp) % replicas:
                 continue
             ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
             impls = ["ring"] + (["ulysses"] if ulysses else [])
@@ -150,9 +151,6 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 ga = global_batch // (dp * mb)
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
-                replicas = fixed.get("dp_replicate", 1)  # HSDP is scored when asked for, never searched
-                if (dp * cp) % replicas:
-                    continue
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
                     zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp * cp > 1 else (0,)
                     for zero in [z for z in zeros if z == fixed.get("zero_stage", z) and (replicas == 1 or z >= 2)]:

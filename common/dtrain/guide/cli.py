@@ -80,7 +80,7 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
             task = bar.add_task("matrix", total=None)
             cells = compute_matrix(report.cluster, report.cluster_links, gpu, pool=pool,
                                    progress=lambda done, total: bar.update(task, completed=done, total=total))
-        backtest_async = pool.apply_async(backtest, (True, False)) if pool else None  # beside the last searches
+        backtest_async = pool.apply_async(backtest, kwds={"rank": False}) if pool else None  # beside the last searches
         long_cells = (lc.long_cells(long_async.get()) if long_async
                       else lc.compute_long(report.cluster, report.cluster_links, gpu))
         checks = []
