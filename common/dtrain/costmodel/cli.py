@@ -23,7 +23,7 @@ from dataclasses import replace
 from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
-from .compute import ATTENTION_KERNELS, EAGER_BYTES, Stack
+from .compute import ATTENTION_KERNELS, EAGER_BYTES, FP8_ALL_GATHERS, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
 from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
 from .search import SearchResult, search
@@ -106,6 +106,10 @@ def add_parser(sub) -> None:
                    help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, TransformerEngine)")
     r.add_argument("--async-tp", action="store_true",
                    help="torchtitan's AsyncTP: hides the share of TP traffic its published with/without pairs show")
+    r.add_argument("--fp8-all-gather", choices=FP8_ALL_GATHERS, default="tp",
+                   help="with --precision fp8, which all-gathers move FP8: tp (default; the sequence-parallel "
+                        "gathers, as TransformerEngine and torchao's Float8 TP do), tp+fsdp (also FSDP/ZeRO weight "
+                        "gathers: torchao enable_fsdp_float8_all_gather, Megatron --fp8-param-gather), none")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
                         'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
@@ -121,7 +125,7 @@ def stack_of(a) -> Stack:
     if a.tp_overlap and a.async_tp:
         raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
                         "give the one the run used")
-    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp)
+    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather)
 
 
 def shape_from_args(a) -> ModelShape:

@@ -119,6 +119,7 @@ def _table() -> dict:
 # the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on Hopper), the
 # FlashAttention-2 class on any GPU, and eager attention over stored scores
 ATTENTION_KERNELS = ("flash", "flash2", "eager")
+FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")   # see Stack.fp8_all_gather
 
 
 @lru_cache(maxsize=64)
@@ -147,7 +148,14 @@ class Stack:
     torchtitan compiles its blocks but not its loss); ``tp_overlap``: TP collectives run overlapped with the
     GEMMs they feed (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``); ``async_tp``: torchtitan's
     AsyncTP (PyTorch's symmetric-memory micro-pipelining of the TP all-gathers and reduce-scatters with their
-    matmuls), which hides its own measured share (``Calibration.async_tp_hidden``)."""
+    matmuls), which hides its own measured share (``Calibration.async_tp_hidden``); ``fp8_all_gather``: which
+    all-gathers of an FP8 run move 1-byte values (FP8_ALL_GATHERS): "tp", the sequence-parallel all-gathers of a
+    linear's input (forward) and output gradient (backward), cast before the gather (torchao's Float8
+    Colwise/RowwiseParallel, which torchtitan applies whenever Float8 and TP are on; TransformerEngine's
+    LayerNormLinear and grad_output_preprocess), the reduce-scatters staying bf16; "tp+fsdp", also the FSDP / ZeRO
+    weight all-gathers of the linears (torchao ``enable_fsdp_float8_all_gather``, Megatron ``--fp8-param-gather``);
+    "none", neither (dtrain's own trainer: its TP plan has no Float8 styles yet). Default "tp", what both FP8 stacks
+    of the field do unasked."""
 
     __hash__ = cached_hash
 
@@ -156,8 +164,11 @@ class Stack:
     loss: str | None = None
     tp_overlap: bool = False
     async_tp: bool = False
+    fp8_all_gather: str = "tp"
 
     def __post_init__(self) -> None:
+        if self.fp8_all_gather not in FP8_ALL_GATHERS:
+            raise ValueError(f"fp8_all_gather must be one of {FP8_ALL_GATHERS}, got {self.fp8_all_gather!r}")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         for name in ("kernels", "loss"):
@@ -181,7 +192,13 @@ class Stack:
     def describe(self) -> str:
         loss = f", {self.loss} loss" if self.loss and self.loss != self.kernels else ""
         tp = ", TP overlapped" if self.tp_overlap else ", AsyncTP" if self.async_tp else ""
-        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}"
+        gathers = f", FP8 all-gathers: {self.fp8_all_gather}" if self.fp8_all_gather != "tp" else ""
+        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}"
+
+    def fp8_gathers(self, precision: str) -> tuple[bool, bool]:
+        """(TP all-gathers, FSDP weight all-gathers) in FP8 for a run in ``precision`` (bf16 runs: neither)."""
+        fp8 = precision == "fp8"
+        return fp8 and self.fp8_all_gather != "none", fp8 and self.fp8_all_gather == "tp+fsdp"
 
 
 @dataclass(frozen=True)

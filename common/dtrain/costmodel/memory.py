@@ -177,12 +177,18 @@ def params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
     both. Norm weights (replicated under TP in Megatron) are divided too: negligible. With
     tp > n_kv_head each rank keeps one whole K and V head (replicated), as Megatron and dtrain do.
     """
-    matrices = (1 if shape.tied_embeddings else 2) if pp == 1 else 1
     hd = shape.d_model // shape.n_head
     kv = 2 * shape.d_model * shape.n_kv_head * hd
     kv_local = 2 * shape.d_model * hd * max(shape.n_kv_head // tp, 1)
     layers = stage_layers(shape, pp) * ((shape.params_per_layer() - kv) / tp + kv_local)
-    return layers + matrices * shape.vocab * shape.d_model / tp
+    return layers + embedding_params_per_gpu(shape, tp, pp)
+
+
+def embedding_params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
+    """The V·h embedding / output matrices among ``params_per_gpu``: the parameters FP8 recipes keep in bf16
+    (torchtitan converts every block linear but not the output projection; an embedding is no linear)."""
+    matrices = (1 if shape.tied_embeddings else 2) if pp == 1 else 1
+    return matrices * shape.vocab * shape.d_model / tp
 
 
 def in_flight(layout: Layout) -> float:

@@ -38,8 +38,8 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
            f"cluster:  {describe_cluster(res.cluster)}",
            f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
            f"{res.precision}",
-           f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp: the run's "
-           "software moves the cost)", *notes, ""]
+           f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
+           "--fp8-all-gather: the run's software moves the cost)", *notes, ""]
     if res.best is None:
         return out + [res.reason]
     out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), "", "why the runners-up lost:"]
@@ -118,6 +118,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
             "attention": res.stack.attention, "kernels": res.stack.kernels, "loss": res.stack.loss or res.stack.kernels,
             "tp_overlap": res.stack.tp_overlap, "async_tp": res.stack.async_tp,
+            "fp8_all_gather": res.stack.fp8_all_gather,
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
             **_overrides_json(res),

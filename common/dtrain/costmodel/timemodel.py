@@ -42,7 +42,7 @@ from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, 
 from .compute import ComputeTerms, Device, KernelModel, Stack, _micro_terms, optimizer_s, published
 from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, stage_layers
-from .memory import params_per_gpu
+from .memory import embedding_params_per_gpu, params_per_gpu
 
 __all__ = ["StepTime", "StepModel", "bubble_fraction", "tp_comm_time", "model_flops_per_token", "step_time",
            "step_model", "device_of"]
@@ -95,17 +95,24 @@ class StepTime:
         return self.model_flops / (self.total * self.gpus * self.peak_flops)
 
 
-def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2) -> float:
+def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2,
+                 gather_bytes: int | None = None) -> float:
     """α–β TP communication of one step on the busiest stage, before ``Calibration.tp_overhead``:
     ceil(L/pp) layers · m micro-batches · (4, or 6 with full recompute) ring all-reduces of b·s·h
     values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume).
     Selective op AC re-runs wo and so the all-reduce after it (5), except with SP, whose
-    reduce-scatter output torchtitan's policy saves (4)."""
+    reduce-scatter output torchtitan's policy saves (4). ``gather_bytes``: bytes per value of SP's
+    all-gathers when they move FP8 (``Stack.fp8_all_gather``; the reduce-scatters keep ``value_bytes``)."""
     if layout.tp <= 1:
         return 0.0
     n_coll = {"full": 6, "op": 4 if layout.sequence_parallel else 5}.get(layout.recompute, 4)
-    act_bytes = layout.micro_batch * shape.seq_len * shape.d_model * value_bytes
-    return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * allreduce_time(act_bytes, layout.tp, link)
+    values = layout.micro_batch * shape.seq_len * shape.d_model
+    if gather_bytes is not None and layout.sequence_parallel:
+        pair = all_gather_time(values * gather_bytes, layout.tp, link) + \
+            reduce_scatter_time(values * value_bytes, layout.tp, link)
+    else:
+        pair = allreduce_time(values * value_bytes, layout.tp, link)
+    return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * pair
 
 
 @lru_cache(maxsize=1 << 10)
@@ -139,12 +146,17 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
 
 
 @lru_cache(maxsize=1 << 14)
-def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int) -> tuple[float, float]:
-    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``)."""
+def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
+             fp8_weights: bool = False) -> tuple[float, float]:
+    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
+    ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``)."""
     if lay.dp <= 1:
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp)
     grads, weights = 4 * psi, value_bytes * psi  # fp32 gradient reduction, bf16 weights
+    if fp8_weights:
+        emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
+        weights = (psi - emb) + value_bytes * emb
     n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
     link = group_link(cluster, n, lay.tp, multi_rail=True)
     ag = all_gather_time(weights, n, link)
@@ -176,12 +188,14 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
               ``stack.tp_overlap`` the dp_overlap share of it hidden behind the GEMMs, with
-              ``stack.async_tp`` (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it
+              ``stack.async_tp`` (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it; an FP8 run's SP
+              all-gathers at 1 byte per value with ``stack.fp8_all_gather`` "tp" or "tp+fsdp"
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
     bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
               zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
     dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes, weights
-              value_bytes·Ψ): ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
+              value_bytes·Ψ, the block linears' 1 byte each with ``stack.fp8_all_gather`` "tp+fsdp"):
+              ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
               all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
               keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m reduce-
               scatters + one all-gather; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP
@@ -225,6 +239,7 @@ class StepModel:
         self.fp8_factor = calib.fp8_speedup.value if precision == "fp8" and not self.fp8_gemms else 1.0
         self.overhead = calib.step_overhead_s.value / (self.fp8_factor if published(cluster.gpu.name) is None else 1.0)
         self.flops_per_token = model_flops_per_token(shape)
+        self.fp8_tp_gather, self.fp8_fsdp_gather = stack.fp8_gathers(precision)
         self._micro: dict = {}
         self._tp: dict = {}
         self._dp: dict = {}
@@ -260,7 +275,8 @@ class StepModel:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
             one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel)
             local = replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
-            per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb) * self.calib.tp_overhead.value
+            gather = 1 if self.fp8_tp_gather else None
+            per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value
         t = per_micro * lay.grad_accum
         if self.stack.tp_overlap:  # hidden behind the GEMMs as DP traffic is behind compute (same SM/HBM sharing)
             t -= min(self.calib.dp_overlap.value * t, gemm_s)
@@ -311,7 +327,8 @@ class StepModel:
         t = self._dp.get(key)
         if t is None:
             g, w = _dp_comm(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum,
-                                               dp_replicate=lay.dp_replicate), self.cluster, self.vb)
+                                               dp_replicate=lay.dp_replicate), self.cluster, self.vb,
+                            self.fp8_fsdp_gather)
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
             t = self._dp[key] = (g, w, loss)
         return t
