@@ -113,3 +113,38 @@ def test_a_cp_plan_runs_in_the_trainer_as_train_cp():
     assert "world_size=8" in out and "train.cp=2" in out and "train.cp_impl=ulysses" in out
     _, notes = train_overrides(Layout(2, 1, 2, 3, "none", 1, 4, cp=2), LLAMA8B_128K, 8)
     assert any("refuses cp with pp > 1" in n for n in notes)
+
+
+def test_torch_cp_all_gathers_the_repeated_kv_once_per_pass():
+    """PyTorch's context_parallel (torchtitan's default rotate method, dtrain's train.cp_impl=torch): per layer and
+    pass one all-gather of K and V repeated to the rank's 32/8 query heads, behind the pass's first kernel call;
+    backward sends the fp32 dK, dV chunk cp times, the last exposed. tp=8 puts the cp ranks on 4 nodes (one NIC)."""
+    from dtrain.costmodel.collectives import all_gather_time, group_link, p2p_time
+
+    cp, m = 4, step_model(LLAMA8B_128K, H100x64, Calibration())
+    lay = Layout(2, 8, 1, 3, "none", 1, 1, True, cp=cp, cp_impl="torch")
+    link = group_link(H100x64, cp, 8, multi_rail=False)
+    assert link.beta_Bps == H100x64.ib.beta_Bps
+    tokens, q = 131072 / cp, 4 * 128
+    gather = all_gather_time(cp * 2 * tokens * q * 2, cp, link)
+    dkv = p2p_time(2 * tokens * q * 4, link)
+    assert m.cp_comm(lay, attention_s=0.0) == pytest.approx(32 * (2 * gather + cp * dkv), rel=1e-12)
+    full = Layout(2, 8, 1, 3, "full", 1, 1, True, cp=cp, cp_impl="torch")   # the recompute gathers again
+    assert m.cp_comm(full, 0.0) == pytest.approx(32 * (3 * gather + cp * dkv), rel=1e-12)
+    # a forward call of a/(32·4·3.5) hides the gathers and backward sends whenever it outlasts them: the last send is left
+    assert m.cp_comm(lay, attention_s=1e3) == pytest.approx(32 * dkv, rel=1e-12)
+    assert cp_buffer_bytes(LLAMA8B_128K, lay) == 2 * 2 * 131072 * q   # the gathered K and V, 16-bit
+
+
+def test_plan_scores_torch_cp_when_asked_and_the_trainer_runs_it(capsys):
+    from dtrain.cli import main
+
+    base = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--seq", "131072",
+            "--gpus", "8", "--global-batch", "8", "--json"]
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["choice"]["cp_impl"] != "torch"   # scored, not searched
+    assert main([*base, "--layout", "cp=4 cp_impl=torch"]) == 0
+    lay = json.loads(capsys.readouterr().out)["layout"]
+    assert (lay["cp"], lay["cp_impl"]) == (4, "torch") and "cp=4 torch" in lay["describe"]
+    out, _ = train_overrides(Layout(2, 1, 1, 3, "none", 1, 4, cp=4, cp_impl="torch"), LLAMA8B_128K, 8)
+    assert "train.cp=4" in out and "train.cp_impl=torch" in out

@@ -111,7 +111,7 @@ def add_parser(sub) -> None:
                         "gathers, as TransformerEngine and torchao's Float8 TP do), tp+fsdp (also FSDP/ZeRO weight "
                         "gathers: torchao enable_fsdp_float8_all_gather, Megatron --fp8-param-gather), none")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
+                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
                         'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
                         "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups")
     p.add_argument("--results", metavar="DIR", action="append",

@@ -263,8 +263,8 @@ def _local_heads(shape: ModelShape, tp: int) -> tuple[int, int]:
 def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bool = False) -> float:
     """The attention core of one layer and micro-batch on one rank (forward+backward, or its forward alone).
 
-    With context parallelism each rank does 1/cp of the causal work: the ring's load-balanced chunks in
-    kernel calls over s/cp queries and keys (the benchmark's rate at s/cp), the all-to-all's full sequence
+    With context parallelism each rank does 1/cp of the causal work: the ring's (and PyTorch's) load-balanced
+    chunks in kernel calls over s/cp queries and keys (the benchmark's rate at s/cp), the all-to-all's full sequence
     for heads/cp of the heads (the rate at s)."""
     s, b, cp = shape.seq_len, layout.micro_batch, layout.cp
     hd = shape.d_model // shape.n_head
@@ -272,7 +272,7 @@ def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bo
     if dev.kernels.attention is not None:  # fused kernel: FLOPs executed over the benchmark's rate
         fwd = 2 * 2 * b * heads * s * s * hd / 2 / cp   # causal: half of the s x s products; 1/cp per rank
         work = fwd if forward_only else 3.5 * fwd
-        call = s // cp if layout.cp_impl == "ring" else s
+        call = s if layout.cp_impl == "ulysses" else s // cp
         return work / (dev.peak_bf16 * dev.kernels.attention.share(call, hd)) * dev.power_scale
     sq = s // cp   # eager: the rank's queries against every key, scores stored
     qk, av = Gemm(sq, s, hd, b * heads, "scores"), Gemm(sq, hd, s, b * heads, "av")

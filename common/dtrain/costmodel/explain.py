@@ -22,7 +22,8 @@ def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
               for k in ("compute", "dp_comm_exposed", "tp_comm", "cp_comm", "pp_comm", "bubble")}
     part = max(deltas, key=deltas.get)
     if part == "cp_comm":
-        how = "all-to-alls" if p.cp_impl == "ulysses" else "ring sends not hidden by attention"
+        how = {"ulysses": "all-to-alls", "torch": "K/V all-gathers not hidden by attention"}.get(
+            p.cp_impl, "ring sends not hidden by attention")
         return f"cp={p.cp}: context-parallel {how} cost {_ms(a.cp_comm)} vs {_ms(b.cp_comm)}"
     if part == "tp_comm":
         if p.tp > cluster.node_size:

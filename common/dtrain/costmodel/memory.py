@@ -258,7 +258,9 @@ def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
     """The working buffers of one layer's context-parallel attention (16-bit), on one TP rank:
       ring  the K and V chunk being received while the local one is used (double buffering), and in backward
             their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
-      ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp"""
+      ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp
+      torch     PyTorch's all-gathered K and V, repeated to the query heads, 2·2·b·s·q, and in backward the fp32
+                dK, dV chunk accumulated and the one in flight, 2·2·4·b·(s/cp)·q"""
     if layout.cp <= 1:
         return 0.0
     b, s, t, cp = layout.micro_batch, shape.seq_len, layout.tp, layout.cp
@@ -267,6 +269,8 @@ def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
     q = max(shape.n_head // t, 1) * hd
     if layout.cp_impl == "ulysses":
         return 2 * b * s * (2 * q + 2 * kv) / cp
+    if layout.cp_impl == "torch":
+        return max(2 * 2 * b * s * q, 2 * 2 * 4 * b * (s / cp) * q)
     return 2 * 2 * 2 * b * (s / cp) * kv
 
 

@@ -1,6 +1,6 @@
 """A plan as Hydra overrides for the shared trainer (`python -m fsdp_scaling <overrides>`).
 
-    world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses)
+    world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses | torch)
     virtual_stages v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; else 1f1b, or
                       gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
     ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3;

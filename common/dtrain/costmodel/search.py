@@ -82,7 +82,7 @@ class SearchResult:
 
 
 def describe_layout(lay: Layout) -> str:
-    cp = f" cp={lay.cp}{' ulysses' if lay.cp_impl == 'ulysses' else ''}" if lay.cp > 1 else ""
+    cp = f" cp={lay.cp}{'' if lay.cp_impl == 'ring' else ' ' + lay.cp_impl}" if lay.cp > 1 else ""
     v = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     sched = f" {lay.pp_schedule}" if lay.pp > 1 and lay.pp_schedule != "1f1b" else ""
     sp = " sp" if lay.sequence_parallel else ""
@@ -141,8 +141,8 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 continue
             ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
             impls = ["ring"] + (["ulysses"] if ulysses else [])
-            if "cp_impl" in fixed:
-                impls = [i for i in impls if i == fixed["cp_impl"]]
+            if "cp_impl" in fixed:  # PyTorch's context_parallel is scored when asked for, not searched
+                impls = [i for i in impls + ["torch"] * (cp > 1) if i == fixed["cp_impl"]]
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     yield Layout(dp, tp, pp, micro_batch=mb), (

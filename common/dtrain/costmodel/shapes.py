@@ -20,7 +20,7 @@ RECOMPUTE = ("none", "op", "selective", "full")
 PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
 # Context parallelism: ring attention (Liu et al. 2023; PyTorch's context_parallel and Llama 3's all-gather CP move
 # the same K/V bytes) or all-to-all sequence<->heads (Jacobs et al. 2023, DeepSpeed Ulysses).
-CP_IMPLS = ("ring", "ulysses")
+CP_IMPLS = ("ring", "ulysses", "torch")
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,9 @@ class Layout:
     Rank order is torchtitan's and Megatron's: TP innermost (consecutive ranks), then CP, then DP, then PP.
     ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021). ``cp`` > 1 splits every
     sequence over cp ranks (context parallelism): ``cp_impl`` ring passes K and V around the cp group
-    (ring attention; PyTorch's and torchtitan's CP, Llama 3's all-gather variant move the same bytes),
-    ulysses swaps sequence for heads with all-to-alls (DeepSpeed Ulysses). ``dp_replicate`` > 1 is HSDP (FSDP2's
+    (ring attention; Llama 3's all-gather variant moves the same bytes), ulysses swaps sequence for heads with
+    all-to-alls (DeepSpeed Ulysses), torch is PyTorch's ``context_parallel`` (torchtitan's CP, dtrain's
+    ``train.cp_impl=torch``): the ring's kernel calls, K and V all-gathered once per pass. ``dp_replicate`` > 1 is HSDP (FSDP2's
     hybrid sharding, dtrain's ``train.strategy=hsdp``): ZeRO shards over ``shard_group`` = dp·cp / dp_replicate
     ranks and the dp_replicate groups all-reduce the sharded gradients.
     """

@@ -289,6 +289,11 @@ class StepModel:
           ring  cp−1 sends of the rank's K and V chunk forward, twice that backward (K, V again and their
                 gradients), a third pass with full recompute; hidden up to cp_overlap x the attention
           ulysses   all-to-alls of q, k, v and the output forward, of their gradients backward, not hidden
+          torch     PyTorch's context_parallel (its default rotate method, torchtitan's and dtrain's): per pass
+                    (forward, backward, the recompute's forward) one all-gather of K and V, as the SDPA gets
+                    them: repeated to the query heads (torchtitan's and dtrain's models repeat before SDPA);
+                    hidden behind the first of the pass's cp kernel calls. Backward also sends the fp32 dK, dV
+                    chunk around the ring cp times, each behind one call, the last exposed
         over the cp group's link (cp ranks tp apart, one NIC each across nodes)."""
         if lay.cp <= 1:
             return 0.0
@@ -299,6 +304,14 @@ class StepModel:
         link = group_link(self.cluster, cp, t, multi_rail=False)
         recompute = 1 if lay.recompute == "full" else 0   # full recompute runs the forward's traffic again
         tokens = lay.micro_batch * s / cp
+        layers = stage_layers(self.shape, lay.pp)
+        if lay.cp_impl == "torch":  # exposure per kernel call: fwd 1/3.5 of the attention, bwd 2.5/3.5 (its count)
+            call = attention_s / (layers * lay.grad_accum * cp * 3.5)
+            gather = all_gather_time(cp * 2 * tokens * q * self.vb, cp, link)
+            dkv = p2p_time(2 * tokens * q * 4, link)
+            per_layer = ((1 + recompute) * max(gather - call, 0.0) + max(gather - 2.5 * call, 0.0)
+                         + (cp - 1) * max(dkv - 2.5 * call, 0.0) + dkv)
+            return per_layer * layers * lay.grad_accum
         if lay.cp_impl == "ulysses":
             per_layer = (2 + recompute) * (cp - 1) * (tokens * (2 * q + 2 * kv) * self.vb / cp / link.beta_Bps
                                                         + link.alpha_s)
@@ -307,7 +320,6 @@ class StepModel:
             chunk = 2 * tokens * kv * self.vb   # the rank's K and V
             per_layer = (3 + recompute) * (cp - 1) * p2p_time(chunk, link)
             hidden = self.calib.cp_overlap.value
-        layers = stage_layers(self.shape, lay.pp)
         total = per_layer * layers * lay.grad_accum
         return max(total - hidden * attention_s, 0.0) if hidden else total
 
