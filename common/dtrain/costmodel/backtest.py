@@ -246,7 +246,8 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
         t, cluster, calib = predict(s, fitted)
         gpus = s.layout.gpus
         act = calib.fp8_memory_factor.value if s.precision == "fp8" else 1.0
-        mem = memory_per_gpu(s.shape, s.layout, act, s.stack.flash, s.stack.fused_loss)
+        mem = memory_per_gpu(s.shape, s.layout, act, s.stack.flash, s.stack.fused_loss, s.stack.grad_bytes,
+                             s.stack.optimizer_states)
         terms = {**t.terms.as_dict(), "tp_comm": t.tp_comm, "cp_comm": t.cp_comm, "pp_comm": t.pp_comm,
                  "bubble": t.bubble,
                  "dp_exposed": t.dp_comm_exposed}

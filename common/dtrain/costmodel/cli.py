@@ -23,7 +23,7 @@ from dataclasses import replace
 from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
-from .compute import ATTENTION_KERNELS, EAGER_BYTES, FP8_ALL_GATHERS, Stack
+from .compute import ATTENTION_KERNELS, EAGER_BYTES, FP8_ALL_GATHERS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
 from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
 from .search import SearchResult, search
@@ -110,6 +110,13 @@ def add_parser(sub) -> None:
                    help="with --precision fp8, which all-gathers move FP8: tp (default; the sequence-parallel "
                         "gathers, as TransformerEngine and torchao's Float8 TP do), tp+fsdp (also FSDP/ZeRO weight "
                         "gathers: torchao enable_fsdp_float8_all_gather, Megatron --fp8-param-gather), none")
+    r.add_argument("--grad-reduce", choices=STATE_DTYPES, default="fp32",
+                   help="the dtype gradients accumulate and reduce in over DP: fp32 (default; Megatron's for bf16, "
+                        "torchtitan's) or bf16 (apex DistributedFusedAdam grad_sync_dtype, torchtitan "
+                        "mixed_precision_reduce=bfloat16): half the gradient bytes and traffic")
+    r.add_argument("--optimizer-states", choices=STATE_DTYPES, default="fp32",
+                   help="fp32 (default): fp32 master weights and Adam moments, 12 B/param; bf16: Adam moments in "
+                        "bf16 and no master copy (apex DistributedFusedAdam dtype=bf16, as NeMo runs it), 4 B/param")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
                         'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
@@ -125,7 +132,8 @@ def stack_of(a) -> Stack:
     if a.tp_overlap and a.async_tp:
         raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
                         "give the one the run used")
-    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather)
+    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather, a.grad_reduce,
+                 a.optimizer_states)
 
 
 def shape_from_args(a) -> ModelShape:

@@ -120,6 +120,7 @@ def _table() -> dict:
 # FlashAttention-2 class on any GPU, and eager attention over stored scores
 ATTENTION_KERNELS = ("flash", "flash2", "eager")
 FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")   # see Stack.fp8_all_gather
+STATE_DTYPES = ("fp32", "bf16")                 # see Stack.grad_reduce, Stack.optimizer_states
 
 
 @lru_cache(maxsize=64)
@@ -155,7 +156,12 @@ class Stack:
     LayerNormLinear and grad_output_preprocess), the reduce-scatters staying bf16; "tp+fsdp", also the FSDP / ZeRO
     weight all-gathers of the linears (torchao ``enable_fsdp_float8_all_gather``, Megatron ``--fp8-param-gather``);
     "none", neither (dtrain's own trainer: its TP plan has no Float8 styles yet). Default "tp", what both FP8 stacks
-    of the field do unasked."""
+    of the field do unasked. ``grad_reduce`` (STATE_DTYPES): the dtype gradients accumulate and reduce in over DP,
+    "fp32" (default: Megatron's for bf16, torchtitan's ``mixed_precision_reduce``, dtrain's) or "bf16" (apex
+    DistributedFusedAdam's ``grad_sync_dtype``, torchtitan ``mixed_precision_reduce=bfloat16``);
+    ``optimizer_states``: "fp32" (default: fp32 master weights, Adam moments) or "bf16" (Adam moments in bf16 and
+    no fp32 master copy: apex DistributedFusedAdam with ``dtype`` the model's bf16, which NeMo then runs with
+    ``store_params=False``), see ``memory.model_state_bytes``."""
 
     __hash__ = cached_hash
 
@@ -165,8 +171,13 @@ class Stack:
     tp_overlap: bool = False
     async_tp: bool = False
     fp8_all_gather: str = "tp"
+    grad_reduce: str = "fp32"
+    optimizer_states: str = "fp32"
 
     def __post_init__(self) -> None:
+        for name in ("grad_reduce", "optimizer_states"):
+            if getattr(self, name) not in STATE_DTYPES:
+                raise ValueError(f"{name} must be one of {STATE_DTYPES}, got {getattr(self, name)!r}")
         if self.fp8_all_gather not in FP8_ALL_GATHERS:
             raise ValueError(f"fp8_all_gather must be one of {FP8_ALL_GATHERS}, got {self.fp8_all_gather!r}")
         if self.attention not in ATTENTION_KERNELS:
@@ -193,7 +204,15 @@ class Stack:
         loss = f", {self.loss} loss" if self.loss and self.loss != self.kernels else ""
         tp = ", TP overlapped" if self.tp_overlap else ", AsyncTP" if self.async_tp else ""
         gathers = f", FP8 all-gathers: {self.fp8_all_gather}" if self.fp8_all_gather != "tp" else ""
-        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}"
+        states = "".join(f", {what} {dtype}" for what, dtype in (("gradients", self.grad_reduce),
+                                                                   ("optimizer states", self.optimizer_states))
+                         if dtype != "fp32")
+        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}"
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one gradient value as it accumulates and crosses DP (``grad_reduce``)."""
+        return 4 if self.grad_reduce == "fp32" else 2
 
     def fp8_gathers(self, precision: str) -> tuple[bool, bool]:
         """(TP all-gathers, FSDP weight all-gathers) in FP8 for a run in ``precision`` (bf16 runs: neither)."""

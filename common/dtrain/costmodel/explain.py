@@ -110,7 +110,8 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
                         stack=result.stack).tokens_per_s
         if tps <= target:
             continue
-        need = memory_per_gpu(result.model, lay, act, result.flash_attention, result.stack.fused_loss).total
+        need = memory_per_gpu(result.model, lay, act, result.flash_attention, result.stack.fused_loss,
+                              result.stack.grad_bytes, result.stack.optimizer_states).total
         g = groups.setdefault((lay.cp, lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
         g[0] = max(g[0], tps)
         if need < g[1]:

@@ -45,7 +45,8 @@ class MemoryBreakdown:
         return self.total <= capacity_bytes * (1.0 - headroom)
 
 
-def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, float, float]:
+def model_state_bytes(psi: float, zero_stage: int, dp: int, grad_bytes: int = 4,
+                      optimizer_states: str = "fp32") -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard, N = ``dp``.
 
     Mixed-precision AdamW as the stacks that use each stage hold it:
@@ -58,16 +59,25 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
     per unit for compute) and reduces gradients in fp32 (torchtitan's default), so a fully sharded
     parameter costs 16 bytes, not DeepSpeed's 2 + 2 + 12 + 4 (fp32 gradient partition). Its gathered
     bf16 working set is ``MemoryBreakdown.buffers``.
+
+    ``grad_bytes`` 2 (``Stack.grad_reduce`` "bf16"): the stage 0-2 gradient buffers in bf16 (FSDP2's reduced
+    shard takes its fp32 parameter's dtype: stage 3 keeps 4). ``optimizer_states`` "bf16": the Adam moments in
+    bf16 and no fp32 master copy, the bf16 weights updated in place (apex DistributedFusedAdam with ``dtype``
+    bf16, as NeMo runs it with ``store_params=False``): 4Ψ of optimizer state, sharded as the stage shards it;
+    at stage 3 the sharded parameters and their gradients are then bf16 too (2 + 2 + 4)Ψ/N.
     """
     nd = dp
+    states = 12 if optimizer_states == "fp32" else 4
+    g = grad_bytes
     if zero_stage == 0:
-        return 2 * psi, 4 * psi, 12 * psi
+        return 2 * psi, g * psi, states * psi
     if zero_stage == 1:
-        return 2 * psi, 4 * psi, 12 * psi / nd
+        return 2 * psi, g * psi, states * psi / nd
     if zero_stage == 2:
-        return 2 * psi, 4 * psi / nd, 12 * psi / nd
+        return 2 * psi, g * psi / nd, states * psi / nd
     if zero_stage == 3:
-        return 4 * psi / nd, 4 * psi / nd, 8 * psi / nd
+        shard = 4 if optimizer_states == "fp32" else 2
+        return shard * psi / nd, shard * psi / nd, (states - 4 if shard == 4 else states) * psi / nd
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
 
 
@@ -275,7 +285,8 @@ def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
-                   flash_attention: bool = True, fused_loss: bool = True) -> MemoryBreakdown:
+                   flash_attention: bool = True, fused_loss: bool = True, grad_bytes: int = 4,
+                   optimizer_states: str = "fp32") -> MemoryBreakdown:
     """Model states (ZeRO over dp, Ψ already divided by TP and PP) plus activations.
 
     ``flash_attention`` (default on, as in every current training stack) drops the stored
@@ -288,13 +299,15 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     the last (torchtitan: reshard_after_forward off; torch.distributed.pipelining: gradient sync on the
     last micro-batch only): the stage's bf16 weights, 2Ψ, and its unsharded gradients, which FSDP2
     accumulates between syncs in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``: fp32
-    under bf16 mixed precision with fp32 reduction, torchtitan's default and dtrain's), 4Ψ: 6Ψ.
+    under bf16 mixed precision with fp32 reduction, torchtitan's default and dtrain's), 4Ψ: 6Ψ (4Ψ with
+    ``grad_bytes`` 2: bf16 reduction accumulates in bf16).
     ZeRO shards over ``shard_group`` (dp·cp, or one HSDP replica group's dp·cp / dp_replicate).
+    ``grad_bytes`` and ``optimizer_states``: the gradient and optimizer-state dtypes (``model_state_bytes``).
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp)
-    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.shard_group)
+    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.shard_group, grad_bytes, optimizer_states)
     buffers = 0.0
     if layout.zero_stage == 3 and layout.shard_group > 1:
-        buffers = (2 + 4) * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
+        buffers = (2 + grad_bytes) * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)

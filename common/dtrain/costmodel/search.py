@@ -25,7 +25,7 @@ from functools import lru_cache
 from .hardware import GiB, Cluster
 from .compute import Stack
 from .shapes import RECOMPUTE, Layout, ModelShape
-from .memory import MemoryBreakdown, memory_per_gpu
+from .memory import MemoryBreakdown, memory_per_gpu, model_state_bytes
 from .calibration import Calibration
 from .timemodel import StepTime, step_model, step_time
 
@@ -38,9 +38,6 @@ VIRTUAL_STAGES = (1, 2, 4, 8)
 # A pruned search skips a layout whose compute alone is this many times the best step: it can be neither the
 # best nor one of the runners-up ``explain`` names.
 PRUNE_BOUND = 1.5
-# The least model-state bytes per parameter any layout keeps, summed over its GPUs: ZeRO-3 (FSDP) sharding
-# every state over every GPU (memory.py's 16/N at stage 3); a layout's busiest GPU holds at least 1/N of them.
-STATE_BYTES_FLOOR = 16.0
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel",
                  "pp_schedule", "cp", "cp_impl", "dp_replicate")
 # The shortest sequence chunk a context-parallel rank computes on (half its share: the load-balanced split gives
@@ -213,7 +210,9 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         micro_batches = (fixed["micro_batch"],)
     timed: set[tuple] = set()
     step_time(model, Layout(1, 1, 1), cluster, calib, precision, stack=stack)  # checks precision vs the GPU
-    floor = STATE_BYTES_FLOOR * model.num_params() / cluster.gpus
+    # The least model-state bytes any layout keeps: ZeRO-3 (FSDP) sharding every state over every GPU (16/N per
+    # parameter with fp32 states); a layout's busiest GPU holds at least that share.
+    floor = sum(model_state_bytes(model.num_params(), 3, cluster.gpus, stack.grad_bytes, stack.optimizer_states))
     if prune and floor > usable:  # no layout can fit: skip timing thousands (the matrix's small-cluster cells)
         reason = (f"does not fit: even sharded over all {cluster.gpus} GPUs (ZeRO-3) the weights, gradients and "
                   f"Adam states need {floor / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
@@ -244,7 +243,8 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         group = _design(lay)
         if prune and group in timed and lay.zero_stage < 3:
             continue
-        mem = _memory(model, lay, act_factor, flash_attention, stack.fused_loss)
+        mem = _memory(model, lay, act_factor, flash_attention, stack.fused_loss, stack.grad_bytes,
+                      stack.optimizer_states)
         if mem.total > usable:
             rejected.append((lay, NoFit(mem.total, usable, cluster.gpu.hbm_gib, headroom)))
             if smallest is None or mem.total < smallest[0]:

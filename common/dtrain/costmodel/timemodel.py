@@ -147,13 +147,14 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
 
 @lru_cache(maxsize=1 << 14)
 def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
-             fp8_weights: bool = False) -> tuple[float, float]:
+             fp8_weights: bool = False, grad_bytes: int = 4) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
-    ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``)."""
+    ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``);
+    ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``)."""
     if lay.dp <= 1:
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp)
-    grads, weights = 4 * psi, value_bytes * psi  # fp32 gradient reduction, bf16 weights
+    grads, weights = grad_bytes * psi, value_bytes * psi
     if fp8_weights:
         emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
         weights = (psi - emb) + value_bytes * emb
@@ -193,7 +194,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
     bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
               zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
-    dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes, weights
+    dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes (2Ψ with
+              ``stack.grad_reduce`` "bf16"), weights
               value_bytes·Ψ, the block linears' 1 byte each with ``stack.fp8_all_gather`` "tp+fsdp"):
               ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
               all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
@@ -340,7 +342,7 @@ class StepModel:
         if t is None:
             g, w = _dp_comm(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum,
                                                dp_replicate=lay.dp_replicate), self.cluster, self.vb,
-                            self.fp8_fsdp_gather)
+                            self.fp8_fsdp_gather, max(self.vb, self.stack.grad_bytes))
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
             t = self._dp[key] = (g, w, loss)
         return t
