@@ -171,7 +171,7 @@ def test_recompute_costs_extra_forward():
     passes); selective the attention forward alone; no recompute none of it."""
     from dtrain.costmodel.compute import _FORWARD_SHARE, _KIND, attention_s, memory_bytes
     from dtrain.costmodel.efficiency import layer_gemms
-    from dtrain.costmodel.compute import Stack
+    from dtrain.costmodel.stack import Stack
     from dtrain.costmodel.timemodel import device_of
 
     shape, cluster = ModelShape.from_params(7e9), _cluster()

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.costmodel.compute import (CLIP_BYTES, EAGER_BYTES, OPTIMIZER_BYTES, Stack, attention_s, memory_bytes,
+from dtrain.costmodel.compute import (CLIP_BYTES, EAGER_BYTES, OPTIMIZER_BYTES, attention_s, memory_bytes,
                                       optimizer_s, published)
+from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.efficiency import Gemm
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.hardware import Cluster

@@ -9,7 +9,7 @@ import pytest
 from dtrain.cli import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, params_per_gpu, step_time
 from dtrain.costmodel.collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
-from dtrain.costmodel.compute import Stack
+from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.links import default_links
 from dtrain.costmodel.memory import embedding_params_per_gpu
 

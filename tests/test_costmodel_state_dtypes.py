@@ -11,7 +11,7 @@ from dtrain.cli import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, memory_per_gpu, params_per_gpu, step_time
 from dtrain.costmodel.backtest import load_rows, row_setup
 from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
-from dtrain.costmodel.compute import Stack
+from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.links import default_links
 from dtrain.costmodel.memory import activation_bytes, model_state_bytes
 

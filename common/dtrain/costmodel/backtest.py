@@ -28,7 +28,7 @@ from importlib import resources
 import yaml
 
 from .links import default_links
-from .compute import Stack
+from .stack import Stack
 from .hardware import LINK_EFFICIENCY, Cluster, GiB, get_profile
 from .shapes import Layout, ModelShape
 from .memory import memory_per_gpu

@@ -23,7 +23,8 @@ from dataclasses import replace
 from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
-from .compute import ATTENTION_KERNELS, EAGER_BYTES, FP8_ALL_GATHERS, STATE_DTYPES, Stack
+from .compute import EAGER_BYTES
+from .stack import ATTENTION_KERNELS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
 from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
 from .search import SearchResult, search

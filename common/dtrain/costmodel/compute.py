@@ -116,11 +116,6 @@ def _table() -> dict:
     return yaml.safe_load(resources.files(__package__).joinpath("kernels.yaml").read_text(encoding="utf-8"))
 
 
-# the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on Hopper), the
-# FlashAttention-2 class on any GPU, and eager attention over stored scores
-ATTENTION_KERNELS = ("flash", "flash2", "eager")
-FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")   # see Stack.fp8_all_gather
-STATE_DTYPES = ("fp32", "bf16")                 # see Stack.grad_reduce, Stack.optimizer_states
 
 
 @lru_cache(maxsize=64)
@@ -139,85 +134,6 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
                        e.get("sustained", 1.0), {"gemm": e["gemm_source"], "attention": a["source"],
                                                  "memory": e["memory"]["source"],
                                                  "sustained": e.get("sustained_source", "")})
-
-
-@dataclass(frozen=True)
-class Stack:
-    """The software a layout runs on, as far as it moves the cost: the attention kernel (ATTENTION_KERNELS),
-    fused or eager norm / activation / cast kernels (Megatron's fused kernels, torch.compile; or PyTorch without
-    compile), and a fused vocab-parallel cross-entropy or PyTorch's unfused one (default: as the kernels;
-    torchtitan compiles its blocks but not its loss); ``tp_overlap``: TP collectives run overlapped with the
-    GEMMs they feed (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``); ``async_tp``: torchtitan's
-    AsyncTP (PyTorch's symmetric-memory micro-pipelining of the TP all-gathers and reduce-scatters with their
-    matmuls), which hides its own measured share (``Calibration.async_tp_hidden``); ``fp8_all_gather``: which
-    all-gathers of an FP8 run move 1-byte values (FP8_ALL_GATHERS): "tp", the sequence-parallel all-gathers of a
-    linear's input (forward) and output gradient (backward), cast before the gather (torchao's Float8
-    Colwise/RowwiseParallel, which torchtitan applies whenever Float8 and TP are on; TransformerEngine's
-    LayerNormLinear and grad_output_preprocess), the reduce-scatters staying bf16; "tp+fsdp", also the FSDP / ZeRO
-    weight all-gathers of the linears (torchao ``enable_fsdp_float8_all_gather``, Megatron ``--fp8-param-gather``);
-    "none", neither (dtrain's own trainer: its TP plan has no Float8 styles yet). Default "tp", what both FP8 stacks
-    of the field do unasked. ``grad_reduce`` (STATE_DTYPES): the dtype gradients accumulate and reduce in over DP,
-    "fp32" (default: Megatron's for bf16, torchtitan's ``mixed_precision_reduce``, dtrain's) or "bf16" (apex
-    DistributedFusedAdam's ``grad_sync_dtype``, torchtitan ``mixed_precision_reduce=bfloat16``);
-    ``optimizer_states``: "fp32" (default: fp32 master weights, Adam moments) or "bf16" (Adam moments in bf16 and
-    no fp32 master copy: apex DistributedFusedAdam with ``dtype`` the model's bf16, which NeMo then runs with
-    ``store_params=False``), see ``memory.model_state_bytes``."""
-
-    __hash__ = cached_hash
-
-    attention: str = "flash"
-    kernels: str = "fused"
-    loss: str | None = None
-    tp_overlap: bool = False
-    async_tp: bool = False
-    fp8_all_gather: str = "tp"
-    grad_reduce: str = "fp32"
-    optimizer_states: str = "fp32"
-
-    def __post_init__(self) -> None:
-        for name in ("grad_reduce", "optimizer_states"):
-            if getattr(self, name) not in STATE_DTYPES:
-                raise ValueError(f"{name} must be one of {STATE_DTYPES}, got {getattr(self, name)!r}")
-        if self.fp8_all_gather not in FP8_ALL_GATHERS:
-            raise ValueError(f"fp8_all_gather must be one of {FP8_ALL_GATHERS}, got {self.fp8_all_gather!r}")
-        if self.attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
-        for name in ("kernels", "loss"):
-            if getattr(self, name) not in ("fused", "eager", None if name == "loss" else "fused"):
-                raise ValueError(f"{name} must be fused or eager, got {getattr(self, name)!r}")
-        if self.tp_overlap and self.async_tp:
-            raise ValueError("tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: give one")
-
-    @property
-    def fused(self) -> bool:
-        return self.kernels == "fused"
-
-    @property
-    def fused_loss(self) -> bool:
-        return (self.loss or self.kernels) == "fused"
-
-    @property
-    def flash(self) -> bool:
-        return self.attention != "eager"
-
-    def describe(self) -> str:
-        loss = f", {self.loss} loss" if self.loss and self.loss != self.kernels else ""
-        tp = ", TP overlapped" if self.tp_overlap else ", AsyncTP" if self.async_tp else ""
-        gathers = f", FP8 all-gathers: {self.fp8_all_gather}" if self.fp8_all_gather != "tp" else ""
-        states = "".join(f", {what} {dtype}" for what, dtype in (("gradients", self.grad_reduce),
-                                                                   ("optimizer states", self.optimizer_states))
-                         if dtype != "fp32")
-        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}"
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of one gradient value as it accumulates and crosses DP (``grad_reduce``)."""
-        return 4 if self.grad_reduce == "fp32" else 2
-
-    def fp8_gathers(self, precision: str) -> tuple[bool, bool]:
-        """(TP all-gathers, FSDP weight all-gathers) in FP8 for a run in ``precision`` (bf16 runs: neither)."""
-        fp8 = precision == "fp8"
-        return fp8 and self.fp8_all_gather != "none", fp8 and self.fp8_all_gather == "tp+fsdp"
 
 
 @dataclass(frozen=True)

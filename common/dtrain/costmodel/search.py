@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .hardware import GiB, Cluster
-from .compute import Stack
+from .stack import Stack
 from .shapes import RECOMPUTE, Layout, ModelShape
 from .memory import MemoryBreakdown, memory_per_gpu, model_state_bytes
 from .calibration import Calibration

@@ -39,7 +39,8 @@ from dtrain.flops import transformer_flops_per_token
 
 from .calibration import Calibration, Param
 from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, reduce_scatter_time
-from .compute import ComputeTerms, Device, KernelModel, Stack, _micro_terms, optimizer_s, published
+from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
+from .stack import Stack
 from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, stage_layers
 from .memory import embedding_params_per_gpu, params_per_gpu
