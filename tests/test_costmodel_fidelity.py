@@ -201,6 +201,35 @@ def test_zero3_pays_latency_per_fsdp_unit_by_hand():
     assert z1.dp_comm == pytest.approx(ag + rs)
 
 
+def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
+    """Once-per-step DP traffic under PP (4 stages of a 6-layer model, 2 micro-batches): ZeRO-1 (Megatron's
+    --overlap-grad-reduce) hides up to dp_overlap of its gradient reduce-scatter behind the last micro-batch's
+    backward (2/3 of one micro-batch) and half the bubble; ZeRO-3, which torch.distributed.pipelining runs as
+    FSDP's post-backward after the stage's last backward, hides none of it. Both hide the weight all-gather behind
+    the first forward (1/3 of a micro-batch)."""
+    from dtrain.costmodel import LinkModel, step_time
+    from dtrain.costmodel.calibration import Calibration
+    from dtrain.guide.local_check import host_cluster
+
+    shape = ModelShape(6, 512, 8, 8, 1000, 128)
+    cluster = host_cluster(1e11, 8, LinkModel(1e-5, 1e8))
+    calib = Calibration()
+    ov = calib.dp_overlap.value
+    for zero in (1, 3):
+        t = step_time(shape, Layout(2, 1, 4, zero_stage=zero, grad_accum=2), cluster, calib)
+        psi = params_per_gpu(shape, 1, 4)
+        rs, ag = 0.5 * 4 * psi / 1e8 + 1e-5, 0.5 * 2 * psi / 1e8 + 1e-5   # ring over 2 ranks: fp32 grads, bf16 weights
+        assert t.dp_comm == pytest.approx(rs + ag)
+        micro = (t.compute - t.terms.optimizer) / 2
+        window = 2 / 3 * micro + t.bubble / 2 if zero == 1 else 0.0
+        hidden = min(ov * rs, window) + min(ov * ag, micro / 3)
+        loss = t.dp_comm_exposed - (rs + ag - hidden)
+        assert 0 <= loss < 1e-3   # the step's loss all-reduce: one latency-bound message
+    z1 = step_time(shape, Layout(2, 1, 4, zero_stage=1, grad_accum=2), cluster, calib)
+    z3 = step_time(shape, Layout(2, 1, 4, zero_stage=3, grad_accum=2), cluster, calib)
+    assert z3.dp_comm == pytest.approx(z1.dp_comm) and z3.dp_comm_exposed > z1.dp_comm_exposed
+
+
 def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
     # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM runs at
     # the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)

@@ -15,10 +15,10 @@ PROVENANCES = ("datasheet/published:", "measured here:")
 GPU_E_MAX = 0.82
 GPU_W_HALF = 4.8e9
 # Share of DP traffic that overlap hides: fitted to dtrain backtest's development set (a test pins it to the fit)
-GPU_DP_OVERLAP = 0.7
+GPU_DP_OVERLAP = 0.6
 # Share of TP traffic torchtitan's AsyncTP hides: the development set's with/without-AsyncTP pairs (torchtitan
 # performance.md 2024-08 and 2024-12), measured time saved over the TP traffic priced (a test pins it to them)
-ASYNC_TP_HIDDEN = 0.27
+ASYNC_TP_HIDDEN = 0.31
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Calibration:
         ASYNC_TP_HIDDEN, "share of the TP traffic torchtitan's AsyncTP hides: torchtitan docs/performance.md runs "
         "the same layout with and without it twice (2024-08: Llama 3.1 405B, FSDP 16 x TP 8, Float8, 177 -> 185 "
         "tokens/s/GPU; 2024-12 Table 4: Llama 3.1 70B, FSDP 32 x TP 8, Float8, 829 -> 876): the step time saved "
-        "over the TP all-gathers and reduce-scatters the model prices for it, 0.29 and 0.25 at link efficiency 0.7 (dtrain backtest "
+        "over the TP all-gathers and reduce-scatters the model prices for it, 0.34 and 0.28 at link efficiency 0.8 (dtrain backtest "
         "predicts each source's rows with the other source's pair)"))
     cp_overlap: Param = field(default_factory=lambda: _published(
         GPU_DP_OVERLAP, "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring attention, "

@@ -207,10 +207,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               an all-reduce of the fp32 gradient shard over the R groups.
     exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, at most
               calib.dp_overlap of it: ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
-              the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1, ZeRO-3 under PP)
-              only behind the last micro-batch's backward (2/3 of its compute) and the pipeline's
-              cooldown, its weight all-gather behind the first micro-batch's forward (1/3); plus the
-              all-reduce of the step's loss over DP (4 bytes: its latency).
+              the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1) only behind the last
+              micro-batch's backward (2/3 of its compute) and the pipeline's cooldown, and under ZeRO-3 with
+              PP behind nothing (torch.distributed.pipelining runs FSDP's post-backward reduce-scatters after
+              the stage's last backward); the weight all-gather behind the first micro-batch's forward (1/3);
+              plus the all-reduce of the step's loss over DP (4 bytes: its latency).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
     4 for the fp32 runs on CPU whose step times the guide predicts).
@@ -384,7 +385,11 @@ class StepModel:
             hidden = min(ov * dp_comm, work)
         else:  # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
             micro = work / m
-            hidden = min(ov * grad_comm, 2 / 3 * micro + bubble / 2) + min(ov * param_comm, micro / 3)
+            # FSDP under torch.distributed.pipelining (torchtitan, the trainer) reduces a stage's gradients only
+            # after its last backward (PipelineStage's post_backward / REDUCE_GRAD action): nothing left to hide
+            # behind on the first stage, which finishes last
+            window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
+            hidden = min(ov * grad_comm, window) + min(ov * param_comm, micro / 3)
         exposed = dp_comm - hidden + loss  # + the step's loss averaged over DP for the log (latency only)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
