@@ -130,16 +130,15 @@ def test_outside_slurm_nothing_changes(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".records-offsets*"))
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("requeue_on", [True, False])
-def test_slurm_keys_reach_sbatch(requeue_on):
-    import shutil
+def test_slurm_keys_reach_sbatch(requeue_on, slurm_cluster):
+    """The executor asks the cluster for its limits (sinfo): it needs one up, not only Slurm installed."""
     from pathlib import Path
 
     from dtrain.config import BaseConfig, defaults
     from dtrain.launch import slurm_executor
 
-    if shutil.which("sbatch") is None:
-        pytest.skip("needs Slurm's sbatch on PATH (scripts/slurm-cluster install)")
     cfg = defaults(BaseConfig)
     cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = "t", requeue_on, 45, 5
     ex = slurm_executor(cfg, Path("/tmp/unused"))._executor
