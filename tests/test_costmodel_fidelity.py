@@ -230,6 +230,42 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
     assert z3.dp_comm == pytest.approx(z1.dp_comm) and z3.dp_comm_exposed > z1.dp_comm_exposed
 
 
+def test_dp_sync_at_the_flush_hides_nothing(capsys):
+    """DeepSpeed's pipeline engine (Stack.dp_sync "flush") reduces the gradients after the pipeline's last step and
+    all-gathers ZeRO-1's weights in the optimizer step: the whole once-per-step DP traffic is exposed; the default
+    ("overlap", Megatron's) hides part of it. The flag reaches `dtrain plan`; an unknown value is refused."""
+    import json
+
+    from dtrain.cli import main
+    from dtrain.costmodel import LinkModel, step_time
+    from dtrain.costmodel.stack import Stack
+    from dtrain.guide.local_check import host_cluster
+
+    shape = ModelShape(6, 512, 8, 8, 1000, 128)
+    cluster = host_cluster(1e11, 8, LinkModel(1e-5, 1e8))
+    lay = Layout(2, 1, 4, zero_stage=1, grad_accum=2)
+    over = step_time(shape, lay, cluster, stack=Stack())
+    flush = step_time(shape, lay, cluster, stack=Stack(dp_sync="flush"))
+    assert flush.dp_comm == pytest.approx(over.dp_comm)
+    loss = flush.dp_comm_exposed - flush.dp_comm
+    assert 0 <= loss < 1e-3 and over.dp_comm_exposed < flush.dp_comm_exposed
+    assert flush.total - over.total == pytest.approx(flush.dp_comm_exposed - over.dp_comm_exposed)
+    with pytest.raises(ValueError, match=r"dp_sync must be one of \('overlap', 'flush'\), got 'never'"):
+        Stack(dp_sync="never")
+    base = ["plan", "--params", "20e9", "--gpus", "64", "--global-batch", "256", "--json", "--top", "0",
+            "--layout", "dp=8 tp=2 pp=4 zero=1 mb=1"]
+    steps = {}
+    for sync in ("overlap", "flush"):
+        assert main([*base, "--dp-sync", sync]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["dp_sync"] == sync
+        steps[sync] = res["layout"]["step_time_s"]
+    assert steps["flush"]["dp_comm_exposed"] > steps["overlap"]["dp_comm_exposed"]
+    assert main([*base, "--dp-sync", "never"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dtrain plan: argument --dp-sync: invalid choice: 'never'") and err.count("\n") == 1
+
+
 def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
     # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM runs at
     # the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)

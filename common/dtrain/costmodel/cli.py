@@ -24,7 +24,7 @@ from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES
-from .stack import ATTENTION_KERNELS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
+from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
 from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
 from .search import SearchResult, search
@@ -118,6 +118,10 @@ def add_parser(sub) -> None:
     r.add_argument("--optimizer-states", choices=STATE_DTYPES, default="fp32",
                    help="fp32 (default): fp32 master weights and Adam moments, 12 B/param; bf16: Adam moments in "
                         "bf16 and no master copy (apex DistributedFusedAdam dtype=bf16, as NeMo runs it), 4 B/param")
+    r.add_argument("--dp-sync", choices=DP_SYNCS, default="overlap",
+                   help="when the once-per-step DP collectives run: overlap (default; Megatron's --overlap-grad-reduce "
+                        "and --overlap-param-gather: behind the last backward and the first forward) or flush "
+                        "(DeepSpeed's pipeline engine: after the pipeline's last step, nothing hidden)")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
                         'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
@@ -134,7 +138,7 @@ def stack_of(a) -> Stack:
         raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
                         "give the one the run used")
     return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather, a.grad_reduce,
-                 a.optimizer_states)
+                 a.optimizer_states, a.dp_sync)
 
 
 def shape_from_args(a) -> ModelShape:

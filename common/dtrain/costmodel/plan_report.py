@@ -119,7 +119,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "attention": res.stack.attention, "kernels": res.stack.kernels, "loss": res.stack.loss or res.stack.kernels,
             "tp_overlap": res.stack.tp_overlap, "async_tp": res.stack.async_tp,
             "fp8_all_gather": res.stack.fp8_all_gather, "grad_reduce": res.stack.grad_reduce,
-            "optimizer_states": res.stack.optimizer_states,
+            "optimizer_states": res.stack.optimizer_states, "dp_sync": res.stack.dp_sync,
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
             **_overrides_json(res),

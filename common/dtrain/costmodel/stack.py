@@ -12,6 +12,7 @@ from .hashing import cached_hash
 ATTENTION_KERNELS = ("flash", "flash2", "eager")
 FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")   # see Stack.fp8_all_gather
 STATE_DTYPES = ("fp32", "bf16")                 # see Stack.grad_reduce, Stack.optimizer_states
+DP_SYNCS = ("overlap", "flush")                 # see Stack.dp_sync
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,12 @@ class Stack:
     DistributedFusedAdam's ``grad_sync_dtype``, torchtitan ``mixed_precision_reduce=bfloat16``);
     ``optimizer_states``: "fp32" (default: fp32 master weights, Adam moments) or "bf16" (Adam moments in bf16 and
     no fp32 master copy: apex DistributedFusedAdam with ``dtype`` the model's bf16, which NeMo then runs with
-    ``store_params=False``), see ``memory.model_state_bytes``."""
+    ``store_params=False``), see ``memory.model_state_bytes``. ``dp_sync`` (DP_SYNCS): when the once-per-step DP
+    collectives run (ZeRO-0/1; ZeRO-3 under PP gathers its weights once too): "overlap" (default; Megatron's
+    ``--overlap-grad-reduce`` / ``--overlap-param-gather``: the gradients behind the last micro-batch's backward,
+    the weights behind the first forward) or "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues
+    ReduceTiedGrads, ReduceGrads and OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the
+    updated weights inside the optimizer step: nothing hidden)."""
 
     __hash__ = cached_hash
 
@@ -46,8 +52,11 @@ class Stack:
     fp8_all_gather: str = "tp"
     grad_reduce: str = "fp32"
     optimizer_states: str = "fp32"
+    dp_sync: str = "overlap"
 
     def __post_init__(self) -> None:
+        if self.dp_sync not in DP_SYNCS:
+            raise ValueError(f"dp_sync must be one of {DP_SYNCS}, got {self.dp_sync!r}")
         for name in ("grad_reduce", "optimizer_states"):
             if getattr(self, name) not in STATE_DTYPES:
                 raise ValueError(f"{name} must be one of {STATE_DTYPES}, got {getattr(self, name)!r}")
@@ -80,7 +89,8 @@ class Stack:
         states = "".join(f", {what} {dtype}" for what, dtype in (("gradients", self.grad_reduce),
                                                                    ("optimizer states", self.optimizer_states))
                          if dtype != "fp32")
-        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}"
+        flush = ", DP sync at the pipeline flush" if self.dp_sync == "flush" else ""
+        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}{flush}"
 
     @property
     def grad_bytes(self) -> int:

@@ -211,7 +211,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               micro-batch's backward (2/3 of its compute) and the pipeline's cooldown, and under ZeRO-3 with
               PP behind nothing (torch.distributed.pipelining runs FSDP's post-backward reduce-scatters after
               the stage's last backward); the weight all-gather behind the first micro-batch's forward (1/3);
-              plus the all-reduce of the step's loss over DP (4 bytes: its latency).
+              with ``stack.dp_sync`` "flush" (DeepSpeed's pipeline engine) neither is hidden; plus the
+              all-reduce of the step's loss over DP (4 bytes: its latency).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
     4 for the fp32 runs on CPU whose step times the guide predicts).
@@ -390,6 +391,8 @@ class StepModel:
             # behind on the first stage, which finishes last
             window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
             hidden = min(ov * grad_comm, window) + min(ov * param_comm, micro / 3)
+            if self.stack.dp_sync == "flush":  # DeepSpeed's pipeline engine: after the flush, behind nothing
+                hidden = 0.0
         exposed = dp_comm - hidden + loss  # + the step's loss averaged over DP for the log (latency only)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
