@@ -16,7 +16,8 @@ from .hardware import LinkModel
 from .shapes import Layout
 from .calibration import Param
 from .collectives import p2p_time
-from .timemodel import bubble_fraction, tp_comm_time
+from .timemodel import bubble_fraction
+from .traffic import tp_comm_time
 
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
 
@@ -157,7 +158,7 @@ def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> lis
     """TP and PP factors of DP x TP x PP layout runs (``training_entries``: the record's layout and
     its profiled step breakdown):
 
-    tp_overhead  measured TP comm (profile) / ``timemodel.tp_comm_time`` (α–β with this device's link)
+    tp_overhead  measured TP comm (profile) / ``traffic.tp_comm_time`` (α–β with this device's link)
     pp_overhead  measured (PP p2p wait + idle) − α–β p2p sends, over compute + TP comm, / the bubble
                  formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
                  model puts on its bubble

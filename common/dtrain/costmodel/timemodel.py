@@ -26,7 +26,8 @@ Sources
 * Pipeline bubble: ``Calibration.pp_overhead`` scales the formula (1 = taken as is; fsdp-scaling's
   PP layout runs measure the ratio of the real idle + p2p share to the formula's).
 * DP gradients are reduced in fp32 (Megatron ``--accumulate-allreduce-grads-in-fp32``, torchtitan
-  FSDP ``reduce_dtype=float32``): 4 bytes per parameter; gathered weights move in bf16.
+  FSDP ``reduce_dtype=float32``): 4 bytes per parameter, 2 with ``Stack.grad_reduce`` "bf16"; gathered
+  weights move in bf16. The TP and DP volumes per step: ``traffic``.
 """
 
 from __future__ import annotations
@@ -34,18 +35,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .hardware import Cluster, GPUProfile, LinkModel
+from .hardware import Cluster, GPUProfile
 from dtrain.flops import transformer_flops_per_token
 
 from .calibration import Calibration, Param
-from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, reduce_scatter_time
+from .collectives import all_gather_time, allreduce_time, group_link, p2p_time
 from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
 from .stack import Stack
 from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, stage_layers
-from .memory import embedding_params_per_gpu, params_per_gpu
+from .memory import params_per_gpu
+from .traffic import dp_comm_time, tp_comm_time
 
-__all__ = ["StepTime", "StepModel", "bubble_fraction", "tp_comm_time", "model_flops_per_token", "step_time",
+__all__ = ["StepTime", "StepModel", "bubble_fraction", "model_flops_per_token", "step_time",
            "step_model", "device_of"]
 
 def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> float:
@@ -96,26 +98,6 @@ class StepTime:
         return self.model_flops / (self.total * self.gpus * self.peak_flops)
 
 
-def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2,
-                 gather_bytes: int | None = None) -> float:
-    """α–β TP communication of one step on the busiest stage, before ``Calibration.tp_overhead``:
-    ceil(L/pp) layers · m micro-batches · (4, or 6 with full recompute) ring all-reduces of b·s·h
-    values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume).
-    Selective op AC re-runs wo and so the all-reduce after it (5), except with SP, whose
-    reduce-scatter output torchtitan's policy saves (4). ``gather_bytes``: bytes per value of SP's
-    all-gathers when they move FP8 (``Stack.fp8_all_gather``; the reduce-scatters keep ``value_bytes``)."""
-    if layout.tp <= 1:
-        return 0.0
-    n_coll = {"full": 6, "op": 4 if layout.sequence_parallel else 5}.get(layout.recompute, 4)
-    values = layout.micro_batch * shape.seq_len * shape.d_model
-    if gather_bytes is not None and layout.sequence_parallel:
-        pair = all_gather_time(values * gather_bytes, layout.tp, link) + \
-            reduce_scatter_time(values * value_bytes, layout.tp, link)
-    else:
-        pair = allreduce_time(values * value_bytes, layout.tp, link)
-    return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * pair
-
-
 @lru_cache(maxsize=1 << 10)
 def model_flops_per_token(shape: ModelShape) -> float:
     """``dtrain.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
@@ -144,37 +126,6 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
         scale *= (kernels.power_w / gpu.power_w) ** (1 / 3)
     return Device(gpu.peak_bf16_flops, gpu.peak_fp8_flops, gpu.hbm_tbps * 1e12, kernels, scale, stack.fused,
                   stack.fused_loss)
-
-
-@lru_cache(maxsize=1 << 14)
-def _dp_comm(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
-             fp8_weights: bool = False, grad_bytes: int = 4) -> tuple[float, float]:
-    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
-    ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``);
-    ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``)."""
-    if lay.dp <= 1:
-        return 0.0, 0.0
-    psi = params_per_gpu(shape, lay.tp, lay.pp)
-    grads, weights = grad_bytes * psi, value_bytes * psi
-    if fp8_weights:
-        emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
-        weights = (psi - emb) + value_bytes * emb
-    n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
-    link = group_link(cluster, n, lay.tp, multi_rail=True)
-    ag = all_gather_time(weights, n, link)
-    rs = reduce_scatter_time(grads, n, link)
-    if r > 1:
-        rs += allreduce_time(grads / n, r, group_link(cluster, r, lay.tp * n, multi_rail=True))
-    m = lay.grad_accum
-    if lay.zero_stage == 0:
-        return allreduce_time(grads, lay.dp, link), 0.0
-    if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
-        return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
-    if lay.zero_stage == 2:
-        return m * rs, ag
-    units = stage_layers(shape, lay.pp) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
-    lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
-    return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
 
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
@@ -343,7 +294,7 @@ class StepModel:
         key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate)
         t = self._dp.get(key)
         if t is None:
-            g, w = _dp_comm(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum,
+            g, w = dp_comm_time(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum,
                                                dp_replicate=lay.dp_replicate), self.cluster, self.vb,
                             self.fp8_fsdp_gather, max(self.vb, self.stack.grad_bytes))
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0

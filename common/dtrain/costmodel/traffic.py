@@ -1,0 +1,62 @@
+"""Bytes each parallel dimension moves in one step, as α–β times: TP (``tp_comm_time``) and DP / ZeRO
+(``dp_comm_time``), for ``timemodel.StepModel`` to place on the critical path or behind compute. Sources are in
+``timemodel``'s docstring (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2; Rajbhandari et al. 2020 §7)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
+from .hardware import Cluster, LinkModel
+from .memory import embedding_params_per_gpu, params_per_gpu
+from .shapes import Layout, ModelShape, stage_layers
+
+
+def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2,
+                 gather_bytes: int | None = None) -> float:
+    """α–β TP communication of one step on the busiest stage, before ``Calibration.tp_overhead``:
+    ceil(L/pp) layers · m micro-batches · (4, or 6 with full recompute) ring all-reduces of b·s·h
+    values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume).
+    Selective op AC re-runs wo and so the all-reduce after it (5), except with SP, whose
+    reduce-scatter output torchtitan's policy saves (4). ``gather_bytes``: bytes per value of SP's
+    all-gathers when they move FP8 (``Stack.fp8_all_gather``; the reduce-scatters keep ``value_bytes``)."""
+    if layout.tp <= 1:
+        return 0.0
+    n_coll = {"full": 6, "op": 4 if layout.sequence_parallel else 5}.get(layout.recompute, 4)
+    values = layout.micro_batch * shape.seq_len * shape.d_model
+    if gather_bytes is not None and layout.sequence_parallel:
+        pair = all_gather_time(values * gather_bytes, layout.tp, link) + \
+            reduce_scatter_time(values * value_bytes, layout.tp, link)
+    else:
+        pair = allreduce_time(values * value_bytes, layout.tp, link)
+    return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * pair
+
+
+@lru_cache(maxsize=1 << 14)
+def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
+             fp8_weights: bool = False, grad_bytes: int = 4) -> tuple[float, float]:
+    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
+    ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``);
+    ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``)."""
+    if lay.dp <= 1:
+        return 0.0, 0.0
+    psi = params_per_gpu(shape, lay.tp, lay.pp)
+    grads, weights = grad_bytes * psi, value_bytes * psi
+    if fp8_weights:
+        emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
+        weights = (psi - emb) + value_bytes * emb
+    n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
+    link = group_link(cluster, n, lay.tp, multi_rail=True)
+    ag = all_gather_time(weights, n, link)
+    rs = reduce_scatter_time(grads, n, link)
+    if r > 1:
+        rs += allreduce_time(grads / n, r, group_link(cluster, r, lay.tp * n, multi_rail=True))
+    m = lay.grad_accum
+    if lay.zero_stage == 0:
+        return allreduce_time(grads, lay.dp, link), 0.0
+    if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
+        return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
+    if lay.zero_stage == 2:
+        return m * rs, ag
+    units = stage_layers(shape, lay.pp) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
+    lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
+    return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
