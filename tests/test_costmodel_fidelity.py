@@ -266,6 +266,19 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
     assert err.startswith("error: dtrain plan: argument --dp-sync: invalid choice: 'never'") and err.count("\n") == 1
 
 
+def test_neox_tflops_read_with_the_count_gpt_neox_logged_in_2022():
+    """GPT-NeoX-20B's 117 TFLOP/s becomes tokens/s with megatron/logging.py get_flops as of 2022 (a42805b4):
+    6 x every parameter + 60·s·h·L per token, by hand for the 20B shape (44 x 6144, s 2048, V 50432)."""
+    from dtrain.costmodel.backtest import load_rows, reported_tps, row_setup
+
+    row = next(r for r in load_rows() if r["name"].startswith("GPT-NeoX-20B"))
+    shape = row_setup(row).shape
+    assert row["reported"]["flops"] == "neox_2022"
+    n = shape.num_params()
+    assert n == pytest.approx(20.55e9, rel=1e-3)
+    assert reported_tps(row, shape) == pytest.approx(117e12 / (6 * n + 60 * 2048 * 6144 * 44))
+
+
 def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
     # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM runs at
     # the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)

@@ -129,7 +129,8 @@ def reported_tps(row: dict, shape: ModelShape) -> float | None:
         return row["layout"]["global_batch"] * shape.seq_len / rep["step_time_s"] / row["gpus"]
     flops = {"model": model_flops_per_token(shape),
              "megatron_recompute": 96 * shape.n_layer * shape.d_model ** 2 * (
-                 1 + shape.seq_len / (6 * shape.d_model) + shape.vocab / (16 * shape.n_layer * shape.d_model))}
+                 1 + shape.seq_len / (6 * shape.d_model) + shape.vocab / (16 * shape.n_layer * shape.d_model)),
+             "neox_2022": 6 * shape.num_params() + 60 * shape.n_layer * shape.d_model * shape.seq_len}
     return rep["tflops_per_gpu"] * 1e12 / flops[rep["flops"]]
 
 
