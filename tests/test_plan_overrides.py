@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -36,6 +37,11 @@ def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
                              "train.pp_schedule=interleaved_1f1b", "train.pp_virtual=2"]
     assert "train.activation_checkpointing=block" in overrides and "model.n_layer=8" in overrides
     assert "train.sequence_parallel=true" in overrides and any("ZeRO-1" in n for n in notes)
+    # under pp the trainer's zero2 reduces after the last backward (torch.distributed.pipelining): said, not hidden
+    assert any(n.startswith("under pp the trainer's zero2 reduces its gradients after the stage's last backward")
+               for n in notes)
+    _, no_pp = train_overrides(replace(layout, pp=1, tp=4, virtual_stages=1), shape, global_batch=16)
+    assert not any(n.startswith("under pp") for n in no_pp)
     world, train, model = as_configs(overrides)
     run = train.resolved(world, "cpu")
     run.validate_model(model)
@@ -75,7 +81,6 @@ def test_overrides_of_an_hsdp_layout_validate_in_the_trainer():
     assert "train.strategy=hsdp" in overrides and "train.hsdp_replicate=2" in overrides
     kv = dict(o.split("=", 1) for o in overrides)
     world, train, model = as_configs([o for o in overrides if not o.startswith("train.hsdp_replicate")])
-    from dataclasses import replace
 
     run = replace(train, hsdp_replicate=int(kv["train.hsdp_replicate"])).resolved(world, "cpu")
     run.validate_model(model)

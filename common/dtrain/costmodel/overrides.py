@@ -14,7 +14,8 @@
     sequence_parallel -> train.sequence_parallel
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
-selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp.
+selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp,
+and ZeRO-1/2 under pp, whose gradient reduction the trainer runs after the last backward (not hidden as priced).
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
         notes.append("the trainer refuses cp with pp > 1: run cp·dp data-parallel ranks or pp without cp")
     if layout.zero_stage == 1:
         notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
+    if layout.zero_stage in (1, 2) and layout.pp > 1:
+        notes.append("under pp the trainer's zero2 reduces its gradients after the stage's last backward "
+                     "(torch.distributed.pipelining), which the plan's ZeRO-1/2 step hides behind it: the run exposes "
+                     "that reduce-scatter, as the plan prices zero=3 with pp")
     if layout.dp_replicate > 1 and layout.zero_stage == 2:
         notes.append("HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in each group)")
     if layout.recompute == "selective":
