@@ -294,9 +294,9 @@ class StepModel:
         key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate)
         t = self._dp.get(key)
         if t is None:
-            g, w = dp_comm_time(self.shape, Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum,
-                                               dp_replicate=lay.dp_replicate), self.cluster, self.vb,
-                            self.fp8_fsdp_gather, max(self.vb, self.stack.grad_bytes))
+            group = Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum, dp_replicate=lay.dp_replicate)
+            g, w = dp_comm_time(self.shape, group, self.cluster, self.vb, self.fp8_fsdp_gather,
+                                max(self.vb, self.stack.grad_bytes))
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
             t = self._dp[key] = (g, w, loss)
         return t
