@@ -31,7 +31,7 @@ from .links import default_links
 from .stack import Stack
 from .hardware import LINK_EFFICIENCY, Cluster, GiB, get_profile
 from .shapes import Layout, ModelShape
-from .memory import memory_per_gpu
+from .memory import memory_for
 from .search import describe_layout, search
 from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .timemodel import StepTime, model_flops_per_token, step_time
@@ -247,8 +247,7 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
         t, cluster, calib = predict(s, fitted)
         gpus = s.layout.gpus
         act = calib.fp8_memory_factor.value if s.precision == "fp8" else 1.0
-        mem = memory_per_gpu(s.shape, s.layout, act, s.stack.flash, s.stack.fused_loss, s.stack.grad_bytes,
-                             s.stack.optimizer_states)
+        mem = memory_for(s.shape, s.layout, s.stack, act)
         terms = {**t.terms.as_dict(), "tp_comm": t.tp_comm, "cp_comm": t.cp_comm, "pp_comm": t.pp_comm,
                  "bubble": t.bubble,
                  "dp_exposed": t.dp_comm_exposed}

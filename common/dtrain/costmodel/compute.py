@@ -116,8 +116,6 @@ def _table() -> dict:
     return yaml.safe_load(resources.files(__package__).joinpath("kernels.yaml").read_text(encoding="utf-8"))
 
 
-
-
 @lru_cache(maxsize=64)
 def published(gpu: str, attention: str = "flash") -> KernelModel | None:
     """The kernel table of a ``hardware.yaml`` profile (its ``attention`` kernel: flash | flash2 | eager),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .collectives import group_link
 from .hardware import GiB, Cluster
-from .memory import memory_per_gpu
+from .memory import memory_for
 from .search import Plan, SearchResult, describe_layout
 from .timemodel import step_time
 
@@ -110,8 +110,7 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
                         stack=result.stack).tokens_per_s
         if tps <= target:
             continue
-        need = memory_per_gpu(result.model, lay, act, result.flash_attention, result.stack.fused_loss,
-                              result.stack.grad_bytes, result.stack.optimizer_states).total
+        need = memory_for(result.model, lay, result.stack, act).total
         g = groups.setdefault((lay.cp, lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
         g[0] = max(g[0], tps)
         if need < g[1]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 from .shapes import RECOMPUTE, Layout, ModelShape, stage_layers
+from .stack import Stack
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
@@ -66,18 +67,18 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int, grad_bytes: int = 4,
     bf16, as NeMo runs it with ``store_params=False``): 4Ψ of optimizer state, sharded as the stage shards it;
     at stage 3 the sharded parameters and their gradients are then bf16 too (2 + 2 + 4)Ψ/N.
     """
-    nd = dp
-    states = 12 if optimizer_states == "fp32" else 4
-    g = grad_bytes
+    nd, g = dp, grad_bytes
+    fp32 = optimizer_states == "fp32"
+    master, moments = (4, 8) if fp32 else (0, 4)   # fp32 master copy + Adam's m and v
     if zero_stage == 0:
-        return 2 * psi, g * psi, states * psi
+        return 2 * psi, g * psi, (master + moments) * psi
     if zero_stage == 1:
-        return 2 * psi, g * psi, states * psi / nd
+        return 2 * psi, g * psi, (master + moments) * psi / nd
     if zero_stage == 2:
-        return 2 * psi, g * psi / nd, states * psi / nd
-    if zero_stage == 3:
-        shard = 4 if optimizer_states == "fp32" else 2
-        return shard * psi / nd, shard * psi / nd, (states - 4 if shard == 4 else states) * psi / nd
+        return 2 * psi, g * psi / nd, (master + moments) * psi / nd
+    if zero_stage == 3:  # the sharded parameters are the master copy, their gradients in the same dtype
+        shard = 4 if fp32 else 2
+        return shard * psi / nd, shard * psi / nd, moments * psi / nd
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
 
 
@@ -311,3 +312,10 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
         buffers = (2 + grad_bytes) * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)
+
+
+def memory_for(shape: ModelShape, layout: Layout, stack: Stack, activation_bytes_factor: float = 1.0) -> MemoryBreakdown:
+    """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory (the attention
+    kernel, the loss, the gradient and optimizer-state dtypes)."""
+    return memory_per_gpu(shape, layout, activation_bytes_factor, stack.flash, stack.fused_loss, stack.grad_bytes,
+                          stack.optimizer_states)

@@ -25,7 +25,7 @@ from functools import lru_cache
 from .hardware import GiB, Cluster
 from .stack import Stack
 from .shapes import RECOMPUTE, Layout, ModelShape
-from .memory import MemoryBreakdown, memory_per_gpu, model_state_bytes
+from .memory import MemoryBreakdown, memory_for, model_state_bytes
 from .calibration import Calibration
 from .timemodel import StepTime, step_model, step_time
 
@@ -33,7 +33,7 @@ __all__ = ["Cluster", "Calibration", "Plan", "SearchResult", "search"]
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 # Memory does not depend on the links: a grid over bandwidths (the guide) reuses it.
-_memory = lru_cache(maxsize=1 << 17)(memory_per_gpu)
+_memory = lru_cache(maxsize=1 << 17)(memory_for)
 VIRTUAL_STAGES = (1, 2, 4, 8)
 # A pruned search skips a layout whose compute alone is this many times the best step: it can be neither the
 # best nor one of the runners-up ``explain`` names.
@@ -71,11 +71,7 @@ class SearchResult:
     calib: Calibration = field(default_factory=Calibration)
     precision: str = "bf16"
     headroom: float = 0.1
-    stack: Stack = field(default_factory=Stack)   # attention kernel, fused or eager kernels and loss
-
-    @property
-    def flash_attention(self) -> bool:
-        return self.stack.flash
+    stack: Stack = field(default_factory=Stack)   # the software the layouts run on (costmodel/stack.py)
 
 
 def describe_layout(lay: Layout) -> str:
@@ -243,8 +239,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
         group = _design(lay)
         if prune and group in timed and lay.zero_stage < 3:
             continue
-        mem = _memory(model, lay, act_factor, flash_attention, stack.fused_loss, stack.grad_bytes,
-                      stack.optimizer_states)
+        mem = _memory(model, lay, stack, act_factor)
         if mem.total > usable:
             rejected.append((lay, NoFit(mem.total, usable, cluster.gpu.hbm_gib, headroom)))
             if smallest is None or mem.total < smallest[0]:

@@ -341,9 +341,9 @@ class StepModel:
             # after its last backward (PipelineStage's post_backward / REDUCE_GRAD action): nothing left to hide
             # behind on the first stage, which finishes last
             window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
-            hidden = min(ov * grad_comm, window) + min(ov * param_comm, micro / 3)
-            if self.stack.dp_sync == "flush":  # DeepSpeed's pipeline engine: after the flush, behind nothing
-                hidden = 0.0
+            # DeepSpeed's pipeline engine (dp_sync "flush") runs both after the pipeline's flush: behind nothing
+            hidden = 0.0 if self.stack.dp_sync == "flush" else \
+                min(ov * grad_comm, window) + min(ov * param_comm, micro / 3)
         exposed = dp_comm - hidden + loss  # + the step's loss averaged over DP for the log (latency only)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
