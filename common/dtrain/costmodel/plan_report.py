@@ -39,7 +39,8 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
            f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
            f"{res.precision}",
            f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
-           "--fp8-all-gather: the run's software moves the cost)", *notes, ""]
+           "--fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's software moves the cost)",
+           *notes, ""]
     if res.best is None:
         return out + [res.reason]
     out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), "", "why the runners-up lost:"]
