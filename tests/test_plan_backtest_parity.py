@@ -44,6 +44,8 @@ def plan_args(row: dict) -> list[str]:
               "sp": "on" if lay.get("sp") else "off", "schedule": lay.get("schedule", "1f1b")}
     if fields["cp"] > 1:
         fields["cp_impl"] = lay.get("cp_impl", "ring")
+    if "split" in lay:
+        fields["split"] = lay["split"]
     return args + ["--layout", " ".join(f"{k}={v}" for k, v in fields.items())]
 
 

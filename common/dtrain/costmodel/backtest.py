@@ -114,7 +114,8 @@ def row_setup(row: dict) -> Setup:
     gb = lay["global_batch"]
     layout = Layout(lay["dp"], lay["tp"], lay["pp"], lay["zero"], lay["recompute"], lay["mb"],
                     gb // (lay["dp"] * lay["mb"]), bool(lay.get("sp", False)), lay.get("v", 1),
-                    lay.get("schedule", "1f1b"), lay.get("cp", 1), lay.get("cp_impl", "ring"))
+                    lay.get("schedule", "1f1b"), lay.get("cp", 1), lay.get("cp_impl", "ring"),
+                    pp_split=lay.get("split", "layers"))
     return Setup(shape, cluster, layout, gb, row.get("precision", "bf16"), Stack(**row.get("stack", {})))
 
 

@@ -25,7 +25,7 @@ from dtrain.errors import UserError
 from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
-from .shapes import CP_IMPLS, PP_SCHEDULES, RECOMPUTE, ModelShape
+from .shapes import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape
 from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
 from .search import SearchResult, search
 
@@ -123,9 +123,11 @@ def add_parser(sub) -> None:
                         "and --overlap-param-gather: behind the last backward and the first forward) or flush "
                         "(DeepSpeed's pipeline engine: after the pipeline's last step, nothing hidden)")
     p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv zero= '
-                        'hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
-                        "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups")
+                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv split=layers|balanced '
+                        'zero= hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
+                        "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups; "
+                        "split=balanced: the embedding and the loss take one layer's slot each in the pipeline split "
+                        "(Megatron's --account-for-embedding/loss-in-pipeline-split)")
     p.add_argument("--results", metavar="DIR", action="append",
                    help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
     p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
@@ -178,7 +180,7 @@ def cluster_from_args(a) -> Cluster:
 
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
                "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule",
-               "cp": "cp", "cp_impl": "cp_impl", "hsdp": "dp_replicate"}
+               "cp": "cp", "cp_impl": "cp_impl", "hsdp": "dp_replicate", "split": "pp_split"}
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
@@ -200,6 +202,10 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
         elif field == "cp_impl":
             if value not in CP_IMPLS:
                 raise UserError(f"--layout: cp_impl={value} must be one of {', '.join(CP_IMPLS)}")
+            fixed[field] = value
+        elif field == "pp_split":
+            if value not in PP_SPLITS:
+                raise UserError(f"--layout: split={value} must be one of {', '.join(PP_SPLITS)}")
             fixed[field] = value
         elif field == "pp_schedule":
             if value not in PP_SCHEDULES:
@@ -228,6 +234,9 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
         given = "·".join(f"{k}={v}" for k, v in dims.items())
         raise UserError(f"--layout: {given} = {product} {'does not divide' if gpus % product else 'is not'} "
                         f"--gpus {gpus}: dp·cp·tp·pp must equal the GPUs")
+    if fixed.get("pp_split", "layers") != "layers" and fixed.get("pp", 2) < 2:
+        raise UserError(f"--layout: split={fixed['pp_split']} splits layers over pipeline stages but pp=1: "
+                        "drop split= or give pp >= 2")
     if fixed.get("cp_impl") and fixed.get("cp", 2) < 2:
         raise UserError(f"--layout: cp_impl={fixed['cp_impl']} needs cp >= 2")
     replicas = fixed.get("dp_replicate", 1)

@@ -32,7 +32,7 @@ from importlib import resources
 import yaml
 
 from .efficiency import Gemm, GemmCurve, gemm_time, head_gemm, layer_gemms, op_recompute_gemms
-from .shapes import Layout, ModelShape, stage_layers
+from .shapes import Layout, ModelShape, last_stage_layers, stage_layers
 from .hashing import cached_hash
 
 # Unfused PyTorch moves this many times the bytes of the fused count for the same memory-bound work
@@ -313,12 +313,13 @@ def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
     """One micro-batch on the busiest pipeline stage (no optimizer; ``StepModel.compute`` adds it).
 
     Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus the output
-    projection (Megatron's and DeepSpeed's default split; Llama 3 405B ran 126 layers on 16 stages this way):
-    a micro-batch costs max(ceil(L/pp)·t_layer, last·t_layer + t_head) on the busiest stage."""
+    projection (Megatron's and DeepSpeed's default split); the "balanced" split (``shapes.PP_SPLITS``) gives the
+    end stages one layer fewer: a micro-batch costs max(busiest·t_layer, last·t_layer + t_head) on the busiest
+    stage."""
     lt = layer_terms(shape, layout, dev, precision, value_bytes)
     head = head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch, cp=layout.cp), dev, value_bytes)
-    layers = stage_layers(shape, layout.pp)
-    last = max(shape.n_layer - (layout.pp - 1) * layers, 0)
+    layers = stage_layers(shape, layout.pp, layout.pp_split)
+    last = last_stage_layers(shape, layout)
     first_busiest = layout.pp > 1 and layers * lt.total >= last * lt.total + head
     n = layers if first_busiest else last          # the busiest stage's layers
     return ComputeTerms(gemm=lt.gemm * n, attention=lt.attention * n, memory=lt.memory * n,

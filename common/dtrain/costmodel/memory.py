@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from .shapes import RECOMPUTE, Layout, ModelShape, stage_layers
+from .shapes import RECOMPUTE, Layout, ModelShape, end_stage_layers, last_stage_layers, stage_layers
 from .stack import Stack
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: b
 
 
 @lru_cache(maxsize=1 << 12)
-def params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
+def params_per_gpu(shape: ModelShape, tp: int, pp: int, split: str = "layers") -> float:
     """Parameters on the most loaded GPU: ceil(L/pp) layers / tp plus embeddings / tp.
 
     The vocab-parallel embedding and output projection are split over TP (Megatron); with pp > 1
@@ -187,12 +187,17 @@ def params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
     embedding is held by both), so a stage holds at most one V·h matrix; with pp = 1 it holds
     both. Norm weights (replicated under TP in Megatron) are divided too: negligible. With
     tp > n_kv_head each rank keeps one whole K and V head (replicated), as Megatron and dtrain do.
+    ``split`` "balanced" (``shapes.PP_SPLITS``): the larger of a middle stage's layers and an end stage's one
+    layer fewer plus its V·h matrix.
     """
     hd = shape.d_model // shape.n_head
     kv = 2 * shape.d_model * shape.n_kv_head * hd
     kv_local = 2 * shape.d_model * hd * max(shape.n_kv_head // tp, 1)
-    layers = stage_layers(shape, pp) * ((shape.params_per_layer() - kv) / tp + kv_local)
-    return layers + embedding_params_per_gpu(shape, tp, pp)
+    layer = (shape.params_per_layer() - kv) / tp + kv_local
+    layers = stage_layers(shape, pp, split)
+    if split == "balanced" and pp > 2:
+        return max(layers * layer, (layers - 1) * layer + embedding_params_per_gpu(shape, tp, pp))
+    return layers * layer + embedding_params_per_gpu(shape, tp, pp)
 
 
 def embedding_params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
@@ -222,6 +227,20 @@ def in_flight(layout: Layout) -> float:
     return n
 
 
+def held_layer_microbatches(shape: ModelShape, layout: Layout) -> float:
+    """Layer activations (one layer for one micro-batch each) the first stage holds at its peak: ``in_flight``
+    micro-batches through its layers, where the interleaved warm-up's extra ones have run only its first chunk
+    (Megatron's schedule: chunk forwards in rounds of pp micro-batches, the pp−1 beyond v·pp in chunk 0). With
+    equal chunks that is ``in_flight`` x the stage's layers; the "balanced" split's first chunk holds one layer
+    fewer (``shapes.end_stage_layers``)."""
+    first, first_chunk = end_stage_layers(shape, layout)
+    n = in_flight(layout)
+    if layout.virtual_stages == 1 or layout.pp_schedule == "zbv" or layout.pp == 1:
+        return n * first
+    full = float(min(layout.pp, layout.grad_accum))
+    return full * first + (n - full) * layout.virtual_stages * first_chunk
+
+
 # Bytes per logit the loss holds at its peak: a fused vocab-parallel cross-entropy works on the fp32 logits in
 # place (Megatron's count, 4); PyTorch's unfused F.cross_entropy over bf16 logits holds the bf16 logits (2), their
 # fp32 copy (4), the log-softmax (4) and the gradient (4): 14. torchtitan's Llama 3.1 8B on 8 H100 (mb 2, seq 8192,
@@ -234,7 +253,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
                      flash_attention: bool = True, fused_loss: bool = True) -> float:
     """Peak activation bytes on the most loaded pipeline stage.
 
-    The first stage holds ``in_flight`` micro-batches, each with ceil(n_layer/pp) layers, plus their
+    The first stage holds ``held_layer_microbatches`` (``in_flight`` micro-batches, each through its layers) plus their
     embedding-layer inputs: the token ids (8·s·b) and, with dropout, its mask (s·b·h) (Megatron
     ``compute_activation_memory``). The last stage holds one micro-batch plus the output layer's
     input, 4·s·b·h/tp, and the loss's logits, ``LOSS_BYTES_PER_LOGIT`` x s·b·V/tp (vocab-parallel; 4 bytes
@@ -255,12 +274,13 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     if lay.recompute in ("full", "op"):
         working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
     working += cp_buffer_bytes(shape, lay)
-    layers_here = stage_layers(shape, lay.pp)
+    # the last stage: as many layers as the busiest under the default split (kept as the upper bound it was)
+    last_layers = stage_layers(shape, lay.pp) if lay.pp_split == "layers" else last_stage_layers(shape, lay)
     output = (4 * s * b * h + LOSS_BYTES_PER_LOGIT["fused" if fused_loss else "eager"] * s * b * shape.vocab) / lay.tp
     n = in_flight(lay)
     embed = n * (8 * s * b + (s * b * h if shape.dropout else 0)) / lay.tp
-    first = per_layer * layers_here * n + working + embed
-    last = per_layer * layers_here + working + output
+    first = per_layer * held_layer_microbatches(shape, lay) + working + embed
+    last = per_layer * last_layers + working + output
     total = first + output if lay.pp == 1 else max(first, last)
     return total * (1.0 if lay.sequence_parallel else 1.05)
 
@@ -305,7 +325,7 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     ZeRO shards over ``shard_group`` (dp·cp, or one HSDP replica group's dp·cp / dp_replicate).
     ``grad_bytes`` and ``optimizer_states``: the gradient and optimizer-state dtypes (``model_state_bytes``).
     """
-    psi = params_per_gpu(shape, layout.tp, layout.pp)
+    psi = params_per_gpu(shape, layout.tp, layout.pp, layout.pp_split)
     p, g, o = model_state_bytes(psi, layout.zero_stage, layout.shard_group, grad_bytes, optimizer_states)
     buffers = 0.0
     if layout.zero_stage == 3 and layout.shard_group > 1:

@@ -15,6 +15,7 @@
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
 selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp,
+the balanced pipeline split,
 and ZeRO-1/2 under pp, whose gradient reduction the trainer runs after the last backward (not hidden as priced).
 """
 from __future__ import annotations
@@ -41,6 +42,9 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
            f"model.n_head={model.n_head}", f"model.n_kv_head={model.n_kv_head}", f"model.seq_len={model.seq_len}"]
     notes = []
+    if layout.pp_split != "layers" and layout.pp > 1:
+        notes.append(f"split={layout.pp_split} runs as the trainer's own split (blocks spread evenly over the stages, "
+                     "the embedding on the first and the loss on the last)")
     if layout.cp > 1 and layout.pp > 1:
         notes.append("the trainer refuses cp with pp > 1: run cp·dp data-parallel ranks or pp without cp")
     if layout.zero_stage == 1:

@@ -97,7 +97,7 @@ def plan_dict(p) -> dict:
             "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
             "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "total": m.total},
-            "pp_schedule": p.pp_schedule, "cp": p.cp, "cp_impl": p.cp_impl, "hsdp_replicate": p.dp_replicate,
+            "pp_schedule": p.pp_schedule, "pp_split": p.pp_split, "cp": p.cp, "cp_impl": p.cp_impl, "hsdp_replicate": p.dp_replicate,
             "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "cp_comm": t.cp_comm,
                             "pp_comm": t.pp_comm,
                             "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,

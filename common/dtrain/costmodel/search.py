@@ -39,7 +39,7 @@ VIRTUAL_STAGES = (1, 2, 4, 8)
 # best nor one of the runners-up ``explain`` names.
 PRUNE_BOUND = 1.5
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch", "sequence_parallel",
-                 "pp_schedule", "cp", "cp_impl", "dp_replicate")
+                 "pp_schedule", "cp", "cp_impl", "dp_replicate", "pp_split")
 # The shortest sequence chunk a context-parallel rank computes on (half its share: the load-balanced split gives
 # it two): fused attention reaches about half its long-sequence rate at ~1K tokens (kernels.yaml's s_half) and
 # ~60% at 2K, so the search does not split sequences finer (at 4K tokens: no CP)
@@ -80,7 +80,8 @@ def describe_layout(lay: Layout) -> str:
     sched = f" {lay.pp_schedule}" if lay.pp > 1 and lay.pp_schedule != "1f1b" else ""
     sp = " sp" if lay.sequence_parallel else ""
     hsdp = f" hsdp={lay.dp_replicate}" if lay.dp_replicate > 1 else ""
-    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched} zero={lay.zero_stage}{hsdp} "
+    split = f" split={lay.pp_split}" if lay.pp_split != "layers" else ""
+    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched}{split} zero={lay.zero_stage}{hsdp} "
             f"recompute={lay.recompute} mb={lay.micro_batch} ga={lay.grad_accum}{sp}")
 
 
@@ -134,6 +135,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 continue
             ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
             impls = ["ring"] + (["ulysses"] if ulysses else [])
+            split = fixed.get("pp_split", "layers") if pp > 1 else "layers"  # scored when asked for, not searched
             if "cp_impl" in fixed:  # PyTorch's context_parallel is scored when asked for, not searched
                 impls = [i for i in impls + ["torch"] * (cp > 1) if i == fixed["cp_impl"]]
             for mb in micro_batches:
@@ -149,7 +151,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                     for zero in [z for z in zeros if z == fixed.get("zero_stage", z) and (replicas == 1 or z >= 2)]:
                         for rc in recompute:
                             for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
-                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched, cp, impl, replicas)
+                                lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched, cp, impl, replicas, split)
                                 if not fixed or all(getattr(lay, k) == val for k, val in fixed.items()):
                                     yield lay, None
 
@@ -157,7 +159,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
 def _design(lay: Layout) -> tuple:
     """A layout but for its ZeRO stage."""
     return (lay.dp, lay.cp, lay.cp_impl, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages, lay.pp_schedule,
-            lay.recompute, lay.sequence_parallel, lay.dp_replicate)
+            lay.recompute, lay.sequence_parallel, lay.dp_replicate, lay.pp_split)
 
 
 def _schedules(pp: int, v: int, fixed: dict) -> tuple[str, ...]:

@@ -21,6 +21,12 @@ PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
 # Context parallelism: ring attention (Liu et al. 2023; PyTorch's context_parallel and Llama 3's all-gather CP move
 # the same K/V bytes) or all-to-all sequence<->heads (Jacobs et al. 2023, DeepSpeed Ulysses).
 CP_IMPLS = ("ring", "ulysses", "torch")
+# How layers are split over pipeline stages: "layers" gives every stage ceil(L/pp) transformer layers, the embedding
+# riding on the first and the output projection and loss on the last (Megatron's and DeepSpeed's default);
+# "balanced" counts the embedding and the loss as one layer's slot each, so the first and the last stage hold one
+# layer fewer (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split;
+# Llama 3 405B, Llama Team 2024 §3.3.2: "we reduce one Transformer layer each from the first and the last stages").
+PP_SPLITS = ("layers", "balanced")
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,7 @@ class Layout:
     cp: int = 1
     cp_impl: str = "ring"       # ring | ulysses
     dp_replicate: int = 1       # HSDP replica groups (1: ZeRO over every data shard)
+    pp_split: str = "layers"    # layers | balanced (see PP_SPLITS)
 
     @property
     def gpus(self) -> int:
@@ -181,6 +188,8 @@ class Layout:
                 raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group (zero_stage 2 or 3)")
         if self.cp < 1 or self.cp_impl not in CP_IMPLS:
             raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
+        if self.pp_split != "layers" and self.pp_split not in PP_SPLITS:
+            raise ValueError(f"pp_split must be one of {PP_SPLITS}, got {self.pp_split!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         if self.pp_schedule == "zbv" and self.virtual_stages != 2:
@@ -193,7 +202,40 @@ class Layout:
             raise ValueError("sequence_parallel needs tp > 1")
 
 
-def stage_layers(shape: ModelShape, pp: int) -> int:
-    """Layers on the busiest pipeline stage, ceil(L/pp): pp need not divide L (Megatron's uneven
-    first/last stages; Llama 3 405B ran 126 layers on 16 stages)."""
-    return -(-shape.n_layer // pp)
+def stage_layers(shape: ModelShape, pp: int, split: str = "layers") -> int:
+    """Transformer layers on the busiest pipeline stage: ceil(L/pp), pp need not divide L (Megatron's uneven
+    first/last stages). With the "balanced" split, ceil((L+2)/pp) on a middle stage (two stages: one slot fewer)."""
+    if split == "layers" or pp == 1:
+        return -(-shape.n_layer // pp)
+    per = -(-(shape.n_layer + 2) // pp)
+    return per if pp > 2 else per - 1
+
+
+def end_stage_layers(shape: ModelShape, layout: Layout) -> tuple[int, float]:
+    """(transformer layers on the first stage, those of them in its first virtual chunk): the chunk the interleaved
+    warm-up's extra micro-batches run (``memory.held_layer_microbatches``). "layers": ceil(L/pp), the chunk 1/v of
+    it; "balanced": one slot fewer, the first chunk ceil((L+2)/(pp·v)) − 1 (the embedding is its missing layer:
+    Llama 3 405B's 126 layers on 16 stages of 8 chunks leave the first chunk the embedding alone)."""
+    pp, v = layout.pp, layout.virtual_stages
+    if layout.pp_split == "layers" or pp == 1:
+        first = stage_layers(shape, pp)
+        return first, first / v
+    slots = shape.n_layer + 2
+    first = -(-slots // pp) - 1
+    return first, max(min(-(-slots // (pp * v)) - 1, first), 0)
+
+
+def last_stage_layers(shape: ModelShape, layout: Layout) -> int:
+    """Transformer layers on the last stage, beside the output projection and loss: the remainder of the split."""
+    pp = layout.pp
+    if pp == 1:
+        return shape.n_layer
+    if layout.pp_split == "layers":
+        return max(shape.n_layer - (pp - 1) * stage_layers(shape, pp), 0)
+    per = -(-(shape.n_layer + 2) // pp)
+    return max(shape.n_layer - (per - 1) - (pp - 2) * per, 0)
+
+
+def pipeline_slots(shape: ModelShape, layout: Layout) -> int:
+    """Layer slots the pipeline splits: the transformer layers, plus the embedding and the loss when "balanced"."""
+    return shape.n_layer + (2 if layout.pp_split == "balanced" and layout.pp > 1 else 0)

@@ -43,7 +43,7 @@ from .collectives import all_gather_time, allreduce_time, group_link, p2p_time
 from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
 from .stack import Stack
 from .efficiency import GemmCurve
-from .shapes import Layout, ModelShape, stage_layers
+from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
 from .traffic import dp_comm_time, tp_comm_time
 
@@ -53,7 +53,8 @@ __all__ = ["StepTime", "StepModel", "bubble_fraction", "model_flops_per_token", 
 def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> float:
     """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2).
 
-    With ``n_layer`` the stages may be uneven (pp·v need not divide L): the pipeline fills and
+    With ``n_layer`` (the layer slots the split shares, ``shapes.pipeline_slots``: L, or L + 2 when the split
+    is "balanced") the stages may be uneven (pp·v need not divide L): the pipeline fills and
     drains in p−1 slots of the busiest virtual chunk, ceil(L/(p·v)) layers, against m micro-
     batches of the busiest device's ceil(L/p) layers:
         (p−1)·ceil(L/(p·v)) / (m·ceil(L/p)),  = (p−1)/(v·m) when p·v divides L.
@@ -204,11 +205,11 @@ class StepModel:
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.cp_impl)
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.cp_impl, lay.pp_split)
         t = self._micro.get(key)
         if t is None:
             one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel,
-                         cp=lay.cp, cp_impl=lay.cp_impl)
+                         cp=lay.cp, cp_impl=lay.cp_impl, pp_split=lay.pp_split)
             t = _micro_terms(self.shape, one, self.dev, self.precision if self.fp8_gemms else "bf16", self.vb)
             if self.fp8_factor != 1.0:  # no FP8 kernel table (local check): the measured whole-step factor
                 t = t.scaled(1 / self.fp8_factor)
@@ -216,7 +217,7 @@ class StepModel:
         return t
 
     def compute(self, lay: Layout) -> ComputeTerms:
-        psi = params_per_gpu(self.shape, lay.tp, lay.pp)
+        psi = params_per_gpu(self.shape, lay.tp, lay.pp, lay.pp_split)
         with_states = psi / lay.shard_group if lay.zero_stage >= 1 else psi
         local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
@@ -225,11 +226,12 @@ class StepModel:
     def tp_comm(self, lay: Layout, gemm_s: float) -> float:
         if lay.tp <= 1:
             return 0.0
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp)
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.pp_split)
         per_micro = self._tp.get(key)
         if per_micro is None:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
-            one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel)
+            one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel,
+                         pp_split=lay.pp_split)
             local = replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
             gather = 1 if self.fp8_tp_gather else None
             per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value
@@ -260,7 +262,7 @@ class StepModel:
         link = group_link(self.cluster, cp, t, multi_rail=False)
         recompute = 1 if lay.recompute == "full" else 0   # full recompute runs the forward's traffic again
         tokens = lay.micro_batch * s / cp
-        layers = stage_layers(self.shape, lay.pp)
+        layers = stage_layers(self.shape, lay.pp, lay.pp_split)
         if lay.cp_impl == "torch":  # exposure per kernel call: fwd 1/3.5 of the attention, bwd 2.5/3.5 (its count)
             call = attention_s / (layers * lay.grad_accum * cp * 3.5)
             gather = all_gather_time(cp * 2 * tokens * q * self.vb, cp, link)
@@ -291,10 +293,11 @@ class StepModel:
     def dp(self, lay: Layout) -> tuple[float, float, float]:
         """(gradient traffic, weight traffic, the loss all-reduce) per step over DP."""
         n = lay.data_shards  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
-        key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate)
+        key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate, lay.pp_split)
         t = self._dp.get(key)
         if t is None:
-            group = Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum, dp_replicate=lay.dp_replicate)
+            group = Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum, dp_replicate=lay.dp_replicate,
+                           pp_split=lay.pp_split)
             g, w = dp_comm_time(self.shape, group, self.cluster, self.vb, self.fp8_fsdp_gather,
                                 max(self.vb, self.stack.grad_bytes))
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
@@ -316,7 +319,7 @@ class StepModel:
             return 0.0, 0.0
         m = lay.grad_accum
         pp_comm = 2 * lay.virtual_stages * m * self.p2p(lay)
-        frac = bubble_fraction(lay.pp, m, lay.virtual_stages, self.shape.n_layer)
+        frac = bubble_fraction(lay.pp, m, lay.virtual_stages, pipeline_slots(self.shape, lay))
         if lay.pp_schedule == "zbv":
             frac /= 3
         return pp_comm, pp_comm + frac * (work + tp_comm) * self.calib.pp_overhead.value

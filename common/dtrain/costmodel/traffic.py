@@ -28,7 +28,7 @@ def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes
             reduce_scatter_time(values * value_bytes, layout.tp, link)
     else:
         pair = allreduce_time(values * value_bytes, layout.tp, link)
-    return stage_layers(shape, layout.pp) * layout.grad_accum * n_coll * pair
+    return stage_layers(shape, layout.pp, layout.pp_split) * layout.grad_accum * n_coll * pair
 
 
 @lru_cache(maxsize=1 << 14)
@@ -39,7 +39,7 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
     ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``)."""
     if lay.dp <= 1:
         return 0.0, 0.0
-    psi = params_per_gpu(shape, lay.tp, lay.pp)
+    psi = params_per_gpu(shape, lay.tp, lay.pp, lay.pp_split)
     grads, weights = grad_bytes * psi, value_bytes * psi
     if fp8_weights:
         emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
@@ -57,6 +57,6 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
         return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
     if lay.zero_stage == 2:
         return m * rs, ag
-    units = stage_layers(shape, lay.pp) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
+    units = stage_layers(shape, lay.pp, lay.pp_split) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
     lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
     return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
