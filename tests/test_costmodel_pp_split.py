@@ -55,6 +55,12 @@ def test_first_stage_activations_match_megatrons_warm_up(pp, v, m, split):
         assert held_layer_microbatches(shape, lay) == pytest.approx(in_flight(lay) * sum(first_rank))
 
 
+def test_gpipe_holds_every_micro_batch_through_the_whole_stage():
+    shape = ModelShape(30, 1024, 16, 16, 32000, 2048)      # 32 slots on 4 stages: 7 layers on the first
+    lay = Layout(1, 1, 4, grad_accum=8, virtual_stages=2, pp_schedule="gpipe", pp_split="balanced")
+    assert held_layer_microbatches(shape, lay) == 8 * 7
+
+
 @pytest.mark.parametrize("name", [r["name"] for r in load_rows() if r["group"] == "llama3"])
 def test_llama3_rows_memory_by_hand(name):
     s = row_setup(next(r for r in load_rows() if r["name"] == name))

@@ -235,7 +235,7 @@ def held_layer_microbatches(shape: ModelShape, layout: Layout) -> float:
     fewer (``shapes.end_stage_layers``)."""
     first, first_chunk = end_stage_layers(shape, layout)
     n = in_flight(layout)
-    if layout.virtual_stages == 1 or layout.pp_schedule == "zbv" or layout.pp == 1:
+    if layout.virtual_stages == 1 or layout.pp_schedule != "1f1b" or layout.pp == 1:   # GPipe, ZB-V: whole stages
         return n * first
     full = float(min(layout.pp, layout.grad_accum))
     return full * first + (n - full) * layout.virtual_stages * first_chunk
