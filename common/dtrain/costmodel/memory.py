@@ -274,8 +274,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     if lay.recompute in ("full", "op"):
         working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
     working += cp_buffer_bytes(shape, lay)
-    # the last stage: as many layers as the busiest under the default split (kept as the upper bound it was)
-    last_layers = stage_layers(shape, lay.pp) if lay.pp_split == "layers" else last_stage_layers(shape, lay)
+    last_layers = last_stage_layers(shape, lay)
     output = (4 * s * b * h + LOSS_BYTES_PER_LOGIT["fused" if fused_loss else "eager"] * s * b * shape.vocab) / lay.tp
     n = in_flight(lay)
     embed = n * (8 * s * b + (s * b * h if shape.dropout else 0)) / lay.tp

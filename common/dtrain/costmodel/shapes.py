@@ -202,13 +202,17 @@ class Layout:
             raise ValueError("sequence_parallel needs tp > 1")
 
 
+def _split(shape: ModelShape, pp: int, split: str) -> tuple[int, int]:
+    """(slots per stage, ceil(slots/pp); slots each end stage gives to the embedding or the loss: 0 or 1)."""
+    ends = 1 if split == "balanced" and pp > 1 else 0
+    return -(-(shape.n_layer + 2 * ends) // pp), ends
+
+
 def stage_layers(shape: ModelShape, pp: int, split: str = "layers") -> int:
     """Transformer layers on the busiest pipeline stage: ceil(L/pp), pp need not divide L (Megatron's uneven
     first/last stages). With the "balanced" split, ceil((L+2)/pp) on a middle stage (two stages: one slot fewer)."""
-    if split == "layers" or pp == 1:
-        return -(-shape.n_layer // pp)
-    per = -(-(shape.n_layer + 2) // pp)
-    return per if pp > 2 else per - 1
+    per, ends = _split(shape, pp, split)
+    return per - ends if pp == 2 else per
 
 
 def end_stage_layers(shape: ModelShape, layout: Layout) -> tuple[int, float]:
@@ -216,26 +220,20 @@ def end_stage_layers(shape: ModelShape, layout: Layout) -> tuple[int, float]:
     warm-up's extra micro-batches run (``memory.held_layer_microbatches``). "layers": ceil(L/pp), the chunk 1/v of
     it; "balanced": one slot fewer, the first chunk ceil((L+2)/(pp·v)) − 1 (the embedding is its missing layer:
     Llama 3 405B's 126 layers on 16 stages of 8 chunks leave the first chunk the embedding alone)."""
-    pp, v = layout.pp, layout.virtual_stages
-    if layout.pp_split == "layers" or pp == 1:
-        first = stage_layers(shape, pp)
-        return first, first / v
-    slots = shape.n_layer + 2
-    first = -(-slots // pp) - 1
-    return first, max(min(-(-slots // (pp * v)) - 1, first), 0)
+    per, ends = _split(shape, layout.pp, layout.pp_split)
+    first = per - ends
+    if not ends:
+        return first, first / layout.virtual_stages
+    chunk = -(-pipeline_slots(shape, layout) // (layout.pp * layout.virtual_stages))
+    return first, max(min(chunk - 1, first), 0)
 
 
 def last_stage_layers(shape: ModelShape, layout: Layout) -> int:
     """Transformer layers on the last stage, beside the output projection and loss: the remainder of the split."""
-    pp = layout.pp
-    if pp == 1:
-        return shape.n_layer
-    if layout.pp_split == "layers":
-        return max(shape.n_layer - (pp - 1) * stage_layers(shape, pp), 0)
-    per = -(-(shape.n_layer + 2) // pp)
-    return max(shape.n_layer - (per - 1) - (pp - 2) * per, 0)
+    per, ends = _split(shape, layout.pp, layout.pp_split)
+    return max(pipeline_slots(shape, layout) - (layout.pp - 1) * per - ends, 0)
 
 
 def pipeline_slots(shape: ModelShape, layout: Layout) -> int:
     """Layer slots the pipeline splits: the transformer layers, plus the embedding and the loss when "balanced"."""
-    return shape.n_layer + (2 if layout.pp_split == "balanced" and layout.pp > 1 else 0)
+    return shape.n_layer + 2 * _split(shape, layout.pp, layout.pp_split)[1]
