@@ -38,7 +38,7 @@ def plan_args(row: dict) -> list[str]:
     args += ["--tp-overlap"] * bool(st.get("tp_overlap")) + ["--async-tp"] * bool(st.get("async_tp"))
     args += ["--fp8-all-gather", st.get("fp8_all_gather", "tp")]
     args += ["--grad-reduce", st.get("grad_reduce", "fp32"), "--optimizer-states", st.get("optimizer_states", "fp32")]
-    args += ["--dp-sync", st.get("dp_sync", "overlap")]
+    args += ["--dp-sync", st.get("dp_sync", "overlap"), "--software", st.get("software", "any")]
     fields = {"dp": lay["dp"], "cp": lay.get("cp", 1), "tp": lay["tp"], "pp": lay["pp"], "v": lay.get("v", 1),
               "zero": lay["zero"], "recompute": lay["recompute"], "mb": lay["mb"],
               "sp": "on" if lay.get("sp") else "off", "schedule": lay.get("schedule", "1f1b")}

@@ -302,15 +302,16 @@ def text_lines(rows: list[BacktestRow]) -> list[str]:
         out.append(f"{r.name[:58]:58} {r.reported_tps:8.0f} {r.predicted_tps:9.0f} {r.error:+6.0%} {mem:>18} {gap:>6}  "
                    f"{r.dominant}")
     out += ["", "tokens/s per GPU; each row predicted with dp_overlap and link_efficiency fitted on the OTHER sources "
-            "(leave-one-source-out); memory per GPU predicted / HBM ('!': over) (reported, where the source gives it); gap = how much slower the published "
-            "layout is predicted to be than the model's best; dominant = the step's largest predicted term.",
+            "(leave-one-source-out); memory per GPU predicted / HBM ('!': over) (reported, where the source gives it); "
+            "gap = how much slower the published layout is predicted to be than the best layout its own software "
+            "runs (the row's software, costmodel/software.py); dominant = the step's largest predicted term.",
             "median |error| by source: " + ", ".join(f"{g} {v:.0%}" for g, v in s["by_group"].items()),
             f"median |error| {s['median_abs_error']:.1%} (goal <= {ERROR_GOAL:.0%}: "
             f"{'met' if s['error_goal_met'] else 'NOT met'}); within {WITHIN:.0%}: {s['within_15pct']} of {s['rows']} "
             f"(goal >= {WITHIN_SHARE:.0%}: {'met' if s['within_goal_met'] else 'NOT met'}); predicted to fit: "
             f"{s['fit']} of {s['ran']} layouts that ran ({'met' if s['fit_goal_met'] else 'NOT met'}); "
             f"{s['oom_predicted']} of {s['oom_rows']} reported OOM predicted not to fit; published layout within "
-            f"{GAP_GOAL:.0%} of the model's best: {s['within_10pct_of_best']} of {s['ranked']}"]
+            f"{GAP_GOAL:.0%} of the best its software runs: {s['within_10pct_of_best']} of {s['ranked']}"]
     if s["memory_rows"]:
         lo, hi = s["memory_error_range"]
         out.append(f"memory against the {s['memory_rows']} rows that report it (torchtitan: max reserved, "

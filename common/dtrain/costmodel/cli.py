@@ -24,6 +24,7 @@ from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES
+from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape
 from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
@@ -122,6 +123,11 @@ def add_parser(sub) -> None:
                    help="when the once-per-step DP collectives run: overlap (default; Megatron's --overlap-grad-reduce "
                         "and --overlap-param-gather: behind the last backward and the first forward) or flush "
                         "(DeepSpeed's pipeline engine: after the pipeline's last step, nothing hidden)")
+    r.add_argument("--software", choices=tuple(SOFTWARE), default="any",
+                   help="the framework the run uses: the best layout is the best one it runs (any, default: every "
+                        "layout; megatron-core; megatron-2021: no SP, selective recompute or distributed optimizer; "
+                        "megatron-deepspeed: DeepSpeed's pipeline engine, no interleaving, ZeRO-0/1 with PP; "
+                        "torchtitan: DDP or FSDP, SP with TP, PyTorch's context_parallel); costmodel/software.py")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv split=layers|balanced '
                         'zero= hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
@@ -140,7 +146,7 @@ def stack_of(a) -> Stack:
         raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
                         "give the one the run used")
     return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather, a.grad_reduce,
-                 a.optimizer_states, a.dp_sync)
+                 a.optimizer_states, a.dp_sync, a.software)
 
 
 def shape_from_args(a) -> ModelShape:
@@ -261,6 +267,10 @@ def layout_result(shape, cluster, a, calib, best: SearchResult):
     if not a.layout:
         return None, None, False
     fixed = parse_layout(a.layout, cluster.gpus)
+    lacks = unsupported(software(a.software), fixed)
+    if lacks:
+        raise UserError(f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
+                        "that runs it (--software any scores every layout)")
     kw = dict(precision=a.precision, stack=stack_of(a), fixed=fixed)
     res = search(shape, cluster, a.global_batch, calib, headroom=a.headroom, **kw)
     tight = False

@@ -39,7 +39,8 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
            f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
            f"{res.precision}",
            f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
-           "--fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's software moves the cost)",
+           "--fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's software moves the cost; "
+           "--software: the layouts it runs)",
            *notes, ""]
     if res.best is None:
         return out + [res.reason]
@@ -77,8 +78,10 @@ def layout_text(res: SearchResult, gap: float | None, spec: str, usable_gib: flo
         out.append("  caution     fits only in the HBM that --headroom keeps free when choosing: it runs by this count, "
                    "with little margin for allocator fragmentation")
     if gap is not None:
-        out.append(f"  vs best     {gap:.1f}% slower than the unconstrained best" if gap > 0.05
-                   else "  vs best     this is the unconstrained best (within 0.05%)")
+        sw = res.stack.software
+        best = "the unconstrained best" if sw == "any" else f"the best layout {sw} runs"
+        out.append(f"  vs best     {gap:.1f}% slower than {best}" if gap > 0.05
+                   else f"  vs best     this is {best} (within 0.05%)")
     return out
 
 
@@ -121,6 +124,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "tp_overlap": res.stack.tp_overlap, "async_tp": res.stack.async_tp,
             "fp8_all_gather": res.stack.fp8_all_gather, "grad_reduce": res.stack.grad_reduce,
             "optimizer_states": res.stack.optimizer_states, "dp_sync": res.stack.dp_sync,
+            "software": res.stack.software,
             "fits": res.best is not None, "reason": res.reason,
             "choice": plan_dict(res.best) if res.best else None,
             **_overrides_json(res),

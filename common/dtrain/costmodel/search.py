@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .hardware import GiB, Cluster
+from .software import SOFTWARE, Software
 from .stack import Stack
 from .shapes import RECOMPUTE, Layout, ModelShape
 from .memory import MemoryBreakdown, memory_for, model_state_bytes
@@ -101,25 +102,27 @@ def context_parallel_degrees(model: ModelShape, limit: int) -> list[int]:
 
 
 def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False,
-             fixed: dict | None = None, context_parallel: bool = True) -> tuple:
+             fixed: dict | None = None, context_parallel: bool = True, runs: Software = SOFTWARE["any"]) -> tuple:
     """``_enumerate``'s layouts, kept per what they depend on (the GPU count and node size, not the links: the
     decision matrix searches each (model, GPUs) for eight link settings)."""
     return _enumerated(model, cluster.gpus, cluster.node_size, global_batch, tuple(micro_batches), tuple(recompute),
-                       prune, tuple(sorted((fixed or {}).items())), context_parallel)
+                       prune, tuple(sorted((fixed or {}).items())), context_parallel, runs)
 
 
 @lru_cache(maxsize=64)
-def _enumerated(model, gpus, node_size, global_batch, micro_batches, recompute, prune, fixed, context_parallel):
+def _enumerated(model, gpus, node_size, global_batch, micro_batches, recompute, prune, fixed, context_parallel, runs):
     return tuple(_enumerate(model, gpus, node_size, global_batch, micro_batches, recompute, prune, dict(fixed),
-                            context_parallel))
+                            context_parallel, runs))
 
 
 def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, micro_batches, recompute, prune=False,
-               fixed: dict | None = None, context_parallel: bool = True):
+               fixed: dict | None = None, context_parallel: bool = True, runs: Software = SOFTWARE["any"]):
     """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections;
-    ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 (see ``search``); ``fixed``
-    (field -> value, names of ``LAYOUT_FIELDS``) keeps only the layouts with those values."""
+    ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 where ``runs`` has ZeRO >= 1 / SP on (see
+    ``search``); ``fixed`` (field -> value, names of ``LAYOUT_FIELDS``) keeps only the layouts with those values;
+    ``runs``: only the ZeRO stages, CP implementations, SP settings and interleaving that software runs."""
     fixed = fixed or {}
+    context_parallel = context_parallel and bool(runs.cp_impls)
     replicas = fixed.get("dp_replicate", 1)  # HSDP is scored when asked for, never searched
     for tp in _pow2_up_to(min(2 * node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
         if model.n_head % tp or n % tp:
@@ -134,23 +137,27 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
             if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]) or (dp * cp) % replicas:
                 continue
             ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
-            impls = ["ring"] + (["ulysses"] if ulysses else [])
+            impls = [i for i in runs.cp_impls if i != "ulysses" or ulysses] if cp > 1 else ["ring"]
             split = fixed.get("pp_split", "layers") if pp > 1 else "layers"  # scored when asked for, not searched
-            if "cp_impl" in fixed:  # PyTorch's context_parallel is scored when asked for, not searched
-                impls = [i for i in impls + ["torch"] * (cp > 1) if i == fixed["cp_impl"]]
+            if "cp_impl" in fixed:  # "any": PyTorch's context_parallel is scored when asked for, not searched
+                impls = [i for i in dict.fromkeys(impls + ["torch"] * (cp > 1 and runs.name == "any"))
+                         if i == fixed["cp_impl"]]
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     yield Layout(dp, tp, pp, micro_batch=mb), (
                         f"global batch {global_batch} is not a multiple of dp·micro_batch = {dp * mb}")
                     continue
                 ga = global_batch // (dp * mb)
-                vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else VIRTUAL_STAGES)
+                vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else
+                                  VIRTUAL_STAGES if runs.interleaved else (1,))
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp)]
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
-                    zeros = ((1, 2, 3) if prune else (0, 1, 2, 3)) if dp * cp > 1 else (0,)
+                    zeros = runs.zeros(pp) if dp * cp > 1 else (0,)
+                    zeros = tuple(z for z in zeros if z >= 1) or zeros if prune else zeros
+                    sps = ((True,) if prune and True in runs.sp else runs.sp) if tp > 1 else (False,)
                     for zero in [z for z in zeros if z == fixed.get("zero_stage", z) and (replicas == 1 or z >= 2)]:
                         for rc in recompute:
-                            for sp in ((True,) if prune else (False, True)) if tp > 1 else (False,):
+                            for sp in sps:
                                 lay = Layout(dp, tp, pp, zero, rc, mb, ga, sp, v, sched, cp, impl, replicas, split)
                                 if not fixed or all(getattr(lay, k) == val for k, val in fixed.items()):
                                     yield lay, None
@@ -201,7 +208,8 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     rejected: list[tuple[Layout, str]] = []
     smallest: tuple[float, Layout] | None = None
     flash_attention = stack.flash
-    levels = tuple(r for r in RECOMPUTE if not (flash_attention and r == "selective"))
+    runs = stack.runs
+    levels = tuple(r for r in RECOMPUTE if r in runs.recompute and not (flash_attention and r == "selective"))
     if fixed and "recompute" in fixed:
         levels = (fixed["recompute"],)
     if fixed and "micro_batch" in fixed:
@@ -219,7 +227,8 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     steps = step_model(model, cluster, calib, precision, 2, stack)
     candidates = []
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO stage: once per design
-    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed, flash_attention):
+    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed, flash_attention,
+                             runs):
         if why:
             rejected.append((lay, why))
         elif prune:  # ordered by a lower bound of their step below

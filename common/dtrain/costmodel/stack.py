@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hashing import cached_hash
+from .software import Software, software
 
 # the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on Hopper), the
 # FlashAttention-2 class on any GPU, and eager attention over stored scores
@@ -40,7 +41,8 @@ class Stack:
     ``--overlap-grad-reduce`` / ``--overlap-param-gather``: the gradients behind the last micro-batch's backward,
     the weights behind the first forward) or "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues
     ReduceTiedGrads, ReduceGrads and OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the
-    updated weights inside the optimizer step: nothing hidden)."""
+    updated weights inside the optimizer step: nothing hidden). ``software``: the framework, which decides which
+    layouts exist, not what they cost (``software.SOFTWARE``; default "any": every layout)."""
 
     __hash__ = cached_hash
 
@@ -53,8 +55,10 @@ class Stack:
     grad_reduce: str = "fp32"
     optimizer_states: str = "fp32"
     dp_sync: str = "overlap"
+    software: str = "any"
 
     def __post_init__(self) -> None:
+        software(self.software)  # raises for an unknown name
         if self.dp_sync not in DP_SYNCS:
             raise ValueError(f"dp_sync must be one of {DP_SYNCS}, got {self.dp_sync!r}")
         for name in ("grad_reduce", "optimizer_states"):
@@ -79,6 +83,11 @@ class Stack:
         return (self.loss or self.kernels) == "fused"
 
     @property
+    def runs(self) -> Software:
+        """The layouts this stack's framework runs."""
+        return software(self.software)
+
+    @property
     def flash(self) -> bool:
         return self.attention != "eager"
 
@@ -90,7 +99,8 @@ class Stack:
                                                                    ("optimizer states", self.optimizer_states))
                          if dtype != "fp32")
         flush = ", DP sync at the pipeline flush" if self.dp_sync == "flush" else ""
-        return f"{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}{flush}"
+        sw = f"{self.software}: " if self.software != "any" else ""
+        return f"{sw}{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}{flush}"
 
     @property
     def grad_bytes(self) -> int:

@@ -1,0 +1,86 @@
+"""Which layouts a training framework can run (``Software``): the space ``search`` looks for the best in.
+
+The cost of a layout is the same whatever runs it (``Stack`` says how the software moves the cost); what differs
+is which layouts exist. A torchtitan user has no ZeRO-1 and no Ulysses, 2021's Megatron had neither sequence
+parallelism nor selective recompute, and DeepSpeed's pipeline engine refuses ZeRO-2/3 and interleaving. "the best
+layout" then means the best one the user's framework runs (``dtrain plan --software``), and the published layout
+of a run is compared with the best its own software could have run (``dtrain backtest``). Each entry names the
+code it was read from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shapes import Layout
+
+__all__ = ["Software", "SOFTWARE", "software", "unsupported"]
+
+
+@dataclass(frozen=True)
+class Software:
+    """``zero``: ZeRO stages without PP, ``zero_pp`` with it; ``cp_impls``: context-parallel implementations
+    (``Layout.cp_impl``; empty: none); ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels
+    it runs; ``interleaved``: more than one model chunk per pipeline rank (``Layout.virtual_stages``)."""
+
+    name: str
+    zero: tuple[int, ...]
+    zero_pp: tuple[int, ...]
+    cp_impls: tuple[str, ...]
+    sp: tuple[bool, ...]
+    recompute: tuple[str, ...]
+    interleaved: bool
+    source: str
+
+    def zeros(self, pp: int) -> tuple[int, ...]:
+        return self.zero_pp if pp > 1 else self.zero
+
+
+SOFTWARE = {s.name: s for s in (
+    Software("any", (0, 1, 2, 3), (0, 1, 2, 3), ("ring", "ulysses"), (False, True), ("none", "op", "selective", "full"),
+             True, "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)"),
+    Software("megatron-core", (0, 1), (0, 1), ("ring", "ulysses"), (False, True), ("none", "selective", "full"), True,
+             "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
+             "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
+             "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses)"),
+    Software("megatron-2021", (0,), (0,), (), (False,), ("none", "full"), True,
+             "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
+             "schedule; sequence parallelism, selective recompute and the distributed optimizer came in 2022"),
+    Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
+             "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
+             "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing"),
+    Software("torchtitan", (0, 2, 3), (0, 2, 3), ("torch",), (True,), ("none", "op", "full"), True,
+             "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3), TP always with sequence "
+             "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
+             "context_parallel"),
+)}
+
+
+def software(name: str) -> Software:
+    try:
+        return SOFTWARE[name]
+    except KeyError:
+        raise ValueError(f"software must be one of {tuple(SOFTWARE)}, got {name!r}") from None
+
+
+def unsupported(sw: Software, fields: dict) -> str | None:
+    """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones ``dtrain plan
+    --layout`` pins), naming the first field it lacks; None when it runs them ("any" runs every layout)."""
+    if sw.name == "any":
+        return None
+    pp, zero = fields.get("pp"), fields.get("zero_stage")
+    zeros = sw.zeros(pp) if pp else tuple(sorted(set(sw.zero) | set(sw.zero_pp)))
+    shards = fields.get("dp", 2) * fields.get("cp", 1)
+    if zero is not None and shards > 1 and zero not in zeros:
+        return f"zero={zero}{' with pp > 1' if pp and pp > 1 else ''} (it runs zero={', '.join(map(str, zeros))})"
+    if fields.get("cp", 1) > 1 and not sw.cp_impls:
+        return "cp > 1 (it has no context parallelism)"
+    impl = fields.get("cp_impl")
+    if impl is not None and fields.get("cp", 2) > 1 and impl not in sw.cp_impls:
+        return f"cp_impl={impl} (it runs cp_impl={', '.join(sw.cp_impls)})"
+    if fields.get("tp", 2) > 1 and fields.get("sequence_parallel") is not None \
+            and fields["sequence_parallel"] not in sw.sp:
+        return f"sp={'on' if fields['sequence_parallel'] else 'off'} with tp > 1"
+    if fields.get("recompute") is not None and fields["recompute"] not in sw.recompute:
+        return f"recompute={fields['recompute']} (it runs {', '.join(sw.recompute)})"
+    if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
+        return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
+    return None

@@ -1,0 +1,101 @@
+"""``Stack.software``: the layouts a framework runs (costmodel/software.py). The search returns only those, the
+published layout of every backtest row is one its own software runs, "any" is the search as before, and
+``dtrain plan --software`` refuses a pinned field the framework lacks with a one-line error."""
+import json
+
+import pytest
+
+from dtrain.cli import main
+from dtrain.costmodel import Cluster, ModelShape, search
+from dtrain.costmodel.backtest import load_rows, row_setup
+from dtrain.costmodel.software import SOFTWARE, unsupported
+from dtrain.costmodel.stack import Stack
+
+# a 7B-class model on 64 H100 at 32K tokens: TP, PP, CP, every ZeRO stage and recompute level fit somewhere
+SHAPE = ModelShape(32, 4096, 32, 8, 128256, 32768, 14336 / 4096, True)
+CLUSTER = Cluster.from_profile("h100-sxm", 64, 8)
+
+
+@pytest.fixture(scope="module")
+def searches():
+    return {name: search(SHAPE, CLUSTER, 64, stack=Stack(software=name)) for name in SOFTWARE}
+
+
+@pytest.mark.parametrize("name", [n for n in SOFTWARE if n != "any"])
+def test_search_returns_only_what_the_software_runs(searches, name):
+    res, sw = searches[name], SOFTWARE[name]
+    assert res.ranked, res.reason
+    for p in res.ranked:
+        assert unsupported(sw, vars(p)) is None, (name, p.describe())
+        assert p.dp * p.cp == 1 or p.zero_stage in sw.zeros(p.pp)
+        assert p.cp == 1 or p.cp_impl in sw.cp_impls
+        assert p.tp == 1 or p.sequence_parallel in sw.sp
+        assert p.recompute in sw.recompute and (p.virtual_stages == 1 or sw.interleaved)
+    # the restricted best is one of the unrestricted layouts, never faster than the unrestricted best
+    assert res.best.time.tokens_per_s <= searches["any"].best.time.tokens_per_s * (1 + 1e-12)
+
+
+def test_each_restriction_bites(searches):
+    """Each framework's search leaves out a layout kind the unrestricted one ranks."""
+    ranked = {n: searches[n].ranked for n in SOFTWARE}
+    assert any(p.zero_stage == 1 for p in ranked["any"]) and not any(p.zero_stage == 1 for p in ranked["torchtitan"])
+    assert any(p.cp_impl == "ulysses" for p in ranked["any"]) and not any(p.cp > 1 for p in ranked["megatron-2021"])
+    assert all(p.cp_impl == "torch" for p in ranked["torchtitan"] if p.cp > 1)
+    assert any(p.cp_impl == "torch" for p in ranked["torchtitan"])   # searched there, not only scored
+    assert not any(p.virtual_stages > 1 for p in ranked["megatron-deepspeed"])
+    assert not any(p.zero_stage >= 2 and p.pp > 1 for p in ranked["megatron-deepspeed"])
+    assert not any(p.sequence_parallel for p in ranked["megatron-2021"])
+    assert not any(p.tp > 1 and not p.sequence_parallel for p in ranked["torchtitan"])
+
+
+def test_any_is_the_unrestricted_search(searches):
+    default = search(SHAPE, CLUSTER, 64)
+    assert [p.describe() for p in default.ranked] == [p.describe() for p in searches["any"].ranked]
+
+
+def test_every_published_layout_runs_on_its_own_software():
+    rows = load_rows()
+    named = [r for r in rows if (r.get("stack") or {}).get("software")]
+    assert len(named) >= 50  # all but Meta's internal stack (Llama 3 405B)
+    for row in rows:
+        s = row_setup(row)
+        assert unsupported(s.stack.runs, vars(s.layout)) is None, row["name"]
+
+
+def test_unsupported_names_the_field_by_hand():
+    tt, ds, m21 = SOFTWARE["torchtitan"], SOFTWARE["megatron-deepspeed"], SOFTWARE["megatron-2021"]
+    assert unsupported(tt, {"zero_stage": 1}) == "zero=1 (it runs zero=0, 2, 3)"
+    assert unsupported(tt, {"cp": 4, "cp_impl": "ulysses"}) == "cp_impl=ulysses (it runs cp_impl=torch)"
+    assert unsupported(ds, {"pp": 4, "zero_stage": 3}) == "zero=3 with pp > 1 (it runs zero=0, 1)"
+    assert unsupported(ds, {"pp": 1, "zero_stage": 3}) is None          # DeepSpeed without its pipeline engine
+    assert unsupported(ds, {"virtual_stages": 2}) == "v=2 (it has no interleaved schedule)"
+    assert unsupported(m21, {"recompute": "selective"}) == "recompute=selective (it runs none, full)"
+    assert unsupported(m21, {"tp": 8, "sequence_parallel": True}) == "sp=on with tp > 1"
+    assert unsupported(m21, {"cp": 2}) == "cp > 1 (it has no context parallelism)"
+    assert unsupported(SOFTWARE["any"], {"zero_stage": 1, "cp_impl": "torch", "cp": 2}) is None
+    with pytest.raises(ValueError, match="software must be one of"):
+        Stack(software="nemo")
+
+
+def _plan(capsys, *extra):
+    rc = main(["plan", "--params", "8e9", "--gpus", "64", "--seq", "8192", "--global-batch", "256", *extra])
+    return rc, capsys.readouterr()
+
+
+def test_plan_flag_and_its_error(capsys):
+    rc, out = _plan(capsys, "--software", "torchtitan", "--layout", "tp=1 zero=3 recompute=full", "--json")
+    assert rc == 0
+    d = json.loads(out.out)
+    assert d["software"] == "torchtitan" and d["choice"]["zero_stage"] != 1
+    assert d["layout"]["slower_than_best_pct"] >= 0
+    rc, out = _plan(capsys, "--software", "torchtitan", "--layout", "tp=1 zero=3 recompute=full")
+    assert rc == 0 and "slower than the best layout torchtitan runs" in out.out
+    rc, out = _plan(capsys, "--software", "torchtitan", "--layout", "zero=1")
+    assert rc == 2 and out.out == ""
+    assert out.err.strip() == ("error: --layout: torchtitan does not run zero=1 (it runs zero=0, 2, 3): change "
+                               "--layout, or pass the --software that runs it (--software any scores every layout)")
+    rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=4 v=2")
+    assert rc == 2 and "megatron-deepspeed does not run v=2 (it has no interleaved schedule)" in out.err
+    assert main(["plan", "--params", "8e9", "--gpus", "8", "--software", "nemo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dtrain plan: argument --software: invalid choice: 'nemo'") and err.count("\n") == 1
