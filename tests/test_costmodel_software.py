@@ -46,6 +46,8 @@ def test_each_restriction_bites(searches):
     assert not any(p.zero_stage >= 2 and p.pp > 1 for p in ranked["megatron-deepspeed"])
     assert not any(p.sequence_parallel for p in ranked["megatron-2021"])
     assert not any(p.tp > 1 and not p.sequence_parallel for p in ranked["torchtitan"])
+    assert any(p.cp > 1 and p.pp > 1 for p in ranked["any"]) and not any(p.cp > 1 and p.pp > 1 for p in ranked["dtrain"])
+    assert not any(p.zero_stage == 2 and p.pp > 1 for p in ranked["dtrain"]) and any(p.cp > 1 for p in ranked["dtrain"])
 
 
 def test_any_is_the_unrestricted_search(searches):
@@ -72,6 +74,8 @@ def test_unsupported_names_the_field_by_hand():
     assert unsupported(m21, {"recompute": "selective"}) == "recompute=selective (it runs none, full)"
     assert unsupported(m21, {"tp": 8, "sequence_parallel": True}) == "sp=on with tp > 1"
     assert unsupported(m21, {"cp": 2}) == "cp > 1 (it has no context parallelism)"
+    assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "pp": 4}) == "cp > 1 with pp > 1 (it runs one or the other)"
+    assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "cp_impl": "ulysses", "pp": 1}) is None
     assert unsupported(SOFTWARE["any"], {"zero_stage": 1, "cp_impl": "torch", "cp": 2}) is None
     with pytest.raises(ValueError, match="software must be one of"):
         Stack(software="nemo")
@@ -99,3 +103,15 @@ def test_plan_flag_and_its_error(capsys):
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--software", "nemo"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: dtrain plan: argument --software: invalid choice: 'nemo'") and err.count("\n") == 1
+
+
+def test_dtrain_software_choices_run_on_the_trainer_as_priced():
+    """Every layout the search returns for --software dtrain maps to trainer overrides with no note of a feature the
+    trainer lacks or runs otherwise than priced (only the model's own vocabulary / MLP notes remain)."""
+    from dtrain.costmodel.overrides import train_overrides
+
+    res = search(SHAPE, CLUSTER, 64, stack=Stack(software="dtrain"))
+    assert res.ranked
+    for p in res.ranked:
+        _, notes = train_overrides(p, SHAPE, 64)
+        assert [n for n in notes if not n.startswith(("vocabulary", "the trainer's GPT"))] == [], p.describe()

@@ -132,7 +132,8 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
         else:
             cps = context_parallel_degrees(model, n // tp) if context_parallel else [1]
         for cp, pp in ((c, p) for c in cps if (n // tp) % c == 0
-                       for p in range(1, min(model.n_layer, n // (tp * c)) + 1) if (n // (tp * c)) % p == 0):
+                       for p in range(1, min(model.n_layer, n // (tp * c)) + 1) if (n // (tp * c)) % p == 0
+                       if runs.cp_with_pp or c == 1 or p == 1):
             dp = n // (tp * cp * pp)
             if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]) or (dp * cp) % replicas:
                 continue

@@ -19,7 +19,8 @@ __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 class Software:
     """``zero``: ZeRO stages without PP, ``zero_pp`` with it; ``cp_impls``: context-parallel implementations
     (``Layout.cp_impl``; empty: none); ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels
-    it runs; ``interleaved``: more than one model chunk per pipeline rank (``Layout.virtual_stages``)."""
+    it runs; ``interleaved``: more than one model chunk per pipeline rank (``Layout.virtual_stages``);
+    ``cp_with_pp``: context and pipeline parallelism together."""
 
     name: str
     zero: tuple[int, ...]
@@ -29,6 +30,7 @@ class Software:
     recompute: tuple[str, ...]
     interleaved: bool
     source: str
+    cp_with_pp: bool = True
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -51,6 +53,10 @@ SOFTWARE = {s.name: s for s in (
              "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3), TP always with sequence "
              "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
              "context_parallel"),
+    Software("dtrain", (0, 2, 3), (0, 3), ("ring", "ulysses", "torch"), (False, True), ("none", "op", "full"), True,
+             "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
+             "its zero2 reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
+             "cp_impl ring|ulysses|torch, interleaved 1F1B; it refuses cp together with pp", cp_with_pp=False),
 )}
 
 
@@ -73,6 +79,8 @@ def unsupported(sw: Software, fields: dict) -> str | None:
         return f"zero={zero}{' with pp > 1' if pp and pp > 1 else ''} (it runs zero={', '.join(map(str, zeros))})"
     if fields.get("cp", 1) > 1 and not sw.cp_impls:
         return "cp > 1 (it has no context parallelism)"
+    if fields.get("cp", 1) > 1 and (pp or 1) > 1 and not sw.cp_with_pp:
+        return "cp > 1 with pp > 1 (it runs one or the other)"
     impl = fields.get("cp_impl")
     if impl is not None and fields.get("cp", 2) > 1 and impl not in sw.cp_impls:
         return f"cp_impl={impl} (it runs cp_impl={', '.join(sw.cp_impls)})"
