@@ -7,7 +7,7 @@ import pytest
 
 from dtrain.cli import main
 from dtrain.costmodel import Cluster, ModelShape, search
-from dtrain.costmodel.backtest import load_rows, row_setup
+from dtrain.costmodel.backtest import backtest, load_rows, row_setup
 from dtrain.costmodel.software import SOFTWARE, unsupported
 from dtrain.costmodel.stack import Stack
 
@@ -62,6 +62,8 @@ def test_every_published_layout_runs_on_its_own_software():
     for row in rows:
         s = row_setup(row)
         assert unsupported(s.stack.runs, vars(s.layout)) is None, row["name"]
+    by_name = {r.name: r.software for r in backtest(loo=False, rank=False)}   # what --json reports per row
+    assert by_name == {r["name"]: (r.get("stack") or {}).get("software", "any") for r in rows}
 
 
 def test_unsupported_names_the_field_by_hand():

@@ -77,6 +77,7 @@ class BacktestRow:
     fitted: dict = field(default_factory=dict)    # the fitted numbers the row was predicted with
     expect_oom: bool = False
     reported_memory_gib: float | None = None   # the source's peak memory per GPU (torchtitan: max reserved)
+    software: str = "any"                      # the framework the source ran: ``best`` is among its layouts
 
     @property
     def memory_error(self) -> float | None:
@@ -255,7 +256,7 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
         r = BacktestRow(row["name"], row["group"], row["source"], reported_tps(row, s.shape), t.tokens_per_s / gpus,
                         mem.fits(cluster.gpu.hbm_bytes, 0.0), mem.total / GiB, cluster.gpu.hbm_gib,
                         describe_layout(s.layout), terms=terms, fitted=fitted, expect_oom=bool(row.get("expect_oom")),
-                        reported_memory_gib=(row.get("reported") or {}).get("memory_gib"))
+                        reported_memory_gib=(row.get("reported") or {}).get("memory_gib"), software=s.stack.software)
         if rank and not r.expect_oom:
             res = search(s.shape, cluster, s.global_batch, calib, precision=s.precision,
                          stack=s.stack, prune=True)
