@@ -73,8 +73,15 @@ def test_from_params_uses_known_shapes_and_interpolates():
     llama70 = ModelShape.from_params(70e9, seq_len=2048)
     assert (llama70.n_layer, llama70.d_model, llama70.n_kv_head, llama70.seq_len) == (80, 8192, 8, 2048)
     assert llama70.num_params() == pytest.approx(69e9, rel=0.01)
-    for target in (3e9, 20e9, 120e9, 250e9):
+    for target in (3e9, 20e9, 120e9, 250e9, 60e6, 200e6, 500e6):
         assert ModelShape.from_params(target).num_params() == pytest.approx(target, rel=0.05)
+    # below 1B: GPT-3's small models (Brown et al. 2020, Table 2.1), not a Llama-vocabulary shape whose embedding
+    # would leave 125M parameters one layer
+    small = ModelShape.from_params(125e6, seq_len=2048)
+    assert (small.n_layer, small.d_model, small.n_head, small.vocab, small.rotary) == (12, 768, 12, 50257, False)
+    assert small.num_params() == pytest.approx(125e6, rel=0.02)   # learned positions (1.6M) not counted
+    assert [(s.n_layer, s.d_model) for s in map(ModelShape.from_params, (350e6, 760e6))] == [(24, 1024), (24, 1536)]
+    assert ModelShape.from_params(200e6).n_layer >= 6
 
 
 S, B, H, A, T = 2048, 4, 4096, 32, 8

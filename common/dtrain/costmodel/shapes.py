@@ -113,6 +113,9 @@ class ModelShape:
 
 
 # Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
+#   125M  GPT-3 Small      12 x 768, 12 heads, GELU 4h, vocab 50257, tied                    (1.25e8)
+#   350M  GPT-3 Medium     24 x 1024, 16 heads                                              (3.55e8)
+#   760M  GPT-3 Large      24 x 1536, 16 heads                                              (7.58e8)
 #   1B    Llama 3.2 1B     16 x 2048, 32 heads / 8 KV, SwiGLU 8192, vocab 128256, tied   (1.24e9)
 #   7B    Llama 2 7B       32 x 4096, 32 / 32, SwiGLU 11008, vocab 32000                  (6.74e9)
 #   13B   Llama 2 13B      40 x 5120, 40 / 40, SwiGLU 13824, vocab 32000                  (13.0e9)
@@ -120,18 +123,24 @@ class ModelShape:
 #   70B   Llama 2 70B      80 x 8192, 64 / 8,  SwiGLU 28672, vocab 32000                  (69.0e9)
 #   175B  GPT-3 175B       96 x 12288, 96 / 96, GELU 4h, vocab 50257, tied                (174.6e9)
 #   405B  Llama 3.1 405B  126 x 16384, 128 / 8, SwiGLU 53248, vocab 128256                (405.9e9)
-# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model); the Llama
-# family trains without it.
+# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model) and learned
+# positions (no RoPE); the Llama family trains without dropout. Below 1B the table has GPT-3's small models:
+# the Llama family's smallest (3.2 1B) has a 128256-token vocabulary, whose embedding alone would leave a
+# 125M-parameter model one layer.
 # Sources: Touvron et al. 2023 (Llama 2), Rozière et al. 2023 (Code Llama), Brown et al. 2020
 # (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of Models" (Table 3), Meta's Llama 3.2
 # model card; ffn sizes as in the released config.json files.
+_GPT3 = dict(vocab=50257, seq_len=2048, ffn_mult=4.0, gated_mlp=False, tied_embeddings=True, dropout=True, rotary=False)
 KNOWN_SHAPES = {  # nominal size -> shape
+    125e6: ModelShape(12, 768, 12, 12, name="GPT-3-Small", **_GPT3),
+    350e6: ModelShape(24, 1024, 16, 16, name="GPT-3-Medium", **_GPT3),
+    760e6: ModelShape(24, 1536, 16, 16, name="GPT-3-Large", **_GPT3),
     1e9: ModelShape(16, 2048, 32, 8, 128256, 4096, 8192 / 2048, True, True, "Llama-3.2-1B"),
     7e9: ModelShape(32, 4096, 32, 32, 32000, 4096, 11008 / 4096, True, False, "Llama-2-7B"),
     13e9: ModelShape(40, 5120, 40, 40, 32000, 4096, 13824 / 5120, True, False, "Llama-2-13B"),
     34e9: ModelShape(48, 8192, 64, 8, 32000, 4096, 22016 / 8192, True, False, "CodeLlama-34B"),
     70e9: ModelShape(80, 8192, 64, 8, 32000, 4096, 28672 / 8192, True, False, "Llama-2-70B"),
-    175e9: ModelShape(96, 12288, 96, 96, 50257, 2048, 4.0, False, True, "GPT-3-175B", dropout=True),
+    175e9: ModelShape(96, 12288, 96, 96, name="GPT-3-175B", **_GPT3),
     405e9: ModelShape(126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"),
 }
 
