@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .shapes import Layout
-
 __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 
 
@@ -49,13 +47,14 @@ SOFTWARE = {s.name: s for s in (
     Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
              "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
              "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing"),
-    Software("torchtitan", (0, 2, 3), (0, 2, 3), ("torch",), (True,), ("none", "op", "full"), True,
-             "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3), TP always with sequence "
+    Software("torchtitan", (0, 2, 3), (0, 3), ("torch",), (True,), ("none", "op", "full"), True,
+             "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
+             "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
              "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
              "context_parallel"),
     Software("dtrain", (0, 2, 3), (0, 3), ("ring", "ulysses", "torch"), (False, True), ("none", "op", "full"), True,
              "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
-             "its zero2 reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
+             "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
              "cp_impl ring|ulysses|torch, interleaved 1F1B; it refuses cp together with pp", cp_with_pp=False),
 )}
 
