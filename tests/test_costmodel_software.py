@@ -117,3 +117,20 @@ def test_dtrain_software_choices_run_on_the_trainer_as_priced():
     for p in res.ranked:
         _, notes = train_overrides(p, SHAPE, 64)
         assert [n for n in notes if not n.startswith(("vocabulary", "the trainer's GPT"))] == [], p.describe()
+
+
+def test_plan_says_what_the_framework_costs(capsys):
+    """--software X also searches every layout and says how much faster the unrestricted best is (JSON and text);
+    the gap is the two searches' tokens/s ratio, and never negative."""
+    rc, out = _plan(capsys, "--software", "megatron-2021", "--json", "--top", "0")
+    d = json.loads(out.out)
+    restricted, free = d["choice"], d["any_framework"]["choice"]
+    assert rc == 0 and not restricted["sequence_parallel"] and restricted["zero_stage"] == 0
+    assert d["any_framework"]["faster_pct"] == pytest.approx(
+        100 * (free["tokens_per_s"] / restricted["tokens_per_s"] - 1), rel=1e-9)
+    assert d["any_framework"]["faster_pct"] > 0.05           # 2021's Megatron lacks what the best layout uses
+    rc, out = _plan(capsys, "--software", "megatron-2021", "--top", "0")
+    line = next(x for x in out.out.splitlines() if x.startswith("framework:"))
+    assert f"is {d['any_framework']['faster_pct']:.1f}% faster than megatron-2021's best" in line
+    rc, out = _plan(capsys, "--json", "--top", "0")
+    assert "any_framework" not in json.loads(out.out)        # --software any: one search, nothing to compare

@@ -27,7 +27,8 @@ from .compute import EAGER_BYTES
 from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape
-from .plan_report import calibration_notes, layout_json, layout_text, res_usable, text_report, to_json
+from .plan_report import (calibration_notes, framework_gap, framework_text, layout_json, layout_text, plan_dict,
+                          res_usable, text_report, to_json)
 from .search import SearchResult, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
@@ -300,16 +301,23 @@ def run(a) -> int:
             print(f"warning: {message}", file=sys.stderr)
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
-    result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom,
-                    stack=stack_of(a))
+    stack = stack_of(a)
+    result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom, stack=stack)
     mine, gap, tight = layout_result(shape, cluster, a, calib, result)
+    free = None if stack.software == "any" else search(shape, cluster, a.global_batch, calib, precision=a.precision,
+                                                       headroom=a.headroom, stack=replace(stack, software="any"))
     if a.json:
         out = to_json(result, a.top, notes)
+        if free is not None:
+            out["any_framework"] = {"choice": plan_dict(free.best) if free.best else None,
+                                    "faster_pct": framework_gap(result, free)}
         if mine is not None:
             out["layout"] = layout_json(mine, gap, a.layout, tight)
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         lines = text_report(result, a.top, notes)
+        if free is not None:
+            lines += [""] + framework_text(result, free)
         if mine is not None:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(mine), tight)
         print("\n".join(lines))

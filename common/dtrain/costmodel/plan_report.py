@@ -85,6 +85,25 @@ def layout_text(res: SearchResult, gap: float | None, spec: str, usable_gib: flo
     return out
 
 
+def framework_gap(res: SearchResult, free: SearchResult) -> float | None:
+    """How much faster (%) the best layout of every framework ("any") is than the best of ``res``'s software."""
+    if res.best is None or free.best is None:
+        return None
+    return 100 * (free.best.time.tokens_per_s / res.best.time.tokens_per_s - 1)
+
+
+def framework_text(res: SearchResult, free: SearchResult) -> list[str]:
+    """One line: what the framework's restriction costs against the unrestricted search (``--software``)."""
+    gap, sw = framework_gap(res, free), res.stack.software
+    if gap is None:
+        return [] if free.best is None else [f"framework: no layout {sw} runs fits; the best of any framework is "
+                                             f"{free.best.describe()}"]
+    if gap <= 0.05:
+        return [f"framework: {sw}'s best is the best of any framework (within 0.05%)"]
+    return [f"framework: the best layout of any framework, {free.best.describe()}, is {gap:.1f}% faster than "
+            f"{sw}'s best ({len(res.ranked)} of its layouts fit)"]
+
+
 def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = False) -> dict:
     d = {"spec": spec, "fits": res.best is not None, "tight": tight, "reason": res.reason,
          "hbm_usable_bytes": res.cluster.gpu.hbm_bytes * (1 - res.headroom)}
