@@ -46,7 +46,8 @@ def test_each_restriction_bites(searches):
     assert not any(p.zero_stage >= 2 and p.pp > 1 for p in ranked["megatron-deepspeed"])
     assert not any(p.sequence_parallel for p in ranked["megatron-2021"])
     assert not any(p.tp > 1 and not p.sequence_parallel for p in ranked["torchtitan"])
-    assert any(p.cp > 1 and p.pp > 1 for p in ranked["any"]) and not any(p.cp > 1 and p.pp > 1 for p in ranked["dtrain"])
+    assert any(p.cp > 1 and p.pp > 1 for p in ranked["any"])
+    assert not any(p.cp > 1 and p.pp > 1 for p in ranked["dtrain"])
     assert not any(p.zero_stage == 2 and p.pp > 1 for p in ranked["dtrain"]) and any(p.cp > 1 for p in ranked["dtrain"])
 
 
@@ -78,6 +79,9 @@ def test_unsupported_names_the_field_by_hand():
     assert unsupported(m21, {"cp": 2}) == "cp > 1 (it has no context parallelism)"
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "pp": 4}) == "cp > 1 with pp > 1 (it runs one or the other)"
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "cp_impl": "ulysses", "pp": 1}) is None
+    assert unsupported(SOFTWARE["megatron-core"], {"dp_replicate": 4, "zero_stage": 1}) == \
+        "hsdp=4 (it has no hybrid sharding)"
+    assert unsupported(tt, {"dp_replicate": 4, "zero_stage": 3}) is None
     assert unsupported(SOFTWARE["any"], {"zero_stage": 1, "cp_impl": "torch", "cp": 2}) is None
     with pytest.raises(ValueError, match="software must be one of"):
         Stack(software="nemo")

@@ -128,8 +128,8 @@ def add_parser(sub) -> None:
                    help="the framework the run uses: the best layout is the best one it runs (any, default: every "
                         "layout; megatron-core; megatron-2021: no SP, selective recompute or distributed optimizer; "
                         "megatron-deepspeed: DeepSpeed's pipeline engine, no interleaving, ZeRO-0/1 with PP; "
-                        "torchtitan: DDP or FSDP, SP with TP, PyTorch's context_parallel; dtrain: this project's trainer, "
-                        "whose overrides the plan prints); costmodel/software.py")
+                        "torchtitan: DDP or FSDP, SP with TP, PyTorch's context_parallel; dtrain: this project's "
+                        "trainer, whose overrides the plan prints); costmodel/software.py")
     p.add_argument("--layout", metavar="FIELDS",
                    help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv split=layers|balanced '
                         'zero= hsdp= recompute=none|op|selective|full mb= sp=on|off"; '

@@ -18,7 +18,8 @@ class Software:
     """``zero``: ZeRO stages without PP, ``zero_pp`` with it; ``cp_impls``: context-parallel implementations
     (``Layout.cp_impl``; empty: none); ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels
     it runs; ``interleaved``: more than one model chunk per pipeline rank (``Layout.virtual_stages``);
-    ``cp_with_pp``: context and pipeline parallelism together."""
+    ``cp_with_pp``: context and pipeline parallelism together; ``hsdp``: FSDP sharded inside replica groups
+    (``Layout.dp_replicate``, scored when asked for, never searched)."""
 
     name: str
     zero: tuple[int, ...]
@@ -29,6 +30,7 @@ class Software:
     interleaved: bool
     source: str
     cp_with_pp: bool = True
+    hsdp: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -36,7 +38,8 @@ class Software:
 
 SOFTWARE = {s.name: s for s in (
     Software("any", (0, 1, 2, 3), (0, 1, 2, 3), ("ring", "ulysses"), (False, True), ("none", "op", "selective", "full"),
-             True, "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)"),
+             True, "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)",
+             hsdp=True),
     Software("megatron-core", (0, 1), (0, 1), ("ring", "ulysses"), (False, True), ("none", "selective", "full"), True,
              "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
              "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
@@ -51,11 +54,12 @@ SOFTWARE = {s.name: s for s in (
              "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
              "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
              "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
-             "context_parallel"),
+             "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True),
     Software("dtrain", (0, 2, 3), (0, 3), ("ring", "ulysses", "torch"), (False, True), ("none", "op", "full"), True,
              "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
              "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
-             "cp_impl ring|ulysses|torch, interleaved 1F1B; it refuses cp together with pp", cp_with_pp=False),
+             "cp_impl ring|ulysses|torch, interleaved 1F1B, hsdp; it refuses cp together with pp", cp_with_pp=False,
+             hsdp=True),
 )}
 
 
@@ -88,6 +92,8 @@ def unsupported(sw: Software, fields: dict) -> str | None:
         return f"sp={'on' if fields['sequence_parallel'] else 'off'} with tp > 1"
     if fields.get("recompute") is not None and fields["recompute"] not in sw.recompute:
         return f"recompute={fields['recompute']} (it runs {', '.join(sw.recompute)})"
+    if fields.get("dp_replicate", 1) > 1 and not sw.hsdp:
+        return f"hsdp={fields['dp_replicate']} (it has no hybrid sharding)"
     if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
         return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
     return None
