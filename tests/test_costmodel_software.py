@@ -106,6 +106,8 @@ def test_plan_flag_and_its_error(capsys):
                                "--layout, or pass the --software that runs it (--software any scores every layout)")
     rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=4 v=2")
     assert rc == 2 and "megatron-deepspeed does not run v=2 (it has no interleaved schedule)" in out.err
+    rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=1 zero=3 hsdp=4")
+    assert rc == 2 and "megatron-deepspeed does not run hsdp=4 (it has no hybrid sharding)" in out.err
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--software", "nemo"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: dtrain plan: argument --software: invalid choice: 'nemo'") and err.count("\n") == 1
