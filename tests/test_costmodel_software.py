@@ -140,3 +140,25 @@ def test_plan_says_what_the_framework_costs(capsys):
     assert f"is {d['any_framework']['faster_pct']:.1f}% faster than megatron-2021's best" in line
     rc, out = _plan(capsys, "--json", "--top", "0")
     assert "any_framework" not in json.loads(out.out)        # --software any: one search, nothing to compare
+
+
+def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
+    """torchtitan's and dtrain's ZeRO-2 is FSDP2 without resharding after forward: it reshards after each backward,
+    so the weights are gathered m times a step (DeepSpeed's ZeRO-2, "any": once); the gradients m times either way."""
+    from dtrain.costmodel import Layout, step_time
+    from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
+    from dtrain.costmodel.memory import params_per_gpu
+    from dtrain.costmodel.traffic import dp_comm_time
+
+    shape, cluster = ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True), Cluster.from_profile("h100-sxm", 64, 8)
+    lay = Layout(64, 1, 1, 2, "none", 1, 4)
+    psi = params_per_gpu(shape, 1, 1)
+    link = group_link(cluster, 64, 1, multi_rail=True)
+    ag, rs = all_gather_time(2 * psi, 64, link), reduce_scatter_time(4 * psi, 64, link)
+    assert dp_comm_time(shape, lay, cluster, 2) == pytest.approx((4 * rs, ag), rel=1e-12)
+    assert dp_comm_time(shape, lay, cluster, 2, zero2_regathers=True) == pytest.approx((4 * rs, 4 * ag), rel=1e-12)
+    t_any = step_time(shape, lay, cluster)
+    t_fsdp = step_time(shape, lay, cluster, stack=Stack(software="torchtitan"))
+    assert t_fsdp.dp_comm - t_any.dp_comm == pytest.approx(3 * ag, rel=1e-9)
+    one = Layout(64, 1, 1, 2, "none", 1, 1)   # one micro-batch a step: the two are the same
+    assert step_time(shape, one, cluster, stack=Stack(software="dtrain")).total == step_time(shape, one, cluster).total

@@ -19,7 +19,9 @@ class Software:
     (``Layout.cp_impl``; empty: none); ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels
     it runs; ``interleaved``: more than one model chunk per pipeline rank (``Layout.virtual_stages``);
     ``cp_with_pp``: context and pipeline parallelism together; ``hsdp``: FSDP sharded inside replica groups
-    (``Layout.dp_replicate``, scored when asked for, never searched)."""
+    (``Layout.dp_replicate``, scored when asked for, never searched); ``zero2_regathers``: its ZeRO-2 is FSDP2
+    without resharding after forward, which reshards after each backward and so gathers the weights again for
+    every micro-batch (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer)."""
 
     name: str
     zero: tuple[int, ...]
@@ -31,6 +33,7 @@ class Software:
     source: str
     cp_with_pp: bool = True
     hsdp: bool = False
+    zero2_regathers: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -54,12 +57,12 @@ SOFTWARE = {s.name: s for s in (
              "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
              "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
              "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
-             "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True),
+             "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True, zero2_regathers=True),
     Software("dtrain", (0, 2, 3), (0, 3), ("ring", "ulysses", "torch"), (False, True), ("none", "op", "full"), True,
              "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
              "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
              "cp_impl ring|ulysses|torch, interleaved 1F1B, hsdp; it refuses cp together with pp", cp_with_pp=False,
-             hsdp=True),
+             hsdp=True, zero2_regathers=True),
 )}
 
 

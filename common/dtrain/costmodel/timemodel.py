@@ -153,7 +153,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
               all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
               keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m reduce-
-              scatters + one all-gather; ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP
+              scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``: FSDP2's); ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP
               unit (ceil(L/pp) blocks + the root). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
               reduce-scatters run inside a replica group of dp·cp/R ranks, each reduce-scatter followed by
               an all-reduce of the fp32 gradient shard over the R groups.
@@ -299,7 +299,7 @@ class StepModel:
             group = Layout(n, lay.tp, lay.pp, lay.zero_stage, grad_accum=lay.grad_accum, dp_replicate=lay.dp_replicate,
                            pp_split=lay.pp_split)
             g, w = dp_comm_time(self.shape, group, self.cluster, self.vb, self.fp8_fsdp_gather,
-                                max(self.vb, self.stack.grad_bytes))
+                                max(self.vb, self.stack.grad_bytes), self.stack.runs.zero2_regathers)
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
             t = self._dp[key] = (g, w, loss)
         return t

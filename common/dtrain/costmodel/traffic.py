@@ -33,10 +33,12 @@ def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes
 
 @lru_cache(maxsize=1 << 14)
 def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
-             fp8_weights: bool = False, grad_bytes: int = 4) -> tuple[float, float]:
+             fp8_weights: bool = False, grad_bytes: int = 4, zero2_regathers: bool = False) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
     ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``);
-    ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``)."""
+    ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``);
+    ``zero2_regathers``: ZeRO-2 as FSDP2 runs it, the weights gathered for every micro-batch
+    (``Software.zero2_regathers``), not once a step."""
     if lay.dp <= 1:
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp, lay.pp_split)
@@ -56,7 +58,7 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
     if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
         return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
     if lay.zero_stage == 2:
-        return m * rs, ag
+        return m * rs, (m if zero2_regathers else 1) * ag
     units = stage_layers(shape, lay.pp, lay.pp_split) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
     lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
     return m * (rs + lat_rs), m * 2 * (ag + lat_ag)

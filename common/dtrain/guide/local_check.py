@@ -44,12 +44,17 @@ from dtrain.costmodel.calibration_records import (Candidate, leave_one_out, tp_m
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.costmodel.gpt_shape import shape_of
+from dtrain.costmodel.stack import Stack
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model import GPTConfig
 from dtrain.parallel.mesh import ParallelDims, zero_stage
 from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING
 
 from .check import CALLBACKS_NOTE, Check
+
+# the local runs are this project's trainer: its layouts as it runs them (costmodel/software.py, "dtrain": FSDP2's
+# ZeRO-2 gathers the weights again for every micro-batch)
+TRAINER = Stack(software="dtrain")
 
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
 
@@ -242,7 +247,7 @@ def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None 
             cluster = host_cluster(peak / k, world, link or LinkModel(0, 1e30))
             return step_time(r.shape, r.layout, cluster,
                              _calib(eff, basis, overlap, probe, over * k if over is not None else None, factors),
-                             value_bytes=r.value_bytes)
+                             value_bytes=r.value_bytes, stack=TRAINER)
         t = predict(load)
         exposed = r.guide.get("exposed_comm_s")
         detail = "" if exposed is None else (
@@ -301,7 +306,7 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
                              host_cluster((run_peak if over is not None else peak) / (k * lf), world,
                                           link or LinkModel(0, 1e30)),
                              row_calib, precision="fp8" if fp8 else "bf16",
-                             value_bytes=4 if g.get("precision") != "bf16" else 2)
+                             value_bytes=4 if g.get("precision") != "bf16" else 2, stack=TRAINER)
         t = predict(load)
         basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
             "; in-sample FP8 factor from fp8-train compare" if fp8 else "") + (
