@@ -259,20 +259,28 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
     return fixed
 
 
-def layout_result(shape, cluster, a, calib, best: SearchResult):
-    """(search restricted to --layout, its gap to ``best``, tight) or (None, None, False) without --layout.
+def pinned_layout(a, gpus: int) -> dict | None:
+    """The --layout fields (``parse_layout``) checked against --software, before any search; None without it."""
+    if not a.layout:
+        return None
+    fixed = parse_layout(a.layout, gpus)
+    lacks = unsupported(software(a.software), fixed)
+    if lacks:
+        raise UserError(f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
+                        "that runs it (--software any scores every layout)")
+    return fixed
+
+
+def layout_result(shape, cluster, a, calib, best: SearchResult, fixed: dict | None):
+    """(search restricted to the --layout fields ``fixed``, its gap to ``best``, tight) or (None, None, False)
+    without --layout.
 
     The headroom is for choosing: a layout the user gives is judged against the whole HBM. When it fits
     only in the share ``--headroom`` keeps free it is still scored (published layouts run there: torchtitan's
     Llama 3.1 8B on 8 H100 peaks at 77 of 80 GiB), marked ``tight``; one that does not fit is said against
     the whole HBM."""
-    if not a.layout:
+    if fixed is None:
         return None, None, False
-    fixed = parse_layout(a.layout, cluster.gpus)
-    lacks = unsupported(software(a.software), fixed)
-    if lacks:
-        raise UserError(f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
-                        "that runs it (--software any scores every layout)")
     kw = dict(precision=a.precision, stack=stack_of(a), fixed=fixed)
     res = search(shape, cluster, a.global_batch, calib, headroom=a.headroom, **kw)
     tight = False
@@ -301,9 +309,9 @@ def run(a) -> int:
             print(f"warning: {message}", file=sys.stderr)
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
-    stack = stack_of(a)
+    stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus)
     result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom, stack=stack)
-    mine, gap, tight = layout_result(shape, cluster, a, calib, result)
+    mine, gap, tight = layout_result(shape, cluster, a, calib, result, fixed)
     free = None if stack.software == "any" else search(shape, cluster, a.global_batch, calib, precision=a.precision,
                                                        headroom=a.headroom, stack=replace(stack, software="any"))
     if a.json:

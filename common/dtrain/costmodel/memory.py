@@ -333,7 +333,8 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)
 
 
-def memory_for(shape: ModelShape, layout: Layout, stack: Stack, activation_bytes_factor: float = 1.0) -> MemoryBreakdown:
+def memory_for(shape: ModelShape, layout: Layout, stack: Stack,
+               activation_bytes_factor: float = 1.0) -> MemoryBreakdown:
     """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory (the attention
     kernel, the loss, the gradient and optimizer-state dtypes)."""
     return memory_per_gpu(shape, layout, activation_bytes_factor, stack.flash, stack.fused_loss, stack.grad_bytes,

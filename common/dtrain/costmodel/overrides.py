@@ -14,9 +14,9 @@
     sequence_parallel -> train.sequence_parallel
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
-selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp,
-the balanced pipeline split,
-and ZeRO-1/2 under pp, whose gradient reduction the trainer runs after the last backward (not hidden as priced).
+selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp, the
+balanced pipeline split, and ZeRO-1/2 under pp, whose gradient reduction the trainer runs after the last backward
+(not hidden as priced). `dtrain plan --software dtrain` searches only layouts that need none of these notes.
 """
 from __future__ import annotations
 

@@ -140,9 +140,8 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
             ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
             impls = [i for i in runs.cp_impls if i != "ulysses" or ulysses] if cp > 1 else ["ring"]
             split = fixed.get("pp_split", "layers") if pp > 1 else "layers"  # scored when asked for, not searched
-            if "cp_impl" in fixed:  # "any": PyTorch's context_parallel is scored when asked for, not searched
-                impls = [i for i in dict.fromkeys(impls + ["torch"] * (cp > 1 and runs.name == "any"))
-                         if i == fixed["cp_impl"]]
+            if "cp_impl" in fixed:  # and the ones scored only when asked for (any: PyTorch's context_parallel)
+                impls = [i for i in impls + list(runs.cp_pinned) * (cp > 1) if i == fixed["cp_impl"]]
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     yield Layout(dp, tp, pp, micro_batch=mb), (

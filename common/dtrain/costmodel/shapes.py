@@ -197,7 +197,7 @@ class Layout:
                 raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group (zero_stage 2 or 3)")
         if self.cp < 1 or self.cp_impl not in CP_IMPLS:
             raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
-        if self.pp_split != "layers" and self.pp_split not in PP_SPLITS:
+        if self.pp_split not in PP_SPLITS:
             raise ValueError(f"pp_split must be one of {PP_SPLITS}, got {self.pp_split!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")

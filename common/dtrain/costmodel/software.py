@@ -16,8 +16,9 @@ __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 @dataclass(frozen=True)
 class Software:
     """``zero``: ZeRO stages without PP, ``zero_pp`` with it; ``cp_impls``: context-parallel implementations
-    (``Layout.cp_impl``; empty: none); ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels
-    it runs; ``interleaved``: more than one model chunk per pipeline rank (``Layout.virtual_stages``);
+    (``Layout.cp_impl``; empty: none) the search tries, ``cp_pinned`` those it scores only when asked for;
+    ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels it runs; ``interleaved``: more than
+    one model chunk per pipeline rank (``Layout.virtual_stages``);
     ``cp_with_pp``: context and pipeline parallelism together; ``hsdp``: FSDP sharded inside replica groups
     (``Layout.dp_replicate``, scored when asked for, never searched); ``zero2_regathers``: its ZeRO-2 is FSDP2
     without resharding after forward, which reshards after each backward and so gathers the weights again for
@@ -33,6 +34,7 @@ class Software:
     source: str
     cp_with_pp: bool = True
     hsdp: bool = False
+    cp_pinned: tuple[str, ...] = ()
     zero2_regathers: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
@@ -42,7 +44,7 @@ class Software:
 SOFTWARE = {s.name: s for s in (
     Software("any", (0, 1, 2, 3), (0, 1, 2, 3), ("ring", "ulysses"), (False, True), ("none", "op", "selective", "full"),
              True, "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)",
-             hsdp=True),
+             hsdp=True, cp_pinned=("torch",)),
     Software("megatron-core", (0, 1), (0, 1), ("ring", "ulysses"), (False, True), ("none", "selective", "full"), True,
              "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
              "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
@@ -76,8 +78,6 @@ def software(name: str) -> Software:
 def unsupported(sw: Software, fields: dict) -> str | None:
     """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones ``dtrain plan
     --layout`` pins), naming the first field it lacks; None when it runs them ("any" runs every layout)."""
-    if sw.name == "any":
-        return None
     pp, zero = fields.get("pp"), fields.get("zero_stage")
     zeros = sw.zeros(pp) if pp else tuple(sorted(set(sw.zero) | set(sw.zero_pp)))
     shards = fields.get("dp", 2) * fields.get("cp", 1)
@@ -88,7 +88,7 @@ def unsupported(sw: Software, fields: dict) -> str | None:
     if fields.get("cp", 1) > 1 and (pp or 1) > 1 and not sw.cp_with_pp:
         return "cp > 1 with pp > 1 (it runs one or the other)"
     impl = fields.get("cp_impl")
-    if impl is not None and fields.get("cp", 2) > 1 and impl not in sw.cp_impls:
+    if impl is not None and fields.get("cp", 2) > 1 and impl not in sw.cp_impls + sw.cp_pinned:
         return f"cp_impl={impl} (it runs cp_impl={', '.join(sw.cp_impls)})"
     if fields.get("tp", 2) > 1 and fields.get("sequence_parallel") is not None \
             and fields["sequence_parallel"] not in sw.sp:

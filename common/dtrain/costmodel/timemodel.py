@@ -153,10 +153,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
               all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
               keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m reduce-
-              scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``: FSDP2's); ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP
-              unit (ceil(L/pp) blocks + the root). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
-              reduce-scatters run inside a replica group of dp·cp/R ranks, each reduce-scatter followed by
-              an all-reduce of the fp32 gradient shard over the R groups.
+              scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``: FSDP2's); ZeRO-3
+              m · (2 all-gathers + 1 reduce-scatter), α once per FSDP unit (ceil(L/pp) blocks + the root).
+              HSDP (``Layout.dp_replicate`` R > 1): the gathers and reduce-scatters run inside a replica
+              group of dp·cp/R ranks, each reduce-scatter followed by an all-reduce of the fp32 gradient
+              shard over the R groups.
     exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, at most
               calib.dp_overlap of it: ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
               the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1) only behind the last
@@ -205,7 +206,8 @@ class StepModel:
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.cp_impl, lay.pp_split)
+        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.cp_impl,
+               lay.pp_split)
         t = self._micro.get(key)
         if t is None:
             one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel,

@@ -59,6 +59,6 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
         return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
     if lay.zero_stage == 2:
         return m * rs, (m if zero2_regathers else 1) * ag
-    units = stage_layers(shape, lay.pp, lay.pp_split) + 1  # FSDP: one unit per block + the root; α per unit, bytes unchanged
+    units = stage_layers(shape, lay.pp, lay.pp_split) + 1  # FSDP: a unit per block + the root; α per unit
     lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
     return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
