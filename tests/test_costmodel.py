@@ -265,6 +265,9 @@ def test_explain_names_cross_node_tp_and_memory_rejections():
     assert any("tp=16 crosses nodes: TP all-reduce over IB" in line for line in lines)
     assert any("dp=64 tp=1 pp=1" in line and "does not fit" in line and "GiB > 72.0 GiB" in line
                for line in lines)
+    # --top 0: the choice alone, no runner-up or too-big design (k = 0 used to list every runner-up)
+    assert explain(res, 0) == lines[:1]
+    assert len(explain(res, 1)) == 3 and explain(res, 1)[1].startswith("dp=4 tp=16")
 
 
 def test_global_batch_not_divisible_is_reported():

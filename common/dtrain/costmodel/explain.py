@@ -81,6 +81,8 @@ def _without_cp(result: SearchResult) -> list[str]:
 def _runners_up(result: SearchResult, k: int) -> list[Plan]:
     """The fastest plan of each next design; a design that only trades memory at equal speed
     (ZeRO-0 vs ZeRO-1, same tp/pp/recompute) is not listed twice."""
+    if k <= 0:  # --top 0: the choice alone
+        return []
     best = result.ranked[0]
     seen = {(best.tp, best.pp, best.zero_stage, best.recompute)}
     speeds = {(best.tp, best.pp, best.recompute, best.time.tokens_per_s)}

@@ -44,8 +44,9 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
            *notes, ""]
     if res.best is None:
         return out + [res.reason]
-    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), "", "why the runners-up lost:"]
-    return out + [f"  - {line}" for line in explain(res, top)[1:]]
+    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
+    why = explain(res, top)[1:]
+    return out + (["", "why the runners-up lost:"] + [f"  - {line}" for line in why] if why else [])
 
 
 def res_usable(res: SearchResult) -> float:
