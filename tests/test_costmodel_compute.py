@@ -78,6 +78,36 @@ def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
     assert memory_bytes(LLAMA8B, lay, "fp8", fused=False)["fp8_cast"] == pytest.approx(7 * elems * 8192)
 
 
+def test_torch_cp_merges_count_the_ring_steps_eager_ops():
+    """PyTorch's context_parallel, cp=4, Llama-3-8B (32 heads of 128 = 4096 per token as SDPA gets them), s=32768:
+    per local token forward (3 later steps x 40.5 + 12) x 4096 = 133.5 x 4096, backward (3 x 58.5 + 76) x 4096 =
+    251.5 x 4096, over the 8192 local tokens; the same count fused or eager; none for the ring and all-to-all
+    implementations (their kernels merge in place) or without CP. Full recompute re-runs the forward merges,
+    selective recompute too (the attention core with them), op AC none (SDPA's output is saved)."""
+    from dataclasses import replace
+    from dtrain.costmodel.compute import layer_terms
+    shape = replace(LLAMA8B, seq_len=32768)
+    local = replace(LLAMA8B, seq_len=8192)   # memory_bytes counts a rank's tokens (as layer_terms passes them)
+    lay = Layout(1, 1, 1, micro_batch=1, cp=4, cp_impl="torch")
+    for fused in (True, False):
+        got = memory_bytes(local, lay, "bf16", fused=fused)
+        assert got["cp_merge_fwd"] == pytest.approx(133.5 * 4096 * 8192)
+        assert got["cp_merge_bwd"] == pytest.approx(251.5 * 4096 * 8192)
+    for impl in ("ring", "ulysses"):
+        assert not any(k.startswith("cp_merge") for k in memory_bytes(local, replace(lay, cp_impl=impl), "bf16", True))
+    assert not any(k.startswith("cp_merge") for k in memory_bytes(local, replace(lay, cp=1), "bf16", True))
+    d = dev()
+    merge_fwd = 133.5 * 4096 * 8192 / (HBM * 0.89)   # kernels.yaml h100 "add" share
+    merge_bwd = 251.5 * 4096 * 8192 / (HBM * 0.89)
+    ring = layer_terms(shape, replace(lay, cp_impl="ring"), d)
+    torch_cp = layer_terms(shape, lay, d)
+    assert torch_cp.memory - ring.memory == pytest.approx(merge_fwd + merge_bwd, rel=1e-9)
+    for rc, extra in (("full", merge_fwd), ("selective", merge_fwd), ("op", 0.0)):
+        a, b = layer_terms(shape, replace(lay, recompute=rc), d), layer_terms(shape, replace(lay, recompute=rc,
+                                                                                             cp_impl="ring"), d)
+        assert a.recompute - b.recompute == pytest.approx(extra, rel=1e-9, abs=1e-12)
+
+
 def test_optimizer_is_bytes_over_the_measured_adamw_bandwidth():
     """fused AdamW at 0.74 of HBM, PyTorch's foreach default (eager stacks) at 0.27; 28 B per parameter of
     the rank's optimizer shard, 12 B of clipping per local parameter."""

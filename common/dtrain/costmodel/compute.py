@@ -227,6 +227,7 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool)
       MLP activation          GELU 10·F/t (forward 2 passes, backward 3), SwiGLU 16·F/t (3 + 5)
       dropout (if any)        2 layers x (forward r+w+mask, backward r+mask+w): 2·10·h_r
       FP8 casts               each block linear's input and output gradient, FP8_CAST_BYTES per element
+      torch CP merges         ``cp_merge_bytes`` (PyTorch's context_parallel, cp > 1)
     """
     t, h = layout.tp, shape.d_model
     h_r = h / t if layout.sequence_parallel else h
@@ -243,17 +244,37 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool)
         q, kv = heads * hd, kv_heads * hd
         elems = (h + (q + 2 * kv)) + (q + h) + (h + (2 if shape.gated_mlp else 1) * f) + (f + h)
         out["fp8_cast"] = FP8_CAST_BYTES["fused" if fused else "eager"] * elems
+    if layout.cp > 1 and layout.cp_impl == "torch":
+        out["cp_merge_fwd"], out["cp_merge_bwd"] = cp_merge_bytes(layout.cp, heads * hd)
     tokens = layout.micro_batch * shape.seq_len
-    scale = 1.0 if fused else EAGER_BYTES  # FP8_CAST_BYTES counts eager casts itself
-    return {k: v * tokens * (1.0 if k == "fp8_cast" else scale) for k, v in out.items()}
+    scale = 1.0 if fused else EAGER_BYTES  # FP8_CAST_BYTES and cp_merge_bytes count eager ops themselves
+    return {k: v * tokens * (1.0 if k == "fp8_cast" or k.startswith("cp_merge") else scale) for k, v in out.items()}
+
+
+def cp_merge_bytes(cp: int, width: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per local token of one layer that PyTorch's ring attention moves outside
+    its kernels (torch/distributed/tensor/experimental/_attention.py: ``_templated_ring_attention``,
+    ``_SDPAMerger``, ``_partial_update``, ``_templated_ring_attention_backward``), eager PyTorch ops on
+    tensors of ``width`` = query heads x head dim per token (K and V as SDPA gets them, repeated to the query
+    heads), 16-bit inputs, fp32 accumulators (``convert_to_f32``). Per ring step after the first, the two
+    load-balanced cases (whole chunk; half the queries, written back with a concatenation) averaged:
+      forward   K, V concatenated for the rotation 8; the block output upcast 4.5; the merge
+                out - sigmoid(lse_b - lse) * (out - out_b), 8 fp32 passes, or 4 + the concatenation 8: 28
+                -> 40.5; once: the first output upcast and the result cast back, 12
+      backward  K, V concatenated 8; dK, dV added into fp32 (r 6, w 4 each) or half-added + concatenated: 23;
+                dK, dV concatenated for the ring 16; dQ added (10) or half-added + concatenated (13): 11.5
+                -> 58.5; once: three fp32 zero buffers 12, the first step's adds and concatenation 46, the
+                casts back 18: 76"""
+    steps = cp - 1
+    return (40.5 * steps + 12) * width, (58.5 * steps + 76) * width
 
 
 # which measured share each byte count streams at
 _KIND = {"norm": "norm", "add": "add", "rope": "norm", "act_gelu": "act_gelu", "act_swiglu": "act_swiglu",
-         "dropout": "dropout", "fp8_cast": "add"}
+         "dropout": "dropout", "fp8_cast": "add", "cp_merge_fwd": "add", "cp_merge_bwd": "add"}
 # share of each kind's bytes that the forward moves (what full recompute runs again)
 _FORWARD_SHARE = {"norm": 0.4, "add": 0.5, "rope": 0.5, "act_gelu": 0.4, "act_swiglu": 0.375, "dropout": 0.5,
-                  "fp8_cast": 0.5}
+                  "fp8_cast": 0.5, "cp_merge_fwd": 1.0, "cp_merge_bwd": 0.0}
 
 
 def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str = "bf16",
@@ -280,11 +301,11 @@ def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
     if layout.recompute == "full":
         rc = fwd_gemm + attention_s(attention, layout, dev, forward_only=True) + sum(
             t * _FORWARD_SHARE[k] for k, t in mem.items())
-    elif layout.recompute == "selective":
-        rc = attention_s(attention, layout, dev, forward_only=True)
-    elif layout.recompute == "op":
+    elif layout.recompute == "selective":  # the attention core again, with its ring's merges
+        rc = attention_s(attention, layout, dev, forward_only=True) + mem.get("cp_merge_fwd", 0.0)
+    elif layout.recompute == "op":  # SDPA's output is saved: no attention (nor its merges) re-run
         rc = sum(dev.gemm_s(g, dtype, value_bytes) for g in op_recompute_gemms(shape, layout)) + sum(
-            t * _FORWARD_SHARE[k] for k, t in mem.items() if k != "add")
+            t * _FORWARD_SHARE[k] for k, t in mem.items() if k != "add" and not k.startswith("cp_merge"))
     return ComputeTerms(gemm=3 * fwd_gemm, attention=attn, memory=sum(mem.values()), recompute=rc)
 
 
