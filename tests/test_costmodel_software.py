@@ -26,7 +26,7 @@ def test_search_returns_only_what_the_software_runs(searches, name):
     res, sw = searches[name], SOFTWARE[name]
     assert res.ranked, res.reason
     for p in res.ranked:
-        assert unsupported(sw, vars(p)) is None, (name, p.describe())
+        assert unsupported(sw, vars(p), SHAPE.n_layer) is None, (name, p.describe())
         assert p.dp * p.cp == 1 or p.zero_stage in sw.zeros(p.pp)
         assert p.cp == 1 or p.cp_impl in sw.cp_impls
         assert p.tp == 1 or p.sequence_parallel in sw.sp
@@ -51,6 +51,16 @@ def test_each_restriction_bites(searches):
     assert not any(p.zero_stage == 2 and p.pp > 1 for p in ranked["dtrain"]) and any(p.cp > 1 for p in ranked["dtrain"])
 
 
+def test_2021_megatron_splits_the_layers_evenly():
+    """30 layers on 64 GPUs: the unrestricted search ranks pipelines of uneven stages or chunks (pp=4, pp=8,
+    v=4 ...), 2021's Megatron only those whose pp·v divides the 30 layers."""
+    shape = ModelShape(30, 8192, 64, 8, 32000, 4096, 3.5, True)
+    ranked = {n: search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked for n in ("any", "megatron-2021")}
+    assert any(30 % (p.pp * p.virtual_stages) for p in ranked["any"])
+    assert ranked["megatron-2021"] and not any(30 % (p.pp * p.virtual_stages) for p in ranked["megatron-2021"])
+    assert any(p.pp > 1 for p in ranked["megatron-2021"])
+
+
 def test_any_is_the_unrestricted_search(searches):
     default = search(SHAPE, CLUSTER, 64)
     assert [p.describe() for p in default.ranked] == [p.describe() for p in searches["any"].ranked]
@@ -62,7 +72,7 @@ def test_every_published_layout_runs_on_its_own_software():
     assert len(named) >= 50  # all but Meta's internal stack (Llama 3 405B)
     for row in rows:
         s = row_setup(row)
-        assert unsupported(s.stack.runs, vars(s.layout)) is None, row["name"]
+        assert unsupported(s.stack.runs, vars(s.layout), s.shape.n_layer) is None, row["name"]
     by_name = {r.name: r.software for r in backtest(loo=False, rank=False)}   # what --json reports per row
     assert by_name == {r["name"]: (r.get("stack") or {}).get("software", "any") for r in rows}
 
@@ -78,6 +88,13 @@ def test_unsupported_names_the_field_by_hand():
     assert unsupported(m21, {"tp": 8, "sequence_parallel": True}) == "sp=on with tp > 1"
     assert unsupported(m21, {"cp": 2}) == "cp > 1 (it has no context parallelism)"
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "pp": 4}) == "cp > 1 with pp > 1 (it runs one or the other)"
+    # 2021's Megatron builds whole, equal chunks: 105 layers on pp=35 run v=1 or 3, not 2; 30 layers not on pp=4
+    assert unsupported(m21, {"pp": 35, "virtual_stages": 2}, 105) == (
+        "pp=35 v=2 for 105 layers (it splits the layers into whole, equal chunks: pp·v must divide them)")
+    assert unsupported(m21, {"pp": 35, "virtual_stages": 3}, 105) is None
+    assert unsupported(m21, {"pp": 4}, 30) == (
+        "pp=4 for 30 layers (it splits the layers into whole, equal chunks: pp·v must divide them)")
+    assert unsupported(SOFTWARE["megatron-core"], {"pp": 4}, 30) is None   # uneven first/last stages
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "cp_impl": "ulysses", "pp": 1}) is None
     assert unsupported(SOFTWARE["megatron-core"], {"dp_replicate": 4, "zero_stage": 1}) == \
         "hsdp=4 (it has no hybrid sharding)"
@@ -106,6 +123,11 @@ def test_plan_flag_and_its_error(capsys):
                                "--layout, or pass the --software that runs it (--software any scores every layout)")
     rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=4 v=2")
     assert rc == 2 and "megatron-deepspeed does not run v=2 (it has no interleaved schedule)" in out.err
+    layers = ModelShape.from_params(8e9).n_layer   # 38: pp=2 splits them evenly, pp=4 does not
+    rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=2")
+    assert layers == 38 and rc == 0 and out.err == ""
+    rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=4")
+    assert rc == 2 and "megatron-2021 does not run pp=4 for 38 layers (it splits the layers" in out.err
     rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=1 zero=3 hsdp=4")
     assert rc == 2 and "megatron-deepspeed does not run hsdp=4 (it has no hybrid sharding)" in out.err
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--software", "nemo"]) == 2

@@ -22,7 +22,8 @@ class Software:
     ``cp_with_pp``: context and pipeline parallelism together; ``hsdp``: FSDP sharded inside replica groups
     (``Layout.dp_replicate``, scored when asked for, never searched); ``zero2_regathers``: its ZeRO-2 is FSDP2
     without resharding after forward, which reshards after each backward and so gathers the weights again for
-    every micro-batch (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer)."""
+    every micro-batch (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer);
+    ``even_split``: the layers split into whole, equal pipeline chunks (pp·v divides them), no uneven stages."""
 
     name: str
     zero: tuple[int, ...]
@@ -36,6 +37,7 @@ class Software:
     hsdp: bool = False
     cp_pinned: tuple[str, ...] = ()
     zero2_regathers: bool = False
+    even_split: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -51,7 +53,9 @@ SOFTWARE = {s.name: s for s in (
              "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses)"),
     Software("megatron-2021", (0,), (0,), (), (False,), ("none", "full"), True,
              "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
-             "schedule; sequence parallelism, selective recompute and the distributed optimizer came in 2022"),
+             "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
+             "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
+             "recompute and the distributed optimizer came in 2022", even_split=True),
     Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
              "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
              "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing"),
@@ -75,9 +79,10 @@ def software(name: str) -> Software:
         raise ValueError(f"software must be one of {tuple(SOFTWARE)}, got {name!r}") from None
 
 
-def unsupported(sw: Software, fields: dict) -> str | None:
+def unsupported(sw: Software, fields: dict, n_layer: int | None = None) -> str | None:
     """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones ``dtrain plan
-    --layout`` pins), naming the first field it lacks; None when it runs them ("any" runs every layout)."""
+    --layout`` pins) for a model of ``n_layer`` layers, naming the first field it lacks; None when it runs them
+    ("any" runs every layout)."""
     pp, zero = fields.get("pp"), fields.get("zero_stage")
     zeros = sw.zeros(pp) if pp else tuple(sorted(set(sw.zero) | set(sw.zero_pp)))
     shards = fields.get("dp", 2) * fields.get("cp", 1)
@@ -99,4 +104,9 @@ def unsupported(sw: Software, fields: dict) -> str | None:
         return f"hsdp={fields['dp_replicate']} (it has no hybrid sharding)"
     if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
         return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
+    chunks = (fields.get("pp") or 1) * fields.get("virtual_stages", 1)
+    if sw.even_split and n_layer and chunks > 1 and n_layer % chunks:
+        v = fields.get("virtual_stages", 1)
+        return (f"pp={fields.get('pp')}{f' v={v}' if v > 1 else ''} for {n_layer} layers (it splits the layers into "
+                f"whole, equal chunks: pp·v must divide them)")
     return None
