@@ -234,7 +234,7 @@ class StepModel:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
             one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel,
                          pp_split=lay.pp_split)
-            local = replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
+            local = self.shape if lay.cp == 1 else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
             gather = 1 if self.fp8_tp_gather else None
             per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value
         t = per_micro * lay.grad_accum
