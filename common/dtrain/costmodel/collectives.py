@@ -5,6 +5,8 @@ over β; α is paid per ring hop. ``group_link`` picks the link a group of ranks
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .hardware import Cluster, LinkModel
 
 
@@ -38,6 +40,7 @@ def p2p_time(nbytes: float, link: LinkModel) -> float:
     return nbytes / link.beta_Bps + link.alpha_s
 
 
+@lru_cache(maxsize=1 << 12)  # a search asks for the same few groups' links tens of thousands of times
 def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
     """The link a group of ``size`` ranks ``stride`` apart runs its collectives over.
 
