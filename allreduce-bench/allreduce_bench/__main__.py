@@ -3,10 +3,11 @@
 The app lives in bench.py: spawned ranks unpickle `rank_fn` by module name, and a package's
 __main__ is never re-imported in a child process.
 """
-from allreduce_bench.bench import finalize, rank_fn, validate
 from dtrain.app import hydra_main
 
-main = hydra_main("allreduce_bench.conf", rank_fn=rank_fn, validate=validate, finalize=finalize)
+# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
+main = hydra_main("allreduce_bench.conf", rank_fn="allreduce_bench.bench:rank_fn",
+                  validate="allreduce_bench.bench:validate", finalize="allreduce_bench.bench:finalize")
 
 if __name__ == "__main__":
     main()

@@ -38,8 +38,9 @@ from dtrain.rundir import RunDirTaken, claim
 Finalize = Callable[[Path, DictConfig, Any], dict]
 
 
-def check_base(cfg: DictConfig) -> None:
-    """The shared keys, checked before any process starts."""
+def check_base(cfg: DictConfig, devices: bool = True) -> None:
+    """The shared keys, checked before any process starts; ``devices``: also this host's device and backend
+    for a local run (the one check that imports torch: the command-line check runs it last)."""
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
@@ -49,8 +50,24 @@ def check_base(cfg: DictConfig) -> None:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
     if cfg.launcher == "slurm":
         check_signal_delay(cfg.slurm)
+    if devices:
+        check_devices(cfg)
+
+
+def check_devices(cfg: DictConfig) -> None:
     if mode_of(cfg) == "local":  # on Slurm the compute nodes, not this host, must have the GPUs
         ddist.pick_backend(cfg.backend, ddist.pick_device(cfg.device, 0))
+
+
+def resolve(ref):
+    """A callable, or a "module:attribute" reference to one, imported when first needed: an entry point names
+    its rank code this way, so a wrong command line is refused before torch and the rank code are imported."""
+    if not isinstance(ref, str):
+        return ref
+    import importlib
+
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 # USR2 must come after submitit has installed its handler in every task (python started, the task
@@ -196,7 +213,8 @@ def _finalize_crashed(run_dir: Path) -> None:
 
 
 def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"):
-    """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`."""
+    """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`; ``rank_fn``,
+    ``validate`` and ``finalize`` are callables or "module:attribute" references (``resolve``)."""
     import importlib
 
     import hydra
@@ -206,14 +224,15 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
     importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
 
     def validate_point(cfg: DictConfig) -> None:  # what run_app checks, for every point of a sweep
-        check_base(cfg)
+        check_base(cfg, devices=False)
         if validate:
-            validate(cfg)
+            resolve(validate)(cfg)
+        check_devices(cfg)
 
     @hydra.main(config_path=f"pkg://{config_module}", config_name=config_name, version_base="1.3")
     def _hydra_entry(cfg: DictConfig) -> None:
         with sweep.point():  # in a local sweep a failed point is noted and the next one runs
-            run_app(cfg, rank_fn=rank_fn, validate=validate, finalize=finalize)
+            run_app(cfg, rank_fn=resolve(rank_fn), validate=resolve(validate), finalize=resolve(finalize))
 
     def main() -> None:
         argv = sys.argv[1:]

@@ -10,16 +10,29 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from dtrain.errors import UserError
 
-# The collective compatibility shims (one home): torch >= 2.13 renames the single-tensor
-# collectives; older releases (>= 2.6) only have the *_tensor names.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used, not here: the launching process checks a command line (dtrain.app,
+# dtrain.precheck) with this module before any rank starts, and a wrong override is one line in a fraction
+# of a second instead of after torch's import.
+
+
+def __getattr__(name: str):
+    """The collective compatibility shims (one home): torch >= 2.13 renames the single-tensor
+    collectives; older releases (>= 2.6) only have the *_tensor names."""
+    import torch.distributed as dist
+
+    if name == "all_gather_single":
+        return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if name == "reduce_scatter_single":
+        return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -80,6 +93,8 @@ def free_port() -> int:
 
 def cuda_count() -> int:
     """GPUs this process can use (0 without a CUDA build or driver)."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -97,6 +112,8 @@ def device_type(requested: str) -> str:
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
     """This rank's device: cuda:<local_rank> (one GPU per rank) or cpu."""
+    import torch
+
     if device_type(requested) == "cpu":
         return torch.device("cpu")
     gpus = cuda_count()
@@ -108,6 +125,8 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 def pick_backend(requested: str, device: torch.device) -> str:
     """NCCL when the rank has a GPU, gloo otherwise; an explicit choice must be possible."""
+    import torch.distributed as dist
+
     if requested not in BACKENDS:
         raise UserError(f"backend={requested!r} is not one of {', '.join(BACKENDS)}")
     if requested == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
@@ -119,6 +138,9 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 
 def init(env: DistEnv, backend: str, device: torch.device, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
     env.export()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -129,12 +151,16 @@ def init(env: DistEnv, backend: str, device: torch.device, timeout_s: float) -> 
 
 def set_cpu_threads(threads_per_rank: int | None, local_world_size: int) -> int:
     """Split the host's cores between its ranks, so ranks do not fight over them."""
+    import torch
+
     n = threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(n)
     return n
 
 
 def destroy() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -143,6 +169,9 @@ def all_reduce_flat(tensors: list[torch.Tensor], group=None, collective=None, di
     """Sum `tensors` in place over `group` with one collective on one flat bucket (as DDP does),
     then divide by `divisor` (gloo has no average). `collective(flat, group)` replaces
     torch.distributed.all_reduce (the TP layers pass their counted, profiled one)."""
+    import torch
+    import torch.distributed as dist
+
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])

@@ -8,10 +8,10 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
 
 def gpu_facts() -> list[dict]:
+    import torch
+
     if not torch.cuda.is_available():
         return []
     out = []
@@ -23,6 +23,8 @@ def gpu_facts() -> list[dict]:
 
 
 def nccl_version() -> str | None:
+    import torch
+
     try:
         v = torch.cuda.nccl.version() if torch.cuda.is_available() else None
     except Exception:  # NCCL absent from this build
@@ -49,6 +51,8 @@ def slurm_facts() -> dict:
 
 def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts: list[str] | None = None,
             threads_per_rank: int | None = None) -> dict:
+    import torch
+
     hosts = hosts or [socket.gethostname()]
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

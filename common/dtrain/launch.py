@@ -30,10 +30,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dtrain import dist as ddist
@@ -41,6 +39,11 @@ from dtrain import envinfo, liveness, requeue, rundir, slurm_queue
 from dtrain.errors import UserError
 from dtrain.liveness import Interrupted, RankFailed  # noqa: F401  (re-exported for apps)
 from dtrain.metrics import ENV, RunWriter, write_config, write_json_atomic
+
+if TYPE_CHECKING:
+    import torch
+# torch.distributed is imported where a rank uses it: the launching process checks its command line with
+# this module (dtrain.app) before torch is needed, so a wrong override fails in a fraction of a second.
 
 LAUNCHERS = ("auto", "local", "slurm")
 
@@ -63,9 +66,13 @@ class RankContext:
     @property
     def gpu_name(self) -> str | None:
         """This rank's GPU model (None on CPU): what a record's provenance names."""
+        import torch
+
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
 
     def barrier(self) -> None:
+        import torch.distributed as dist
+
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
@@ -114,6 +121,8 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
              device_type: str | None = None) -> tuple[Any, Path]:
     """`device_type`: decided by the local launcher for every rank (None: this rank decides from
     cfg.device). cfg stays as composed: config.yaml records what was asked, env.json what was used."""
+    import torch.distributed as dist
+
     device = ddist.pick_device(device_type or cfg.device, env.local_rank)
     backend = ddist.pick_backend(cfg.backend, device)
     threads = ddist.set_cpu_threads(cfg.threads_per_rank, env.local_world_size) if device.type == "cpu" else None
@@ -159,6 +168,8 @@ def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
     """In a job each rank's Hydra picked its own timestamped dir; rank 0's wins."""
     if env.world_size == 1:
         return Path(run_dir)
+    import torch.distributed as dist
+
     box = [str(run_dir)]
     dist.broadcast_object_list(box, src=0)
     chosen = Path(box[0])

@@ -12,9 +12,10 @@ import sys
 
 from dtrain.app import fail, hydra_main
 from dtrain.errors import UserError
-from fp8_train.train import finalize, rank_fn, validate
 
-train_main = hydra_main("fp8_train.conf", rank_fn=rank_fn, validate=validate, finalize=finalize)
+# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
+train_main = hydra_main("fp8_train.conf", rank_fn="fp8_train.train:rank_fn", validate="fp8_train.train:validate",
+                        finalize="fp8_train.train:finalize")
 
 
 def _tool(name: str):

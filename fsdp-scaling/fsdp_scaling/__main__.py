@@ -4,10 +4,10 @@ The per-rank code lives in fsdp_scaling.run (spawned ranks must import it by nam
 __main__ is not re-imported by multiprocessing).
 """
 from dtrain.app import hydra_main
-from fsdp_scaling.run import rank_fn, validate
-from fsdp_scaling.summary import finalize
 
-main = hydra_main("fsdp_scaling.conf", rank_fn=rank_fn, validate=validate, finalize=finalize)
+# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
+main = hydra_main("fsdp_scaling.conf", rank_fn="fsdp_scaling.run:rank_fn", validate="fsdp_scaling.run:validate",
+                  finalize="fsdp_scaling.summary:finalize")
 
 if __name__ == "__main__":
     main()

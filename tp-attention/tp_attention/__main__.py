@@ -6,11 +6,10 @@
     python -m tp_attention.parity                           # prove it equal to one device first
 """
 from dtrain.app import hydra_main
-from tp_attention.bench import rank_fn
-from tp_attention.config import check_bench
-from tp_attention.report import finalize
 
-main = hydra_main("tp_attention.conf", rank_fn=rank_fn, validate=check_bench, finalize=finalize)
+# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
+main = hydra_main("tp_attention.conf", rank_fn="tp_attention.bench:rank_fn", validate="tp_attention.config:check_bench",
+                  finalize="tp_attention.report:finalize")
 
 if __name__ == "__main__":
     main()
