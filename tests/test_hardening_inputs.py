@@ -188,6 +188,26 @@ def test_cli_one_line_exit_2_no_run_dir(tmp_path, module, args, message):
     assert not list(tmp_path.rglob("config.yaml")) and not list(tmp_path.rglob(rundir.OWNER))
 
 
+NO_TORCH = """
+import runpy, sys
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    print("exit", e.code, "torch imported" if "torch" in sys.modules else "no torch")
+"""
+
+
+@pytest.mark.parametrize("module", ["allreduce_bench", "fsdp_scaling", "fp8_train", "tp_attention"])
+def test_a_wrong_key_is_refused_before_torch_is_imported(tmp_path, module):
+    """The command-line check needs the typed config, not torch or the rank code (named as 'module:attr' and
+    imported when the run starts): a wrong key is one line and exit 2 without importing torch."""
+    out = py("-c", NO_TORCH, module, "no_such_key=1", f"results_dir={tmp_path}", timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "exit 2 no torch", out.stdout + out.stderr
+    one_error_line(out.stderr, "unknown key no_such_key")
+    assert not any(tmp_path.iterdir())
+
+
 def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     model = GPTConfig.from_preset("small")
     psi = num_params(model)  # one rank holds the whole model
