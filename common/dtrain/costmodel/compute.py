@@ -247,8 +247,8 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool)
     if layout.cp > 1 and layout.cp_impl == "torch":
         out["cp_merge_fwd"], out["cp_merge_bwd"] = cp_merge_bytes(layout.cp, heads * hd)
     tokens = layout.micro_batch * shape.seq_len
-    scale = 1.0 if fused else EAGER_BYTES  # FP8_CAST_BYTES and cp_merge_bytes count eager ops themselves
-    return {k: v * tokens * (1.0 if k == "fp8_cast" or k.startswith("cp_merge") else scale) for k, v in out.items()}
+    scale = 1.0 if fused else EAGER_BYTES
+    return {k: v * tokens * (1.0 if k in _COUNTED_AS_RUN else scale) for k, v in out.items()}
 
 
 def cp_merge_bytes(cp: int, width: int) -> tuple[float, float]:
@@ -269,6 +269,9 @@ def cp_merge_bytes(cp: int, width: int) -> tuple[float, float]:
     return (40.5 * steps + 12) * width, (58.5 * steps + 76) * width
 
 
+# byte counts of the ops as they run, fused or not (FP8_CAST_BYTES counts eager casts itself; PyTorch's ring
+# attention merges in eager ops whatever compiles around it): --kernels eager does not scale them
+_COUNTED_AS_RUN = frozenset({"fp8_cast", "cp_merge_fwd", "cp_merge_bwd"})
 # which measured share each byte count streams at
 _KIND = {"norm": "norm", "add": "add", "rope": "norm", "act_gelu": "act_gelu", "act_swiglu": "act_swiglu",
          "dropout": "dropout", "fp8_cast": "add", "cp_merge_fwd": "add", "cp_merge_bwd": "add"}
@@ -305,7 +308,7 @@ def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
         rc = attention_s(attention, layout, dev, forward_only=True) + mem.get("cp_merge_fwd", 0.0)
     elif layout.recompute == "op":  # SDPA's output is saved: no attention (nor its merges) re-run
         rc = sum(dev.gemm_s(g, dtype, value_bytes) for g in op_recompute_gemms(shape, layout)) + sum(
-            t * _FORWARD_SHARE[k] for k, t in mem.items() if k != "add" and not k.startswith("cp_merge"))
+            t * _FORWARD_SHARE[k] for k, t in mem.items() if k not in ("add", "cp_merge_fwd"))
     return ComputeTerms(gemm=3 * fwd_gemm, attention=attn, memory=sum(mem.values()), recompute=rc)
 
 

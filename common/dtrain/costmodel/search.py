@@ -133,7 +133,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
             cps = context_parallel_degrees(model, n // tp) if context_parallel else [1]
         for cp, pp in ((c, p) for c in cps if (n // tp) % c == 0
                        for p in range(1, min(model.n_layer, n // (tp * c)) + 1) if (n // (tp * c)) % p == 0
-                       if (runs.cp_with_pp or c == 1 or p == 1) and not (runs.even_split and model.n_layer % p)):
+                       if (runs.cp_with_pp or c == 1 or p == 1) and runs.splits(model.n_layer, p)):
             dp = n // (tp * cp * pp)
             if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]) or (dp * cp) % replicas:
                 continue
@@ -151,7 +151,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else
                                   VIRTUAL_STAGES if runs.interleaved else (1,))
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp
-                                    and not (runs.even_split and model.n_layer % (pp * v)))]
+                                    and runs.splits(model.n_layer, pp * v))]
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
                     zeros = runs.zeros(pp) if dp * cp > 1 else (0,)
                     zeros = tuple(z for z in zeros if z >= 1) or zeros if prune else zeros

@@ -42,6 +42,10 @@ class Software:
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
 
+    def splits(self, n_layer: int, chunks: int) -> bool:
+        """Whether it splits ``n_layer`` layers into ``chunks`` = pp·v pipeline chunks."""
+        return not self.even_split or n_layer % chunks == 0
+
 
 SOFTWARE = {s.name: s for s in (
     Software("any", (0, 1, 2, 3), (0, 1, 2, 3), ("ring", "ulysses"), (False, True), ("none", "op", "selective", "full"),
@@ -104,9 +108,8 @@ def unsupported(sw: Software, fields: dict, n_layer: int | None = None) -> str |
         return f"hsdp={fields['dp_replicate']} (it has no hybrid sharding)"
     if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
         return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
-    chunks = (fields.get("pp") or 1) * fields.get("virtual_stages", 1)
-    if sw.even_split and n_layer and chunks > 1 and n_layer % chunks:
-        v = fields.get("virtual_stages", 1)
-        return (f"pp={fields.get('pp')}{f' v={v}' if v > 1 else ''} for {n_layer} layers (it splits the layers into "
-                f"whole, equal chunks: pp·v must divide them)")
+    v = fields.get("virtual_stages", 1)
+    if pp and n_layer and not sw.splits(n_layer, pp * v):
+        return (f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers (it splits the layers into whole, "
+                f"equal chunks: pp·v must divide them)")
     return None
