@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, files_named
 from dtrain import liveness
 
 START_TIMEOUT_S = 60  # two spawned ranks import torch and rendezvous; slow on a loaded 2-core host
@@ -63,7 +63,7 @@ def _wait_running(proc: subprocess.Popen, tmp_path: Path) -> tuple[Path, list[in
     """Until rank 0 wrote config.yaml (rendezvous done, ranks in their all-reduce loop)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        configs = [p for p in tmp_path.rglob("config.yaml") if ".hydra" not in p.parts]
+        configs = [p for p in files_named(tmp_path, "config.yaml") if ".hydra" not in p.parts]
         if configs and proc.poll() is None:
             ranks = _ranks_of(proc.pid)
             if len(ranks) == 2:
@@ -282,7 +282,7 @@ def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_sessi
                             start_new_session=True)
     launcher_session(proc)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not (beats := list(tmp_path.rglob(f"{liveness.JOB_HEARTBEATS}/heartbeat.rank1"))):
+    while not (beats := files_named(tmp_path, f"{liveness.JOB_HEARTBEATS}/heartbeat.rank1")):
         assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start in time"
         time.sleep(0.2)
     time.sleep(0.5)  # the beat's text is written after the file is created

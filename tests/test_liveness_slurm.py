@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, py
+from conftest import REPO, files_named, py
 
 pytestmark = pytest.mark.slurm
 
@@ -45,7 +45,7 @@ class Client:
             m = re.search(r"submitted Slurm job (\d+)", self.out_path.read_text())
             if m:
                 self.job_id = m.group(1)
-                beats = list((self.out_path.parent / "results").rglob("heartbeat.rank*"))
+                beats = files_named(self.out_path.parent / "results", "heartbeat.rank*")
                 if len(beats) == 2 and len(_task_pids(self.job_id)) == 2:  # both tasks' Python is up
                     return self.job_id
             assert self.proc.poll() is None, self.err_path.read_text()

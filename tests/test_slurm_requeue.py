@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, py
+from conftest import REPO, files_named, py
 from dtrain import results
 
 pytestmark = pytest.mark.slurm
@@ -168,7 +168,7 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, slurm_cluster):
         job = job_id(log, proc, out)
 
         def stopped() -> bool:
-            f = next(out.rglob("events.jsonl"), None)
+            f = next(iter(files_named(out, "events.jsonl")), None)
             return f is not None and '"preempted"' in f.read_text()
 
         wait_until("preempted event", stopped, proc, log, timeout=200)
