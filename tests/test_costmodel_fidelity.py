@@ -91,6 +91,11 @@ def test_backtest_rows_cite_sources_and_report_goals():
     mem = sorted(r.memory_error for r in rows if r.reported_memory_gib)
     assert s["memory_rows"] == len(mem) == 18 and s["memory_error_range"] == (mem[0], mem[-1])
     assert any("(82.4)" in line for line in text_lines(rows))
+    # the footer says how the rows were predicted, and that an unranked table has no gap figure
+    loso, in_sample = "\n".join(text_lines(rows)), "\n".join(text_lines(rows, loso=False))
+    assert "fitted on the OTHER sources (leave-one-source-out)" in loso and "OTHER" not in in_sample
+    assert "fitted to every row (in sample)" in in_sample and "layouts not ranked (--no-rank)" in loso
+    assert "within 10% of the best" not in loso
 
 
 def _plan(*args):

@@ -289,7 +289,8 @@ def summary(rows: list[BacktestRow]) -> dict:
                          for g in sorted({r.group for r in scored})}}
 
 
-def text_lines(rows: list[BacktestRow]) -> list[str]:
+def text_lines(rows: list[BacktestRow], loso: bool = True) -> list[str]:
+    """The table and its summary; ``loso``: the rows were predicted leave-one-source-out (else with the defaults)."""
     s = summary(rows)
     out = [f"{'run':58} {'reported':>8} {'predicted':>9} {'error':>6} {'memory GiB':>18} {'gap':>6}  dominant term"]
     for r in rows:
@@ -302,8 +303,11 @@ def text_lines(rows: list[BacktestRow]) -> list[str]:
         gap = f"{r.gap_to_best:6.1%}" if r.candidates else ""
         out.append(f"{r.name[:58]:58} {r.reported_tps:8.0f} {r.predicted_tps:9.0f} {r.error:+6.0%} {mem:>18} {gap:>6}  "
                    f"{r.dominant}")
-    out += ["", "tokens/s per GPU; each row predicted with dp_overlap and link_efficiency fitted on the OTHER sources "
-            "(leave-one-source-out); memory per GPU predicted / HBM ('!': over) (reported, where the source gives it); "
+    how = ("dp_overlap and link_efficiency fitted on the OTHER sources (leave-one-source-out)" if loso else
+           "the defaults, fitted to every row (in sample)")
+    ranked = (f"published layout within {GAP_GOAL:.0%} of the best its software runs: {s['within_10pct_of_best']} of "
+              f"{s['ranked']}" if s["ranked"] else "layouts not ranked (--no-rank)")
+    out += ["", f"tokens/s per GPU; each row predicted with {how}; memory per GPU predicted / HBM ('!': over) (reported, where the source gives it); "
             "gap = how much slower the published layout is predicted to be than the best layout its own software "
             "runs (the row's software, costmodel/software.py); dominant = the step's largest predicted term.",
             "median |error| by source: " + ", ".join(f"{g} {v:.0%}" for g, v in s["by_group"].items()),
@@ -311,8 +315,7 @@ def text_lines(rows: list[BacktestRow]) -> list[str]:
             f"{'met' if s['error_goal_met'] else 'NOT met'}); within {WITHIN:.0%}: {s['within_15pct']} of {s['rows']} "
             f"(goal >= {WITHIN_SHARE:.0%}: {'met' if s['within_goal_met'] else 'NOT met'}); predicted to fit: "
             f"{s['fit']} of {s['ran']} layouts that ran ({'met' if s['fit_goal_met'] else 'NOT met'}); "
-            f"{s['oom_predicted']} of {s['oom_rows']} reported OOM predicted not to fit; published layout within "
-            f"{GAP_GOAL:.0%} of the best its software runs: {s['within_10pct_of_best']} of {s['ranked']}"]
+            f"{s['oom_predicted']} of {s['oom_rows']} reported OOM predicted not to fit; {ranked}"]
     if s["memory_rows"]:
         lo, hi = s["memory_error_range"]
         out.append(f"memory against the {s['memory_rows']} rows that report it (torchtitan: max reserved, "
@@ -337,5 +340,5 @@ def run(a) -> int:
         print(json.dumps({"rows": [dict(vars(r), error=r.error, dominant=r.dominant) for r in rows],
                           "summary": summary(rows), "fit_all_rows": fit(list(load_rows()))}, indent=2, sort_keys=True))
     else:
-        print("\n".join(text_lines(rows)))
+        print("\n".join(text_lines(rows, loso=not a.in_sample)))
     return 0
