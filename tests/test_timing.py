@@ -24,4 +24,4 @@ def test_stopwatch_measures_sleep():
     w = Stopwatch("cpu")
     w.start()
     time.sleep(0.05)
-    assert 0.045 <= w.stop() < 0.5
+    assert 0.045 <= w.stop() < 5.0  # seconds, not ms; the bound leaves room for a loaded machine

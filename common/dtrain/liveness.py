@@ -142,6 +142,7 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
                launcher_pid: int | None = None) -> threading.Thread:
     """Beat `heartbeat_dir/heartbeat.rank<N>`; with `launcher_pid`, exit when that process is gone."""
     beat = Path(heartbeat_dir, HEARTBEAT.format(rank=rank)) if heartbeat_dir and timeout_s else None
+    tmp = beat.with_name(f".{beat.name}") if beat else None  # a dot name: globs of heartbeat.rank* skip it
     interval = heartbeat_interval(timeout_s or 1.0)
 
     def loop():
@@ -151,7 +152,9 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
                 orphaned(rank, run_dir, launcher_pid, heartbeat_dir)
             if beat is not None and time.monotonic() - last_beat >= interval:
                 with contextlib.suppress(OSError):  # a vanished dir means the launcher is cleaning up
-                    beat.write_text(f"{time.time():.3f} {socket.gethostname()} {os.getpid()}\n")
+                    # written aside and renamed: a reader never sees a half-written beat (beat_source)
+                    tmp.write_text(f"{time.time():.3f} {socket.gethostname()} {os.getpid()}\n")
+                    os.replace(tmp, beat)
                 last_beat = time.monotonic()
             time.sleep(0.2)
 
