@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.files import files_named  # noqa: F401 (the tests' polls use it)
+
 REPO = Path(__file__).resolve().parent
 
 
@@ -21,18 +23,6 @@ def run_cmd(args: list[str], timeout: float = 120, env: dict | None = None, cwd:
 
 def py(*args: str, timeout: float = 120, **kw):
     return run_cmd([sys.executable, *args], timeout=timeout, **kw)
-
-
-def files_named(root: Path, pattern: str) -> list[Path]:
-    """`root.rglob(pattern)` that tolerates folders vanishing mid-walk.
-
-    Polls run while a run writes: the path checks make and remove a temporary folder
-    beside the results, and pathlib's rglob raises if one goes between listing and entering it.
-    """
-    found = []
-    for folder, _, names in os.walk(root):  # os.walk skips what it cannot list
-        found += [Path(folder, n) for n in names if Path(n).match(pattern.rsplit("/", 1)[-1])]
-    return sorted(p for p in found if p.match(pattern))
 
 
 def slurm_available() -> str | None:

@@ -106,3 +106,28 @@ def test_derived_runs_are_flagged(tmp_path):
     assert flags == {"measured": False, "report": True}
     runs = results.load_runs([tmp_path])
     assert dict(zip(runs["run"].map(lambda p: p.rsplit("/", 1)[-1]), runs["derived"])) == flags
+
+
+def test_files_named_skips_a_folder_that_vanishes_mid_walk(tmp_path, monkeypatch):
+    """A live results tree: a folder listed by its parent is gone before the walk enters it.
+    Path.rglob raises there; files_named finds every file that is still present."""
+    import os
+
+    from dtrain.files import files_named
+
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    for p in ("run/config.yaml", "run/.hydra/config.yaml", "gone/config.yaml", "run/events.jsonl"):
+        (tmp_path / p).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / p).write_text("x")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("gone"):  # listed by tmp_path, removed before it is entered
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(FileNotFoundError):
+        list(tmp_path.rglob("config.yaml"))
+    assert files_named(tmp_path, "config.yaml") == [tmp_path / "run/.hydra/config.yaml", tmp_path / "run/config.yaml"]
+    assert files_named(tmp_path, ".hydra/config.yaml") == [tmp_path / "run/.hydra/config.yaml"]

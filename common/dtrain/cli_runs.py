@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dtrain import slurm_runs
+from dtrain.files import files_named
 from dtrain.results import find_runs
 from dtrain.slurm_sweep import SUBMISSION_FAILED
 
@@ -84,7 +85,7 @@ def compact_table(cols: list[str], rows: list[list[str]], width: int = COMPACT) 
 def refused_sweeps(paths: list[str]) -> list[tuple[Path, dict]]:
     out = []
     for root in map(Path, paths):
-        for note in sorted(root.rglob(SUBMISSION_FAILED)) if root.is_dir() else []:
+        for note in files_named(root, SUBMISSION_FAILED) if root.is_dir() else []:
             try:
                 out.append((note.parent, json.loads(note.read_text())))
             except (OSError, ValueError):

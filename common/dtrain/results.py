@@ -18,6 +18,7 @@ import yaml
 
 from dtrain.contract import DERIVED_FROM
 from dtrain.errors import UserError
+from dtrain.files import files_named
 from dtrain.metrics import CONFIG, ENV, EVENTS, RECORDS, SUMMARY
 
 
@@ -102,7 +103,7 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such results path: {p}")
-        candidates = [p / CONFIG] if (p / CONFIG).exists() else p.rglob(CONFIG)
+        candidates = [p / CONFIG] if (p / CONFIG).exists() else files_named(p, CONFIG)  # runs may be writing
         dirs.update(c.parent for c in candidates if ".hydra" not in c.parts)
     return [read_run(d) for d in sorted(dirs)]
 

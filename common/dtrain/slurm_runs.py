@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from dtrain.files import files_named
+
 _LOG = re.compile(r"^(?P<job>\d+(?:_\d+)?)_(?P<task>\d+)_log\.err$")
 
 
@@ -96,7 +98,7 @@ def jobs_in(paths: Iterable[str | Path]) -> list[SlurmJob]:
     """Every submitit job whose log folder lies under `paths`, with its state and error tail."""
     found: dict[str, SlurmJob] = {}
     for root in map(Path, paths):
-        for err in root.rglob("*_log.err"):
+        for err in files_named(root, "*_log.err"):  # jobs may be writing: folders come and go
             m = _LOG.match(err.name)
             if not m or not (err.parent.parent.name == ".submitit" or err.parent.name == "slurm"):
                 continue
