@@ -55,6 +55,30 @@ def test_fused_attention_forward_alone_is_two_sevenths():
     assert attention_s(LLAMA8B, lay, d, forward_only=True) == pytest.approx(attention_s(LLAMA8B, lay, d) / 3.5)
 
 
+def test_attention_dropout_in_a_fused_kernel_costs_its_measured_multiplier():
+    """kernels.yaml's attention ``dropout`` (a gpu-check measurement) multiplies the fused kernel's time of a
+    model trained with dropout, and nothing else; where no GPU measured it, it is 1 (not priced)."""
+    from dataclasses import replace
+
+    d, lay = dev(), Layout(1, 2, 1, micro_batch=1)
+    gpt3 = replace(LLAMA8B, dropout=True)
+    assert d.kernels.attention.dropout == 1.0 and attention_s(gpt3, lay, d) == attention_s(LLAMA8B, lay, d)
+    measured = replace(d, kernels=replace(d.kernels, attention=replace(d.kernels.attention, dropout=1.4)))
+    assert attention_s(gpt3, lay, measured) == pytest.approx(1.4 * attention_s(LLAMA8B, lay, d), rel=1e-12)
+    assert attention_s(LLAMA8B, lay, measured) == attention_s(LLAMA8B, lay, d)
+
+
+def test_gpu_check_reads_the_dropout_multiplier_at_the_longest_sequence_measured_both_ways():
+    from dtrain.gpucheck.report import dropout_slowdown
+
+    pt = lambda backend, seq, p, t, causal=True, hd=128: {  # noqa: E731
+        "backend": backend, "seq": seq, "dropout_p": p, "fwd_bwd_s": t, "causal": causal, "head_dim": hd}
+    points = [pt("flash", 4096, 0.0, 1.0), pt("flash", 4096, 0.1, 1.3), pt("flash", 8192, 0.0, 4.0),
+              pt("flash", 8192, 0.1, 5.0), pt("flash", 8192, 0.0, 2.0, causal=False), pt("cudnn", 8192, 0.0, 3.0),
+              {"backend": "cudnn", "seq": 8192, "dropout_p": 0.1, "causal": True, "head_dim": 128, "error": "no"}]
+    assert dropout_slowdown(points) == {"flash": (8192, 1.25)}
+
+
 def test_memory_bound_bytes_per_layer_by_hand():
     """Llama-3-8B layer, tp 2 with SP, b=1, s=8192: per token norm 20·h/t, add 24·h/t, SwiGLU 16·F/t,
     RoPE 8·(q + kv heads)·hd on the rank (16 + 4 heads of 128)."""

@@ -57,6 +57,7 @@ class AttentionCurve:
     e_max: float
     s_half: float
     hd64: float = 0.8
+    dropout: float = 1.0  # time multiplier of dropout on the probabilities inside the kernel (kernels.yaml, measured)
 
     def share(self, seq: int, head_dim: int) -> float:
         e = self.e_max * seq / (seq + self.s_half)
@@ -126,7 +127,8 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
     gemm = {d: GemmCurve(c["e_max"], c["w_half_gflop"] * 1e9) for d in ("bf16", "fp8")
             if (c := e.get(f"gemm_{d}"))}
     a = e["attention"]["flash2" if attention == "flash2" else "flash"]
-    curve = None if attention == "eager" else AttentionCurve(a["e_max"], a["s_half"], a.get("hd64", 0.8))
+    curve = None if attention == "eager" else AttentionCurve(a["e_max"], a["s_half"], a.get("hd64", 0.8),
+                                                             a.get("dropout", 1.0))
     mem = {k: v for k, v in e["memory"].items() if k != "source"}
     return KernelModel(gpu, gemm, curve, mem, e.get("power_w"),
                        e.get("sustained", 1.0), {"gemm": e["gemm_source"], "attention": a["source"],
@@ -206,7 +208,8 @@ def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bo
         fwd = 2 * 2 * b * heads * s * s * hd / 2 / cp   # causal: half of the s x s products; 1/cp per rank
         work = fwd if forward_only else 3.5 * fwd
         call = s if layout.cp_impl == "ulysses" else s // cp
-        return work / (dev.peak_bf16 * dev.kernels.attention.share(call, hd)) * dev.power_scale
+        curve = dev.kernels.attention
+        return work / (dev.peak_bf16 * curve.share(call, hd)) * dev.power_scale * (curve.dropout if shape.dropout else 1.0)
     sq = s // cp   # eager: the rank's queries against every key, scores stored
     qk, av = Gemm(sq, s, hd, b * heads, "scores"), Gemm(sq, hd, s, b * heads, "av")
     t = (dev.gemm_s(qk) + dev.gemm_s(av)) * (1 if forward_only else 3)

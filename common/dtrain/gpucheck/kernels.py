@@ -84,7 +84,8 @@ def _backend_ctx(name: str):
 
 def attention_sweep(small: bool = False) -> dict:
     """SDPA forward and forward+backward TFLOP/s, bf16, per backend, FlashAttention's benchmark grid:
-    total tokens b·s fixed (16K), hidden 2048 = heads x head_dim, causal and not."""
+    total tokens b·s fixed (16K), hidden 2048 = heads x head_dim, causal and not; hd 128 causal again with
+    dropout_p 0.1 (what attention dropout costs inside the fused kernel: kernels.yaml ``dropout``)."""
     dev = _device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokens, hidden = (256, 64) if small else (16384, 2048)
@@ -99,15 +100,17 @@ def attention_sweep(small: bool = False) -> dict:
             k, v = (torch.randn(b, h // kv_div, s, head_dim, device=dev, dtype=dtype, requires_grad=True)
                     for _ in range(2))
             dout = torch.randn(b, h, s, head_dim, device=dev, dtype=dtype)
-            for causal in (True, False):
+            # GPT-3-style attention dropout inside the fused kernel (Megatron's default 0.1): causal, hd 128 only
+            drop = (0.1,) if small or (head_dim == 128 and kv_div == 1) else ()
+            for causal, dropout_p in ((True, 0.0), (False, 0.0), *((True, p) for p in drop)):
                 fwd_flops = 4 * b * h * s * s * head_dim / (2 if causal else 1)
                 for backend in backends:
                     row = {"backend": backend, "head_dim": head_dim, "heads": h, "kv_heads": h // kv_div, "batch": b,
-                           "seq": s, "causal": causal, "fwd_flops": fwd_flops}
+                           "seq": s, "causal": causal, "dropout_p": dropout_p, "fwd_flops": fwd_flops}
                     try:
                         with _backend_ctx(backend):
-                            fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
-                                                                         enable_gqa=kv_div > 1)
+                            fwd = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                                q, k, v, is_causal=causal, dropout_p=dropout_p, enable_gqa=kv_div > 1)
 
                             def fwd_bwd():
                                 out = fwd()

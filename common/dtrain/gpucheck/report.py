@@ -85,6 +85,18 @@ def _pytest(stdout: str, folder: Path) -> dict:
 COLLECT = {"measure": _json_line, "probe": _probe, "fsdp": _fsdp, "fp8": _fp8, "tp": _tp, "allreduce": _allreduce, "pytest": _pytest}
 
 
+def dropout_slowdown(points: list[dict]) -> dict[str, tuple[int, float]]:
+    """Per backend: (seq, fwd+bwd time with dropout_p > 0 / without) at the longest causal sequence
+    measured both ways at the same head dim: what kernels.yaml's attention ``dropout`` is read from."""
+    base = {(p["backend"], p["head_dim"], p["seq"]): p["fwd_bwd_s"] for p in points
+            if p["causal"] and not p.get("dropout_p") and "fwd_bwd_s" in p}
+    out = {}
+    for p in sorted((p for p in points if p.get("dropout_p") and "fwd_bwd_s" in p), key=lambda p: p["seq"]):
+        if (key := (p["backend"], p["head_dim"], p["seq"])) in base:
+            out[p["backend"]] = (p["seq"], p["fwd_bwd_s"] / base[key])
+    return out
+
+
 def _f(v, spec: str, unit: str = "") -> str:
     return "-" if v is None else f"{format(v, spec)}{unit}"
 
@@ -112,13 +124,16 @@ def summarize(step: Step) -> str:
             out += f", FP8 fast accum up to {b8['fp8_fast_tflops']:.0f} ({b8['m']}x{b8['n']}x{b8['k']})"
         return out + f"; {len(d['points'])} shapes in report.json"
     if step.name == "attention_sweep":
-        ok = [p for p in d["points"] if "fwd_bwd_tflops" in p and p["causal"] and p["head_dim"] == 128]
+        ok = [p for p in d["points"] if "fwd_bwd_tflops" in p and p["causal"] and p["head_dim"] == 128
+              and not p.get("dropout_p")]
         best = {}
         for p in ok:
             if p["fwd_bwd_tflops"] > best.get(p["backend"], {}).get("fwd_bwd_tflops", 0):
                 best[p["backend"]] = p
-        return "; ".join(f"{b} causal hd128 fwd+bwd up to {p['fwd_bwd_tflops']:.0f} TFLOP/s (s {p['seq']})"
-                         for b, p in best.items()) or "-"
+        out = "; ".join(f"{b} causal hd128 fwd+bwd up to {p['fwd_bwd_tflops']:.0f} TFLOP/s (s {p['seq']})"
+                        for b, p in best.items()) or "-"
+        slow = dropout_slowdown(d["points"])
+        return out + "".join(f"; {b} dropout 0.1 x{r:.2f} time (s {s})" for b, (s, r) in slow.items())
     if step.name == "membound":
         by = {(o["op"], o.get("d") or o.get("vocab") or o.get("params")): o["GBps"] for o in d["ops"]}
         return ", ".join(f"{op} {v / 1e3:.2f} TB/s" for (op, size), v in by.items()
