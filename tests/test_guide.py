@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import py
+from conftest import REPO, py
 from dtrain import capstone
 from dtrain.cli import main
 from dtrain.guide.cli import generate
@@ -163,3 +163,15 @@ def test_capstone_end_to_end(tmp_path):
     for sub in ("allreduce-bench", "fsdp-scaling", "tp-attention", "fp8-train"):
         assert f"/{sub}/" in text, sub
     assert "guide  " in r.stdout and "run    " in r.stdout
+    # the README's guide command, as written, finds this capstone as the latest under results/capstone/
+    from test_readme import bare_shell, commands
+
+    [cmd] = [c for c in commands() if c.startswith("dtrain guide") and "results/capstone" in c]
+    cwd = tmp_path / "checkout"
+    (cwd / "results" / "capstone").mkdir(parents=True)
+    (cwd / "results" / "capstone" / "20990101-000000-000000").symlink_to(tmp_path / "r")
+    for shared in (".venv", "measured"):
+        (cwd / shared).symlink_to(REPO / shared)
+    g = bare_shell(f"source .venv/bin/activate\n{cmd}", cwd, 300)
+    assert g.returncode == 0, g.stderr[-3000:]
+    assert "/fsdp-scaling/" in (cwd / "PARALLELISM_GUIDE.md").read_text()
