@@ -156,8 +156,8 @@ def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--params", "nan"], "argument --params: nan must be a finite number > 0"),
-    (["--params", "inf"], "argument --params: inf must be a finite number > 0"),
+    (["--params", "nan"], "argument --params: 'nan' is not a positive parameter count"),
+    (["--params", "inf"], "argument --params: 'inf' is not a positive parameter count"),
     (["--params", "7e9", "--seq", "0"], "argument --seq: 0 must be an integer > 0"),
     (["--params", "7e9", "--nvlink-gbps", "nan"], "argument --nvlink-gbps: nan must be a finite number > 0"),
     (["--params", "7e9", "--ib-gbps", "inf"], "argument --ib-gbps: inf must be a finite number > 0"),

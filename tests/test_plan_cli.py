@@ -74,7 +74,7 @@ def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
     (["--params", "7e9", "--gpus", "12"], "not a whole number of 8-GPU nodes"),
     (["--params", "7e9", "--layers", "4", "--gpus", "8"], "either --params or the shape"),
     (["--layers", "4", "--gpus", "8"], "needs --params, or all of"),
-    (["--params", "-1", "--gpus", "8"], "argument --params: -1 must be a finite number > 0"),
+    (["--params", "-1", "--gpus", "8"], "argument --params: '-1' is not a positive parameter count (70e9, 70B, 350M, 1T)"),
     (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"], "bad model shape"),
     (["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no FP8 tensor cores"),
     (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "argument --ib-gbps: 0 must be a finite number > 0"),
@@ -168,3 +168,23 @@ def test_bench_refuses_to_time_a_command_that_failed(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "exited 1" in err and "no module named rich" in err and err.count("\n") == 1
     assert list((tmp_path / "bench").iterdir()) == []
+
+
+@pytest.mark.parametrize("written, count", [("70B", 70e9), ("1.3b", 1.3e9), ("350M", 350e6), ("2T", 2e12),
+                                            ("7e9", 7e9)])
+def test_params_takes_the_size_as_people_write_it(written, count):
+    from dtrain.costmodel.cli import param_count
+
+    assert param_count(written) == pytest.approx(count, rel=1e-12)
+
+
+@pytest.mark.parametrize("written", ["70X", "B", "0B", "nanB", "-7B"])
+def test_params_with_a_wrong_size_is_one_line(capsys, written):
+    code = main(["plan", "--params", written, "--gpus", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: dtrain plan: argument --params:")
+
+
+def test_an_interpolated_trillion_parameter_shape_is_named_in_t():
+    assert ModelShape.from_params(2e12).name == "~2T (interpolated)"
+    assert ModelShape.from_params(1.3e9).name == "~1.3B (interpolated)"

@@ -55,6 +55,22 @@ def _number(kind, low: float, strict: bool):
 
 POS_INT, POS_FLOAT, NONNEG_INT, NONNEG_FLOAT = _number(int, 0, True), _number(float, 0, True), \
     _number(int, 0, False), _number(float, 0, False)
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def param_count(text: str) -> float:
+    """--params: a positive number, plain (70e9) or with the suffix people write sizes in (70B, 1.3b, 350M, 1T)."""
+    unit = _SUFFIX.get(text[-1:].lower()) if text[-1:].isalpha() else None
+    try:
+        value = POS_FLOAT(text[:-1] if unit else text) * (unit or 1.0)
+    except argparse.ArgumentTypeError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive parameter count (70e9, 70B, 350M, 1T)")
+    return value
+
+
+param_count.__name__ = "parameter count"
 
 
 def add_parser(sub) -> None:
@@ -63,7 +79,8 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n")[0], epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (either --params or --layers/--hidden/--heads)")
-    m.add_argument("--params", type=POS_FLOAT, help="parameter count, e.g. 70e9 (a published shape of that size)")
+    m.add_argument("--params", type=param_count,
+                   help="parameter count, e.g. 70e9 or 70B (a published shape of that size)")
     m.add_argument("--layers", type=POS_INT, help="transformer layers")
     m.add_argument("--hidden", type=POS_INT, help="d_model")
     m.add_argument("--heads", type=POS_INT, help="attention heads")

@@ -109,7 +109,8 @@ class ModelShape:
                         n_kv_head=n_kv, seq_len=seq_len, name="")
         rest = params - probe.embedding_params() - probe.d_model
         n_layer = max(1, round(rest / probe.params_per_layer()))
-        return replace(probe, n_layer=n_layer, name=f"~{params / 1e9:g}B (interpolated)")
+        size = f"{params / 1e12:.3g}T" if params >= 1e12 else f"{params / 1e9:.3g}B"
+        return replace(probe, n_layer=n_layer, name=f"~{size} (interpolated)")
 
 
 # Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
