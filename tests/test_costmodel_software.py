@@ -61,6 +61,17 @@ def test_2021_megatron_splits_the_layers_evenly():
     assert any(p.pp > 1 for p in ranked["megatron-2021"])
 
 
+def test_megatron_core_interleaves_only_whole_equal_chunks():
+    """40 layers on 64 GPUs: Megatron-core runs uneven stages without interleaving (pp=16, pp=32) but its
+    interleaved schedule only where pp·v divides the layers (pp=4 v=2 ranks; pp=4 v=4, pp=8 v=2 do not, though
+    the unrestricted search ranks them)."""
+    shape = ModelShape(40, 8192, 64, 8, 32000, 4096, 3.5, True)
+    chunks = {n: {(p.pp, p.virtual_stages) for p in search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked}
+              for n in ("megatron-core", "any")}
+    assert {(16, 1), (32, 1), (4, 2)} <= chunks["megatron-core"] and {(4, 4), (8, 2)} <= chunks["any"]
+    assert not any(40 % (pp * v) for pp, v in chunks["megatron-core"] if v > 1)
+
+
 def test_any_is_the_unrestricted_search(searches):
     default = search(SHAPE, CLUSTER, 64)
     assert [p.describe() for p in default.ranked] == [p.describe() for p in searches["any"].ranked]
@@ -95,6 +106,11 @@ def test_unsupported_names_the_field_by_hand():
     assert unsupported(m21, {"pp": 4}, 30) == (
         "pp=4 for 30 layers (it splits the layers into whole, equal chunks: pp·v must divide them)")
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 4}, 30) is None   # uneven first/last stages
+    # ... but its interleaved schedule builds whole, equal chunks (arguments.py): 80 layers on pp=8 run v=2, not v=4
+    assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 4}, 80) == (
+        "pp=8 v=4 for 80 layers (its interleaved schedule splits the layers into whole, equal chunks: pp·v must "
+        "divide them)")
+    assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 2}, 80) is None
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "cp_impl": "ulysses", "pp": 1}) is None
     assert unsupported(SOFTWARE["megatron-core"], {"dp_replicate": 4, "zero_stage": 1}) == \
         "hsdp=4 (it has no hybrid sharding)"

@@ -151,7 +151,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else
                                   VIRTUAL_STAGES if runs.interleaved else (1,))
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp
-                                    and runs.splits(model.n_layer, pp * v))]
+                                    and runs.splits(model.n_layer, pp, v))]
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
                     zeros = runs.zeros(pp) if dp * cp > 1 else (0,)
                     zeros = tuple(z for z in zeros if z >= 1) or zeros if prune else zeros

@@ -23,7 +23,8 @@ class Software:
     (``Layout.dp_replicate``, scored when asked for, never searched); ``zero2_regathers``: its ZeRO-2 is FSDP2
     without resharding after forward, which reshards after each backward and so gathers the weights again for
     every micro-batch (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer);
-    ``even_split``: the layers split into whole, equal pipeline chunks (pp·v divides them), no uneven stages."""
+    ``even_split``: when the layers must split into whole, equal pipeline chunks (pp·v divides them): "never"
+    (uneven stages run), "interleaved" (only with v > 1), "always"."""
 
     name: str
     zero: tuple[int, ...]
@@ -37,14 +38,15 @@ class Software:
     hsdp: bool = False
     cp_pinned: tuple[str, ...] = ()
     zero2_regathers: bool = False
-    even_split: bool = False
+    even_split: str = "never"
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
 
-    def splits(self, n_layer: int, chunks: int) -> bool:
-        """Whether it splits ``n_layer`` layers into ``chunks`` = pp·v pipeline chunks."""
-        return not self.even_split or n_layer % chunks == 0
+    def splits(self, n_layer: int, pp: int, v: int = 1) -> bool:
+        """Whether it splits ``n_layer`` layers over ``pp`` stages of ``v`` chunks each."""
+        even = self.even_split == "always" or (self.even_split == "interleaved" and v > 1)
+        return not even or n_layer % (pp * v) == 0
 
 
 SOFTWARE = {s.name: s for s in (
@@ -54,12 +56,14 @@ SOFTWARE = {s.name: s for s in (
     Software("megatron-core", (0, 1), (0, 1), ("ring", "ulysses"), (False, True), ("none", "selective", "full"), True,
              "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
              "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
-             "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses)"),
+             "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses); its arguments.py asserts "
+             "num_layers % pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages only "
+             "without interleaving, through --decoder-first/last-pipeline-num-layers)", even_split="interleaved"),
     Software("megatron-2021", (0,), (0,), (), (False,), ("none", "full"), True,
              "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
              "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
              "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
-             "recompute and the distributed optimizer came in 2022", even_split=True),
+             "recompute and the distributed optimizer came in 2022", even_split="always"),
     Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
              "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
              "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing"),
@@ -109,7 +113,8 @@ def unsupported(sw: Software, fields: dict, n_layer: int | None = None) -> str |
     if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
         return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
     v = fields.get("virtual_stages", 1)
-    if pp and n_layer and not sw.splits(n_layer, pp * v):
-        return (f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers (it splits the layers into whole, "
+    if pp and n_layer and not sw.splits(n_layer, pp, v):
+        how = "its interleaved schedule splits" if sw.even_split == "interleaved" else "it splits"
+        return (f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers ({how} the layers into whole, "
                 f"equal chunks: pp·v must divide them)")
     return None
