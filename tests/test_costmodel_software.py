@@ -72,6 +72,19 @@ def test_megatron_core_interleaves_only_whole_equal_chunks():
     assert not any(40 % (pp * v) for pp, v in chunks["megatron-core"] if v > 1)
 
 
+def test_megatron_interleaves_a_multiple_of_pp_micro_batches():
+    """Megatron's interleaved schedule runs the micro-batches in groups of pp (schedules.py): with 40 layers on
+    pp=4 (dp=2, tp=8) a global batch of 10 leaves 5 micro-batches, enough for torch's schedule (>= pp) but not
+    a multiple of 4: Megatron-core scores it only without interleaving, and a pinned v=2 says why."""
+    shape = ModelShape(40, 8192, 64, 8, 32000, 4096, 3.5, True)
+    pinned = {"tp": 8, "pp": 4, "micro_batch": 1}
+    by = {n: search(shape, CLUSTER, 10, stack=Stack(software=n), fixed=pinned) for n in ("megatron-core", "any")}
+    assert {p.virtual_stages for p in by["any"].ranked} > {1}
+    assert {p.virtual_stages for p in by["megatron-core"].ranked} == {1}
+    none = search(shape, CLUSTER, 10, stack=Stack(software="megatron-core"), fixed={**pinned, "virtual_stages": 2})
+    assert none.best is None and "(a multiple of pp under megatron-core)" in none.reason
+
+
 def test_any_is_the_unrestricted_search(searches):
     default = search(SHAPE, CLUSTER, 64)
     assert [p.describe() for p in default.ranked] == [p.describe() for p in searches["any"].ranked]

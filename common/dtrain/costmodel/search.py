@@ -151,7 +151,8 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 vs = [v for v in ([fixed["virtual_stages"]] if "virtual_stages" in fixed else
                                   VIRTUAL_STAGES if runs.interleaved else (1,))
                       if v == 1 or (pp > 1 and v <= -(-model.n_layer // pp) and ga >= pp
-                                    and runs.splits(model.n_layer, pp, v))]
+                                    and runs.splits(model.n_layer, pp, v)
+                                    and (ga % pp == 0 or not runs.interleaved_groups))]
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
                     zeros = runs.zeros(pp) if dp * cp > 1 else (0,)
                     zeros = tuple(z for z in zeros if z >= 1) or zeros if prune else zeros
@@ -271,7 +272,8 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, calib: Calibr
     elif fixed:
         reason = (f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·cp·tp·pp must equal the GPUs (a cp left "
                   f"out is searched over powers of two that leave 2·cp chunks of >= {MIN_CP_CHUNK} tokens), tp "
-                  f"divide the {model.n_head} heads, v ≤ ceil(layers/pp) with at least pp micro-batches, and dp·mb "
+                  f"divide the {model.n_head} heads, v ≤ ceil(layers/pp) with at least pp micro-batches"
+                  f"{f' (a multiple of pp under {runs.name})' if runs.interleaved_groups else ''}, and dp·mb "
                   f"divide the global batch {global_batch}")
     else:
         reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "

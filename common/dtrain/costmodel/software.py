@@ -24,7 +24,9 @@ class Software:
     without resharding after forward, which reshards after each backward and so gathers the weights again for
     every micro-batch (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer);
     ``even_split``: when the layers must split into whole, equal pipeline chunks (pp·v divides them): "never"
-    (uneven stages run), "interleaved" (only with v > 1), "always"."""
+    (uneven stages run), "interleaved" (only with v > 1), "always"; ``interleaved_groups``: its interleaved
+    schedule runs the micro-batches in groups of pp (Megatron's schedules.py: their count must be a multiple of
+    pp when v > 1)."""
 
     name: str
     zero: tuple[int, ...]
@@ -39,6 +41,7 @@ class Software:
     cp_pinned: tuple[str, ...] = ()
     zero2_regathers: bool = False
     even_split: str = "never"
+    interleaved_groups: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -58,12 +61,15 @@ SOFTWARE = {s.name: s for s in (
              "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
              "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses); its arguments.py asserts "
              "num_layers % pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages only "
-             "without interleaving, through --decoder-first/last-pipeline-num-layers)", even_split="interleaved"),
+             "without interleaving, through --decoder-first/last-pipeline-num-layers); its interleaved schedule runs "
+             "the micro-batches in groups of the pipeline size (pipeline_parallel/schedules.py)",
+             even_split="interleaved", interleaved_groups=True),
     Software("megatron-2021", (0,), (0,), (), (False,), ("none", "full"), True,
              "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
              "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
              "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
-             "recompute and the distributed optimizer came in 2022", even_split="always"),
+             "recompute and the distributed optimizer came in 2022; its schedules.py asserts the micro-batches divisible by "
+             "the pipeline size when interleaved", even_split="always", interleaved_groups=True),
     Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
              "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
              "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing"),
