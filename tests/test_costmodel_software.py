@@ -26,7 +26,7 @@ def test_search_returns_only_what_the_software_runs(searches, name):
     res, sw = searches[name], SOFTWARE[name]
     assert res.ranked, res.reason
     for p in res.ranked:
-        assert unsupported(sw, vars(p), SHAPE.n_layer) is None, (name, p.describe())
+        assert unsupported(sw, vars(p), SHAPE.n_layer, SHAPE.n_kv_head) is None, (name, p.describe())
         assert p.dp * p.cp == 1 or p.zero_stage in sw.zeros(p.pp)
         assert p.cp == 1 or p.cp_impl in sw.cp_impls
         assert p.tp == 1 or p.sequence_parallel in sw.sp
@@ -49,6 +49,9 @@ def test_each_restriction_bites(searches):
     assert any(p.cp > 1 and p.pp > 1 for p in ranked["any"])
     assert not any(p.cp > 1 and p.pp > 1 for p in ranked["dtrain"])
     assert not any(p.zero_stage == 2 and p.pp > 1 for p in ranked["dtrain"]) and any(p.cp > 1 for p in ranked["dtrain"])
+    # 8 KV heads: tp=16 replicates them (dtrain, any); Megatron and torchtitan shard whole KV heads
+    assert any(p.tp == 16 for p in ranked["dtrain"]) and any(p.tp == 16 for p in ranked["any"])
+    assert not any(p.tp > 8 for n in ("torchtitan", "megatron-core", "megatron-2021") for p in ranked[n])
 
 
 def test_2021_megatron_splits_the_layers_evenly():
@@ -96,7 +99,7 @@ def test_every_published_layout_runs_on_its_own_software():
     assert len(named) >= 50  # all but Meta's internal stack (Llama 3 405B)
     for row in rows:
         s = row_setup(row)
-        assert unsupported(s.stack.runs, vars(s.layout), s.shape.n_layer) is None, row["name"]
+        assert unsupported(s.stack.runs, vars(s.layout), s.shape.n_layer, s.shape.n_kv_head) is None, row["name"]
     by_name = {r.name: r.software for r in backtest(loo=False, rank=False)}   # what --json reports per row
     assert by_name == {r["name"]: (r.get("stack") or {}).get("software", "any") for r in rows}
 
@@ -124,6 +127,10 @@ def test_unsupported_names_the_field_by_hand():
         "pp=8 v=4 for 80 layers (its interleaved schedule splits the layers into whole, equal chunks: pp·v must "
         "divide them)")
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 2}, 80) is None
+    # Megatron and torchtitan shard whole KV heads; dtrain replicates them above tp
+    assert unsupported(tt, {"tp": 16}, 32, 8) == "tp=16 with 8 KV heads (it shards whole KV heads: tp must divide them)"
+    assert unsupported(SOFTWARE["megatron-core"], {"tp": 8}, 32, 8) is None
+    assert unsupported(SOFTWARE["dtrain"], {"tp": 16}, 32, 8) is None
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "cp_impl": "ulysses", "pp": 1}) is None
     assert unsupported(SOFTWARE["megatron-core"], {"dp_replicate": 4, "zero_stage": 1}) == \
         "hsdp=4 (it has no hybrid sharding)"

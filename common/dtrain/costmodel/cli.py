@@ -276,13 +276,13 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
     return fixed
 
 
-def pinned_layout(a, gpus: int, n_layer: int) -> dict | None:
-    """The --layout fields (``parse_layout``) checked against --software for a model of ``n_layer`` layers, before
-    any search; None without it."""
+def pinned_layout(a, gpus: int, shape) -> dict | None:
+    """The --layout fields (``parse_layout``) checked against --software for the model (its layers and KV heads),
+    before any search; None without it."""
     if not a.layout:
         return None
     fixed = parse_layout(a.layout, gpus)
-    lacks = unsupported(software(a.software), fixed, n_layer)
+    lacks = unsupported(software(a.software), fixed, shape.n_layer, shape.n_kv_head)
     if lacks:
         raise UserError(f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
                         "that runs it (--software any scores every layout)")
@@ -327,7 +327,7 @@ def run(a) -> int:
             print(f"warning: {message}", file=sys.stderr)
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
-    stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus, shape.n_layer)
+    stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus, shape)
     result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom, stack=stack)
     mine, gap, tight = layout_result(shape, cluster, a, calib, result, fixed)
     free = None if stack.software == "any" else search(shape, cluster, a.global_batch, calib, precision=a.precision,

@@ -125,7 +125,7 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
     context_parallel = context_parallel and bool(runs.cp_impls)
     replicas = fixed.get("dp_replicate", 1)  # HSDP is scored when asked for, never searched
     for tp in _pow2_up_to(min(2 * node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
-        if model.n_head % tp or n % tp:
+        if model.n_head % tp or n % tp or (runs.kv_shards and model.n_kv_head % tp):
             continue
         if "cp" in fixed:  # a pinned cp still needs 2·cp equal chunks of the sequence
             cps = [fixed["cp"]] if model.seq_len % (2 * fixed["cp"]) == 0 else []

@@ -26,7 +26,9 @@ class Software:
     ``even_split``: when the layers must split into whole, equal pipeline chunks (pp·v divides them): "never"
     (uneven stages run), "interleaved" (only with v > 1), "always"; ``interleaved_groups``: its interleaved
     schedule runs the micro-batches in groups of pp (Megatron's schedules.py: their count must be a multiple of
-    pp when v > 1)."""
+    pp when v > 1); ``kv_shards``: its TP shards whole KV heads, so tp must divide them (Megatron's attention.py
+    ``divide(num_query_groups, tp)``; torchtitan's views each rank's K, V as whole heads); without it (dtrain,
+    "any") a tp above the KV heads replicates them."""
 
     name: str
     zero: tuple[int, ...]
@@ -42,6 +44,7 @@ class Software:
     zero2_regathers: bool = False
     even_split: str = "never"
     interleaved_groups: bool = False
+    kv_shards: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -63,21 +66,22 @@ SOFTWARE = {s.name: s for s in (
              "num_layers % pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages only "
              "without interleaving, through --decoder-first/last-pipeline-num-layers); its interleaved schedule runs "
              "the micro-batches in groups of the pipeline size (pipeline_parallel/schedules.py)",
-             even_split="interleaved", interleaved_groups=True),
+             even_split="interleaved", interleaved_groups=True, kv_shards=True),
     Software("megatron-2021", (0,), (0,), (), (False,), ("none", "full"), True,
              "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
              "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
              "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
              "recompute and the distributed optimizer came in 2022; its schedules.py asserts the micro-batches divisible by "
-             "the pipeline size when interleaved", even_split="always", interleaved_groups=True),
+             "the pipeline size when interleaved", even_split="always", interleaved_groups=True, kv_shards=True),
     Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
              "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
-             "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing"),
+             "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing",
+             kv_shards=True),
     Software("torchtitan", (0, 2, 3), (0, 3), ("torch",), (True,), ("none", "op", "full"), True,
              "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
              "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
              "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
-             "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True, zero2_regathers=True),
+             "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True, zero2_regathers=True, kv_shards=True),
     Software("dtrain", (0, 2, 3), (0, 3), ("ring", "ulysses", "torch"), (False, True), ("none", "op", "full"), True,
              "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
              "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
@@ -93,10 +97,10 @@ def software(name: str) -> Software:
         raise ValueError(f"software must be one of {tuple(SOFTWARE)}, got {name!r}") from None
 
 
-def unsupported(sw: Software, fields: dict, n_layer: int | None = None) -> str | None:
+def unsupported(sw: Software, fields: dict, n_layer: int | None = None, kv_heads: int | None = None) -> str | None:
     """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones ``dtrain plan
-    --layout`` pins) for a model of ``n_layer`` layers, naming the first field it lacks; None when it runs them
-    ("any" runs every layout)."""
+    --layout`` pins) for a model of ``n_layer`` layers and ``kv_heads`` KV heads, naming the first field it lacks;
+    None when it runs them ("any" runs every layout)."""
     pp, zero = fields.get("pp"), fields.get("zero_stage")
     zeros = sw.zeros(pp) if pp else tuple(sorted(set(sw.zero) | set(sw.zero_pp)))
     shards = fields.get("dp", 2) * fields.get("cp", 1)
@@ -118,6 +122,9 @@ def unsupported(sw: Software, fields: dict, n_layer: int | None = None) -> str |
         return f"hsdp={fields['dp_replicate']} (it has no hybrid sharding)"
     if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
         return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
+    tp = fields.get("tp", 1)
+    if kv_heads and sw.kv_shards and kv_heads % tp:
+        return f"tp={tp} with {kv_heads} KV heads (it shards whole KV heads: tp must divide them)"
     v = fields.get("virtual_stages", 1)
     if pp and n_layer and not sw.splits(n_layer, pp, v):
         how = "its interleaved schedule splits" if sw.even_split == "interleaved" else "it splits"
