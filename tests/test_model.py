@@ -182,3 +182,20 @@ def test_rejects_too_long_sequence():
     model = GPT(GPTConfig(**TINY))
     with pytest.raises(ValueError, match="exceeds the model's seq_len=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_the_config_and_its_accounting_need_no_torch():
+    """GPTConfig, the presets and the parameter / FLOP counts live apart from the modules (dtrain.model_args):
+    the cost model, the guide's local check and the config nodes size a model without importing torch."""
+    import subprocess
+    import sys
+
+    import dtrain.model as model
+    import dtrain.model_args as args
+
+    assert model.GPTConfig is args.GPTConfig and model.num_params is args.num_params  # one home, re-exported
+    code = ("import sys; import dtrain.model_args, dtrain.config, dtrain.guide.local_check, dtrain.costmodel.overrides;"
+            " from dtrain.config import model_config; model_config({'preset': '7b'});"
+            " print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

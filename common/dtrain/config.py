@@ -87,7 +87,7 @@ class ModelConfig:
 
     def build(self):
         """The dtrain.model.GPTConfig, checked as one whole model (UserError when it cannot be)."""
-        from dtrain.model import GPTConfig
+        from dtrain.model_args import GPTConfig
 
         from dtrain.checks import check_model_values
 

@@ -31,7 +31,7 @@ from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.shapes import Layout
 from dtrain.costmodel.memory import fsdp2_state_bytes, memory_per_gpu
 from dtrain.errors import UserError
-from dtrain.model import GPTConfig, num_params
+from dtrain.model_args import GPTConfig, num_params
 from dtrain.parallel.mesh import zero_stage
 from dtrain.parallel.pipeline import split_layers, stages_of_rank
 from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING

@@ -163,7 +163,7 @@ def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> lis
                  formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
                  model puts on its bubble
     """
-    from dtrain.model import GPTConfig
+    from dtrain.model_args import GPTConfig
 
     from .gpt_shape import shape_of
 

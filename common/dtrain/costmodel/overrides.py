@@ -61,7 +61,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
         notes.append("fp8 runs as bf16 here; FP8 recipes are in fp8-train")
     if model.gated_mlp:
         notes.append("the trainer's GPT has a GELU MLP: the gated MLP runs as GELU 4x")
-    from dtrain.model import PRESETS
+    from dtrain.model_args import PRESETS
 
     if PRESETS[preset].vocab_size != model.vocab:
         notes.append(f"vocabulary: the {preset} preset's {PRESETS[preset].vocab_size}, not {model.vocab}")

@@ -46,7 +46,7 @@ from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.stack import Stack
 from dtrain.flops import transformer_flops_per_token
-from dtrain.model import GPTConfig
+from dtrain.model_args import GPTConfig
 from dtrain.parallel.mesh import ParallelDims, zero_stage
 from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING
 
