@@ -24,42 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtrain.errors import UserError
-from dtrain.model import GPT, GPTConfig
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
-SINGLE_STAGE = ("gpipe", "1f1b")
+from dtrain.model import GPT
+from dtrain.parallel.checks import SCHEDULES, SINGLE_STAGE, check_pipeline  # noqa: F401 (re-exported)
 
 
-def check_pipeline(cfg: GPTConfig, pp: int, schedule: str, virtual: int, micro_batches: int) -> None:
-    """Every layout the trainer cannot pipeline, as a one-line UserError."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"train.pp_schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
-    if pp == 1:
-        return
-    if schedule in SINGLE_STAGE and virtual != 1:
-        raise UserError(f"train.pp_schedule={schedule} runs one stage per rank but train.pp_virtual={virtual}: "
-                        "set pp_virtual=1 or pick interleaved_1f1b / interleaved_zb / zbv")
-    if schedule in ("interleaved_1f1b", "interleaved_zb") and virtual < 2:
-        raise UserError(f"train.pp_schedule={schedule} needs train.pp_virtual >= 2 stages per rank")
-    if schedule == "zbv" and virtual != 2:
-        raise UserError(f"train.pp_schedule=zbv needs exactly train.pp_virtual=2 stages per rank (got {virtual})")
-    stages = pp * virtual
-    if cfg.n_layer < stages:
-        raise UserError(f"model.n_layer={cfg.n_layer} < pipeline stages = train.pp x train.pp_virtual = "
-                        f"{pp} x {virtual} = {stages}: lower pp or pp_virtual, or add layers")
-    if micro_batches < pp and schedule != "gpipe":
-        raise UserError(f"pipeline micro-batches (train.grad_accum={micro_batches}) < train.pp={pp}: raise "
-                        "train.global_batch (or grad_accum) so each step has at least pp micro-batches, "
-                        "or use train.pp_schedule=gpipe")
-    if schedule not in SINGLE_STAGE:
-        rounds = max(1, micro_batches // pp)
-        if micro_batches % rounds:
-            raise UserError(f"train.pp_schedule={schedule} needs micro-batches (train.grad_accum={micro_batches}) "
-                            f"divisible by their rounds ({rounds} = grad_accum // pp): use a multiple of pp={pp}")
-    if cfg.tie_embeddings:
-        raise UserError("train.pp > 1 needs model.tie_embeddings=false: the embedding and lm_head live on "
-                        "different stages")
+
 
 
 def split_layers(n_layer: int, stages: int) -> list[range]:

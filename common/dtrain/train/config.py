@@ -122,7 +122,7 @@ class TrainConfig:
         if self.strategy == "single" and world_size != 1:
             raise UserError(f"train.strategy=single runs on one rank but world_size={world_size}: "
                             "pass world_size=1 or pick ddp / zero2 / zero3 / hsdp")
-        from dtrain.parallel.cp.apply import check_cp_layout
+        from dtrain.parallel.checks import check_cp_layout
 
         check_cp_layout(self.cp, self.cp_impl, self.pp)
         for key in ("tp", "pp", "pp_virtual", "steps", "micro_batch", "grad_accum"):
@@ -148,7 +148,7 @@ class TrainConfig:
                             "pass train.dataset=synthetic or the path of a token (.bin) or text file")
         if self.dataset == "synthetic" and self.dataset_tokens < 2:
             raise UserError(f"train.dataset_tokens={self.dataset_tokens} must be >= 2")
-        from dtrain.parallel.pipeline import SCHEDULES
+        from dtrain.parallel.checks import SCHEDULES
 
         if self.pp_schedule not in SCHEDULES:
             raise UserError(f"train.pp_schedule={self.pp_schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
@@ -163,7 +163,7 @@ class TrainConfig:
             grad_accum = self.global_batch // (self.micro_batch * self.dims(world_size).dp)
         precision = self.precision if device_type is None else self.precision_on(device_type)
         if device_type is not None:
-            from dtrain.parallel.cp.apply import check_cp_device
+            from dtrain.parallel.checks import check_cp_device
 
             check_cp_device(self.cp, self.cp_impl, device_type)
         return dataclasses.replace(self, grad_accum=grad_accum, precision=precision)
@@ -171,9 +171,7 @@ class TrainConfig:
     def validate_model(self, model_cfg) -> None:
         """The layout against the model (on a `resolved` config: pp needs the real grad_accum):
         heads divisible by tp, enough layers and micro-batches for pp, a sequence cp can shard."""
-        from dtrain.parallel.cp.apply import check_cp_model
-        from dtrain.parallel.pipeline import check_pipeline
-        from dtrain.parallel.tp.apply import check_tp_model
+        from dtrain.parallel.checks import check_cp_model, check_pipeline, check_tp_model
 
         check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl)
         check_cp_model(model_cfg, self.cp, self.cp_impl, self.tp, self.sequence_parallel)

@@ -18,41 +18,10 @@ import contextlib
 import torch
 
 from dtrain.errors import UserError
+from dtrain.parallel.checks import (IMPLS, check_cp_device, check_cp_layout,  # noqa: F401 (re-exported)
+                                     check_cp_model)
 from dtrain.parallel.cp import sharding
 
-IMPLS = ("auto", "ring", "ulysses", "torch")
-
-
-def check_cp_layout(cp, impl: str, pp: int) -> None:
-    """train.cp and train.cp_impl on their own and with pipeline parallelism."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise UserError(f"train.cp={cp!r} must be an integer >= 1")
-    if impl not in IMPLS:
-        raise UserError(f"train.cp_impl={impl!r} is unknown: choose one of {', '.join(IMPLS)}")
-    if cp > 1 and pp > 1:  # the pipeline schedules pass stages only the tokens, not their positions
-        raise UserError(f"train.cp={cp} with train.pp={pp} is not supported (a pipeline stage gets only the "
-                        "tokens, not their positions): use train.pp=1, or train.cp=1 with pipelining")
-
-
-def check_cp_device(cp: int, impl: str, device_type: str) -> None:
-    if cp > 1 and impl == "torch" and device_type != "cuda":
-        raise UserError(f"train.cp_impl=torch needs CUDA (PyTorch's context_parallel runs on the fused SDPA kernels) "
-                        f"but the device is {device_type}: use train.cp_impl=ring, ulysses or auto")
-
-
-def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bool = False) -> None:
-    """The sequences and heads cp can split (`model` is a dtrain.model.GPTConfig)."""
-    if cp == 1:
-        return
-    if model.seq_len % (2 * cp):
-        raise UserError(f"train.cp={cp}: model.seq_len={model.seq_len} is not divisible by 2 x cp = {2 * cp} (each "
-                        f"rank holds 2 of 2·cp equal chunks): pick seq_len a multiple of {2 * cp}")
-    if sequence_parallel and (model.seq_len // cp) % tp:
-        raise UserError(f"train.sequence_parallel: a cp rank's {model.seq_len // cp} tokens (model.seq_len / "
-                        f"train.cp) are not divisible by train.tp={tp}: pick seq_len a multiple of {cp * tp}")
-    if impl == "ulysses" and (model.n_head // tp) % cp:
-        raise UserError(f"train.cp_impl=ulysses spreads a rank's {model.n_head // tp} query heads (model.n_head / "
-                        f"train.tp) over train.cp={cp} ranks, which does not divide them: use train.cp_impl=ring")
 
 
 def select_impl(requested: str, device_type: str, backend: str) -> str:

@@ -19,37 +19,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from dtrain.errors import UserError
-from dtrain.model import GPTConfig
-from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups, check_tp_heads
+from dtrain.parallel.checks import check_tp_heads, check_tp_model  # noqa: F401 (re-exported)
+from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups
 from dtrain.parallel.tp.layers import partial_grads
 
 
-def check_tp_model(cfg: GPTConfig, tp: int, sequence_parallel: bool = False,
-                   async_grad_allreduce: bool = False, impl: str = "handrolled") -> None:
-    """The model shapes the trainer's TP (`impl`: handrolled | dtensor) can split; a one-line
-    UserError otherwise."""
-    if async_grad_allreduce and tp == 1:
-        raise UserError("train.async_grad_allreduce=true needs train.tp > 1 (it overlaps the tensor-parallel "
-                        "input-gradient collective)")
-    if sequence_parallel and tp == 1:
-        raise UserError("train.sequence_parallel=true needs train.tp > 1")
-    if sequence_parallel and cfg.seq_len % tp:
-        raise UserError(f"train.sequence_parallel: model.seq_len={cfg.seq_len} is not divisible by train.tp={tp}")
-    if tp == 1:
-        return
-    try:
-        check_tp_heads(cfg.n_head, cfg.n_kv_head, tp)
-    except UserError as e:
-        raise UserError(f"train.tp={tp}: {e}") from None
-    if cfg.mlp_hidden % tp:
-        raise UserError(f"train.tp={tp} does not divide the MLP width {cfg.mlp_hidden}: pick another tp")
-    if impl == "dtensor" and cfg.n_kv_head % tp:
-        raise UserError(f"train.tp_impl=dtensor cannot split model.n_kv_head={cfg.n_kv_head} k/v heads over "
-                        f"train.tp={tp} (DTensor does not replicate heads): use train.tp_impl=handrolled")
-    if impl == "dtensor" and async_grad_allreduce:
-        raise UserError("train.async_grad_allreduce=true is the hand-rolled layers' overlap: use "
-                        "train.tp_impl=handrolled")
 
 
 def _as_replicated(layer: nn.Module, mesh) -> None:

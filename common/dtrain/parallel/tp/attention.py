@@ -27,21 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtrain.errors import UserError
+from dtrain.parallel.checks import check_tp_heads
 from dtrain.model import Attention, Block, MLP, causal_attention
 from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, linears_async_grad_reduce
-
-
-def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
-    """The head layouts TP can split; a UserError that says what to change otherwise."""
-    if n_head % tp:
-        raise UserError(f"n_head={n_head} is not divisible by tp={tp}: pick a tp that divides the head count")
-    if n_head % n_kv_head:
-        raise UserError(f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: pick n_kv_head dividing n_head")
-    if n_kv_head >= tp and n_kv_head % tp:
-        raise UserError(f"n_kv_head={n_kv_head} is not divisible by tp={tp}: pick a tp that divides the k/v heads")
-    if n_kv_head < tp and tp % n_kv_head:
-        raise UserError(f"tp={tp} is not a multiple of n_kv_head={n_kv_head}: k/v heads can only be "
-                        "replicated evenly; pick n_kv_head dividing tp")
 
 
 @dataclass
