@@ -208,6 +208,23 @@ def test_a_wrong_key_is_refused_before_torch_is_imported(tmp_path, module):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("module, override, message", [
+    ("fsdp_scaling", "train.tp=3", "world_size=2 is not divisible by train.tp x train.pp = 3 x 1"),
+    ("fsdp_scaling", "model.preset=nope", "model: unknown model preset 'nope'"),
+    ("fp8_train", "fp8.margin=-1", "fp8.margin=-1 must be an integer >= 0"),
+    ("fp8_train", "model.n_head=3", "model: d_model=64 is not divisible by n_head=3"),
+    ("tp_attention", "train.tp=3", "train.tp=3 is larger than world_size=2"),
+])
+def test_a_wrong_value_is_refused_before_torch_is_imported(tmp_path, module, override, message):
+    """The values (train.*, model.*, the subproject's own keys) are checked first, without torch
+    (dtrain.train.run_checks, dtrain.parallel.checks, dtrain.model_args); only a local run's device, memory and
+    checkpoint checks import it, after the values pass."""
+    out = py("-c", NO_TORCH, module, override, f"results_dir={tmp_path}", timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "exit 2 no torch", out.stdout + out.stderr
+    one_error_line(out.stderr, message)
+    assert not any(tmp_path.iterdir())
+
+
 def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     model = GPTConfig.from_preset("small")
     psi = num_params(model)  # one rank holds the whole model

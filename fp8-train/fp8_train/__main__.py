@@ -14,7 +14,7 @@ from dtrain.app import fail, hydra_main
 from dtrain.errors import UserError
 
 # named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
-train_main = hydra_main("fp8_train.conf", rank_fn="fp8_train.train:rank_fn", validate="fp8_train.train:validate",
+train_main = hydra_main("fp8_train.conf", rank_fn="fp8_train.train:rank_fn", validate="fp8_train.checks:validate",
                         finalize="fp8_train.train:finalize")
 
 

@@ -9,7 +9,7 @@ te.autocast (te.fp8_autocast before TE 2.x) with one of its recipes around every
 HYBRID = E4M3 forward, E5M2 backward, like our emulated recipe. LayerNormLinear is not swapped
 in: the GPT's norms feed three separate projections (wq, wk, wv) and the model hook builds one
 linear at a time, so fusing norm + linear would need a QKV-fused model.
-Checks, in the launching process (fp8_train.train.validate) before any rank starts:
+Checks, in the launching process (fp8_train.checks.validate) before any rank starts:
   - TE is importable: "not installed" only when there is no `transformer_engine` package; a package
     that fails to import (built against another torch, missing CUDA libraries) reports that error.
   - TE >= 2.3 (MIN_VERSION: Float8CurrentScaling and Float8BlockScaling in the stable recipe API).

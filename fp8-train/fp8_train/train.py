@@ -8,27 +8,19 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain import config as dtrain_config
-from dtrain import dist as ddist
-from dtrain import checks, contract
+from dtrain import contract
 from dtrain.costmodel import hardware
-from dtrain.errors import UserError
-from dtrain.fit import check_fits
-from dtrain.launch import mode_of
 from dtrain.metrics import RECORDS
-from dtrain.train.checkpoint import check_resume
-from dtrain.model import GPT, GPTConfig
 from dtrain.results import read_jsonl
 from dtrain.train import Trainer, TrainConfig
 from fp8_train import backends, faults, scaling
+from fp8_train.checks import model_config, validate  # noqa: F401 (validate re-exported: the checks live there)
 from fp8_train.debug import DebugTool
 from fp8_train.guard import NanGuard
 from fp8_train.health import HealthMonitor
@@ -36,38 +28,6 @@ from fp8_train.precision_map import PrecisionMap
 
 STEP_TOOLS = ("guard", "health", "fp8_debug")  # per-step callbacks published as step_callbacks (not modelled)
 FINAL_WINDOW = 5  # final loss = mean over the last 5 steps (one batch is a noisy estimate)
-
-
-def model_config(cfg: DictConfig) -> GPTConfig:
-    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
-    return dtrain_config.model_config(cfg.model)
-
-
-def validate(cfg: DictConfig) -> None:
-    if cfg.recipe not in backends.RECIPES:
-        raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(backends.RECIPES)}")
-    backends.check_fp8_cfg(cfg.fp8)
-    if mode_of(cfg) == "local":  # on Slurm the compute nodes decide; ranks check again there
-        backends.check(cfg.recipe, ddist.pick_device(cfg.device, 0).type)
-    model_cfg = model_config(cfg)
-    local = mode_of(cfg) == "local"  # on Slurm the compute nodes' device and memory are not known here
-    device = ddist.pick_device(cfg.device, 0) if local else None
-    train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)  # checks train.*
-    backends.check_run(cfg.recipe, train.micro_batch, model_cfg.seq_len, train.activation_checkpointing)
-    checks.check_training_data(train, model_cfg)
-    check_resume(train)
-    if local:
-        check_fits(model_cfg, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
-    PrecisionMap.from_cfg(cfg.precision_map, model_cfg)
-    with torch.device("meta"):
-        names = {n for n, _ in GPT(model_cfg).named_modules()}
-    faults.check(OmegaConf.to_container(cfg.faults, resolve=True), names)
-    try:
-        re.compile(cfg.fp8_debug.layers.layer_name_regex_pattern)
-    except re.error as e:
-        raise UserError(f"fp8_debug.layers.layer_name_regex_pattern is not a regex ({e})") from None
-    if cfg.fp8_debug.freq < 0 or cfg.health.every < 1:
-        raise UserError("fp8_debug.freq must be >= 0 and health.every >= 1")
 
 
 def rank_fn(ctx) -> dict:

@@ -6,7 +6,7 @@ __main__ is not re-imported by multiprocessing).
 from dtrain.app import hydra_main
 
 # named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
-main = hydra_main("fsdp_scaling.conf", rank_fn="fsdp_scaling.run:rank_fn", validate="fsdp_scaling.run:validate",
+main = hydra_main("fsdp_scaling.conf", rank_fn="fsdp_scaling.run:rank_fn", validate="fsdp_scaling.checks:validate",
                   finalize="fsdp_scaling.summary:finalize")
 
 if __name__ == "__main__":

@@ -9,41 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from omegaconf import DictConfig
-
-from dtrain import checks
-from dtrain import config as dtrain_config
-from dtrain import dist as ddist
-from dtrain.errors import UserError
-from dtrain.fit import check_fits
-from dtrain.launch import RankContext, mode_of
-from dtrain.model import GPTConfig
+from dtrain.launch import RankContext
 from dtrain.train import Trainer, TrainConfig
-from dtrain.train.checkpoint import check_resume
 from fsdp_scaling import memory
+from fsdp_scaling.checks import model_config, validate  # noqa: F401 (validate re-exported: the checks live there)
 from fsdp_scaling.probes import ProfileWindow, StateBytes
-
-def model_config(node) -> GPTConfig:
-    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
-    return dtrain_config.model_config(node)
-
-
-def validate(cfg: DictConfig) -> None:
-    local = mode_of(cfg) == "local"  # on Slurm the compute nodes' device and memory are not known here
-    device = ddist.pick_device(cfg.device, 0) if local else None
-    train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size, device and device.type)
-    model = model_config(cfg.model)
-    train.validate_model(model)
-    checks.check_training_data(train, model)
-    check_resume(train)
-    if local:
-        check_fits(model, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
-    if cfg.profile.enabled and cfg.profile.steps < 1:
-        raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
-    t = cfg.train
-    if cfg.profile.enabled and t.timing_warmup + cfg.profile.steps >= t.steps:
-        raise UserError(f"train.steps={t.steps} leaves no timed step after timing_warmup={t.timing_warmup} and "
-                        f"profile.steps={cfg.profile.steps}: raise train.steps")
 
 
 def rank_fn(ctx: RankContext) -> dict:

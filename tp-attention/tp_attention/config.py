@@ -1,13 +1,13 @@
-"""Reading and checking the benchmark's and the parity check's own config keys."""
+"""Reading and checking the benchmark's and the parity check's own config keys (without torch: the command line
+is checked before it is imported)."""
 from __future__ import annotations
 
-import torch
 from omegaconf import ListConfig
 
 from dtrain import config as dtrain_config
 from dtrain.errors import UserError
-from dtrain.model import GPTConfig
-from dtrain.parallel.tp.attention import check_tp_heads
+from dtrain.model_args import GPTConfig
+from dtrain.parallel.checks import check_tp_heads
 
 IMPLS = ("single", "handrolled", "handrolled_async", "dtensor")
 MODULES = ("block", "attention")
@@ -40,7 +40,10 @@ def model_config(cfg) -> GPTConfig:
     return dtrain_config.model_config(cfg.model)
 
 
-def torch_dtype(cfg) -> torch.dtype:
+def torch_dtype(cfg):
+    """The torch dtype of train.precision."""
+    import torch
+
     return getattr(torch, PRECISIONS[cfg.train.precision])
 
 

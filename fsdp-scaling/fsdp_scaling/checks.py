@@ -1,0 +1,26 @@
+"""What `python -m fsdp_scaling` refuses before any rank starts (dtrain.app runs ``validate`` for every point
+of a sweep). Without torch at import: a wrong value is one line in a fraction of a second; the device, memory
+and checkpoint checks import it after the values pass (dtrain.train.run_checks)."""
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from dtrain import config as dtrain_config
+from dtrain.errors import UserError
+from dtrain.train import run_checks
+
+
+def model_config(node):
+    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
+    return dtrain_config.model_config(node)
+
+
+def validate(cfg: DictConfig) -> None:
+    train, model = run_checks.check_values(cfg)
+    if cfg.profile.enabled and cfg.profile.steps < 1:
+        raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
+    t = cfg.train
+    if cfg.profile.enabled and t.timing_warmup + cfg.profile.steps >= t.steps:
+        raise UserError(f"train.steps={t.steps} leaves no timed step after timing_warmup={t.timing_warmup} and "
+                        f"profile.steps={cfg.profile.steps}: raise train.steps")
+    run_checks.check_host(cfg, train, model, run_checks.local_device(cfg))
