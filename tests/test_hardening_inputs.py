@@ -214,11 +214,12 @@ def test_a_wrong_key_is_refused_before_torch_is_imported(tmp_path, module):
     ("fp8_train", "fp8.margin=-1", "fp8.margin=-1 must be an integer >= 0"),
     ("fp8_train", "model.n_head=3", "model: d_model=64 is not divisible by n_head=3"),
     ("tp_attention", "train.tp=3", "train.tp=3 is larger than world_size=2"),
+    ("allreduce_bench", "step_factor=1", "step_factor=1.0 must be a number > 1"),
 ])
 def test_a_wrong_value_is_refused_before_torch_is_imported(tmp_path, module, override, message):
     """The values (train.*, model.*, the subproject's own keys) are checked first, without torch
-    (dtrain.train.run_checks, dtrain.parallel.checks, dtrain.model_args); only a local run's device, memory and
-    checkpoint checks import it, after the values pass."""
+    (dtrain.train.run_checks, dtrain.parallel.checks, dtrain.model_args, allreduce_bench.spec); only a local run's
+    device, backend, memory and checkpoint checks import it, after the values pass."""
     out = py("-c", NO_TORCH, module, override, f"results_dir={tmp_path}", timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "exit 2 no torch", out.stdout + out.stderr
     one_error_line(out.stderr, message)

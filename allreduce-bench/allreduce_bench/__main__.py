@@ -7,7 +7,7 @@ from dtrain.app import hydra_main
 
 # named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
 main = hydra_main("allreduce_bench.conf", rank_fn="allreduce_bench.bench:rank_fn",
-                  validate="allreduce_bench.bench:validate", finalize="allreduce_bench.bench:finalize")
+                  validate="allreduce_bench.checks:validate", finalize="allreduce_bench.bench:finalize")
 
 if __name__ == "__main__":
     main()

@@ -7,37 +7,19 @@ nccl-tests table and the fits, writes the CSV and plots, and returns the summary
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from allreduce_bench import groups, report, spec, sweep, topology_report
+from allreduce_bench.checks import expected_backend, validate  # noqa: F401 (re-exported: the checks live there)
 from dtrain import contract
-from dtrain import dist as ddist
-from dtrain.errors import UserError
-from dtrain.launch import RankContext, mode_of
+from dtrain.launch import RankContext
 from dtrain.metrics import ENV
 
 GUIDE_FIT_KEYS = ("collective", "link_class", "alpha_us", "beta_GBps", "r2", "n_points", "algo_factor", "dtype",
                   "world_size", "theoretical_GBps", "beta_pct_of_theoretical")
-
-
-def expected_backend(cfg: DictConfig) -> str | None:
-    """The backend the ranks will use, when it can be known before they start."""
-    if mode_of(cfg) == "slurm":
-        return cfg.backend if cfg.backend != "auto" else ("nccl" if cfg.slurm.gpus_per_node else "gloo")
-    return ddist.pick_backend(cfg.backend, ddist.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))))
-
-
-def validate(cfg: DictConfig) -> None:
-    s = spec.parse(cfg)
-    backend = expected_backend(cfg)
-    for dtype in s.dtypes:
-        problem = spec.known_unsupported(backend, dtype, s.redop, s.collectives)
-        if problem:
-            raise UserError(problem)
 
 
 def rank_fn(ctx: RankContext) -> dict:

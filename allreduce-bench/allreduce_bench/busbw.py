@@ -26,6 +26,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduc
 ROOTED = ("broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # S is split into n per-rank chunks
+# torch.distributed has one form of these (collectives.py runs the other only where it exists)
+IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")
+OUT_OF_PLACE_ONLY = ("all_to_all", "sendrecv")
+
+
+def supports(collective: str, in_place: bool) -> bool:
+    """Whether torch.distributed has `collective` in place (or out of place)."""
+    return not (collective in IN_PLACE_ONLY and not in_place) and not (collective in OUT_OF_PLACE_ONLY and in_place)
 
 
 def bus_factor(collective: str, n: int) -> float:

@@ -17,17 +17,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from allreduce_bench.busbw import Layout
+from allreduce_bench.busbw import IN_PLACE_ONLY, OUT_OF_PLACE_ONLY, Layout, supports  # noqa: F401 (re-exported)
 from dtrain.dist import all_gather_single, reduce_scatter_single
 
 REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "AVG"}
-IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")
-OUT_OF_PLACE_ONLY = ("all_to_all", "sendrecv")
-
-
-
-def supports(collective: str, in_place: bool) -> bool:
-    return not (collective in IN_PLACE_ONLY and not in_place) and not (collective in OUT_OF_PLACE_ONLY and in_place)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,18 +9,15 @@ import math
 import re
 from dataclasses import dataclass
 
-import torch
 from omegaconf import DictConfig
 
-from allreduce_bench.busbw import COLLECTIVES
-from allreduce_bench.collectives import supports
+from allreduce_bench.busbw import COLLECTIVES, supports
 from dtrain.errors import UserError
 
-DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-}
+# torch's dtype names (torch is imported only by the ranks and by `torch_dtype`: the command line is checked first)
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8", "float8_e4m3fn",
+          "float8_e5m2")
+FLOATING = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
            "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
            "e5m2": "float8_e5m2"}
@@ -46,6 +43,13 @@ def parse_bytes(value, key: str) -> int:
     if n < 1:
         raise UserError(f"{key}={value!r} must be at least 1 byte")
     return n
+
+
+def torch_dtype(name: str):
+    """The torch dtype of one of DTYPES."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def dtype_name(value: str) -> str:
@@ -149,6 +153,6 @@ def known_unsupported(backend: str, dtype: str, redop: str, collectives) -> str 
     if backend == "gloo" and dtype.startswith("float8"):
         return f"backend=gloo cannot move {dtype} tensors (\"Invalid scalar type\"): use dtypes=[float32] or run on GPUs with NCCL"
     reduces = any(c in ("all_reduce", "reduce_scatter", "reduce") for c in collectives)
-    if backend == "gloo" and reduces and redop == "avg" and not DTYPES[dtype].is_floating_point:
+    if backend == "gloo" and reduces and redop == "avg" and dtype not in FLOATING:
         return f"backend=gloo cannot reduce {dtype} with redop=avg: use a floating dtype or redop=sum"
     return None

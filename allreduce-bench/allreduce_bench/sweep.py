@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from allreduce_bench import busbw, collectives, groups
-from allreduce_bench.spec import DTYPES, NCCL_TYPE_NAMES, BenchSpec
+from allreduce_bench.spec import NCCL_TYPE_NAMES, BenchSpec, torch_dtype
 from dtrain.errors import UserError
 from dtrain.timing import Stopwatch, synchronize
 
@@ -90,7 +90,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
     with _progress(len(todo) * len(spec.sizes), ctx.is_main) as progress:
         task = progress.add_task("collectives", total=len(todo) * len(spec.sizes))
         for lg, dtype_name, collective in todo:
-            dtype = DTYPES[dtype_name]
+            dtype = torch_dtype(dtype_name)
             elem = torch.empty(0, dtype=dtype).element_size()
             for size in spec.sizes:
                 lay = busbw.layout(collective, size, elem, lg.size)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from allreduce_bench import busbw, collectives, sweep
-from allreduce_bench.spec import DTYPES, parse_bytes, size_sweep
+from allreduce_bench.spec import DTYPES, parse_bytes, size_sweep, torch_dtype
 from dtrain.dist import free_port
 from dtrain.timing import synchronize
 
@@ -74,7 +74,7 @@ def worker(rank: int, args, port: int) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.world_size)
-    dtype, n = DTYPES[args.dtype], args.world_size
+    dtype, n = torch_dtype(args.dtype), args.world_size
     elem = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for size in size_sweep(parse_bytes(args.min_bytes, "min"), parse_bytes(args.max_bytes, "max"), args.factor):
