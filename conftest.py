@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.files import files_named  # noqa: F401 (the tests' polls use it)
-
 REPO = Path(__file__).resolve().parent
 
 

@@ -93,7 +93,7 @@ def test_train_keys_are_typed(values, message):
 
 
 def test_tp_attention_and_fp8_keys():
-    from fp8_train import backends
+    from fp8_train import recipes
     from tp_attention.config import check_bench
 
     from tp_attention.conf import TpAttentionConfig
@@ -106,10 +106,10 @@ def test_tp_attention_and_fp8_keys():
     fp8 = OmegaConf.create({"margin": 0, "amax_history_len": 0, "amax_compute_algo": "max", "fp16_init_scale": 1024.0,
                             "e5m2_overflow": "saturate", "torchao_emulate": "auto"})
     with pytest.raises(UserError, match="fp8.amax_history_len=0 must be an integer >= 1"):
-        backends.check_fp8_cfg(fp8)
+        recipes.check_fp8_cfg(fp8)
     fp8.amax_history_len, fp8.amax_compute_algo = 4, "mean"
     with pytest.raises(UserError, match="fp8.amax_compute_algo='mean' is not one of max, most_recent"):
-        backends.check_fp8_cfg(fp8)
+        recipes.check_fp8_cfg(fp8)
 
 
 def test_resume_refuses_fewer_steps_and_another_model(tmp_path):
@@ -139,7 +139,7 @@ def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
     with pytest.raises(UserError, match="no viable alternative"):
         precheck.check_overrides("fsdp_scaling.conf", "config", ["model.n_head=["], None)
     # a sweep: every point is validated, none runs when one is invalid
-    from fsdp_scaling.run import validate
+    from fsdp_scaling.checks import validate
 
     with pytest.raises(UserError) as e:
         precheck.check_overrides("fsdp_scaling.conf", "config", ["-m", "model.preset=tiny", "model.n_head=2,0",

@@ -29,7 +29,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "results" / "cpu"
 
 def _check(*overrides: str) -> None:
     """What `python -m fsdp_scaling <overrides>` checks before Hydra starts (no rank, no run dir)."""
-    from fsdp_scaling.run import validate
+    from fsdp_scaling.checks import validate
 
     def point(cfg):
         app.check_base(cfg)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, files_named
+from conftest import REPO
+from dtrain.files import files_named
 from dtrain import liveness
 
 START_TIMEOUT_S = 60  # two spawned ranks import torch and rendezvous; slow on a loaded 2-core host

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, files_named, py
+from conftest import REPO, py
+from dtrain.files import files_named
 
 pytestmark = pytest.mark.slurm
 

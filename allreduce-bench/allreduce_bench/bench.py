@@ -13,7 +13,6 @@ import torch
 from omegaconf import DictConfig
 
 from allreduce_bench import groups, report, spec, sweep, topology_report
-from allreduce_bench.checks import expected_backend, validate  # noqa: F401 (re-exported: the checks live there)
 from dtrain import contract
 from dtrain.launch import RankContext
 from dtrain.metrics import ENV

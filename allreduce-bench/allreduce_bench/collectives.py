@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from allreduce_bench.busbw import IN_PLACE_ONLY, OUT_OF_PLACE_ONLY, Layout, supports  # noqa: F401 (re-exported)
+from allreduce_bench.busbw import Layout, supports
 from dtrain.dist import all_gather_single, reduce_scatter_single
 
 REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "AVG"}

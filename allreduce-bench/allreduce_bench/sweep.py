@@ -97,7 +97,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                 progress.update(task, description=f"{lg.link_class} {collective} {dtype_name} {lay.nbytes} B")
                 for mode in spec.modes:
                     in_place = mode == "in_place"
-                    if not collectives.supports(collective, in_place):
+                    if not busbw.supports(collective, in_place):
                         continue
                     member = lg.group is not None
                     with unsupported_as_user_error(collective, dtype_name, spec.redop, ctx.backend):

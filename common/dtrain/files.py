@@ -13,8 +13,7 @@ from pathlib import Path
 def files_named(root: str | Path, pattern: str) -> list[Path]:
     """The files under ``root`` whose path ends in ``pattern`` (``Path.match``: "config.yaml",
     "*_log.err", ".heartbeats/heartbeat.rank1"), sorted; folders that vanish mid-walk are skipped."""
-    name = pattern.rsplit("/", 1)[-1]
     found = []
     for folder, _, names in os.walk(root):  # os.walk ignores folders it cannot list
-        found += [p for n in names if Path(n).match(name) and (p := Path(folder, n)).match(pattern)]
+        found += [p for n in names if (p := Path(folder, n)).match(pattern)]
     return sorted(found)

@@ -26,8 +26,7 @@ import torch.nn as nn
 
 from dtrain.errors import UserError, missing_dependency
 from dtrain.model import default_linear
-from fp8_train.recipes import (EMULATED, HIGH, RECIPES, TE, TORCHAO, backend_of,  # noqa: F401 (re-exported)
-                               check_fp8_cfg, check_run, shape_multiple)
+from fp8_train.recipes import HIGH, RECIPES, backend_of
 
 def high_precision(recipe: str, precision: str, device: torch.device) -> str:
     """The dtype of everything that is not an FP8 linear."""

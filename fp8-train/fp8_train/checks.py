@@ -8,15 +8,9 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain import config as dtrain_config
 from dtrain.errors import UserError
 from dtrain.train import run_checks
 from fp8_train import recipes
-
-
-def model_config(cfg: DictConfig):
-    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
-    return dtrain_config.model_config(cfg.model)
 
 
 def validate(cfg: DictConfig) -> None:

@@ -29,7 +29,7 @@ from dtrain.derived import write_derived_run
 from dtrain.errors import UserError
 from dtrain.metrics import SUMMARY, write_json_atomic
 from dtrain.results import complete_runs, load, load_events, load_runs
-from fp8_train.backends import HIGH, RECIPES
+from fp8_train.recipes import HIGH, RECIPES
 
 CPU_RECIPES = ["fp32", "emulated_delayed", "emulated_current", "torchao_tensorwise"]
 GPU_RECIPES = ["bf16", "te_delayed", "te_current", "torchao_tensorwise", "torchao_rowwise"]

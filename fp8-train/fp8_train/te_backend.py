@@ -16,9 +16,9 @@ Checks, in the launching process (fp8_train.checks.validate) before any rank sta
   - TE's own availability check for the recipe on this GPU/CUDA (is_fp8_available,
     is_fp8_block_scaling_available, is_mxfp8_available with return_reason=True; TE releases
     before they were exported at the top level have the same checks in transformer_engine.pytorch.fp8).
-  - activation checkpointing is refused (backends.check_run): TE's FP8 state needs TE's own
+  - activation checkpointing is refused (recipes.check_run): TE's FP8 state needs TE's own
     checkpoint (te.checkpoint), which the shared parallelize step does not wire in.
-  - FP8 GEMM shapes (backends.check_run): tokens per micro-batch a multiple of 16 (32 for MXFP8);
+  - FP8 GEMM shapes (recipes.check_run): tokens per micro-batch a multiple of 16 (32 for MXFP8);
     linear dims that are not fall back to high precision in the precision map.
 Nothing here runs without a GPU; tests drive it with a stand-in `transformer_engine` module.
 """

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from dtrain import config as dtrain_config
 from dtrain import contract
 from dtrain.costmodel import hardware
 from dtrain.metrics import RECORDS
 from dtrain.results import read_jsonl
 from dtrain.train import Trainer, TrainConfig
-from fp8_train import backends, faults, scaling
-from fp8_train.checks import model_config, validate  # noqa: F401 (validate re-exported: the checks live there)
+from fp8_train import backends, faults, recipes, scaling
 from fp8_train.debug import DebugTool
 from fp8_train.guard import NanGuard
 from fp8_train.health import HealthMonitor
@@ -30,11 +30,16 @@ STEP_TOOLS = ("guard", "health", "fp8_debug")  # per-step callbacks published as
 FINAL_WINDOW = 5  # final loss = mean over the last 5 steps (one batch is a noisy estimate)
 
 
+def model_config(cfg: DictConfig):
+    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
+    return dtrain_config.model_config(cfg.model)
+
+
 def rank_fn(ctx) -> dict:
     cfg = ctx.cfg
     model_cfg = model_config(cfg)
     numerics = backends.build(cfg.recipe, cfg.train.precision, cfg.fp8, ctx.device)
-    pmap = PrecisionMap.from_cfg(cfg.precision_map, model_cfg, multiple=backends.shape_multiple(cfg.recipe))
+    pmap = PrecisionMap.from_cfg(cfg.precision_map, model_cfg, multiple=recipes.shape_multiple(cfg.recipe))
     factory = pmap.factory(numerics.fp8_linear) if numerics.fp8_linear else None
     # the recipe decides the Trainer's precision (fp16 trains as fp32 under autocast); config.yaml keeps train.precision
     train = dataclasses.replace(TrainConfig.from_cfg(cfg.train), precision=numerics.train_precision)

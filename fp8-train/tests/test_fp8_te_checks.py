@@ -11,7 +11,7 @@ import torch
 
 from conftest import py
 from dtrain.errors import UserError
-from fp8_train import backends, te_backend
+from fp8_train import recipes, te_backend
 
 UNDEFINED = "libtransformer_engine.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev"
 
@@ -93,9 +93,9 @@ def test_te_older_than_2_3_is_refused(cuda_here, monkeypatch):
 
 def test_activation_checkpointing_under_te_is_refused_clearly():
     with pytest.raises(UserError, match=r"train.activation_checkpointing=block with recipe=te_current: .*te.checkpoint"):
-        backends.check_run("te_current", 8, 256, "block")
-    backends.check_run("emulated_delayed", 8, 256, "block")  # ours handles recomputation itself
-    backends.check_run("torchao_tensorwise", 8, 256, "block")
+        recipes.check_run("te_current", 8, 256, "block")
+    recipes.check_run("emulated_delayed", 8, 256, "block")  # ours handles recomputation itself
+    recipes.check_run("torchao_tensorwise", 8, 256, "block")
 
 
 @pytest.mark.parametrize("recipe, micro_batch, seq_len, multiple", [
@@ -103,9 +103,9 @@ def test_activation_checkpointing_under_te_is_refused_clearly():
 def test_tokens_per_micro_batch_must_tile(recipe, micro_batch, seq_len, multiple):
     with pytest.raises(UserError, match=rf"tokens per micro-batch .* = {micro_batch * seq_len}\) to be a multiple "
                                         rf"of {multiple}"):
-        backends.check_run(recipe, micro_batch, seq_len, "none")
-    backends.check_run(recipe, micro_batch, seq_len * multiple, "none")
-    backends.check_run("emulated_current", micro_batch, seq_len, "none")  # no FP8 GEMM kernel: no rule
+        recipes.check_run(recipe, micro_batch, seq_len, "none")
+    recipes.check_run(recipe, micro_batch, seq_len * multiple, "none")
+    recipes.check_run("emulated_current", micro_batch, seq_len, "none")  # no FP8 GEMM kernel: no rule
 
 
 def test_shape_rule_is_one_line_before_the_run(tmp_path):

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from dtrain import config as dtrain_config
 from dtrain.errors import UserError
 from dtrain.train import run_checks
-
-
-def model_config(node):
-    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
-    return dtrain_config.model_config(node)
 
 
 def validate(cfg: DictConfig) -> None:

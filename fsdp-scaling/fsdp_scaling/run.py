@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from dtrain import config as dtrain_config
 from dtrain.launch import RankContext
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
-from fsdp_scaling.checks import model_config, validate  # noqa: F401 (validate re-exported: the checks live there)
 from fsdp_scaling.probes import ProfileWindow, StateBytes
+
+
+def model_config(node):
+    """The `model:` node (preset + GPTConfig fields) as a GPTConfig."""
+    return dtrain_config.model_config(node)
 
 
 def rank_fn(ctx: RankContext) -> dict:

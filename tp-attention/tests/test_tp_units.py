@@ -10,7 +10,8 @@ import torch
 from dtrain.errors import UserError
 from dtrain.model import Block, GPTConfig
 from dtrain.parallel.tp import comm
-from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups, check_tp_heads, kv_heads_of
+from dtrain.parallel.checks import check_tp_heads
+from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups, kv_heads_of
 from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 

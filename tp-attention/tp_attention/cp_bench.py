@@ -133,7 +133,7 @@ def measure_cp(cfg, seq_len: int, cp: int, groups, ref, x, g, device) -> list[di
 
 def _tp_can_split(m, tp: int) -> bool:
     from dtrain.errors import UserError
-    from dtrain.parallel.tp.attention import check_tp_heads
+    from dtrain.parallel.checks import check_tp_heads
 
     try:
         check_tp_heads(m.n_head, m.n_kv_head, tp)

@@ -60,10 +60,10 @@ _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 def param_count(text: str) -> float:
     """--params: a positive number, plain (70e9) or with the suffix people write sizes in (70B, 1.3b, 350M, 1T)."""
-    unit = _SUFFIX.get(text[-1:].lower()) if text[-1:].isalpha() else None
+    number, unit = (text[:-1], _SUFFIX.get(text[-1].lower())) if text[-1:].isalpha() else (text, 1.0)
     try:
-        value = POS_FLOAT(text[:-1] if unit else text) * (unit or 1.0)
-    except argparse.ArgumentTypeError:
+        value = float(number) * unit
+    except (ValueError, TypeError):  # not a number, or an unknown suffix (unit None)
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive parameter count (70e9, 70B, 350M, 1T)")

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtrain.model import GPT
-from dtrain.parallel.checks import SCHEDULES, SINGLE_STAGE, check_pipeline  # noqa: F401 (re-exported)
+from dtrain.parallel.checks import SINGLE_STAGE
 
 
 

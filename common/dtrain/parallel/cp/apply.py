@@ -1,7 +1,7 @@
 """Context parallelism in the trainer (`train.cp`, `train.cp_impl`): the cp ranks of a replica
-share each sequence, each holding its zigzag shard (sharding.py) with the tokens' global positions.
+share each sequence, each holding its zigzag shard (sharding.py) with the tokens' global positions
+(what cannot run: dtrain.parallel.checks).
 
-    check_cp_layout / check_cp_device / check_cp_model   what cannot run, one UserError line each
     select_impl(requested, device_type, backend)         which implementation a run uses
     apply_cp(part, impl, mesh)                           every attention's core -> ring / all-to-all
     ContextParallel.batch(x, y)                          a micro-batch as this rank sees it
@@ -18,8 +18,6 @@ import contextlib
 import torch
 
 from dtrain.errors import UserError
-from dtrain.parallel.checks import (IMPLS, check_cp_device, check_cp_layout,  # noqa: F401 (re-exported)
-                                     check_cp_model)
 from dtrain.parallel.cp import sharding
 
 

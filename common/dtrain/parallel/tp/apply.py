@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from dtrain.parallel.checks import check_tp_heads, check_tp_model  # noqa: F401 (re-exported)
 from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups
 from dtrain.parallel.tp.layers import partial_grads
 
