@@ -22,3 +22,18 @@ def test_measured_folder_is_read_when_present_and_refused_when_named_but_missing
     assert err == ["error: --measured nope: no such folder: give the folder `make gpu-check` reports were copied to, "
                    "or --measured none"]
     assert not (tmp_path / "r").exists()   # refused before anything was written
+
+
+def test_each_gpu_is_calibrated_from_its_own_report_and_this_machine_from_its_own_runs():
+    """measured/ holds an H100 report and a later H200 one: planning for either GPU reads its own probe
+    (the later H200 one must not stand in for the H100), and with no such GPU the newest GPU report."""
+    from pathlib import Path
+
+    from dtrain.costmodel.calibrate import calibrate
+
+    measured = Path(__file__).resolve().parents[1] / "measured"
+    for gpu, folder in (("h100-sxm", "h100-sxm"), ("h200", "h200"), ("a100-80gb", "h200"), (None, "h200")):
+        report = calibrate([measured], base=measured, warn=False, gpu=gpu)
+        assert report.cluster.mfu.provenance.startswith(f"measured here: {folder}/"), (gpu, report.cluster.mfu.provenance)
+    # only GPU runs: this machine's column falls back to them (the newest)
+    assert calibrate([measured], base=measured, warn=False).local.mfu.provenance.startswith("measured here: h200/")

@@ -25,6 +25,30 @@ def test_gpu_check_without_a_gpu_is_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.strip() == NO_GPU and not any(tmp_path.iterdir())
 
 
+def test_only_runs_the_steps_in_the_order_asked_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
+    """A short GPU lease measures what matters most first: --only's order is the run order; a misspelt
+    step is one line and exit 2 before the GPU is asked for or a folder made."""
+    import torch
+
+    from dtrain.gpucheck import __main__ as gc
+
+    assert gc.main(["--results", str(tmp_path), "--only", "copy,attention_sweep,nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --only names no step nope: pick from env, copy, ") and "\n" not in err
+    assert not any(tmp_path.iterdir())
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fake_run(step, run_dir, deadline):
+        ran.append(step.name)
+        step.status = "ok"
+        return step
+    monkeypatch.setattr(gc, "run_step", fake_run)
+    monkeypatch.setattr(gc, "render", lambda done, run_dir: "report")
+    assert gc.main(["--results", str(tmp_path), "--only", "membound,copy,gemm_bf16"]) == 0
+    assert ran == ["membound", "copy", "gemm_bf16"]
+
+
 def test_bundle_size_guard(tmp_path):
     (tmp_path / "small-1.0-py3-none-any.whl").write_bytes(b"x" * 1024)
     ok = run_cmd([str(REPO / "scripts" / "gpu-bundle-size"), str(tmp_path), str(64 << 20)])

@@ -108,33 +108,48 @@ def display_path(path: Path, base: Path | None = None) -> str:
         return str(path)
 
 
-def _latest(cands: list[Candidate], name: str, gpu_only: bool) -> Candidate | None:
+def _latest(cands: list[Candidate], name: str, gpu_only: bool, prefer=None) -> Candidate | None:
+    """The newest candidate called ``name``, those whose source ``prefer`` accepts first: the cluster values
+    prefer the GPU being planned for (an H200 report committed after an H100 one must not stand in for the
+    H100's values), the local ones this machine's own runs (not a committed GPU report's)."""
     pool = [c for c in cands if c.name == name and (c.source.on_gpu or not gpu_only)]
-    return max(pool, key=lambda c: (c.source.date, c.source.run)) if pool else None
+    if not pool:
+        return None
+    return max(pool, key=lambda c: (prefer is not None and prefer(c.source), c.source.date, c.source.run))
 
 
-def _calibration(cands: list[Candidate], gpu_only: bool) -> Calibration:
+def _on(gpu: str | None):
+    """The preference for runs on ``gpu`` (a hardware.yaml profile; None: no preference)."""
+    return None if gpu is None else (lambda src: src.gpu_profile == gpu)
+
+
+def _off_gpu(src: Source) -> bool:
+    return not src.on_gpu
+
+
+def _calibration(cands: list[Candidate], gpu_only: bool, prefer=None) -> Calibration:
     calib = Calibration()
     for name in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "cp_overlap", "tp_overhead",
                  "pp_overhead", "fp8_speedup", "fp8_memory_factor"):
-        best = _latest(cands, name, gpu_only)
+        best = _latest(cands, name, gpu_only, prefer)
         if best is not None:
             calib = replace(calib, **{name: best.param()})
     return calib
 
 
-def _cluster_links(cands: list[Candidate]) -> LinkCalibration:
+def _cluster_links(cands: list[Candidate], gpu: str | None = None) -> LinkCalibration:
     links = default_links()
     for cls in ("intra", "inter"):
         for what in ("alpha_s", "efficiency"):
-            best = _latest(cands, f"{cls}_{what}", gpu_only=True)
+            best = _latest(cands, f"{cls}_{what}", True, _on(gpu))
             if best is not None:
                 links = replace(links, **{f"{cls}_{what}": best.param()})
     return links
 
 
-def calibrate(paths, base: Path | None = None, warn: bool = True) -> CalibrationReport:
-    """Calibration from every complete run under ``paths`` (missing paths raise FileNotFoundError)."""
+def calibrate(paths, base: Path | None = None, warn: bool = True, gpu: str | None = None) -> CalibrationReport:
+    """Calibration from every complete run under ``paths`` (missing paths raise FileNotFoundError); the
+    cluster values prefer runs on ``gpu`` (the hardware.yaml profile being planned for), then any GPU."""
     runs = complete_runs(paths, warn=warn) if paths else []
     runs = sorted(runs, key=lambda r: str(r.path))
     inputs = read_inputs(runs, base, warn)
@@ -153,10 +168,10 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
         cands += found
         if layers is not None:
             kept.append((ri.source, layers))
-    # local links: latest measured α–β per class, any device
+    # local links: latest measured α–β per class, this machine's (off-GPU) runs first
     local_links, local_sources = {}, {}
     for cls in ("intra", "inter"):
-        a, b = _latest(cands, f"{cls}_alpha_s", False), _latest(cands, f"{cls}_beta_Bps", False)
+        a, b = _latest(cands, f"{cls}_alpha_s", False, _off_gpu), _latest(cands, f"{cls}_beta_Bps", False, _off_gpu)
         if a and b:
             own = []  # collectives allreduce-bench fitted apart, from the same run as the all-reduce fit
             for name in OWN_FIT_HOPS:
@@ -173,19 +188,20 @@ def calibrate(paths, base: Path | None = None, warn: bool = True) -> Calibration
         if rows:
             cands += from_tp(rows, ri.source, link)
         cands += from_layout(training_entries(ri), ri.source, link)
-    return CalibrationReport(cluster=_calibration(cands, gpu_only=True), cluster_links=_cluster_links(cands),
-                             local=_calibration(cands, gpu_only=False), local_links=local_links,
-                             local_sources=local_sources, keep_bf16=_keep(kept, True),
+    return CalibrationReport(cluster=_calibration(cands, True, _on(gpu)), cluster_links=_cluster_links(cands, gpu),
+                             local=_calibration(cands, False, _off_gpu), local_links=local_links,
+                             local_sources=local_sources, keep_bf16=_keep(kept, True, gpu),
                              keep_bf16_local=_keep(kept, False), candidates=cands, runs=[ri.run for ri in inputs],
                              probes=probes, inputs=inputs)
 
 
-def calibrate_naming_skips(paths, base: Path | None = None) -> tuple[CalibrationReport, list[str]]:
+def calibrate_naming_skips(paths, base: Path | None = None,
+                           gpu: str | None = None) -> tuple[CalibrationReport, list[str]]:
     """calibrate(), and one message per run it left out (incomplete, corrupt, breaking the contract:
     a newer schema_version, an unknown record kind), for a command to print: never dropped unnamed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = calibrate(paths, base=base, warn=True)
+        report = calibrate(paths, base=base, warn=True, gpu=gpu)
     return report, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
@@ -201,9 +217,10 @@ KEEP_BF16_PUBLISHED = (["tok_emb", "lm_head"], "datasheet/published: convention,
                        "is commonly left in BF16 because the logits need the widest range")
 
 
-def _keep(kept: list[tuple[Source, list[str]]], gpu_only: bool) -> tuple[list[str], str]:
+def _keep(kept: list[tuple[Source, list[str]]], gpu_only: bool, gpu: str | None = None) -> tuple[list[str], str]:
     pool = [(s, layers) for s, layers in kept if s.on_gpu or not gpu_only]
     if not pool:
         return KEEP_BF16_PUBLISHED
-    src, layers = max(pool, key=lambda x: (x[0].date, x[0].run))
+    prefer = _on(gpu) if gpu_only else _off_gpu
+    src, layers = max(pool, key=lambda x: (prefer is not None and prefer(x[0]), x[0].date, x[0].run))
     return sorted(layers), src.provenance("fp8-train compare")

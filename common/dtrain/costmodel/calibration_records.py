@@ -37,6 +37,13 @@ class Source:
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
 
+    @property
+    def gpu_profile(self) -> str | None:
+        """The hardware.yaml profile of the GPU it ran on (None off GPUs or for an unknown GPU)."""
+        from .hardware import gpu_profile_name
+
+        return gpu_profile_name(self.gpu_name) if self.on_gpu and self.gpu_name else None
+
     def provenance(self, detail: str = "") -> str:
         what = self.gpu_name or self.device
         extra = f"; {detail}" if detail else ""

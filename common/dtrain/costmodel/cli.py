@@ -322,7 +322,7 @@ def run(a) -> int:
     if a.results:
         from .calibrate import calibrate_naming_skips  # reads run directories: pandas, only when asked
 
-        report, skipped = calibrate_naming_skips(a.results)
+        report, skipped = calibrate_naming_skips(a.results, gpu=datasheet.gpu.name)
         for message in skipped:
             print(f"warning: {message}", file=sys.stderr)
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)

@@ -115,11 +115,18 @@ def write_report(done: list[Step], run_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck")
     p.add_argument("--results", default="results", help="the report goes to RESULTS/gpu-check/<time>/")
-    p.add_argument("--only", default=None, help="comma-separated step names (default: all)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated step names, run in that order (default: all, in the listed order)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue an earlier check in RUN_DIR: run the steps not yet ok, one report for all")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting steps after this many seconds")
     args = p.parse_args(argv)
+    names = [s.name for s in steps(Path("."))]
+    wanted = args.only.split(",") if args.only is not None else names
+    unknown = [w for w in wanted if w not in names]
+    if unknown:  # before the GPU is asked for and before any folder is made
+        print(f"error: --only names no step {', '.join(unknown)}: pick from {', '.join(names)}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -140,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     ok = {s.name for s in done if s.status == "ok"}
     done = [s for s in done if s.status == "ok"]
-    todo = [s for s in steps(run_dir) if (args.only is None or s.name in args.only.split(",")) and s.name not in ok]
+    todo = [s for s in steps(run_dir) if s.name not in ok]
+    if args.only is not None:
+        # the order asked for: a short lease measures what matters most first
+        todo = sorted((s for s in todo if s.name in wanted), key=lambda s: wanted.index(s.name))
     report = write_report(done, run_dir)
     for step in todo:
         print(f"gpu-check: {step.name} ({step.what}) ...", file=sys.stderr, flush=True)

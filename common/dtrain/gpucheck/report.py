@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,16 +86,21 @@ def _pytest(stdout: str, folder: Path) -> dict:
 COLLECT = {"measure": _json_line, "probe": _probe, "fsdp": _fsdp, "fp8": _fp8, "tp": _tp, "allreduce": _allreduce, "pytest": _pytest}
 
 
-def dropout_slowdown(points: list[dict]) -> dict[str, tuple[int, float]]:
-    """Per backend: (seq, fwd+bwd time with dropout_p > 0 / without) at the longest causal sequence
-    measured both ways at the same head dim: what kernels.yaml's attention ``dropout`` is read from."""
-    base = {(p["backend"], p["head_dim"], p["seq"]): p["fwd_bwd_s"] for p in points
-            if p["causal"] and not p.get("dropout_p") and "fwd_bwd_s" in p}
-    out = {}
-    for p in sorted((p for p in points if p.get("dropout_p") and "fwd_bwd_s" in p), key=lambda p: p["seq"]):
-        if (key := (p["backend"], p["head_dim"], p["seq"])) in base:
-            out[p["backend"]] = (p["seq"], p["fwd_bwd_s"] / base[key])
-    return out
+TRAINING_SEQS = (1024, 16384)  # the sequence lengths dropout-trained models run at, for the dropout median
+
+
+def dropout_slowdown(points: list[dict]) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Per backend: (sequences, median of fwd+bwd time with dropout_p > 0 / without) over the causal sequences
+    of TRAINING_SEQS measured both ways with the same heads: kernels.yaml's attention ``dropout``."""
+    def key(p: dict) -> tuple:  # the KV heads too: a GQA point of the same head dim is another kernel
+        return p["backend"], p["head_dim"], p.get("kv_heads"), p["seq"]
+    base = {key(p): p["fwd_bwd_s"] for p in points if p["causal"] and not p.get("dropout_p") and "fwd_bwd_s" in p}
+    ratios: dict[str, dict[int, float]] = {}
+    for p in points:
+        if p.get("dropout_p") and "fwd_bwd_s" in p and key(p) in base and \
+                TRAINING_SEQS[0] <= p["seq"] <= TRAINING_SEQS[1]:
+            ratios.setdefault(p["backend"], {})[p["seq"]] = p["fwd_bwd_s"] / base[key(p)]
+    return {b: (tuple(sorted(r)), statistics.median(r.values())) for b, r in ratios.items()}
 
 
 def _f(v, spec: str, unit: str = "") -> str:
@@ -133,7 +139,8 @@ def summarize(step: Step) -> str:
         out = "; ".join(f"{b} causal hd128 fwd+bwd up to {p['fwd_bwd_tflops']:.0f} TFLOP/s (s {p['seq']})"
                         for b, p in best.items()) or "-"
         slow = dropout_slowdown(d["points"])
-        return out + "".join(f"; {b} dropout 0.1 x{r:.2f} time (s {s})" for b, (s, r) in slow.items())
+        return out + "".join(f"; {b} dropout 0.1 x{r:.2f} time (median over s {s[0]}-{s[-1]})"
+                             for b, (s, r) in slow.items())
     if step.name == "membound":
         by = {(o["op"], o.get("d") or o.get("vocab") or o.get("params")): o["GBps"] for o in d["ops"]}
         return ", ".join(f"{op} {v / 1e3:.2f} TB/s" for (op, size), v in by.items()

@@ -63,7 +63,7 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
                             "or --no-results for a datasheet-only guide")
     base = Path.cwd()
     runs = find_runs(results) if results else []
-    report, messages = calibrate_naming_skips(results, base=base)
+    report, messages = calibrate_naming_skips(results, base=base, gpu=gpu)
     for message in messages:  # named here and in the guide's header
         print(f"warning: {message}", file=sys.stderr)
     used = {r.path for r in report.runs}
