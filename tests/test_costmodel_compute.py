@@ -171,16 +171,31 @@ def test_fp8_gemm_runs_at_the_fp8_peak_on_its_own_curve():
     assert d.power_scale == pytest.approx(1 / published("h100-sxm").sustained)
 
 
-def test_a_lower_power_cap_slows_compute_by_the_cube_root():
+def test_a_lower_power_cap_slows_compute_by_the_cube_root_of_the_power_above_idle():
     """h100-pcie's 350 W against the 700 W its kernel table assumes... has its own table at 350 W: no scale;
-    an H100 SXM profile capped to 350 W runs (700/350)^(1/3) = 1.26x slower on compute-bound kernels."""
+    an H100 SXM profile capped to 350 W runs ((700 - 78)/(350 - 78))^(1/3) = 1.32x slower on compute-bound
+    kernels: the clock's cube root follows the power above the 78 W the board draws idle."""
     from dataclasses import replace
 
     capped = replace(H100, gpu=replace(H100.gpu, power_w=350))
     full, slow = dev(), device_of(capped, Calibration(), Stack())
-    assert slow.power_scale / full.power_scale == pytest.approx(2 ** (1 / 3))
+    assert slow.power_scale / full.power_scale == pytest.approx((622 / 272) ** (1 / 3))
     assert device_of(Cluster.from_profile("h100-pcie", 8, 8), Calibration(), Stack()).power_scale == \
         pytest.approx(full.power_scale)
+    assert published("a100-80gb").power_scale(300) == pytest.approx((400 / 300) ** (1 / 3))  # no idle measured
+
+
+def test_the_idle_draw_is_the_h200_clock_traces_median():
+    """kernels.yaml's idle_w is the median power.draw of the committed nvidia-smi trace while the SMs idled
+    (clock <= 400 MHz): a measurement, not a fitted number."""
+    import csv
+    import statistics
+
+    trace = ROOT / "measured/h200/clocks-20261126-023259/clocks.csv"
+    rows = [r for r in csv.reader(trace.open()) if not r[0].startswith("timestamp")]
+    idle = [float(r[3]) for r in rows if float(r[1]) <= 400]
+    assert len(idle) > 500
+    assert round(statistics.median(idle)) == published("h200").idle_w == published("h100-sxm").idle_w == 78
 
 
 def _profiled_steps(report: str = H100_PROFILE):

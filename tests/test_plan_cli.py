@@ -78,6 +78,8 @@ def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
     (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"], "bad model shape"),
     (["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no FP8 tensor cores"),
     (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "argument --ib-gbps: 0 must be a finite number > 0"),
+    (["--params", "7e9", "--gpus", "8", "--power-w", "60"],
+     "--power-w 60 is at or below h100-sxm's idle draw (78 W): give the board's power limit in W"),
     (["--params", "7e9", "--gpus", "8", "--tp-overlap", "--async-tp"],
      "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks"),
 ])

@@ -105,7 +105,7 @@ def add_parser(sub) -> None:
                    "the 96 GB H100 SXM; default: the profile's)")
     c.add_argument("--hbm-tbps", type=POS_FLOAT, help="HBM bandwidth in TB/s, for a variant of --gpu")
     c.add_argument("--power-w", type=POS_FLOAT, help="board power cap in W, for a variant of --gpu (a lower cap "
-                   "slows tensor-core work as (cap/profile)^(1/3))")
+                   "slows tensor-core work as ((profile - idle)/(cap - idle))^(1/3), kernels.yaml)")
     r = p.add_argument_group("training")
     r.add_argument("--global-batch", type=POS_INT, default=1024, help="sequences per optimizer step (default 1024)")
     r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
@@ -196,6 +196,14 @@ def cluster_from_args(a) -> Cluster:
                         "pass a multiple of --gpus-per-node")
     if not 0 <= a.headroom < 1:
         raise UserError(f"--headroom {a.headroom} must be in [0, 1)")
+    if a.power_w is not None:
+        from .compute import published
+
+        table = published(a.gpu)
+        idle = table.idle_w if table else 0.0
+        if a.power_w <= idle:
+            raise UserError(f"--power-w {a.power_w:g} is at or below {a.gpu}'s idle draw ({idle:g} W): "
+                            "give the board's power limit in W")
     per_dir = None if a.nvlink_gbps is None else a.nvlink_gbps / 2  # datasheet bidirectional -> per direction
     variant = {k: v for k, v in (("hbm_gib", a.hbm_gib), ("hbm_tbps", a.hbm_tbps), ("power_w", a.power_w))
                if v is not None}

@@ -100,6 +100,7 @@ class KernelModel:
     sustained: float = 1.0           # share of the benchmark rate kept under continuous load (GEMM, attention)
     sources: FrozenMap = field(default_factory=FrozenMap)
     gemm_measured: bool = False      # the GEMM curve was measured on this GPU (gemm-probe): its clocks are in it
+    idle_w: float = 0.0              # board draw at idle, which a lower power cap cannot take from (W)
 
     def __post_init__(self) -> None:
         for name in ("gemm", "memory", "sources"):
@@ -108,8 +109,15 @@ class KernelModel:
                 object.__setattr__(self, name, FrozenMap(value))
 
     def with_gemm(self, dtype: str, curve: GemmCurve, source: str) -> KernelModel:
-        return KernelModel(self.name, {**self.gemm.as_dict(), dtype: curve}, self.attention, self.memory,
-                           self.power_w, self.sustained, {**self.sources.as_dict(), f"gemm_{dtype}": source}, True)
+        return replace(self, gemm={**self.gemm.as_dict(), dtype: curve},
+                       sources={**self.sources.as_dict(), f"gemm_{dtype}": source}, gemm_measured=True)
+
+    def power_scale(self, cap_w: float | None) -> float:
+        """Time multiplier of compute-bound kernels under a board power cap below the table's: dynamic power
+        ~ f·V² with V ~ f, so the clock falls as the cube root of the power above the idle draw."""
+        if not (self.power_w and cap_w and cap_w < self.power_w):
+            return 1.0
+        return ((self.power_w - self.idle_w) / (cap_w - self.idle_w)) ** (1 / 3)
 
 
 @lru_cache(maxsize=1)
@@ -133,7 +141,9 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
     return KernelModel(gpu, gemm, curve, mem, e.get("power_w"),
                        e.get("sustained", 1.0), {"gemm": e["gemm_source"], "attention": a["source"],
                                                  "memory": e["memory"]["source"],
-                                                 "sustained": e.get("sustained_source", "")})
+                                                 "sustained": e.get("sustained_source", ""),
+                                                 "idle": e.get("idle_source", "")},
+                       idle_w=e.get("idle_w", 0.0))
 
 
 @dataclass(frozen=True)

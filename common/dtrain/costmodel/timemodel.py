@@ -122,9 +122,7 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
         kernels = KernelModel(gpu.name, {"bf16": curve})
     elif calib.mfu.measured:
         kernels = kernels.with_gemm("bf16", curve, calib.mfu.provenance)
-    scale = 1.0 / kernels.sustained
-    if kernels.power_w and gpu.power_w and gpu.power_w < kernels.power_w:
-        scale *= (kernels.power_w / gpu.power_w) ** (1 / 3)
+    scale = kernels.power_scale(gpu.power_w) / kernels.sustained
     return Device(gpu.peak_bf16_flops, gpu.peak_fp8_flops, gpu.hbm_tbps * 1e12, kernels, scale, stack.fused,
                   stack.fused_loss)
 
