@@ -171,3 +171,21 @@ def test_every_experiment_step_composes_with_its_typed_config(tmp_path):
         checked.append(step.name)
     print("composed:", checked)
     assert len(checked) == 9 and {"allreduce_nccl", "mfu_zero3", "emulated_bf16", "tp_attention"} <= set(checked)
+
+
+def test_step_profile_sums_gpu_time_and_launches_per_category():
+    """The profiler's per-name rows: CUDA kernels summed by category (seconds from microseconds, launches from
+    the row's count); CPU rows and kernels that took no device time are left out."""
+    from types import SimpleNamespace as NS
+
+    from dtrain.gpucheck.kernels import gpu_time_by_category
+
+    cuda, cpu = NS(name="CUDA"), NS(name="CPU")
+    rows = [NS(key="sm90_xmma_gemm_bf16", device_type=cuda, device_time_total=3000.0, count=12),
+            NS(key="ampere_bf16_gemm", device_type=cuda, device_time_total=1000.0, count=4),
+            NS(key="vectorized_elementwise_kernel", device_type=cuda, device_time_total=500.0, count=300),
+            NS(key="multi_tensor_apply_kernel", device_type=cuda, device_time_total=0.0, count=9),
+            NS(key="aten::mm", device_type=cpu, device_time_total=4000.0, count=16)]
+    seconds, launches = gpu_time_by_category(rows)
+    assert seconds == pytest.approx({"gemm": 4e-3, "elementwise": 5e-4})
+    assert launches == {"gemm": 16, "elementwise": 300}

@@ -229,10 +229,25 @@ def _category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise")
 
 
+def gpu_time_by_category(events) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU seconds and kernel launches per category from the profiler's per-name averages (their CUDA
+    rows). The launch count is what eager dispatch pays for per step: a small model's step can be set by
+    it rather than by the GPU (``kernels`` x the membound step's ``tiny_kernel_s``)."""
+    seconds: dict[str, float] = {}
+    launches: dict[str, int] = {}
+    for ev in events:
+        t = getattr(ev, "device_time_total", 0.0)
+        if t and ev.device_type.name == "CUDA":
+            cat = _category(ev.key)
+            seconds[cat] = seconds.get(cat, 0.0) + t / 1e6
+            launches[cat] = launches.get(cat, 0) + int(ev.count)
+    return seconds, launches
+
+
 def step_profile(small: bool = False) -> dict:
     """One training step of dtrain's GPT (bf16 autocast, fused=False AdamW foreach, grad clipping: what
-    ``dtrain.train`` runs on one GPU) under torch.profiler: GPU time per kernel category, the step's
-    wall time and the GPU idle share, for the models `make gpu-check` trains."""
+    ``dtrain.train`` runs on one GPU) under torch.profiler: GPU time and kernel launches per kernel
+    category, the step's wall time and the GPU idle share, for the models `make gpu-check` trains."""
     from torch.profiler import ProfilerActivity, profile
 
     from dtrain.model import GPT, GPTConfig
@@ -263,14 +278,11 @@ def step_profile(small: bool = False) -> dict:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with profile(activities=acts) as prof:
             step()
-        per: dict[str, float] = {}
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", 0.0) if dev.type == "cuda" else 0.0
-            if t and ev.device_type.name == "CUDA":
-                per[_category(ev.key)] = per.get(_category(ev.key), 0.0) + t / 1e6
+        per, launches = gpu_time_by_category(prof.key_averages() if dev.type == "cuda" else [])
         out.append({"preset": preset, "overrides": over, "micro_batch": mb, "seq_len": cfg.seq_len,
                     "d_model": cfg.d_model, "n_layer": cfg.n_layer, "params": sum(p.numel() for p in model.parameters()),
-                    "step_s": wall, "gpu_s_by_category": per, "gpu_busy_s": sum(per.values())})
+                    "step_s": wall, "gpu_s_by_category": per, "gpu_busy_s": sum(per.values()),
+                    "kernels_by_category": launches, "kernels": sum(launches.values())})
         del model, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()

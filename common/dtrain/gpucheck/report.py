@@ -148,7 +148,8 @@ def summarize(step: Step) -> str:
     if step.name == "step_profile":
         return "; ".join(
             f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c['overrides'] else ''} mb {c['micro_batch']}: step "
-            f"{c['step_s'] * 1e3:.1f} ms, GPU busy {c['gpu_busy_s'] / c['step_s']:.0%} ("
+            f"{c['step_s'] * 1e3:.1f} ms, GPU busy {c['gpu_busy_s'] / c['step_s']:.0%}"
+            + (f", {c['kernels']:,} kernels" if "kernels" in c else "") + " ("
             + ", ".join(f"{k} {v / c['step_s']:.0%}" for k, v in sorted(c["gpu_s_by_category"].items(),
                                                                       key=lambda kv: -kv[1])) + ")"
             for c in d["cases"])
