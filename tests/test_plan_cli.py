@@ -190,3 +190,17 @@ def test_params_with_a_wrong_size_is_one_line(capsys, written):
 def test_an_interpolated_trillion_parameter_shape_is_named_in_t():
     assert ModelShape.from_params(2e12).name == "~2T (interpolated)"
     assert ModelShape.from_params(1.3e9).name == "~1.3B (interpolated)"
+
+
+def test_a_power_cap_is_shown_as_its_term(capsys):
+    """--power-w below the table's board power prints the term it costs: ((700 - 78)/(500 - 78))^(1/3) = 1.138
+    for an H100 SXM capped to 500 W (the 78 W idle draw is kernels.yaml's); without a cap, no such line."""
+    code, out, _ = plan(capsys, "plan", "--params", "8e9", "--gpus", "8", "--power-w", "500", "--hbm-gib", "96")
+    line = [x for x in out.splitlines() if x.startswith("power:")]
+    assert code == 0 and len(line) == 1
+    assert f"x{(622 / 422) ** (1 / 3):.3f} the time" in line[0] and "x1.138" in line[0]
+    assert "500 W cap of the 700 W" in line[0] and "78 W idle" in line[0]
+    code, out, _ = plan(capsys, "plan", "--params", "8e9", "--gpus", "8", "--json")
+    assert code == 0 and json.loads(out)["cluster"]["power_note"] is None
+    code, out, _ = plan(capsys, "plan", "--params", "8e9", "--gpus", "8")
+    assert not any(x.startswith("power:") for x in out.splitlines())

@@ -27,6 +27,20 @@ def describe_cluster(c: Cluster) -> str:
             f"{c.ib.beta_Bps / 1e9:.4g} GB/s per GPU achieved ({c.ib.beta_Bps * 8 / 1e9:.4g} Gbit/s)")
 
 
+def describe_power(c: Cluster) -> str | None:
+    """The power-cap term, when the cluster's GPUs run below the board power their kernel rates were measured
+    at (``--power-w``); None otherwise."""
+    from .compute import published
+
+    table = published(c.gpu.name)
+    scale = table.power_scale(c.gpu.power_w) if table else 1.0
+    if scale == 1.0:
+        return None
+    return (f"{c.gpu.power_w:g} W cap of the {table.power_w:g} W the kernel rates were measured at: tensor-core "
+            f"work x{scale:.3f} the time (the clock's cube root of the power above the {table.idle_w:g} W idle "
+            "draw; kernels.yaml)")
+
+
 def describe_model(s: ModelShape) -> str:
     return (f"{s.name or 'custom'}: {s.n_layer} layers, d_model {s.d_model}, {s.n_head} heads "
             f"({s.n_kv_head} KV), seq {s.seq_len}, {s.num_params() / 1e9:.1f}B params")
@@ -36,6 +50,7 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
     tokens = res.global_batch * res.model.seq_len
     out = [f"model:    {describe_model(res.model)}",
            f"cluster:  {describe_cluster(res.cluster)}",
+           *([f"power:    {power}"] if (power := describe_power(res.cluster)) else []),
            f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
            f"{res.precision}",
            f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
@@ -138,7 +153,8 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "cluster": {"gpu": c.gpu.name, "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,
                         "intra_node_GBps_per_direction": c.nvlink.beta_Bps / 1e9,
                         "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
-                        "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom)},
+                        "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom), "power_w": c.gpu.power_w,
+                        "power_note": describe_power(c)},
             "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
             "attention": res.stack.attention, "kernels": res.stack.kernels, "loss": res.stack.loss or res.stack.kernels,
             "tp_overlap": res.stack.tp_overlap, "async_tp": res.stack.async_tp,
