@@ -113,9 +113,12 @@ def _latest(cands: list[Candidate], name: str, gpu_only: bool, prefer=None) -> C
     prefer the GPU being planned for (an H200 report committed after an H100 one must not stand in for the
     H100's values), the local ones this machine's own runs (not a committed GPU report's)."""
     pool = [c for c in cands if c.name == name and (c.source.on_gpu or not gpu_only)]
-    if not pool:
-        return None
-    return max(pool, key=lambda c: (prefer is not None and prefer(c.source), c.source.date, c.source.run))
+    return max(pool, key=lambda c: _rank(c.source, prefer)) if pool else None
+
+
+def _rank(src: Source, prefer) -> tuple:
+    """The order every calibrated value is picked in: a preferred source first, then the newest."""
+    return prefer is not None and prefer(src), src.date, src.run
 
 
 def _on(gpu: str | None):
@@ -222,5 +225,5 @@ def _keep(kept: list[tuple[Source, list[str]]], gpu_only: bool, gpu: str | None 
     if not pool:
         return KEEP_BF16_PUBLISHED
     prefer = _on(gpu) if gpu_only else _off_gpu
-    src, layers = max(pool, key=lambda x: (prefer is not None and prefer(x[0]), x[0].date, x[0].run))
+    src, layers = max(pool, key=lambda x: _rank(x[0], prefer))
     return sorted(layers), src.provenance("fp8-train compare")

@@ -23,7 +23,7 @@ from dataclasses import replace
 from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
-from .compute import EAGER_BYTES
+from .compute import EAGER_BYTES, published
 from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape
@@ -197,8 +197,6 @@ def cluster_from_args(a) -> Cluster:
     if not 0 <= a.headroom < 1:
         raise UserError(f"--headroom {a.headroom} must be in [0, 1)")
     if a.power_w is not None:
-        from .compute import published
-
         table = published(a.gpu)
         idle = table.idle_w if table else 0.0
         if a.power_w <= idle:

@@ -2,6 +2,7 @@
 lost, a given layout against it) and as one JSON object (every term, the trainer overrides)."""
 from __future__ import annotations
 
+from .compute import published
 from .explain import explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
@@ -30,8 +31,6 @@ def describe_cluster(c: Cluster) -> str:
 def describe_power(c: Cluster) -> str | None:
     """The power-cap term, when the cluster's GPUs run below the board power their kernel rates were measured
     at (``--power-w``); None otherwise."""
-    from .compute import published
-
     table = published(c.gpu.name)
     scale = table.power_scale(c.gpu.power_w) if table else 1.0
     if scale == 1.0:

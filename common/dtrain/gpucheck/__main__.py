@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue an earlier check in RUN_DIR: run the steps not yet ok, one report for all")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting steps after this many seconds")
     args = p.parse_args(argv)
-    names = [s.name for s in steps(Path("."))]
+    names = [s.name for s in steps(Path(args.results))]
+    # the order asked for (default: the listed one): a short lease measures what matters most first
     wanted = args.only.split(",") if args.only is not None else names
     unknown = [w for w in wanted if w not in names]
     if unknown:  # before the GPU is asked for and before any folder is made
@@ -147,10 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     ok = {s.name for s in done if s.status == "ok"}
     done = [s for s in done if s.status == "ok"]
-    todo = [s for s in steps(run_dir) if s.name not in ok]
-    if args.only is not None:
-        # the order asked for: a short lease measures what matters most first
-        todo = sorted((s for s in todo if s.name in wanted), key=lambda s: wanted.index(s.name))
+    todo = sorted((s for s in steps(run_dir) if s.name in wanted and s.name not in ok),
+                  key=lambda s: wanted.index(s.name))
     report = write_report(done, run_dir)
     for step in todo:
         print(f"gpu-check: {step.name} ({step.what}) ...", file=sys.stderr, flush=True)
