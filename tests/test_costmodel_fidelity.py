@@ -208,10 +208,10 @@ def test_zero3_pays_latency_per_fsdp_unit_by_hand():
 
 def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
     """Once-per-step DP traffic under PP (4 stages of a 6-layer model, 2 micro-batches): ZeRO-1 (Megatron's
-    --overlap-grad-reduce) hides up to dp_overlap of its gradient reduce-scatter behind the last micro-batch's
-    backward (2/3 of one micro-batch) and half the bubble; ZeRO-3, which torch.distributed.pipelining runs as
-    FSDP's post-backward after the stage's last backward, hides none of it. Both hide the weight all-gather behind
-    the first forward (1/3 of a micro-batch)."""
+    --overlap-grad-reduce) overlaps its gradient reduce-scatter with the last micro-batch's backward (2/3 of one
+    micro-batch) and half the bubble; ZeRO-3, which torch.distributed.pipelining runs as FSDP's post-backward after
+    the stage's last backward, overlaps none of it. Both overlap the weight all-gather with the first forward (1/3
+    of a micro-batch). What overlaps still costs 1 − dp_overlap of its time (no kernel table: no HBM term)."""
     from dtrain.costmodel import LinkModel, step_time
     from dtrain.costmodel.calibration import Calibration
     from dtrain.guide.local_check import host_cluster
@@ -227,12 +227,53 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
         assert t.dp_comm == pytest.approx(rs + ag)
         micro = (t.compute - t.terms.optimizer) / 2
         window = 2 / 3 * micro + t.bubble / 2 if zero == 1 else 0.0
-        hidden = min(ov * rs, window) + min(ov * ag, micro / 3)
+        hidden = ov * (min(rs, window) + min(ag, micro / 3))
         loss = t.dp_comm_exposed - (rs + ag - hidden)
         assert 0 <= loss < 1e-3   # the step's loss all-reduce: one latency-bound message
     z1 = step_time(shape, Layout(2, 1, 4, zero_stage=1, grad_accum=2), cluster, calib)
     z3 = step_time(shape, Layout(2, 1, 4, zero_stage=3, grad_accum=2), cluster, calib)
     assert z3.dp_comm == pytest.approx(z1.dp_comm) and z3.dp_comm_exposed > z1.dp_comm_exposed
+
+
+def test_overlapped_dp_traffic_costs_its_sms_and_its_rings_hbm_by_hand():
+    """FSDP (ZeRO-3, no PP) behind a longer compute: the exposed DP time is the overlap cost x the traffic, the SM
+    share 1 − dp_overlap plus 3 x β / HBM of the group's link (collectives.overlap_cost). A ring over NVLink
+    (8 ranks in a node) pays far more of its time than one over a NIC (16 ranks a node apart, TP 8 inside)."""
+    from dtrain.costmodel import step_time
+    from dtrain.costmodel.calibration import Calibration
+    from dtrain.costmodel.collectives import group_link
+    from dtrain.costmodel.hardware import Cluster
+
+    calib = Calibration()
+    shape = ModelShape.from_params(70e9)
+    for gpus, lay in ((8, Layout(8, 1, 1, zero_stage=3, recompute="full", micro_batch=16)),
+                      (128, Layout(16, 8, 1, zero_stage=3, recompute="full", micro_batch=16, sequence_parallel=True))):
+        cluster = Cluster.from_profile("h100-sxm", gpus, 8)
+        t = step_time(shape, lay, cluster, calib)
+        assert t.dp_comm < t.compute - t.terms.optimizer     # all of it overlaps
+        link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
+        cost = (1 - calib.dp_overlap.value) + 3 * link.beta_Bps / (cluster.gpu.hbm_tbps * 1e12)
+        assert t.dp_contention == pytest.approx(cost * t.dp_comm, rel=1e-12)
+        assert 0 <= t.dp_comm_exposed - t.dp_contention < 1e-3   # + the loss all-reduce's latency
+    assert 3 * 450e9 / 3.35e12 == pytest.approx(0.403, abs=1e-3)  # NVLink ring: 0.40 of its time from HBM
+    assert 3 * 50e9 / 3.35e12 == pytest.approx(0.045, abs=1e-3)   # one 400 Gbit/s NIC's: 0.045
+
+
+def test_megatron_tp_overlap_pays_only_its_copy_engines_hbm_by_hand():
+    """Megatron's --tp-comm-overlap (Stack.tp_overlap): TE's userbuffers copy the TP chunks with the copy engines
+    behind the GEMMs, so the overlapped TP time costs 2 x β(NVLink) / HBM of itself (a read and a write per byte)
+    and no SM share."""
+    from dtrain.costmodel import step_time
+    from dtrain.costmodel.hardware import Cluster
+    from dtrain.costmodel.stack import Stack
+
+    shape = ModelShape.from_params(70e9)
+    cluster = Cluster.from_profile("h100-sxm", 8, 8)
+    lay = Layout(1, 8, 1, recompute="none", micro_batch=4, sequence_parallel=True)
+    plain = step_time(shape, lay, cluster)
+    over = step_time(shape, lay, cluster, stack=Stack(tp_overlap=True))
+    assert plain.tp_comm < plain.terms.gemm
+    assert over.tp_comm == pytest.approx(plain.tp_comm * 2 * 450e9 / 3.35e12, rel=1e-12)
 
 
 def test_dp_sync_at_the_flush_hides_nothing(capsys):

@@ -59,7 +59,7 @@ def test_gpu_results_calibrate_the_matrix(tmp_path):
     text = guide.read_text()
     assert "uses values measured on CUDA GPUs where they exist" in text
     # GPU training runs calibrate the DP overlap (their MFU checks the model; only a CUDA gemm-probe sets the curve)
-    row = next(line for line in text.splitlines() if line.startswith("| share of DP/ZeRO traffic hidden"))
+    row = next(line for line in text.splitlines() if line.startswith("| share of overlapped DP/ZeRO traffic hidden"))
     assert "| 81% | measured here: " in row and "NVIDIA H100 80GB HBM3" in row
     assert (tmp_path / "docs" / "guide" / "mfu_vs_gpus.png").exists()  # default plots dir beside the guide
 
@@ -175,3 +175,26 @@ def test_capstone_end_to_end(tmp_path):
     g = bare_shell(f"source .venv/bin/activate\n{cmd}", cwd, 300)
     assert g.returncode == 0, g.stderr[-3000:]
     assert "/fsdp-scaling/" in (cwd / "PARALLELISM_GUIDE.md").read_text()
+
+
+def _table_widths(lines: list[str]) -> list[set[int]]:
+    """Cell counts of every markdown table's rows (header, delimiter, body), one set per table."""
+    tables, cur = [], None
+    for line in lines + [""]:
+        if line.startswith("|"):
+            cur = cur or set()
+            cur.add(line.replace("\\|", "").strip().strip("|").count("|") + 1)
+        elif cur is not None:
+            tables.append(cur)
+            cur = None
+    return tables
+
+
+def test_backtest_table_has_one_header_per_row_width():
+    """The backtest section's table is a table: its header, delimiter and every row have the same cells (the header
+    was once printed twice in one line, 16 cells over 8, which no Markdown renderer shows as a table)."""
+    from dtrain.costmodel.backtest import backtest
+    from dtrain.guide.render import backtest_section
+
+    widths = _table_widths(backtest_section(backtest(loo=False, rank=False)))
+    assert widths == [{8}]

@@ -7,8 +7,10 @@ its rank and gap among every layout the search considers for that model, cluster
 stack, and the step's terms (``StepTime.terms`` + communication) with the one that dominates it.
 
 Out of sample: the model's kernel rates come from kernel benchmarks (``kernels.yaml``), not from these
-rows. Two numbers are fitted to rows: the share of DP traffic that overlap hides (``dp_overlap``) and
-the share of the datasheet link rate collectives reach (``link_efficiency``); a third is measured by
+rows. Two numbers are fitted to rows (least squares on the log error): the share of overlapped DP traffic's
+time that its NCCL kernel's SMs leave to compute (``dp_overlap``; the HBM its copies take is priced apart,
+``collectives.overlap_cost``) and the share of the datasheet link rate collectives reach
+(``link_efficiency``); a third is measured by
 pairs of rows, the share of TP traffic torchtitan's AsyncTP hides (``async_tp_hidden``: a row with it and
 its ``without`` twin). Each row is predicted with all three from the OTHER sources only
 (leave-one-source-out, ``loso``: a source's rows never tune their own prediction); the defaults
@@ -37,9 +39,9 @@ from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .timemodel import StepTime, model_flops_per_token, step_time
 
 ERROR_GOAL, WITHIN, WITHIN_SHARE, GAP_GOAL = 0.10, 0.15, 0.80, 0.10
-# The grids the two fitted numbers are chosen from: their physical ranges. NCCL hides at least half of the DP traffic
-# it overlaps (it takes 16-32 of 108-132 SMs from the compute it runs beside); nccl-tests' bus bandwidth reaches
-# 70-100% of the NVLink and NIC line rates. A fit at the edge of a range says the rows want something else.
+# The grids the two fitted numbers are chosen from: their physical ranges. NCCL's kernel takes at most half of the
+# time it overlaps through its SMs (16-32 CTAs of 108-132 SMs; its HBM traffic is priced apart); nccl-tests' bus
+# bandwidth reaches 70-100% of the NVLink and NIC line rates. A fit at the edge of a range says the rows want something else.
 FIT_GRID = {"dp_overlap": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             "link_efficiency": (0.7, 0.8, 0.9, 1.0)}
 TERMS = ("gemm", "attention", "memory", "head", "recompute", "optimizer", "tp_comm", "pp_comm", "bubble",
@@ -206,15 +208,17 @@ def _log_errors(rows: tuple[dict, ...], async_tp: tuple[tuple[float, float], ...
 
 
 def _best(errors: dict, keep: list[bool]) -> dict:
-    """The grid point minimising the median |log error| over the kept rows (ties: the larger values)."""
-    (ov, eff) = min(errors, key=lambda k: (round(statistics.median(e for e, k2 in zip(errors[k], keep) if k2), 6),
+    """The grid point minimising the mean squared log error over the kept rows (least squares; ties: the larger
+    values). Every row pulls on it: a median is flat over a wide band (the middle row barely moves), so the
+    leave-one-source-out fits would jump between the band's corners from one left-out source to the next."""
+    (ov, eff) = min(errors, key=lambda k: (round(statistics.fmean(e * e for e, k2 in zip(errors[k], keep) if k2), 9),
                                            -k[0], -k[1]))
     return {"dp_overlap": ov, "link_efficiency": eff}
 
 
 def fit(rows: list[dict]) -> dict:
-    """The grid point minimising the median |log error| over ``rows`` (ties: the larger values), with AsyncTP's
-    share from every pair at its link efficiency."""
+    """The grid point minimising the mean squared log error over ``rows`` (ties: the larger values), with
+    AsyncTP's share from every pair at its link efficiency."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
     shares = _async_tp_by_efficiency(ran, None, _pair_shares(ran))
     best = _best(_log_errors(ran, shares), [True] * len(ran))

@@ -14,8 +14,9 @@ PROVENANCES = ("datasheet/published:", "measured here:")
 # check replaces it with its gemm-probe's): H100's, the kernels.yaml entry
 GPU_E_MAX = 0.82
 GPU_W_HALF = 4.8e9
-# Share of DP traffic that overlap hides: fitted to dtrain backtest's development set (a test pins it to the fit)
-GPU_DP_OVERLAP = 0.7
+# Share of an overlapped NCCL collective's time that its kernel's SMs do not take from compute (its HBM traffic is
+# priced apart, collectives.overlap_cost): fitted to dtrain backtest's development set (a test pins it to the fit)
+GPU_DP_OVERLAP = 0.8
 # Share of TP traffic torchtitan's AsyncTP hides: the development set's with/without-AsyncTP pairs (torchtitan
 # performance.md 2024-08 and 2024-12), measured time saved over the TP traffic priced (a test pins it to them)
 ASYNC_TP_HIDDEN = 0.27
@@ -60,11 +61,11 @@ class Calibration:
         "and optimizer step are modelled term by term (costmodel/compute.py); the gemm-probe measures it on "
         "the local CPU"))
     dp_overlap: Param = field(default_factory=lambda: _published(
-        GPU_DP_OVERLAP, "share of the DP traffic that runs hidden behind the compute it can overlap (DDP "
-        "bucketing, Li et al. 2020; FSDP prefetching, Zhao et al. 2023): NCCL runs a collective as a kernel "
-        "of one CTA (SM) per channel (NCCL user guide: ncclConfig_t minCTAs/maxCTAs) and shares HBM with the "
-        "GEMMs it overlaps, so part of the overlapped time is lost; fitted to the development set of dtrain "
-        "backtest (leave-one-source-out there); fsdp-scaling measures it"))
+        GPU_DP_OVERLAP, "share of the DP traffic's time hidden behind the compute it overlaps (DDP bucketing, Li "
+        "et al. 2020; FSDP prefetching, Zhao et al. 2023) that its NCCL kernel's SMs leave to compute (one CTA per "
+        "channel: NCCL user guide, ncclConfig_t minCTAs/maxCTAs); on a GPU the ring's HBM traffic, 3 x link "
+        "bandwidth / HBM bandwidth of the time, is lost on top (costmodel/collectives.py overlap_cost); fitted to "
+        "the development set of dtrain backtest (leave-one-source-out there); fsdp-scaling measures it whole"))
     async_tp_hidden: Param = field(default_factory=lambda: _published(
         ASYNC_TP_HIDDEN, "share of the TP traffic torchtitan's AsyncTP hides: torchtitan docs/performance.md runs "
         "the same layout with and without it twice (2024-08: Llama 3.1 405B, FSDP 16 x TP 8, Float8, 177 -> 185 "
@@ -73,8 +74,8 @@ class Calibration:
         "predicts each source's rows with the other source's pair)"))
     cp_overlap: Param = field(default_factory=lambda: _published(
         GPU_DP_OVERLAP, "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring attention, "
-        "Liu et al. 2023: the next chunk travels while this one is computed): the DP overlap's share (the same "
-        "NCCL kernels sharing SMs and HBM), until tp-attention's CP study measures it"))
+        "Liu et al. 2023: the next chunk travels while this one is computed): the DP overlap's (the same NCCL "
+        "kernels' SMs, their HBM traffic priced apart on a GPU), until tp-attention's CP study measures it whole"))
     pp_overhead: Param = field(default_factory=lambda: _published(
         1.0, "bubble formula (p-1)*ceil(L/(p*v))/(m*ceil(L/p)) taken as is (Narayanan et al. 2021); "
         "fsdp-scaling's PP layout runs measure the real/formula ratio"))

@@ -256,7 +256,7 @@ def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -
 
 
 def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate]:
-    """cp_overlap: the median over the ring rows of the share of the K/V sends hidden behind attention
+    """cp_overlap: the median over the ring rows of the share of the overlapped K/V sends hidden behind attention
     (tp-attention's CP study: (serial − overlapped) / the sends alone)."""
     shares = sorted(m.overlap_fraction for m in layers if m.impl == "ring" and m.overlap_fraction is not None)
     if not shares:

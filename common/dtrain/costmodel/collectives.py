@@ -34,6 +34,23 @@ def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
     return _ring_half(nbytes, n, link.of("reduce_scatter"))
 
 
+# HBM bytes an overlapped transfer moves per byte it receives. An NCCL ring (Simple protocol, NCCL user guide
+# "Buffers"): the peer writes the chunk into this GPU's FIFO, the kernel reads it back and writes it out (the
+# all-gather's output; the reduce-scatter's sum with the local chunk, sent on). A copy-engine copy (Transformer
+# Engine's userbuffers, use_ce): the sender's read and the receiver's write.
+RING_HBM_PASSES = 3
+COPY_ENGINE_HBM_PASSES = 2
+
+
+def overlap_cost(link: LinkModel, hbm_Bps: float | None, sm_share: float, passes: int = RING_HBM_PASSES) -> float:
+    """Share of a transfer's time that still lengthens the step while it runs behind compute: the SMs its kernel
+    holds (``sm_share``: NCCL runs one CTA per channel; 0 for copy engines) plus the HBM bandwidth its copies take
+    from the kernels beside it, ``passes`` x β / HBM. An H100's NVLink ring (β 315 GB/s, HBM 3.35 TB/s) adds 0.28,
+    one NIC's (35 GB/s) 0.03. ``hbm_Bps`` None: the SM share alone (a measured overlap holds the HBM part)."""
+    hbm = passes * link.beta_Bps / hbm_Bps if hbm_Bps else 0.0
+    return min(1.0, sm_share + hbm)
+
+
 def p2p_time(nbytes: float, link: LinkModel) -> float:
     """One point-to-point send: B/β + α (the link's sendrecv α–β when measured apart)."""
     link = link.of("sendrecv")

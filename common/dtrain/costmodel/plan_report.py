@@ -73,7 +73,9 @@ def plan_lines(p, usable_gib: float) -> list[str]:
     c = t.terms
     return [f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
             f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
-            f"(of {t.dp_comm:.3f})" + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
+            f"(of {t.dp_comm:.3f}" + (f"; {t.dp_contention:.3f} of it the SMs and HBM the overlapped part takes"
+                                       if t.dp_contention else "") + ")"
+            + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
             f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + memory-bound "
             f"{c.memory:.3f} + output layer & loss {c.head:.3f} + recompute {c.recompute:.3f} + optimizer "
             f"{c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
@@ -138,7 +140,7 @@ def plan_dict(p) -> dict:
             "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "cp_comm": t.cp_comm,
                             "pp_comm": t.pp_comm,
                             "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,
-                            "overhead": t.overhead, "compute_terms": t.terms.as_dict()},
+                            "dp_contention": t.dp_contention, "overhead": t.overhead, "compute_terms": t.terms.as_dict()},
             "tokens_per_s": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu}
 
 

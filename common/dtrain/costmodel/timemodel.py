@@ -39,7 +39,8 @@ from .hardware import Cluster, GPUProfile
 from dtrain.flops import transformer_flops_per_token
 
 from .calibration import Calibration, Param
-from .collectives import all_gather_time, allreduce_time, group_link, p2p_time
+from .collectives import (COPY_ENGINE_HBM_PASSES, RING_HBM_PASSES, all_gather_time, allreduce_time, group_link,
+                          overlap_cost, p2p_time)
 from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
 from .stack import Stack
 from .efficiency import GemmCurve
@@ -83,6 +84,7 @@ class StepTime:
     overhead: float = 0.0
     terms: ComputeTerms = field(default_factory=ComputeTerms)
     cp_comm: float = 0.0        # context-parallel attention traffic left exposed (ring: behind the attention)
+    dp_contention: float = 0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,7 +141,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
     overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0 on
               GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
-              ``stack.tp_overlap`` the dp_overlap share of it hidden behind the GEMMs, with
+              ``stack.tp_overlap`` (TE's userbuffers: copy engines) hidden behind the GEMMs but for the HBM its
+              copies take (``collectives.overlap_cost``), with
               ``stack.async_tp`` (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it; an FP8 run's SP
               all-gathers at 1 byte per value with ``stack.fp8_all_gather`` "tp" or "tp+fsdp"
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
@@ -156,8 +159,10 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
               HSDP (``Layout.dp_replicate`` R > 1): the gathers and reduce-scatters run inside a replica
               group of dp·cp/R ranks, each reduce-scatter followed by an all-reduce of the fp32 gradient
               shard over the R groups.
-    exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, at most
-              calib.dp_overlap of it: ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
+    exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, and the part that
+              overlaps still costs ``overlap_cost`` of its time: the SMs NCCL's kernel holds (1 − calib.dp_overlap)
+              plus the HBM its ring's copies take, 3·β/HBM (on an H100: 0.28 over NVLink, 0.03 over one NIC).
+              ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
               the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1) only behind the last
               micro-batch's backward (2/3 of its compute) and the pipeline's cooldown, and under ZeRO-3 with
               PP behind nothing (torch.distributed.pipelining runs FSDP's post-backward reduce-scatters after
@@ -193,7 +198,8 @@ class StepModel:
         self.dev = device_of(cluster, calib, stack)
         self.fp8_gemms = precision == "fp8" and "fp8" in self.dev.kernels.gemm
         self.fp8_factor = calib.fp8_speedup.value if precision == "fp8" and not self.fp8_gemms else 1.0
-        self.overhead = calib.step_overhead_s.value / (self.fp8_factor if published(cluster.gpu.name) is None else 1.0)
+        self.gpu_table = published(cluster.gpu.name) is not None   # a GPU priced term by term (kernels.yaml)
+        self.overhead = calib.step_overhead_s.value / (1.0 if self.gpu_table else self.fp8_factor)
         self.flops_per_token = model_flops_per_token(shape)
         self.fp8_tp_gather, self.fp8_fsdp_gather = stack.fp8_gathers(precision)
         self._micro: dict = {}
@@ -236,8 +242,10 @@ class StepModel:
             gather = 1 if self.fp8_tp_gather else None
             per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value
         t = per_micro * lay.grad_accum
-        if self.stack.tp_overlap:  # hidden behind the GEMMs as DP traffic is behind compute (same SM/HBM sharing)
-            t -= min(self.calib.dp_overlap.value * t, gemm_s)
+        if self.stack.tp_overlap:  # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy
+            # engines behind the GEMMs (no SMs held), paying the HBM those copies take
+            link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
+            t -= (1 - self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES)) * min(t, gemm_s)
         elif self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
             t -= min(self.calib.async_tp_hidden.value * t, gemm_s)
         return t
@@ -245,7 +253,8 @@ class StepModel:
     def cp_comm(self, lay: Layout, attention_s: float) -> float:
         """Exposed context-parallel traffic of a step on the busiest stage: per layer and micro-batch
           ring  cp−1 sends of the rank's K and V chunk forward, twice that backward (K, V again and their
-                gradients), a third pass with full recompute; hidden up to cp_overlap x the attention
+                gradients), a third pass with full recompute; behind the attention at ``overlap_cost``
+                (cp_overlap as the share of the NCCL kernel's time not lost to its SMs)
           ulysses   all-to-alls of q, k, v and the output forward, of their gradients backward, not hidden
           torch     PyTorch's context_parallel (its default rotate method, torchtitan's and dtrain's): per pass
                     (forward, backward, the recompute's forward) one all-gather of K and V, as the SDPA gets
@@ -273,13 +282,23 @@ class StepModel:
         if lay.cp_impl == "ulysses":
             per_layer = (2 + recompute) * (cp - 1) * (tokens * (2 * q + 2 * kv) * self.vb / cp / link.beta_Bps
                                                         + link.alpha_s)
-            hidden = 0.0
-        else:
-            chunk = 2 * tokens * kv * self.vb   # the rank's K and V
-            per_layer = (3 + recompute) * (cp - 1) * p2p_time(chunk, link)
-            hidden = self.calib.cp_overlap.value
-        total = per_layer * layers * lay.grad_accum
-        return max(total - hidden * attention_s, 0.0) if hidden else total
+            return per_layer * layers * lay.grad_accum
+        chunk = 2 * tokens * kv * self.vb   # the ring: the rank's K and V
+        total = (3 + recompute) * (cp - 1) * p2p_time(chunk, link) * layers * lay.grad_accum
+        return total - (1 - self.overlap_cost(link, self.calib.cp_overlap)) * min(total, attention_s)
+
+    def overlap_cost(self, link, overlap: Param | None, passes: int = RING_HBM_PASSES) -> float:
+        """Share of a transfer's time over ``link`` still paid while it runs behind compute
+        (``collectives.overlap_cost``): the SM share of its NCCL kernel, 1 − ``overlap`` (dp_overlap, cp_overlap;
+        None: copy engines, no SMs), plus the HBM its copies take on a GPU with a kernel table, unless ``overlap``
+        was measured (a measured share holds both)."""
+        hbm = self.gpu_table and not (overlap is not None and overlap.measured)
+        sm = 0.0 if overlap is None else 1 - overlap.value
+        return overlap_cost(link, self.cluster.gpu.hbm_tbps * 1e12 if hbm else None, sm, passes)
+
+    def _dp_link(self, lay: Layout):
+        """The link the DP (shard) group's collectives run over (``traffic.dp_comm_time``'s)."""
+        return group_link(self.cluster, lay.shard_group, lay.tp, multi_rail=True)
 
     def p2p(self, lay: Layout) -> float:
         intra = lay.gpus <= self.cluster.node_size
@@ -335,9 +354,8 @@ class StepModel:
         bubble = pipe - pp_comm
         grad_comm, param_comm, loss = self.dp(lay)
         dp_comm = grad_comm + param_comm
-        ov = calib.dp_overlap.value
         if lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
-            hidden = min(ov * dp_comm, work)
+            hidden = min(dp_comm, work)
         else:  # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
             micro = work / m
             # FSDP under torch.distributed.pipelining (torchtitan, the trainer) reduces a stage's gradients only
@@ -345,13 +363,13 @@ class StepModel:
             # behind on the first stage, which finishes last
             window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
             # DeepSpeed's pipeline engine (dp_sync "flush") runs both after the pipeline's flush: behind nothing
-            hidden = 0.0 if self.stack.dp_sync == "flush" else \
-                min(ov * grad_comm, window) + min(ov * param_comm, micro / 3)
-        exposed = dp_comm - hidden + loss  # + the step's loss averaged over DP for the log (latency only)
+            hidden = 0.0 if self.stack.dp_sync == "flush" else min(grad_comm, window) + min(param_comm, micro / 3)
+        contention = hidden * self.overlap_cost(self._dp_link(lay), calib.dp_overlap)   # what it still takes
+        exposed = dp_comm - hidden + contention + loss  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,
                         pp_comm=pp_comm, bubble=bubble, total=total, tokens=tokens,
                         model_flops=tokens * self.flops_per_token, gpus=lay.gpus,
                         peak_flops=self.cluster.gpu.peak_bf16_flops, overhead=self.overhead, terms=terms,
-                        cp_comm=cp_comm)
+                        cp_comm=cp_comm, dp_contention=contention)

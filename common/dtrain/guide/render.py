@@ -20,8 +20,9 @@ PARAM_NAMES = [
     ("mfu", "GEMM achieved fraction of the roofline bound, large GEMMs (e_max)", "{:.1%}"),
     ("gemm_half_flops", "GEMM size reaching half of e_max (W_half)", "{:.2g} FLOP"),
     ("step_overhead_s", "fixed per-step overhead (step minus GEMM time)", "{:.4f} s"),
-    ("dp_overlap", "share of DP/ZeRO traffic hidden behind compute", "{:.0%}"),
-    ("cp_overlap", "share of the CP ring's K/V sends hidden behind attention", "{:.0%}"),
+    ("dp_overlap", "share of overlapped DP/ZeRO traffic hidden (its NCCL kernel's SMs; on GPUs its HBM "
+                   "traffic is lost apart)", "{:.0%}"),
+    ("cp_overlap", "share of the CP ring's overlapped K/V sends hidden (as dp_overlap)", "{:.0%}"),
     ("tp_overhead", "TP communication: measured / α–β-modelled time", "{:.2f}×"),
     ("pp_overhead", "PP bubble: measured p2p wait + idle / bubble formula", "{:.2f}×"),
     ("fp8_speedup", "FP8 compute speed factor over BF16", "{:.2f}×"),
@@ -220,7 +221,8 @@ def backtest_section(rows: list | None = None) -> list[str]:
            "development set: model shape, GPUs, layout, batch and software stack as printed in the cited source; what "
            "a source leaves out is stated under `assumed`) predicted term by term. The kernel rates come from kernel "
            "benchmarks (`costmodel/kernels.yaml`), not from these rows; the two numbers fitted to rows, the share of "
-           "DP traffic overlap hides and the share of a link's rate collectives reach, are fitted for each source on "
+           "overlapped DP traffic that its NCCL kernel's SMs leave to compute (the HBM its copies take is priced "
+           "apart) and the share of a link's rate collectives reach, are fitted (least squares) for each source on "
            "the OTHER sources only (leave-one-source-out). Every other published run is held out for independent "
            "validation and is not used. `dtrain backtest` also ranks each published layout among the search's.", "",
            f"**Median |error| {s['median_abs_error']:.1%}** (goal ≤ {ERROR_GOAL:.0%}: "
@@ -235,7 +237,6 @@ def backtest_section(rows: list | None = None) -> list[str]:
                 f"fragmentation included; in brackets below): median {s['memory_median_error']:+.0%}, {lo:+.0%} to "
                 f"{hi:+.0%}, {s['memory_within_10pct']} within 10%.", ""]
     out += [
-           "| run | published layout | reported tokens/s/GPU | predicted | error | memory / HBM (GiB) | largest term | "
            "| run | published layout | reported tokens/s/GPU | predicted | error | memory / HBM (GiB) | largest term | "
            "source |", "|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
