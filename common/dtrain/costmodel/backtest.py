@@ -41,7 +41,8 @@ from .timemodel import StepTime, model_flops_per_token, step_time
 ERROR_GOAL, WITHIN, WITHIN_SHARE, GAP_GOAL = 0.10, 0.15, 0.80, 0.10
 # The grids the two fitted numbers are chosen from: their physical ranges. NCCL's kernel takes at most half of the
 # time it overlaps through its SMs (16-32 CTAs of 108-132 SMs; its HBM traffic is priced apart); nccl-tests' bus
-# bandwidth reaches 70-100% of the NVLink and NIC line rates. A fit at the edge of a range says the rows want something else.
+# bandwidth reaches 70-100% of the NVLink and NIC line rates. A fit at the edge of a range says the rows want
+# something else.
 FIT_GRID = {"dp_overlap": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             "link_efficiency": (0.7, 0.8, 0.9, 1.0)}
 TERMS = ("gemm", "attention", "memory", "head", "recompute", "optimizer", "tp_comm", "pp_comm", "bubble",
