@@ -243,7 +243,8 @@ class StepModel:
             per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value
         t = per_micro * lay.grad_accum
         if self.stack.tp_overlap:  # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy
-            # engines behind the GEMMs (no SMs held), paying the HBM those copies take
+            # engines behind the GEMMs (its ring-exchange overlaps: no SMs held), paying the HBM those copies take;
+            # its pipelined and bulk overlaps also hold ~16 SMs, left out
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
             t -= (1 - self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES)) * min(t, gemm_s)
         elif self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
