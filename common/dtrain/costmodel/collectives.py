@@ -34,10 +34,11 @@ def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
     return _ring_half(nbytes, n, link.of("reduce_scatter"))
 
 
-# HBM bytes an overlapped transfer moves per byte it receives. An NCCL ring (Simple protocol, NCCL user guide
-# "Buffers"): the peer writes the chunk into this GPU's FIFO, the kernel reads it back and writes it out (the
-# all-gather's output; the reduce-scatter's sum with the local chunk, sent on). A copy-engine copy (Transformer
-# Engine's userbuffers, use_ce): the sender's read and the receiver's write.
+# HBM bytes an overlapped transfer moves per byte it receives. An NCCL ring on unregistered buffers (PyTorch's
+# default; NCCL user guide, "User Buffer Registration": registration removes the "extra internal copy"): the peer
+# writes the chunk into this GPU's internal buffer, the kernel reads it back and writes it out (the all-gather's
+# output; the reduce-scatter's sum with the local chunk, sent on). A copy-engine copy (Transformer Engine's
+# userbuffers, use_ce): the sender's read and the receiver's write.
 RING_HBM_PASSES = 3
 COPY_ENGINE_HBM_PASSES = 2
 
