@@ -46,7 +46,7 @@ from .stack import Stack
 from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
-from .traffic import dp_comm_time, tp_comm_time
+from .traffic import dp_comm_time, dp_link, tp_comm_time
 
 __all__ = ["StepTime", "StepModel", "bubble_fraction", "model_flops_per_token", "step_time",
            "step_model", "device_of"]
@@ -233,20 +233,22 @@ class StepModel:
         if lay.tp <= 1:
             return 0.0
         key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.pp_split)
-        per_micro = self._tp.get(key)
-        if per_micro is None:
+        cached = self._tp.get(key)
+        if cached is None:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
             one = Layout(1, lay.tp, lay.pp, 0, lay.recompute, lay.micro_batch, 1, lay.sequence_parallel,
                          pp_split=lay.pp_split)
             local = self.shape if lay.cp == 1 else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
             gather = 1 if self.fp8_tp_gather else None
-            per_micro = self._tp[key] = tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value
+            # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy engines behind the GEMMs
+            # (its ring-exchange overlaps: no SMs held), paying the HBM those copies take; its pipelined and bulk
+            # overlaps also hold ~16 SMs, left out
+            cached = self._tp[key] = (tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value,
+                                      self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES))
+        per_micro, copy_cost = cached
         t = per_micro * lay.grad_accum
-        if self.stack.tp_overlap:  # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy
-            # engines behind the GEMMs (its ring-exchange overlaps: no SMs held), paying the HBM those copies take;
-            # its pipelined and bulk overlaps also hold ~16 SMs, left out
-            link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
-            t -= (1 - self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES)) * min(t, gemm_s)
+        if self.stack.tp_overlap:
+            t -= (1 - copy_cost) * min(t, gemm_s)
         elif self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
             t -= min(self.calib.async_tp_hidden.value * t, gemm_s)
         return t
@@ -297,10 +299,6 @@ class StepModel:
         sm = 0.0 if overlap is None else 1 - overlap.value
         return overlap_cost(link, self.cluster.gpu.hbm_tbps * 1e12 if hbm else None, sm, passes)
 
-    def _dp_link(self, lay: Layout):
-        """The link the DP (shard) group's collectives run over (``traffic.dp_comm_time``'s)."""
-        return group_link(self.cluster, lay.shard_group, lay.tp, multi_rail=True)
-
     def p2p(self, lay: Layout) -> float:
         intra = lay.gpus <= self.cluster.node_size
         key = (lay.micro_batch, lay.tp, intra, lay.cp)
@@ -310,8 +308,9 @@ class StepModel:
             t = self._p2p[key] = p2p_time(act / lay.tp, self.cluster.nvlink if intra else self.cluster.ib)
         return t
 
-    def dp(self, lay: Layout) -> tuple[float, float, float]:
-        """(gradient traffic, weight traffic, the loss all-reduce) per step over DP."""
+    def dp(self, lay: Layout) -> tuple[float, float, float, float]:
+        """(gradient traffic, weight traffic, the loss all-reduce) per step over DP, and the overlap cost of that
+        traffic on its link (``overlap_cost``)."""
         n = lay.data_shards  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
         key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate, lay.pp_split)
         t = self._dp.get(key)
@@ -321,7 +320,7 @@ class StepModel:
             g, w = dp_comm_time(self.shape, group, self.cluster, self.vb, self.fp8_fsdp_gather,
                                 max(self.vb, self.stack.grad_bytes), self.stack.runs.zero2_regathers)
             loss = allreduce_time(4, n, group_link(self.cluster, n, lay.tp, multi_rail=True)) if n > 1 else 0.0
-            t = self._dp[key] = (g, w, loss)
+            t = self._dp[key] = (g, w, loss, self.overlap_cost(dp_link(self.cluster, group), self.calib.dp_overlap))
         return t
 
     def lower_bound(self, lay: Layout) -> float:
@@ -353,7 +352,7 @@ class StepModel:
         cp_comm = self.cp_comm(lay, terms.attention)
         pp_comm, pipe = self._pipeline(lay, work, tp_comm + cp_comm)
         bubble = pipe - pp_comm
-        grad_comm, param_comm, loss = self.dp(lay)
+        grad_comm, param_comm, loss, cost = self.dp(lay)
         dp_comm = grad_comm + param_comm
         if lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
             hidden = min(dp_comm, work)
@@ -365,7 +364,7 @@ class StepModel:
             window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
             # DeepSpeed's pipeline engine (dp_sync "flush") runs both after the pipeline's flush: behind nothing
             hidden = 0.0 if self.stack.dp_sync == "flush" else min(grad_comm, window) + min(param_comm, micro / 3)
-        contention = hidden * self.overlap_cost(self._dp_link(lay), calib.dp_overlap)   # what it still takes
+        contention = hidden * cost   # what the overlapped traffic still takes from compute
         exposed = dp_comm - hidden + contention + loss  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len

@@ -32,6 +32,12 @@ def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes
 
 
 @lru_cache(maxsize=1 << 14)
+def dp_link(cluster: Cluster, lay: Layout) -> LinkModel:
+    """The link the DP (shard) group's gathers and reduce-scatters run over: ``lay.shard_group`` ranks ``lay.tp``
+    apart, one ring per NIC across nodes."""
+    return group_link(cluster, lay.shard_group, lay.tp, multi_rail=True)
+
+
 def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
              fp8_weights: bool = False, grad_bytes: int = 4, zero2_regathers: bool = False) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
@@ -47,7 +53,7 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
         emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
         weights = (psi - emb) + value_bytes * emb
     n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
-    link = group_link(cluster, n, lay.tp, multi_rail=True)
+    link = dp_link(cluster, lay)
     ag = all_gather_time(weights, n, link)
     rs = reduce_scatter_time(grads, n, link)
     if r > 1:
