@@ -6,6 +6,8 @@ test; the last tests reproduce steps profiled on an H100 and on an H200 (measure
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -113,12 +115,54 @@ def test_memory_bound_bytes_per_layer_by_hand():
 
 def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
     """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h),
-    at 3 B per element fused, 7 eager (the casts' own count: not scaled again by EAGER_BYTES)."""
+    at 13.8 B per element, fused or eager (the casts' own count: not scaled again by EAGER_BYTES)."""
     lay = Layout(1, 1, 1, micro_batch=1)
     q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
     elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
-    assert memory_bytes(LLAMA8B, lay, "fp8", fused=True)["fp8_cast"] == pytest.approx(3 * elems * 8192)
-    assert memory_bytes(LLAMA8B, lay, "fp8", fused=False)["fp8_cast"] == pytest.approx(7 * elems * 8192)
+    assert memory_bytes(LLAMA8B, lay, "fp8", fused=True)["fp8_cast"] == pytest.approx(13.8 * elems * 8192)
+    assert memory_bytes(LLAMA8B, lay, "fp8", fused=False)["fp8_cast"] == pytest.approx(13.8 * elems * 8192)
+
+
+PROBE = Path(__file__).resolve().parents[1] / "measured" / "h200" / "probe-20261126-0510" / "layer_probe_mb123.json"
+
+
+def _probe_pairs():
+    """(case, micro-batch, bf16 record, fp8 record) of the H200 layer probe the FP8 constants come from."""
+    cases = json.loads(PROBE.read_text())["cases"]
+    by = {(c["case"], c["precision"], c["micro_batch"]): c for c in cases}
+    return [(n, mb, by[(n, "bf16", mb)], by[(n, "fp8", mb)]) for (n, p, mb) in by if p == "bf16"]
+
+
+def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
+    """FP8_CAST_BYTES re-derived from the committed probe: per case, the FP8 block's elementwise GPU time
+    minus the bf16 block's, over the model's cast time per byte (cast elements x tokens x 1.5 for the
+    full-AC recompute of the forward's half, at the H200's add rate), then the geometric mean of the six."""
+    from dtrain.costmodel.compute import FP8_CAST_BYTES, published
+
+    bw = 4.8e12 * published("h200").memory["add"]
+    xs = []
+    for _, mb, bf16, fp8 in _probe_pairs():
+        hd = bf16["d_model"] // bf16["heads"]
+        q, kv, h, f = (bf16["heads"] // bf16["tp"]) * hd, max(bf16["kv_heads"] // bf16["tp"], 1) * hd, \
+            bf16["d_model"], bf16["ffn"] // bf16["tp"]
+        elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
+        extra = fp8["gpu_s_by_category"]["elementwise"] - bf16["gpu_s_by_category"]["elementwise"]
+        xs.append(extra / (1.5 * elems * bf16["seq"] * mb / bw))
+    assert len(xs) == 6 and 9 < min(xs) and max(xs) < 21
+    assert FP8_CAST_BYTES["fused"] == pytest.approx(math.exp(statistics.fmean(math.log(x) for x in xs)), abs=0.05)
+
+
+def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():
+    """kernels.yaml's Hopper gemm_fp8 e_max = the bf16 e_max x the median over the probe's six blocks of the
+    FP8 GEMMs' share of their (doubled) peak against the bf16 GEMMs': (bf16 GEMM time / FP8 GEMM time) / 2."""
+    from dtrain.costmodel.compute import published
+
+    ratio = statistics.median(b["gpu_s_by_category"]["gemm"] / f["gpu_s_by_category"]["gemm"] / 2
+                              for _, _, b, f in _probe_pairs())
+    assert 0.95 < ratio < 0.99
+    for gpu in ("h100-sxm", "h100-pcie", "h100-nvl", "h200"):
+        k = published(gpu)
+        assert k.gemm["fp8"].e_max == pytest.approx(round(k.gemm["bf16"].e_max * ratio, 2))
 
 
 def test_torch_cp_merges_count_the_ring_steps_eager_ops():
@@ -163,11 +207,11 @@ def test_optimizer_is_bytes_over_the_measured_adamw_bandwidth():
 
 def test_fp8_gemm_runs_at_the_fp8_peak_on_its_own_curve():
     """A 8192³ GEMM: 2mnk FLOPs at e_max·W/(W + W_half) of the dtype's peak (bf16 0.82, 4.8 GFLOP; fp8
-    0.76, 9.6 GFLOP), over the sustained-clock share (0.885)."""
+    0.80, 9.6 GFLOP), over the sustained-clock share (0.885)."""
     g, d = Gemm(8192, 8192, 8192), dev()
     w = 2 * 8192 ** 3
     assert d.gemm_s(g, "bf16") == pytest.approx(w / (PEAK * 0.82 * w / (w + 4.8e9)) * d.power_scale)
-    assert d.gemm_s(g, "fp8") == pytest.approx(w / (PEAK_FP8 * 0.76 * w / (w + 9.6e9)) * d.power_scale)
+    assert d.gemm_s(g, "fp8") == pytest.approx(w / (PEAK_FP8 * 0.80 * w / (w + 9.6e9)) * d.power_scale)
     assert d.power_scale == pytest.approx(1 / published("h100-sxm").sustained)
 
 

@@ -189,3 +189,43 @@ def test_step_profile_sums_gpu_time_and_launches_per_category():
     seconds, launches = gpu_time_by_category(rows)
     assert seconds == pytest.approx({"gemm": 4e-3, "elementwise": 5e-4})
     assert launches == {"gemm": 16, "elementwise": 300}
+
+
+def test_layer_probe_shard_counts_and_its_plan_price_on_cpu():
+    """The probe's block holds one TP rank's shard: Llama 3.1 405B at TP8 has 16 query heads of 128, one KV head
+    and 6656 FFN columns, 16384·128·(2·16 + 2·1) + 3·16384·6656 = 398,458,880 weights, 6 FLOPs per weight and
+    token; the small CPU case runs forward+backward and carries the cost model's price of the same block (its
+    `dtrain plan` command's compute terms less the head and the optimizer)."""
+    import json as _json
+
+    from dtrain.gpucheck.probes import LAYER_CASES, ShardBlock, layer_flops, layer_probe, model_price
+
+    d, heads, kv, ffn, tp, b, s, _ = LAYER_CASES["llama3_405b_tp8"]
+    fl = layer_flops(d, heads, kv, ffn, tp, b, s)
+    assert fl["params"] == 16384 * 128 * (2 * 16 + 2 * 1) + 3 * 16384 * 6656 == 398_458_880
+    assert fl["gemm"] == 6 * 398_458_880 * 2 * 8192
+    assert fl["attention"] == 3.5 * 2 * 2 * 16 * 8192 ** 2 * 128   # causal: half of 4·b·h·s²·d
+    small = ShardBlock(256, 8, 4, 512, 2)
+    assert sum(p.numel() for p in small.parameters() if p.dim() == 2) == layer_flops(256, 8, 4, 512, 2, 1, 64)["params"]
+    [case] = layer_probe(small=True)["cases"]
+    assert case["step_s"] > 0 and "error" not in case
+    again = model_price(case["plan_command"])
+    assert case["model"] == again and set(again["terms"]) == {"gemm", "attention", "memory", "recompute"}
+    assert again["total"] == pytest.approx(sum(again["terms"].values()))
+    assert _json.loads(_json.dumps(case)) == case   # what the report stores reads back
+
+
+def test_probe_report_lines_and_contention_without_a_gpu():
+    from dtrain.gpucheck.probes import contention
+    from dtrain.gpucheck.report import layer_line, summarize
+
+    if not __import__("torch").cuda.is_available():
+        assert contention() == {"skipped": "contention needs a CUDA GPU (a side stream beside the compute)"}
+    c = {"case": "llama3_8b", "precision": "fp8", "micro_batch": 2, "step_s": 0.0458,
+         "model": {"total": 0.0458 / 1.1}, "gpu_s_by_category": {"gemm": 0.0194, "elementwise": 0.0072}}
+    assert layer_line(c) == "llama3_8b fp8 mb 2: 45.8 ms, model 41.6 ms (measured 1.10x) (gemm 19.4, elementwise 7.2 ms)"
+    assert layer_line({"case": "x", "precision": "bf16", "error": "OutOfMemoryError: ..."}) == \
+        "x bf16: OutOfMemoryError: ..."
+    step = Step("contention", "c", [], 1, data={"rows": [{"victim": "gemm", "aggressor": "sm_copy_16", "sm_share": 0.121,
+                                                          "hbm_share": 0.096, "cost": 1.09}]})
+    assert summarize(step) == "gemm with sm_copy_16 (12% of SMs, 10% of HBM): 1.09 of the transfer not hidden"

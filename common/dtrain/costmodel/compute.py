@@ -39,10 +39,14 @@ from .hashing import cached_hash
 # (measured: dtrain's eager GPT, d_model 2048, spent 237 ps per token and layer in elementwise kernels
 # on the H100 against 95 ps for the count below; measured/h100-sxm/gpu-check-20261125-105450, step_profile).
 EAGER_BYTES = 2.5
-# FP8 casts per element of a linear layer's input and output gradient: scale + cast (read 2, write 1)
-# and the transposed copy the other GEMM needs (2); 3 when a compiler fuses the cast into the
-# producing op (torch.compile, TransformerEngine's fused norm/activation casts).
-FP8_CAST_BYTES = {"fused": 3.0, "eager": 7.0}
+# FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add kernel's rate:
+# what torchao's tensorwise float8 adds to the memory-bound kernels of a compiled Llama block (the global
+# amax each dynamic scale waits for, the cast, the transposed copy the other GEMM needs, the fusions the casts
+# break, and the weights' casts, which a block without FSDP's float8 all-gather does per use). Measured: the
+# elementwise GPU time of the FP8 block minus the bf16 one, layer_probe on one H200, Llama 3.1 405B at TP8
+# and 8B at micro-batches 1-3, full AC (measured/h200/probe-20261126-0510): 9.8-20.5 B per element, 13.8 the
+# geometric mean. Eager casts were not measured; they take at least the compiled bytes.
+FP8_CAST_BYTES = {"fused": 13.8, "eager": 13.8}
 # AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads the
 # gradients and scales them: 12 B.
 OPTIMIZER_BYTES, CLIP_BYTES = 28.0, 12.0

@@ -29,6 +29,7 @@ def steps(runs: Path) -> list[Step]:
     """(name, what, command, time limit); {runs} is filled per step with its results folder."""
     m = [sys.executable, "-m", "dtrain.gpucheck.measure"]
     k = [sys.executable, "-m", "dtrain.gpucheck.kernels"]
+    pr = [sys.executable, "-m", "dtrain.gpucheck.probes"]
     one_gpu = ["world_size=1", "device=cuda"]
     mfu = ["-m", "fsdp_scaling", *one_gpu, "model.preset=1b", "model.n_layer=8", "train.precision=bf16",
            "train.micro_batch=8", "train.steps=14", "train.timing_warmup=4", "profile.enabled=false"]
@@ -46,6 +47,10 @@ def steps(runs: Path) -> list[Step]:
         Step("membound", "memory-bound kernels (norms, SwiGLU, cross-entropy, AdamW) vs copy", [*k, "membound"], 180),
         Step("step_profile", "GPU time per kernel category of one GPT training step (profiler)",
              [*k, "step_profile"], 240),
+        Step("layer_probe", "one published block at its TP shard (Llama 3.1 405B TP8, 8B), bf16 / FP8, compiled, "
+             "full AC, against the cost model's price on this GPU", [*pr, "layer_probe"], 420),
+        Step("contention", "a bf16 GEMM and an add beside an SM copy kernel of C blocks or PCIe copies: their "
+             "slowdown against the copy's SM and HBM shares", [*pr, "contention"], 180),
         Step("allreduce_nccl", "allreduce-bench over NCCL, one rank (correctness only)",
              [*py, "-m", "allreduce_bench", *one_gpu, "backend=nccl", "collectives=[all_reduce,all_gather,"
               "reduce_scatter,broadcast]", "max_bytes=64M", "dtypes=[float32,bfloat16]"], 240, kind="allreduce"),

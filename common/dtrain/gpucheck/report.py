@@ -153,6 +153,13 @@ def summarize(step: Step) -> str:
             + ", ".join(f"{k} {v / c['step_s']:.0%}" for k, v in sorted(c["gpu_s_by_category"].items(),
                                                                       key=lambda kv: -kv[1])) + ")"
             for c in d["cases"])
+    if step.name == "layer_probe":
+        return "; ".join(layer_line(c) for c in d["cases"])
+    if step.name == "contention":
+        if "skipped" in d:
+            return d["skipped"]
+        return "; ".join(f"{r['victim']} with {r['aggressor']} ({r['sm_share']:.0%} of SMs, {r['hbm_share']:.0%} of "
+                         f"HBM): {r['cost']:.2f} of the transfer not hidden" for r in d["rows"])
     if step.kind == "probe":
         return (f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} FLOP, "
                 f"{d['points']} GEMM shapes; overheads " + ", ".join(f"d{o[0]}: step {o[1] * 1e3:.1f} ms, fixed "
@@ -172,6 +179,20 @@ def summarize(step: Step) -> str:
     if step.kind == "pytest":
         return ", ".join(f"{v} {k}" for k, v in d.items())
     return json.dumps(d)
+
+
+def layer_line(c: dict) -> str:
+    """One layer_probe case: measured forward+backward against the cost model's price of the same block."""
+    if "error" in c:
+        return f"{c['case']} {c['precision']}: {c['error']}"
+    model = c.get("model") or {}
+    out = f"{c['case']} {c['precision']} mb {c['micro_batch']}: {c['step_s'] * 1e3:.1f} ms"
+    if "total" in model:
+        out += f", model {model['total'] * 1e3:.1f} ms (measured {c['step_s'] / model['total']:.2f}x)"
+    busy = c.get("gpu_s_by_category") or {}
+    if busy:
+        out += " (" + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])) + " ms)"
+    return out
 
 
 def speedups(done: list[Step]) -> list[str]:
