@@ -5,7 +5,9 @@ budget, then one markdown report, printed and written to results/gpu-check/<time
 
 What one GPU can show (../shared/gpu/README.md): GEMM and copy ceilings, bf16 MFU single and FSDP2
 with one rank, FP8 (torchao) against bf16 with and without torch.compile, the emulated FP8 recipe
-under bf16, TP attention at tp=1, NCCL correctness with one rank. No bus bandwidth or scaling.
+under bf16, TP attention at tp=1, NCCL correctness with one rank, a published block at its TP shard against
+the cost model (`probes.layer_probe`), the cost of a transfer beside compute (`probes.contention`). No bus
+bandwidth or scaling.
 """
 from __future__ import annotations
 
@@ -49,8 +51,8 @@ def steps(runs: Path) -> list[Step]:
              [*k, "step_profile"], 240),
         Step("layer_probe", "one published block at its TP shard (Llama 3.1 405B TP8, 8B), bf16 / FP8, compiled, "
              "full AC, against the cost model's price on this GPU", [*pr, "layer_probe"], 420),
-        Step("contention", "a bf16 GEMM and an add beside an SM copy kernel of C blocks or PCIe copies: their "
-             "slowdown against the copy's SM and HBM shares", [*pr, "contention"], 180),
+        Step("contention", "GEMMs, adds and a Llama block beside an SM copy kernel of C blocks or PCIe copies: the "
+             "share of the transfer the overlap did not hide", [*pr, "contention"], 180),
         Step("allreduce_nccl", "allreduce-bench over NCCL, one rank (correctness only)",
              [*py, "-m", "allreduce_bench", *one_gpu, "backend=nccl", "collectives=[all_reduce,all_gather,"
               "reduce_scatter,broadcast]", "max_bytes=64M", "dtypes=[float32,bfloat16]"], 240, kind="allreduce"),

@@ -10,12 +10,13 @@ layer_probe   One transformer block of a published model at the shard one GPU of
               cost model prices the same block on the same GPU with `dtrain plan --layers 1 ...` (the
               `plan_command` each case prints), so measured / predicted is one number per case. Without
               sequence parallelism the norms run on every token, as the model is asked to price them.
-contention    What a transfer running beside compute costs the compute: a victim (a bf16 GEMM, or a
-              memory-bound add) timed alone and while a side stream moves bytes, either with an SM copy
-              kernel of C thread blocks (as NCCL's ring kernel holds one block per channel and copies
-              through HBM) or with the copy engines (host <-> device over PCIe, no SMs: a NIC's rate).
-              Printed beside each: the aggressor's SM share C/SMs and its HBM share (bytes read+written per
-              second over the HBM rate), the two terms ``collectives.overlap_cost`` adds up.
+contention    What a transfer running beside compute costs: a victim (bf16 GEMMs, memory-bound adds, a Llama
+              block's forward+backward) and a transfer of about half its time started together on two
+              streams; the share of the transfer the overlap did not hide, (makespan - victim alone) /
+              transfer alone, what ``collectives.overlap_cost`` prices. The transfer is an SM copy kernel
+              of C thread blocks (NCCL's ring kernel holds one block per channel and copies through HBM) or
+              the copy engines (device -> host over PCIe, no SMs: about one NIC's rate); beside each, its SM
+              share C/SMs and its HBM share (bytes read + written per second over the HBM rate).
 
 `--small` runs the layer probe at CPU sizes in fp32 without compile (the tests); contention needs CUDA.
 """
@@ -110,8 +111,8 @@ def model_price(command: str) -> dict:
 
 
 def layer_probe(small: bool = False, micro_batches: tuple[int, ...] = ()) -> dict:
-    """Each case at its own micro-batch, or at each of ``micro_batches``: what scales with the tokens
-    (activations and their casts) and what does not (the weights' casts) then part by a line fit."""
+    """Each case at its own micro-batch, or at each of ``micro_batches`` (to see what grows with the tokens, the
+    activations' casts, and what does not, the weights')."""
     dev = _device()
     cuda = dev.type == "cuda"
     out = []
