@@ -114,13 +114,27 @@ def test_memory_bound_bytes_per_layer_by_hand():
 
 
 def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
-    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h),
-    at 13.8 B per element, fused or eager (the casts' own count: not scaled again by EAGER_BYTES)."""
+    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h), at 13.8 B per
+    element with dynamic scaling (torchao), 3 with delayed (TransformerEngine), fused or eager alike (the casts'
+    own count: not scaled again by EAGER_BYTES)."""
     lay = Layout(1, 1, 1, micro_batch=1)
     q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
     elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
-    assert memory_bytes(LLAMA8B, lay, "fp8", fused=True)["fp8_cast"] == pytest.approx(13.8 * elems * 8192)
-    assert memory_bytes(LLAMA8B, lay, "fp8", fused=False)["fp8_cast"] == pytest.approx(13.8 * elems * 8192)
+    for fused in (True, False):
+        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "dynamic")["fp8_cast"] == pytest.approx(13.8 * elems * 8192)
+        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "delayed")["fp8_cast"] == pytest.approx(3.0 * elems * 8192)
+
+
+def test_fp8_scaling_follows_the_software_unless_given():
+    """torchtitan and dtrain run torchao's dynamic scaling, Megatron (TransformerEngine) and "any" delayed; a given
+    scaling wins; the device the step is priced on carries it; an unknown one is refused."""
+    assert [Stack(software=s).fp8_casts for s in ("torchtitan", "dtrain", "megatron-core", "any")] == \
+        ["dynamic", "dynamic", "delayed", "delayed"]
+    assert Stack(software="torchtitan", fp8_scaling="delayed").fp8_casts == "delayed"
+    assert device_of(Cluster.from_profile("h100-sxm", 8), Calibration(), Stack(software="torchtitan")).fp8_scaling == \
+        "dynamic"
+    with pytest.raises(ValueError, match="fp8_scaling must be one of"):
+        Stack(fp8_scaling="per-row")
 
 
 PROBE = Path(__file__).resolve().parents[1] / "measured" / "h200" / "probe-20261126-0510" / "layer_probe_mb123.json"
@@ -149,7 +163,7 @@ def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
         extra = fp8["gpu_s_by_category"]["elementwise"] - bf16["gpu_s_by_category"]["elementwise"]
         xs.append(extra / (1.5 * elems * bf16["seq"] * mb / bw))
     assert len(xs) == 6 and 9 < min(xs) and max(xs) < 21
-    assert FP8_CAST_BYTES["fused"] == pytest.approx(math.exp(statistics.fmean(math.log(x) for x in xs)), abs=0.05)
+    assert FP8_CAST_BYTES["dynamic"] == pytest.approx(math.exp(statistics.fmean(math.log(x) for x in xs)), abs=0.05)
 
 
 def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():

@@ -84,3 +84,24 @@ def test_plan_refuses_an_unknown_fp8_all_gather(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: dtrain plan: argument --fp8-all-gather: invalid choice: 'fsdp'")
     assert err.count("\n") == 1
+
+
+def test_plan_prices_fp8_casts_by_the_softwares_scaling(capsys):
+    """`dtrain plan --precision fp8`: torchtitan's dynamic scaling pays 13.8 B per cast element, Megatron's delayed
+    3 (FP8_CAST_BYTES); the JSON names the scaling; --fp8-scaling overrides the software's, a wrong one is refused."""
+    import json
+
+    from dtrain.cli import main
+
+    def memory(*extra):
+        assert main(["plan", "--params", "8e9", "--gpus", "8", "--precision", "fp8", "--layout",
+                     "dp=1 tp=8 pp=1 zero=0 recompute=full mb=1", "--json", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["fp8_scaling"], out["layout"]["step_time_s"]["compute_terms"]["memory"]
+    titan, mega, forced = (memory("--software", "torchtitan"), memory("--software", "megatron-core"),
+                           memory("--software", "torchtitan", "--fp8-scaling", "delayed"))
+    assert titan[0] == "dynamic" and mega[0] == "delayed" and forced[0] == "delayed"
+    assert forced[1] == pytest.approx(mega[1]) and titan[1] > mega[1]
+    assert main(["plan", "--params", "8e9", "--gpus", "8", "--fp8-scaling", "per-row"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: dtrain plan: argument --fp8-scaling: invalid choice: 'per-row' "
+                                               "(choose from 'delayed', 'dynamic') (see dtrain plan --help)")

@@ -25,7 +25,7 @@ from dtrain.errors import UserError
 from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES, published
 from .software import SOFTWARE, software, unsupported
-from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, STATE_DTYPES, Stack
+from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, FP8_SCALINGS, STATE_DTYPES, Stack
 from .shapes import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape
 from .plan_report import (calibration_notes, framework_gap, framework_text, layout_json, layout_text, plan_dict,
                           res_usable, text_report, to_json)
@@ -130,6 +130,11 @@ def add_parser(sub) -> None:
                    help="with --precision fp8, which all-gathers move FP8: tp (default; the sequence-parallel "
                         "gathers, as TransformerEngine and torchao's Float8 TP do), tp+fsdp (also FSDP/ZeRO weight "
                         "gathers: torchao enable_fsdp_float8_all_gather, Megatron --fp8-param-gather), none")
+    r.add_argument("--fp8-scaling", choices=FP8_SCALINGS, default=None,
+                   help="with --precision fp8, how the casts are scaled, which sets their cost: dynamic (torchao's "
+                        "float8 training: a global amax per tensor before its cast) or delayed (TransformerEngine: "
+                        "amax history, casts fused into the producing kernels); default: the --software's own "
+                        "(dynamic for torchtitan and dtrain, else delayed)")
     r.add_argument("--grad-reduce", choices=STATE_DTYPES, default="fp32",
                    help="the dtype gradients accumulate and reduce in over DP: fp32 (default; Megatron's for bf16, "
                         "torchtitan's) or bf16 (apex DistributedFusedAdam grad_sync_dtype, torchtitan "
@@ -165,7 +170,7 @@ def stack_of(a) -> Stack:
         raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
                         "give the one the run used")
     return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather, a.grad_reduce,
-                 a.optimizer_states, a.dp_sync, a.software)
+                 a.optimizer_states, a.dp_sync, a.software, a.fp8_scaling)
 
 
 def shape_from_args(a) -> ModelShape:

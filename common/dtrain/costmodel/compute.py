@@ -39,14 +39,20 @@ from .hashing import cached_hash
 # (measured: dtrain's eager GPT, d_model 2048, spent 237 ps per token and layer in elementwise kernels
 # on the H100 against 95 ps for the count below; measured/h100-sxm/gpu-check-20261125-105450, step_profile).
 EAGER_BYTES = 2.5
-# FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add kernel's rate:
-# what torchao's tensorwise float8 adds to the memory-bound kernels of a compiled Llama block (the global
-# amax each dynamic scale waits for, the cast, the transposed copy the other GEMM needs, the fusions the casts
-# break, and the weights' casts, which a block without FSDP's float8 all-gather does per use). Measured: the
-# elementwise GPU time of the FP8 block minus the bf16 one, layer_probe on one H200, Llama 3.1 405B at TP8
-# and 8B at micro-batches 1-3, full AC (measured/h200/probe-20261126-0510): 9.8-20.5 B per element, 13.8 the
-# geometric mean. Eager casts were not measured; they take at least the compiled bytes.
-FP8_CAST_BYTES = {"fused": 13.8, "eager": 13.8}
+# FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add kernel's rate, by
+# how the run scales them (``Stack.fp8_scaling``):
+#   dynamic  torchao's tensorwise float8 (torchtitan, dtrain), compiled: what it adds to the memory-bound kernels
+#            of a Llama block (the global amax each scale waits for, the cast, the transposed copy the other GEMM
+#            needs, the fusions the casts break, and the weights' casts, which a block without FSDP's float8
+#            all-gather does per use). Measured: the FP8 block's elementwise GPU time minus the bf16 block's,
+#            layer_probe on one H200, Llama 3.1 405B at TP8 and 8B at micro-batches 1-3, full AC
+#            (measured/h200/probe-20261126-0510): 9.8-20.5 B per element, 13.8 the geometric mean. Eager casts
+#            were not measured: at least the compiled bytes.
+#   delayed  TransformerEngine's recipe (Megatron): the scale from the amax history, the cast fused into the norm
+#            or activation that produces the tensor and into its transposed copy (cast_transpose): about 3 B per
+#            element by the kernels' count (read 2, write 1 and 1 transposed, less the bf16 write it replaces).
+#            Not measured here: TransformerEngine cannot be brought to the GPU machine.
+FP8_CAST_BYTES = {"dynamic": 13.8, "delayed": 3.0}
 # AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads the
 # gradients and scales them: 12 B.
 OPTIMIZER_BYTES, CLIP_BYTES = 28.0, 12.0
@@ -192,6 +198,7 @@ class Device:
     power_scale: float = 1.0   # time multiplier of compute-bound kernels: sustained clocks, a lower power cap
     fused: bool = True
     fused_loss: bool = True
+    fp8_scaling: str = "delayed"   # Stack.fp8_casts: the FP8 casts' cost (FP8_CAST_BYTES)
 
     def gemm_s(self, g: Gemm, dtype: str = "bf16", value_bytes: int = 2) -> float:
         curve = self.kernels.gemm.get(dtype) or self.kernels.gemm["bf16"]
@@ -234,7 +241,7 @@ def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bo
     return t
 
 
-def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool) -> dict:
+def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool, fp8_scaling: str = "delayed") -> dict:
     """Bytes the memory-bound kernels of one layer move per micro-batch, forward+backward, by kind.
 
     Per token, 16-bit values, h_r the width of the replicated ops (h, or h/t with SP), on one TP rank:
@@ -243,7 +250,7 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool)
       RoPE on q and k         4 bytes per element forward, 4 backward
       MLP activation          GELU 10·F/t (forward 2 passes, backward 3), SwiGLU 16·F/t (3 + 5)
       dropout (if any)        2 layers x (forward r+w+mask, backward r+mask+w): 2·10·h_r
-      FP8 casts               each block linear's input and output gradient, FP8_CAST_BYTES per element
+      FP8 casts               each block linear's input and output gradient, FP8_CAST_BYTES per element by scaling
       torch CP merges         ``cp_merge_bytes`` (PyTorch's context_parallel, cp > 1)
     """
     t, h = layout.tp, shape.d_model
@@ -260,7 +267,7 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool)
     if precision == "fp8":
         q, kv = heads * hd, kv_heads * hd
         elems = (h + (q + 2 * kv)) + (q + h) + (h + (2 if shape.gated_mlp else 1) * f) + (f + h)
-        out["fp8_cast"] = FP8_CAST_BYTES["fused" if fused else "eager"] * elems
+        out["fp8_cast"] = FP8_CAST_BYTES[fp8_scaling] * elems
     if layout.cp > 1 and layout.cp_impl == "torch":
         out["cp_merge_fwd"], out["cp_merge_bwd"] = cp_merge_bytes(layout.cp, heads * hd)
     tokens = layout.micro_batch * shape.seq_len
@@ -286,7 +293,7 @@ def cp_merge_bytes(cp: int, width: int) -> tuple[float, float]:
     return (40.5 * steps + 12) * width, (58.5 * steps + 76) * width
 
 
-# byte counts of the ops as they run, fused or not (FP8_CAST_BYTES counts eager casts itself; PyTorch's ring
+# byte counts of the ops as they run, fused or not (FP8_CAST_BYTES counts the casts as they run; PyTorch's ring
 # attention merges in eager ops whatever compiles around it): --kernels eager does not scale them
 _COUNTED_AS_RUN = frozenset({"fp8_cast", "cp_merge_fwd", "cp_merge_bwd"})
 # which measured share each byte count streams at
@@ -315,7 +322,8 @@ def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
     dtype = "fp8" if precision == "fp8" and "fp8" in dev.kernels.gemm else ("bf16" if value_bytes == 2 else "fp32")
     fwd_gemm = sum(dev.gemm_s(g, dtype, value_bytes) for g in gemms)
     attn = attention_s(attention, layout, dev)
-    mem = {k: dev.mem_s(v, _KIND[k]) for k, v in memory_bytes(shape, layout, precision, dev.fused).items()} \
+    mem = {k: dev.mem_s(v, _KIND[k]) for k, v in memory_bytes(shape, layout, precision, dev.fused,
+                                                                      dev.fp8_scaling).items()} \
         if dev.kernels.memory else {}
     rc = 0.0
     if layout.recompute == "full":

@@ -14,6 +14,8 @@ ATTENTION_KERNELS = ("flash", "flash2", "eager")
 FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")   # see Stack.fp8_all_gather
 STATE_DTYPES = ("fp32", "bf16")                 # see Stack.grad_reduce, Stack.optimizer_states
 DP_SYNCS = ("overlap", "flush")                 # see Stack.dp_sync
+FP8_SCALINGS = ("delayed", "dynamic")           # see Stack.fp8_scaling
+DYNAMIC_FP8_SOFTWARE = ("torchtitan", "dtrain")  # torchao's float8 training: dynamic scales only
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ class Stack:
     the weights behind the first forward) or "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues
     ReduceTiedGrads, ReduceGrads and OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the
     updated weights inside the optimizer step: nothing hidden). ``software``: the framework, which decides which
-    layouts exist, not what they cost (``software.SOFTWARE``; default "any": every layout)."""
+    layouts exist, not what they cost (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
+    (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost (``compute.FP8_CAST_BYTES``):
+    "dynamic", a global amax of each tensor before its cast (torchao's float8 training, torchtitan's and
+    dtrain's), or "delayed", the scale from an amax history with the cast fused into the kernel that produces
+    the tensor (TransformerEngine's recipe, Megatron's); default (None) the software's own."""
 
     __hash__ = cached_hash
 
@@ -56,9 +62,12 @@ class Stack:
     optimizer_states: str = "fp32"
     dp_sync: str = "overlap"
     software: str = "any"
+    fp8_scaling: str | None = None
 
     def __post_init__(self) -> None:
         software(self.software)  # raises for an unknown name
+        if self.fp8_scaling not in (None, *FP8_SCALINGS):
+            raise ValueError(f"fp8_scaling must be one of {FP8_SCALINGS}, got {self.fp8_scaling!r}")
         if self.dp_sync not in DP_SYNCS:
             raise ValueError(f"dp_sync must be one of {DP_SYNCS}, got {self.dp_sync!r}")
         for name in ("grad_reduce", "optimizer_states"):
@@ -83,6 +92,11 @@ class Stack:
         return (self.loss or self.kernels) == "fused"
 
     @property
+    def fp8_casts(self) -> str:
+        """The FP8 scaling this stack's casts run (FP8_SCALINGS): the one given, else the software's."""
+        return self.fp8_scaling or ("dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed")
+
+    @property
     def runs(self) -> Software:
         """The layouts this stack's framework runs."""
         return software(self.software)
@@ -99,6 +113,7 @@ class Stack:
                                                                    ("optimizer states", self.optimizer_states))
                          if dtype != "fp32")
         flush = ", DP sync at the pipeline flush" if self.dp_sync == "flush" else ""
+        flush += f", FP8 {self.fp8_scaling} scaling" if self.fp8_scaling else ""
         sw = f"{self.software}: " if self.software != "any" else ""
         return f"{sw}{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}{flush}"
 

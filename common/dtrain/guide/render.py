@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dtrain.costmodel import ModelShape, search
 from dtrain.costmodel.calibrate import CalibrationReport
+from dtrain.costmodel.stack import Stack
 
 from .check import GOAL, Check
 from .matrix import (GLOBAL_BATCH, GPU_COUNTS, GPUS_PER_NODE, IB_GBITS, MODELS, SEQ_LEN, TOPOLOGIES, Cell,
@@ -189,21 +190,27 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
 
 
 def fp8_section(report: CalibrationReport, cells: list[Cell], gpu: str) -> list[str]:
-    out = ["## FP8", "", "Predicted effect of FP8 compute (speed factor and memory factor from the calibration "
-           "table) on a few cells (NVLink node, IB 400 Gbit/s):", "",
-           "| model | GPUs | BF16 layout | BF16 tokens/s | FP8 layout | FP8 tokens/s | gain |", "|---|---:|---|---:|---|---:|---:|"]
+    """The FP8 layout and speed of a few matrix cells, with each scaling's cast cost (``Stack.fp8_scaling``)."""
+    out = ["## FP8", "", "Predicted effect of FP8 compute on a few cells (NVLink node, IB 400 Gbit/s): the block "
+           "linears' GEMMs in FP8 at the GPU's FP8 curve, their casts at `FP8_CAST_BYTES` by scaling, delayed "
+           "(TransformerEngine, Megatron: casts fused into the kernels that make the tensors) or dynamic (torchao's "
+           "float8 training, torchtitan and dtrain: a global amax before each cast, measured on an H200):", "",
+           "| model | GPUs | BF16 layout | BF16 tokens/s | FP8 layout, delayed | FP8 tokens/s, delayed | gain | "
+           "FP8 tokens/s, dynamic | gain |", "|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for p, g in ((7e9, 64), (70e9, 1024), (405e9, 4096)):
         c = next((x for x in cells if x.params == p and x.gpus == g and x.topology == "NVLink" and x.ib_gbit == 400), None)
         if c is None or not c.fits:
             continue
         shape = ModelShape.from_params(p, seq_len=SEQ_LEN)
-        res = search(shape, cluster_for(gpu, g, "NVLink", 400, report.cluster_links), GLOBAL_BATCH, report.cluster,
-                     precision="fp8", prune=True)
-        if res.best is None:
+        cluster = cluster_for(gpu, g, "NVLink", 400, report.cluster_links)
+        delayed, dynamic = (search(shape, cluster, GLOBAL_BATCH, report.cluster, precision="fp8", prune=True,
+                                   stack=Stack(fp8_scaling=s)).best for s in ("delayed", "dynamic"))
+        if delayed is None or dynamic is None:
             continue
-        b = res.best
-        out.append(f"| {c.model} | {g} | {c.layout} Z{c.zero} | {c.tokens_per_s:,.0f} | {b.dp}×{b.tp}×{b.pp} "
-                   f"Z{b.zero_stage} | {b.time.tokens_per_s:,.0f} | {b.time.tokens_per_s / c.tokens_per_s - 1:+.0%} |")
+        out.append(f"| {c.model} | {g} | {c.layout} Z{c.zero} | {c.tokens_per_s:,.0f} | {delayed.dp}×{delayed.tp}×"
+                   f"{delayed.pp} Z{delayed.zero_stage} | {delayed.time.tokens_per_s:,.0f} | "
+                   f"{delayed.time.tokens_per_s / c.tokens_per_s - 1:+.0%} | {dynamic.time.tokens_per_s:,.0f} | "
+                   f"{dynamic.time.tokens_per_s / c.tokens_per_s - 1:+.0%} |")
     layers, prov = report.keep_bf16
     out += ["", f"Keep in BF16: {', '.join(f'`{x}`' for x in layers) or 'none'} ({_md(prov)}).", ""]
     return out
