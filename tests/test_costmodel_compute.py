@@ -114,14 +114,14 @@ def test_memory_bound_bytes_per_layer_by_hand():
 
 
 def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
-    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h), at 13.8 B per
+    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h), at 11.5 B per
     element with dynamic scaling (torchao), 3 with delayed (TransformerEngine), fused or eager alike (the casts'
     own count: not scaled again by EAGER_BYTES)."""
     lay = Layout(1, 1, 1, micro_batch=1)
     q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
     elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
     for fused in (True, False):
-        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "dynamic")["fp8_cast"] == pytest.approx(13.8 * elems * 8192)
+        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "dynamic")["fp8_cast"] == pytest.approx(11.5 * elems * 8192)
         assert memory_bytes(LLAMA8B, lay, "fp8", fused, "delayed")["fp8_cast"] == pytest.approx(3.0 * elems * 8192)
 
 
@@ -148,10 +148,11 @@ def _probe_pairs():
 
 
 def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
-    """FP8_CAST_BYTES re-derived from the committed probe: per case, the FP8 block's elementwise GPU time
-    minus the bf16 block's, over the model's cast time per byte (cast elements x tokens x 1.5 for the
-    full-AC recompute of the forward's half, at the H200's add rate), then the geometric mean of the six."""
-    from dtrain.costmodel.compute import FP8_CAST_BYTES, published
+    """FP8_CAST_BYTES["dynamic"] re-derived from the committed probe: per case, the FP8 block's elementwise GPU time
+    minus the bf16 block's, less the weights' casts (13 B per weight with full AC: FP8_WEIGHT_CAST_BYTES 8 plus the
+    recompute's forward 5), over the model's cast time per byte (cast elements x tokens x 1.5 for the full-AC
+    recompute of the forward's half), both at the H200's add rate; then the geometric mean of the six."""
+    from dtrain.costmodel.compute import FP8_CAST_BYTES, FP8_WEIGHT_CAST_BYTES, published
 
     bw = 4.8e12 * published("h200").memory["add"]
     xs = []
@@ -160,10 +161,42 @@ def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
         q, kv, h, f = (bf16["heads"] // bf16["tp"]) * hd, max(bf16["kv_heads"] // bf16["tp"], 1) * hd, \
             bf16["d_model"], bf16["ffn"] // bf16["tp"]
         elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
+        weights = h * (q + 2 * kv) + q * h + 3 * h * f
         extra = fp8["gpu_s_by_category"]["elementwise"] - bf16["gpu_s_by_category"]["elementwise"]
-        xs.append(extra / (1.5 * elems * bf16["seq"] * mb / bw))
-    assert len(xs) == 6 and 9 < min(xs) and max(xs) < 21
+        xs.append((extra - (FP8_WEIGHT_CAST_BYTES + 5) * weights / bw) / (1.5 * elems * bf16["seq"] * mb / bw))
+    assert len(xs) == 6 and 8 < min(xs) and max(xs) < 18
     assert FP8_CAST_BYTES["dynamic"] == pytest.approx(math.exp(statistics.fmean(math.log(x) for x in xs)), abs=0.05)
+
+
+def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them_in_fp8():
+    """Llama-3-8B, one layer, tp=1, full recompute, on an H100: dynamic scaling (torchtitan) adds 8 B per block
+    weight (forward 5, backward 3) at the add rate, and the recompute's forward 5 again; FSDP gathering the
+    weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer, and delayed scaling (TransformerEngine) has none."""
+    from dataclasses import replace as dc_replace
+
+    from dtrain.costmodel.compute import block_linear_params, layer_terms
+
+    weights = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336
+    assert block_linear_params(LLAMA8B, 1) == weights
+    cluster = Cluster.from_profile("h100-sxm", 8)
+    lay = Layout(8, 1, 1, zero_stage=3, recompute="full", micro_batch=1)
+
+    def terms(**stack):
+        return layer_terms(LLAMA8B, lay, device_of(cluster, Calibration(), Stack(**stack)), "fp8")
+    titan, gathered = terms(software="torchtitan"), terms(software="torchtitan", fp8_all_gather="tp+fsdp")
+    dev = device_of(cluster, Calibration(), Stack(software="torchtitan"))
+    cast = dev.mem_s(8.0 * weights, "add")
+    assert titan.memory - gathered.memory == pytest.approx(cast)
+    assert titan.recompute - gathered.recompute == pytest.approx(cast * 5 / 8)
+    zero0 = layer_terms(LLAMA8B, dc_replace(lay, zero_stage=0), device_of(
+        cluster, Calibration(), Stack(software="torchtitan", fp8_all_gather="tp+fsdp")), "fp8")
+    assert zero0.memory == pytest.approx(titan.memory)   # nothing gathers the weights: cast at each use
+    from dtrain.costmodel.compute import _KIND   # delayed: the per-token bytes alone, no weight cast on the layer
+
+    mega = device_of(cluster, Calibration(), Stack(software="megatron-core"))
+    lay0 = dc_replace(lay, zero_stage=0)
+    per_token = sum(mega.mem_s(v, _KIND[k]) for k, v in memory_bytes(LLAMA8B, lay0, "fp8", True, "delayed").items())
+    assert layer_terms(LLAMA8B, lay0, mega, "fp8").memory == pytest.approx(per_token)
 
 
 def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():

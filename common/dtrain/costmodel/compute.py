@@ -43,16 +43,21 @@ EAGER_BYTES = 2.5
 # how the run scales them (``Stack.fp8_scaling``):
 #   dynamic  torchao's tensorwise float8 (torchtitan, dtrain), compiled: what it adds to the memory-bound kernels
 #            of a Llama block (the global amax each scale waits for, the cast, the transposed copy the other GEMM
-#            needs, the fusions the casts break, and the weights' casts, which a block without FSDP's float8
-#            all-gather does per use). Measured: the FP8 block's elementwise GPU time minus the bf16 block's,
-#            layer_probe on one H200, Llama 3.1 405B at TP8 and 8B at micro-batches 1-3, full AC
-#            (measured/h200/probe-20261126-0510): 9.8-20.5 B per element, 13.8 the geometric mean. Eager casts
-#            were not measured: at least the compiled bytes.
+#            needs, the fusions the casts break). Measured: the FP8 block's elementwise GPU time minus the bf16
+#            block's, less the weights' casts (FP8_WEIGHT_CAST_BYTES), layer_probe on one H200, Llama 3.1 405B at
+#            TP8 and 8B at micro-batches 1-3, full AC (measured/h200/probe-20261126-0510): 8.7-17.2 B per element,
+#            11.5 the geometric mean. Eager casts were not measured: at least the compiled bytes.
 #   delayed  TransformerEngine's recipe (Megatron): the scale from the amax history, the cast fused into the norm
 #            or activation that produces the tensor and into its transposed copy (cast_transpose): about 3 B per
 #            element by the kernels' count (read 2, write 1 and 1 transposed, less the bf16 write it replaces).
 #            Not measured here: TransformerEngine cannot be brought to the GPU machine.
-FP8_CAST_BYTES = {"dynamic": 13.8, "delayed": 3.0}
+FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0}
+# Dynamic scaling casts the block linears' weights at each use, per parameter of the rank's shard and micro-batch:
+# forward 5 (amax: read 2; cast: read 2, write 1), backward 3 (the transposed cast with the forward's scale), and a
+# full recompute's forward 5 again (_FORWARD_SHARE). Not on the layer when FSDP gathers the weights in FP8
+# (torchao enable_fsdp_float8_all_gather: the cast runs on the shard before the gather), nor with delayed scaling
+# (TransformerEngine casts a weight once per step, its first micro-batch, and keeps it).
+FP8_WEIGHT_CAST_BYTES = 8.0
 # AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads the
 # gradients and scales them: 12 B.
 OPTIMIZER_BYTES, CLIP_BYTES = 28.0, 12.0
@@ -199,6 +204,7 @@ class Device:
     fused: bool = True
     fused_loss: bool = True
     fp8_scaling: str = "delayed"   # Stack.fp8_casts: the FP8 casts' cost (FP8_CAST_BYTES)
+    fp8_weight_gather: bool = False   # FSDP gathers the block linears' weights in FP8 (Stack.fp8_all_gather tp+fsdp)
 
     def gemm_s(self, g: Gemm, dtype: str = "bf16", value_bytes: int = 2) -> float:
         curve = self.kernels.gemm.get(dtype) or self.kernels.gemm["bf16"]
@@ -301,7 +307,7 @@ _KIND = {"norm": "norm", "add": "add", "rope": "norm", "act_gelu": "act_gelu", "
          "dropout": "dropout", "fp8_cast": "add", "cp_merge_fwd": "add", "cp_merge_bwd": "add"}
 # share of each kind's bytes that the forward moves (what full recompute runs again)
 _FORWARD_SHARE = {"norm": 0.4, "add": 0.5, "rope": 0.5, "act_gelu": 0.4, "act_swiglu": 0.375, "dropout": 0.5,
-                  "fp8_cast": 0.5, "cp_merge_fwd": 1.0, "cp_merge_bwd": 0.0}
+                  "fp8_cast": 0.5, "fp8_weight_cast": 5 / 8, "cp_merge_fwd": 1.0, "cp_merge_bwd": 0.0}
 
 
 def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str = "bf16",
@@ -310,11 +316,23 @@ def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str =
     depend on: a search times thousands of layouts that share them)."""
     key = Layout(1, layout.tp, 1, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel,
                  cp=layout.cp, cp_impl=layout.cp_impl)
-    return _layer_terms(shape, key, dev, precision, value_bytes)
+    # FSDP (ZeRO 2/3) gathering the weights in FP8 casts them on the shard, off the layer
+    weight_casts = precision == "fp8" and dev.fp8_scaling == "dynamic" and not (
+        dev.fp8_weight_gather and layout.zero_stage >= 2)
+    return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts)
+
+
+def block_linear_params(shape: ModelShape, tp: int) -> float:
+    """Weights of one block's linears on one TP rank: q, k, v, the output projection and the MLP."""
+    heads, kv_heads = _local_heads(shape, tp)
+    hd = shape.d_model // shape.n_head
+    mlp = (3 if shape.gated_mlp else 2) * shape.d_model * shape.ffn_hidden / tp
+    return shape.d_model * (heads + 2 * kv_heads) * hd + heads * hd * shape.d_model + mlp
 
 
 @lru_cache(maxsize=1 << 14)
-def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
+def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int,
+                 weight_casts: bool = False) -> ComputeTerms:
     local = replace(shape, seq_len=shape.seq_len // layout.cp)  # a rank's tokens: s/cp of each sequence
     attention = shape
     shape = local
@@ -325,6 +343,8 @@ def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
     mem = {k: dev.mem_s(v, _KIND[k]) for k, v in memory_bytes(shape, layout, precision, dev.fused,
                                                                       dev.fp8_scaling).items()} \
         if dev.kernels.memory else {}
+    if weight_casts and mem:
+        mem["fp8_weight_cast"] = dev.mem_s(FP8_WEIGHT_CAST_BYTES * block_linear_params(shape, layout.tp), "add")
     rc = 0.0
     if layout.recompute == "full":
         rc = fwd_gemm + attention_s(attention, layout, dev, forward_only=True) + sum(

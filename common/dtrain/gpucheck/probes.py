@@ -95,6 +95,7 @@ def plan_command(d: int, heads: int, kv_heads: int, ffn: int, tp: int, b: int, s
     return (f"dtrain plan --layers 1 --hidden {d} --heads {heads} --kv-heads {kv_heads} --ffn-hidden {ffn} "
             f"--gated-mlp --vocab {vocab} --seq {s} --gpus {tp} --gpu {gpu} --precision {precision} "
             f"--attention flash2 --kernels fused --global-batch {b} "
+            + ("--fp8-scaling dynamic " if precision == "fp8" else "") +   # torchao's, as the probe runs
             f"--layout \"dp=1 tp={tp} pp=1 recompute=full mb={b} sp=off\" --json")
 
 
