@@ -174,10 +174,10 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
     weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer, and delayed scaling (TransformerEngine) has none."""
     from dataclasses import replace as dc_replace
 
-    from dtrain.costmodel.compute import block_linear_params, layer_terms
+    from dtrain.costmodel.compute import layer_terms
 
-    weights = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336
-    assert block_linear_params(LLAMA8B, 1) == weights
+    weights = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096   # linears + 2 norms
+    assert LLAMA8B.params_per_layer_on_rank(1) == weights
     cluster = Cluster.from_profile("h100-sxm", 8)
     lay = Layout(8, 1, 1, zero_stage=3, recompute="full", micro_batch=1)
 

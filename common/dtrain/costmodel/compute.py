@@ -322,14 +322,6 @@ def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str =
     return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts)
 
 
-def block_linear_params(shape: ModelShape, tp: int) -> float:
-    """Weights of one block's linears on one TP rank: q, k, v, the output projection and the MLP."""
-    heads, kv_heads = _local_heads(shape, tp)
-    hd = shape.d_model // shape.n_head
-    mlp = (3 if shape.gated_mlp else 2) * shape.d_model * shape.ffn_hidden / tp
-    return shape.d_model * (heads + 2 * kv_heads) * hd + heads * hd * shape.d_model + mlp
-
-
 @lru_cache(maxsize=1 << 14)
 def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int,
                  weight_casts: bool = False) -> ComputeTerms:
@@ -344,7 +336,7 @@ def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
                                                                       dev.fp8_scaling).items()} \
         if dev.kernels.memory else {}
     if weight_casts and mem:
-        mem["fp8_weight_cast"] = dev.mem_s(FP8_WEIGHT_CAST_BYTES * block_linear_params(shape, layout.tp), "add")
+        mem["fp8_weight_cast"] = dev.mem_s(FP8_WEIGHT_CAST_BYTES * shape.params_per_layer_on_rank(layout.tp), "add")
     rc = 0.0
     if layout.recompute == "full":
         rc = fwd_gemm + attention_s(attention, layout, dev, forward_only=True) + sum(

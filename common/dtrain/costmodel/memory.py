@@ -190,10 +190,7 @@ def params_per_gpu(shape: ModelShape, tp: int, pp: int, split: str = "layers") -
     ``split`` "balanced" (``shapes.PP_SPLITS``): the larger of a middle stage's layers and an end stage's one
     layer fewer plus its V·h matrix.
     """
-    hd = shape.d_model // shape.n_head
-    kv = 2 * shape.d_model * shape.n_kv_head * hd
-    kv_local = 2 * shape.d_model * hd * max(shape.n_kv_head // tp, 1)
-    layer = (shape.params_per_layer() - kv) / tp + kv_local
+    layer = shape.params_per_layer_on_rank(tp)
     layers = stage_layers(shape, pp, split)
     if split == "balanced" and pp > 2:
         return max(layers * layer, (layers - 1) * layer + embedding_params_per_gpu(shape, tp, pp))

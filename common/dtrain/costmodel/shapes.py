@@ -74,6 +74,13 @@ class ModelShape:
         mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
         return attn + mlp + 2 * h
 
+    def params_per_layer_on_rank(self, tp: int) -> float:
+        """One layer's parameters on one of ``tp`` ranks: everything split tp ways except K and V, of which each
+        rank keeps whole heads (replicated when tp > n_kv_head, as Megatron and dtrain do)."""
+        hd = self.d_model // self.n_head
+        kv, kv_local = 2 * self.d_model * self.n_kv_head * hd, 2 * self.d_model * hd * max(self.n_kv_head // tp, 1)
+        return (self.params_per_layer() - kv) / tp + kv_local
+
     def embedding_params(self) -> int:
         """Input embedding plus output projection (one matrix when tied); positions use RoPE."""
         return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
