@@ -229,3 +229,16 @@ def test_probe_report_lines_and_contention_without_a_gpu():
     step = Step("contention", "c", [], 1, data={"rows": [{"victim": "gemm", "aggressor": "sm_copy_16", "sm_share": 0.121,
                                                           "hbm_share": 0.096, "cost": 1.09}]})
     assert summarize(step) == "gemm with sm_copy_16 (12% of SMs, 10% of HBM): 1.09 of the transfer not hidden"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_probes_refuse_without_a_gpu_and_a_bad_micro_batch_list_in_one_line():
+    cmd = [sys.executable, "-m", "dtrain.gpucheck.probes"]
+    no_gpu = run_cmd([*cmd, "layer_probe", "--micro-batches", "1,2"])
+    assert no_gpu.returncode == 2 and no_gpu.stderr.strip() == (
+        "error: layer_probe needs a CUDA GPU (torch here sees none): run it on one, or pass --small for the CPU test "
+        "sizes")
+    bad = run_cmd([*cmd, "layer_probe", "--small", "--micro-batches", "1,x"])
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "argument --micro-batches: '1,x' is not a comma-separated list of positive micro-batches (1,2,3)")
+    assert bad.stdout == ""

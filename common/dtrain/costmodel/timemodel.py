@@ -126,7 +126,7 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
         kernels = kernels.with_gemm("bf16", curve, calib.mfu.provenance)
     scale = kernels.power_scale(gpu.power_w) / kernels.sustained
     return Device(gpu.peak_bf16_flops, gpu.peak_fp8_flops, gpu.hbm_tbps * 1e12, kernels, scale, stack.fused,
-                  stack.fused_loss, stack.fp8_casts, stack.fp8_all_gather == "tp+fsdp")
+                  stack.fused_loss, stack.fp8_casts, stack.fp8_gathers("fp8")[1])
 
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,

@@ -38,6 +38,7 @@ def dp_link(cluster: Cluster, lay: Layout) -> LinkModel:
     return group_link(cluster, lay.shard_group, lay.tp, multi_rail=True)
 
 
+@lru_cache(maxsize=1 << 14)
 def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
              fp8_weights: bool = False, grad_bytes: int = 4, zero2_regathers: bool = False) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);

@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.costmodel.hardware import get_profile, gpu_profile_name
 from dtrain.gpucheck.kernels import _device, _name, gpu_time_by_category
+from dtrain.model import causal_attention
 from dtrain.timing import time_fn
 
 # name: (d_model, heads, kv_heads, ffn_hidden, tp, micro_batch, seq, vocab) of the published models
@@ -43,7 +45,6 @@ LAYER_CASES = {
     "llama3_8b": (4096, 32, 8, 14336, 1, 1, 8192, 128256),
 }
 SMALL_CASE = {"tiny_tp2": (256, 8, 4, 512, 2, 1, 64, 1024)}
-HBM_TBPS = {"h200": 4.8, "h100": 3.35}   # datasheet rates the HBM share is taken against
 
 
 class ShardBlock(nn.Module):
@@ -64,14 +65,10 @@ class ShardBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         h = self.n1(x)
-        q = self.wq(h).view(b, s, self.heads, self.hd)
-        k = self.wk(h).view(b, s, self.kv, self.hd)
-        v = self.wv(h).view(b, s, self.kv, self.hd)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        rep = self.heads // self.kv   # torchtitan repeats K and V to the query heads before SDPA
-        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        q = _rope(self.wq(h).view(b, s, self.heads, self.hd), cos, sin).view(b, s, -1)
+        k = _rope(self.wk(h).view(b, s, self.kv, self.hd), cos, sin).view(b, s, -1)
+        # dtrain's attention core: K and V repeated to the query heads before SDPA, as torchtitan's model does
+        x = x + self.wo(causal_attention(q, k, self.wv(h), self.hd))
         h = self.n2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
@@ -176,8 +173,8 @@ def _layer_case(name: str, dims: tuple, precision: str, dev: torch.device) -> di
 
 
 def _gpu_profile(dev: torch.device) -> str:
-    name = _name(dev).lower()
-    return "h200" if "h200" in name else "h100-sxm"   # another GPU (or the CPU test) is priced as an H100
+    """The hardware.yaml profile of this GPU; a GPU without one (or the CPU test) is priced as an H100 SXM."""
+    return gpu_profile_name(_name(dev)) or "h100-sxm"
 
 
 def _sm_copy_kernel():
@@ -203,7 +200,7 @@ def contention(small: bool = False) -> dict:
     if dev.type != "cuda":
         return {"skipped": "contention needs a CUDA GPU (a side stream beside the compute)"}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    hbm = HBM_TBPS.get(_gpu_profile(dev).split("-")[0], 3.35) * 1e12
+    hbm = get_profile(_gpu_profile(dev)).hbm_tbps * 1e12   # the datasheet rate the HBM share is taken against
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16, generator=g)
     bm = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16, generator=g)
@@ -283,15 +280,29 @@ def contention(small: bool = False) -> dict:
 PROBES = {"layer_probe": layer_probe, "contention": contention}
 
 
+def _micro_batches(text: str) -> tuple[int, ...]:
+    """--micro-batches: positive integers, comma-separated (1,2,3)."""
+    try:
+        mbs = tuple(int(m) for m in text.split(","))
+    except ValueError:
+        mbs = ()
+    if not mbs or min(mbs) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive micro-batches (1,2,3)")
+    return mbs
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.probes")
     p.add_argument("name", choices=sorted(PROBES))
     p.add_argument("--small", action="store_true", help="CPU-sized shapes (tests)")
-    p.add_argument("--micro-batches", default="", help="layer_probe: comma-separated micro-batches (default: each "
-                   "case's own)")
+    p.add_argument("--micro-batches", type=_micro_batches, default=(),
+                   help="layer_probe: comma-separated micro-batches (default: each case's own)")
     args = p.parse_args(argv)
-    kwargs = {"micro_batches": tuple(int(m) for m in args.micro_batches.split(",") if m)} \
-        if args.name == "layer_probe" else {}
+    if not (args.small or torch.cuda.is_available()):   # the published shapes would run for hours on a CPU
+        print(f"error: {args.name} needs a CUDA GPU (torch here sees none): run it on one, or pass --small for the "
+              "CPU test sizes", file=sys.stderr)
+        raise SystemExit(2)
+    kwargs = {"micro_batches": args.micro_batches} if args.name == "layer_probe" else {}
     print(json.dumps(PROBES[args.name](small=args.small, **kwargs)), flush=True)
 
 
