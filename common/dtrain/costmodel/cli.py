@@ -26,7 +26,8 @@ from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES, published
 from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, FP8_SCALINGS, STATE_DTYPES, Stack
-from .shapes import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape
+from .shapes import (CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape, parallel_refusal,
+                     params_text)
 from .plan_report import (calibration_notes, framework_gap, framework_text, layout_json, layout_text, plan_dict,
                           res_usable, text_report, to_json)
 from .search import SearchResult, search
@@ -180,15 +181,39 @@ def shape_from_args(a) -> ModelShape:
     if a.params is not None:
         if a.params <= 0:
             raise UserError(f"--params {a.params:g} must be positive, e.g. --params 70e9")
+        check_params(a.params)
         return replace(ModelShape.from_params(a.params, seq_len=a.seq), dropout=a.dropout, rotary=not a.no_rope)
     if any(x is None for x in shape_flags):
         raise UserError("the model needs --params, or all of --layers, --hidden and --heads")
+    check_heads(a.hidden, a.heads, a.kv_heads)
     ffn = a.ffn_hidden or (int(8 * a.hidden / 3) if a.gated_mlp else 4 * a.hidden)
     try:
         return ModelShape(a.layers, a.hidden, a.heads, a.kv_heads or a.heads, a.vocab, a.seq, ffn / a.hidden,
                           a.gated_mlp, name=f"{a.layers} x {a.hidden}", dropout=a.dropout, rotary=not a.no_rope)
     except ValueError as e:
         raise UserError(f"bad model shape: {e}") from None
+
+
+def check_params(params: float) -> None:
+    """--params below the smallest model ``ModelShape.from_params`` builds would be planned as that
+    bigger model under the asked-for name: refused, with the minimum."""
+    low = ModelShape.smallest_from_params()
+    least = params_text(low.num_params())
+    if params < low.num_params():
+        raise UserError(
+            f"--params {params_text(params)} is below {least}, the smallest model --params builds "
+            f"({low.n_layer} layer x {low.d_model}, {low.n_head} heads, a {low.vocab}-token "
+            f"vocabulary): give --params {least} or more, or the shape (--layers --hidden --heads)")
+
+
+def check_heads(hidden: int, heads: int, kv_heads: int | None) -> None:
+    """The attention heads a shape can have, named by the flags that give them."""
+    if hidden % heads:
+        raise UserError(f"--hidden {hidden} is not divisible by --heads {heads} (head dim must be "
+                        "a whole number): pick heads that divide hidden")
+    if kv_heads is not None and heads % kv_heads:
+        raise UserError(f"--heads {heads} is not divisible by --kv-heads {kv_heads} (each k/v head "
+                        "serves a whole group of query heads): pick kv-heads that divide heads")
 
 
 def cluster_from_args(a) -> Cluster:
@@ -259,7 +284,8 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
             if fixed[field] < (0 if field == "zero_stage" else 1) or (field == "zero_stage" and fixed[field] > 3):
                 raise UserError(f"--layout: {key}={value} is out of range (zero 0..3, the others >= 1)")
     if not fixed:
-        raise UserError('--layout is empty: give fields such as "tp=8 pp=16 mb=1"')
+        raise UserError(f'--layout {text!r} is empty: give fields like "tp=8 pp=2 zero=1 mb=1" '
+                        "or leave --layout out")
     if fixed.get("virtual_stages", 1) > 1 and fixed.get("pp", 2) < 2:
         raise UserError(f"--layout: v={fixed['virtual_stages']} interleaves pipeline stages but pp=1: "
                         "drop v= or give pp >= 2")
@@ -290,14 +316,47 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
 def pinned_layout(a, gpus: int, shape) -> dict | None:
     """The --layout fields (``parse_layout``) checked against --software for the model (its layers and KV heads),
     before any search; None without it."""
-    if not a.layout:
+    if a.layout is None:  # --layout "" is refused by parse_layout, not taken for no layout
         return None
     fixed = parse_layout(a.layout, gpus)
+    why = layout_refusal(shape, fixed)
+    if why:
+        raise UserError(f"--layout {a.layout!r}: {why}")
     lacks = unsupported(software(a.software), fixed, shape.n_layer, shape.n_kv_head)
     if lacks:
         raise UserError(f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
                         "that runs it (--software any scores every layout)")
     return fixed
+
+
+def check_batch_splits(result: SearchResult) -> None:
+    """A global batch that no layout's data-parallel replicas can share (each needs whole
+    sequences) is bad input, not a cluster too small: more GPUs only add replicas. Names the least
+    dp a layout has."""
+    rejected = result.rejected_with_reasons
+    if result.best is not None or not rejected:
+        return
+    if not all(isinstance(why, str) and why.startswith("global batch") for _, why in rejected):
+        return  # something was rejected for memory: the report says what does not fit
+    batch, gpus = result.global_batch, result.cluster.gpus
+    least = min(lay.dp for lay, _ in rejected)
+    replicas = f"replica{'s' * (batch > 1)}"
+    fits = (f"a global batch of {batch} feeds at most {batch} data-parallel {replicas}"
+            if batch < least else f"{batch} is not a multiple of any of their dp")
+    raise UserError(
+        f"--global-batch {batch} cannot be split over {gpus} GPUs: every layout of this model has "
+        f"at least dp={least} data-parallel replicas (tp, cp and pp are bounded by its heads, "
+        f"sequence and layers) and {fits}: give a --global-batch that is a multiple of {least}, "
+        "or fewer --gpus")
+
+
+def layout_refusal(shape: ModelShape, fixed: dict) -> str | None:
+    """Why the trainer's rules (``shapes.parallel_refusal``) refuse the tp, cp, cp_impl and sp that
+    --layout pins for this model; None when they allow them. Fields left out are searched, and the
+    search skips the values that break a rule."""
+    tp, cp = fixed.get("tp", 1), fixed.get("cp", 1)
+    sp = "tp" in fixed and fixed.get("sequence_parallel", False)
+    return parallel_refusal(shape, tp, cp, fixed.get("cp_impl", "ring"), sp)
 
 
 def layout_result(shape, cluster, a, calib, best: SearchResult, fixed: dict | None):
@@ -340,6 +399,7 @@ def run(a) -> int:
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
     stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus, shape)
     result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom, stack=stack)
+    check_batch_splits(result)
     mine, gap, tight = layout_result(shape, cluster, a, calib, result, fixed)
     free = None if stack.software == "any" else search(shape, cluster, a.global_batch, calib, precision=a.precision,
                                                        headroom=a.headroom, stack=replace(stack, software="any"))

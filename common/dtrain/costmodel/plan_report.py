@@ -6,7 +6,7 @@ from .compute import published
 from .explain import explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
-from .shapes import ModelShape
+from .shapes import ModelShape, params_text
 
 
 def calibration_notes(report) -> list[str]:
@@ -42,7 +42,12 @@ def describe_power(c: Cluster) -> str | None:
 
 def describe_model(s: ModelShape) -> str:
     return (f"{s.name or 'custom'}: {s.n_layer} layers, d_model {s.d_model}, {s.n_head} heads "
-            f"({s.n_kv_head} KV), seq {s.seq_len}, {s.num_params() / 1e9:.1f}B params")
+            f"({s.n_kv_head} KV), seq {s.seq_len}, {params_size(s.num_params())} params")
+
+
+def params_size(n: int) -> str:
+    """Billions to one decimal (6.7B, 405.9B), as the plan always printed them; below 1B: 29M."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else params_text(n)
 
 
 def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:

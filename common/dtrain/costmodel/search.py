@@ -25,7 +25,7 @@ from functools import lru_cache
 from .hardware import GiB, Cluster
 from .software import SOFTWARE, Software
 from .stack import Stack
-from .shapes import RECOMPUTE, Layout, ModelShape
+from .shapes import RECOMPUTE, Layout, ModelShape, parallel_refusal
 from .memory import MemoryBreakdown, memory_for, model_state_bytes
 from .calibration import Calibration
 from .timemodel import StepTime, step_model, step_time
@@ -98,7 +98,7 @@ def context_parallel_degrees(model: ModelShape, limit: int) -> list[int]:
     """cp degrees a sequence can be split over: powers of two with 2·cp chunks of at least MIN_CP_CHUNK tokens
     (the ring's load-balanced causal split gives each rank chunks r and 2cp−1−r)."""
     return [1] + [c for c in _pow2_up_to(limit)[1:]
-                  if model.seq_len % (2 * c) == 0 and model.seq_len // (2 * c) >= MIN_CP_CHUNK]
+                  if not parallel_refusal(model, 1, c) and model.seq_len // (2 * c) >= MIN_CP_CHUNK]
 
 
 def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute, prune=False,
@@ -125,10 +125,10 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
     context_parallel = context_parallel and bool(runs.cp_impls)
     replicas = fixed.get("dp_replicate", 1)  # HSDP is scored when asked for, never searched
     for tp in _pow2_up_to(min(2 * node_size, model.n_head)) if "tp" not in fixed else [fixed["tp"]]:
-        if model.n_head % tp or n % tp or (runs.kv_shards and model.n_kv_head % tp):
+        if n % tp or (runs.kv_shards and model.n_kv_head % tp) or parallel_refusal(model, tp):
             continue
         if "cp" in fixed:  # a pinned cp still needs 2·cp equal chunks of the sequence
-            cps = [fixed["cp"]] if model.seq_len % (2 * fixed["cp"]) == 0 else []
+            cps = [fixed["cp"]] if not parallel_refusal(model, 1, fixed["cp"]) else []
         else:
             cps = context_parallel_degrees(model, n // tp) if context_parallel else [1]
         for cp, pp in ((c, p) for c in cps if (n // tp) % c == 0
@@ -137,7 +137,8 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
             dp = n // (tp * cp * pp)
             if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]) or (dp * cp) % replicas:
                 continue
-            ulysses = cp > 1 and (model.n_head // tp) % cp == 0  # all-to-all swaps sequence shards for head shards
+            # all-to-all swaps sequence shards for head shards: tp's heads must split over cp
+            ulysses = cp > 1 and not parallel_refusal(model, tp, cp, "ulysses")
             impls = [i for i in runs.cp_impls if i != "ulysses" or ulysses] if cp > 1 else ["ring"]
             split = fixed.get("pp_split", "layers") if pp > 1 else "layers"  # scored when asked for, not searched
             if "cp_impl" in fixed:  # and the ones scored only when asked for (any: PyTorch's context_parallel)
@@ -156,7 +157,10 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
                 for v, sched, impl in ((v, sc, i) for v in vs for sc in _schedules(pp, v, fixed) for i in impls):
                     zeros = runs.zeros(pp) if dp * cp > 1 else (0,)
                     zeros = tuple(z for z in zeros if z >= 1) or zeros if prune else zeros
-                    sps = ((True,) if prune and True in runs.sp else runs.sp) if tp > 1 else (False,)
+                    # sequence parallelism also splits the sequence (a cp rank's share) over tp
+                    sps = tuple(sp for sp in runs.sp
+                                if not sp or not parallel_refusal(model, tp, cp, impl, True))
+                    sps = ((True,) if prune and True in sps else sps) if tp > 1 else (False,)
                     for zero in [z for z in zeros if z == fixed.get("zero_stage", z) and (replicas == 1 or z >= 2)]:
                         for rc in recompute:
                             for sp in sps:

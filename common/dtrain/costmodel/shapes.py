@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from .hashing import cached_hash
 
@@ -27,6 +28,14 @@ CP_IMPLS = ("ring", "ulysses", "torch")
 # layer fewer (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split;
 # Llama 3 405B, Llama Team 2024 §3.3.2: "we reduce one Transformer layer each from the first and the last stages").
 PP_SPLITS = ("layers", "balanced")
+
+
+def params_text(n: float) -> str:
+    """A parameter count as people write it: 405B, 1.24B, 2T, 20M, 125M (3 significant digits)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,16 @@ class ModelShape:
     rotary: bool = True         # RoPE on q and k (GPT-3-style models add learned positions to the input)
 
     def __post_init__(self) -> None:
-        if min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.vocab, self.seq_len) < 1:
-            raise ValueError(f"{self}: every size must be a positive integer")
-        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"{self}: n_head must divide d_model and n_kv_head must divide n_head")
+        sizes = ("n_layer", "d_model", "n_head", "n_kv_head", "vocab", "seq_len")
+        if min(getattr(self, k) for k in sizes) < 1:
+            bad = next(k for k in sizes if getattr(self, k) < 1)
+            raise ValueError(f"{bad}={getattr(self, bad)} must be a positive integer")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head} "
+                             "(the head dim must be a whole number)")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} "
+                             "(each k/v head serves a whole group of query heads)")
 
     @property
     def ffn_hidden(self) -> int:
@@ -116,8 +131,14 @@ class ModelShape:
                         n_kv_head=n_kv, seq_len=seq_len, name="")
         rest = params - probe.embedding_params() - probe.d_model
         n_layer = max(1, round(rest / probe.params_per_layer()))
-        size = f"{params / 1e12:.3g}T" if params >= 1e12 else f"{params / 1e9:.3g}B"
-        return replace(probe, n_layer=n_layer, name=f"~{size} (interpolated)")
+        return replace(probe, n_layer=n_layer, name=f"~{params_text(params)} (interpolated)")
+
+    @classmethod
+    def smallest_from_params(cls) -> ModelShape:
+        """The smallest model ``from_params`` builds: below the smallest known shape it keeps
+        that shape's style (GPT-3 Small's 64-dim heads, tied 50257-token vocabulary), at least 8
+        heads and one layer, so a smaller count gets this model (28.9M parameters)."""
+        return cls.from_params(1.0)
 
 
 # Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
@@ -254,3 +275,47 @@ def last_stage_layers(shape: ModelShape, layout: Layout) -> int:
 def pipeline_slots(shape: ModelShape, layout: Layout) -> int:
     """Layer slots the pipeline splits: the transformer layers, plus the embedding and the loss when "balanced"."""
     return shape.n_layer + 2 * _split(shape, layout.pp, layout.pp_split)[1]
+
+
+@dataclass(frozen=True)
+class _TrainerModel:
+    """The fields of a ``dtrain.model_args.GPTConfig`` that the trainer's layout rules read."""
+
+    n_head: int
+    n_kv_head: int
+    mlp_hidden: int
+    seq_len: int
+
+
+# The trainer's config names as ``dtrain plan`` spells them ("model.n_head" before "n_head").
+_PLAN_NAMES = (("train.sequence_parallel=true", "sp=on"), ("train.sequence_parallel", "sp=on"),
+               ("model.seq_len=", "--seq "), ("model.seq_len", "--seq"),
+               ("pick seq_len", "pick --seq"), ("model.n_head", "--heads"),
+               ("n_kv_head=", "--kv-heads "), ("n_kv_head", "--kv-heads"), ("n_head=", "--heads "),
+               ("train.cp_impl=", "cp_impl="), ("train.tp=", "tp="), ("train.tp", "tp"),
+               ("train.cp=", "cp="), ("train.cp", "cp"))
+
+
+@lru_cache(maxsize=4096)
+def parallel_refusal(shape: ModelShape, tp: int = 1, cp: int = 1, cp_impl: str = "ring",
+                     sequence_parallel: bool = False) -> str | None:
+    """Why the trainer refuses to split ``shape`` over ``tp`` and ``cp`` (None when it does not),
+    in the plan's words. The rules are the trainer's own (``dtrain.parallel.checks``: heads, k/v
+    heads and the MLP width over tp; the sequence over 2·cp zigzag chunks, and over tp with
+    sequence parallelism; ulysses' heads), called rather than restated, so the plan never scores a
+    layout the trainer cannot build. The embedding and lm_head stay whole on every tp rank there:
+    the vocabulary has no rule."""
+    from dtrain.errors import UserError
+    from dtrain.parallel.checks import check_cp_model, check_tp_model
+
+    model = _TrainerModel(shape.n_head, shape.n_kv_head, shape.ffn_hidden, shape.seq_len)
+    try:
+        check_tp_model(model, tp, sequence_parallel)
+        check_cp_model(model, cp, cp_impl, tp, sequence_parallel)
+    except UserError as e:
+        # the rule after a "train.tp=8: " or "train.cp=2: " prefix names that degree itself
+        text = str(e).removeprefix(f"train.tp={tp}: ").removeprefix(f"train.cp={cp}: ")
+        for trainer, plan in _PLAN_NAMES:
+            text = text.replace(trainer, plan)
+        return text
+    return None

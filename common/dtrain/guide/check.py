@@ -21,6 +21,7 @@ class Check:
     basis: str
     detail: str = ""  # where the difference sits, when the run measured its parts
     predicted_range: tuple[float, float] | None = None  # at the 10th / 90th percentile of the measured load
+    copies: tuple[str, ...] = ()  # folders repeating this run's guide inputs, checked once
 
     @property
     def error(self) -> float:

@@ -32,6 +32,7 @@ Rows say which inputs were in-sample or left out. Goal: |error| <= 15%.
 """
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from dataclasses import dataclass, field, replace
@@ -39,8 +40,8 @@ from pathlib import Path
 
 from dtrain.costmodel import Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape, Param, step_time
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
-from dtrain.costmodel.calibration_records import (Candidate, leave_one_out, tp_modelled_comm_s, tp_rows,
-                                                  training_entries)
+from dtrain.costmodel.calibration_records import (Candidate, RunInputs, leave_one_out,
+                                                  tp_modelled_comm_s, tp_rows, training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.costmodel.gpt_shape import shape_of
@@ -380,8 +381,38 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
     return out
 
 
+def _content_key(ri: RunInputs) -> str:
+    """What a run measured: its summary's guide inputs, canonical. A copied run folder has the same;
+    a rerun of the same config measures other times (two real runs are two checks, and the guide
+    compares them as run-to-run noise)."""
+    inputs = ri.run.summary.get("guide_inputs")
+    return json.dumps(inputs, sort_keys=True) if inputs else f"path:{ri.run.path}"
+
+
+def distinct_runs(report: CalibrationReport, base=None) -> tuple[CalibrationReport, dict]:
+    """``report`` with each measurement once, and {kept run's display path: the display paths of
+    the folders that repeat its guide inputs (copies), left out}: 300 copies of one run are one
+    check, not 300, and a copy is no "other run" for the leave-one-out factors. The first in path
+    order is kept."""
+    kept: dict[str, RunInputs] = {}
+    copies: dict[str, list[RunInputs]] = {}
+    for ri in report.inputs:
+        first = kept.setdefault(_content_key(ri), ri)
+        if first is not ri:
+            copies.setdefault(display_path(first.run.path, base), []).append(ri)
+    if not copies:
+        return report, {}
+    dropped = {ri.source.run for runs in copies.values() for ri in runs}
+    distinct = replace(report, inputs=list(kept.values()),
+                       candidates=[c for c in report.candidates if c.source.run not in dropped])
+    return distinct, {run: tuple(display_path(ri.run.path, base) for ri in runs)
+                      for run, runs in copies.items()}
+
+
 def local_checks(report: CalibrationReport, base=None) -> list[Check]:
-    """Every local (non-CUDA) run the model can predict, in a stable order."""
+    """Every local (non-CUDA) run the model can predict, in a stable order; a run's copies
+    (``distinct_runs``) are checked once, its rows naming them (``Check.copies``)."""
+    report, copies = distinct_runs(report, base)
     link = report.local_links.get("intra")
     if link is not None and report.local_sources["intra"].on_gpu:
         link = None  # a GPU link does not describe CPU ranks
@@ -389,4 +420,5 @@ def local_checks(report: CalibrationReport, base=None) -> list[Check]:
     probe = _probe(report, base)
     checks = (fsdp_checks(runs, link, probe, report.candidates) + fp8_checks(report, runs, link, base, probe)
               + tp_checks(report, runs, link, base, probe))
+    checks = [replace(c, copies=copies.get(c.run, ())) for c in checks]
     return sorted(checks, key=lambda c: (c.experiment, c.run, c.what))
