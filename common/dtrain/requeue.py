@@ -17,16 +17,20 @@ was saved, so no record is duplicated or lost. Events: `preempted` (the checkpoi
 `requeued` (written by the next attempt), `resumed` (after loading).
 
 Runs without a trainer (benchmarks) simply start again: their records are cleared when a
-requeued attempt starts.
+requeued attempt starts. A requeue of a job that already finished (`scontrol requeue` of a completed
+job) finds `summary.json`: the attempt says so in the job's log and exits 0 before writing anything
+(`exit_if_complete`), so a complete run is never trained again under its own summary.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
-from dtrain.metrics import RECORDS, write_json_atomic
+from dtrain import rundir
+from dtrain.metrics import RECORDS, SUMMARY, write_json_atomic
 
 OFFSETS = ".records-offsets.rank{rank}.json"  # {step: bytes of this rank's records file at that step}
 
@@ -37,6 +41,19 @@ def restart_count() -> int:
         return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+def exit_if_complete(run_dir: Path, check_owner: bool = True) -> None:
+    """A requeued attempt of a run that already completed: one line in the job's log, exit 0, before
+    any file is written. ``check_owner``: only when this job owns the run dir (a task started by
+    `launcher=slurm` was handed its run dir by the client, which owns it)."""
+    run_dir = Path(run_dir)
+    if restart_count() == 0 or not (run_dir / SUMMARY).is_file():
+        return
+    if check_owner and not rundir.same_job_restarted(run_dir / rundir.OWNER):
+        return  # another job's run: the claim refuses it
+    print(f"requeue: run {run_dir} is already complete ({SUMMARY}); nothing to do", flush=True)
+    sys.exit(0)  # not a return: submitit and Hydra would write this attempt's result in the run
 
 
 def enabled(cfg) -> bool:

@@ -12,6 +12,10 @@ before Hydra creates the run or sweep folder); on bad input `discard(run_dir)` r
 not there before: a folder this process created (and its parents it created, when empty), or the
 entries it added to a folder that existed. `claim_folder` makes another folder (a checkpoint
 directory, a capstone's results) this run's own the way `claim` does for the run directory.
+
+A run never writes into a folder that is, or is inside, another run's (`check_outside_runs`: every
+folder above is looked at for a `.run-owner`), so `dtrain runs` never finds a run inside a run; a
+sweep's folder has no owner (its points do), and a capstone's claimed folder holds its runs.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from dtrain.errors import UserError
+from dtrain.errors import UserError, clip
 
 OWNER = ".run-owner"
 HYDRA_BOOKKEEPING = (".hydra", "multirun.yaml")  # what Hydra writes into a run / sweep folder (and <job>.log)
@@ -51,7 +55,7 @@ def slurm_job() -> str | None:
     return f"{job}_{task}" if job and task else job
 
 
-def _same_job_restarted(path: Path) -> bool:
+def same_job_restarted(path: Path) -> bool:
     """A requeued Slurm job runs its task again into the directory it owns: not a second run."""
     job = slurm_job()
     try:
@@ -71,13 +75,143 @@ def claim(run_dir: Path) -> Path:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        if _same_job_restarted(path):
+        if same_job_restarted(path):
             return path
         raise RunDirTaken(f"run directory {run_dir} already holds a run ({owner_text(path)}): pass a new "
                           "hydra.run.dir (or delete the old run); a run directory is never reused") from None
     with os.fdopen(fd, "w") as f:
         json.dump(_owner_record(), f)
     return path
+
+
+def _record(owner: Path) -> dict | None:
+    try:
+        rec = json.loads(owner.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _folders_above(path, include_self: bool) -> list[Path]:
+    """`path`'s folders from the nearest up, as written and with symlinks resolved."""
+    found: list[Path] = []
+    for p in (_abs(path), Path(os.path.realpath(path))):
+        for q in ((p,) if include_self else ()) + tuple(p.parents):
+            if q not in found:
+                found.append(q)
+    return found
+
+
+def _same(a, b) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def owning_run(path, include_self: bool = True, own: Path | None = None):
+    """(the run, its owner file) when `path` is, or is inside, a folder another run owns: a run's
+    directory or a folder claimed for one (a checkpoint dir: the run its owner file names); None
+    otherwise. A folder claimed for a group of runs (a capstone's results: run_dir null) holds runs
+    by design; `own` (this run's directory) and a requeued job's own folders are this run's."""
+    for folder in _folders_above(path, include_self):
+        owner = folder / OWNER
+        if not owner.is_file():
+            continue
+        rec = _record(owner) or {}
+        if "run_dir" in rec and rec["run_dir"] is None:
+            continue
+        run = Path(rec.get("run_dir") or folder)
+        if (own is not None and _same(run, own)) or same_job_restarted(owner):
+            continue
+        return run, owner
+    return None
+
+
+def check_outside_runs(what: str, path, key: str, include_self: bool = True,
+                       own: Path | None = None) -> None:
+    """Refuse `path` (`what`: "key=value" as the user wrote it) when it is, or is inside, another
+    run's folder: a run never writes there (`dtrain runs` would list a run inside a run)."""
+    found = owning_run(path, include_self, own)
+    if found is None:
+        return
+    run, owner = found
+    folder = owner.parent
+    if _same(folder, path):
+        where = f"is the folder of run {run}" if _same(folder, run) else f"belongs to run {run}"
+    elif _same(folder, run):
+        where = f"is inside run {run}"
+    else:
+        where = f"is inside {folder}, which belongs to run {run}"
+    raise UserError(f"{clip(what)} {where} ({owner_text(owner)}): pass a {key} outside any run's "
+                    "folder; a run never writes into another run's folder")
+
+
+def check_results_folder(cfg) -> None:
+    """<results_dir>/<subproject>/, where Hydra makes the run folders: a folder, if it exists."""
+    sub = Path(cfg.results_dir) / cfg.get("subproject", "")
+    if os.path.lexists(sub) and not os.path.isdir(sub):
+        what = (f"a dangling symlink (to {os.readlink(sub)})" if os.path.islink(sub)
+                else "a file, not a folder")
+        raise UserError(f"results_dir={clip(cfg.results_dir)} cannot hold runs: {clip(sub)} is {what}: "
+                        "move it or pass another results_dir")
+
+
+def check_command_line(literal) -> None:
+    """The paths of a command line, before Hydra creates a folder from them (`literal(key)`: the
+    key's plain value, or None): no folder inside another run's, no checkpoint dir that is the run
+    dir or a file, no resume from a live run, no hydra.job.chdir; a requeued job whose run is
+    complete exits 0 here (dtrain.requeue.exit_if_complete). run_app checks the composed values
+    again."""
+    from dtrain import requeue
+    from dtrain.checks import check_path
+
+    run, ckpt = literal("hydra.run.dir"), literal("train.checkpoint_dir")
+    if run is not None:  # before Hydra rewrites its .hydra/ in a finished run
+        requeue.exit_if_complete(Path(run))
+    chdir = literal("hydra.job.chdir")
+    if chdir is not None and chdir.lower() == "true":  # relative paths would name other folders
+        raise UserError("hydra.job.chdir=true is not supported: dtrain resolves results_dir and "
+                        "paths from the launch folder; drop it")
+    for key, itself in (("hydra.run.dir", False), ("hydra.sweep.dir", True), ("results_dir", True)):
+        if (value := literal(key)) is not None:
+            check_outside_runs(f"{key}={value}", value, key, itself)
+    if ckpt:
+        if run is not None and _same(run, ckpt):
+            raise UserError(f"train.checkpoint_dir={clip(ckpt)} is the run directory itself: leave it "
+                            f"unset (checkpoints go to {clip(ckpt)}/checkpoints) or pass another folder")
+        # the folder itself: claim_folder says whose it is (train.resume_from may read it)
+        check_outside_runs(f"train.checkpoint_dir={ckpt}", ckpt, "train.checkpoint_dir", False)
+        check_path("train.checkpoint_dir", ckpt)
+    if resume := literal("train.resume_from"):
+        check_not_running("train.resume_from", resume)
+
+
+def _pid_runs(rec: dict) -> bool:
+    """The owner record's launching process is alive on this host (its command line matches: a pid
+    can be reused)."""
+    pid = rec.get("pid")
+    if rec.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    argv = [os.fsencode(a) for a in rec.get("argv") or []][1:]
+    return cmdline[-1 - len(argv):-1] == argv if argv else True
+
+
+def check_not_running(key: str, path) -> None:
+    """A folder read while its run still writes there (`train.resume_from` of a live run: it saves
+    and prunes checkpoints) is refused, naming that run. Only the nearest owner decides."""
+    for folder in _folders_above(path, include_self=True):
+        owner = folder / OWNER
+        if not owner.is_file():
+            continue
+        rec = _record(owner) or {}
+        run = Path(rec.get("run_dir") or folder)
+        if _pid_runs(rec) and not (run / "summary.json").exists():
+            raise UserError(f"{key}={clip(path)}: checkpoint folder belongs to run {run}, which is "
+                            f"still running (pid {rec['pid']} on {rec['host']}): wait for it to "
+                            "finish or pass a finished checkpoint")
+        return
 
 
 def foreign_entries(folder: Path) -> list[str]:
@@ -97,6 +231,9 @@ def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -
     folder = Path(folder)
     owner = folder / OWNER
     created = not folder.exists()
+    if os.path.lexists(folder) and not folder.is_dir():  # mkdir: "exists", not another run's
+        raise UserError(f"{key}={clip(folder)} is a file, not a folder: pass a new or empty folder "
+                        f"as {key}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

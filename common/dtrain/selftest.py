@@ -15,7 +15,22 @@ import torch
 import torch.distributed as dist
 
 from dtrain.app import hydra_main
+from dtrain.errors import UserError
 from dtrain.launch import RankContext
+
+
+def validate(cfg) -> None:
+    """fail_rank names a rank of this run (null: none fails); a rank that does not exist would make
+    the run pass while the user asked to see a failure."""
+    rank, n = cfg.fail_rank, cfg.world_size
+    if rank is not None and not 0 <= rank < n:
+        bound = f"< world_size={n}" if rank >= n else ">= 0"
+        raise UserError(f"fail_rank={rank} must be {bound} (a rank, 0 to {n - 1}; or null: no rank "
+                        "fails)")
+    if cfg.numel < 1:
+        raise UserError(f"numel={cfg.numel} must be an integer >= 1")
+    if not 0 <= cfg.work_s < float("inf"):
+        raise UserError(f"work_s={cfg.work_s} must be a finite number of seconds >= 0")
 
 
 def rank_fn(ctx: RankContext) -> dict:
@@ -41,7 +56,8 @@ def finalize(run_dir, cfg, result: dict) -> dict:
     return dict(result)
 
 
-main = hydra_main("dtrain.conf", rank_fn=rank_fn, config_name="selftest", finalize=finalize)
+main = hydra_main("dtrain.conf", rank_fn=rank_fn, validate=validate, config_name="selftest",
+                  finalize=finalize)
 
 if __name__ == "__main__":
     main()

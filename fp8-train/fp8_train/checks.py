@@ -30,13 +30,14 @@ def validate(cfg: DictConfig) -> None:
 
     from dtrain.model import GPT
     from fp8_train import backends, faults
-    from fp8_train.precision_map import PrecisionMap
+    from fp8_train.precision_map import PrecisionMap, check_rules_match
 
     device = run_checks.local_device(cfg)
     if device is not None:  # on Slurm the compute nodes decide; ranks check again there
         backends.check(cfg.recipe, device.type)
     run_checks.check_host(cfg, train, model, device)
     PrecisionMap.from_cfg(cfg.precision_map, model)
+    check_rules_match(cfg.precision_map, GPT.linear_names(model))
     with torch.device("meta"):
         names = {n for n, _ in GPT(model).named_modules()}
     faults.check(OmegaConf.to_container(cfg.faults, resolve=True), names)

@@ -51,7 +51,7 @@ def suggest(cause: str, tensor: str, recipe: str, others: dict[str, float], t: d
         return f"a block-scaled recipe ({better[0]}) fits this tensor's range; otherwise keep it in BF16"
     if cause == "underflow" and tensor == "gradient":
         return "keep the layer in BF16 (gradients span more range than E5M2 at one scale)"
-    return "keep the layer in BF16: precision_map.rules += {pattern: <layer>, precision: high}"
+    return "keep the layer in BF16: 'precision_map.rules=[{pattern: <layer>, precision: high}]'"
 
 
 def rank_layers(df: pd.DataFrame, run_recipe: str, t: dict) -> pd.DataFrame:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import ListConfig
 
 from dtrain import config as dtrain_config
-from dtrain.errors import UserError
+from dtrain.errors import UserError, clip
 from dtrain.model_args import GPTConfig
 from dtrain.parallel.checks import check_tp_heads
 
@@ -17,6 +17,22 @@ PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # precision= -> torch dtyp
 def as_list(value) -> list:
     """A key that takes one value or a list (`tp=2`, `tp=[1,2]`, sweeps `-m tp=1,2`)."""
     return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_distinct(key: str, values: list) -> None:
+    """A measured list names each value once: a repeat would measure and report it twice (check the
+    values' types first: true == 1 in Python)."""
+    seen = []
+    for value in values:
+        if value in seen:
+            shown = clip(f"[{', '.join(_show(v) for v in values)}]")
+            raise UserError(f"{key}={shown} names {clip(_show(value))} twice: each value is "
+                            "measured once: drop the repeat")
+        seen.append(value)
 
 
 def tp_degrees(cfg) -> list[int]:
@@ -74,8 +90,12 @@ def check_bench(cfg) -> None:
     for sp in as_list(cfg.train.sequence_parallel):
         if not isinstance(sp, bool):
             raise UserError(f"train.sequence_parallel={sp!r} must be true or false")
+    check_distinct("train.sequence_parallel", as_list(cfg.train.sequence_parallel))
+    check_distinct("impls", as_list(cfg.impls))
     for tp in tp_degrees(cfg):
         check_tp(tp, cfg.world_size)
+    check_distinct("train.tp", tp_degrees(cfg))
+    for tp in tp_degrees(cfg):
         check_tp_heads(model.n_head, n_kv, tp)
         if True in as_list(cfg.train.sequence_parallel) and model.seq_len % tp:
             raise UserError(f"train.sequence_parallel needs model.seq_len={model.seq_len} divisible by tp={tp}: "

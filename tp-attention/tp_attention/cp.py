@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dtrain.app import hydra_main
 from dtrain.errors import UserError
-from tp_attention.config import PRECISIONS, as_list
+from tp_attention.config import PRECISIONS, as_list, check_distinct
 from tp_attention.cp_bench import cp_degrees, model_at, rank_fn, seq_lens
 from tp_attention.cp_report import finalize
 
@@ -27,6 +27,7 @@ def validate(cfg) -> None:
     bad = [i for i in impls if i not in CP_IMPLS]
     if bad or not impls:
         raise UserError(f"train.cp_impl={impls} must name at least one of {', '.join(CP_IMPLS)}")
+    check_distinct("train.cp_impl", impls)
     degrees, lengths = cp_degrees(cfg), seq_lens(cfg)
     if not degrees or not lengths:
         raise UserError("train.cp and model.seq_len must each name at least one value, e.g. train.cp=[2] "
@@ -35,9 +36,12 @@ def validate(cfg) -> None:
         if not isinstance(cp, int) or isinstance(cp, bool) or not 2 <= cp <= cfg.world_size:
             raise UserError(f"train.cp={cp!r} must be an integer in [2, world_size={cfg.world_size}] (cp=1 is the "
                             "one-device baseline, always measured)")
+    check_distinct("train.cp", degrees)
     for s in lengths:
         if not isinstance(s, int) or isinstance(s, bool):
             raise UserError(f"model.seq_len={s!r} must be an integer")
+    check_distinct("model.seq_len", lengths)
+    for s in lengths:
         m = model_at(cfg, s)
         for cp in degrees:
             if s % (2 * cp):
