@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -106,7 +108,8 @@ def finite_or_none(x: float | None) -> float | None:
 
 
 class RunWriter:
-    """Appends records and events for one rank; line-buffered so a crash loses at most a line."""
+    """Appends records and events for one rank, a whole line per write: a crash loses at most a
+    line, a full disk leaves none torn."""
 
     def __init__(self, run_dir: str | Path, rank: int = 0, per_rank_records: bool = False):
         self.run_dir = Path(run_dir)
@@ -116,9 +119,20 @@ class RunWriter:
 
     def _append(self, name: str, obj: dict) -> None:
         f = self._files.get(name)
-        if f is None:
-            f = self._files[name] = open(self.run_dir / name, "a", buffering=1)
-        f.write(dumps(obj) + "\n")
+        if f is None:  # unbuffered: each line is written whole at once, nothing waits in a buffer
+            f = self._files[name] = open(self.run_dir / name, "ab", buffering=0)
+        line = memoryview((dumps(obj) + "\n").encode())
+        start = os.fstat(f.fileno()).st_size
+        try:
+            while line:
+                n = f.write(line)  # short only when the disk (or the file-size limit) is reached
+                if not n:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.run_dir / name))
+                line = line[n:]
+        except OSError:
+            with contextlib.suppress(OSError):  # a full disk leaves no torn line for readers
+                os.ftruncate(f.fileno(), start)
+            raise
 
     def _name(self, base: str) -> str:
         return base if self.rank == 0 else base.replace(".jsonl", f".rank{self.rank}.jsonl")

@@ -10,6 +10,7 @@ the job was requeued.
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -80,16 +81,34 @@ class StopOnSignal(Callback):
 
 
 def resume(trainer) -> str | None:
-    """The checkpoint a requeued attempt continues from: the latest complete one of this run."""
+    """The checkpoint a requeued attempt continues from: the latest complete and undamaged one of
+    this run (a damaged newer one is passed over with a warning and a `checkpoint_damaged` event;
+    when every one is damaged, the damage line). None when there is none yet: it starts again."""
     if requeue.restart_count() == 0:
         return None
     root = Path(trainer.train.checkpoint_dir or trainer.ctx.run_dir / "checkpoints")
     if not root.is_dir():
         return None
-    try:
-        return str(checkpoint.resolve(root))
-    except UserError:  # no complete checkpoint yet: start again
-        return None
+    path, skipped = _agreed(trainer, lambda: checkpoint.latest_intact(root))
+    for bad, problem in skipped if trainer.ctx.is_main else ():
+        trainer.ctx.writer.event("checkpoint_damaged", path=str(bad), problem=problem,
+                                 resumed_from=str(path) if path else None)
+        print(f"warning: checkpoint {bad} is damaged ({problem}): resuming from {path}",
+              file=sys.stderr, flush=True)
+    if path is None and skipped:
+        bad, problem = skipped[0]
+        raise UserError(f"checkpoint {bad} is damaged ({problem}) and no earlier checkpoint of "
+                        f"this run is intact: remove the damaged ones from {root} to start again")
+    return str(path) if path else None
+
+
+def _agreed(trainer, decide):
+    """Rank 0's `decide()` on every rank: it alone reads the checkpoints through (checksums)."""
+    if trainer.world_size > 1 and dist.is_initialized():
+        box = [decide() if trainer.ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=trainer.device)
+        return box[0]
+    return decide()
 
 
 def last_step_record(run_dir: Path, step: int) -> dict:

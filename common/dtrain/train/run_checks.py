@@ -33,11 +33,15 @@ def local_device(cfg):
 def check_host(cfg, train: TrainConfig, model, device) -> None:
     """This host's side, after the values: the train config resolved for a local run's ``device`` (precision
     `auto`, a CUDA-only context parallelism), a resume's checkpoint and the memory the run needs here."""
+    from dtrain import dist as ddist
     from dtrain.fit import check_fits
     from dtrain.train.checkpoint import check_resume
 
     if device is not None:
         train = train.resolved(cfg.world_size, device.type)
-    check_resume(train)
+    # every task of a job runs these checks: one reads the whole checkpoint to verify its checksums,
+    # the others check sizes only (rank 0's refusal ends the job)
+    job = ddist.detect_job(cfg.get("launcher"))
+    check_resume(train, checksums=job is None or job.rank == 0)
     if device is not None:
         check_fits(model, train, cfg.world_size, device, f"model.preset={cfg.model.preset}")
