@@ -234,7 +234,7 @@ def run(args) -> int:
 
     from dtrain import hostload
     from dtrain.costmodel.gemm_probe import LOAD_FILE, probe
-    from dtrain.guide.cli import generate
+    from dtrain.guide.cli import check_outputs, generate
     from dtrain.results import find_runs
 
     console = Console(stderr=True)
@@ -242,6 +242,7 @@ def run(args) -> int:
     if bad:
         raise UserError(f"--set {bad[0]!r} is not KEY=VALUE, e.g. --set slurm.partition=gpu")
     measured = gpu_measurements(args.measured)  # before any step starts
+    check_outputs(args.out, None, with_local=True)  # the guide is written last: checked first
     results = results_folder(args.results_dir)
     steps = [s for s in STEPS if s.name not in args.skip]
     names = [s.name for s in steps] + ["gemm-probe", "guide"]

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dtrain.errors import UserError
+from dtrain.errors import UserError, clip
 
 MIN_HEARTBEAT_TIMEOUT_S = 2.0  # ranks beat every timeout/5 (>= 0.1 s); a busy host delays a beat by ~1 s
 NAME_MAX, PATH_MAX = 255, 4096  # bytes, Linux
@@ -46,6 +46,18 @@ def integer_at_least(key: str, value, low: int, *, nullable: bool = False, high:
         raise UserError(f"{key}={value!r} must be an integer >= {low}{tail}{' or null' if nullable else ''}")
 
 
+def one_of(key: str, value, choices, *, error: type[Exception] = UserError) -> None:
+    """`value` is one of `choices`, else one line in the project's one form, e.g.
+    `train.cp_impl='x' must be one of ring, ulysses, torch` (the value quoted, clipped when long).
+    `error`: ValueError where a type refuses a value it was built with (not the user's input)."""
+    try:
+        known = value in choices
+    except TypeError:  # an unhashable value (a list from the command line) against a set or dict
+        known = False
+    if not known:
+        raise error(f"{key}={clip(repr(value))} must be one of {', '.join(map(str, choices))}")
+
+
 # ---------------------------------------------------------------- paths
 
 def check_path(key: str, value: str) -> None:
@@ -62,11 +74,20 @@ def check_path(key: str, value: str) -> None:
         what = f"a name of {len(long[0])} bytes" if long else "a path this long"
         raise UserError(f"{key}={value[:60]!r}... is too long ({what}; the filesystem allows {NAME_MAX} "
                         f"per name, {PATH_MAX} in all): pass a shorter {key}")
-    target, existing = Path(value), Path(".")
+    _check_writable_below(key, value, Path(value), f"pass {key}=<a writable folder>")
+
+
+def _check_writable_below(key: str, value, target: Path, fix: str) -> None:
+    """Every existing part of `target` a folder (no file, no symlink loop on the way), and the
+    deepest existing one writable: where `target` will be created."""
+    existing = Path(".")
     for q in (*reversed(target.parents), target):  # the existing part, from the top
         try:
             os.stat(q)
         except FileNotFoundError:
+            if os.path.islink(q):  # mkdir would say "File exists"
+                raise UserError(f"{key}={value!r} cannot be used: {q} is a dangling symlink (to "
+                                f"{os.readlink(q)}): pass another {key} or fix the link") from None
             break
         except OSError as e:
             why = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
@@ -78,7 +99,21 @@ def check_path(key: str, value: str) -> None:
         tempfile.TemporaryDirectory(dir=existing).cleanup()
     except OSError as e:
         raise UserError(f"{key}={value!r} is not writable ({e.strerror} in {existing}): "
-                        f"pass {key}=<a writable folder>") from None
+                        f"{fix}") from None
+
+
+def check_output_file(key: str, value) -> Path:
+    """A file a command writes after its work (a guide, a table), checked before that work so a path
+    that cannot be written costs one line, not minutes and a traceback: not empty, not a folder, no
+    file on the way, and its folder writable (created later when missing). Returns it as a Path."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise UserError(f"{key}={value!r} is empty: pass {key}=<a file>")
+    path = Path(value)
+    if path.is_dir():
+        raise UserError(f"{key}={str(value)!r} is a folder, not a file: pass a file path, "
+                        f"e.g. {key}={path / 'GUIDE.md'}")
+    _check_writable_below(key, str(value), path.parent, f"pass {key}=<a file in a writable folder>")
+    return path
 
 
 # ---------------------------------------------------------------- shared keys

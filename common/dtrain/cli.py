@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -47,13 +48,29 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+SIGPIPE_EXIT = 128 + 13  # as a shell reports a command killed by SIGPIPE (`yes | head -1`)
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (`dtrain runs | head -1`): stop quietly, as `head`'s writers
+    do. stdout goes to /dev/null so the interpreter's final flush cannot fail again (the Python
+    docs' recipe, "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return SIGPIPE_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
         args = build_parser(argv[0] if argv else None).parse_args(argv)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (UserError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,14 +18,13 @@ import math
 import shutil
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from dtrain import contract, plots
-from dtrain.derived import write_derived_run
+from dtrain.derived import claim_fresh, write_derived_run
 from dtrain.errors import UserError
 from dtrain.metrics import SUMMARY, write_json_atomic
 from dtrain.results import complete_runs, load, load_events, load_runs
@@ -149,8 +148,8 @@ def main(argv: list[str]) -> dict:
     recipes, baseline, seeds = plan(args, overrides)
     results_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("results_dir=")), "results")
     overrides = [o for o in overrides if not o.startswith(("results_dir=", "recipe=", "seed="))]
-    out = Path(results_dir) / "fp8-train" / f"compare-{datetime.now():%Y%m%d-%H%M%S-%f}"
-    out.mkdir(parents=True)
+    # a derived run's own new folder, claimed before the sweep (dtrain.derived); its runs go inside it
+    out = claim_fresh(Path(results_dir) / "fp8-train", "compare-", "results_dir", holds_runs=True)
     plan_config = {"mode": "compare", "recipes": recipes, "baseline": baseline, "seeds": seeds,
                    "noise_k": args.noise_k, "overrides": overrides}
     cmd = [sys.executable, "-m", "fp8_train", "-m", f"recipe={','.join(recipes)}",

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 
-from dtrain import plots, results
-from dtrain.errors import UserError
+from dtrain import derived, plots, results
 from dtrain.derived import write_derived_run
+from dtrain.errors import UserError
 from dtrain.strategies import SHARDED
 from fsdp_scaling.summary import headline
 
@@ -137,15 +136,19 @@ def scaling_summary(df: pd.DataFrame) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fsdp_scaling.report", description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="run directories or folders above them (multirun trees)")
-    p.add_argument("--out", help="report directory (default results/fsdp-scaling/report-<time>)")
+    p.add_argument("--out", help="report directory, new or empty "
+                                 "(default results/fsdp-scaling/report-<time>)")
     args = p.parse_args(argv)
     try:
+        if args.out:  # before the runs are read: a folder it may not write costs one line
+            derived.check_output(args.out)
         df, heads = study_frame(args.paths)
+        # a derived run owns its folder as a run does (.run-owner); the default name never collides
+        out = derived.claim_output(args.out) if args.out else \
+            derived.claim_fresh("results/fsdp-scaling", "report-")
     except (UserError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"results/fsdp-scaling/report-{datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
     cols = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "prefetch", "world_size", "tokens_per_s",
             "step_time_s", "mfu", "efficiency", "step_time_vs_ddp", "overlap_fraction", "exposed_comm_s",
             *BREAKDOWN, "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]

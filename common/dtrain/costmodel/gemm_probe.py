@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from dtrain import contract, envinfo, hostload, perf
-from dtrain.derived import write_derived_run
+from dtrain.derived import claim_output, write_derived_run
+from dtrain.errors import UserError
 from dtrain.results import complete_runs
 from dtrain.timing import queued_s
 
@@ -85,7 +86,7 @@ def shape_of_target(t: dict) -> ModelShape:
 
 def gemms_of(t: dict) -> list[Gemm]:
     shape = shape_of_target(t)
-    lay = Layout(1, t["tp"], 1, micro_batch=t["micro_batch"])
+    lay = Layout(tp=t["tp"], micro_batch=t["micro_batch"])
     out = [g for g in layer_gemms(shape, lay) if t["kind"] != "attention" or g.name not in ("fc1", "fc2")]
     return out + ([head_gemm(shape, lay)] if t["kind"] == "gpt" else [])
 
@@ -207,7 +208,7 @@ def gemm_step_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> flo
 
 def _gpt_gemm_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> float:
     shape = shape_of_target(t)
-    lay = Layout(1, t["tp"], 1, micro_batch=t["micro_batch"])
+    lay = Layout(tp=t["tp"], micro_batch=t["micro_batch"])
     layer = sum(gemm_time(g, peak, 0.0, curve, value_bytes) for g in layer_gemms(shape, lay))
     return shape.n_layer * layer + gemm_time(head_gemm(shape, lay), peak, 0.0, curve, value_bytes)
 
@@ -258,6 +259,8 @@ def probe(results: Path, device: str = "auto") -> Path:
     results = Path(results)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tg, threads, sources = targets(results)
+    # its own folder, claimed before the timing (dtrain.derived): an earlier probe's is never rewritten
+    out = claim_output(results / SUBPROJECT, "gemm-probe", fix="remove it to probe again")
     timer, ref = Timer(dev), None
     if dev.type == "cpu":
         torch.set_num_threads(max(1, int(threads)))
@@ -309,11 +312,15 @@ def probe(results: Path, device: str = "auto") -> Path:
                                 loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)))
     env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
                           threads_per_rank=int(threads))
-    return write_derived_run(Path(results) / SUBPROJECT, SUBPROJECT, sources,
+    return write_derived_run(out, SUBPROJECT, sources,
                              {"device": dev.type, "threads": int(threads)}, {"device": str(dev)}, [record], env=env)
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m dtrain.costmodel.gemm_probe RESULTS_DIR")
-    print(probe(Path(sys.argv[1])))
+    try:
+        print(probe(Path(sys.argv[1])))
+    except UserError as e:  # e.g. an earlier probe's folder: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -42,6 +42,24 @@ def _progress():
     return bar
 
 
+def check_outputs(out: str | Path, plots_dir: str | Path | None,
+                  with_local: bool) -> tuple[Path, Path]:
+    """Before any work (also `dtrain capstone`'s, before its experiments): the guide file can be
+    written, and the plots folder holds no file of a plot's name that the guide did not write
+    (``with_local``: runs are read, so the plot of the local runs may be drawn).
+    Returns (guide path, plots folder)."""
+    from dtrain.checks import check_output_file, check_path
+
+    from .figures import check_plots_dir
+
+    out = check_output_file("--out", str(out))
+    folder = Path(plots_dir) if plots_dir else out.parent / "docs" / "guide"
+    check_path("--plots-dir", str(folder))
+    shown = f"--plots-dir {folder}" + ("" if plots_dir else " (the default, beside --out)")
+    check_plots_dir(folder, with_local, shown)
+    return out, folder
+
+
 def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path | None = None,
              gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
     """Write the guide and its plots; returns (guide path, plot paths)."""
@@ -54,9 +72,8 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
     from .render import render
     from .rules import derive_rules
 
-    out = Path(out)
-    plots_dir = Path(plots_dir) if plots_dir else out.parent / "docs" / "guide"
     results = list(results or [])
+    out, plots_dir = check_outputs(out, plots_dir, with_local=bool(results))
     for r in results:
         if not Path(r).exists():
             raise UserError(f"no such results path: {r}: run `dtrain capstone` first, pass --results DIR, "

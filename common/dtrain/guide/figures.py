@@ -1,9 +1,19 @@
-"""The guide's plots, drawn from the matrix cells and the local checks (PNG, deterministic)."""
+"""The guide's plots, drawn from the matrix cells and the local checks (PNG, deterministic).
+
+The guide writes and removes only plots it wrote: ``<plots dir>/.dtrain-guide-plots.json`` lists
+each plot it wrote there with its sha256. A file of a plot's name that is not listed, or that
+changed since (the user's own), is refused before any work (``check_plots_dir``), and a stale plot
+is removed only when listed and unchanged.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from dtrain import plots
+from dtrain.errors import UserError
+from dtrain.metrics import write_json_atomic
 
 from .check import GOAL, Check
 from .matrix import GPU_COUNTS, IB_GBITS, MODELS, Cell, model_label
@@ -116,12 +126,68 @@ def _draw(task: tuple) -> Path | None:
     return FIGURES[name](data, path)
 
 
+MANIFEST = ".dtrain-guide-plots.json"  # in the plots folder: {"plots": {file name: sha256}}
+LOCAL_ONLY = ("predicted_vs_measured",)  # drawn only from local runs
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_manifest(out_dir: Path) -> dict[str, str] | None:
+    """The plots the guide wrote into ``out_dir`` ({} when none); None when the file there is not
+    one the guide wrote."""
+    try:
+        data = json.loads((Path(out_dir) / MANIFEST).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    listed = data.get("plots") if isinstance(data, dict) else None
+    ok = isinstance(listed, dict) and all(isinstance(v, str) for v in listed.values())
+    return listed if ok else None
+
+
+def _ours(path: Path, manifest: dict[str, str]) -> bool:
+    """Written by the guide and unchanged since."""
+    return manifest.get(path.name) == _sha256(path)
+
+
+def check_plots_dir(out_dir: Path, with_local: bool, shown: str) -> None:
+    """Before any work: the guide would overwrite no file of ``out_dir`` it did not write
+    (``shown``: how the user named the folder). ``with_local``: the plot of the local runs may be
+    drawn too."""
+    out_dir = Path(out_dir)
+    fix = "move it or pass another --plots-dir"
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise UserError(f"{shown} holds {out_dir / MANIFEST} that dtrain guide did not write: "
+                        f"{fix}")
+    names = [n for n in FIGURES if with_local or n not in LOCAL_ONLY]
+    for path in (out_dir / f"{n}.png" for n in names):
+        if path.is_symlink() or path.is_dir() or (path.exists() and not _ours(path, manifest)):
+            raise UserError(f"{shown} holds {path} that dtrain guide did not write: {fix}")
+
+
+def _record(out_dir: Path, made: list[Path | None]) -> None:
+    """List what was drawn; remove a stale plot of the local runs only when the guide wrote it."""
+    manifest = read_manifest(out_dir) or {}
+    for name, path in zip(FIGURES, made):
+        if path is not None:
+            manifest[path.name] = _sha256(path)
+            continue
+        stale = out_dir / f"{name}.png"
+        if stale.is_file() and not stale.is_symlink() and _ours(stale, manifest):
+            stale.unlink()  # no local runs this time: an earlier generation's plot would mislead
+        manifest.pop(stale.name, None)  # gone, or the user's: never touched again
+    write_json_atomic(out_dir / MANIFEST, {"written_by": "dtrain guide", "plots": manifest})
+
+
 def draw_all(cells: list[Cell], checks: list[Check], out_dir: Path, pool=None) -> list[Path]:
     """Every figure (``pool``: side by side in its workers, which forked with matplotlib imported)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tasks = [(name, checks if name == "predicted_vs_measured" else cells, out_dir / f"{name}.png")
              for name in FIGURES]
     made = pool.map(_draw, tasks, chunksize=1) if pool is not None else [_draw(t) for t in tasks]
-    if made[-1] is None:  # no local runs: drop a stale plot from an earlier generation
-        (out_dir / "predicted_vs_measured.png").unlink(missing_ok=True)
+    _record(out_dir, made)
     return [p for p in made if p is not None]
