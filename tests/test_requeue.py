@@ -153,9 +153,9 @@ def test_usr2_due_before_the_tasks_can_handle_it_is_refused():
     from dtrain.app import check_signal_delay
     from dtrain.errors import UserError
 
-    check_signal_delay(OmegaConf.create({"time_min": 2, "signal_delay_s": 90}))  # USR2 30 s in: accepted
-    with pytest.raises(UserError, match=r"^slurm.signal_delay_s=90 sends USR2 0 s after the start of a 1-min job, "
-                                        r"before the tasks can handle it: lower slurm.signal_delay_s to <= 30"):
-        check_signal_delay(OmegaConf.create({"time_min": 1, "signal_delay_s": 90}))
+    check_signal_delay(OmegaConf.create({"time_min": 3, "signal_delay_s": 90}))  # USR2 >= 30 s in
+    with pytest.raises(UserError, match=r"^slurm.time_min=2 must be >= 3 minutes: Slurm sends USR2 .*: "
+                                        r"pass slurm.time_min=3 or more, or lower slurm.signal_delay_s to <= 30$"):
+        check_signal_delay(OmegaConf.create({"time_min": 2, "signal_delay_s": 90}))
     with pytest.raises(UserError, match="must be an integer number of seconds >= 1"):
         check_signal_delay(OmegaConf.create({"time_min": 30, "signal_delay_s": 0}))

@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from dtrain import checks, rundir, sweep
+from dtrain import checks, diskfull, requeue, rundir, sweep
 from dtrain import dist as ddist
 from dtrain import slurm_sweep
 from dtrain.errors import UserError
 from dtrain.launch import LAUNCHERS, RankFailed, launch, mode_of
-from dtrain.liveness import Interrupted, catch_interrupts
+from dtrain.liveness import Interrupted, JobEnded, catch_interrupts
 from dtrain.metrics import RunWriter, write_summary
 from dtrain.rundir import RunDirTaken, claim
 
@@ -46,6 +46,7 @@ def check_base(cfg: DictConfig, devices: bool = True) -> None:
     if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
         raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
     checks.check_base_values(cfg)  # results_dir, timeouts, seed, threads: right type, impossible value
+    rundir.check_results_folder(cfg)  # <results_dir>/<subproject> a file: not Hydra's traceback
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
     if cfg.launcher == "slurm":
@@ -73,16 +74,26 @@ def resolve(ref):
 # USR2 must come after submitit has installed its handler in every task (python started, the task
 # unpickled: ~10-20 s here); before that USR2's default action ends the task, and the job is lost.
 MIN_SECONDS_BEFORE_USR2 = 30
+# sbatch --signal: "Due to the resolution of event handling by Slurm, the signal may be sent up to
+# 60 seconds earlier than specified" (slurmctld checks time limits periodically).
+SLURM_SIGNAL_EARLY_S = 60
 
 
 def check_signal_delay(s: DictConfig) -> None:
-    delay, limit_s = s.signal_delay_s, s.time_min * 60  # the default lives in dtrain.config.SlurmConfig
+    """USR2 may come signal_delay_s + 60 s before the limit: even then the tasks must be ready."""
+    delay, minutes = s.signal_delay_s, s.time_min  # the defaults live in dtrain.config.SlurmConfig
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
         raise UserError(f"slurm.signal_delay_s={delay!r} must be an integer number of seconds >= 1")
-    if limit_s - delay < MIN_SECONDS_BEFORE_USR2:
-        raise UserError(f"slurm.signal_delay_s={delay} sends USR2 {max(limit_s - delay, 0)} s after the start of a "
-                        f"{s.time_min}-min job, before the tasks can handle it: lower slurm.signal_delay_s to "
-                        f"<= {limit_s - MIN_SECONDS_BEFORE_USR2} or raise slurm.time_min")
+    need_s = delay + SLURM_SIGNAL_EARLY_S + MIN_SECONDS_BEFORE_USR2
+    if not isinstance(minutes, int) or isinstance(minutes, bool) or minutes * 60 < need_s:
+        least = -(-need_s // 60)
+        why = (f"Slurm sends USR2 slurm.signal_delay_s={delay} s before the limit and up to "
+               f"{SLURM_SIGNAL_EARLY_S} s earlier (sbatch --signal), and the tasks need "
+               f"{MIN_SECONDS_BEFORE_USR2} s for submitit's handler")
+        lower = minutes * 60 - (need_s - delay) if isinstance(minutes, int) else 0
+        fix = f"pass slurm.time_min={least} or more" + (
+            f", or lower slurm.signal_delay_s to <= {lower}" if lower >= 1 else "")
+        raise UserError(f"slurm.time_min={minutes!r} must be >= {least} minutes: {why}: {fix}")
 
 
 def run_dir_for(cfg: DictConfig) -> Path:
@@ -110,17 +121,17 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL = diskfull.ERRNOS  # ENOSPC, EDQUOT, EFBIG
 
 
-def disk_full(run_dir: Path, cause: str) -> None:
-    """Out of space: one line, a run_failed event if it still fits, no stray temporary files."""
+def disk_full(run_dir: Path, cause: str, code: int = errno.ENOSPC) -> None:
+    """Out of space (or over the file-size limit): one line, a run_failed event if it still fits, no
+    stray temporary files; exits 1."""
     for tmp in Path(run_dir).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        RunWriter(run_dir).event("run_failed", error=f"disk full: {cause}"[:500])
-    fail(f"disk full ({cause}): free space or pass results_dir=<a folder on another disk>; "
-         f"incomplete run left (no summary.json) in {run_dir}", 1)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    _record_failure(run_dir, f"{'file too large' if code == errno.EFBIG else 'disk full'}: {cause}")
+    fail(diskfull.message(code, cause, run_dir), 1)
 
 
 def _checkpoint_dir(cfg: DictConfig) -> Path | None:
@@ -131,9 +142,31 @@ def _checkpoint_dir(cfg: DictConfig) -> Path | None:
     return Path(os.path.abspath(value)) if value else None
 
 
+def _check_ownership(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> None:
+    """Before anything is written: the run dir, results_dir and an explicit checkpoint dir are not
+    (inside) another run's folder, and a resume does not read a run still writing checkpoints."""
+    from omegaconf import OmegaConf
+
+    rundir.check_outside_runs(f"run directory {run_dir}", run_dir, "hydra.run.dir", False)
+    rundir.check_outside_runs(f"results_dir={cfg.results_dir}", cfg.results_dir, "results_dir",
+                              own=run_dir)
+    if ckpt is not None:
+        value = OmegaConf.select(cfg, "train.checkpoint_dir")
+        if os.path.realpath(ckpt) == os.path.realpath(run_dir):
+            raise UserError(f"train.checkpoint_dir={value} is the run directory itself: leave it "
+                            f"unset (checkpoints go to {value}/checkpoints) or pass another folder")
+        rundir.check_outside_runs(f"train.checkpoint_dir={value}", ckpt, "train.checkpoint_dir",
+                                  False, run_dir)  # the folder itself: claim_folder names its run
+        checks.check_path("train.checkpoint_dir", str(ckpt))  # a file, a symlink loop: one line
+    resume = OmegaConf.select(cfg, "train.resume_from", default=None)
+    if resume:
+        rundir.check_not_running("train.resume_from", resume)
+
+
 def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
             finalize: Finalize | None = None) -> dict | None:
     run_dir = run_dir_for(cfg)  # under Hydra it exists already; on bad input only what this run made is removed
+    requeue.exit_if_complete(run_dir)  # `scontrol requeue` of a finished job: nothing touched
     rundir.remember(run_dir)  # a no-op when Hydra's callback already saw it before creating it
     job = ddist.detect_job(cfg.launcher)
     is_launcher = job is None or job.rank == 0
@@ -144,6 +177,8 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
         interrupts.enter_context(catch_interrupts())
     try:
         check_base(cfg)
+        if is_launcher:
+            _check_ownership(cfg, run_dir, ckpt)  # before validate reads a live run's files
         if validate:
             validate(cfg)
         check_writable(run_dir)
@@ -170,23 +205,32 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
             _record_failure(run_dir, f"finalize: {e}")
         fail(str(e), 2)
     except OSError as e:
-        if e.errno not in DISK_FULL:
+        full = diskfull.find(e)
+        if full is None:
             if not finalizing:
                 raise
             _finalize_crashed(run_dir)
-        disk_full(run_dir, f"{e.strerror}: {e.filename or run_dir}")
+        disk_full(run_dir, f"{full.strerror}: {full.filename or run_dir}", full.errno)
+    except JobEnded as e:  # scancel, or the time limit past slurm.max_requeues: one line, no dump
+        with contextlib.suppress(OSError), RunWriter(run_dir) as w:
+            w.event("run_failed", error=str(e), reason=e.reason)
+        fix = f"; {e.fix}" if e.fix else ""
+        fail(f"{e}: run_failed recorded in {run_dir}/events.jsonl{fix}", 1)
     except RankFailed as e:
-        last = e.error or str(e).splitlines()[-1]
-        if "[Errno 28]" in last or "No space left on device" in last or "[Errno 122]" in last:
-            disk_full(run_dir, last[:300])  # exits
-        RunWriter(run_dir).event("run_failed", error=e.error)  # the root cause's one line
+        full = diskfull.in_text(str(e)) or diskfull.in_text(e.error or "")  # a rank's traceback
+        if full:
+            disk_full(run_dir, full, diskfull.errno_in_text(full))  # exits
+        _record_failure(run_dir, e.error or str(e))  # the root cause's one line; never raises
         print(str(e), file=sys.stderr, flush=True)
         fail(f"run failed; incomplete run left (no summary.json) in {run_dir}", 1)
     except Interrupted as e:
         with contextlib.suppress(OSError), RunWriter(run_dir) as w:
             w.event("run_failed", error=str(e))
         fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
-    except Exception:
+    except Exception as e:
+        full = diskfull.find(e, run_dir)  # wrapped: a plotting library's error, torch's short write
+        if full is not None:
+            disk_full(run_dir, f"{full.strerror}: {full.filename or run_dir}", full.errno)
         if not finalizing:
             raise
         _finalize_crashed(run_dir)

@@ -196,18 +196,28 @@ def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side
         if os.getppid() != launcher_pid:  # a peer died with the launcher: say why, not "connection closed"
             liveness.orphaned(local_rank, Path(run_dir), launcher_pid, Path(side_dir))
         Path(side_dir, f"error.{local_rank}").write_text(traceback.format_exc())  # its mtime orders failures
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # not the interpreter's teardown: gloo's threads abort it with "terminate called ..."
+        _leave(1)
     if local_rank == 0:
         with open(Path(side_dir, "result.pkl"), "wb") as f:
             pickle.dump(result, f)
-    # Done, files closed: leave without the interpreter's teardown, where gloo's threads now and then abort a
-    # finished rank ("terminate called without an active exception", SIGABRT) and fail a run that succeeded.
     logging.shutdown()
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """End a rank without the interpreter's teardown, where gloo's threads now and then abort a
+    finished rank ("terminate called without an active exception", SIGABRT) and fail a run that
+    succeeded. os._exit skips atexit, so first run multiprocessing's finalizers: they unlink the
+    named semaphores a rank made (tqdm's multiprocessing lock, one per rank), which the resource
+    tracker would otherwise report after every run ("There appear to be N leaked semaphore
+    objects")."""
+    import multiprocessing.util
+
+    with contextlib.suppress(Exception):
+        multiprocessing.util._run_finalizers()  # what its atexit hook runs; private, hence guarded
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _launch_local(rank_fn, cfg, run_dir: Path, device_type: str) -> Any:
@@ -248,6 +258,7 @@ class SlurmTask:
         self.rank_fn, self.cfg, self.run_dir = rank_fn, cfg, run_dir
 
     def __call__(self):
+        requeue.exit_if_complete(Path(self.run_dir), check_owner=False)  # requeued after it finished
         env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
         liveness.watch_rank(env.rank, Path(self.run_dir), Path(self.run_dir, "slurm"),
                             self.cfg.get("heartbeat_timeout_s"))
@@ -309,6 +320,8 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
     try:
         _wait_slurm(job, cfg, run_dir)
+    except liveness.JobEnded:  # cancelled from outside: nothing left to cancel
+        raise
     except BaseException:  # Interrupted, a hung rank, a job that can never start: it must not run on
         job.cancel(check=False)
         print(f"cancelled Slurm job {job.job_id}", flush=True)
@@ -323,6 +336,8 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
             failures.append((liveness.is_peer_symptom(str(e)), "Traceback" not in str(e), i, str(e)))
     if not failures:
         return results[0]
+    _raise_if_cancelled(job.job_id, slurm_queue.state(job.job_id))  # submitit saw it first
+    _raise_if_timed_out(job.job_id, cfg.slurm, [t for *_, t in failures])
     failures.sort()  # a task's own traceback first; "connection closed" and killed-by-Slurm after
     text = "\n".join(f"--- task {i}:\n{t}" for _, _, i, t in failures)
     if "UserError: " in text:
@@ -332,12 +347,40 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
                      error=f"task {first}: {liveness.error_line(first_text)}") from None
 
 
+# what a task's outcome says when the job ran out of time for good: submitit's handler after the
+# last allowed requeue (or with requeue off), or Slurm's own kill at the limit
+_TIMED_OUT = ("timed-out too many times", "state: TIMEOUT")
+
+
+def _raise_if_cancelled(job_id: str, job_state: tuple[str, str] | None) -> None:
+    by = slurm_queue.cancelled(job_id, job_state)
+    if by is not None:
+        how = f" (scancel {by})" if by else ""
+        raise liveness.JobEnded(f"Slurm job {job_id} was cancelled{how}", reason="cancelled")
+
+
+def _raise_if_timed_out(job_id: str, s: DictConfig, texts: list[str]) -> None:
+    """A job that hit its time limit once more than slurm.max_requeues allow: one line, not the
+    tasks' dumps (every task's log says the same)."""
+    if not any(marker in t for t in texts for marker in _TIMED_OUT):
+        return
+    requeues, _ = requeue_options(s)
+    how = (f"after slurm.max_requeues={requeues} requeue(s)" if s.get("requeue", True)
+           else "(slurm.requeue=false)")
+    raise liveness.JobEnded(f"Slurm job {job_id} reached its time limit "
+                            f"(slurm.time_min={s.time_min}) {how}",
+                            reason="time_limit",
+                            fix="raise slurm.time_min or slurm.max_requeues")
+
+
 def _wait_slurm(job, cfg, run_dir: Path) -> None:
-    """Until the job ends; watching heartbeats (a hung rank) and the pending reason (never starts).
+    """Until the job ends; watching heartbeats (a hung rank), the pending reason (said while it
+    waits; a job that can never start is cancelled) and a cancel from outside (scancel: said within
+    a queue check, where submitit's own poll of sacct takes ~40 s and ends in every task's log).
     Heartbeats count only while squeue says RUNNING: a requeued job's ranks are rightly silent."""
     timeout = cfg.get("heartbeat_timeout_s")
     monitor = liveness.HeartbeatMonitor(run_dir / "slurm", cfg.world_size, timeout) if timeout else None
-    running, next_queue_check = False, 0.0
+    running, next_queue_check, said = False, 0.0, None
     while not job.done():
         if time.monotonic() > next_queue_check:
             job_state = slurm_queue.state(job.job_id)
@@ -345,11 +388,24 @@ def _wait_slurm(job, cfg, run_dir: Path) -> None:
             if reason:
                 raise UserError(f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), cancelled: "
                                 "ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition")
+            said = _say_pending(job.job_id, job_state, said, cfg.slurm.get("partition"))
+            _raise_if_cancelled(job.job_id, job_state)
             if running and job_state and job_state[0] != "RUNNING" and monitor:
                 monitor.reset()
             running = bool(job_state) and job_state[0] == "RUNNING"
-            next_queue_check = time.monotonic() + 5
+            next_queue_check = time.monotonic() + 2
         hung = monitor.stale() if monitor and running else None
         if hung:
             raise RankFailed(f"Slurm job {job.job_id}: " + monitor.describe(*hung), error=monitor.describe(*hung))
         time.sleep(1)
+
+
+def _say_pending(job_id: str, job_state: tuple[str, str] | None, said: str | None,
+                 partition: str | None) -> str | None:
+    """Print why the job waits, once and whenever the reason changes; returns what was said last."""
+    if not job_state or job_state[0] != "PENDING" or job_state[1] in ("None", ""):
+        return said
+    why = slurm_queue.pending_reason(job_state[1], partition)
+    if why != said:
+        print(f"waiting: Slurm job {job_id} pending ({why})", flush=True)
+    return why

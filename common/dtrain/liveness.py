@@ -45,6 +45,16 @@ class RankFailed(RuntimeError):
         self.error = error or error_line(message)
 
 
+class JobEnded(RankFailed):
+    """The Slurm job was ended from outside the run (scancel, its time limit after the last
+    requeue): a failed run said in one line (`str`), no task's dump; `reason` goes into
+    run_failed, `fix` after the line."""
+
+    def __init__(self, message: str, reason: str, fix: str = ""):
+        super().__init__(message, error=message)
+        self.reason, self.fix = reason, fix
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM reached the launcher; a BaseException so no `except Exception` swallows it."""
 

@@ -8,6 +8,7 @@ says it can never start.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import subprocess
 
@@ -114,3 +115,50 @@ def never_starts(job_state: tuple[str, str] | None) -> str | None:
         return None
     reason = job_state[1]
     return reason if reason in NEVER_REASONS or _PER_JOB_LIMIT.match(reason) else None
+
+
+# squeue states of a job that still runs or will run again
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
+          "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED"}
+
+
+def cancelled(job_id: str, job_state: tuple[str, str] | None) -> str | None:
+    """"by <user> at <time>" (what sacct knows) when the job was cancelled, else None. Asked only
+    when squeue no longer shows it active: a cancelled job is COMPLETING for a while, then gone."""
+    if job_state and job_state[0] in ACTIVE:
+        return None
+    out = _run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "State,End"])
+    row = out.splitlines()[0].split("|") if out and "|" in out else None
+    if row is None:  # no accounting: squeue's own word, while it still lists the job
+        return "" if job_state and job_state[0] == "CANCELLED" else None
+    words = row[0].split()
+    if not words or words[0] != "CANCELLED":
+        return None
+    who = words[2] if len(words) == 3 and words[1] == "by" else ""
+    if who.isdigit():
+        try:
+            who = pwd.getpwuid(int(who)).pw_name
+        except KeyError:
+            who = f"uid {who}"
+    end = row[1] if row[1] not in ("", "Unknown", "None") else ""
+    return " ".join(p for p in (f"by {who}" if who else "", f"at {end}" if end else "") if p)
+
+
+def _points_to_nodes(reason: str) -> bool:
+    """Whether a pending reason may come from nodes that are drained or down."""
+    return (reason == "Resources" or reason.startswith("ReqNodeNotAvail") or "DOWN" in reason
+            or "DRAIN" in reason)
+
+
+def pending_reason(reason: str, partition: str | None = None) -> str:
+    """squeue's pending reason, with the drained or down nodes (and why, from `sinfo -R`) when the
+    reason may come from them: 'Resources: node1 drained "maintenance"'."""
+    if not _points_to_nodes(reason):
+        return reason
+    out = _run(["sinfo", "-R", "-h", "-o", "%n|%T|%E"] + (["-p", partition] if partition else []))
+    nodes = [row.split("|", 2) for row in (out or "").splitlines() if row.count("|") >= 2]
+    if not nodes:
+        return reason
+    said = [f'{name} {state.lower().rstrip("*~#!%$@^-")} "{why}"' for name, state, why in nodes[:3]]
+    more = f" and {len(nodes) - 3} more" if len(nodes) > 3 else ""
+    return f"{reason}{'; ' if ':' in reason else ': '}{', '.join(said)}{more}"

@@ -147,7 +147,10 @@ class _GatherSequenceToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return all_gather_dim(x, 1, group)
+        # all_gather_dim returns a movedim view of its buffer; this is the last block's output, and
+        # FSDP2 warns about a wrapped module that returns a view ("returned a view tensor", once per
+        # rank): hand it a tensor of its own (one copy of the residual stream per step)
+        return all_gather_dim(x, 1, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
