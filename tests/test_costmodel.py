@@ -61,7 +61,7 @@ def test_gpt_param_count_and_tp_pp_division():
     assert gpt2.num_params() == 12 * (12 * 768**2 + 2 * 768) + 50257 * 768 + 768  # ~124M (GPT-2 small)
     # 2 stages x 4-way TP: each stage holds 6 layers / 4 plus one V*h embedding / 4.
     assert params_per_gpu(gpt2, tp=4, pp=2) == pytest.approx((6 * (12 * 768**2 + 2 * 768) + 50257 * 768) / 4)
-    layout = Layout(dp=8, tp=4, pp=2, zero_stage=3)
+    layout = Layout(dp_shard=8, tp=4, pp=2, zero_stage=3)
     psi = params_per_gpu(gpt2, 4, 2)
     assert memory_per_gpu(gpt2, layout).params == pytest.approx(4 * psi / 8)  # FSDP2: fp32 sharded master weights
     # under PP the stage keeps its bf16 weights gathered (2 psi) and FSDP2 accumulates its unsharded gradients
@@ -109,16 +109,16 @@ def test_flash_attention_drops_the_score_term():
 
 def test_pipeline_first_stage_holds_pp_microbatches():
     shape = ModelShape(8, 1024, 8, 8, 1000, 512)
-    one = memory_per_gpu(shape, Layout(1, 1, 1, grad_accum=8)).activations
+    one = memory_per_gpu(shape, Layout(grad_accum=8)).activations
     per_layer = activation_bytes_per_layer(512, 1, 1024, 8, flash_attention=True, dropout=False)  # no dropout
     output = 4 * 512 * (1024 + 1000)   # output layer input + fp32 logits (Megatron's count)
     ids = 8 * 512                      # the embedding's token ids, per micro-batch in flight
     temporaries = 1.05                 # without SP (Megatron's precise count)
     assert one == pytest.approx((8 * per_layer + ids + output) * temporaries)
-    four = memory_per_gpu(shape, Layout(1, 1, 4, grad_accum=8)).activations
+    four = memory_per_gpu(shape, Layout(pp=4, grad_accum=8)).activations
     # first stage: 2 layers, 4 micro-batches in flight (its last stage holds one and the logits: less)
     assert four == pytest.approx((2 * per_layer * 4 + 4 * ids) * temporaries)
-    gpipe = memory_per_gpu(shape, Layout(1, 1, 4, grad_accum=8, pp_schedule="gpipe")).activations
+    gpipe = memory_per_gpu(shape, Layout(pp=4, grad_accum=8, pp_schedule="gpipe")).activations
     assert gpipe == pytest.approx((2 * per_layer * 8 + 8 * ids) * temporaries)  # GPipe holds all 8
 
 
@@ -155,7 +155,8 @@ def _cluster(gpus=64, ib_alpha=5e-6):
 def test_step_time_bubble_and_total():
     shape = ModelShape.from_params(7e9)
     for pp, m, v in [(2, 8, 1), (4, 8, 2), (8, 16, 4)]:
-        t = step_time(shape, Layout(64 // (2 * pp), 2, pp, grad_accum=m, virtual_stages=v), _cluster())
+        t = step_time(shape, Layout(dp_shard=64 // (2 * pp), tp=2, pp=pp, grad_accum=m,
+                                    pp_virtual=v), _cluster())
         assert t.bubble == pytest.approx((pp - 1) / (v * m) * (t.compute - t.terms.optimizer + t.tp_comm))
         assert t.total == pytest.approx(t.compute + t.tp_comm + t.pp_comm + t.bubble + t.dp_comm_exposed)
         assert t.mfu == pytest.approx(t.model_flops / (t.total * 64 * 989.4e12))
@@ -165,9 +166,9 @@ def test_dp_volumes_fp32_grads_bf16_weights():
     shape, cluster = ModelShape.from_params(7e9), _cluster(ib_alpha=0.0)
     no_overlap = Calibration(dp_overlap=Param(0.0, "measured here: test"))
     psi, beta, f = shape.num_params(), 400e9, 63 / 64  # 8 rails x 50 GB/s
-    dp = step_time(shape, Layout(64, 1, 1, zero_stage=0), cluster, no_overlap).dp_comm
-    z1 = step_time(shape, Layout(64, 1, 1, zero_stage=1), cluster, no_overlap).dp_comm
-    z3 = step_time(shape, Layout(64, 1, 1, zero_stage=3), cluster, no_overlap).dp_comm
+    dp = step_time(shape, Layout(dp_shard=64, zero_stage=0), cluster, no_overlap).dp_comm
+    z1 = step_time(shape, Layout(dp_shard=64, zero_stage=1), cluster, no_overlap).dp_comm
+    z3 = step_time(shape, Layout(dp_shard=64, zero_stage=3), cluster, no_overlap).dp_comm
     assert dp == pytest.approx(2 * f * 4 * psi / beta)            # all-reduce of fp32 grads
     assert z1 == pytest.approx(f * 4 * psi / beta + f * 2 * psi / beta)  # reduce-scatter fp32 + all-gather bf16
     assert z3 == pytest.approx(2 * f * 2 * psi / beta + f * 4 * psi / beta)
@@ -183,11 +184,12 @@ def test_recompute_costs_extra_forward():
 
     shape, cluster = ModelShape.from_params(7e9), _cluster()
     dev = device_of(cluster, Calibration(), Stack("eager"))
-    lay = Layout(64, 1, 1)
+    lay = Layout(dp_shard=64)
     fwd = sum(dev.gemm_s(g) for g in layer_gemms(shape, lay) if g.name not in ("scores", "av"))
     mem_fwd = sum(dev.mem_s(b, _KIND[k]) * _FORWARD_SHARE[k] for k, b in memory_bytes(shape, lay, "bf16", True).items())
     L = shape.n_layer
-    t = lambda rc: step_time(shape, Layout(64, 1, 1, recompute=rc), cluster, stack=Stack("eager")).terms  # noqa: E731
+    t = lambda rc: step_time(shape, Layout(dp_shard=64,
+                                           recompute=rc), cluster, stack=Stack("eager")).terms  # noqa: E731
     base = t("none")
     assert base.recompute == 0 and base.gemm == pytest.approx(L * 3 * fwd)  # forward + dgrad + wgrad
     assert t("full").recompute == pytest.approx(L * (fwd + attention_s(shape, lay, dev, True) + mem_fwd))
@@ -253,11 +255,13 @@ def test_explain_names_cross_node_tp_and_memory_rejections():
     shape, cluster = ModelShape.from_params(70e9), _cluster(64)
     plans = []
     for tp in (8, 16):
-        lay = Layout(64 // tp, tp, 1, zero_stage=3, recompute="full", grad_accum=tp)  # batch 64
+        lay = Layout(dp_shard=64 // tp, tp=tp, zero_stage=3, recompute="full",
+                     grad_accum=tp)  # batch 64
         mem, time = memory_per_gpu(shape, lay), step_time(shape, lay, cluster)
         plans.append(Plan(**vars(lay), memory=mem, time=time))
     plans.sort(key=lambda p: -p.time.tokens_per_s)
-    too_big = Layout(64, 1, 1, zero_stage=0, grad_accum=1)  # plain DP: faster, but 16 bytes/param
+    too_big = Layout(dp_shard=64, zero_stage=0,
+                     grad_accum=1)  # plain DP: faster, but 16 bytes/param
     assert step_time(shape, too_big, cluster).tokens_per_s > plans[0].time.tokens_per_s
     res = SearchResult(plans[0], plans, [(too_big, "does not fit: test")], "", shape, cluster, 64)
     lines = explain(res)
@@ -311,9 +315,9 @@ def test_in_flight_micro_batches_by_schedule():
     micro-batches there are (pp=8, v=2, m=8: the warm-up's 2*7 + 8 = 22 chunk forwards cover all 16); GPipe m."""
     from dtrain.costmodel.memory import in_flight
 
-    assert in_flight(Layout(1, 1, 8, grad_accum=32)) == 8
-    assert in_flight(Layout(1, 1, 8, grad_accum=4)) == 4
-    assert in_flight(Layout(1, 1, 8, grad_accum=32, virtual_stages=2)) == pytest.approx(8 * (1 + 7 / 16))
-    assert in_flight(Layout(1, 1, 8, grad_accum=8, virtual_stages=2)) == 8
-    assert in_flight(Layout(1, 1, 8, grad_accum=32, pp_schedule="gpipe")) == 32
-    assert in_flight(Layout(8, 1, 1, grad_accum=32)) == 1
+    assert in_flight(Layout(pp=8, grad_accum=32)) == 8
+    assert in_flight(Layout(pp=8, grad_accum=4)) == 4
+    assert in_flight(Layout(pp=8, grad_accum=32, pp_virtual=2)) == pytest.approx(8 * (1 + 7 / 16))
+    assert in_flight(Layout(pp=8, grad_accum=8, pp_virtual=2)) == 8
+    assert in_flight(Layout(pp=8, grad_accum=32, pp_schedule="gpipe")) == 32
+    assert in_flight(Layout(dp_shard=8, grad_accum=32)) == 1

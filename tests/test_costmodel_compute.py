@@ -50,12 +50,12 @@ def test_fused_attention_is_causal_flops_over_the_benchmark_rate(cp, impl):
     share = 0.59 * call / (call + 1300)
     d = dev()
     expected = work / (PEAK * share) * d.power_scale
-    got = attention_s(LLAMA8B, Layout(1, 1, 1, micro_batch=b, cp=cp, cp_impl=impl), d)
+    got = attention_s(LLAMA8B, Layout(cp=cp, micro_batch=b, cp_impl=impl), d)
     assert got == pytest.approx(expected, rel=1e-9)
 
 
 def test_fused_attention_forward_alone_is_two_sevenths():
-    d, lay = dev(), Layout(1, 2, 1, micro_batch=1)
+    d, lay = dev(), Layout(tp=2, micro_batch=1)
     assert attention_s(LLAMA8B, lay, d, forward_only=True) == pytest.approx(attention_s(LLAMA8B, lay, d) / 3.5)
 
 
@@ -64,7 +64,7 @@ def test_attention_dropout_in_a_fused_kernel_costs_its_measured_multiplier():
     model trained with dropout, and nothing else; where no GPU measured it (the A100's curves), it is 1."""
     from dataclasses import replace
 
-    d, lay = dev(), Layout(1, 2, 1, micro_batch=1)
+    d, lay = dev(), Layout(tp=2, micro_batch=1)
     gpt3 = replace(LLAMA8B, dropout=True)
     assert d.kernels.attention.dropout == 1.46
     assert attention_s(gpt3, lay, d) == pytest.approx(1.46 * attention_s(LLAMA8B, lay, d), rel=1e-12)
@@ -103,7 +103,7 @@ def test_gpu_check_reads_the_dropout_multiplier_as_the_median_over_training_leng
 def test_memory_bound_bytes_per_layer_by_hand():
     """Llama-3-8B layer, tp 2 with SP, b=1, s=8192: per token norm 20·h/t, add 24·h/t, SwiGLU 16·F/t,
     RoPE 8·(q + kv heads)·hd on the rank (16 + 4 heads of 128)."""
-    lay = Layout(1, 2, 1, micro_batch=1, sequence_parallel=True)
+    lay = Layout(tp=2, micro_batch=1, sequence_parallel=True)
     tokens, h_r, f = 8192, 4096 / 2, 3.5 * 4096 / 2
     want = {"norm": 20 * h_r * tokens, "add": 24 * h_r * tokens, "act_swiglu": 16 * f * tokens,
             "rope": 8 * (16 + 4) * 128 * tokens}
@@ -117,7 +117,7 @@ def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
     """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h), at 11.5 B per
     element with dynamic scaling (torchao), 3 with delayed (TransformerEngine), fused or eager alike (the casts'
     own count: not scaled again by EAGER_BYTES)."""
-    lay = Layout(1, 1, 1, micro_batch=1)
+    lay = Layout(micro_batch=1)
     q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
     elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
     for fused in (True, False):
@@ -133,7 +133,7 @@ def test_fp8_scaling_follows_the_software_unless_given():
     assert Stack(software="torchtitan", fp8_scaling="delayed").fp8_casts == "delayed"
     assert device_of(Cluster.from_profile("h100-sxm", 8), Calibration(), Stack(software="torchtitan")).fp8_scaling == \
         "dynamic"
-    with pytest.raises(ValueError, match="fp8_scaling must be one of"):
+    with pytest.raises(ValueError, match="fp8_scaling='per-row' must be one of delayed, dynamic, None"):
         Stack(fp8_scaling="per-row")
 
 
@@ -179,7 +179,7 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
     weights = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096   # linears + 2 norms
     assert LLAMA8B.params_per_layer_on_rank(1) == weights
     cluster = Cluster.from_profile("h100-sxm", 8)
-    lay = Layout(8, 1, 1, zero_stage=3, recompute="full", micro_batch=1)
+    lay = Layout(dp_shard=8, zero_stage=3, recompute="full", micro_batch=1)
 
     def terms(**stack):
         return layer_terms(LLAMA8B, lay, device_of(cluster, Calibration(), Stack(**stack)), "fp8")
@@ -222,7 +222,7 @@ def test_torch_cp_merges_count_the_ring_steps_eager_ops():
     from dtrain.costmodel.compute import layer_terms
     shape = replace(LLAMA8B, seq_len=32768)
     local = replace(LLAMA8B, seq_len=8192)   # memory_bytes counts a rank's tokens (as layer_terms passes them)
-    lay = Layout(1, 1, 1, micro_batch=1, cp=4, cp_impl="torch")
+    lay = Layout(cp=4, micro_batch=1, cp_impl="torch")
     for fused in (True, False):
         got = memory_bytes(local, lay, "bf16", fused=fused)
         assert got["cp_merge_fwd"] == pytest.approx(133.5 * 4096 * 8192)
@@ -299,7 +299,8 @@ def _predicted_step(c: dict, gpu: str) -> float:
 
     cfg = GPTConfig.from_preset(c["preset"], **c["overrides"])
     assert (cfg.n_layer, cfg.d_model, cfg.seq_len) == (c["n_layer"], c["d_model"], c["seq_len"])
-    pred = step_time(shape_of(cfg), Layout(1, 1, 1, 0, "none", c["micro_batch"], 1),
+    pred = step_time(shape_of(cfg), Layout(zero_stage=0, recompute="none",
+                                           micro_batch=c["micro_batch"], grad_accum=1),
                      Cluster.from_profile(gpu, 1, 8), stack=Stack("flash", "eager")).total
     print(f"{gpu} {c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured {c['step_s'] * 1e3:.1f} ms "
           f"(GPU busy {c['gpu_busy_s'] * 1e3:.1f}), predicted {pred * 1e3:.1f} ms ({pred / c['step_s'] - 1:+.0%})")

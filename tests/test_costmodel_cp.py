@@ -36,12 +36,14 @@ def test_ring_traffic_is_three_passes_of_the_kv_chunk_per_layer(cp):
     """Per layer and micro-batch: (cp−1) sends of the rank's K and V (2·b·s/cp·kv_heads·hd·2 B) forward,
     twice that backward, each α + B/β over NVLink (cp ≤ 8 ranks in one node); nothing hidden here."""
     m = step_model(LLAMA8B_128K, H100x64, _no_overlap())
-    lay = Layout(64 // cp, 1, 1, 3, "none", 1, 2, cp=cp)
+    lay = Layout(dp_shard=64 // cp, cp=cp, zero_stage=3, recompute="none", micro_batch=1,
+                 grad_accum=2)
     link = H100x64.nvlink.of("sendrecv")
     chunk = 2 * 1 * (131072 / cp) * 8 * 128 * 2
     want = 3 * (cp - 1) * (chunk / link.beta_Bps + link.alpha_s) * 32 * 2
     assert m.cp_comm(lay, attention_s=0.0) == pytest.approx(want, rel=1e-12)
-    full = Layout(64 // cp, 1, 1, 3, "full", 1, 2, cp=cp)   # full recompute runs the forward's sends again
+    full = Layout(dp_shard=64 // cp, cp=cp, zero_stage=3, recompute="full", micro_batch=1,
+                  grad_accum=2)   # full recompute runs the forward's sends again
     assert m.cp_comm(full, 0.0) == pytest.approx(want * 4 / 3, rel=1e-12)
 
 
@@ -49,7 +51,7 @@ def test_ring_sends_hide_behind_attention_at_the_overlap_cost():
     """The sends overlap up to the attention they run behind; the overlapped part still costs the share a measured
     cp_overlap leaves (1 − 0.5 here), or by default the NCCL kernel's SMs (1 − cp_overlap) plus its ring's HBM
     traffic, 3 x β(NVLink) / HBM (collectives.overlap_cost)."""
-    lay = Layout(8, 1, 1, 3, "none", 1, 1, cp=8)
+    lay = Layout(dp_shard=8, cp=8, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1)
     sends = step_model(LLAMA8B_128K, H100x64, _no_overlap()).cp_comm(lay, 0.0)
     half = step_model(LLAMA8B_128K, H100x64, Calibration(cp_overlap=Param(0.5, "measured here: test")))
     assert half.cp_comm(lay, attention_s=sends / 2) == pytest.approx(sends / 2 + sends / 2 * 0.5)
@@ -65,7 +67,8 @@ def test_ulysses_all_to_alls_are_never_hidden():
     """2 all-to-alls' worth per layer (forward, backward): (cp−1) pieces of tokens·(2q + 2kv)·2 B / cp each."""
     cp = 4
     m = step_model(LLAMA8B_128K, H100x64, Calibration(cp_overlap=Param(1.0, "measured here: test")))
-    lay = Layout(16, 1, 1, 3, "none", 1, 1, cp=cp, cp_impl="ulysses")
+    lay = Layout(dp_shard=16, cp=cp, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1,
+                 cp_impl="ulysses")
     link = H100x64.nvlink
     tokens = 131072 / cp
     want = 2 * (cp - 1) * (tokens * (2 * 4096 + 2 * 1024) * 2 / cp / link.beta_Bps + link.alpha_s) * 32
@@ -75,8 +78,8 @@ def test_ulysses_all_to_alls_are_never_hidden():
 def test_cp_divides_activations_by_cp_plus_the_rings_buffers():
     """A rank keeps the activations of its s/cp tokens; the ring adds its K/V send and receive buffers and
     their gradients: 2·2·2·b·(s/cp)·kv_heads·hd bytes."""
-    one = Layout(8, 1, 1, 3, "none", 1, 1)
-    four = Layout(2, 1, 1, 3, "none", 1, 1, cp=4)
+    one = Layout(dp_shard=8, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1)
+    four = Layout(dp_shard=2, cp=4, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1)
     assert cp_buffer_bytes(LLAMA8B_128K, one) == 0
     assert cp_buffer_bytes(LLAMA8B_128K, four) == 2 * 2 * 2 * 1 * (131072 / 4) * 8 * 128
     # (tp=1 has no SP: Megatron's 5% of temporaries scale everything, the buffers too)
@@ -112,14 +115,16 @@ def test_plan_layout_pins_cp_and_refuses_what_cannot_split(capsys):
     assert main([*base, "--layout", "cp_impl=ring cp=1"]) == 2
     assert "error: --layout: cp_impl=ring needs cp >= 2" in capsys.readouterr().err
     assert main([*base, "--layout", "cp_impl=allgather"]) == 2
-    assert "cp_impl=allgather must be one of ring, ulysses" in capsys.readouterr().err
+    assert "cp_impl='allgather' must be one of ring, ulysses, torch" in capsys.readouterr().err
 
 
 def test_a_cp_plan_runs_in_the_trainer_as_train_cp():
-    lay = Layout(2, 2, 1, 3, "none", 1, 4, sequence_parallel=True, cp=2, cp_impl="ulysses")
+    lay = Layout(dp_shard=2, cp=2, tp=2, zero_stage=3, recompute="none", micro_batch=1,
+                 grad_accum=4, sequence_parallel=True, cp_impl="ulysses")
     out, notes = train_overrides(lay, LLAMA8B_128K, 8)
     assert "world_size=8" in out and "train.cp=2" in out and "train.cp_impl=ulysses" in out
-    _, notes = train_overrides(Layout(2, 1, 2, 3, "none", 1, 4, cp=2), LLAMA8B_128K, 8)
+    _, notes = train_overrides(Layout(dp_shard=2, cp=2, pp=2, zero_stage=3, recompute="none",
+                                      micro_batch=1, grad_accum=4), LLAMA8B_128K, 8)
     assert any("refuses cp with pp > 1" in n for n in notes)
 
 
@@ -130,14 +135,17 @@ def test_torch_cp_all_gathers_the_repeated_kv_once_per_pass():
     from dtrain.costmodel.collectives import all_gather_time, group_link, p2p_time
 
     cp, m = 4, step_model(LLAMA8B_128K, H100x64, Calibration())
-    lay = Layout(2, 8, 1, 3, "none", 1, 1, True, cp=cp, cp_impl="torch")
+    lay = Layout(dp_shard=2, cp=cp, tp=8, zero_stage=3, recompute="none", micro_batch=1,
+                 grad_accum=1, sequence_parallel=True, cp_impl="torch")
     link = group_link(H100x64, cp, 8, multi_rail=False)
     assert link.beta_Bps == H100x64.ib.beta_Bps
     tokens, q = 131072 / cp, 4 * 128
     gather = all_gather_time(cp * 2 * tokens * q * 2, cp, link)
     dkv = p2p_time(2 * tokens * q * 4, link)
     assert m.cp_comm(lay, attention_s=0.0) == pytest.approx(32 * (2 * gather + cp * dkv), rel=1e-12)
-    full = Layout(2, 8, 1, 3, "full", 1, 1, True, cp=cp, cp_impl="torch")   # the recompute gathers again
+    full = Layout(dp_shard=2, cp=cp, tp=8, zero_stage=3, recompute="full", micro_batch=1,
+                  grad_accum=1, sequence_parallel=True,
+                  cp_impl="torch")   # the recompute gathers again
     assert m.cp_comm(full, 0.0) == pytest.approx(32 * (3 * gather + cp * dkv), rel=1e-12)
     # a forward call of a/(32·4·3.5) hides the gathers and backward sends whenever it outlasts them: the last send is left
     assert m.cp_comm(lay, attention_s=1e3) == pytest.approx(32 * dkv, rel=1e-12)
@@ -154,5 +162,6 @@ def test_plan_scores_torch_cp_when_asked_and_the_trainer_runs_it(capsys):
     assert main([*base, "--layout", "cp=4 cp_impl=torch"]) == 0
     lay = json.loads(capsys.readouterr().out)["layout"]
     assert (lay["cp"], lay["cp_impl"]) == (4, "torch") and "cp=4 torch" in lay["describe"]
-    out, _ = train_overrides(Layout(2, 1, 1, 3, "none", 1, 4, cp=4, cp_impl="torch"), LLAMA8B_128K, 8)
+    out, _ = train_overrides(Layout(dp_shard=2, cp=4, zero_stage=3, recompute="none", micro_batch=1,
+                                    grad_accum=4, cp_impl="torch"), LLAMA8B_128K, 8)
     assert "train.cp=4" in out and "train.cp_impl=torch" in out

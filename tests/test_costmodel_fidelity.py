@@ -52,11 +52,12 @@ def test_activations_gqa_swiglu_by_hand():
 
 def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
     shape = ModelShape.from_params(70e9)  # Llama-2-70B, 80 layers
-    lay = Layout(dp=4, tp=2, pp=8, zero_stage=1, grad_accum=16, sequence_parallel=True)
+    lay = Layout(dp_shard=4, tp=2, pp=8, zero_stage=1, grad_accum=16, sequence_parallel=True)
     psi = params_per_gpu(shape, 2, 8)
     m = memory_per_gpu(shape, lay)
     assert (m.params, m.grads, m.optimizer) == pytest.approx((2 * psi, 4 * psi, 12 * psi / 4))
-    full = memory_per_gpu(shape, Layout(4, 2, 8, 1, "full", grad_accum=16, sequence_parallel=True))
+    full = memory_per_gpu(shape, Layout(dp_shard=4, tp=2, pp=8, zero_stage=1, recompute="full",
+                                        grad_accum=16, sequence_parallel=True))
     kw = dict(ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=True, kv_ratio=8 / 64)
     stored = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "full", True, **kw)
     working = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "none", True, **kw, dropout=False)
@@ -167,7 +168,7 @@ def test_activations_without_dropout_by_hand():
 def test_model_shape_dropout_reaches_memory():
     llama = ModelShape.from_params(70e9)
     assert not llama.dropout and ModelShape.from_params(175e9).dropout
-    lay = Layout(1, 8, 1, sequence_parallel=True)
+    lay = Layout(tp=8, sequence_parallel=True)
     with_dropout = memory_per_gpu(replace(llama, dropout=True), lay).activations
     no_dropout = memory_per_gpu(llama, lay).activations
     # one layer's difference is 2·s·b·h/t bytes (the two masks), and the embedding's dropout mask s·b·h/t
@@ -195,14 +196,14 @@ def test_zero3_pays_latency_per_fsdp_unit_by_hand():
     shape = ModelShape(6, 512, 8, 8, 1000, 128)
     alpha, beta = 1e-3, 1e9
     cluster = host_cluster(1e11, 2, LinkModel(alpha, beta))
-    t = step_time(shape, Layout(2, 1, 1, zero_stage=3), cluster)
+    t = step_time(shape, Layout(dp_shard=2, zero_stage=3), cluster)
     psi = params_per_gpu(shape, 1, 1)
     ag = 0.5 * 2 * psi / beta + alpha    # bf16 weights, ring all-gather over 2 ranks
     rs = 0.5 * 4 * psi / beta + alpha    # fp32 grads, reduce-scatter
     per_unit = 6 * alpha                 # 6 blocks + the root = 7 FSDP units: 6 more latencies per collective
     assert t.dp_comm == pytest.approx(2 * (ag + per_unit) + rs + per_unit)
     # ZeRO-1 keeps one collective of each kind per step
-    z1 = step_time(shape, Layout(2, 1, 1, zero_stage=1), cluster)
+    z1 = step_time(shape, Layout(dp_shard=2, zero_stage=1), cluster)
     assert z1.dp_comm == pytest.approx(ag + rs)
 
 
@@ -221,7 +222,8 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
     calib = Calibration()
     ov = calib.dp_overlap.value
     for zero in (1, 3):
-        t = step_time(shape, Layout(2, 1, 4, zero_stage=zero, grad_accum=2), cluster, calib)
+        t = step_time(shape, Layout(dp_shard=2, pp=4, zero_stage=zero,
+                                    grad_accum=2), cluster, calib)
         psi = params_per_gpu(shape, 1, 4)
         rs, ag = 0.5 * 4 * psi / 1e8 + 1e-5, 0.5 * 2 * psi / 1e8 + 1e-5   # ring over 2 ranks: fp32 grads, bf16 weights
         assert t.dp_comm == pytest.approx(rs + ag)
@@ -230,8 +232,8 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
         hidden = ov * (min(rs, window) + min(ag, micro / 3))
         loss = t.dp_comm_exposed - (rs + ag - hidden)
         assert 0 <= loss < 1e-3   # the step's loss all-reduce: one latency-bound message
-    z1 = step_time(shape, Layout(2, 1, 4, zero_stage=1, grad_accum=2), cluster, calib)
-    z3 = step_time(shape, Layout(2, 1, 4, zero_stage=3, grad_accum=2), cluster, calib)
+    z1 = step_time(shape, Layout(dp_shard=2, pp=4, zero_stage=1, grad_accum=2), cluster, calib)
+    z3 = step_time(shape, Layout(dp_shard=2, pp=4, zero_stage=3, grad_accum=2), cluster, calib)
     assert z3.dp_comm == pytest.approx(z1.dp_comm) and z3.dp_comm_exposed > z1.dp_comm_exposed
 
 
@@ -246,8 +248,9 @@ def test_overlapped_dp_traffic_costs_its_sms_and_its_rings_hbm_by_hand():
 
     calib = Calibration()
     shape = ModelShape.from_params(70e9)
-    for gpus, lay in ((8, Layout(8, 1, 1, zero_stage=3, recompute="full", micro_batch=16)),
-                      (128, Layout(16, 8, 1, zero_stage=3, recompute="full", micro_batch=16, sequence_parallel=True))):
+    for gpus, lay in ((8, Layout(dp_shard=8, zero_stage=3, recompute="full", micro_batch=16)),
+                      (128, Layout(dp_shard=16, tp=8, zero_stage=3, recompute="full",
+                                   micro_batch=16, sequence_parallel=True))):
         cluster = Cluster.from_profile("h100-sxm", gpus, 8)
         t = step_time(shape, lay, cluster, calib)
         assert t.dp_comm < t.compute - t.terms.optimizer     # all of it overlaps
@@ -269,7 +272,7 @@ def test_megatron_tp_overlap_pays_only_its_copy_engines_hbm_by_hand():
 
     shape = ModelShape.from_params(70e9)
     cluster = Cluster.from_profile("h100-sxm", 8, 8)
-    lay = Layout(1, 8, 1, recompute="none", micro_batch=4, sequence_parallel=True)
+    lay = Layout(tp=8, recompute="none", micro_batch=4, sequence_parallel=True)
     plain = step_time(shape, lay, cluster)
     over = step_time(shape, lay, cluster, stack=Stack(tp_overlap=True))
     assert plain.tp_comm < plain.terms.gemm
@@ -289,14 +292,14 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
 
     shape = ModelShape(6, 512, 8, 8, 1000, 128)
     cluster = host_cluster(1e11, 8, LinkModel(1e-5, 1e8))
-    lay = Layout(2, 1, 4, zero_stage=1, grad_accum=2)
+    lay = Layout(dp_shard=2, pp=4, zero_stage=1, grad_accum=2)
     over = step_time(shape, lay, cluster, stack=Stack())
     flush = step_time(shape, lay, cluster, stack=Stack(dp_sync="flush"))
     assert flush.dp_comm == pytest.approx(over.dp_comm)
     loss = flush.dp_comm_exposed - flush.dp_comm
     assert 0 <= loss < 1e-3 and over.dp_comm_exposed < flush.dp_comm_exposed
     assert flush.total - over.total == pytest.approx(flush.dp_comm_exposed - over.dp_comm_exposed)
-    with pytest.raises(ValueError, match=r"dp_sync must be one of \('overlap', 'flush'\), got 'never'"):
+    with pytest.raises(ValueError, match=r"dp_sync='never' must be one of overlap, flush"):
         Stack(dp_sync="never")
     base = ["plan", "--params", "20e9", "--gpus", "64", "--global-batch", "256", "--json", "--top", "0",
             "--layout", "dp=8 tp=2 pp=4 zero=1 mb=1"]

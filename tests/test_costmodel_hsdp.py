@@ -17,7 +17,9 @@ CLUSTER = default_links().apply(Cluster.from_profile("h100-sxm", 32, 8, ib_gbit_
 
 def test_hsdp_shards_the_states_inside_a_replica_group():
     psi = params_per_gpu(SHAPE, 1, 1)
-    full, hybrid = Layout(32, 1, 1, 3), Layout(32, 1, 1, 3, dp_replicate=4)
+    full, hybrid = Layout(dp_shard=32,
+                          zero_stage=3), Layout(dp_replicate=4, dp_shard=8,
+                                                             zero_stage=3)
     assert hybrid.shard_group == 8 and full.shard_group == 32
     m = memory_per_gpu(SHAPE, hybrid)
     assert (m.params, m.grads, m.optimizer) == pytest.approx((4 * psi / 8, 4 * psi / 8, 8 * psi / 8))
@@ -29,7 +31,7 @@ def test_hsdp_traffic_by_hand():
     then an all-reduce of the 1/8 gradient shard over the 4 replica groups, one rank per node (one NIC each);
     plus the per-FSDP-unit latency of the 33 units."""
     psi = params_per_gpu(SHAPE, 1, 1)
-    lay = Layout(32, 1, 1, 3, grad_accum=2, dp_replicate=4)
+    lay = Layout(dp_replicate=4, dp_shard=8, zero_stage=3, grad_accum=2)
     node, across = group_link(CLUSTER, 8, 1), group_link(CLUSTER, 4, 8)
     assert node.beta_Bps == CLUSTER.nvlink.beta_Bps and across.beta_Bps == CLUSTER.ib.beta_Bps
     ag, rs = all_gather_time(2 * psi, 8, node), reduce_scatter_time(4 * psi, 8, node)
@@ -40,10 +42,10 @@ def test_hsdp_traffic_by_hand():
 
 
 def test_layout_refuses_hsdp_that_cannot_shard():
-    with pytest.raises(ValueError, match="must divide dp·cp = 32"):
-        Layout(32, 1, 1, 3, dp_replicate=3)
+    # dp = dp_replicate x dp_shard (dtrain.layout): replicas that do not divide dp cannot be written down
+    assert Layout(dp_replicate=4, dp_shard=8, zero_stage=3).shard_group == 8
     with pytest.raises(ValueError, match="HSDP"):
-        Layout(32, 1, 1, 1, dp_replicate=4)
+        Layout(dp_replicate=4, dp_shard=8, zero_stage=1)
 
 
 BASE = ["plan", "--params", "7e9", "--gpus", "32", "--global-batch", "64", "--ib-gbps", "100"]
@@ -53,7 +55,8 @@ def test_plan_layout_hsdp_scores_and_becomes_trainer_overrides(capsys):
     assert main([*BASE, "--layout", "dp=32 hsdp=4 mb=1", "--json"]) == 0
     mine = json.loads(capsys.readouterr().out)["layout"]
     assert mine["hsdp_replicate"] == 4 and mine["zero_stage"] == 3 and "zero=3 hsdp=4" in mine["describe"]
-    lay = Layout(32, 1, 1, 3, "none", 1, 2, dp_replicate=4)
+    lay = Layout(dp_replicate=4, dp_shard=8, zero_stage=3, recompute="none", micro_batch=1,
+                 grad_accum=2)
     assert mine["step_time_s"]["total"] == pytest.approx(step_time(SHAPE.from_params(7e9, seq_len=4096), lay,
                                                                    CLUSTER).total)
     overrides, notes = train_overrides(lay, SHAPE, 64)
@@ -63,7 +66,7 @@ def test_plan_layout_hsdp_scores_and_becomes_trainer_overrides(capsys):
 @pytest.mark.parametrize("layout, message", [
     ("dp=32 zero=1 hsdp=4", "--layout: hsdp=4 shards with FSDP inside each replica group: give zero=3 (or 2), "
                             "not zero=1"),
-    ("dp=32 hsdp=3", "--layout: hsdp=3 replica groups do not divide dp·cp = 32: give a divisor of dp·cp"),
+    ("dp=32 hsdp=3", "--layout: hsdp=3 replica groups do not divide dp = 32: give a divisor of dp"),
 ])
 def test_plan_layout_hsdp_errors_are_one_line(capsys, layout, message):
     assert main([*BASE, "--layout", layout]) == 2

@@ -56,7 +56,8 @@ def test_breakdown_agrees_with_megatron_theoretical_memory_within_3pct(case):
     L, h, a, V, s, b, tp, pp, dp, m, v, dist_opt, sp = case
     ref_w, ref_act = megatron_reference(L, h, a, V, s, b, tp, pp, dp, m, v, dist_opt, sp)
     shape = ModelShape(L, h, a, a, V, s, 4.0, False, dropout=True, rotary=False)
-    lay = Layout(dp, tp, pp, 1 if dist_opt else 0, "selective", b, m, sp and tp > 1, v or 1)
+    lay = Layout(dp_shard=dp, tp=tp, pp=pp, zero_stage=1 if dist_opt else 0, recompute="selective",
+                 micro_batch=b, grad_accum=m, sequence_parallel=sp and tp > 1, pp_virtual=v or 1)
     mem = memory_per_gpu(shape, lay, flash_attention=False)
     print(f"weights+optimizer {mem.params + mem.grads + mem.optimizer:.4g} vs Megatron {ref_w:.4g}; "
           f"activations {mem.activations:.4g} vs {ref_act:.4g}")
@@ -70,6 +71,7 @@ def test_output_layer_counts_fp32_logits_as_megatrons_sp_count_does():
     to exactly that term, so a small model with a large batch (where logits weigh) is explained."""
     L, h, a, V, s, b = 24, 2304, 24, 51200, 2048, 8
     shape = ModelShape(L, h, a, a, V, s, 4.0, False, dropout=True, rotary=False)
-    mem = memory_per_gpu(shape, Layout(32, 1, 1, 0, "selective", b, 2), flash_attention=False)
+    mem = memory_per_gpu(shape, Layout(dp_shard=32, zero_stage=0, recompute="selective",
+                                       micro_batch=b, grad_accum=2), flash_attention=False)
     _, ref = megatron_reference(L, h, a, V, s, b, 1, 1, 32, 2, None, False, False)
     assert mem.activations - ref == pytest.approx(1.05 * (4 * s * b * (h + V) - 2 * (s * b * V + s * b * h)), rel=1e-9)

@@ -19,15 +19,17 @@ GiB = 2 ** 30
 
 
 def test_layer_counts_by_hand():
-    bal = Layout(64, 8, 16, 3, virtual_stages=8, grad_accum=32, sequence_parallel=True, pp_split="balanced")
-    even = Layout(64, 8, 16, 3, virtual_stages=8, grad_accum=32, sequence_parallel=True)
+    bal = Layout(dp_shard=64, tp=8, pp=16, zero_stage=3, grad_accum=32, sequence_parallel=True,
+                 pp_virtual=8, pp_split="balanced")
+    even = Layout(dp_shard=64, tp=8, pp=16, zero_stage=3, grad_accum=32, sequence_parallel=True,
+                  pp_virtual=8)
     # 126 + 2 slots on 16 stages: 8 each; the ends give one to the embedding / the loss; 8 chunks of 1 slot each
     assert (pipeline_slots(LLAMA3_405B, bal), stage_layers(LLAMA3_405B, 16, "balanced")) == (128, 8)
     assert end_stage_layers(LLAMA3_405B, bal) == (7, 0) and last_stage_layers(LLAMA3_405B, bal) == 7
     # the default: ceil(126/16) = 8 per stage, the last keeps 126 - 15·8 = 6, the chunk 8/8
     assert end_stage_layers(LLAMA3_405B, even) == (8, 1.0) and last_stage_layers(LLAMA3_405B, even) == 6
     # two stages: each end gives a slot, 63 + 63
-    two = Layout(1, 1, 2, pp_split="balanced", grad_accum=4)
+    two = Layout(pp=2, grad_accum=4, pp_split="balanced")
     assert stage_layers(LLAMA3_405B, 2, "balanced") == 63 and last_stage_layers(LLAMA3_405B, two) == 63
     # the bubble over slots: 15 fill slots of one layer against 32 micro-batches of 8 layers
     assert bubble_fraction(16, 32, 8, pipeline_slots(LLAMA3_405B, bal)) == pytest.approx(15 / (8 * 32))
@@ -46,7 +48,7 @@ def megatron_first_rank_peak(pp: int, v: int, m: int, chunk_layers: list[float])
     (4, 2, 12, "balanced"), (8, 4, 8, "balanced"), (8, 2, 64, "layers")])
 def test_first_stage_activations_match_megatrons_warm_up(pp, v, m, split):
     shape = ModelShape(pp * v * 2 - (2 if split == "balanced" else 0), 1024, 16, 16, 32000, 2048)
-    lay = Layout(1, 1, pp, grad_accum=m, virtual_stages=v, pp_split=split)
+    lay = Layout(pp=pp, grad_accum=m, pp_virtual=v, pp_split=split)
     chunk = (pp * v * 2) // (pp * v)                 # 2 slots a chunk
     first_rank = [chunk - 1 if (c == 0 and split == "balanced") else chunk for c in range(v)]
     print(f"pp={pp} v={v} m={m} split={split}: chunks of rank 0 {first_rank}")
@@ -57,7 +59,7 @@ def test_first_stage_activations_match_megatrons_warm_up(pp, v, m, split):
 
 def test_gpipe_holds_every_micro_batch_through_the_whole_stage():
     shape = ModelShape(30, 1024, 16, 16, 32000, 2048)      # 32 slots on 4 stages: 7 layers on the first
-    lay = Layout(1, 1, 4, grad_accum=8, virtual_stages=2, pp_schedule="gpipe", pp_split="balanced")
+    lay = Layout(pp=4, grad_accum=8, pp_schedule="gpipe", pp_virtual=2, pp_split="balanced")
     assert held_layer_microbatches(shape, lay) == 8 * 7
 
 
@@ -78,12 +80,14 @@ def test_llama3_rows_memory_by_hand(name):
     assert mem.activations >= held * per_layer
     assert mem.total < 80 * GiB, f"{name}: {mem.total / GiB:.1f} GiB"
     # the default split with 2 chunks a stage (the row's assumption before the paper's §3.3.2 was read) does not fit
-    even = Layout(lay.dp, lay.tp, lay.pp, 3, "none", 1, lay.grad_accum, True, 2, cp=lay.cp)
+    even = Layout(dp_shard=lay.dp, cp=lay.cp, tp=lay.tp, pp=lay.pp, zero_stage=3, recompute="none",
+                  micro_batch=1, grad_accum=lay.grad_accum, sequence_parallel=True, pp_virtual=2)
     assert memory_for(s.shape, even, s.stack).total > 80 * GiB
 
 
 def test_the_default_split_is_unchanged():
-    lay = Layout(8, 8, 8, 1, "full", 1, 16, True, 2)
+    lay = Layout(dp_shard=8, tp=8, pp=8, zero_stage=1, recompute="full", micro_batch=1,
+                 grad_accum=16, sequence_parallel=True, pp_virtual=2)
     shape = ModelShape(96, 12288, 96, 96, 50257, 2048, dropout=True)
     first = activation_bytes(shape, lay)
     assert held_layer_microbatches(shape, lay) == pytest.approx(in_flight(lay) * 12)
@@ -105,7 +109,7 @@ def test_cli_scores_the_balanced_split(capsys):
 
 @pytest.mark.parametrize("layout, message", [
     ("dp=8192 pp=1 split=balanced", "split=balanced splits layers over pipeline stages but pp=1"),
-    ("tp=8 pp=16 split=even", "split=even must be one of layers, balanced"),
+    ("tp=8 pp=16 split=even", "split='even' must be one of layers, balanced"),
 ])
 def test_cli_split_errors(capsys, layout, message):
     code, _, err = plan(capsys, layout)
@@ -113,6 +117,6 @@ def test_cli_split_errors(capsys, layout, message):
 
 
 def test_overrides_say_the_trainer_splits_its_own_way():
-    lay = Layout(2, 1, 4, 3, grad_accum=8, pp_split="balanced")
+    lay = Layout(dp_shard=2, pp=4, zero_stage=3, grad_accum=8, pp_split="balanced")
     _, notes = train_overrides(lay, ModelShape(14, 256, 4, 4, 50304, 256), 16)
     assert any("split=balanced runs as the trainer's own split" in n for n in notes)

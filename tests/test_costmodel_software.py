@@ -9,6 +9,7 @@ from dtrain.cli import main
 from dtrain.costmodel import Cluster, ModelShape, search
 from dtrain.costmodel.backtest import backtest, load_rows, row_setup
 from dtrain.costmodel.software import SOFTWARE, unsupported
+from dtrain.costmodel.search import layout_fields
 from dtrain.costmodel.stack import Stack
 
 # a 7B-class model on 64 H100 at 32K tokens: TP, PP, CP, every ZeRO stage and recompute level fit somewhere
@@ -26,7 +27,7 @@ def test_search_returns_only_what_the_software_runs(searches, name):
     res, sw = searches[name], SOFTWARE[name]
     assert res.ranked, res.reason
     for p in res.ranked:
-        assert unsupported(sw, vars(p), SHAPE.n_layer, SHAPE.n_kv_head) is None, (name, p.describe())
+        assert unsupported(sw, layout_fields(p), SHAPE.n_layer, SHAPE.n_kv_head) is None, (name, p.describe())
         assert p.dp * p.cp == 1 or p.zero_stage in sw.zeros(p.pp)
         assert p.cp == 1 or p.cp_impl in sw.cp_impls
         assert p.tp == 1 or p.sequence_parallel in sw.sp
@@ -99,7 +100,7 @@ def test_every_published_layout_runs_on_its_own_software():
     assert len(named) >= 50  # all but Meta's internal stack (Llama 3 405B)
     for row in rows:
         s = row_setup(row)
-        assert unsupported(s.stack.runs, vars(s.layout), s.shape.n_layer, s.shape.n_kv_head) is None, row["name"]
+        assert unsupported(s.stack.runs, layout_fields(s.layout), s.shape.n_layer, s.shape.n_kv_head) is None, row["name"]
     by_name = {r.name: r.software for r in backtest(loo=False, rank=False)}   # what --json reports per row
     assert by_name == {r["name"]: (r.get("stack") or {}).get("software", "any") for r in rows}
 
@@ -136,7 +137,7 @@ def test_unsupported_names_the_field_by_hand():
         "hsdp=4 (it has no hybrid sharding)"
     assert unsupported(tt, {"dp_replicate": 4, "zero_stage": 3}) is None
     assert unsupported(SOFTWARE["any"], {"zero_stage": 1, "cp_impl": "torch", "cp": 2}) is None
-    with pytest.raises(ValueError, match="software must be one of"):
+    with pytest.raises(ValueError, match="software='nemo' must be one of any, megatron-core, "):
         Stack(software="nemo")
 
 
@@ -209,7 +210,7 @@ def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
     from dtrain.costmodel.traffic import dp_comm_time
 
     shape, cluster = ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True), Cluster.from_profile("h100-sxm", 64, 8)
-    lay = Layout(64, 1, 1, 2, "none", 1, 4)
+    lay = Layout(dp_shard=64, zero_stage=2, recompute="none", micro_batch=1, grad_accum=4)
     psi = params_per_gpu(shape, 1, 1)
     link = group_link(cluster, 64, 1, multi_rail=True)
     ag, rs = all_gather_time(2 * psi, 64, link), reduce_scatter_time(4 * psi, 64, link)
@@ -218,5 +219,6 @@ def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
     t_any = step_time(shape, lay, cluster)
     t_fsdp = step_time(shape, lay, cluster, stack=Stack(software="torchtitan"))
     assert t_fsdp.dp_comm - t_any.dp_comm == pytest.approx(3 * ag, rel=1e-9)
-    one = Layout(64, 1, 1, 2, "none", 1, 1)   # one micro-batch a step: the two are the same
+    one = Layout(dp_shard=64, zero_stage=2, recompute="none", micro_batch=1,
+                 grad_accum=1)   # one micro-batch a step: the two are the same
     assert step_time(shape, one, cluster, stack=Stack(software="dtrain")).total == step_time(shape, one, cluster).total

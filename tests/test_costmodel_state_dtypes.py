@@ -41,7 +41,8 @@ def test_bf16_gradients_alone_and_the_fp32_defaults():
 
 def test_zero3_under_pp_accumulates_in_the_reduce_dtype():
     """A pipeline stage keeps its bf16 weights and its unsharded gradient accumulator: (2 + 4)Ψ, (2 + 2)Ψ in bf16."""
-    lay = Layout(4, 2, 4, 3, "full", 1, 8, True)
+    lay = Layout(dp_shard=4, tp=2, pp=4, zero_stage=3, recompute="full", micro_batch=1,
+                 grad_accum=8, sequence_parallel=True)
     psi = params_per_gpu(SHAPE, 2, 4)
     assert memory_per_gpu(SHAPE, lay).buffers == pytest.approx(6 * psi)
     assert memory_per_gpu(SHAPE, lay, grad_bytes=2).buffers == pytest.approx(4 * psi)
@@ -50,7 +51,8 @@ def test_zero3_under_pp_accumulates_in_the_reduce_dtype():
 def test_bf16_reduction_halves_the_gradient_traffic():
     """ZeRO-1 over 8 nodes (tp 8 fills a node): one reduce-scatter of the gradients and one all-gather of the bf16
     weights per step; bf16 gradients move 2Ψ bytes instead of 4Ψ, the weights 2Ψ either way."""
-    lay = Layout(8, 8, 1, 1, "none", 1, 4, True)
+    lay = Layout(dp_shard=8, tp=8, zero_stage=1, recompute="none", micro_batch=1, grad_accum=4,
+                 sequence_parallel=True)
     psi = params_per_gpu(SHAPE, 8, 1)
     link = group_link(CLUSTER, 8, 8, multi_rail=True)
     for stack, grad in ((Stack(), 4), (Stack(grad_reduce="bf16"), 2)):
@@ -59,9 +61,9 @@ def test_bf16_reduction_halves_the_gradient_traffic():
 
 
 def test_stack_refuses_an_unknown_dtype():
-    with pytest.raises(ValueError, match=r"grad_reduce must be one of \('fp32', 'bf16'\), got 'fp16'"):
+    with pytest.raises(ValueError, match=r"grad_reduce='fp16' must be one of fp32, bf16"):
         Stack(grad_reduce="fp16")
-    with pytest.raises(ValueError, match=r"optimizer_states must be one of \('fp32', 'bf16'\), got 'fp8'"):
+    with pytest.raises(ValueError, match=r"optimizer_states='fp8' must be one of fp32, bf16"):
         Stack(optimizer_states="fp8")
 
 

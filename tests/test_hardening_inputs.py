@@ -108,7 +108,7 @@ def test_tp_attention_and_fp8_keys():
     with pytest.raises(UserError, match="fp8.amax_history_len=0 must be an integer >= 1"):
         recipes.check_fp8_cfg(fp8)
     fp8.amax_history_len, fp8.amax_compute_algo = 4, "mean"
-    with pytest.raises(UserError, match="fp8.amax_compute_algo='mean' is not one of max, most_recent"):
+    with pytest.raises(UserError, match="fp8.amax_compute_algo='mean' must be one of max, most_recent"):
         recipes.check_fp8_cfg(fp8)
 
 

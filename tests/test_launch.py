@@ -68,7 +68,7 @@ def test_torchrun_failing_rank(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("launcher=foo", "launcher='foo' is not one of auto, local, slurm"),
     ("world_size=0", "world_size=0 must be an integer >= 1"),
-    ("device=tpu", "device='tpu' is not one of auto, cpu, cuda"),
+    ("device=tpu", "device='tpu' must be one of auto, cpu, cuda"),
     ("world_size=1000", "more ranks than this host allows"),
     ("results_dir=/proc/not-here", "is not writable"),
 ])

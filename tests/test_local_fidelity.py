@@ -46,7 +46,7 @@ def test_free_core_share_by_hand():
 
 def test_fp8_factor_divides_the_whole_step_it_was_measured_on():
     shape = ModelShape(2, 64, 4, 4, 256, 64)
-    lay = Layout(1, 1, 1, micro_batch=8)
+    lay = Layout(micro_batch=8)
     cluster = host_cluster(1e11, 1, LinkModel(1e-4, 1e9))
     calib = replace(Calibration(), step_overhead_s=Param(0.01, "measured here: test"),
                     fp8_speedup=Param(0.5, "measured here: test"))

@@ -61,7 +61,7 @@ def test_flops_per_token_hand_count():
 @pytest.mark.parametrize("bad, message", [
     ({"d_model": 30}, "divisible by n_head"),
     ({"n_kv_head": 3}, "divisible by n_kv_head"),
-    ({"norm": "batchnorm"}, "unknown norm"),
+    ({"norm": "batchnorm"}, "norm='batchnorm' must be one of rmsnorm, layernorm"),
 ])
 def test_config_validation(bad, message):
     with pytest.raises(ValueError, match=message):

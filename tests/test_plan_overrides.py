@@ -30,8 +30,8 @@ def as_configs(overrides: list[str]) -> tuple[int, TrainConfig, GPTConfig]:
 
 def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
     shape = ModelShape(8, 128, 8, 8, 256, 64)
-    layout = Layout(dp=2, tp=2, pp=2, zero_stage=1, recompute="selective", micro_batch=2, grad_accum=4,
-                    sequence_parallel=True, virtual_stages=2)
+    layout = Layout(dp_shard=2, tp=2, pp=2, zero_stage=1, recompute="selective", micro_batch=2,
+                    grad_accum=4, sequence_parallel=True, pp_virtual=2)
     overrides, notes = train_overrides(layout, shape, global_batch=16)
     assert overrides[:6] == ["world_size=8", "train.strategy=zero2", "train.tp=2", "train.pp=2",
                              "train.pp_schedule=interleaved_1f1b", "train.pp_virtual=2"]
@@ -40,14 +40,14 @@ def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
     # under pp the trainer's zero2 reduces after the last backward (torch.distributed.pipelining): said, not hidden
     assert any(n.startswith("under pp the trainer's zero2 reduces its gradients after the stage's last backward")
                for n in notes)
-    _, no_pp = train_overrides(replace(layout, pp=1, tp=4, virtual_stages=1), shape, global_batch=16)
+    _, no_pp = train_overrides(replace(layout, pp=1, tp=4, pp_virtual=1), shape, global_batch=16)
     assert not any(n.startswith("under pp") for n in no_pp)
     world, train, model = as_configs(overrides)
     run = train.resolved(world, "cpu")
     run.validate_model(model)
     assert run.grad_accum == layout.grad_accum  # 16 / (micro_batch 2 x dp 2)
     # fewer micro-batches than stages: gpipe (1f1b would refuse)
-    few, _ = train_overrides(Layout(dp=1, tp=1, pp=4, micro_batch=8, grad_accum=1), shape, global_batch=8)
+    few, _ = train_overrides(Layout(pp=4, micro_batch=8, grad_accum=1), shape, global_batch=8)
     assert "train.pp_schedule=gpipe" in few
     world, train, model = as_configs(few)
     train.resolved(world, "cpu").validate_model(model)
@@ -76,7 +76,7 @@ def test_plan_json_for_a_four_gpu_cluster_runs_in_fsdp_scaling(tmp_path):
 def test_overrides_of_an_hsdp_layout_validate_in_the_trainer():
     """hsdp=R in a plan is the trainer's train.strategy=hsdp with R replica groups: the same mesh."""
     shape = ModelShape(8, 128, 8, 8, 256, 64)
-    layout = Layout(dp=8, tp=1, pp=1, zero_stage=3, micro_batch=1, grad_accum=2, dp_replicate=2)
+    layout = Layout(dp_replicate=2, dp_shard=4, zero_stage=3, micro_batch=1, grad_accum=2)
     overrides, _ = train_overrides(layout, shape, global_batch=16)
     assert "train.strategy=hsdp" in overrides and "train.hsdp_replicate=2" in overrides
     kv = dict(o.split("=", 1) for o in overrides)

@@ -76,7 +76,7 @@ def test_auto_picks_torch_only_on_cuda_with_nccl():
 @pytest.mark.parametrize("train, world, model, message", [
     ({"cp": 2, "pp": 2}, 4, {}, "train.cp=2 with train.pp=2 is not supported"),
     ({"cp": 0}, 2, {}, "train.cp=0 must be an integer >= 1"),
-    ({"cp": 2, "cp_impl": "flash"}, 2, {}, "train.cp_impl='flash' is unknown"),
+    ({"cp": 2, "cp_impl": "flash"}, 2, {}, "train.cp_impl='flash' must be one of auto, ring, ulysses, torch"),
     ({"cp": 3}, 2, {}, "world_size=2 is not divisible by train.tp x train.pp x train.cp"),
     ({"cp": 2}, 2, {"seq_len": 66}, "model.seq_len=66 is not divisible by 2 x cp = 4"),
     ({"cp": 2, "cp_impl": "ulysses"}, 2, {"n_head": 1}, "train.cp_impl=ulysses spreads a rank's 1 query heads"),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from allreduce_bench.busbw import COLLECTIVES, supports
+from dtrain.checks import integer_at_least, one_of
 from dtrain.errors import UserError
 
 # torch's dtype names (torch is imported only by the ranks and by `torch_dtype`: the command line is checked first)
@@ -54,8 +55,8 @@ def torch_dtype(name: str):
 
 def dtype_name(value: str) -> str:
     name = ALIASES.get(str(value).lower(), str(value).lower())
-    if name not in DTYPES:
-        raise UserError(f"unknown dtype {value!r}: choose from {', '.join(DTYPES)} (or fp32, bf16, fp16)")
+    if name not in DTYPES:  # the message names the short spellings too (ALIASES)
+        one_of("dtypes", value, (*DTYPES, "fp32", "bf16", "fp16"))
     return name
 
 
@@ -100,8 +101,7 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> tuple[int, ...]
 def parse(cfg: DictConfig) -> BenchSpec:
     collectives = _as_list(cfg.collectives)
     for c in collectives:
-        if c not in COLLECTIVES:
-            raise UserError(f"unknown collective {c!r}: choose from {', '.join(COLLECTIVES)}")
+        one_of("collectives", c, COLLECTIVES)
     if not collectives:
         raise UserError("collectives=[] is empty: name at least one, e.g. collectives=[all_reduce]")
     if cfg.world_size < 2 and set(collectives) == {"sendrecv"}:  # every rank sends to the next: needs two
@@ -115,12 +115,10 @@ def parse(cfg: DictConfig) -> BenchSpec:
     if (not isinstance(cfg.step_factor, (int, float)) or isinstance(cfg.step_factor, bool)
             or not 1 < cfg.step_factor < math.inf):
         raise UserError(f"step_factor={cfg.step_factor!r} must be a number > 1 (nccl-tests -f), e.g. step_factor=2")
-    if cfg.redop not in REDOPS:
-        raise UserError(f"unknown redop {cfg.redop!r}: choose from {', '.join(REDOPS)}")
+    one_of("redop", cfg.redop, REDOPS)
     modes = _as_list(cfg.modes)
     for m in modes:
-        if m not in MODES:
-            raise UserError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
+        one_of("modes", m, MODES)
     if not modes:
         raise UserError("modes=[] is empty: name at least one, e.g. modes=[out_of_place,in_place]")
     for c in collectives:  # torch has only one of the two modes for some collectives (collectives.py)
@@ -129,17 +127,15 @@ def parse(cfg: DictConfig) -> BenchSpec:
             raise UserError(f"collective {c} has no {'/'.join(modes)} form in torch.distributed: "
                             f"add {other} to modes, e.g. modes=[out_of_place,in_place]")
     for key in ("iters", "timing_warmup", "root"):
-        v = cfg[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):
-            raise UserError(f"{key}={v!r} must be an integer >= {1 if key == 'iters' else 0}")
+        integer_at_least(key, cfg[key], 1 if key == "iters" else 0)
     if cfg.root >= cfg.world_size:
         raise UserError(f"root={cfg.root} is not a rank of world_size={cfg.world_size}: use 0..{cfg.world_size - 1}")
     nodes = cfg.debug.simulate_nodes
     if nodes is not None and (not isinstance(nodes, int) or nodes < 2 or cfg.world_size % nodes):
         raise UserError(f"debug.simulate_nodes={nodes!r} must be an integer >= 2 dividing world_size={cfg.world_size}")
     inject = cfg.debug.inject_wrong
-    if inject is not None and inject not in collectives and inject != "all":
-        raise UserError(f"debug.inject_wrong={inject!r} must be one of the benchmarked collectives or 'all'")
+    if inject is not None:  # one of the benchmarked collectives, or all of them
+        one_of("debug.inject_wrong", inject, (*collectives, "all"))
     dtypes = _as_list(cfg.dtypes)
     if not dtypes:
         raise UserError("dtypes=[] is empty: name at least one, e.g. dtypes=[float32]")

@@ -82,7 +82,7 @@ def test_topology_report_and_env(full_run):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["collectives=[all_reduce,allreduce]"], "error: unknown collective 'allreduce'"),
+    (["collectives=[all_reduce,allreduce]"], "error: collectives='allreduce' must be one of all_reduce, "),
     (["min_bytes=4M", "max_bytes=1K"], "error: min_bytes=4M is larger than max_bytes=1K"),
     (["dtypes=[float8_e4m3fn]"], "error: backend=gloo cannot move float8_e4m3fn tensors"),
     (["dtypes=[int32]", "redop=avg"], "error: backend=gloo cannot reduce int32 with redop=avg"),

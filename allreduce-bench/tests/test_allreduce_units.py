@@ -27,11 +27,11 @@ def test_sizes_and_aliases():
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"collectives": ["allreduce"]}, "unknown collective 'allreduce'"),
+    ({"collectives": ["allreduce"]}, "collectives='allreduce' must be one of all_reduce, "),
     ({"min_bytes": "4M", "max_bytes": "1K"}, "min_bytes=4M is larger than max_bytes=1K"),
     ({"min_bytes": "1X"}, "is not a size"),
-    ({"dtypes": ["fp4"]}, "unknown dtype 'fp4'"),
-    ({"redop": "mean"}, "unknown redop 'mean'"),
+    ({"dtypes": ["fp4"]}, "dtypes='fp4' must be one of float32, float16, "),
+    ({"redop": "mean"}, "redop='mean' must be one of sum, "),
     ({"step_factor": 1}, "step_factor=1.0 must be a number > 1"),
     ({"root": 2}, "root=2 is not a rank of world_size=2"),
     ({"debug.simulate_nodes": 3}, "simulate_nodes=3 must be an integer >= 2 dividing world_size=2"),

@@ -38,23 +38,26 @@ def number_in(key: str, value, low: float, high: float = math.inf, *, low_open: 
         raise UserError(f"{key}={value!r} must be a finite number {where}{hint}")
 
 
-def integer_at_least(key: str, value, low: int, *, nullable: bool = False, high: int | None = None) -> None:
+def integer_at_least(key: str, value, low: int, *, nullable: bool = False, high: int | None = None,
+                     error: type[Exception] = UserError) -> None:
+    """`value` is an integer (not a bool) >= `low` (<= `high`; None too where `nullable`), else one
+    line: `key=value must be an integer >= low`. `error` as in `one_of`."""
     if value is None and nullable:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
         tail = f" and <= {high}" if high is not None else ""
-        raise UserError(f"{key}={value!r} must be an integer >= {low}{tail}{' or null' if nullable else ''}")
+        null = " or null" if nullable else ""
+        raise error(f"{key}={value!r} must be an integer >= {low}{tail}{null}")
 
 
 def one_of(key: str, value, choices, *, error: type[Exception] = UserError) -> None:
     """`value` is one of `choices`, else one line in the project's one form, e.g.
     `train.cp_impl='x' must be one of ring, ulysses, torch` (the value quoted, clipped when long).
     `error`: ValueError where a type refuses a value it was built with (not the user's input)."""
-    try:
-        known = value in choices
-    except TypeError:  # an unhashable value (a list from the command line) against a set or dict
-        known = False
-    if not known:
+    if isinstance(value, str) and value in choices:  # the common case, in a hot loop of the search
+        return
+    # True == 1 in Python: a bool matches only a bool choice, a number only a number
+    if not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in choices):
         raise error(f"{key}={clip(repr(value))} must be one of {', '.join(map(str, choices))}")
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from dtrain.checks import one_of
 from dtrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -101,8 +102,7 @@ def cuda_count() -> int:
 def device_type(requested: str) -> str:
     """`device=` resolved for this host: auto means cuda when any GPU is visible, else cpu. Every rank
     of a node takes the same answer, so no job mixes cuda+NCCL ranks with cpu+gloo ones."""
-    if requested not in DEVICES:
-        raise UserError(f"device={requested!r} is not one of {', '.join(DEVICES)}")
+    one_of("device", requested, DEVICES)
     if requested == "auto":
         return "cuda" if cuda_count() else "cpu"
     if requested == "cuda" and not cuda_count():
@@ -127,8 +127,7 @@ def pick_backend(requested: str, device: torch.device) -> str:
     """NCCL when the rank has a GPU, gloo otherwise; an explicit choice must be possible."""
     import torch.distributed as dist
 
-    if requested not in BACKENDS:
-        raise UserError(f"backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    one_of("backend", requested, BACKENDS)
     if requested == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
         raise UserError("backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
                         "use backend=gloo (or auto)")

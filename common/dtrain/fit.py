@@ -14,7 +14,7 @@ trainer's own split (`params_per_rank`): the pipeline stages this rank holds (dt
 pipeline), block matrices / tp, norms, row-parallel biases, embeddings and lm_head whole on every
 tp rank (they are not vocab-parallel), wk/wv whole when kv_heads < tp. States are sharded over
 the dp ranks that shard (dp / hsdp_replicate); with pp > 1, FSDP2 keeps parameters gathered
-through the step (zero2, as dtrain.train.parallelize does; `mesh.zero_stage`). Activations are the cost model's
+through the step (zero2, as dtrain.train.parallelize does; `dtrain.layout.zero_stage_of`). Activations are the cost model's
 (Korthikanti et al. per layer / tp, 1F1B in-flight micro-batches, interleaving), with the logits
 of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
 v of the one head each rank computes with.
@@ -28,13 +28,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from dtrain.costmodel.gpt_shape import shape_of
-from dtrain.costmodel.shapes import Layout
 from dtrain.costmodel.memory import fsdp2_state_bytes, memory_per_gpu
 from dtrain.errors import UserError
 from dtrain.model_args import GPTConfig, num_params
-from dtrain.parallel.mesh import zero_stage
 from dtrain.parallel.pipeline import split_layers, stages_of_rank
-from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING
 
 GiB = 2**30
 
@@ -71,27 +68,25 @@ def params_per_rank(model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = 
 def training_need(model: GPTConfig, train, world_size: int) -> Need:
     """Peak bytes on the busiest rank of dtrain's Trainer for this model, layout, strategy and batch
     (`train`: a resolved TrainConfig, grad_accum derived)."""
-    dims = train.dims(world_size)
-    tp, pp = dims.tp, dims.pp
-    recompute = RECOMPUTE_OF_CHECKPOINTING[train.activation_checkpointing]
-    # states are sharded over dp_shard ranks (1 for ddp: zero_stage 0 then ignores it), and FSDP2
-    # shards over the cp ranks too (dtrain.train.parallelize); a cp rank holds seq_len / cp tokens
-    shards = dims.dp_shard * (dims.cp if train.sharded else 1)
-    layout = Layout(dp=shards, tp=tp, pp=pp, zero_stage=zero_stage(train.strategy, dims.dp * dims.cp, pp),
-                    recompute=recompute,
-                    micro_batch=train.micro_batch, grad_accum=train.grad_accum,
-                    sequence_parallel=train.sequence_parallel, virtual_stages=train.pp_virtual if pp > 1 else 1)
+    run = train.layout(world_size)
+    tp, pp = run.tp, run.pp
+    # One rank's view for the memory formulas: its states sharded over the ranks that shard them
+    # (dp_shard, and the cp ranks too under FSDP2: dtrain.train.parallelize; 1 for ddp), one
+    # replica group, a cp rank's seq_len / cp tokens in `shape` below; priced as 1F1B (interleaved
+    # with pp_virtual > 1) whatever the schedule, as this check always has.
+    shards = run.dp_shard * (run.cp if train.sharded else 1)
+    layout = replace(run, dp_replicate=1, dp_shard=shards, cp=1, cp_impl="ring", pp_schedule="1f1b")
     # The formulas assume 16-bit activations; an fp32 run keeps them in 4 bytes.
     factor = 2.0 if train.precision != "bf16" else 1.0  # auto: as fp32 (the larger)
     # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
     # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
     # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
     shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp),
-                    seq_len=model.seq_len // dims.cp)
+                    seq_len=model.seq_len // run.cp)
     # dtrain's GPT: SDPA attention, its loss PyTorch's unfused F.cross_entropy
     m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True, fused_loss=False)
     psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)
-    states = sum(fsdp2_state_bytes(psi, layout.zero_stage, layout.dp))
+    states = sum(fsdp2_state_bytes(psi, layout.zero_stage, shards))
     m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's
     init = 4.0 * num_params(model)  # every rank builds the whole model before splitting it
     return Need(max(m.total, init), states, m.activations + m.buffers, init)

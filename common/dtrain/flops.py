@@ -2,6 +2,8 @@
 guide and the backtest (no torch import, so the cost model stays light)."""
 from __future__ import annotations
 
+from dtrain.model_args import GPTConfig, transformer_params
+
 
 def transformer_flops_per_token(n_layer: int, d_model: int, n_head: int, n_kv_head: int, ffn_hidden: int,
                                 vocab: int, seq_len: int, gated_mlp: bool = False, head_dim: int | None = None) -> int:
@@ -25,7 +27,15 @@ def transformer_flops_per_token(n_layer: int, d_model: int, n_head: int, n_kv_he
     Megatron-LM and torchtitan do, so MFU and TFLOP/s are comparable with theirs.
     """
     hd = head_dim or d_model // n_head
-    q, kv = n_head * hd, n_kv_head * hd
-    per_layer = d_model * q + 2 * d_model * kv + q * d_model + (3 if gated_mlp else 2) * d_model * ffn_hidden
-    matmul = n_layer * per_layer + vocab * d_model
+    matmul = transformer_params(n_layer, d_model, n_head, n_kv_head, ffn_hidden, vocab,
+                                gated_mlp=gated_mlp, head_dim=hd).matmul
     return 6 * matmul + 12 * n_layer * n_head * hd * seq_len
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
+    12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
+    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``."""
+    return transformer_flops_per_token(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head,
+                                       cfg.mlp_hidden, cfg.vocab_size, seq_len or cfg.seq_len, False,
+                                       cfg.head_dim)

@@ -10,9 +10,10 @@ Parallelism lives elsewhere; this file only promises stable module names:
 and a hook, ``linear_factory(name, in_features, out_features, bias)``, through which every linear
 layer is built (FP8 training swaps linear classes per layer with it).
 
-The config (`GPTConfig`, `PRESETS`) and the parameter and FLOP accounting (`num_params`,
-`num_matmul_params`, `flops_per_token`) live in dtrain/model_args.py, without torch, so cost models
-and command-line checks can size a 7B model without building it; this module re-exports them.
+The config (`GPTConfig`, `PRESETS`) and the parameter accounting (`num_params`,
+`num_matmul_params`) live in dtrain/model_args.py, the FLOP count (`flops_per_token`) in
+dtrain/flops.py, both without torch, so cost models and command-line checks can size a 7B model
+without building it; this module re-exports them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtrain.model_args import (PRESETS, GPTConfig, flops_per_token, num_matmul_params,  # noqa: F401 (re-exported)
+from dtrain.flops import flops_per_token  # noqa: F401 (re-exported)
+from dtrain.model_args import (PRESETS, GPTConfig, num_matmul_params,  # noqa: F401 (re-exported)
                                num_params)
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]

@@ -1,4 +1,5 @@
-"""The GPT's configuration and what follows from it alone: parameter and FLOP counts.
+"""The GPT's configuration and what follows from it alone: the parameter count (the project's one:
+``transformer_params``; the FLOP count built on it is ``dtrain.flops``).
 
 Without torch, so the command-line checks and the cost model can size and check a 7B model without
 importing the framework that builds it (``dtrain.model`` builds it, and re-exports these names).
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from dtrain.flops import transformer_flops_per_token
+from dtrain.checks import integer_at_least, one_of
 
 
 @dataclass
@@ -28,15 +29,12 @@ class GPTConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key}={value!r} must be an integer >= 1")
+            integer_at_least(key, getattr(self, key), 1, error=ValueError)
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
-        if self.norm not in ("rmsnorm", "layernorm"):
-            raise ValueError(f"unknown norm {self.norm!r}: expected 'rmsnorm' or 'layernorm'")
+        one_of("norm", self.norm, ("rmsnorm", "layernorm"), error=ValueError)
 
     @property
     def head_dim(self) -> int:
@@ -83,36 +81,76 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+@dataclass(frozen=True)
+class ParamCount:
+    """A decoder-only transformer's parameters by part (``transformer_params``)."""
+
+    n_layer: int
+    per_layer: int          # one block: its linear layers, norms and biases
+    matmul_per_layer: int   # one block's linear-layer weights
+    token_embedding: int    # vocab x d_model
+    lm_head: int            # d_model x vocab: its matmul runs even when tied to the token embedding
+    positions: int          # learned position embeddings (0 with RoPE)
+    final_norm: int
+    tied: bool              # the lm_head is the token embedding's matrix (counted once)
+
+    @property
+    def total(self) -> int:
+        blocks = self.n_layer * self.per_layer
+        head = 0 if self.tied else self.lm_head
+        return self.token_embedding + self.positions + blocks + self.final_norm + head
+
+    @property
+    def matmul(self) -> int:
+        """Weights of every linear layer, lm_head included when tied (its matmul still runs)."""
+        return self.n_layer * self.matmul_per_layer + self.lm_head
+
+
+def transformer_params(n_layer: int, d_model: int, n_head: int, n_kv_head: int, ffn_hidden: int,
+                       vocab: int, *, gated_mlp: bool = False, tied_embeddings: bool = False,
+                       head_dim: int | None = None, norm_vectors: int = 1, bias: bool = False,
+                       positions: int = 0) -> ParamCount:
+    """The project's one parameter count (the GPT here, the cost model's ModelShape and the FLOP
+    formula all take theirs from it), as torchtitan's models/utils counts its models'.
+
+    Per block: wq, wo (d x n_head·hd), wk, wv (d x n_kv_head·hd), the MLP's 2 matrices (3 gated), 2
+    norms of ``norm_vectors`` vectors of d (1: RMSNorm or LayerNorm without bias; 2: with it) and,
+    with ``bias``, the linears' biases. ``positions``: learned position embeddings (seq_len; 0:
+    RoPE)."""
+    hd = head_dim or d_model // n_head
+    q, kv = n_head * hd, n_kv_head * hd
+    mlp_in = (2 if gated_mlp else 1) * ffn_hidden
+    matmul = 2 * d_model * q + 2 * d_model * kv + (mlp_in + ffn_hidden) * d_model
+    biases = (q + 2 * kv + d_model + mlp_in + d_model) if bias else 0
+    norm = norm_vectors * d_model
+    return ParamCount(n_layer=n_layer, per_layer=matmul + 2 * norm + biases,
+                      matmul_per_layer=matmul, token_embedding=vocab * d_model,
+                      lm_head=d_model * vocab, positions=positions * d_model, final_norm=norm,
+                      tied=tied_embeddings)
+
+
+def param_count(cfg: GPTConfig) -> ParamCount:
+    """GPT(cfg)'s parameters by part: GELU MLP, learned positions, LayerNorm's bias with bias."""
+    norm_vectors = 2 if cfg.norm == "layernorm" and cfg.bias else 1
+    return transformer_params(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.mlp_hidden,
+                              cfg.vocab_size, tied_embeddings=cfg.tie_embeddings,
+                              head_dim=cfg.head_dim, norm_vectors=norm_vectors, bias=cfg.bias,
+                              positions=cfg.seq_len)
+
+
 def num_params(cfg: GPTConfig, *, exclude_embeddings: bool = False) -> int:
     """Parameter count of GPT(cfg), equal to ``sum(p.numel() for p in model.parameters())``.
 
     ``exclude_embeddings`` drops the position embedding and the token embedding; with tied
     embeddings the shared matrix is kept, since it does the lm_head's matmul (as in nanoGPT)."""
-    d, V, T = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    biases = (2 * d + 2 * cfg.kv_dim + cfg.mlp_hidden + d) if cfg.bias else 0
-    per_layer = 2 * norm + biases + _matmul_params_per_layer(cfg)
-    total = V * d + T * d + cfg.n_layer * per_layer + norm + (0 if cfg.tie_embeddings else d * V)
-    if exclude_embeddings:
-        total -= T * d + (0 if cfg.tie_embeddings else V * d)
-    return total
-
-
-def _matmul_params_per_layer(cfg: GPTConfig) -> int:
-    d = cfg.d_model
-    return 2 * d * d + 2 * d * cfg.kv_dim + 2 * d * cfg.mlp_hidden  # wq, wo; wk, wv; w1, w2
+    n = param_count(cfg)
+    if not exclude_embeddings:
+        return n.total
+    return n.total - n.positions - (0 if n.tied else n.token_embedding)
 
 
 def num_matmul_params(cfg: GPTConfig) -> int:
     """Weights of all linear layers, lm_head included (even when tied: its matmul still runs).
     Embedding lookups, norms and biases do no matmul and are left out, like torchtitan, which
     subtracts the token embedding from N."""
-    return cfg.n_layer * _matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
-
-
-def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
-    12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
-    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``."""
-    return transformer_flops_per_token(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.mlp_hidden,
-                                       cfg.vocab_size, seq_len or cfg.seq_len, False, cfg.head_dim)
+    return param_count(cfg).matmul

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from dtrain.checks import one_of
 from dtrain.errors import UserError, missing_dependency
 from dtrain.model import default_linear
 from fp8_train.recipes import HIGH, RECIPES, backend_of
@@ -55,8 +56,7 @@ class Numerics:
 
 def check(recipe: str, device_type: str) -> None:
     """Fail before any rank starts when the recipe cannot run here."""
-    if recipe not in RECIPES:
-        raise UserError(f"recipe={recipe!r} is unknown: choose one of {', '.join(RECIPES)}")
+    one_of("recipe", recipe, RECIPES)
     if backend_of(recipe) == "torchao":
         _import_torchao()
     if backend_of(recipe) == "te":
@@ -88,8 +88,7 @@ def emulated_linear(recipe: str, fp8_cfg) -> Callable:
     from fp8_train.emulated import FP8Linear
     from fp8_train.formats import E5M2
 
-    if fp8_cfg.e5m2_overflow not in ("saturate", "inf"):
-        raise UserError(f"fp8.e5m2_overflow={fp8_cfg.e5m2_overflow!r} is not one of saturate, inf")
+    one_of("fp8.e5m2_overflow", fp8_cfg.e5m2_overflow, ("saturate", "inf"))
     bwd = replace(E5M2, saturate=fp8_cfg.e5m2_overflow == "saturate")
     scaling = recipe.split("_", 1)[1]
     return lambda name, i, o, bias: FP8Linear(i, o, bias, scaling=scaling, margin=fp8_cfg.margin,

@@ -18,16 +18,19 @@ import math
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from dtrain import contract, plots
+from dtrain.checks import one_of
 from dtrain.derived import claim_fresh, write_derived_run
 from dtrain.errors import UserError
 from dtrain.metrics import SUMMARY, write_json_atomic
 from dtrain.results import complete_runs, load, load_events, load_runs
+from dtrain.terminal import WIDTH, shell_command
 from fp8_train.recipes import HIGH, RECIPES
 
 CPU_RECIPES = ["fp32", "emulated_delayed", "emulated_current", "torchao_tensorwise"]
@@ -51,9 +54,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def plan(args, overrides: list[str]) -> tuple[list[str], str, list[int]]:
     on_gpu = torch.cuda.is_available() and "device=cpu" not in overrides
     recipes = args.recipes.split(",") if args.recipes else (GPU_RECIPES if on_gpu else CPU_RECIPES)
-    unknown = [r for r in recipes if r not in RECIPES]
-    if unknown:
-        raise UserError(f"compare: recipe {unknown[0]!r} is unknown: choose from {', '.join(RECIPES)}")
+    for r in recipes:
+        one_of("compare: --recipes", r, RECIPES)
     baseline = next((r for r in recipes if r in HIGH and r != "fp16"), None)
     if baseline is None:
         raise UserError("compare: --recipes needs a high-precision baseline (fp32 or bf16) among them")
@@ -118,7 +120,7 @@ def report(out_dir: Path, recipes: dict, baseline: str, k: float, events: pd.Dat
     lines = [f"# FP8 comparison: {', '.join(r for r in recipes if r != baseline)} vs {baseline}", "",
              f"Device: {device}. Final loss = mean of the last 5 steps, then mean ± std over seeds.",
              f"Within noise: |mean_r - mean_{baseline}| <= {k:g} x std_{baseline} (the baseline's seed band).", "",
-             "| recipe | final loss | tokens/s | speed-up | peak memory factor | within noise | diff / SE | NaN events |",
+             "| recipe | final loss | tokens/s | speed-up | memory factor | within noise | diff / SE | NaN |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(recipes.items(), key=lambda kv: kv[0] != baseline):
         se = f"{r['diff_in_se']:.2f}" if r["diff_in_se"] is not None else "-"
@@ -140,7 +142,9 @@ def report(out_dir: Path, recipes: dict, baseline: str, k: float, events: pd.Dat
         for e in events.itertuples():
             lines.append(f"- {e.recipe} seed {e.seed}: step {e.step} {e.kind} {getattr(e, 'action', '') or ''}")
     lines += ["", "## Plots", ""] + [f"![{f}]({f})" for f in figures]
-    return "\n".join(lines) + "\n"
+    # prose wrapped by words (markdown joins the lines again), so the printed report fits 100 columns
+    return "\n".join(w for line in lines for w in (
+        [line] if line.startswith("|") else textwrap.wrap(line, WIDTH, break_on_hyphens=False) or [""])) + "\n"
 
 
 def main(argv: list[str]) -> dict:
@@ -154,7 +158,7 @@ def main(argv: list[str]) -> dict:
                    "noise_k": args.noise_k, "overrides": overrides}
     cmd = [sys.executable, "-m", "fp8_train", "-m", f"recipe={','.join(recipes)}",
            f"seed={','.join(map(str, seeds))}", f"results_dir={out / 'runs'}", *overrides]
-    print(f"compare: {len(recipes) * len(seeds)} runs -> {out}\n  {' '.join(cmd)}", flush=True)
+    print(f"compare: {len(recipes) * len(seeds)} runs -> {out}\n{shell_command(cmd)}", flush=True)
     proc = subprocess.run(cmd)
     if proc.returncode != 0:
         shutil.rmtree(out, ignore_errors=True) if proc.returncode == 2 else None

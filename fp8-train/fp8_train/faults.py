@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dtrain.checks import one_of
 from dtrain.errors import UserError
 from dtrain.train import Callback
 from dtrain.train.parallelize import unwrap
@@ -33,9 +34,8 @@ def check(faults, module_names: set[str]) -> None:
             if key not in f:
                 raise UserError(f"{where} needs '{key}': e.g. {{step: 10, layer: blocks.0.mlp.w1, kind: inf}}")
         if kind_of(f) not in KINDS:
-            raise UserError(f"{where}.kind={f['kind']!r} is not one of {', '.join(KINDS)}")
-        if f.get("tensor", "activation") not in TENSORS:
-            raise UserError(f"{where}.tensor={f['tensor']!r} is not one of {', '.join(TENSORS)}")
+            one_of(f"{where}.kind", f["kind"], KINDS)
+        one_of(f"{where}.tensor", f.get("tensor", "activation"), TENSORS)
         if f["layer"] not in module_names:
             raise UserError(f"{where}.layer={f['layer']!r} is not a module of the model: "
                             f"e.g. {', '.join(sorted(n for n in module_names if n.endswith('w1')))}")

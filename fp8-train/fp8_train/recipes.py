@@ -2,6 +2,7 @@
 (fp8_train.checks); fp8_train.backends builds the recipes and re-exports these names."""
 from __future__ import annotations
 
+from dtrain.checks import integer_at_least, one_of
 from dtrain.errors import UserError
 
 HIGH = ("fp32", "bf16", "fp16")
@@ -36,14 +37,11 @@ def check_run(recipe: str, micro_batch: int, seq_len: int, activation_checkpoint
 def check_fp8_cfg(fp8) -> None:
     """The `fp8:` keys, checked before a rank starts (amax_history_len=0 would fail deep in a rank)."""
     for key, low in (("amax_history_len", 1), ("margin", 0)):
-        v = fp8[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise UserError(f"fp8.{key}={v!r} must be an integer >= {low}")
+        integer_at_least(f"fp8.{key}", fp8[key], low)
     choices = {"amax_compute_algo": ("max", "most_recent"), "e5m2_overflow": ("saturate", "inf"),
                "torchao_emulate": ("auto", True, False)}
     for key, allowed in choices.items():
-        if fp8[key] not in allowed or isinstance(fp8[key], int) and not isinstance(fp8[key], bool):
-            raise UserError(f"fp8.{key}={fp8[key]!r} is not one of {', '.join(map(str, allowed))}")
+        one_of(f"fp8.{key}", fp8[key], allowed)
     scale = fp8.fp16_init_scale
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < float("inf"):
         raise UserError(f"fp8.fp16_init_scale={scale!r} must be a finite number > 0")

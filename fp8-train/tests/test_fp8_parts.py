@@ -50,7 +50,7 @@ def test_dims_not_multiple_of_16_fall_back_with_a_reason():
 def test_te_selected_without_cuda_is_one_clear_error():
     with pytest.raises(UserError, match="needs a CUDA GPU"):
         backends.check("te_delayed", "cpu")
-    with pytest.raises(UserError, match="recipe='bogus' is unknown"):
+    with pytest.raises(UserError, match="recipe='bogus' must be one of "):
         backends.check("bogus", "cpu")
 
 

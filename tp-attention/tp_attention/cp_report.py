@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtrain import contract, plots
+from dtrain.parallel.checks import OWN_CP_IMPLS
 from dtrain.plots import human_bytes
 from tp_attention.cp_bench import model_at
 
@@ -22,7 +23,7 @@ def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.CpMeasure
     tp_sp = {(r["seq_len"], r["cp"]): r["median_s"] for r in rows if r["impl"] == "tp_sp"}
     out = []
     for r in rows:
-        if r["impl"] not in ("ring", "ulysses"):
+        if r["impl"] not in OWN_CP_IMPLS:  # not the baselines (single, tp_sp)
             continue
         m = model_at(cfg, r["seq_len"])
         out.append(contract.CpMeasurement(
@@ -41,13 +42,28 @@ def frame(rows: list[dict]) -> pd.DataFrame:
     return df.sort_values(["seq_len", "cp", "impl"]).reset_index(drop=True)
 
 
+# (header, what it means): short headers keep the table within dtrain.terminal.WIDTH columns; the
+# legend printed under it spells them out
+COLUMNS = (("seq", "sequence length"), ("cp", ""), ("impl", ""), ("ms", "step time per layer"),
+           ("overhead", "ms x cp / one device"), ("serial", "ring ms, sends not overlapped"),
+           ("sends", "ms of the ring's sends alone"), ("overlap", "share of sends hidden by compute"),
+           ("KiB", "comm per layer"), ("saved", "bytes kept for backward per rank"))
+
+
+def legend() -> str:
+    return "; ".join(f"{h} = {m}" for h, m in COLUMNS if m)
+
+
 def print_table(df: pd.DataFrame, title: str) -> None:
-    from rich.console import Console
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title)
-    for col in ("seq", "cp", "impl", "ms", "overhead", "serial ms", "sends ms", "overlap", "comm KiB", "saved"):
-        t.add_column(col, justify="right")
+    from dtrain.terminal import console
+
+    t = Table(title=title, caption=legend(), caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              collapse_padding=True)
+    for col, _ in COLUMNS:
+        t.add_column(col, justify="left" if col == "impl" else "right")
     opt = lambda v, f: "-" if v is None or v != v else format(v, f)  # noqa: E731  (None / NaN)
     for _, r in df.iterrows():
         t.add_row(str(r.seq_len), str(r.cp), LABELS[r.impl], f"{r.median_s * 1e3:.1f}", f"{r.overhead:.2f}",
@@ -55,10 +71,7 @@ def print_table(df: pd.DataFrame, title: str) -> None:
                   opt(_ms(r.get("sends_s")), ".1f"), opt(r.get("overlap_fraction"), ".0%"),
                   opt(_kib(r.get("comm_bytes_per_layer")), ".0f"),
                   human_bytes(r.saved_bytes))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # piped or captured: do not squeeze the columns
-    console.print(t)
+    console().print(t)
 
 
 def _ms(s):

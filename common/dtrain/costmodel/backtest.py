@@ -116,10 +116,12 @@ def row_setup(row: dict) -> Setup:
     prof = replace(get_profile(row["gpu"]), **{k: row[k] for k in ("hbm_gib", "hbm_tbps", "power_w") if k in row})
     cluster = Cluster.from_profile(prof, row["gpus"], row["gpus_per_node"], ib_gbit_per_gpu=row.get("ib_gbit_per_gpu"))
     gb = lay["global_batch"]
-    layout = Layout(lay["dp"], lay["tp"], lay["pp"], lay["zero"], lay["recompute"], lay["mb"],
-                    gb // (lay["dp"] * lay["mb"]), bool(lay.get("sp", False)), lay.get("v", 1),
-                    lay.get("schedule", "1f1b"), lay.get("cp", 1), lay.get("cp_impl", "ring"),
-                    pp_split=lay.get("split", "layers"))
+    layout = Layout(dp_shard=lay["dp"], cp=lay.get("cp", 1), tp=lay["tp"], pp=lay["pp"],
+                    zero_stage=lay["zero"], recompute=lay["recompute"], micro_batch=lay["mb"],
+                    grad_accum=gb // (lay["dp"] * lay["mb"]),
+                    sequence_parallel=bool(lay.get("sp", False)),
+                    pp_schedule=lay.get("schedule", "1f1b"), pp_virtual=lay.get("v", 1),
+                    cp_impl=lay.get("cp_impl", "ring"), pp_split=lay.get("split", "layers"))
     return Setup(shape, cluster, layout, gb, row.get("precision", "bf16"), Stack(**row.get("stack", {})))
 
 

@@ -20,6 +20,7 @@ import math
 import sys
 from dataclasses import replace
 
+from dtrain.checks import one_of
 from dtrain.errors import UserError
 
 from .hardware import Cluster, get_profile, load_profiles
@@ -242,6 +243,8 @@ def cluster_from_args(a) -> Cluster:
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
                "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule",
                "cp": "cp", "cp_impl": "cp_impl", "hsdp": "dp_replicate", "split": "pp_split"}
+LAYOUT_CHOICES = {"recompute": RECOMPUTE, "cp_impl": CP_IMPLS, "pp_split": PP_SPLITS,
+                  "pp_schedule": PP_SCHEDULES}
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
@@ -256,21 +259,8 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
         field = LAYOUT_KEYS[key]
         if field in fixed:
             raise UserError(f"--layout: {key}= is given twice: give each field once")
-        if field == "recompute":
-            if value not in RECOMPUTE:
-                raise UserError(f"--layout: recompute={value} must be one of {', '.join(RECOMPUTE)}")
-            fixed[field] = value
-        elif field == "cp_impl":
-            if value not in CP_IMPLS:
-                raise UserError(f"--layout: cp_impl={value} must be one of {', '.join(CP_IMPLS)}")
-            fixed[field] = value
-        elif field == "pp_split":
-            if value not in PP_SPLITS:
-                raise UserError(f"--layout: split={value} must be one of {', '.join(PP_SPLITS)}")
-            fixed[field] = value
-        elif field == "pp_schedule":
-            if value not in PP_SCHEDULES:
-                raise UserError(f"--layout: schedule={value} must be one of {', '.join(PP_SCHEDULES)}")
+        if field in LAYOUT_CHOICES:
+            one_of(f"--layout: {key}", value, LAYOUT_CHOICES[field])
             fixed[field] = value
         elif field == "sequence_parallel":
             if value not in ("on", "off", "1", "0", "true", "false"):
@@ -306,10 +296,10 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
         if fixed.setdefault("zero_stage", 3) < 2:
             raise UserError(f"--layout: hsdp={replicas} shards with FSDP inside each replica group: "
                             f"give zero=3 (or 2), not zero={fixed['zero_stage']}")
-        shards = fixed.get("dp", 0) * fixed.get("cp", 1)
-        if shards and shards % replicas:
-            raise UserError(f"--layout: hsdp={replicas} replica groups do not divide dp·cp = {shards}: "
-                            "give a divisor of dp·cp")
+        dp = fixed.get("dp", 0)  # dp = dp_replicate x dp_shard (dtrain.layout), as the trainer splits it
+        if dp and dp % replicas:
+            raise UserError(f"--layout: hsdp={replicas} replica groups do not divide dp = {dp}: "
+                            "give a divisor of dp")
     return fixed
 
 

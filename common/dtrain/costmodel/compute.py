@@ -314,8 +314,9 @@ def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str =
                 value_bytes: int = 2) -> ComputeTerms:
     """One layer, one micro-batch: GEMMs, attention, memory-bound kernels and recompute (cached on what they
     depend on: a search times thousands of layouts that share them)."""
-    key = Layout(1, layout.tp, 1, 0, layout.recompute, layout.micro_batch, 1, layout.sequence_parallel,
-                 cp=layout.cp, cp_impl=layout.cp_impl)
+    key = Layout(cp=layout.cp, tp=layout.tp, zero_stage=0, recompute=layout.recompute,
+                 micro_batch=layout.micro_batch, grad_accum=1,
+                 sequence_parallel=layout.sequence_parallel, cp_impl=layout.cp_impl)
     # FSDP (ZeRO 2/3) gathering the weights in FP8 casts them on the shard, off the layer
     weight_casts = precision == "fp8" and dev.fp8_scaling == "dynamic" and not (
         dev.fp8_weight_gather and layout.zero_stage >= 2)
@@ -378,7 +379,8 @@ def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
     end stages one layer fewer: a micro-batch costs max(busiest·t_layer, last·t_layer + t_head) on the busiest
     stage."""
     lt = layer_terms(shape, layout, dev, precision, value_bytes)
-    head = head_s(shape, Layout(1, layout.tp, 1, micro_batch=layout.micro_batch, cp=layout.cp), dev, value_bytes)
+    head = head_s(shape, Layout(cp=layout.cp, tp=layout.tp,
+                                micro_batch=layout.micro_batch), dev, value_bytes)
     layers = stage_layers(shape, layout.pp, layout.pp_split)
     last = last_stage_layers(shape, layout)
     first_busiest = layout.pp > 1 and layers * lt.total >= last * lt.total + head

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+
+from dtrain.checks import one_of
+
 from .shapes import RECOMPUTE, Layout, ModelShape, end_stage_layers, last_stage_layers, stage_layers
 from .stack import Stack
 
@@ -133,8 +136,7 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     under selective recompute; without it ("eager" attention) selective recompute is what
     removes them.
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    one_of("recompute", recompute, RECOMPUTE, error=ValueError)
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)

@@ -1,10 +1,10 @@
 """A plan as Hydra overrides for the shared trainer (`python -m fsdp_scaling <overrides>`).
 
     world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses | torch)
-    virtual_stages v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; else 1f1b, or
-                      gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
-    ZeRO 0 -> ddp, 1 and 2 -> zero2 (the trainer has no optimizer-only sharding), 3 -> zero3;
-                      dp_replicate R > 1 -> hsdp with train.hsdp_replicate=R
+    pp_virtual v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; gpipe, zbv as named;
+                      1f1b, or gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
+    train.strategy: Layout.strategy (dtrain.layout: ZeRO 0 -> ddp, 1 and 2 -> zero2, the trainer has no
+                      optimizer-only sharding, 3 -> zero3; HSDP replicas R > 1 -> hsdp, train.hsdp_replicate=R)
     recompute none / op / full -> activation_checkpointing=none / op / block; selective -> block
                       (the trainer has no attention-core-only recompute)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
@@ -20,7 +20,7 @@ balanced pipeline split, and ZeRO-1/2 under pp, whose gradient reduction the tra
 """
 from __future__ import annotations
 
-from dtrain.strategies import CHECKPOINTING_OF_RECOMPUTE, STRATEGY_OF_ZERO
+from dtrain.layout import checkpointing_of
 
 from .shapes import Layout, ModelShape
 
@@ -28,15 +28,17 @@ from .shapes import Layout, ModelShape
 def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precision: str = "bf16",
                     preset: str = "small") -> tuple[list[str], list[str]]:
     """(overrides, notes) for `layout` of `model`; the overrides run as is with fsdp-scaling."""
-    world = layout.dp * layout.cp * layout.tp * layout.pp
-    strategy = "single" if world == 1 else "hsdp" if layout.dp_replicate > 1 else STRATEGY_OF_ZERO[layout.zero_stage]
-    schedule = "interleaved_1f1b" if layout.virtual_stages > 1 else "1f1b" if layout.grad_accum >= layout.pp else "gpipe"
-    out = [f"world_size={world}", f"train.strategy={strategy}", f"train.tp={layout.tp}", f"train.pp={layout.pp}",
+    world, replicas = layout.gpus, layout.hsdp_replicate
+    schedule = layout.trainer_schedule
+    if schedule == "1f1b" and layout.grad_accum < layout.pp:  # 1f1b needs a micro-batch per stage
+        schedule = "gpipe"
+    out = [f"world_size={world}", f"train.strategy={layout.strategy}", f"train.tp={layout.tp}",
+           f"train.pp={layout.pp}",
            *([f"train.cp={layout.cp}", f"train.cp_impl={layout.cp_impl}"] if layout.cp > 1 else []),
-           *([f"train.hsdp_replicate={layout.dp_replicate}"] if layout.dp_replicate > 1 else []),
-           f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.virtual_stages}",
+           *([f"train.hsdp_replicate={replicas}"] if replicas > 1 else []),
+           f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.pp_virtual}",
            f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
-           f"train.activation_checkpointing={CHECKPOINTING_OF_RECOMPUTE[layout.recompute]}",
+           f"train.activation_checkpointing={checkpointing_of(layout.recompute)}",
            f"train.precision={'fp32' if precision == 'fp32' else 'bf16'}",
            f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
            f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
@@ -53,7 +55,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
         notes.append("under pp the trainer's zero2 reduces its gradients after the stage's last backward "
                      "(torch.distributed.pipelining), which the plan's ZeRO-1/2 step hides behind it: the run exposes "
                      "that reduce-scatter, as the plan prices zero=3 with pp")
-    if layout.dp_replicate > 1 and layout.zero_stage == 2:
+    if replicas > 1 and layout.zero_stage == 2:
         notes.append("HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in each group)")
     if layout.recompute == "selective":
         notes.append("selective recompute runs as whole-block checkpointing")

@@ -2,6 +2,7 @@
 lost, a given layout against it) and as one JSON object (every term, the trainer overrides)."""
 from __future__ import annotations
 
+from .calibration import calibration_inputs
 from .compute import published
 from .explain import explain
 from .hardware import GiB, Cluster
@@ -152,8 +153,7 @@ def plan_dict(p) -> dict:
 def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
     s, c = res.model, res.cluster
     calib = {k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
-             for k in ("mfu", "gemm_half_flops", "step_overhead_s", "dp_overlap", "tp_overhead", "fp8_speedup",
-                       "fp8_memory_factor")}
+             for k in calibration_inputs()}
     return {"model": {"name": s.name, "layers": s.n_layer, "hidden": s.d_model, "heads": s.n_head,
                       "kv_heads": s.n_kv_head, "seq": s.seq_len, "vocab": s.vocab, "params": s.num_params()},
             "cluster": {"gpu": c.gpu.name, "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,

@@ -7,27 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
+
+from dtrain.model_args import ParamCount, transformer_params
 
 from .hashing import cached_hash
 
-# Recompute levels, least to most: none; "op" = torchtitan's selective op AC (its checkpoint policy saves
-# the outputs of every other matmul and of SDPA, recomputes the rest); "selective" = Korthikanti et al.
-# 2022 §5 (the attention core only); "full" = whole blocks (the trainer's activation_checkpointing=block).
-RECOMPUTE = ("none", "op", "selective", "full")
-# Pipeline schedules: 1F1B (Narayanan et al. 2021; interleaved with v > 1 virtual stages), GPipe (Huang et
-# al. 2019: every micro-batch's forward before any backward) and zero-bubble V (Qi et al. 2024, ICLR: two
-# chunks per rank in a V, weight-gradient work fills the bubble).
-PP_SCHEDULES = ("1f1b", "gpipe", "zbv")
-# Context parallelism: ring attention (Liu et al. 2023; PyTorch's context_parallel and Llama 3's all-gather CP move
-# the same K/V bytes) or all-to-all sequence<->heads (Jacobs et al. 2023, DeepSpeed Ulysses).
-CP_IMPLS = ("ring", "ulysses", "torch")
-# How layers are split over pipeline stages: "layers" gives every stage ceil(L/pp) transformer layers, the embedding
-# riding on the first and the output projection and loss on the last (Megatron's and DeepSpeed's default);
-# "balanced" counts the embedding and the loss as one layer's slot each, so the first and the last stage hold one
-# layer fewer (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split;
-# Llama 3 405B, Llama Team 2024 §3.3.2: "we reduce one Transformer layer each from the first and the last stages").
-PP_SPLITS = ("layers", "balanced")
+# The layout vocabulary and the type itself are dtrain.layout's (one type for the trainer, the mesh, the
+# contract and this model); re-exported here, where the cost model has always read them.
+from dtrain.layout import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, Layout  # noqa: F401
 
 
 def params_text(n: float) -> str:
@@ -79,15 +67,20 @@ class ModelShape:
     def ffn_hidden(self) -> int:
         return int(round(self.ffn_mult * self.d_model))
 
+    @cached_property
+    def param_count(self) -> ParamCount:
+        """dtrain.model_args.transformer_params of this shape: RMSNorm, no biases, no learned
+        positions (a non-rotary model's are too few to count). Cached: the search asks per layout."""
+        return transformer_params(self.n_layer, self.d_model, self.n_head, self.n_kv_head,
+                                  self.ffn_hidden, self.vocab, gated_mlp=self.gated_mlp,
+                                  tied_embeddings=self.tied_embeddings)
+
     def params_per_layer(self) -> int:
         """Attention q,k,v,o + MLP (2 matrices, 3 if gated) + 2 norms; no biases.
 
         A GPT with GELU 4x MLP and n_kv_head = n_head gives the familiar 12·h² + 2h per layer.
         """
-        h, kv = self.d_model, self.d_model * self.n_kv_head // self.n_head
-        attn = h * (h + 2 * kv) + h * h
-        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
-        return attn + mlp + 2 * h
+        return self.param_count.per_layer
 
     def params_per_layer_on_rank(self, tp: int) -> float:
         """One layer's parameters on one of ``tp`` ranks: everything split tp ways except K and V, of which each
@@ -98,10 +91,11 @@ class ModelShape:
 
     def embedding_params(self) -> int:
         """Input embedding plus output projection (one matrix when tied); positions use RoPE."""
-        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+        n = self.param_count
+        return n.token_embedding + (0 if n.tied else n.lm_head)
 
     def num_params(self) -> int:
-        return self.n_layer * self.params_per_layer() + self.embedding_params() + self.d_model
+        return self.param_count.total
 
     @classmethod
     def from_params(cls, params: float, seq_len: int = 4096) -> ModelShape:
@@ -110,8 +104,9 @@ class ModelShape:
         Within ±10 % of a known model's nominal size its shape is returned as is (seq_len
         replaced), so ``from_params(70e9)`` is Llama-2-70B (69.0e9 parameters). Otherwise d_model is
         interpolated geometrically (log-linear in parameter count) between the two neighbouring
-        known shapes, rounded to a multiple of 8 heads; head size, KV-head count, MLP ratio and
-        vocabulary come from the nearer neighbour, and n_layer is solved for the parameter count.
+        known shapes, rounded to a multiple of 8 heads; head size, KV-head count, MLP ratio (the
+        width rounded to a multiple of 256) and vocabulary come from the nearer neighbour, and
+        n_layer is solved for the parameter count.
         """
         if params <= 0:
             raise ValueError(f"params must be positive, got {params}")
@@ -127,8 +122,12 @@ class ModelShape:
         d_raw = math.exp(math.log(a.d_model) + f * math.log(b.d_model / a.d_model))
         n_head = max(8, 8 * round(d_raw / head_dim / 8))
         n_kv = n_head if style.n_kv_head == style.n_head else math.gcd(n_head, style.n_kv_head)
-        probe = replace(style, n_layer=1, d_model=n_head * head_dim, n_head=n_head,
-                        n_kv_head=n_kv, seq_len=seq_len, name="")
+        d_model = n_head * head_dim
+        # the MLP width a real config would pick: a multiple of 256 (Llama's multiple_of), so
+        # that every tp the heads allow also splits the MLP (the trainer and Megatron refuse less)
+        ffn = max(256, 256 * round(style.ffn_mult * d_model / 256))
+        probe = replace(style, n_layer=1, d_model=d_model, n_head=n_head, n_kv_head=n_kv,
+                        ffn_mult=ffn / d_model, seq_len=seq_len, name="")
         rest = params - probe.embedding_params() - probe.d_model
         n_layer = max(1, round(rest / probe.params_per_layer()))
         return replace(probe, n_layer=n_layer, name=f"~{params_text(params)} (interpolated)")
@@ -172,72 +171,6 @@ KNOWN_SHAPES = {  # nominal size -> shape
     175e9: ModelShape(96, 12288, 96, 96, name="GPT-3-175B", **_GPT3),
     405e9: ModelShape(126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"),
 }
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one step is parallelised: dp·cp·tp·pp GPUs; ``grad_accum`` micro-batches per DP rank.
-
-    Rank order is torchtitan's and Megatron's: TP innermost (consecutive ranks), then CP, then DP, then PP.
-    ``virtual_stages`` > 1 is the interleaved 1F1B schedule (Narayanan et al. 2021). ``cp`` > 1 splits every
-    sequence over cp ranks (context parallelism): ``cp_impl`` ring passes K and V around the cp group
-    (ring attention; Llama 3's all-gather variant moves the same bytes), ulysses swaps sequence for heads with
-    all-to-alls (DeepSpeed Ulysses), torch is PyTorch's ``context_parallel`` (torchtitan's CP, dtrain's
-    ``train.cp_impl=torch``): the ring's kernel calls, K and V all-gathered once per pass. ``dp_replicate`` > 1 is HSDP (FSDP2's
-    hybrid sharding, dtrain's ``train.strategy=hsdp``): ZeRO shards over ``shard_group`` = dp·cp / dp_replicate
-    ranks and the dp_replicate groups all-reduce the sharded gradients.
-    """
-
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int = 0
-    recompute: str = "none"
-    micro_batch: int = 1
-    grad_accum: int = 1
-    sequence_parallel: bool = False
-    virtual_stages: int = 1
-    pp_schedule: str = "1f1b"   # 1f1b (interleaved when virtual_stages > 1) | gpipe | zbv
-    cp: int = 1
-    cp_impl: str = "ring"       # ring | ulysses
-    dp_replicate: int = 1       # HSDP replica groups (1: ZeRO over every data shard)
-    pp_split: str = "layers"    # layers | balanced (see PP_SPLITS)
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def data_shards(self) -> int:
-        """Ranks that hold different data of the same model shard: the DP group of the gradients and of
-        ZeRO's sharding, dp·cp (FSDP shards over dp x cp, as torchtitan does; Megatron reduces over both)."""
-        return self.dp * self.cp
-
-    @property
-    def shard_group(self) -> int:
-        """Ranks ZeRO shards the states over: every data shard, or under HSDP one replica group's."""
-        return self.data_shards // self.dp_replicate
-
-    def __post_init__(self) -> None:
-        if self.dp_replicate != 1:  # (a search builds ~10^5 layouts: the common case costs one comparison)
-            if self.dp_replicate < 1 or self.data_shards % self.dp_replicate:
-                raise ValueError(f"dp_replicate {self.dp_replicate} must divide dp·cp = {self.data_shards}")
-            if self.zero_stage not in (2, 3):
-                raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group (zero_stage 2 or 3)")
-        if self.cp < 1 or self.cp_impl not in CP_IMPLS:
-            raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}")
-        if self.pp_split not in PP_SPLITS:
-            raise ValueError(f"pp_split must be one of {PP_SPLITS}, got {self.pp_split!r}")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
-        if self.pp_schedule == "zbv" and self.virtual_stages != 2:
-            raise ValueError("the zbv schedule runs 2 virtual stages per rank (virtual_stages=2)")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1")
 
 
 def _split(shape: ModelShape, pp: int, split: str) -> tuple[int, int]:

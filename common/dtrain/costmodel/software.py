@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtrain.checks import one_of
+from dtrain.layout import CP_IMPLS
+from dtrain.parallel.checks import OWN_CP_IMPLS
+
 __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 
 
@@ -56,7 +60,8 @@ class Software:
 
 
 SOFTWARE = {s.name: s for s in (
-    Software("any", (0, 1, 2, 3), (0, 1, 2, 3), ("ring", "ulysses"), (False, True), ("none", "op", "selective", "full"),
+    # "any" searches this project's own CP implementations; PyTorch's (CUDA only) when pinned
+    Software("any", (0, 1, 2, 3), (0, 1, 2, 3), OWN_CP_IMPLS, (False, True), ("none", "op", "selective", "full"),
              True, "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)",
              hsdp=True, cp_pinned=("torch",)),
     Software("megatron-core", (0, 1), (0, 1), ("ring", "ulysses"), (False, True), ("none", "selective", "full"), True,
@@ -82,7 +87,7 @@ SOFTWARE = {s.name: s for s in (
              "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
              "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
              "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True, zero2_regathers=True, kv_shards=True),
-    Software("dtrain", (0, 2, 3), (0, 3), ("ring", "ulysses", "torch"), (False, True), ("none", "op", "full"), True,
+    Software("dtrain", (0, 2, 3), (0, 3), CP_IMPLS, (False, True), ("none", "op", "full"), True,
              "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
              "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
              "cp_impl ring|ulysses|torch, interleaved 1F1B, hsdp; it refuses cp together with pp", cp_with_pp=False,
@@ -91,10 +96,8 @@ SOFTWARE = {s.name: s for s in (
 
 
 def software(name: str) -> Software:
-    try:
-        return SOFTWARE[name]
-    except KeyError:
-        raise ValueError(f"software must be one of {tuple(SOFTWARE)}, got {name!r}") from None
+    one_of("software", name, SOFTWARE, error=ValueError)
+    return SOFTWARE[name]
 
 
 def unsupported(sw: Software, fields: dict, n_layer: int | None = None, kv_heads: int | None = None) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtrain.checks import one_of
+
 from .hashing import cached_hash
 from .software import Software, software
 
@@ -66,20 +68,14 @@ class Stack:
 
     def __post_init__(self) -> None:
         software(self.software)  # raises for an unknown name
-        if self.fp8_scaling not in (None, *FP8_SCALINGS):
-            raise ValueError(f"fp8_scaling must be one of {FP8_SCALINGS}, got {self.fp8_scaling!r}")
-        if self.dp_sync not in DP_SYNCS:
-            raise ValueError(f"dp_sync must be one of {DP_SYNCS}, got {self.dp_sync!r}")
+        one_of("fp8_scaling", self.fp8_scaling, (*FP8_SCALINGS, None), error=ValueError)
+        one_of("dp_sync", self.dp_sync, DP_SYNCS, error=ValueError)
         for name in ("grad_reduce", "optimizer_states"):
-            if getattr(self, name) not in STATE_DTYPES:
-                raise ValueError(f"{name} must be one of {STATE_DTYPES}, got {getattr(self, name)!r}")
-        if self.fp8_all_gather not in FP8_ALL_GATHERS:
-            raise ValueError(f"fp8_all_gather must be one of {FP8_ALL_GATHERS}, got {self.fp8_all_gather!r}")
-        if self.attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
-        for name in ("kernels", "loss"):
-            if getattr(self, name) not in ("fused", "eager", None if name == "loss" else "fused"):
-                raise ValueError(f"{name} must be fused or eager, got {getattr(self, name)!r}")
+            one_of(name, getattr(self, name), STATE_DTYPES, error=ValueError)
+        one_of("fp8_all_gather", self.fp8_all_gather, FP8_ALL_GATHERS, error=ValueError)
+        one_of("attention", self.attention, ATTENTION_KERNELS, error=ValueError)
+        one_of("kernels", self.kernels, ("fused", "eager"), error=ValueError)
+        one_of("loss", self.loss, ("fused", "eager", None), error=ValueError)  # None: as kernels
         if self.tp_overlap and self.async_tp:
             raise ValueError("tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: give one")
 

@@ -6,10 +6,12 @@ iteration is in fixed or sorted order and no clock is read.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 
 from dtrain.costmodel import ModelShape, search
 from dtrain.costmodel.calibrate import CalibrationReport
+from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.stack import Stack
 
 from .check import GOAL, Check
@@ -17,18 +19,8 @@ from .matrix import (GLOBAL_BATCH, GPU_COUNTS, GPUS_PER_NODE, IB_GBITS, MODELS, 
                      cell_text, cluster_for, model_label)
 
 
-PARAM_NAMES = [
-    ("mfu", "GEMM achieved fraction of the roofline bound, large GEMMs (e_max)", "{:.1%}"),
-    ("gemm_half_flops", "GEMM size reaching half of e_max (W_half)", "{:.2g} FLOP"),
-    ("step_overhead_s", "fixed per-step overhead (step minus GEMM time)", "{:.4f} s"),
-    ("dp_overlap", "share of overlapped DP/ZeRO traffic hidden (its NCCL kernel's SMs; on GPUs its HBM "
-                   "traffic is lost apart)", "{:.0%}"),
-    ("cp_overlap", "share of the CP ring's overlapped K/V sends hidden (as dp_overlap)", "{:.0%}"),
-    ("tp_overhead", "TP communication: measured / α–β-modelled time", "{:.2f}×"),
-    ("pp_overhead", "PP bubble: measured p2p wait + idle / bubble formula", "{:.2f}×"),
-    ("fp8_speedup", "FP8 compute speed factor over BF16", "{:.2f}×"),
-    ("fp8_memory_factor", "FP8 activation-memory factor", "{:.2f}×"),
-]
+# (name, label, format) of every Calibration field, in its order: a new field gets its row here
+PARAM_NAMES = [(f.name, f.metadata["label"], f.metadata["fmt"]) for f in fields(Calibration)]
 LINK_NAMES = [
     ("intra_alpha_s", "intra-node latency α per hop", lambda v: f"{v * 1e6:.1f} µs"),
     ("intra_efficiency", "intra-node achieved share of nominal β", lambda v: f"{v:.0%}"),
@@ -140,6 +132,17 @@ def _host(report: CalibrationReport) -> str:
             f"torch {e.get('torch', '?')}, {e.get('backend', '?')}.")
 
 
+def _distinct(checks: list[Check]) -> str:
+    """How many distinct runs the rows check, and the copied run folders counted once."""
+    runs = {c.run: c.copies for c in checks}
+    copies = [p for c in runs.values() for p in c]
+    named = ", ".join(f"`{p}`" for p in copies[:3])
+    named += f" and {len(copies) - 3} more" if len(copies) > 3 else ""
+    return (f" The rows check {len(runs)} distinct run{'s' * (len(runs) != 1)}" + (
+        f"; {len(copies)} more folder{'s' * (len(copies) != 1)} repeating a run's guide inputs "
+        f"({named}) were counted once." if copies else "."))
+
+
 def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
     out = ["## Predicted vs measured (local runs)", ""]
     if not checks:
@@ -158,7 +161,8 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
     out += [f"The cost model's step time for each local run, with this machine as the 'cluster' (peak = the "
             f"measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). "
             f"Goal: within {GOAL:.0%}. "
-            f"**{ok} of {len(checks)} within the goal.**" + loaded + _host(report), "",
+            f"**{ok} of {len(checks)} within the goal.**" + _distinct(checks) + loaded
+            + _host(report), "",
             "| experiment | run | what | measured | predicted | error | inputs | where the difference sits |",
             "|---|---|---|---:|---:|---:|---|---|"]
     for c in checks:

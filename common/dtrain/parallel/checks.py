@@ -7,9 +7,15 @@ any process starts (and before torch is imported); the modules that apply each p
 """
 from __future__ import annotations
 
+from dtrain.checks import integer_at_least, one_of
 from dtrain.errors import UserError
+from dtrain.layout import CP_IMPLS
 
-IMPLS = ("auto", "ring", "ulysses", "torch")   # train.cp_impl (dtrain.parallel.cp)
+# dtrain.layout.CP_IMPLS is the one list of context-parallel implementations: ring and all-to-all
+# (Ulysses) are dtrain.parallel.cp's own and run anywhere, gloo on CPU included; torch is PyTorch's
+# context_parallel, which needs CUDA's fused SDPA.
+OWN_CP_IMPLS = tuple(i for i in CP_IMPLS if i != "torch")   # this project's, runnable on CPU
+IMPLS = ("auto", *CP_IMPLS)   # train.cp_impl: auto picks torch on CUDA + NCCL, else ring
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")   # train.pp_schedule
 SINGLE_STAGE = ("gpipe", "1f1b")
 
@@ -56,10 +62,8 @@ def check_tp_model(cfg, tp: int, sequence_parallel: bool = False,
 
 def check_cp_layout(cp, impl: str, pp: int) -> None:
     """train.cp and train.cp_impl on their own and with pipeline parallelism."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise UserError(f"train.cp={cp!r} must be an integer >= 1")
-    if impl not in IMPLS:
-        raise UserError(f"train.cp_impl={impl!r} is unknown: choose one of {', '.join(IMPLS)}")
+    integer_at_least("train.cp", cp, 1)
+    one_of("train.cp_impl", impl, IMPLS)
     if cp > 1 and pp > 1:  # the pipeline schedules pass stages only the tokens, not their positions
         raise UserError(f"train.cp={cp} with train.pp={pp} is not supported (a pipeline stage gets only the "
                         "tokens, not their positions): use train.pp=1, or train.cp=1 with pipelining")
@@ -68,7 +72,8 @@ def check_cp_layout(cp, impl: str, pp: int) -> None:
 def check_cp_device(cp: int, impl: str, device_type: str) -> None:
     if cp > 1 and impl == "torch" and device_type != "cuda":
         raise UserError(f"train.cp_impl=torch needs CUDA (PyTorch's context_parallel runs on the fused SDPA kernels) "
-                        f"but the device is {device_type}: use train.cp_impl=ring, ulysses or auto")
+                        f"but the device is {device_type}: "
+                        f"use train.cp_impl={', '.join(OWN_CP_IMPLS)} or auto")
 
 
 def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bool = False) -> None:
@@ -88,8 +93,7 @@ def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bo
 
 def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int) -> None:
     """Every layout the trainer cannot pipeline, as a one-line UserError."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"train.pp_schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+    one_of("train.pp_schedule", schedule, SCHEDULES)
     if pp == 1:
         return
     if schedule in SINGLE_STAGE and virtual != 1:

@@ -3,7 +3,7 @@
     world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
 
 Every layout has one: tp = pp = 1 included (then dp = world_size). The data-parallel strategy
-decides how dp splits (`of`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
+decides how dp splits (`of`, by `dtrain.layout.split_dp`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
 (dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single has dp = 1.
 
 Mesh dimensions, outermost first (as torchtitan's ParallelDims): ``pp``, ``replicate``,
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.errors import UserError
-from dtrain.strategies import SHARDED, ZERO_STAGE
+from dtrain.layout import Layout, split_dp, zero_stage_of
 
 ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
 MODEL_DIMS = ("pp", "tp")  # dimensions that split the model; the rest split the batch (cp: its sequences)
@@ -64,11 +64,16 @@ class ParallelDims:
            hsdp_replicate: int = 1, cp: int = 1) -> "ParallelDims":
         """The layout a data-parallel strategy gives: the one place dp is split into replicas and shards."""
         dp = cls(world_size, tp=tp, pp=pp, cp=cp).dp
-        if strategy == "ddp":
-            return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=dp, dp_shard=1)
-        if strategy == "hsdp":
-            return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=hsdp_replicate)
-        return cls(world_size, tp=tp, pp=pp, cp=cp)  # zero2 / zero3: every dp rank holds a shard; single: dp = 1
+        if strategy == "hsdp":  # the one HSDP check (__post_init__) before the split
+            cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=hsdp_replicate)
+        replicate, shard = split_dp(strategy, dp, hsdp_replicate)  # dtrain.layout: the one rule
+        return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=replicate, dp_shard=shard)
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> "ParallelDims":
+        """The mesh of a layout (dtrain.layout.Layout: the degrees; this class adds the mesh)."""
+        return cls(layout.gpus, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                   dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard)
 
     @property
     def dp(self) -> int:
@@ -152,7 +157,4 @@ class ParallelDims:
 def zero_stage(strategy: str, dp: int, pp: int = 1) -> int:
     """The ZeRO stage the trainer runs: the strategy's, 0 without data parallelism, and 2 for a
     sharded strategy under pp > 1 (parameters stay gathered from forward to backward there)."""
-    if dp == 1:
-        return 0
-    stage = ZERO_STAGE[strategy]
-    return 2 if pp > 1 and strategy in SHARDED else stage
+    return zero_stage_of(strategy, dp, pp)

@@ -11,8 +11,8 @@ import dataclasses
 import os
 from dataclasses import asdict, dataclass, fields
 
-from dtrain.errors import UserError
-from dtrain.strategies import SHARDED, STRATEGIES  # noqa: F401  (re-exported: dtrain.train.STRATEGIES)
+from dtrain.errors import UserError, unknown_key
+from dtrain.layout import SHARDED, STRATEGIES, Layout, recompute_of, schedule_of  # noqa: F401  (STRATEGIES: dtrain.train)
 
 PRECISIONS = ("fp32", "bf16", "auto")
 TP_IMPLS = ("handrolled", "dtensor")  # dtrain.parallel.tp (the study's subject) | parallelize_module
@@ -79,7 +79,8 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise UserError(f"unknown train.{unknown[0]}: known keys are {', '.join(sorted(known))}")
+            raise UserError(unknown_key(f"train.{unknown[0]}", sorted(known), scope="train's",
+                                        every=[f"train.{k}" for k in sorted(known)]))
         for f in fields(cls):
             if f.name in values:
                 _check_type(f"train.{f.name}", values[f.name], f.type)
@@ -141,8 +142,9 @@ class TrainConfig:
             raise UserError(f"train.lr={self.lr} and train.min_lr={self.min_lr} need 0 <= min_lr <= lr, lr > 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UserError(f"train.grad_clip={self.grad_clip} must be > 0 or null")
-        if min(self.warmup_steps, self.timing_warmup, self.log_every, self.checkpoint_every) < 0:
-            raise UserError("train.warmup_steps, timing_warmup, log_every and checkpoint_every must be >= 0")
+        for key in ("warmup_steps", "timing_warmup", "log_every", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise UserError(f"train.{key}={getattr(self, key)} must be >= 0")
         if self.dataset != "synthetic" and not os.path.isfile(self.dataset):
             raise UserError(f"train.dataset={self.dataset!r} is neither 'synthetic' nor an existing file: "
                             "pass train.dataset=synthetic or the path of a token (.bin) or text file")
@@ -176,6 +178,22 @@ class TrainConfig:
         check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl)
         check_cp_model(model_cfg, self.cp, self.cp_impl, self.tp, self.sequence_parallel)
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
+
+    def layout(self, world_size: int, device_type: str | None = None) -> Layout:
+        """The run's layout (dtrain.layout.Layout; call it on a `resolved` config), grad_accum derived
+        from global_batch: the inverse of `dtrain.costmodel.overrides.train_overrides`. cp_impl
+        `auto` is torch on CUDA, else ring (the device given or not known)."""
+        dims = self.dims(world_size)
+        run = self if self.global_batch is None else dataclasses.replace(
+            self, grad_accum=self.global_batch // (self.micro_batch * dims.dp))
+        impl = run.cp_impl if run.cp_impl != "auto" else "torch" if device_type == "cuda" else "ring"
+        return Layout.from_strategy(
+            run.strategy, dp=dims.dp, hsdp_replicate=run.hsdp_replicate, cp=run.cp, tp=run.tp, pp=run.pp,
+            recompute=recompute_of(run.activation_checkpointing), micro_batch=run.micro_batch,
+            grad_accum=run.grad_accum, sequence_parallel=run.sequence_parallel,
+            pp_schedule=schedule_of(run.pp_schedule) if run.pp > 1 else "1f1b",  # no pipeline, no schedule
+            pp_virtual=run.pp_virtual if run.pp > 1 else 1,
+            cp_impl=impl if run.cp > 1 else "ring")
 
     def global_batch_for(self, world_size: int) -> int:
         return self.micro_batch * self.grad_accum * self.dims(world_size).dp

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dtrain.config import RENAMED_MODEL, BaseConfig, ModelConfig, ProfileConfig, register
+from dtrain.parallel.checks import OWN_CP_IMPLS
 from dtrain.train import TrainConfig
 
 
@@ -60,7 +61,8 @@ class CpStudyTrainConfig:
     micro_batch: int = 1                     # sequences in the measured forward+backward
     precision: str = TrainConfig.precision   # fp32 | bf16 (weights and activations; bf16 is for GPUs)
     cp: Any = None                           # int or list of cp degrees (>= 2); null = world_size
-    cp_impl: Any = field(default_factory=lambda: ["ring", "ulysses"])  # this package's implementations
+    # dtrain's own implementations (PyTorch's context_parallel needs CUDA)
+    cp_impl: Any = field(default_factory=lambda: list(OWN_CP_IMPLS))
 
 
 @dataclass
