@@ -1,10 +1,12 @@
 """α–β (Hockney) times of the collectives a step runs, ring algorithms as in NCCL.
 
 β is the nccl-tests *bus* bandwidth (nccl-tests doc/PERFORMANCE.md), so an all-reduce moves 2(n−1)/n·B
-over β; α is paid per ring hop. ``group_link`` picks the link a group of ranks runs over.
+over β; α is paid per ring hop (all-to-all: per peer). ``group_link`` picks the link a group of
+ranks runs over.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from .hardware import Cluster, LinkModel
@@ -32,6 +34,33 @@ def reduce_scatter_time(nbytes: float, n: int, link: LinkModel) -> float:
     """Ring reduce-scatter of a B-byte input: (n−1)/n · B/β + (n−1)·α (mirror of all-gather; its own
     α–β when measured apart)."""
     return _ring_half(nbytes, n, link.of("reduce_scatter"))
+
+
+def all_to_all_time(nbytes: float, n: int, link: LinkModel) -> float:
+    """Even all-to-all of a rank's B-byte send buffer: a chunk of B/n to each of the n−1 peers,
+    (n−1)·(B/n/β + α) = (n−1)/n · B/β + (n−1)·α. β is its bus bandwidth as nccl-tests reports it
+    (busbw = algbw · (n−1)/n, algbw = B / t): the link's all_to_all α–β when allreduce-bench fitted
+    one (``LinkModel.of``), else the all-reduce's."""
+    if n <= 1:
+        return 0.0
+    link = link.of("all_to_all")
+    return (n - 1) * (nbytes / n / link.beta_Bps + link.alpha_s)
+
+
+def all_to_all_uneven_time(sends: Sequence[Sequence[float]], link: LinkModel) -> float:
+    """All-to-all with uneven splits: ``sends[i][j]`` bytes go from rank i to rank j (the diagonal
+    stays on the rank). Every rank sends and receives at once, so the busiest rank sets the time:
+    max over ranks of max(bytes it sends, bytes it receives) / β + (n−1)·α, the all_to_all α–β as
+    in ``all_to_all_time`` (which this equals for even splits)."""
+    n = len(sends)
+    if any(len(row) != n for row in sends) or any(b < 0 for row in sends for b in row):
+        raise ValueError(f"all_to_all sends must be a square matrix of bytes >= 0, got {sends}")
+    if n <= 1:
+        return 0.0
+    out = [sum(row) - row[i] for i, row in enumerate(sends)]
+    into = [sum(sends[i][j] for i in range(n)) - sends[j][j] for j in range(n)]
+    link = link.of("all_to_all")
+    return max(max(out), max(into)) / link.beta_Bps + (n - 1) * link.alpha_s
 
 
 # HBM bytes an overlapped transfer moves per byte it receives. An NCCL ring on unregistered buffers (PyTorch's

@@ -1,9 +1,13 @@
-"""Bytes each parallel dimension moves in one step, as α–β times: TP (``tp_comm_time``) and DP / ZeRO
-(``dp_comm_time``), for ``timemodel.StepModel`` to place on the critical path or behind compute. Sources are in
-``timemodel``'s docstring (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2; Rajbhandari et al. 2020 §7)."""
+"""TP (``tp_comm_time``) and DP / ZeRO (``dp_comm_time``) traffic of one step as α–β times, for
+``timemodel.StepModel`` to place on the critical path or behind compute. The bytes come from
+``dtrain.parallel.traffic``, the formulas the trainer's counted-bytes checks use too. Sources are
+in ``timemodel``'s docstring (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2; Rajbhandari
+et al. 2020 §7)."""
 from __future__ import annotations
 
 from functools import lru_cache
+
+from dtrain.parallel import traffic as volume
 
 from .collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
 from .hardware import Cluster, LinkModel
@@ -21,13 +25,14 @@ def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes
     all-gathers when they move FP8 (``Stack.fp8_all_gather``; the reduce-scatters keep ``value_bytes``)."""
     if layout.tp <= 1:
         return 0.0
-    n_coll = {"full": 6, "op": 4 if layout.sequence_parallel else 5}.get(layout.recompute, 4)
-    values = layout.micro_batch * shape.seq_len * shape.d_model
+    n_coll = volume.tp_collectives_per_layer(layout.recompute, layout.sequence_parallel)
+    b, s, h, tp = layout.micro_batch, shape.seq_len, shape.d_model, layout.tp
+    values = volume.tp_activation_bytes(b, s, h, value_bytes)
     if gather_bytes is not None and layout.sequence_parallel:
-        pair = all_gather_time(values * gather_bytes, layout.tp, link) + \
-            reduce_scatter_time(values * value_bytes, layout.tp, link)
+        gathered = volume.tp_activation_bytes(b, s, h, gather_bytes)
+        pair = all_gather_time(gathered, tp, link) + reduce_scatter_time(values, tp, link)
     else:
-        pair = allreduce_time(values * value_bytes, layout.tp, link)
+        pair = allreduce_time(values, tp, link)
     return stage_layers(shape, layout.pp, layout.pp_split) * layout.grad_accum * n_coll * pair
 
 
@@ -49,16 +54,16 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
     if lay.dp <= 1:
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp, lay.pp_split)
-    grads, weights = grad_bytes * psi, value_bytes * psi
-    if fp8_weights:
-        emb = embedding_params_per_gpu(shape, lay.tp, lay.pp)
-        weights = (psi - emb) + value_bytes * emb
+    grads = volume.dp_grad_bytes(psi, grad_bytes)
+    kept = embedding_params_per_gpu(shape, lay.tp, lay.pp) if fp8_weights else None
+    weights = volume.zero_gather_bytes(psi, value_bytes, kept)
     n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
     link = dp_link(cluster, lay)
     ag = all_gather_time(weights, n, link)
     rs = reduce_scatter_time(grads, n, link)
     if r > 1:
-        rs += allreduce_time(grads / n, r, group_link(cluster, r, lay.tp * n, multi_rail=True))
+        across = group_link(cluster, r, lay.tp * n, multi_rail=True)
+        rs += allreduce_time(volume.hsdp_replica_bytes(grads, n), r, across)
     m = lay.grad_accum
     if lay.zero_stage == 0:
         return allreduce_time(grads, lay.dp, link), 0.0

@@ -4,13 +4,8 @@ tp/comm.py and cp/comm.py reach torch.distributed only through wrappers that `no
 `CommCounter` sees every byte, and each call is a `<tp|cp>_comm:<op>` profiler range (the
 benchmarks take the communication share of a step from those ranges).
 
-Volume convention: bytes one rank sends over the wire with ring algorithms (nccl-tests' "bus
-bytes"). For a payload of S bytes over n ranks (S = the full, gathered size; for all-to-all the
-rank's whole input):
-
-    all-reduce 2(n-1)/n * S     all-gather, reduce-scatter, all-to-all (n-1)/n * S     send S
-
-so sequence parallelism (all-gather + reduce-scatter) moves exactly what all-reduce moves.
+Volume convention (`wire_bytes`) and every per-layer byte formula: dtrain.parallel.traffic, the
+one home both these counters' checks and the cost model read.
 """
 from __future__ import annotations
 
@@ -21,18 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from dtrain.parallel.traffic import wire_bytes
+
 
 def group_size(group) -> int:
     """Ranks in `group`; 1 when torch.distributed is not initialised (a lone tp=1 module)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def wire_bytes(op: str, payload_bytes: int, n: int) -> int:
-    """Bytes one rank sends for `op` among n ranks (see the module docstring)."""
-    if op == "send":  # point to point: the payload itself
-        return payload_bytes
-    factor = 2 if op == "all_reduce" else 1
-    return factor * (n - 1) * payload_bytes // n
 
 
 @dataclass(frozen=True)

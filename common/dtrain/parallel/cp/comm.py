@@ -5,16 +5,19 @@ and the volume it must add up to.
                                           rank's (async: returns an Exchange, wait() gives it)
     all_to_all(x, group, scatter, gather) Ulysses' swap (autograd: backward is the reverse swap)
     expected_wire_bytes(impl, ...)        what one attention layer's forward + backward must send
+                                          (dtrain.parallel.traffic.cp_layer_wire_bytes, the formulas
+                                          the cost model prices too; ulysses_kv_heads: GQA's k/v
+                                          heads repeated for Ulysses, from there too)
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from dtrain.parallel.comm import ProfiledWork, group_size, note
+from dtrain.parallel.traffic import cp_layer_wire_bytes as expected_wire_bytes  # noqa: F401
+from dtrain.parallel.traffic import ulysses_kv_heads  # noqa: F401
 
 KV, KV_GRAD, HEADS = "kv", "kv_grad", "heads"  # ring: k/v blocks and their gradients; ulysses: all-to-alls
 _P2P_TAGS = {KV: 11, KV_GRAD: 12}  # a k/v block and a gradient block may be in flight at once
@@ -77,29 +80,3 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     """Cut `x` in group-size pieces along `scatter_dim`, send piece i to rank i, and concatenate
     the pieces received along `gather_dim` in rank order."""
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
-
-
-def ulysses_kv_heads(n_kv_head: int, cp: int) -> int:
-    """k/v heads Ulysses spreads over cp ranks: n_kv_head, or each repeated up to lcm(n_kv_head, cp)
-    when cp does not divide it (every rank needs the k/v heads its query heads read)."""
-    return n_kv_head if n_kv_head % cp == 0 else math.lcm(n_kv_head, cp)
-
-
-def expected_wire_bytes(impl: str, *, batch: int, seq: int, n_head: int, n_kv_head: int, head_dim: int, cp: int,
-                        elem_bytes: int = 4) -> int:
-    """Bytes one rank sends for one attention layer's forward + backward (s = the whole sequence).
-
-    ring     3(cp-1) blocks: cp-1 k/v blocks in forward, cp-1 k/v blocks and cp-1 gradient
-             blocks in backward; a block is the k and v of a rank's tokens, 2·b·(s/cp)·n_kv·hd
-    ulysses  8 all-to-alls, each (cp-1)/cp of the rank's tensor: q, k, v and the output in
-             forward, their gradients in backward; q and out b·(s/cp)·n_head·hd, k and v
-             b·(s/cp)·ulysses_kv_heads·hd
-    """
-    local = batch * (seq // cp) * head_dim * elem_bytes
-    if impl == "ring":
-        return 3 * (cp - 1) * 2 * local * n_kv_head
-    if impl == "ulysses":
-        per_pass = [local * n_head, local * ulysses_kv_heads(n_kv_head, cp), local * ulysses_kv_heads(n_kv_head, cp),
-                    local * n_head]
-        return 2 * sum((cp - 1) * p // cp for p in per_pass)
-    raise ValueError(f"unknown cp impl {impl!r}")

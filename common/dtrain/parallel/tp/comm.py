@@ -1,4 +1,5 @@
-"""Every collective the hand-rolled TP issues, counted; and the volume they should add up to.
+"""Every collective the hand-rolled TP issues, counted; and the volume they should add up to
+(`expected_wire_bytes`: dtrain.parallel.traffic.tp_layer_wire_bytes, the cost model's formulas too).
 
 ops.py and layers.py reach torch.distributed only through the wrappers below, so a `CommCounter`
 (dtrain.parallel.comm: the counter and the byte convention shared with cp/) sees every byte, and
@@ -13,8 +14,8 @@ from torch.profiler import record_function
 
 from dtrain import dist as ddist
 from dtrain.parallel.comm import Collective, CommCounter, ProfiledWork, group_size, note, wire_bytes  # noqa: F401
-
-ACTIVATION, GRAD_SYNC = "activation", "grad_sync"  # per micro-batch traffic vs per-step grad sums
+from dtrain.parallel.traffic import ACTIVATION, GRAD_SYNC  # per micro-batch traffic vs grad sums
+from dtrain.parallel.traffic import tp_layer_wire_bytes as expected_wire_bytes  # noqa: F401
 
 # the single-tensor collectives under either torch name: one shim, in dtrain.dist
 _all_gather_single, _reduce_scatter_single = ddist.all_gather_single, ddist.reduce_scatter_single
@@ -50,33 +51,3 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIV
     with record_function("tp_comm:reduce_scatter"):
         work = _reduce_scatter_single(out, inp, group=group, async_op=async_op)
     return ProfiledWork(work) if async_op else None
-
-
-# ---------------------------------------------------------------- analytic volume
-
-def expected_wire_bytes(*, batch: int, seq: int, d_model: int, n_head: int, n_kv_head: int, tp: int,
-                        sequence_parallel: bool, module: str = "block", norm: str = "rmsnorm",
-                        bias: bool = False, elem_bytes: int = 4) -> dict[str, int]:
-    """Closed-form wire bytes per rank for one forward+backward of one TP layer, by tag.
-
-    activation  each TP region (attention; MLP in a block) enters and leaves once per pass:
-                without SP an all-reduce of b*s*h in forward (leave) and backward (enter), with
-                SP an all-gather and a reduce-scatter of b*s*h in each pass.
-    grad_sync   the replicated parameters whose grads are partial sums, in one all-reduce over
-                the TP group: with SP the norm weights, LayerNorm biases and row-parallel biases;
-                with kv_heads < tp the whole wk and wv (+ biases) every rank holds.
-    """
-    regions = 2 if module == "block" else 1
-    act = batch * seq * d_model * elem_bytes
-    if sequence_parallel:
-        activation = regions * 2 * (wire_bytes("all_gather", act, tp) + wire_bytes("reduce_scatter", act, tp))
-    else:
-        activation = regions * 2 * wire_bytes("all_reduce", act, tp)
-    partial = 0  # elements
-    if sequence_parallel and tp > 1:
-        norms = 2 if module == "block" else 0
-        per_norm = d_model * (2 if norm == "layernorm" and bias else 1)
-        partial += norms * per_norm + (regions * d_model if bias else 0)
-    if n_kv_head < tp:
-        partial += 2 * n_kv_head * (d_model // n_head) * (d_model + bias)
-    return {ACTIVATION: activation, GRAD_SYNC: wire_bytes("all_reduce", partial * elem_bytes, tp)}
