@@ -31,7 +31,7 @@ def test_sacct_absent_gives_unknown_state(tmp_path, monkeypatch):
 
 def test_dtrain_runs_fits_100_columns_and_wide_shows_everything(tmp_path, monkeypatch, capsys):
     """Long sweep paths on Slurm, sacct unreachable: the default listing keeps to 100 columns, cutting a path
-    at its start (the end tells runs apart), says once why the state is unknown; --wide has the full path."""
+    in its middle (the end tells runs apart), says once why the state is unknown; --wide has the full path."""
     from omegaconf import OmegaConf
 
     from dtrain.cli import main
@@ -50,10 +50,10 @@ def test_dtrain_runs_fits_100_columns_and_wide_shows_everything(tmp_path, monkey
     lines = capsys.readouterr().out.splitlines()
     assert max(map(len, lines)) <= 100, lines
     header = lines[1].split()
-    assert header == ["run", "subproject", "status", "ranks", "created", "job", "state"]
+    assert header == ["run", "subproject", "status", "ranks", "created", "overrides", "job", "state"]
     rows = [ln for ln in lines if "4242_" in ln]
-    assert [r.split()[0][-2:] for r in rows] == ["/0", "/1"] and all(r.startswith("…") for r in rows)
-    assert "8 nccl cuda  11-25 11:07  4242_0  unknown" in rows[0]
+    assert [r.split()[0][-2:] for r in rows] == ["/0", "/1"] and all("…" in r.split()[0] for r in rows)
+    assert "8 nccl cuda  11-25 11:07  (defaults)  4242_0  unknown" in rows[0]
     assert lines[-1].startswith("Slurm state unknown: sacct is not on PATH: for the local cluster run eval")
     assert main(["runs", "--wide", str(tmp_path)]) == 0
     assert str(deep / "0") in capsys.readouterr().out.replace("\n", "")

@@ -124,7 +124,7 @@ def test_the_new_keys_are_accepted():
 
 
 @pytest.mark.parametrize("module, override, message", [
-    ("fsdp_scaling.conf", "model.n_laye=4", "unknown key model.n_laye: model's keys are preset, seq_len, n_layer"),
+    ("fsdp_scaling.conf", "model.n_laye=4", "unknown key model.n_laye: did you mean model.n_layer?"),
     ("fsdp_scaling.conf", "train.steps=abc", "train.steps='abc' must be an integer"),
     ("fsdp_scaling.conf", "train.grad_clip=x", "train.grad_clip='x' must be a number or null"),
     ("fp8_train.conf", "guard.lr_cut_factor=big", "guard.lr_cut_factor='big' must be a number"),

@@ -1,10 +1,12 @@
 """`dtrain runs [PATHS] [--all] [--wide]`: what runs are there, and which are complete.
 
-The default table fits 100 columns: each run's path relative to the folder listed (its start cut
-with "…" when still too long), subproject, status, ranks, start time and, for runs launched on
-Slurm, job id and state (sacct). `--wide` adds the full path, backend, device, node list, log
-folder and the reason a run is incomplete. Below the table: Slurm jobs that left no complete run (a
-failed sweep point, a crashed or cancelled job) with the last lines of their error
+The default table fits 100 columns: each run's path relative to the folder listed (its middle cut
+with "…" when still too long: the sweep point's number at the end stays), subproject, status,
+ranks, start time, the overrides that tell it from the other runs of its subproject listed (those
+all share are left out: sweep points differ by their swept keys) and, for runs launched on Slurm,
+job id and state (sacct). `--wide` adds the full path, every override, backend, device, node list,
+log folder and the reason a run is incomplete. Below the table: Slurm jobs that left no complete
+run (a failed sweep point, a crashed or cancelled job) with the last lines of their error
 (dtrain/slurm_runs.py), and sweeps that sbatch refused (dtrain/slurm_sweep.py).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rich.table import Table
 
 from dtrain import slurm_runs
 from dtrain.files import files_named
+from dtrain.metrics import run_overrides
 from dtrain.results import find_runs
 from dtrain.slurm_sweep import SUBMISSION_FAILED
 
@@ -34,8 +37,23 @@ def add_parser(sub) -> None:
 
 
 def shorten(text: str, width: int) -> str:
-    """The end of `text` (where a path differs) in `width` characters."""
-    return text if len(text) <= width else "…" + text[-(width - 1):]
+    """`text` in `width` characters, its middle cut: a path keeps its start (the subproject) and the
+    longer end (the run id, the sweep point's number), where runs differ."""
+    if len(text) <= width:
+        return text
+    tail = (2 * (width - 1) + 2) // 3
+    return text[:width - 1 - tail] + "…" + text[-tail:]
+
+
+def distinguishing(overrides: list[list[str]], groups: list[str]) -> list[str]:
+    """Each run's overrides less those every other run of its group (subproject) has too, when the
+    group has more than one run: "-" when nothing else is left, "(defaults)" for none at all."""
+    shared = {}
+    for g in set(groups):
+        mine = [set(o) for o, h in zip(overrides, groups) if h == g]
+        shared[g] = set.intersection(*mine) if len(mine) > 1 else set()
+    return [" ".join(o for o in these if o not in shared[g]) or ("-" if these else "(defaults)")
+            for these, g in zip(overrides, groups)]
 
 
 def clip(text: str, width: int = COMPACT) -> str:
@@ -69,15 +87,23 @@ def _state(job, known_job, sacct_ok: bool) -> str:
     return known_job.state if known_job and known_job.state != "?" else ("unknown" if not sacct_ok else "")
 
 
-def compact_table(cols: list[str], rows: list[list[str]], width: int = COMPACT) -> list[str]:
-    """Plain columns two spaces apart in `width` characters: the first (the path) gets what the others
-    leave, cut at its start ("…") when longer."""
+def compact_table(cols: list[str], rows: list[list[str]], width: int = COMPACT,
+                  flexible: dict[int, int] | None = None) -> list[str]:
+    """Plain columns two spaces apart in `width` characters. The `flexible` columns (index: least
+    width; default the first, the path) share what the others leave, the widest giving way first:
+    a path is cut in its middle, any other at its end ("…")."""
+    flexible = {0: 12} if flexible is None else flexible
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
-    widths[0] = max(min(widths[0], width - sum(widths[1:]) - 2 * (len(cols) - 1)), 12)
+    while sum(widths) + 2 * (len(cols) - 1) > width:
+        give = [i for i in flexible if widths[i] > flexible[i]]
+        i = max(give, key=lambda i: widths[i], default=None)
+        if i is None:
+            break
+        widths[i] -= 1
     out = []
     for row in [cols, *rows]:
-        cells = [shorten(str(row[0]), widths[0]).ljust(widths[0])]
-        cells += [str(x).ljust(w) for x, w in zip(row[1:], widths[1:])]
+        cells = [(shorten(str(x), w) if i == 0 else clip(str(x), w)).ljust(w)
+                 for i, (x, w) in enumerate(zip(row, widths))]
         out.append("  ".join(cells).rstrip())
     return out
 
@@ -101,12 +127,16 @@ def run(args) -> int:
     on_slurm = any(slurm_runs.job_of(r.env) for r in runs) or bool(jobs)
     shown = [r for r in runs if r.status == "complete" or args.all]
     if args.wide:
-        cols = ["subproject", "status", "world", "backend", "device", "created", "path"]
+        cols = ["subproject", "status", "world", "backend", "device", "created", "path",
+                "overrides"]
         cols += ["slurm job", "state", "nodes", "logs"] if on_slurm else []
     else:
-        cols = ["run", "subproject", "status", "ranks", "created"] + (["job", "state"] if on_slurm else [])
+        cols = ["run", "subproject", "status", "ranks", "created", "overrides"]
+        cols += ["job", "state"] if on_slurm else []
+    every = [run_overrides(r.path) for r in shown]
+    differ = distinguishing(every, [r.subproject for r in shown])
     rows = []
-    for r in shown:
+    for r, overrides, own in zip(shown, every, differ):
         job = slurm_runs.job_of(r.env)
         known = states.get(job)
         state = _state(job, known, sacct_problem is None)
@@ -114,12 +144,14 @@ def run(args) -> int:
             style = {"complete": "green", "incomplete": "yellow", "corrupt": "red"}[r.status]
             row = [r.subproject, f"[{style}]{r.status}[/]" + (f" ({escape(r.reason)})" if r.reason else ""),
                    str(r.env.get("world_size", r.config.get("world_size", ""))), str(r.env.get("backend", "")),
-                   str(r.env.get("device", "")), str(r.env.get("created", "")), escape(str(r.path))]
+                   str(r.env.get("device", "")), str(r.env.get("created", "")), escape(str(r.path)),
+                   escape(" ".join(overrides))]
             if on_slurm:
                 row += [job, state, (known.nodes if known else "") or r.env.get("slurm_nodelist") or "",
                         escape(str(r.env.get("slurm_logs") or (known.logs if known else "")))]
         else:
-            row = [relative(r.path, args.paths), r.subproject, r.status, _ranks(r), _created(r.env)]
+            row = [relative(r.path, args.paths), r.subproject, r.status, _ranks(r),
+                   _created(r.env), own]
             row += [job, state] if on_slurm else []
         rows.append(row)
     title = f"{len(runs)} run(s) under {', '.join(args.paths)}"
@@ -133,7 +165,7 @@ def run(args) -> int:
     line = (lambda s: s) if args.wide else clip
     if not args.wide:
         print(line(title))
-        for text in compact_table(cols, rows):
+        for text in compact_table(cols, rows, flexible={0: 12, 5: 12}):
             print(text)
     hidden = len(runs) - len(shown)
     if hidden:

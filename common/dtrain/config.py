@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from dtrain.errors import UserError
+from dtrain.errors import UserError, unknown_key
 
 
 @dataclass
@@ -117,7 +117,7 @@ def node(cls, value):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(value or {}) - known)
     if unknown:
-        raise UserError(f"unknown key {unknown[0]!r}: known keys are {', '.join(sorted(known))}")
+        raise UserError(unknown_key(unknown[0], sorted(known)))
     return cls(**(value or {}))
 
 

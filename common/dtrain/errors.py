@@ -35,3 +35,49 @@ def clip_words(message: str, limit: int = VALUE_LIMIT) -> str:
         return m.group() if done else clip(m.group(), limit)  # clipped where it was quoted
 
     return re.sub(r"\S{%d,}" % (limit + 1), one, message)
+
+
+# an unknown-key line lists keys up to this width (with "error: "), and at least the first two
+LINE_WIDTH = 100
+ALL_KEYS_HINT = "all keys: --cfg job"
+
+
+def _closest(key: str, every: list[str], n: int = 3) -> list[str]:
+    """Known keys like `key`: a key of the same node compared by its last part (`train.stpes` is
+    near `train.steps`, not `train.tp`), any other by its dotted name (`timing_warmup` finds
+    `train.timing_warmup`), then by its last part alone (`model.timing_warmup` too)."""
+    import difflib
+
+    parent, _, leaf = key.rpartition(".")
+
+    def score(known: str) -> float:
+        node, _, last = known.rpartition(".")
+        pair = (leaf, last) if node == parent else (key, known)
+        return difflib.SequenceMatcher(None, *pair).ratio()
+
+    ranked = sorted(every, key=score, reverse=True)  # stable: ties keep the config's order
+    close = [k for k in ranked if score(k) >= 0.75][:n]
+    if close:
+        return close
+    leaves = [k.rpartition(".")[2] for k in every]
+    near = difflib.get_close_matches(leaf, leaves, n=n, cutoff=0.8)
+    return [k for k, last in zip(every, leaves) if last in near][:n]
+
+
+def unknown_key(key: str, names, every=(), scope: str = "the") -> str:
+    """The line for an unknown config key: the closest known keys (`_closest` over the full dotted
+    names `every`), else the first of `names` (the keys of its node, described by `scope`:
+    "model's"); never all of them."""
+    names = list(names)
+    close = _closest(key, list(every) or names)
+    if close:
+        return f"unknown key {clip(key)}: did you mean {' or '.join(close)}? ({ALL_KEYS_HINT})"
+    head = f"unknown key {clip(key)}: {scope} keys are "
+    room = LINE_WIDTH - len("error: ") - len(head) - len(f", ... ({ALL_KEYS_HINT})")
+    shown = names[:2]
+    for name in names[2:]:
+        if len(", ".join(shown + [name])) > room:
+            break
+        shown.append(name)
+    more = ", ..." if len(shown) < len(names) else ""
+    return f"{head}{', '.join(shown)}{more} ({ALL_KEYS_HINT})"

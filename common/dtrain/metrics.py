@@ -5,6 +5,9 @@
     records.jsonl  one JSON object per measurement (rank 0; other ranks to records.rank<N>.jsonl when asked)
     events.jsonl   discrete events                 (rank 0; other ranks to events.rank<N>.jsonl)
     summary.json   written last and atomically: its presence means the run completed
+    tb/<name>/     TensorBoard event files of the numbers a run plots (rank 0, `RunWriter.scalar`);
+                   <name> is the run's overrides (`run_name`), so `tensorboard --logdir results`
+                   tells sweep points apart
 """
 from __future__ import annotations
 
@@ -22,6 +25,11 @@ CONFIG = "config.yaml"
 ENV = "env.json"
 RECORDS = "records.jsonl"
 EVENTS = "events.jsonl"
+TENSORBOARD = "tb"
+OVERRIDES = ".hydra/overrides.yaml"  # the command line's overrides, as Hydra saved them
+# overrides that say where a run is written, not what it runs: left out of its name
+_WHERE = ("hydra", "results_dir")
+NAME_LIMIT = 120  # characters of a TensorBoard run folder's name (a file name holds 255 bytes)
 
 
 def _jsonable(x: Any) -> Any:
@@ -107,15 +115,40 @@ def finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
+def run_overrides(run_dir: str | Path) -> list[str]:
+    """The overrides a run was started with (Hydra's `.hydra/overrides.yaml`), those that only say
+    where it is written (hydra.*, results_dir) left out; [] when there is none (a derived run)."""
+    import yaml
+
+    try:
+        found = yaml.safe_load((Path(run_dir) / OVERRIDES).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(found, list):
+        return []
+    return [str(o) for o in found if not str(o).lstrip("+~").startswith(_WHERE)]
+
+
+def run_name(run_dir: str | Path) -> str:
+    """A run's overrides as one folder name (`train.strategy=zero3,world_size=4`), or `defaults`."""
+    name = ",".join(run_overrides(run_dir)).replace(os.sep, "%") or "defaults"
+    if len(name) <= NAME_LIMIT:
+        return name
+    import hashlib  # the same long command line, the same name: a requeued run continues its own
+
+    return f"{name[:NAME_LIMIT - 11]}...{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
 class RunWriter:
     """Appends records and events for one rank, a whole line per write: a crash loses at most a
-    line, a full disk leaves none torn."""
+    line, a full disk leaves none torn. `scalar` also shows a number in TensorBoard."""
 
     def __init__(self, run_dir: str | Path, rank: int = 0, per_rank_records: bool = False):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.per_rank_records = per_rank_records
         self._files: dict[str, Any] = {}
+        self._tb: Any = None  # the SummaryWriter, made at the first scalar; False: no tensorboard
 
     def _append(self, name: str, obj: dict) -> None:
         f = self._files.get(name)
@@ -146,10 +179,44 @@ class RunWriter:
         """A discrete event (NaN, skipped step, alert, ...); every rank writes its own."""
         self._append(self._name(EVENTS), {"kind": kind, "rank": self.rank, **values})
 
+    def scalar(self, tag: str, value: Any, step: int) -> None:
+        """`value` at `step` under `tag` (`train/loss`) in this run's TensorBoard events (rank 0);
+        a value that is not a finite number (None, a NaN loss, a bool) is left out, as records
+        hold null for it."""
+        if self.rank != 0 or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        if math.isfinite(value) and (tb := self._tensorboard(step)) is not None:
+            tb.add_scalar(tag, value, step)
+
+    def scalars(self, group: str, step: int, **values) -> None:
+        """Each of `values` as `<group>/<name>` at `step`."""
+        for name, value in values.items():
+            self.scalar(f"{group}/{name}", value, step)
+
+    def _tensorboard(self, first_step: int):
+        """The event writer, made at the first scalar (runs that plot nothing import nothing).
+        purge_step: a requeued run starts again at `first_step`, and TensorBoard drops what an
+        earlier attempt wrote from there on, as the records are cut back. Without tensorboard
+        (an optional dependency) one event says so and nothing else happens."""
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                self._tb = False
+                self.event("tensorboard_unavailable", reason=f"{e}: pip install -e '.[dashboard]'")
+                return None
+            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD / run_name(self.run_dir)),
+                                     purge_step=first_step, flush_secs=10)
+            self._tb.add_text("overrides", " ".join(run_overrides(self.run_dir)) or "(none)")
+        return self._tb or None
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self._tb:
+            self._tb.close()
+        self._tb = None
 
     def __enter__(self):
         return self

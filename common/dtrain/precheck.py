@@ -29,7 +29,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, open_dict
 
-from dtrain.errors import VALUE_LIMIT, UserError, clip, clip_words
+from dtrain.errors import VALUE_LIMIT, UserError, clip, clip_words, unknown_key
 from dtrain import rundir
 from dtrain.rundir import OWNER, foreign_entries, owner_text
 
@@ -105,8 +105,8 @@ def _typed_message(e: BaseException) -> str | None:
     if isinstance(cause, ConfigAttributeError) and dataclasses.is_dataclass(getattr(cause, "object_type", None)):
         key = str(cause.full_key)
         parent = key.rsplit(".", 1)[0] + "'s" if "." in key else "the top-level"
-        known = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
-        return f"unknown key {key}: {parent} keys are {known}"
+        known = [f.name for f in dataclasses.fields(cause.object_type)]
+        return unknown_key(key, known, _dotted_keys(cause.parent_node), parent)
     match = re.search(r"could not be converted to (\w+)", str(getattr(cause, "msg", "")))
     if not isinstance(cause, ValidationError) or not match or match.group(1) not in _WORDS:
         return None
@@ -116,6 +116,25 @@ def _typed_message(e: BaseException) -> str | None:
         if type(None) in typing.get_args(hint):
             return f"{key}={clip(repr(cause.value))} must be {_WORDS[match.group(1)]} or null"
     return f"{key}={clip(repr(cause.value))} must be {_WORDS[match.group(1)]}"
+
+
+def _dotted_keys(node) -> list[str]:
+    """Every key of the config `node` belongs to, dotted (`train.timing_warmup`), Hydra's own left
+    out: what a did-you-mean picks from."""
+    from omegaconf import DictConfig
+
+    def walk(n, prefix: str):
+        for k in n.keys():
+            child = n._get_node(k)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+                yield from walk(child, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    if node is None:
+        return []
+    root = node._get_root()
+    return [k for k in walk(root, "") if not k.startswith("hydra")]
 
 
 def _quote_hint(e: BaseException, overrides: list[str]) -> str:
@@ -199,11 +218,11 @@ class _Progress:
     PROGRESS_EVERY points off one (a log then shows it is not stuck), nothing for a single run."""
 
     def __init__(self, total: int):
-        self.total, self.done, self.bar = total, 0, None
-        if total > 1 and sys.stderr.isatty():
-            from tqdm import tqdm
+        from dtrain.terminal import bar, on_terminal
 
-            self.bar = tqdm(total=total, desc="checking sweep points", file=sys.stderr, leave=False)
+        self.total, self.done, self.bar = total, 0, None
+        if total > 1 and on_terminal():
+            self.bar = bar(total=total, desc="checking sweep points")
 
     def step(self) -> None:
         self.done += 1

@@ -7,6 +7,12 @@ Two things it does not do our way, which `install` adds around its `launch`:
   prints sbatch's stderr, raises, and Hydra prints a 39-line traceback, exit 1. Here it is one
   `error:` line, exit 2 (`slurm_queue.refused`), and the sweep folder, which holds no run, keeps a
   `SUBMISSION_FAILED` note naming the error so `dtrain runs` lists the sweep.
+* a request no node of the partition can hold (a partition that does not exist, more CPUs or GPUs
+  per node than a node has): sbatch answers with a raw gres or partition error, or Slurm queues the
+  array forever. Before submitting, the `launcher=slurm` check (`slurm_queue.check_fits`) runs on
+  the launcher's keys and names the cause with their names (`hydra.launcher.partition`).
+* the job id is printed as soon as sbatch returns (the launcher itself says nothing until every
+  point has finished), as `launcher=slurm` prints its own.
 * the sweep succeeds: each point's run directory is printed, as a local run prints its own.
 """
 from __future__ import annotations
@@ -28,9 +34,46 @@ def wanted(argv: list[str]) -> bool:
     return any(a.startswith("hydra/launcher=submitit") for a in argv)
 
 
+# keys of cfg.slurm in check_fits' messages -> the launcher's keys a sweep sets instead
+_LAUNCHER_KEYS = {f"slurm.{k}": f"hydra.launcher.{k}" for k in
+                  ("partition", "nodes", "cpus_per_task", "mem_gb", "gpus_per_node",
+                   "tasks_per_node")}
+_LAUNCHER_KEYS["world_size"] = "hydra.launcher.tasks_per_node"
+
+
+def check_fits(launcher) -> None:
+    """UserError, with the launcher's key names, when no node of the partition can hold one point's
+    request (the check `launcher=slurm` runs before sbatch). `launcher` = cfg.hydra.launcher."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    from dtrain import slurm_queue
+    from dtrain.errors import UserError
+
+    gpus = launcher.get("gpus_per_node") or slurm_queue._gpus(str(launcher.get("gres") or ""))
+    request = OmegaConf.create({"partition": launcher.get("partition"),
+                                "nodes": launcher.get("nodes") or 1,
+                                "cpus_per_task": launcher.get("cpus_per_task") or 1,
+                                "mem_gb": launcher.get("mem_gb"), "gpus_per_node": gpus})
+    try:
+        slurm_queue.check_fits(request, launcher.get("tasks_per_node") or 1)
+    except UserError as e:
+        pattern = "|".join(re.escape(k) for k in sorted(_LAUNCHER_KEYS, key=len, reverse=True))
+        named = re.sub(rf"\b({pattern})\b", lambda m: _LAUNCHER_KEYS[m.group(1)], str(e))
+        raise UserError(named) from None
+
+
+def submitted_line(job_id: str, points: int, folder: str) -> str:
+    """What `launcher=slurm` prints after sbatch; each point's logs are in `<id>_<point>` (%j)."""
+    return (f"submitted Slurm job array {job_id} ({points} point(s)); logs in "
+            f"{folder.replace('%j', f'{job_id}_*')}")
+
+
 @contextlib.contextmanager
-def _refusals():
-    """While the sweep submits: sbatch's refusal raises SubmissionRefused instead of being printed."""
+def _refusals(on_submit=None):
+    """While the sweep submits: sbatch's refusal raises SubmissionRefused instead of being printed;
+    `on_submit(job)` as soon as sbatch has answered."""
     from submitit.core.utils import FailedJobError
     from submitit.slurm.slurm import SlurmExecutor
 
@@ -39,9 +82,12 @@ def _refusals():
     def quiet_submit(self, command):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                return submit(self, command)
+                job = submit(self, command)
         except FailedJobError as e:
             raise SubmissionRefused(str(e)) from None
+        if on_submit is not None:
+            on_submit(job)
+        return job
 
     SlurmExecutor._submit_command = quiet_submit
     try:
@@ -88,11 +134,25 @@ def install(argv: list[str]) -> None:
 
     def launch(self, job_overrides, initial_job_idx):
         from dtrain.app import fail
+        from dtrain.errors import UserError
         from dtrain.slurm_queue import refused
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        launcher = self.config.hydra.launcher
         try:
-            with _refusals():
+            check_fits(launcher)
+        except UserError as e:  # nothing submitted: the sweep folder Hydra made for it goes too
+            from dtrain import rundir
+
+            rundir.discard(sweep_dir, claimed=False)
+            fail(str(e), 2)
+        folder = str(launcher.get("submitit_folder") or sweep_dir)
+
+        def announce(job) -> None:
+            print(submitted_line(job.job_id, len(job_overrides), folder), flush=True)
+
+        try:
+            with _refusals(announce):
                 returns = original(self, job_overrides, initial_job_idx)
         except SubmissionRefused as e:
             message = str(refused(str(e), "sweep", "check the hydra.launcher.* keys (gres, partition, account, "

@@ -15,6 +15,9 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"profile.steps={cfg.profile.steps} must be >= 1 (or profile.enabled=false)")
     t = cfg.train
     if cfg.profile.enabled and t.timing_warmup + cfg.profile.steps >= t.steps:
-        raise UserError(f"train.steps={t.steps} leaves no timed step after timing_warmup={t.timing_warmup} and "
-                        f"profile.steps={cfg.profile.steps}: raise train.steps")
+        least = t.timing_warmup + cfg.profile.steps + 1  # warm-up, profiled steps, one timed step
+        raise UserError(f"train.steps={t.steps} leaves no timed step after "
+                        f"train.timing_warmup={t.timing_warmup} and profile.steps={cfg.profile.steps}: "
+                        f"set train.steps>={least}, or lower train.timing_warmup or profile.steps, "
+                        "or profile.enabled=false")
     run_checks.check_host(cfg, train, model, run_checks.local_device(cfg))

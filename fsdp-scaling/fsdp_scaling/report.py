@@ -4,12 +4,13 @@ Loads complete runs through dtrain.results (single runs or Hydra multirun trees)
 one report directory (a derived run, dtrain.derived: config.yaml, env.json, summary.json naming
 the runs it was made from in "derived_from"):
 
-  scaling.csv                    one row per run: strategy, layout (tpNxppM), ranks, tokens/s, MFU,
-                                 efficiency, vs-DDP ratio, step breakdown (compute, TP, PP, DP, idle)
+  scaling.csv                    one row per run: strategy, layout (tpNxppM[xcpK]), ranks, tokens/s,
+                                 MFU, efficiency, vs-DDP ratio, step breakdown (compute, TP, CP, PP,
+                                 DP, idle)
   throughput_vs_ranks.png        tokens/s against world size, per strategy
   efficiency.png                 scaling efficiency against world size
   memory_per_strategy.png        measured parameter + gradient + optimizer bytes per rank
-  overlap.png                    overlapped vs exposed communication per step
+  overlap.png                    overlapped vs exposed DP communication per step
   summary.json["study"]          {"runs": [per-run headline numbers], "scaling_efficiency": {...}}
 
 Scaling efficiency at N ranks, within a group of runs that differ only in world size
@@ -36,7 +37,15 @@ from dtrain.strategies import SHARDED
 from fsdp_scaling.summary import headline
 
 GROUP = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
-BREAKDOWN = ("compute_s", "tp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "idle_s")  # overlap.step_breakdown
+BREAKDOWN = ("compute_s", "tp_comm_s", "cp_comm_s", "pp_p2p_s", "dp_comm_exposed_s",
+             "idle_s")  # overlap.step_breakdown
+
+
+def layout_name(g: dict) -> str:
+    """`tp2xpp1`, with `xcp<N>` when the run splits sequences (a cp run never looks like its
+    cp=1 twin)."""
+    cp = g.get("cp", 1) or 1
+    return f"tp{g.get('tp', 1)}xpp{g.get('pp', 1)}" + (f"xcp{cp}" if cp > 1 else "")
 
 
 def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
@@ -57,7 +66,7 @@ def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
                      "model": m.get("preset"), "seq_len": m.get("seq_len") or run.summary.get("seq_len"),
                      "prefetch": bool(t.get("prefetch")), "ac": t.get("activation_checkpointing"),
                      "state_bytes": sum(g["state_bytes"].values()), "run": str(run.path),
-                     "layout": f"tp{g.get('tp', 1)}xpp{g.get('pp', 1)}",
+                     "layout": layout_name(g),
                      **{k: (g.get("breakdown") or {}).get(k) for k in BREAKDOWN}})
         heads.append({**g, "run": str(run.path)})
     df = pd.DataFrame(rows)
@@ -118,7 +127,8 @@ def write_plots(df: pd.DataFrame, out: Path) -> list[Path]:
         fig, ax = plots.figure(width=7)
         ax[0][0].barh(ov["point"], ov["overlapped_ms"], label="overlapped")
         ax[0][0].barh(ov["point"], ov["exposed_ms"], left=ov["overlapped_ms"], label="exposed")
-        ax[0][0].set(xlabel="communication per step (ms)", title="communication hidden behind compute")
+        ax[0][0].set(xlabel="DP communication per step (ms)",
+                     title="data-parallel communication hidden behind compute")
         plots.legend_outside(ax[0][0])
         paths.append(plots.save(fig, out / "overlap.png"))
     return paths
@@ -131,6 +141,42 @@ def scaling_summary(df: pd.DataFrame) -> dict:
         out[f"{key[0]} {key[1]}"] = {c: g[c].tolist() for c in ("world_size", "tokens_per_s", "efficiency", "mfu",
                                                                   "overlap_fraction", "step_time_vs_ddp")}
     return out
+
+
+# (header, column, format, what it means): the printed table keeps to dtrain.terminal.WIDTH columns,
+# the legend under it says what the short headers mean; scaling.csv has every column
+PRINTED = (("dp", "strategy", "", "DP strategy"), ("layout", "layout", "", ""), ("scaling", "scaling", "", ""),
+           ("model", "model", "", ""), ("ranks", "world_size", "", ""), ("tok/s", "tokens_per_s", ".0f", ""),
+           ("step s", "step_time_s", ".4f", ""), ("MFU", "mfu", ".1%", ""),
+           ("eff", "efficiency", ".2f", "scaling efficiency"), ("/ddp", "step_time_vs_ddp", ".2f",
+                                                             "step time / DDP's"),
+           ("hidden", "overlap_fraction", ".0%", "share of DP comm hidden by compute"),
+           ("exp s", "exposed_comm_s", ".4f", "DP comm s/step not hidden"),
+           ("mem", "peak_mem_bytes", "", "peak memory"))
+
+
+def _cell(value, fmt: str, col: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    if col == "peak_mem_bytes":
+        return plots.human_bytes(value)
+    return format(value, fmt) if fmt else str(value)
+
+
+def print_study(table: pd.DataFrame) -> None:
+    from rich import box
+    from rich.table import Table
+
+    from dtrain.terminal import console
+
+    legend = "; ".join(f"{h} = {m}" for h, _, _, m in PRINTED if m)
+    t = Table(title="fsdp-scaling study", caption=legend, caption_justify="left", box=box.SIMPLE_HEAD,
+              padding=(0, 1), pad_edge=False, collapse_padding=True)
+    for header, col, fmt, _ in PRINTED:
+        t.add_column(header, justify="right" if fmt or col == "world_size" else "left")
+    for _, r in table.iterrows():
+        t.add_row(*(_cell(r.get(col), fmt, col) for _, col, fmt, _ in PRINTED))
+    console().print(t)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             *BREAKDOWN, "state_bytes", "peak_mem_bytes", "peak_flops_source", "run"]
     table = df[cols].sort_values(["scaling", "model", "strategy", "layout", "prefetch", "world_size"])
     table.to_csv(out / "scaling.csv", index=False)
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4g}".format):
-        print(table.drop(columns=["run", "peak_flops_source"]).to_string(index=False))
-    print(f"wrote {out / 'scaling.csv'}")
+    print_study(table)
+    print(f"wrote {out / 'scaling.csv'} (every column, the step breakdown included)")
     write_plots(df, out)
     # a derived run: it names its runs, which keep their own guide inputs (nothing is published twice)
     write_derived_run(out, "fsdp-scaling", [h["run"] for h in heads],

@@ -7,10 +7,12 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from dtrain import contract, plots, results
+from dtrain import contract, plots, results, terminal
 from dtrain.plots import human_bytes
+from dtrain.train import TrainConfig
 
 STATE_KEYS = ("params", "grads", "optimizer")
+COMM_ELSEWHERE = " (TP, CP, PP comm: the step breakdown)"  # what the DP columns leave out
 
 
 def headline(r: dict) -> dict:
@@ -29,19 +31,22 @@ def headline(r: dict) -> dict:
 
 
 def print_tables(r: dict, console: Console | None = None) -> None:
-    console = console or Console(width=120)
+    console = console or terminal.console()
     g = headline(r)
     cp = f" x cp{g['cp']} ({r.get('cp_impl')})" if g["cp"] > 1 else ""
     layout = f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}" if g["tp"] * g["pp"] * g["cp"] > 1 else ""
-    t = Table(title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), {g['device']}/{g['backend']}")
-    for col in ("tokens/s", "step s", "TFLOP/s/rank", "MFU", "comm s/step", "exposed s/step", "overlap", "peak mem"):
+    t = Table(title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), {g['device']}/{g['backend']}",
+              caption=f"s = seconds per step; DP = the data-parallel gradient sync{COMM_ELSEWHERE}")
+    for col in ("tokens/s", "step s", "TFLOP/s/rank", "MFU", "DP comm s", "DP exposed s", "DP hidden",
+                "peak mem"):
         t.add_column(col, justify="right")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     t.add_row(fmt(g["tokens_per_s"], ".0f"), fmt(g["step_time_s"], ".4f"), fmt(g["tflops_per_rank"], ".4f"),
               fmt(g["mfu"], ".1%"), fmt(g["comm_s"], ".4f"), fmt(g["exposed_comm_s"], ".4f"),
               fmt(g["overlap_fraction"], ".0%"), human_bytes(g["peak_mem_bytes"]))
     console.print(t)
-    m = Table(title=f"state bytes on rank 0 (shard degree {r['shard_degree']}): measured vs ZeRO formula")
+    m = Table(title=f"state bytes on rank 0 (shard degree {r['shard_degree']})",
+              caption="measured vs the ZeRO formula")
     for col in ("", "measured", "formula", "ideal Psi/S", "match"):
         m.add_column(col, justify="right")
     for k in STATE_KEYS:
@@ -51,7 +56,8 @@ def print_tables(r: dict, console: Console | None = None) -> None:
     console.print(f"peak FLOP/s per rank: {g['peak_flops']:.3g} ({g['peak_flops_source']})")
     b = g["breakdown"]
     if b:
-        bt = Table(title=f"step breakdown on rank 0, dp{g['dp']} x tp{g['tp']} x pp{g['pp']} (profiled steps, s/step)")
+        whole = f"dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}"  # every dimension, cp included
+        bt = Table(title=f"step breakdown on rank 0, {whole} (profiled steps, s/step)")
         for col in ("step", "compute", "TP comm", "CP comm", "PP p2p", "DP comm", "DP exposed", "idle / bubble"):
             bt.add_column(col, justify="right")
         bt.add_row(*(format(b.get(k, 0.0), ".4f") for k in ("step_s", "compute_s", "tp_comm_s", "cp_comm_s",
@@ -86,8 +92,9 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         for k in STATE_KEYS:
             w.writerow([k, result["state_bytes"].get(k), result["state_bytes_formula"][k], result["state_bytes_ideal"][k]])
     plot_steps(run_dir)
-    inputs = contract.training_inputs(result, result["model"], result["train"],
-                                      contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+    where = contract.where_of(result["device"], result["backend"], result["gpu_name"])
+    layout = TrainConfig(**result["train"]).layout(result["world_size"], where.device)
+    inputs = contract.training_inputs(result, result["model"], layout, where,
                                       overlap=result.get("overlap"), breakdown=result.get("breakdown"))
     return {**{k: v for k, v in result.items() if k not in ("model", "train")}, "seq_len": result["model"]["seq_len"],
             "guide_inputs": inputs}

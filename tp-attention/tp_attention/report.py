@@ -56,27 +56,53 @@ def _ms(s):
     return "-" if s is None else f"{s * 1e3:.1f}"
 
 
+def verdict(met: bool | None) -> str:
+    return "not measured" if met is None else "met" if met else "missed"
+
+
+def target_lines(t: dict) -> list[str]:
+    """One line per target of `targets`, saying whether it was met:
+    `target at tp=2, SP=off: hand/DTensor 1.02 <= 0.75 missed`."""
+    at = f"target at tp=2, SP={'on' if t['sequence_parallel'] else 'off'}:"
+    return [f"{at} {name} {_x(t[f'handrolled_over_{key}'])} <= {t[f'target_over_{key}']} "
+            f"{verdict(t[f'met_over_{key}'])}"
+            for name, key in (("hand/DTensor", "dtensor"), ("hand/same-threads", "same_threads"))]
+
+
 def _x(r):
     return "-" if r is None else f"{r:.2f}"
 
 
+# (header, what it means): the headers stay short so the table fits dtrain.terminal.WIDTH columns;
+# the legend printed under it spells them out
+COLUMNS = (("tp", ""), ("SP", "sequence parallel"), ("hand", "hand-rolled"),
+           ("async", "hand-rolled, async comm"), ("DTensor", ""), ("single", "one rank, unsharded"),
+           ("same-thr", "one rank with tp x threads"), ("hand/DT", ""), ("hand/same", ""),
+           ("overhead", "hand x tp / single"), ("comm", "share of hand's step"),
+           ("KiB", "comm per layer"))
+
+
+def legend() -> str:
+    said = "; ".join(f"{h} = {m}" for h, m in COLUMNS if m)
+    return f"step times in ms per layer (forward + backward, median); {said}"
+
+
 def print_table(df: pd.DataFrame, title: str) -> None:
-    from rich.console import Console
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title)
-    for col in ("tp", "SP", "hand ms", "async ms", "DTensor ms", "single ms", "same-thr ms",
-                "hand/DT", "hand/same-thr", "overhead", "comm share", "comm KiB/layer"):
+    from dtrain.terminal import console
+
+    t = Table(title=title, caption=legend(), caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              collapse_padding=True)
+    for col, _ in COLUMNS:
         t.add_column(col, justify="right")
     for _, r in df.iterrows():
         t.add_row(str(r.tp), "on" if r.sequence_parallel else "off", _ms(r.handrolled_s), _ms(r.handrolled_async_s),
                   _ms(r.dtensor_s), _ms(r.single_s), _ms(r.single_same_threads_s),
                   _x(_ratio(r.handrolled_s, r.dtensor_s)), _x(_ratio(r.handrolled_s, r.single_same_threads_s)),
                   _x(r.overhead_factor), f"{r.comm_share:.1%}", f"{r.comm_bytes_per_layer / 1024:.0f}")
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)  # piped or captured: do not squeeze the columns
-    console.print(t)
+    console().print(t)
 
 
 def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
@@ -114,9 +140,8 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
     plot(df, Path(run_dir) / "tp_step_time.png", title)
     checked = targets(entries)
     for t in checked:
-        print(f"targets at tp=2, SP={'on' if t['sequence_parallel'] else 'off'}: "
-              f"hand/DTensor {_x(t['handrolled_over_dtensor'])} (<= {TARGET_VS_DTENSOR}), "
-              f"hand/same-threads {_x(t['handrolled_over_same_threads'])} (<= {TARGET_VS_SAME_THREADS})")
+        for line in target_lines(t):
+            print(line)
     return {"device": result["device"], "backend": result["backend"], "gpu_name": result.get("gpu_name"),
             "threads_per_rank": result["threads_per_rank"], "guide_inputs": guide_inputs(cfg, entries, result),
             "targets": checked, "entries": entries}

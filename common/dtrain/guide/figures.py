@@ -20,11 +20,21 @@ from .matrix import GPU_COUNTS, IB_GBITS, MODELS, Cell, model_label
 
 
 REF_IB, REF_GPUS = 400, 1024
+# one colour and one marker per model: tab10's first colours are all different hues (colorblind's
+# orange, vermillion and tan look alike at seven), and the markers tell them apart in greyscale too
+MODEL_PALETTE = "tab10"
+MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<")
 PARTS = ("compute", "TP comm", "PP comm", "bubble", "exposed DP comm")
 
 
 def _save(fig, path: Path) -> Path:
     return plots.save(fig, path, quiet=True, dpi=110, reproducible=True)
+
+
+def model_styles() -> tuple[list, tuple[str, ...]]:
+    """(colour, marker) per model of MODELS, every pair different."""
+    assert len(MODELS) <= len(MODEL_MARKERS), "add markers for the new models"
+    return plots.sns.color_palette(MODEL_PALETTE, len(MODELS)), MODEL_MARKERS[:len(MODELS)]
 
 
 def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, title: str) -> Path:
@@ -35,20 +45,21 @@ def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, 
 
     fig, axes = plots.figure(width=7.0, height=4.5)
     ax = axes[0][0]
-    palette = plots.sns.color_palette("colorblind", len(MODELS))
+    palette, markers = model_styles()
     styles = (("NVLink", "-"), ("PCIe", "--"))
-    for color, p in zip(palette, MODELS):
+    for color, marker, p in zip(palette, markers, MODELS):
         for topo, style in styles:
             pts = sorted((getattr(c, x), c.mfu) for c in cells if c.params == p and c.topology == topo
                          and keep(c) and c.fits)
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", markersize=4, color=color)
+                ax.plot(*zip(*pts), style, marker=marker, markersize=5, color=color)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set(xlabel=xlabel, ylabel="predicted MFU (% of peak)", title=title)
-    models = ax.legend([Line2D([], [], color=c, marker="o", markersize=4) for c in palette],
+    handles = [Line2D([], [], color=c, marker=m, markersize=5) for c, m in zip(palette, markers)]
+    models = ax.legend(handles,
                        [model_label(p) for p in MODELS], title="model", loc="upper left",
                        bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, title_fontsize=8, frameon=False)
     ax.add_artist(models)

@@ -21,7 +21,6 @@ import contextlib
 import math
 import resource
 import statistics
-import sys
 from typing import Callable, ContextManager, Sequence
 
 import torch
@@ -39,6 +38,11 @@ from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
 from dtrain.train.parallel_model import OptimizerParts
 from dtrain.train.parallelize import parallelize
+
+
+# the per-step numbers shown in TensorBoard too, as `train/<name>` (records.jsonl holds them all)
+SCALARS = ("loss", "step_time_s", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "grad_norm",
+           "lr")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -190,6 +194,7 @@ class Trainer:
         if not (metrics["warmup_step"] or metrics.get("timing_excluded")):  # e.g. a profiled step
             self.step_times.append(step_time)
         self.ctx.writer.record("step", **metrics)
+        self.ctx.writer.scalars("train", step, **{k: metrics.get(k) for k in SCALARS})
         self._recorded = step
         if self._offset_due == step:  # saved from a callback's on_step_end, before this record
             self._note_offset()
@@ -278,10 +283,11 @@ class Trainer:
         return self.final_metrics(last)
 
     def _progress(self):
-        from tqdm import tqdm
+        from dtrain.terminal import bar
 
-        return tqdm(total=self.train.steps, initial=self.step, desc=f"train {self.train.strategy}",
-                    file=sys.stderr, disable=not (self.ctx.is_main and sys.stderr.isatty()))
+        # on a terminal only (rank 0); in a pipe the periodic step lines show progress
+        return bar(total=self.train.steps, initial=self.step, desc=f"train {self.train.strategy}",
+                   show=self.ctx.is_main, leave=True)
 
     def final_metrics(self, last: dict | None = None) -> dict:
         """Run-level numbers: step time is the median over steps after timing_warmup."""
