@@ -55,7 +55,7 @@ def _fit(**changes) -> dict:
 
 @pytest.mark.parametrize("value, message", [
     ({"schema_version": 1, "records": [_fit()]}, None),
-    ({"schema_version": 2, "records": []}, "guide_inputs.schema_version=2: this dtrain reads schema 1..1"),
+    ({"schema_version": 3, "records": []}, "guide_inputs.schema_version=3: this dtrain reads schema 1..2"),
     ([_fit()], "guide_inputs must be {'schema_version': int, 'records': [...]}"),
     ({"schema_version": 1, "records": [_fit(kind="fancy")]}, "records[0]: unknown kind 'fancy'"),
     ({"schema_version": 1, "records": [_fit(alpha_us="<drop>")]}, "records[0] (collective_fit): missing field alpha_us"),
@@ -84,5 +84,6 @@ def test_write_summary_encodes_records_and_refuses_what_a_reader_would_refuse(tm
         write_summary(tmp_path / "x", {"guide_inputs": [{"kind": "training"}]})
     assert not (tmp_path / "x").exists()
     with pytest.raises(contract.ContractError, match="model is not a GPTConfig"):
-        contract.TrainingMeasurement(model={"d_model": 10, "n_head": 3}, layout=m[0].layout, precision="fp32",
+        contract.TrainingMeasurement(model={"d_model": 10, "n_head": 3}, layout=m[0].layout, strategy="zero3",
+                                     precision="fp32",
                                      step_time_s=1.0, tokens_per_s=1.0, peak_mem_bytes=1, where=m[0].where)

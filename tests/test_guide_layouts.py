@@ -26,7 +26,8 @@ def test_layout_run_gets_its_own_row_and_does_not_calibrate(tmp_path):
     summary = json.loads((layout_run / "summary.json").read_text())
     [m] = contract.read(summary)
     # a dp1 x tp2 run of the same model: 5x slower, with a profiled breakdown (made-up numbers)
-    m = dataclasses.replace(m, layout=dataclasses.replace(m.layout, tp=2, pp=1, dp=1, grad_accum=2), mfu=m.mfu / 5,
+    lay = dataclasses.replace(m.layout, tp=2, pp=1, dp_replicate=1, grad_accum=2)
+    m = dataclasses.replace(m, layout=lay, mfu=m.mfu / 5,
                             step_time_s=m.step_time_s * 5, tokens_per_s=m.tokens_per_s / 5,
                             breakdown=contract.StepBreakdown(step_s=4.3, compute_s=2.0, tp_comm_s=1.5, pp_p2p_s=0.0,
                                                              dp_comm_s=0.1, dp_comm_exposed_s=0.1, idle_s=0.7))
@@ -55,7 +56,7 @@ def _layout_fixture(tmp_path, pp: int = 1):
     [m] = contract.read(summary)
     tp = 1 if pp > 1 else 2
     # 2048 tokens per step (2381.4 / 5 tokens/s x 4.3 s) = 2 micro-batches of 4 x 256 on the one DP rank
-    m = dataclasses.replace(m, layout=dataclasses.replace(m.layout, tp=tp, pp=pp, dp=1, grad_accum=2),
+    m = dataclasses.replace(m, layout=dataclasses.replace(m.layout, tp=tp, pp=pp, dp_replicate=1, grad_accum=2),
                             step_time_s=4.3, tokens_per_s=2381.3953488372094 / 5,
                             breakdown=contract.StepBreakdown(step_s=4.3, compute_s=2.0, tp_comm_s=1.5 if tp > 1 else 0.0,
                                                              pp_p2p_s=0.9 if pp > 1 else 0.0, dp_comm_s=0.0,

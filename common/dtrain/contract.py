@@ -3,13 +3,15 @@
 Each experiment's ``finalize`` returns ``"guide_inputs": [records]`` (dataclasses below);
 ``dtrain.metrics.write_summary`` encodes them into ``summary.json`` as
 
-    "guide_inputs": {"schema_version": 1, "records": [{"kind": "<record kind>", ...fields}, ...]}
+    "guide_inputs": {"schema_version": 2, "records": [{"kind": "<record kind>", ...fields}, ...]}
 
 and ``read(summary)`` turns them back into dataclasses, refusing unknown kinds, unknown or missing
-fields and a newer schema with ``ContractError``. Calibration (``dtrain.costmodel.calibrate``), the
-local checks (``dtrain.guide.local_check``) and the GEMM probe read runs only through these
-records, never an experiment's name or its config.yaml, so a new experiment that publishes them
-is calibrated like the four here.
+fields and a newer schema with ``ContractError``. Schema 2 stores a training run's layout as the
+one layout type, ``dtrain.layout.Layout``; a schema-1 record (the trainer's names: dp, strategy,
+activation checkpointing) is upgraded on reading by ``_training_v1``, the one place that knows
+them. Calibration (``dtrain.costmodel.calibrate``), the local checks (``dtrain.guide.local_check``)
+and the GEMM probe read runs only through these records, never an experiment's name or its
+config.yaml, so a new experiment that publishes them is calibrated like the four here.
 
     record               published by                         feeds
     CollectiveFit        allreduce-bench                      α, β per link class
@@ -34,7 +36,9 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import ClassVar
 
-SCHEMA_VERSION = 1
+from dtrain.layout import STRATEGIES, Layout, recompute_of, schedule_of
+
+SCHEMA_VERSION = 2
 KEY = "guide_inputs"
 DERIVED_FROM = "derived_from"
 
@@ -72,22 +76,23 @@ class CollectiveFit:
 
 
 @dataclass(frozen=True)
-class TrainLayout:
-    """How a training run was laid out over its ranks (the trainer's own values)."""
+class _TrainLayoutV1:
+    """Schema 1's layout of a training record, in the trainer's names: read only, to upgrade it
+    (``_training_v1``); schema 2 records a ``dtrain.layout.Layout``."""
 
     world_size: int
     dp: int
     tp: int
     pp: int
-    strategy: str               # dtrain.train.config.STRATEGIES: single | ddp | zero2 | zero3 | hsdp
-    micro_batch: int            # sequences per rank per micro-step
+    strategy: str
+    micro_batch: int
     grad_accum: int
     seq_len: int
-    recompute: str = "none"     # activation checkpointing: none | op | block
+    recompute: str = "none"     # train.activation_checkpointing: none | op | block
     sequence_parallel: bool = False
-    pp_schedule: str | None = None
+    pp_schedule: str | None = None  # train.pp_schedule (None without a pipeline)
     pp_virtual: int = 1
-    cp: int = 1                 # context parallelism: ranks sharing each sequence (1 in records before it)
+    cp: int = 1                 # 1 in records written before context parallelism
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,8 @@ class TrainingMeasurement:
 
     kind: ClassVar[str] = "training"
     model: dict                 # dtrain.model.GPTConfig fields as trained (seq_len included)
-    layout: TrainLayout
+    layout: Layout              # as the run laid it out (world_size = layout.gpus)
+    strategy: str               # train.strategy as the run named it (the layout has its ZeRO stage)
     precision: str              # fp32 | bf16 | fp16: what is not an FP8 GEMM runs in
     step_time_s: float
     tokens_per_s: float
@@ -329,7 +335,44 @@ def _build(cls, data, where: str):
                 raise ContractError(f"{where}: missing field {f.name}")
             continue
         kwargs[f.name] = _check_scalar(data[f.name], hints[f.name], f"{where}.{f.name}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ContractError:
+        raise
+    except ValueError as e:  # a record's own rules (a Layout's degrees, its vocabularies)
+        raise ContractError(f"{where}: {e}") from None
+
+
+def _training_v1(rec: dict, where: str) -> dict:
+    """A schema-1 training record as schema 2 writes it: its layout in the trainer's names
+    (``_TrainLayoutV1``) becomes a ``dtrain.layout.Layout``, its strategy a field of the record.
+    Schema 1 kept no ``hsdp_replicate``: an hsdp run becomes ZeRO-3 over all its data shards (as
+    it was priced then); activation checkpointing ``block`` becomes recompute ``full``."""
+    old = _build(_TrainLayoutV1, rec.get("layout"), f"{where}.layout")
+    if old.strategy not in STRATEGIES:
+        raise ContractError(f"{where}.layout.strategy={old.strategy!r} must be one of "
+                            f"{', '.join(STRATEGIES)}")
+    if old.dp * old.cp * old.tp * old.pp != old.world_size:
+        raise ContractError(f"{where}.layout: world_size={old.world_size} is not dp x cp x tp x pp "
+                            f"= {old.dp} x {old.cp} x {old.tp} x {old.pp}")
+    model = rec.get("model")
+    if isinstance(model, dict) and model.get("seq_len") != old.seq_len:
+        raise ContractError(f"{where}.layout.seq_len={old.seq_len} is not the model's "
+                            f"seq_len={model.get('seq_len')!r}")
+    piped = old.pp > 1
+    schedule = old.pp_schedule if piped and old.pp_schedule else "1f1b"
+    try:
+        layout = Layout.from_strategy(
+            old.strategy, dp=old.dp, cp=old.cp, tp=old.tp, pp=old.pp,
+            recompute=recompute_of(old.recompute, default="none"), micro_batch=old.micro_batch,
+            grad_accum=old.grad_accum, sequence_parallel=old.sequence_parallel and old.tp > 1,
+            pp_schedule=schedule_of(schedule), pp_virtual=old.pp_virtual if piped else 1)
+    except KeyError:
+        raise ContractError(f"{where}.layout.pp_schedule={old.pp_schedule!r} is not a schedule "
+                            "of the trainer") from None
+    except ValueError as e:
+        raise ContractError(f"{where}.layout: {e}") from None
+    return {**rec, "layout": dataclasses.asdict(layout), "strategy": old.strategy}
 
 
 def decode(value) -> list:
@@ -344,7 +387,10 @@ def decode(value) -> list:
         kind = rec.get("kind") if isinstance(rec, dict) else None
         if kind not in RECORDS:
             raise ContractError(f"{KEY}.records[{i}]: unknown kind {kind!r} (known: {', '.join(RECORDS)})")
-        out.append(_build(RECORDS[kind], rec, f"{KEY}.records[{i}] ({kind})"))
+        where = f"{KEY}.records[{i}] ({kind})"
+        if version == 1 and kind == TrainingMeasurement.kind:
+            rec = _training_v1(rec, where)
+        out.append(_build(RECORDS[kind], rec, where))
     return out
 
 
@@ -363,34 +409,34 @@ def where_of(device, backend, gpu_name=None) -> Where:
     return Where(str(device).split(":")[0], str(backend), gpu_name)
 
 
-def training_inputs(result: dict, model: dict, train: dict, where: Where, precision: str | None = None,
-                    recipe: str | None = None, overlap: dict | None = None,
-                    breakdown: dict | None = None, step_callbacks=()) -> list[TrainingMeasurement]:
+def training_inputs(result: dict, model: dict, layout: Layout, where: Where,
+                    precision: str | None = None, recipe: str | None = None,
+                    overlap: dict | None = None, breakdown: dict | None = None,
+                    step_callbacks=()) -> list[TrainingMeasurement]:
     """The record of one ``dtrain.train.Trainer`` run from its ``run()`` result (every trainer user
-    publishes through this): ``model`` is the GPTConfig as a dict, ``train`` the TrainConfig's
-    ``to_dict()``, ``overlap``/``breakdown`` a profile window's results when one ran, ``step_callbacks``
-    the per-step tools the run had on beyond training. [] when the run timed no step (all steps
-    were warmup): there is no measurement to publish."""
+    publishes through this): ``model`` is the GPTConfig as a dict, ``layout`` the run's
+    (``TrainConfig.layout`` of the config it ran), ``overlap``/``breakdown`` a profile window's
+    results when one ran, ``step_callbacks`` the per-step tools the run had on beyond training.
+    [] when the run timed no step (all steps were warmup): there is no measurement to publish."""
     if not all(isinstance(result.get(k), (int, float)) and math.isfinite(result[k])
                for k in ("step_time_s", "tokens_per_s")):
         return []
-    dp, tp, pp = int(result["dp"]), int(result["tp"]), int(result["pp"])
-    seq, mb = int(model["seq_len"]), int(train["micro_batch"])
     ov = overlap or {}
     return [TrainingMeasurement(
-        model=dict(model),
-        layout=TrainLayout(world_size=int(result["world_size"]), dp=dp, tp=tp, pp=pp, strategy=str(train["strategy"]),
-                           micro_batch=mb, grad_accum=max(1, round(result["tokens_per_step"] / (dp * mb * seq))),
-                           seq_len=seq, recompute=str(train.get("activation_checkpointing") or "none"),
-                           sequence_parallel=bool(train.get("sequence_parallel")) and tp > 1,
-                           pp_schedule=result.get("pp_schedule"), pp_virtual=int(train.get("pp_virtual") or 1)
-                           if pp > 1 else 1, cp=int(result.get("cp") or 1)),
-        precision=str(precision or result["mixed_precision"]), step_time_s=float(result["step_time_s"]),
-        tokens_per_s=float(result["tokens_per_s"]), peak_mem_bytes=int(result["peak_mem_bytes"]), where=where,
-        recipe=recipe, mfu=result.get("mfu"), peak_flops=result.get("peak_flops"),
+        model=dict(model), layout=layout, strategy=str(result["strategy"]),
+        precision=str(precision or result["mixed_precision"]),
+        step_time_s=float(result["step_time_s"]), tokens_per_s=float(result["tokens_per_s"]),
+        peak_mem_bytes=int(result["peak_mem_bytes"]), where=where, recipe=recipe,
+        mfu=result.get("mfu"), peak_flops=result.get("peak_flops"),
         peak_flops_source=result.get("peak_flops_source"), model_params=result.get("model_params"),
         flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
         exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
-        breakdown=StepBreakdown(**{f.name: float(breakdown[f.name] if f.name in breakdown else f.default)
-                                   for f in dataclasses.fields(StepBreakdown)}) if breakdown else None,
-        step_callbacks=list(step_callbacks))]
+        breakdown=_breakdown(breakdown), step_callbacks=list(step_callbacks))]
+
+
+def _breakdown(values: dict | None) -> StepBreakdown | None:
+    """A profile window's step breakdown as the record's (absent parts at their defaults)."""
+    if not values:
+        return None
+    return StepBreakdown(**{f.name: float(values[f.name] if f.name in values else f.default)
+                            for f in dataclasses.fields(StepBreakdown)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import textwrap
 from pathlib import Path
 
 import torch.distributed as dist
@@ -82,28 +83,33 @@ def final_loss(rows: list[dict]) -> float | None:
 
 
 def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
-    from rich.console import Console
+    from rich import box
     from rich.table import Table
 
     import pandas as pd
 
+    from dtrain.terminal import WIDTH, console
     from fp8_train import dashboard
 
     rows = step_rows(run_dir)
     pd.DataFrame(rows).to_csv(run_dir / "steps.csv", index=False)
     loss = final_loss(rows)
-    table = Table(title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, {cfg.train.strategy})")
-    for col in ("recipe", "precision", "final loss", "tokens/s", "peak mem", "NaN events", "rollbacks", "high-precision layers"):
-        table.add_column(col)
-    table.add_row(cfg.recipe, result["precision"], f"{loss:.4f}" if loss is not None else "-",
+    # the recipe is in the title; short headers keep the table within 100 columns (dtrain.terminal)
+    table = Table(title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, {cfg.train.strategy})",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("precision", "final loss", "tokens/s", "peak mem", "NaN events", "rollbacks"):
+        table.add_column(col, justify="right")
+    table.add_column("kept in high precision")
+    table.add_row(result["precision"], f"{loss:.4f}" if loss is not None else "-",
                   f"{result['tokens_per_s']:.0f}", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB",
                   str(result["nan_events"]), str(result["rollbacks"]), ", ".join(result["high_precision_layers"]) or "-")
-    Console(width=160).print(table)
+    console().print(table)  # within 100 columns: a long layer list wraps by words
     for note in result.get("notes", []):
-        print(f"note: {note}")
+        print(textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     dashboard.render([run_dir], run_dir)
-    inputs = contract.training_inputs(result, result.pop("model"), result.pop("train"),
-                                      contract.where_of(result["device"], result["backend"], result["gpu_name"]),
+    where = contract.where_of(result["device"], result["backend"], result["gpu_name"])
+    layout = TrainConfig(**result.pop("train")).layout(result["world_size"], where.device)
+    inputs = contract.training_inputs(result, result.pop("model"), layout, where,
                                       precision=result["precision"], recipe=cfg.recipe,
                                       step_callbacks=[k for k in STEP_TOOLS if cfg[k].enabled])
     return {**result, "final_loss": loss, "final_loss_last_step": result.get("final_loss"),

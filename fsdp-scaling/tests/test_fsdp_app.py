@@ -48,7 +48,7 @@ def test_sweep_then_report(tmp_path):
         assert g["comm_s"] > 0 and 0 <= g["overlap_fraction"] <= 1
         assert (run.path / "steps.png").exists() and (run.path / "profile" / "trace.rank0.json.gz").exists()
         [m] = contract.read(run.summary)  # the typed guide input calibration reads
-        assert (m.layout.strategy, m.layout.dp, m.step_time_s, m.mfu) == (g["strategy"], 2, g["step_time_s"], g["mfu"])
+        assert (m.strategy, m.layout.dp, m.step_time_s, m.mfu) == (g["strategy"], 2, g["step_time_s"], g["mfu"])
         assert (m.layout.grad_accum, m.precision) == (2, "fp32")  # as the run used them
         assert m.exposed_comm_s == g["exposed_comm_s"] and (m.breakdown is None) == (not g["breakdown"]) and m.recipe is None
     steps = results.load([tmp_path], kind="step")

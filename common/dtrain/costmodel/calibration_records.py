@@ -13,7 +13,6 @@ from dtrain.strategies import SHARDED
 
 from .efficiency import fit_curve
 from .hardware import LinkModel
-from .shapes import Layout
 from .calibration import Param
 from .collectives import p2p_time
 from .timemodel import bubble_fraction
@@ -53,10 +52,14 @@ class Source:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One measured value of a calibration field, with the run it comes from."""
+
     name: str
     value: float
     source: Source
     detail: str = ""
+    # leave_one_out's median: the other runs' candidates it is taken over (() for a measured one)
+    pooled: tuple[Candidate, ...] = ()
 
     def param(self) -> Param:
         return Param(self.value, self.source.provenance(self.detail))
@@ -85,8 +88,10 @@ def _num(x) -> float | None:
 # ---------------------------------------------------------------- per record kind
 
 # Collectives the time model costs with their own α–β when allreduce-bench fitted them (``LinkModel.of``),
-# with the ring hops their whole-collective α spans over n ranks.
-OWN_FIT_HOPS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1, "sendrecv": lambda n: 1}
+# with the ring hops their whole-collective α spans over n ranks (all-to-all: one per peer,
+# ``collectives.all_to_all_time``).
+OWN_FIT_HOPS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1, "sendrecv": lambda n: 1,
+                "all_to_all": lambda n: n - 1}
 
 
 def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Candidate]:
@@ -120,48 +125,36 @@ def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Cand
     return out
 
 
-def training_entry(m: contract.TrainingMeasurement) -> dict:
-    """A training record as the flat dict the cost-model checks read (the trainer's vocabulary)."""
-    lay = m.layout
-    return {"strategy": lay.strategy, "world_size": lay.world_size, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-            "cp": lay.cp,
-            "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "seq_len": lay.seq_len,
-            "pp_virtual": lay.pp_virtual, "pp_schedule": lay.pp_schedule, "recompute": lay.recompute,
-            "model": dict(m.model),
-            "step_time_s": m.step_time_s, "tokens_per_s": m.tokens_per_s, "mfu": m.mfu, "peak_flops": m.peak_flops,
-            "peak_flops_source": m.peak_flops_source, "comm_s": m.comm_s, "exposed_comm_s": m.exposed_comm_s,
-            "overlap_fraction": m.overlap_fraction, "mixed_precision": m.precision, "precision": m.precision,
-            "recipe": m.recipe, "peak_mem_bytes": m.peak_mem_bytes, "device": m.where.device,
-            "breakdown": dataclasses.asdict(m.breakdown) if m.breakdown else None,
-            "step_callbacks": list(m.step_callbacks)}
-
-
-def training_entries(inputs: RunInputs, recipe: bool = False) -> list[dict]:
+def training_entries(inputs: RunInputs, recipe: bool = False) -> list[contract.TrainingMeasurement]:
     """The run's plain training records (they measure compute efficiency), or with ``recipe`` its
-    numerics-recipe runs (fp8-train's), as ``training_entry`` dicts."""
-    return [training_entry(m) for m in inputs.of(contract.TrainingMeasurement) if (m.recipe is not None) == recipe]
+    numerics-recipe runs (fp8-train's)."""
+    return [m for m in inputs.of(contract.TrainingMeasurement) if (m.recipe is not None) == recipe]
 
 
-def from_fsdp(entries: list[dict], src: Source) -> list[Candidate]:
+def from_fsdp(runs: list[contract.TrainingMeasurement], src: Source) -> list[Candidate]:
     out = []
-    for g in entries:
-        if (g.get("tp") or 1) * (g.get("pp") or 1) * (g.get("cp") or 1) > 1:
-            continue  # a TP / PP / CP layout run: its step holds TP comm, bubble, ring sends; the guide checks it
-        step, mfu = _num(g.get("step_time_s")), _num(g.get("mfu"))
-        exposed = _num(g.get("exposed_comm_s")) or 0.0
+    for m in runs:
+        lay = m.layout
+        if lay.tp * lay.pp * lay.cp > 1:
+            # a TP / PP / CP layout run: its step holds TP comm, bubble, ring sends; the guide checks it
+            continue
+        step, mfu = _num(m.step_time_s), _num(m.mfu)
+        exposed = _num(m.exposed_comm_s) or 0.0
+        label = f"{m.strategy} x{lay.world_size}"
         if step and mfu and step > exposed and not src.on_gpu:
-            # (on a GPU the model prices compute term by term: a run's MFU checks it, it does not calibrate it)
-            # compute-only efficiency: the time model costs communication separately
+            # (on a GPU the model prices compute term by term: a run's MFU checks it, it does not
+            # calibrate it) compute-only efficiency: the time model costs communication separately
             eff = mfu * step / (step - exposed)
-            out.append(Candidate("mfu", eff, src, f"{g.get('strategy')} x{g.get('world_size')}: MFU "
-                                 f"{mfu:.1%} with {exposed / step:.0%} of the step exposed communication"))
-        overlap = _num(g.get("overlap_fraction"))
-        if overlap is not None and g.get("strategy") in SHARDED:
-            out.append(Candidate("dp_overlap", overlap, src, f"{g.get('strategy')} x{g.get('world_size')}"))
+            out.append(Candidate("mfu", eff, src, f"{label}: MFU {mfu:.1%} with "
+                                 f"{exposed / step:.0%} of the step exposed communication"))
+        overlap = _num(m.overlap_fraction)
+        if overlap is not None and m.strategy in SHARDED:
+            out.append(Candidate("dp_overlap", overlap, src, label))
     return out
 
 
-def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> list[Candidate]:
+def from_layout(runs: list[contract.TrainingMeasurement], src: Source,
+                link: LinkModel | None) -> list[Candidate]:
     """TP and PP factors of DP x TP x PP layout runs (``training_entries``: the record's layout and
     its profiled step breakdown):
 
@@ -177,29 +170,30 @@ def from_layout(entries: list[dict], src: Source, link: LinkModel | None) -> lis
     if link is None:
         return []
     out = []
-    for g in entries:
-        tp, pp, b = int(g["tp"]), int(g["pp"]), g.get("breakdown") or {}
-        if tp * pp == 1 or not b:
+    for m in runs:
+        lay, b = m.layout, m.breakdown
+        tp, pp = lay.tp, lay.pp
+        if tp * pp == 1 or b is None:
             continue
-        shape = shape_of(GPTConfig(**g["model"]))
-        dp, mb, ga = int(g["dp"]), int(g["micro_batch"]), int(g["grad_accum"])
-        v = int(g.get("pp_virtual") or 1) if pp > 1 else 1
-        lay = Layout(dp, tp, pp, micro_batch=mb, grad_accum=ga, virtual_stages=v)
-        vb = 4 if g.get("precision", "fp32") == "fp32" else 2
-        name = f"dp{dp} x tp{tp} x pp{pp}"
-        tp_meas = _num(b.get("tp_comm_s")) or 0.0
+        shape = shape_of(GPTConfig(**m.model))
+        mb, ga, v = lay.micro_batch, lay.grad_accum, lay.pp_virtual
+        vb = 4 if m.precision == "fp32" else 2
+        name = f"dp{lay.dp} x tp{tp} x pp{pp}"
+        tp_meas = _num(b.tp_comm_s) or 0.0
         if tp > 1 and tp_meas > 0:
             model = tp_comm_time(shape, lay, link, vb)
-            out.append(Candidate("tp_overhead", tp_meas / model, src, f"{name}: TP comm measured {tp_meas * 1e3:.0f} ms "
-                                 f"(profile) / alpha-beta {model * 1e3:.0f} ms"))
-        compute = _num(b.get("compute_s"))
+            out.append(Candidate("tp_overhead", tp_meas / model, src,
+                                 f"{name}: TP comm measured {tp_meas * 1e3:.0f} ms (profile) / "
+                                 f"alpha-beta {model * 1e3:.0f} ms"))
+        compute = _num(b.compute_s)
         if pp > 1 and compute:
             sends = 2 * v * ga * p2p_time(mb * shape.seq_len * shape.d_model * vb / tp, link)
-            idle = max((_num(b.get("pp_p2p_s")) or 0.0) + (_num(b.get("idle_s")) or 0.0) - sends, 0.0)
+            idle = max((_num(b.pp_p2p_s) or 0.0) + (_num(b.idle_s) or 0.0) - sends, 0.0)
             formula = bubble_fraction(pp, ga, v, shape.n_layer)
             share = idle / (compute + tp_meas)
-            out.append(Candidate("pp_overhead", share / formula, src, f"{name}: p2p wait + idle {share:.0%} of compute "
-                                 f"(profile) / bubble formula {formula:.0%}"))
+            out.append(Candidate("pp_overhead", share / formula, src,
+                                 f"{name}: p2p wait + idle {share:.0%} of compute (profile) / "
+                                 f"bubble formula {formula:.0%}"))
     return out
 
 
@@ -212,7 +206,8 @@ def leave_one_out(cands: list[Candidate], name: str, run: str, on_gpu: bool = Fa
     vals = sorted(c.value for c in pool)
     med = statistics.median(vals)
     runs = ", ".join(f"{c.source.run} {c.value:.2f}" for c in sorted(pool, key=lambda c: c.source.run))
-    return Candidate(name, med, pool[0].source, f"leave-one-out: median of {len(pool)} other run(s) ({runs})")
+    detail = f"leave-one-out: median of {len(pool)} other run(s) ({runs})"
+    return Candidate(name, med, pool[0].source, detail, pooled=tuple(pool))
 
 
 def tp_regions(module: str) -> int:

@@ -33,13 +33,15 @@ Rows say which inputs were in-sample or left out. Goal: |error| <= 15%.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
-from dtrain.costmodel import Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape, Param, step_time
+from dtrain.costmodel import (Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape,
+                              Param, StepTime, step_time)
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
+from dtrain import contract
 from dtrain.costmodel.calibration_records import (Candidate, RunInputs, leave_one_out,
                                                   tp_modelled_comm_s, tp_rows, training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
@@ -48,8 +50,6 @@ from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.stack import Stack
 from dtrain.flops import transformer_flops_per_token
 from dtrain.model_args import GPTConfig
-from dtrain.parallel.mesh import ParallelDims, zero_stage
-from dtrain.strategies import RECOMPUTE_OF_CHECKPOINTING
 
 from .check import CALLBACKS_NOTE, Check
 
@@ -94,42 +94,38 @@ def _median(xs: list[float]) -> float:
 
 @dataclass
 class _Fsdp:
+    """One local training run to predict: its record (layout, model, measured numbers) and what the
+    check derives from it."""
+
     run: str
     on_gpu: bool
-    guide: dict
+    record: contract.TrainingMeasurement
     shape: ModelShape
-    layout: Layout
     value_bytes: int
     efficiency: float  # compute-only, cost-model FLOP convention
     experiment: str    # the run's subproject, as the checks label it
     oversub: float = 1.0
     free_cores: float = 1.0  # free_core_share: scales the DP overlap
 
+    @property
+    def layout(self) -> Layout:
+        return self.record.layout
+
 
 def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
     out = []
     for ri in report.inputs:
-        for g in training_entries(ri):
-            step, tps, peak = g.get("step_time_s"), g.get("tokens_per_s"), g.get("peak_flops")
+        for m in training_entries(ri):
+            step, tps, peak = m.step_time_s, m.tokens_per_s, m.peak_flops
             if not (step and tps and peak):
                 continue
-            world = int(g["world_size"])
-            tp, pp = int(g.get("tp") or 1), int(g.get("pp") or 1)  # a DP x TP x PP layout run (issue 14)
-            cp = int(g.get("cp") or 1)  # context parallel ranks share each sequence (issue 24)
-            dp = ParallelDims(world, tp=tp, pp=pp, cp=cp).dp
-            shape = replace(shape_of(GPTConfig(**g["model"])), seq_len=int(g["seq_len"]))
+            world = m.layout.world_size
+            shape = shape_of(GPTConfig(**m.model))
             tokens_per_rank = tps * step / world
-            mb = int(g["micro_batch"])
-            ga = int(g["grad_accum"])
-            recompute = RECOMPUTE_OF_CHECKPOINTING.get(str(g.get("recompute") or "none"), "none")
-            layout = Layout(dp, tp, pp, zero_stage(g["strategy"], dp * cp, pp), recompute,
-                            micro_batch=mb, grad_accum=ga,
-                            virtual_stages=int(g["pp_virtual"]) if pp > 1 else 1,
-                            cp=cp, cp_impl="ulysses" if g.get("cp_impl") == "ulysses" else "ring")
-            compute_s = step - (g.get("exposed_comm_s") or 0.0)
+            compute_s = step - (m.exposed_comm_s or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
-            vb = 4 if g.get("mixed_precision", "fp32") == "fp32" else 2
-            out.append(_Fsdp(display_path(ri.run.path, base), ri.source.on_gpu, g, shape, layout, vb, eff,
+            vb = 4 if m.precision == "fp32" else 2
+            out.append(_Fsdp(display_path(ri.run.path, base), ri.source.on_gpu, m, shape, vb, eff,
                              ri.run.subproject, oversubscription(ri.run.env, world),
                              free_core_share(ri.run.env, world)))
     return out
@@ -203,120 +199,172 @@ PROBE_BASIS = "GEMM curve + fixed step overhead from gemm-probe"
 def _factor_basis(f: Candidate | None, what: str, raw: str) -> str:
     if f is None:
         return f"; {raw} (no other run measured it)"
-    n = re.search(r"median of (\d+) other", f.detail)
-    return f"; {what} x{f.value:.2f} from {n.group(1) if n else '?'} other run(s), leave-one-out"
+    return f"; {what} x{f.value:.2f} from {len(f.pooled)} other run(s), leave-one-out"
+
+
+def host_step(shape: ModelShape, layout: Layout, calib: Calibration, *, peak: float, world: int,
+              link: LinkModel | None, value_bytes: int, overhead_s: float | None = None,
+              precision: str = "bf16") -> StepTime:
+    """The cost model's step on this host (``host_cluster``: ``world`` ranks at ``peak`` each, the
+    local link; none measured: a free one). ``overhead_s``: the probe's fixed step overhead as
+    slowed on these cores, in place of ``calib``'s."""
+    if overhead_s is not None:
+        calib = replace(calib, step_overhead_s=Param(overhead_s, calib.step_overhead_s.provenance))
+    cluster = host_cluster(peak, world, link or LinkModel(0, 1e30))
+    return step_time(shape, layout, cluster, calib, precision=precision, value_bytes=value_bytes,
+                     stack=TRAINER)
+
+
+def fsdp_step(r: _Fsdp, calib: Calibration, *, peak: float, load: float, link: LinkModel | None,
+              overhead_s: float | None) -> StepTime:
+    """Run ``r``'s predicted step under ``load`` (other processes' load factor): its busy threads
+    per core times the load make its compute that much slower, the probe's overhead that much
+    longer."""
+    k = r.oversub * load
+    world = r.layout.dp * r.layout.tp * r.layout.pp
+    return host_step(r.shape, r.layout, calib, peak=peak / k, world=world, link=link,
+                     value_bytes=r.value_bytes,
+                     overhead_s=None if overhead_s is None else overhead_s * k)
+
+
+def recipe_step(shape: ModelShape, layout: Layout, calib: Calibration, *, peak: float,
+                oversub: float, load: float, link: LinkModel | None, value_bytes: int,
+                overhead_s: float | None, precision: str) -> StepTime:
+    """A numerics-recipe run's predicted step under ``load``, as ``fsdp_step``."""
+    return host_step(shape, layout, calib, peak=peak / (oversub * load), world=layout.world_size,
+                     link=link, value_bytes=value_bytes, precision=precision,
+                     overhead_s=None if overhead_s is None else overhead_s * oversub * load)
+
+
+def _spread(step, spread: tuple[float, float] | None) -> tuple[float, float] | None:
+    """The predicted totals at the load's 10th and 90th percentile (``step(load=...)``), if
+    measured."""
+    return spread and (step(load=spread[0]).total, step(load=spread[1]).total)
 
 
 def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None = None,
                 cands: list[Candidate] = ()) -> list[Check]:
-    out = []
-    for i, r in enumerate(runs):
-        if link is None and r.layout.dp * r.layout.tp * r.layout.pp > 1:
-            continue
-        # compute efficiency from pure data-parallel runs only: a TP / PP run's step holds TP comm and
-        # bubble, which are what its row checks
-        others = [o for j, o in enumerate(runs) if j != i and o.on_gpu == r.on_gpu and o.layout.tp * o.layout.pp == 1]
-        eff = _median([o.efficiency for o in others]) if others else r.efficiency
-        overlaps = [o.guide["overlap_fraction"] for o in others if o.guide.get("overlap_fraction") is not None]
-        overlap = _median(overlaps) if overlaps else r.guide.get("overlap_fraction")
-        overlap = None if overlap is None else overlap * r.free_cores
-        basis = (f"efficiency from {len(others)} other fsdp run(s)" if others else
-                 "in-sample: compute efficiency from this run, only communication predicted")
-        peak, load, spread, load_note = probe.speed(r.run, r.guide["peak_flops"]) if probe else \
-            (r.guide["peak_flops"], 1.0, None, "")
-        over = probe.overhead("gpt", _gpt_match(r.shape), r.layout.micro_batch, peak) if probe else None
-        if over is None:
-            peak, load, spread, load_note = r.guide["peak_flops"], 1.0, None, ""
-        else:
-            basis = PROBE_BASIS + (f"; DP overlap from {len(others)} other fsdp run(s)" if others else "")
-        world = r.layout.dp * r.layout.tp * r.layout.pp
-        factors = (leave_one_out(list(cands), "tp_overhead", r.run) if r.layout.tp > 1 else None,
-                   leave_one_out(list(cands), "pp_overhead", r.run) if r.layout.pp > 1 else None)
-        if r.layout.tp > 1:
-            basis += _factor_basis(factors[0], "TP comm", "raw alpha-beta TP comm")
-        if r.layout.pp > 1:
-            basis += _factor_basis(factors[1], "PP bubble", "bubble formula as is")
-        if r.free_cores < 1 and r.layout.dp > 1:
-            basis += f"; DP overlap x{r.free_cores:.2g} (cores free of compute)"
-        if r.oversub > 1:
-            basis += f"; {r.oversub:g} busy threads per core"
-        basis += load_note
+    checks = (fsdp_check(r, runs[:i] + runs[i + 1:], link, probe, cands)
+              for i, r in enumerate(runs))
+    return [c for c in checks if c is not None]
 
-        def predict(lf: float, r=r, basis=basis, eff=eff, overlap=overlap, over=over, peak=peak, factors=factors,
-                    world=world):
-            k = r.oversub * lf  # busy threads per core x other processes' load: that much slower
-            cluster = host_cluster(peak / k, world, link or LinkModel(0, 1e30))
-            return step_time(r.shape, r.layout, cluster,
-                             _calib(eff, basis, overlap, probe, over * k if over is not None else None, factors),
-                             value_bytes=r.value_bytes, stack=TRAINER)
-        t = predict(load)
-        exposed = r.guide.get("exposed_comm_s")
-        detail = "" if exposed is None else (
-            f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted {t.dp_comm_exposed * 1e3:.0f} ms; "
-            f"rest measured {(r.guide['step_time_s'] - exposed) * 1e3:.0f} ms vs predicted "
+
+def fsdp_check(r: _Fsdp, rest: list[_Fsdp], link: LinkModel | None, probe: _Probe | None,
+               cands: list[Candidate]) -> Check | None:
+    """Run ``r`` predicted from the other runs (``rest``) wherever they measured the input."""
+    m, lay = r.record, r.layout
+    if link is None and lay.dp * lay.tp * lay.pp > 1:
+        return None
+    # compute efficiency from pure data-parallel runs only: a TP / PP run's step holds TP comm and
+    # bubble, which are what its row checks
+    others = [o for o in rest if o.on_gpu == r.on_gpu and o.layout.tp * o.layout.pp == 1]
+    eff = _median([o.efficiency for o in others]) if others else r.efficiency
+    overlaps = [o.record.overlap_fraction for o in others if o.record.overlap_fraction is not None]
+    overlap = _median(overlaps) if overlaps else m.overlap_fraction
+    overlap = None if overlap is None else overlap * r.free_cores
+    basis = (f"efficiency from {len(others)} other fsdp run(s)" if others else
+             "in-sample: compute efficiency from this run, only communication predicted")
+    peak, load, spread, load_note = probe.speed(r.run, m.peak_flops) if probe else \
+        (m.peak_flops, 1.0, None, "")
+    over = probe.overhead("gpt", _gpt_match(r.shape), lay.micro_batch, peak) if probe else None
+    if over is None:
+        peak, load, spread, load_note = m.peak_flops, 1.0, None, ""
+    else:
+        basis = PROBE_BASIS + (f"; DP overlap from {len(others)} other fsdp run(s)"
+                               if others else "")
+    factors = (leave_one_out(list(cands), "tp_overhead", r.run) if lay.tp > 1 else None,
+               leave_one_out(list(cands), "pp_overhead", r.run) if lay.pp > 1 else None)
+    if lay.tp > 1:
+        basis += _factor_basis(factors[0], "TP comm", "raw alpha-beta TP comm")
+    if lay.pp > 1:
+        basis += _factor_basis(factors[1], "PP bubble", "bubble formula as is")
+    if r.free_cores < 1 and lay.dp > 1:
+        basis += f"; DP overlap x{r.free_cores:.2g} (cores free of compute)"
+    if r.oversub > 1:
+        basis += f"; {r.oversub:g} busy threads per core"
+    basis += load_note
+    step = partial(fsdp_step, r, _calib(eff, basis, overlap, probe, over, factors), peak=peak,
+                   link=link, overhead_s=over)
+    t = step(load=load)
+    return Check(r.experiment, r.run, _fsdp_what(m), m.step_time_s, t.total, basis,
+                 _fsdp_detail(m, t), _spread(step, spread))
+
+
+def _fsdp_what(m: contract.TrainingMeasurement) -> str:
+    lay = m.layout
+    if lay.tp * lay.pp == 1:
+        return f"{m.strategy} x{lay.dp} step"
+    return f"dp{lay.dp} x tp{lay.tp} x pp{lay.pp} step"
+
+
+def _fsdp_detail(m: contract.TrainingMeasurement, t: StepTime) -> str:
+    """The parts of the step the run measured against their predictions."""
+    b, lay = m.breakdown, m.layout
+    if lay.tp * lay.pp > 1 and b:  # the parts a layout run measured (CPU profile)
+        return (f"TP comm measured {b.tp_comm_s * 1e3:.0f} ms vs predicted "
+                f"{t.tp_comm * 1e3:.0f} ms; PP p2p + idle measured "
+                f"{(b.pp_p2p_s + b.idle_s) * 1e3:.0f} ms vs predicted bubble + p2p "
+                f"{(t.bubble + t.pp_comm) * 1e3:.0f} ms")
+    exposed = m.exposed_comm_s
+    if exposed is None:
+        return ""
+    return (f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted "
+            f"{t.dp_comm_exposed * 1e3:.0f} ms; rest measured "
+            f"{(m.step_time_s - exposed) * 1e3:.0f} ms vs predicted "
             f"{(t.total - t.dp_comm_exposed) * 1e3:.0f} ms")
-        b = r.guide.get("breakdown") or {}
-        if r.layout.tp * r.layout.pp > 1 and b:  # the parts a layout run measured (CPU profile)
-            detail = (f"TP comm measured {b['tp_comm_s'] * 1e3:.0f} ms vs predicted {t.tp_comm * 1e3:.0f} ms; "
-                      f"PP p2p + idle measured {(b['pp_p2p_s'] + b['idle_s']) * 1e3:.0f} ms vs predicted "
-                      f"bubble + p2p {(t.bubble + t.pp_comm) * 1e3:.0f} ms")
-        what = (f"{r.guide['strategy']} x{r.layout.dp} step" if r.layout.tp * r.layout.pp == 1 else
-                f"dp{r.layout.dp} x tp{r.layout.tp} x pp{r.layout.pp} step")
-        out.append(Check(r.experiment, r.run, what, r.guide["step_time_s"], t.total, basis, detail,
-                         spread and (predict(spread[0]).total, predict(spread[1]).total)))
-    return out
 
 
 def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | None, base,
                probe: _Probe | None = None) -> list[Check]:
-    out = []
     cpu = [r for r in runs if not r.on_gpu]
     if not cpu:
-        return out
-    eff, peak = _median([r.efficiency for r in cpu]), _median([r.guide["peak_flops"] for r in cpu])
-    overlaps = [r.guide["overlap_fraction"] for r in cpu if r.guide.get("overlap_fraction") is not None]
+        return []
+    eff, peak = _median([r.efficiency for r in cpu]), _median([r.record.peak_flops for r in cpu])
+    overlaps = [r.record.overlap_fraction for r in cpu if r.record.overlap_fraction is not None]
     calib = _calib(eff, "fsdp-scaling", _median(overlaps) if overlaps else None)
     calib = replace(calib, fp8_speedup=report.local.fp8_speedup)
-    for ri, g in ((ri, g) for ri in report.inputs for g in training_entries(ri, recipe=True)):
-        if ri.source.on_gpu:
-            continue
-        world = int(g["world_size"])
-        if link is None and world > 1:
-            continue
-        mb, ga = int(g["micro_batch"]), int(g["grad_accum"])
-        shape = shape_of(GPTConfig(**g["model"]))
-        measured = mb * ga * world * shape.seq_len / g["tokens_per_s"]
-        fp8 = g.get("recipe") not in BASELINE_RECIPES
-        zero = zero_stage(g["strategy"], world)
-        k = oversubscription(ri.run.env, world)
-        free = free_core_share(ri.run.env, world)
-        run = display_path(ri.run.path, base)
-        run_peak = float(g.get("peak_flops") or peak)  # the run's own matmul probe
-        run_peak, load, spread, load_note = probe.speed(run, run_peak) if probe else (run_peak, 1.0, None, "")
-        over = probe.overhead("gpt", _gpt_match(shape), mb, run_peak) if probe else None
-        if over is None:
-            load, spread, load_note = 1.0, None, ""
-
-        def predict(lf: float, k=k, over=over, run_peak=run_peak, shape=shape, world=world, mb=mb, ga=ga, zero=zero,
-                    free=free, fp8=fp8, g=g):
-            row_calib = calib if over is None else replace(
-                _calib(eff, "", calib.dp_overlap.value, probe, over * k * lf), fp8_speedup=calib.fp8_speedup)
-            row_calib = replace(row_calib, dp_overlap=Param(row_calib.dp_overlap.value * free,
-                                                            row_calib.dp_overlap.provenance))
-            return step_time(shape, Layout(world, 1, 1, zero, micro_batch=mb, grad_accum=ga),
-                             host_cluster((run_peak if over is not None else peak) / (k * lf), world,
-                                          link or LinkModel(0, 1e30)),
-                             row_calib, precision="fp8" if fp8 else "bf16",
-                             value_bytes=4 if g.get("precision") != "bf16" else 2, stack=TRAINER)
-        t = predict(load)
-        basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
-            "; in-sample FP8 factor from fp8-train compare" if fp8 else "") + (
-            f"; DP overlap x{free:.2g} (cores free of compute)" if free < 1 and world > 1 else "") + load_note
-        tools = g.get("step_callbacks") or []
-        note = f"{CALLBACKS_NOTE}: {', '.join(tools)}" if tools else ""
-        out.append(Check(ri.run.subproject, run, f"{g.get('recipe')} x{world} step", measured, t.total, basis, note,
-                         spread and (predict(spread[0]).total, predict(spread[1]).total)))
+    out = []
+    for ri in report.inputs:
+        for m in training_entries(ri, recipe=True):
+            if ri.source.on_gpu or (link is None and m.layout.world_size > 1):
+                continue
+            out.append(fp8_check(ri, m, calib, eff=eff, peak=peak, link=link, base=base, probe=probe))
     return out
+
+
+def fp8_check(ri: RunInputs, m: contract.TrainingMeasurement, calib: Calibration, *, eff: float,
+              peak: float, link: LinkModel | None, base, probe: _Probe | None) -> Check:
+    """One numerics-recipe run (fp8-train's) predicted with the fsdp runs' efficiency (or the
+    probe's curve) and, for an FP8 recipe, fp8-train compare's speed factor."""
+    lay, world = m.layout, m.layout.world_size
+    shape = shape_of(GPTConfig(**m.model))
+    measured = lay.micro_batch * lay.grad_accum * world * shape.seq_len / m.tokens_per_s
+    fp8 = m.recipe not in BASELINE_RECIPES
+    k = oversubscription(ri.run.env, world)
+    free = free_core_share(ri.run.env, world)
+    run = display_path(ri.run.path, base)
+    run_peak = float(m.peak_flops or peak)  # the run's own matmul probe
+    run_peak, load, spread, load_note = (probe.speed(run, run_peak) if probe
+                                         else (run_peak, 1.0, None, ""))
+    over = probe.overhead("gpt", _gpt_match(shape), lay.micro_batch, run_peak) if probe else None
+    if over is None:
+        load, spread, load_note = 1.0, None, ""
+    else:
+        calib = replace(_calib(eff, "", calib.dp_overlap.value, probe, over),
+                        fp8_speedup=calib.fp8_speedup)
+    shared = calib.dp_overlap  # hidden DP traffic needs a free core (free_core_share)
+    calib = replace(calib, dp_overlap=Param(shared.value * free, shared.provenance))
+    step = partial(recipe_step, shape, lay, calib, peak=run_peak if over is not None else peak,
+                   oversub=k, link=link, value_bytes=4 if m.precision != "bf16" else 2,
+                   overhead_s=over, precision="fp8" if fp8 else "bf16")
+    t = step(load=load)
+    basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
+        "; in-sample FP8 factor from fp8-train compare" if fp8 else "") + (
+        f"; DP overlap x{free:.2g} (cores free of compute)"
+        if free < 1 and world > 1 else "") + load_note
+    note = f"{CALLBACKS_NOTE}: {', '.join(m.step_callbacks)}" if m.step_callbacks else ""
+    return Check(ri.run.subproject, run, f"{m.recipe} x{world} step", measured, t.total, basis,
+                 note, _spread(step, spread))
 
 
 def _tp_probe_time(row: dict, kind: str, tp: int, peak: float, probe: _Probe) -> float | None:
@@ -327,7 +375,7 @@ def _tp_probe_time(row: dict, kind: str, tp: int, peak: float, probe: _Probe) ->
         return None
     ffn = 4.0 if kind == "block" else 1e-9
     shape = ModelShape(1, row["d_model"], row["n_head"], row["n_kv_head"] or row["n_head"], 1, row["seq"], ffn)
-    gemms = [g for g in layer_gemms(shape, Layout(1, tp, 1, micro_batch=row["batch"]))
+    gemms = [g for g in layer_gemms(shape, Layout(tp=tp, micro_batch=row["batch"]))
              if kind == "block" or g.name not in ("fc1", "fc2")]
     return 3 * sum(gemm_time(g, peak, 0.0, probe.curve, 4) for g in gemms) + over
 
@@ -338,7 +386,7 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
     cpu = [r for r in runs if not r.on_gpu]
     if not cpu or link is None:
         return out
-    eff, peak = _median([r.efficiency for r in cpu]), _median([r.guide["peak_flops"] for r in cpu])
+    eff, peak = _median([r.efficiency for r in cpu]), _median([r.record.peak_flops for r in cpu])
     for ri in report.inputs:
         rows = tp_rows(ri)
         if ri.source.on_gpu or not rows:
