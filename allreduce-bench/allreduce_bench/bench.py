@@ -57,7 +57,9 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     where = contract.where_of(device, env.get("backend"), gpu_name)
     inputs = [contract.CollectiveFit(**{k: f[k] for k in GUIDE_FIT_KEYS}, where=where)
               for f in fitted if f["link_class"] in ("intra_node", "inter_node")]  # the world fits are not a link
-    print(f"see {run_dir / topology_report.REPORT} for the links behind these numbers", flush=True)
+    # the run's folder is printed last (run complete: ...): a path here would overflow 100 columns
+    print(f"the links behind these numbers: {topology_report.REPORT} in the run's folder",
+          flush=True)
     return {"guide_inputs": inputs, "topology": topo, "device": device, "backend": env.get("backend"),
             "gpu_name": gpu_name, "world_size": env.get("world_size"),
             "fits": fitted, "unfitted": unfitted, "peak_busbw_GBps": peak, "theoretical_GBps": theoretical,

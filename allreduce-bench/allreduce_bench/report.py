@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import pandas as pd
@@ -10,6 +11,7 @@ from allreduce_bench import fit as abfit
 from dtrain import plots
 from dtrain.metrics import RECORDS
 from dtrain.results import read_jsonl
+from dtrain.terminal import WIDTH
 
 CSV = "collectives.csv"
 BUSBW_PLOT = "busbw_vs_size.png"
@@ -29,13 +31,27 @@ def fit_mode(df: pd.DataFrame, collective: str) -> str:
     return "out_of_place" if "out_of_place" in modes else "in_place"
 
 
+# nccl-tests' columns, one space apart so a row fits dtrain.terminal.WIDTH (100) columns: the
+# identifying columns (42) and one (time, algbw, busbw, #wrong) block (29) per mode
+ID_WIDTHS = {"size": 10, "count": 10, "type": 8, "redop": 5, "root": 4}
+CELL = " {:>7} {:>6} {:>6} {:>6}"
+
+
+def _time(us: float) -> str:
+    """At most 7 characters: two decimals below 10 ms, fewer above (10 s = 10000000 us is 8)."""
+    return f"{us:.2f}" if us < 1e4 else f"{us:.1f}" if us < 1e5 else f"{us:.0f}"
+
+
 def _cell(row) -> str:
     if row is None:
-        return f"  {'N/A':>8}  {'N/A':>7}  {'N/A':>7}  {'N/A':>6}"
+        return CELL.format("N/A", "N/A", "N/A", "N/A")
     t = row["time_us"]
     wrong = "N/A" if row["wrong"] is None or (isinstance(row["wrong"], float) and math.isnan(row["wrong"])) else int(row["wrong"])
-    return f"  {t:8.2f}  {row['algbw_GBps']:7.2f}  {row['busbw_GBps']:7.2f}  {wrong:>6}" if t < 1e5 else \
-        f"  {t:8.0f}  {row['algbw_GBps']:7.2f}  {row['busbw_GBps']:7.2f}  {wrong:>6}"
+    return CELL.format(_time(t), f"{row['algbw_GBps']:.2f}", f"{row['busbw_GBps']:.2f}", wrong)
+
+
+def _ids(*values) -> str:
+    return " ".join(f"{v:>{w}}" for v, w in zip(values, ID_WIDTHS.values()))
 
 
 def nccl_table(df: pd.DataFrame) -> str:
@@ -43,17 +59,21 @@ def nccl_table(df: pd.DataFrame) -> str:
     out = []
     for (link_class, dtype, collective), block in df.groupby(BLOCK_KEYS, sort=False):
         first = block.iloc[0]
-        out += [f"# {collective}  link_class={link_class}  {int(first.group_size)} ranks/group x {int(first.groups)} "
-                f"group(s)  dtype={dtype}  iters={int(first.iters)} warmup={int(first.warmup)}",
-                f"#{'':49}{'out-of-place':^36}{'in-place':^36}",
-                f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>4}" +
-                f"  {'time':>8}  {'algbw':>7}  {'busbw':>7}  {'#wrong':>6}" * 2,
-                f"#{'(B)':>11}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>4}" +
-                f"  {'(us)':>8}  {'(GB/s)':>7}  {'(GB/s)':>7}  {'':>6}" * 2]
+        ids = sum(ID_WIDTHS.values()) + len(ID_WIDTHS) - 1
+        title = (f"# {collective}  link_class={link_class}  {int(first.group_size)} ranks/group x "
+                 f"{int(first.groups)} group(s)  dtype={dtype}  iters={int(first.iters)} "
+                 f"warmup={int(first.warmup)}")
+        out += textwrap.wrap(title, WIDTH, subsequent_indent="#   ", break_on_hyphens=False)
+        names = (_ids("size", "count", "type", "redop", "root")
+                 + CELL.format("time", "algbw", "busbw", "#wrong") * 2)
+        units = (_ids("(B)", "(elements)", "", "", "")
+                 + CELL.format("(us)", "(GB/s)", "(GB/s)", "") * 2)
+        out += [f"#{'':{ids - 1}}{'out-of-place':^29}{'in-place':^29}".rstrip(),
+                "#" + names[1:], ("#" + units[1:]).rstrip()]
         for nbytes, rows in block.groupby("nbytes", sort=True):
             by_mode = {r["mode"]: r for _, r in rows.iterrows()}
             r = rows.iloc[0]
-            out.append(f"{int(nbytes):>12}  {int(r['count']):>12}  {r['type']:>8}  {r['redop']:>6}  {int(r['root']):>4}"
+            out.append(_ids(int(nbytes), int(r["count"]), r["type"], r["redop"], int(r["root"]))
                        + "".join(_cell(by_mode.get(m)) for m in MODES))
         main = block[block["mode"] == fit_mode(df, collective)]
         out += [f"# Avg bus bandwidth    : {main['busbw_GBps'].mean():.4g} GB/s ({fit_mode(df, collective)})", ""]
@@ -131,8 +151,9 @@ def plot_fits(df: pd.DataFrame, fitted: list[dict], path: Path) -> Path:
 
 
 def print_fits(fitted: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from dtrain.terminal import console
 
     table = Table(title="α–β fit: t(S) = α + S·c/β  (β is a bus bandwidth)")
     for col in ("collective", "link class", "dtype", "ranks", "α (µs)", "β (GB/s)", "R²", "points", "β % of link"):
@@ -142,4 +163,4 @@ def print_fits(fitted: list[dict]) -> None:
         table.add_row(f["collective"], f["link_class"], f["dtype"], str(f["world_size"]),
                       f"{f['alpha_us']:.1f}" + ("*" if f["alpha_clamped"] else ""), f"{f['beta_GBps']:.3g}",
                       f"{f['r2']:.3f}", str(f["n_points"]), pct)
-    Console(width=120).print(table)
+    console().print(table)

@@ -65,12 +65,12 @@ def over_ranks(seconds: float, member: bool, wrong: int, device) -> tuple[float,
 
 
 def _progress(total: int, enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not (enabled and console.is_terminal))
+    from dtrain.terminal import rich_progress
+
+    return rich_progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                         TimeElapsedColumn(), show=enabled, transient=True)
 
 
 def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
@@ -110,6 +110,10 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                     if wrong:
                         wrong_cases.append(f"{collective} {lg.link_class} {dtype_name} {lay.nbytes} B {mode}: {wrong} wrong")
                     rooted = collective in busbw.ROOTED
+                    bus_GBps = busbw.busbw_GBps(collective, lay.nbytes, avg, lg.size)
+                    # TensorBoard: one curve per case, message size in bytes on the x axis
+                    tag = f"busbw_GBps/{lg.link_class}/{collective}/{dtype_name}/{mode}"
+                    ctx.writer.scalar(tag, bus_GBps, lay.nbytes)
                     ctx.writer.record(
                         "collective", link_class=lg.link_class, collective=collective, mode=mode,
                         nbytes=lay.nbytes, count=lay.count, dtype=dtype_name, type=NCCL_TYPE_NAMES[dtype_name],
@@ -118,7 +122,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                         bus_factor=busbw.bus_factor(collective, lg.size), iters=spec.iters, warmup=spec.timing_warmup,
                         time_us=avg * 1e6, time_min_us=lo * 1e6, time_max_us=hi * 1e6,
                         algbw_GBps=busbw.algbw_GBps(lay.nbytes, avg),
-                        busbw_GBps=busbw.busbw_GBps(collective, lay.nbytes, avg, lg.size),
+                        busbw_GBps=bus_GBps,
                         wrong=wrong if spec.check else None)
                 progress.advance(task)
     if wrong_cases:  # records are written; no summary: the run is not a result

@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dtrain.errors import UserError
+from dtrain.terminal import on_terminal
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class StepProgress:
         self.names, self.expected, self.console = names, expected, console
         self.t0 = time.perf_counter()
         self.live = None
-        if console.is_terminal:
+        if on_terminal():  # dtrain.terminal: a live display only where a person watches
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self.live = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -102,8 +103,8 @@ class StepProgress:
         return now + max(self.expected[i] - (now - started), 0.0) + sum(self.expected[i + 1:])
 
     def _line(self, i: int, text: str) -> None:
-        self.console.print(f"capstone [{i + 1}/{len(self.names)}] {self.names[i]}: {text}", highlight=False,
-                           soft_wrap=True)
+        self.console.print(f"capstone [{i + 1}/{len(self.names)}] {self.names[i]}: {text}",
+                           highlight=False)
 
     def start(self, i: int) -> float:
         started = time.perf_counter() - self.t0
@@ -142,23 +143,20 @@ def add_parser(sub) -> None:
     p.add_argument("--measured", default="measured",
                    help="committed GPU measurements the guide also reads (default measured/ when it exists; none: "
                         "leave them out)")
-    p.add_argument("--skip", action="append", default=[], choices=sorted({s.name for s in STEPS}),
-                   help="leave an experiment out (then no guide is written)")
+    names = sorted({s.name for s in STEPS})
+    # metavar: argparse would print the choices as one unbreakable word, wider than a terminal
+    p.add_argument("--skip", action="append", default=[], choices=names, metavar="STEP",
+                   help="leave an experiment out (then no guide is written); one of: "
+                        + ", ".join(names))
     p.set_defaults(func=run)
 
 
 def gpu_measurements(measured: str) -> list[str]:
-    """The committed GPU measurements the guide reads besides this capstone's runs: ``measured`` when it is a
-    folder, nothing for ``none`` or the default when the checkout has none; a folder named but missing is an
-    error (checked before any experiment starts)."""
-    if measured == "none":
-        return []
-    if Path(measured).is_dir():
-        return [measured]
-    if measured == "measured":
-        return []
-    raise UserError(f"--measured {measured}: no such folder: give the folder `make gpu-check` reports were "
-                    "copied to, or --measured none")
+    """The committed GPU measurements the guide reads besides this capstone's runs
+    (dtrain.guide.inputs, which `dtrain guide` shares)."""
+    from dtrain.guide.inputs import gpu_measurements as measurements
+
+    return measurements(measured)
 
 
 def command(step: Step, results: Path, launcher: str, extra: list[str]) -> list[str]:
@@ -230,14 +228,13 @@ def results_folder(explicit: str | None) -> Path:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from dtrain import hostload
+    from dtrain import hostload, terminal
     from dtrain.costmodel.gemm_probe import LOAD_FILE, probe
+    from dtrain.guide import inputs as guide_inputs
     from dtrain.guide.cli import check_outputs, generate
     from dtrain.results import find_runs
 
-    console = Console(stderr=True)
+    console = terminal.console(stderr=True)  # within 100 columns, lines wrapped by words
     bad = [s for s in args.set if "=" not in s]
     if bad:
         raise UserError(f"--set {bad[0]!r} is not KEY=VALUE, e.g. --set slurm.partition=gpu")
@@ -248,8 +245,9 @@ def run(args) -> int:
     names = [s.name for s in steps] + ["gemm-probe", "guide"]
     expected = [s.expected_s for s in steps] + [PROBE_EXPECTED_S, GUIDE_EXPECTED_S]
     console.print(f"capstone: {len(names)} steps ({len(steps)} experiment runs, the matmul probe, the guide), "
-                  f"launcher={args.launcher}, results in {results}, about {_clock(sum(expected))} on an idle "
-                  "2-core host", highlight=False, soft_wrap=True)
+                  f"launcher={args.launcher}", highlight=False)
+    console.print(f"capstone: about {_clock(sum(expected))} on an idle 2-core host; "
+                  f"results in {results}", highlight=False)
     t0 = time.perf_counter()
     results.mkdir(parents=True, exist_ok=True)
     # the CPU time other processes take while the steps run: the local check scales each run's prediction by it
@@ -261,7 +259,8 @@ def run(args) -> int:
             probe(results)  # this host's GEMM curve and fixed step overhead for the runs' models (calibration)
             progress.done(len(steps), started)
             started = progress.start(len(steps) + 1)
-            guide, plots = generate([str(results), *measured], args.out, quiet=True)
+            # recorded in the folder first: plain `dtrain guide` then reads the same inputs
+            guide, plots = generate(guide_inputs.record(results, measured), args.out, quiet=True)
             progress.done(len(steps) + 1, started)
     not_run = [s.name for s in steps[len(outcome):]]
     for name, why in failed:

@@ -15,6 +15,7 @@ current for the others); the other recipes' numbers decide the suggestion.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import asdict
 
 import pandas as pd
@@ -87,8 +88,9 @@ def thresholds(config: dict, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> pd.DataFrame:
-    from rich.console import Console
     from rich.table import Table
+
+    from dtrain.terminal import WIDTH, console
 
     if not argv:
         raise UserError("usage: python -m fp8_train inspect RUN [mse_bad=1e3 underflow_bad_pct=80 ...]")
@@ -107,8 +109,11 @@ def main(argv: list[str]) -> pd.DataFrame:
     for r in ranked.head(int(t["top"]) * 3).itertuples():
         table.add_row(r.layer, r.tensor, r.verdict, r.cause, f"{r.mse:.2e}", f"{r.underflows_pct:.2f}",
                       f"{r.overflows_pct:.3f}", f"{r.cos_sim:.5f}", r.suggestion)
-    Console(width=200).print(table)
+    console().print(table)  # within 100 columns: long names and suggestions wrap by words
     bad = sorted(set(ranked.loc[ranked.verdict == "bad", "layer"]))
-    print(f"{len(bad)} layer(s) bad: {', '.join(bad) or 'none'}  (thresholds: mse {t['mse_healthy']:g}..{t['mse_bad']:g}, "
-          f"underflow {t['underflow_bad_pct']:g}%, overflow {t['overflow_bad_pct']:g}%, cos {t['cos_bad']:g})")
+    print(textwrap.fill(f"{len(bad)} layer(s) bad: {', '.join(bad) or 'none'}", WIDTH,
+                        break_on_hyphens=False, subsequent_indent="  "))
+    print(f"thresholds: mse {t['mse_healthy']:g}..{t['mse_bad']:g}, "
+          f"underflow {t['underflow_bad_pct']:g}%, overflow {t['overflow_bad_pct']:g}%, "
+          f"cos {t['cos_bad']:g}")
     return ranked

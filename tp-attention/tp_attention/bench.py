@@ -210,7 +210,9 @@ def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
          "comm_share": m["comm_share"], "comm_share_async": m.get("comm_share_async")}
     for impl in ("handrolled", "handrolled_async", "dtensor"):
         e[f"{impl}_s"] = m[impl]["median_s"] if impl in m else None
-        if impl in m:
+        if impl in m:  # TensorBoard: one curve per implementation and SP, tp on the x axis
+            tag = f"step_time_s/{impl}/sp_{'on' if sp else 'off'}"
+            ctx.writer.scalar(tag, m[impl]["median_s"], tp)
             ctx.writer.record("step", impl=impl, tp=tp, sequence_parallel=sp, tokens_per_s=tokens / m[impl]["median_s"],
                               **m[impl])
     for name, stats, n in (("single", single, threads), ("single_same_threads", same_threads, tp * threads)):
@@ -230,6 +232,7 @@ def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
 
 
 def progress(items, show: bool, desc: str = "tp x sp"):
-    from tqdm import tqdm
+    """A bar on a terminal (rank 0); in a pipe a line per setting (seconds to a minute each)."""
+    from dtrain.terminal import bar
 
-    return tqdm(items, desc=desc, disable=not show, leave=False)
+    return bar(items, desc=desc, show=show, lines=True)

@@ -1,6 +1,7 @@
-"""`dtrain guide [--results results] [--out PARALLELISM_GUIDE.md]`: regenerate the guide.
+"""`dtrain guide [--results DIR] [--out PARALLELISM_GUIDE.md]`: regenerate the guide.
 
-Calibrates the cost model from the run directories under --results (through dtrain.results),
+Calibrates the cost model from the run directories under --results (through dtrain.results; by
+default what the latest `dtrain capstone` read, dtrain.guide.inputs, so both give the same guide),
 computes the decision matrix, derives its rules, checks the model against the local runs, draws
 the plots (into docs/guide/ beside the guide by default) and writes the markdown atomically.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from dtrain.costmodel.calibrate import calibrate_naming_skips, display_path
@@ -16,13 +18,18 @@ from dtrain.costmodel.hardware import load_profiles
 from dtrain.errors import UserError
 from dtrain.metrics import write_text_atomic
 from dtrain.results import find_runs
+from dtrain.terminal import WIDTH
+
+from .inputs import default_inputs
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("guide", help="regenerate PARALLELISM_GUIDE.md from measured results",
                        description=__doc__.split("\n")[0])
     p.add_argument("--results", action="append", metavar="DIR",
-                   help="run dirs or folders above them (repeatable; default: results)")
+                   help="run dirs or folders above them (repeatable; default: what the latest "
+                        "capstone under results/capstone read, its runs and measured/; without "
+                        "one results/ and measured/)")
     p.add_argument("--no-results", action="store_true", help="datasheet/published values only, no runs read")
     p.add_argument("--out", default="PARALLELISM_GUIDE.md", help="markdown file to write (default PARALLELISM_GUIDE.md)")
     p.add_argument("--plots-dir", help="where the PNGs go (default: docs/guide/ beside --out)")
@@ -32,14 +39,13 @@ def add_parser(sub) -> None:
 
 
 def _progress():
-    """A rich progress bar on stderr for the matrix (plain when not a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A rich progress bar on stderr for the matrix, on a terminal only (dtrain.terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("decision matrix"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, disable=not console.is_terminal)
-    return bar
+    from dtrain.terminal import rich_progress
+
+    return rich_progress(TextColumn("decision matrix"), BarColumn(), MofNCompleteColumn(),
+                         TimeElapsedColumn())
 
 
 def check_outputs(out: str | Path, plots_dir: str | Path | None,
@@ -126,7 +132,12 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
 def run(args) -> int:
     if args.no_results and args.results:
         raise UserError("--no-results and --results exclude each other")
-    results = [] if args.no_results else (args.results or ["results"])
+    if args.no_results or args.results:
+        results = [] if args.no_results else args.results
+    else:  # what `dtrain capstone` gives its guide (dtrain.guide.inputs): one guide, either way
+        results, said = default_inputs()
+        print(textwrap.fill(said, WIDTH, break_on_hyphens=False, break_long_words=False),
+              file=sys.stderr)
     generate(results, args.out, args.plots_dir, args.gpu)
     return 0
 
