@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtrain.costmodel.memory import op_checkpoint_bytes
-from dtrain.model import GPT, GPTConfig
+from dtrain.model.gpt import GPT, GPTConfig
 from dtrain.train.parallelize import apply_activation_checkpointing
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, seq_len=32, vocab_size=128)

@@ -8,13 +8,13 @@ import pytest
 
 import yaml
 
-from dtrain import contract
 from dtrain.costmodel import Cluster, LinkModel
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.calibration_records import tp_modelled_comm_s
-from dtrain.derived import write_derived_run
 from dtrain.guide.local_check import local_checks
-from dtrain.metrics import write_summary
+from dtrain.results import contract
+from dtrain.results.derived import write_derived_run
+from dtrain.results.metrics import write_summary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
 CPU, GPU = FIXTURES / "cpu", FIXTURES / "gpu"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.capstone import gpu_measurements
-from dtrain.errors import UserError
+from dtrain.cli.capstone import gpu_measurements
+from dtrain.core.errors import UserError
 
 
 def test_measured_folder_is_read_when_present_and_refused_when_named_but_missing(tmp_path, monkeypatch, capsys):
@@ -15,7 +15,7 @@ def test_measured_folder_is_read_when_present_and_refused_when_named_but_missing
     assert gpu_measurements("measured") == ["measured"]
     with pytest.raises(UserError, match=r"--measured nope: no such folder: .* or --measured none"):
         gpu_measurements("nope")
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     assert main(["capstone", "--measured", "nope", "--results-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

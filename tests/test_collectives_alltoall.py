@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import contract
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.calibration_records import Source, from_allreduce
 from dtrain.costmodel.collectives import all_to_all_time, all_to_all_uneven_time
 from dtrain.costmodel.hardware import LinkModel
-from dtrain.metrics import write_summary
+from dtrain.results import contract
+from dtrain.results.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 LINK = LinkModel(1e-5, 2e9, "host")

@@ -1,4 +1,4 @@
-"""dtrain.contract: the typed guide inputs round-trip through summary.json, bad ones are refused
+"""dtrain.results.contract: the typed guide inputs round-trip through summary.json, bad ones are refused
 with a message that says where, and the committed fixtures are exactly what the real writers write."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import contract
-from dtrain.metrics import write_summary
+from dtrain.results import contract
+from dtrain.results.metrics import write_summary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
 

@@ -1,5 +1,5 @@
 """A training record carries the one layout type (issue 38): schema 2 stores a
-`dtrain.layout.Layout`, schema 1 records (the trainer's names) are upgraded on reading, a newer
+`dtrain.core.layout.Layout`, schema 1 records (the trainer's names) are upgraded on reading, a newer
 schema is refused in one line."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import contract
-from dtrain.layout import Layout
-from dtrain.metrics import write_summary
+from dtrain.core.layout import Layout
+from dtrain.results import contract
+from dtrain.results.metrics import write_summary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
 MEASURED = Path(__file__).resolve().parents[1] / "measured"

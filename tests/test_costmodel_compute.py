@@ -14,12 +14,12 @@ import pytest
 
 from dtrain.costmodel.compute import (CLIP_BYTES, EAGER_BYTES, OPTIMIZER_BYTES, attention_s, memory_bytes,
                                       optimizer_s, published)
-from dtrain.costmodel.stack import Stack
+from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.efficiency import Gemm
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.hardware import Cluster
 from dtrain.costmodel.shapes import Layout, ModelShape
-from dtrain.costmodel.calibration import Calibration
+from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.timemodel import device_of, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,7 +295,7 @@ def _profiled_steps(report: str = H100_PROFILE):
 
 
 def _predicted_step(c: dict, gpu: str) -> float:
-    from dtrain.model import GPTConfig
+    from dtrain.model.gpt import GPTConfig
 
     cfg = GPTConfig.from_preset(c["preset"], **c["overrides"])
     assert (cfg.n_layer, cfg.d_model, cfg.seq_len) == (c["n_layer"], c["d_model"], c["seq_len"])

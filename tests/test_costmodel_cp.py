@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from dtrain.costmodel.calibration import Calibration, Param
 from dtrain.costmodel.hardware import Cluster
-from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.memory import activation_bytes, cp_buffer_bytes, memory_per_gpu
 from dtrain.costmodel.overrides import train_overrides
 from dtrain.costmodel.search import context_parallel_degrees
-from dtrain.costmodel.calibration import Calibration, Param
+from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.timemodel import step_model
 
 LLAMA8B_128K = ModelShape(32, 4096, 32, 8, 128256, 131072, 3.5, True, name="llama3-8b")
@@ -90,7 +90,7 @@ def test_cp_divides_activations_by_cp_plus_the_rings_buffers():
 
 
 def test_plan_picks_context_parallelism_for_128k_tokens_and_says_why(capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     args = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--gated-mlp",
             "--seq", "131072", "--gpus", "64", "--global-batch", "64"]
@@ -105,7 +105,7 @@ def test_plan_picks_context_parallelism_for_128k_tokens_and_says_why(capsys):
 
 
 def test_plan_layout_pins_cp_and_refuses_what_cannot_split(capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     base = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--seq", "32768",
             "--gpus", "8", "--global-batch", "8", "--json"]
@@ -153,7 +153,7 @@ def test_torch_cp_all_gathers_the_repeated_kv_once_per_pass():
 
 
 def test_plan_scores_torch_cp_when_asked_and_the_trainer_runs_it(capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     base = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--seq", "131072",
             "--gpus", "8", "--global-batch", "8", "--json"]

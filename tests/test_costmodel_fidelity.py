@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from dtrain import contract
 from dtrain.costmodel import Layout, ModelShape, bubble_fraction, memory_per_gpu, params_per_gpu
 from dtrain.costmodel.backtest import backtest, summary, text_lines
 from dtrain.costmodel.efficiency import GemmCurve, fit_curve
 from dtrain.costmodel.memory import activation_bytes_per_layer
 from dtrain.costmodel.timemodel import model_flops_per_token
-from dtrain.model import GPTConfig, flops_per_token
+from dtrain.model.gpt import GPTConfig, flops_per_token
+from dtrain.results import contract
 
 GiB = 1024**3
 
@@ -100,7 +100,7 @@ def test_backtest_rows_cite_sources_and_report_goals():
 
 
 def _plan(*args):
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", "plan", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", "plan", *args], capture_output=True, text=True)
 
 
 def test_plan_layout_json_reports_gap_and_tflops():
@@ -285,7 +285,7 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
     ("overlap", Megatron's) hides part of it. The flag reaches `dtrain plan`; an unknown value is refused."""
     import json
 
-    from dtrain.cli import main
+    from dtrain.cli.main import main
     from dtrain.costmodel import LinkModel, step_time
     from dtrain.costmodel.stack import Stack
     from dtrain.guide.local_check import host_cluster
@@ -343,8 +343,8 @@ def test_fitted_defaults_are_the_fit_to_every_development_row():
     """GPU_DP_OVERLAP, LINK_EFFICIENCY and ASYNC_TP_HIDDEN are not hand-picked: they are the backtest's fit to all
     its rows and AsyncTP pairs (re-fit them when a row or a term changes)."""
     from dtrain.costmodel.backtest import fit, load_rows
-    from dtrain.costmodel.hardware import LINK_EFFICIENCY
     from dtrain.costmodel.calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP
+    from dtrain.costmodel.hardware import LINK_EFFICIENCY
 
     assert fit(list(load_rows())) == {"dp_overlap": GPU_DP_OVERLAP, "link_efficiency": LINK_EFFICIENCY,
                                       "async_tp_hidden": ASYNC_TP_HIDDEN}

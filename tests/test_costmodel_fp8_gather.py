@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from dtrain.cli import main
+from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, params_per_gpu, step_time
 from dtrain.costmodel.collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
-from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.links import default_links
 from dtrain.costmodel.memory import embedding_params_per_gpu
+from dtrain.costmodel.stack import Stack
 
 SHAPE = ModelShape(32, 4096, 32, 8, 32000, 4096, 3.5, True)
 CLUSTER = default_links().apply(Cluster.from_profile("h100-sxm", 64, 8, ib_gbit_per_gpu=400))
@@ -93,7 +93,7 @@ def test_plan_prices_fp8_casts_by_the_softwares_scaling(capsys):
     3 (FP8_CAST_BYTES); the JSON names the scaling; --fp8-scaling overrides the software's, a wrong one is refused."""
     import json
 
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     def memory(*extra):
         assert main(["plan", "--params", "8e9", "--gpus", "8", "--precision", "fp8", "--layout",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dtrain.cli import main
+from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, memory_per_gpu, params_per_gpu, step_time
 from dtrain.costmodel.collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
 from dtrain.costmodel.links import default_links
@@ -42,7 +42,7 @@ def test_hsdp_traffic_by_hand():
 
 
 def test_layout_refuses_hsdp_that_cannot_shard():
-    # dp = dp_replicate x dp_shard (dtrain.layout): replicas that do not divide dp cannot be written down
+    # dp = dp_replicate x dp_shard (dtrain.core.layout): replicas that do not divide dp cannot be written down
     assert Layout(dp_replicate=4, dp_shard=8, zero_stage=3).shard_group == 8
     with pytest.raises(ValueError, match="HSDP"):
         Layout(dp_replicate=4, dp_shard=8, zero_stage=1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.memory import memory_per_gpu
+from dtrain.costmodel.shapes import Layout, ModelShape
 
 
 def megatron_reference(L, h, a, V, s, b, tp, pp, dp, m, v=None, dist_opt=True, sp=True):

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from dtrain.cli import main
+from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, ModelShape, search
 from dtrain.costmodel.backtest import backtest, load_rows, row_setup
-from dtrain.costmodel.software import SOFTWARE, unsupported
 from dtrain.costmodel.search import layout_fields
+from dtrain.costmodel.software import SOFTWARE, unsupported
 from dtrain.costmodel.stack import Stack
 
 # a 7B-class model on 64 H100 at 32K tokens: TP, PP, CP, every ZeRO stage and recompute level fit somewhere
@@ -206,8 +206,8 @@ def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
     so the weights are gathered m times a step (DeepSpeed's ZeRO-2, "any": once); the gradients m times either way."""
     from dtrain.costmodel import Layout, step_time
     from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
+    from dtrain.costmodel.comm_time import dp_comm_time
     from dtrain.costmodel.memory import params_per_gpu
-    from dtrain.costmodel.traffic import dp_comm_time
 
     shape, cluster = ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True), Cluster.from_profile("h100-sxm", 64, 8)
     lay = Layout(dp_shard=64, zero_stage=2, recompute="none", micro_batch=1, grad_accum=4)

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from dtrain.cli import main
+from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, memory_per_gpu, params_per_gpu, step_time
 from dtrain.costmodel.backtest import load_rows, row_setup
 from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
-from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.links import default_links
 from dtrain.costmodel.memory import activation_bytes, model_state_bytes
+from dtrain.costmodel.stack import Stack
 
 SHAPE = ModelShape(32, 4096, 32, 8, 32000, 4096, 3.5, True)
 CLUSTER = default_links().apply(Cluster.from_profile("h100-sxm", 64, 8, ib_gbit_per_gpu=400))

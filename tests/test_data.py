@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.data import (TokenBatcher, byte_tokens, load_token_file, make_dataset, markov_corpus,
+from dtrain.train.data import (TokenBatcher, byte_tokens, load_token_file, make_dataset, markov_corpus,
                          markov_entropy_rate, write_token_file)
-from dtrain.data import _markov_chain
+from dtrain.train.data import _markov_chain
 
 
 def test_markov_corpus_is_deterministic_and_sparse():

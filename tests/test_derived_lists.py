@@ -8,14 +8,14 @@ from dataclasses import fields
 
 import pytest
 
-from dtrain.checks import integer_at_least, one_of
+from dtrain.core.checks import integer_at_least, one_of
+from dtrain.core.errors import UserError
 from dtrain.costmodel import calibrate as calibrate_mod
 from dtrain.costmodel.calibration import Calibration, Param, calibration_inputs
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.shapes import ModelShape
-from dtrain.errors import UserError
-from dtrain.flops import flops_per_token, transformer_flops_per_token
-from dtrain.model_args import (GPTConfig, num_matmul_params, num_params, param_count,
+from dtrain.model.flops import flops_per_token, transformer_flops_per_token
+from dtrain.model.args import (GPTConfig, num_matmul_params, num_params, param_count,
                                transformer_params)
 
 SEED = 38
@@ -36,7 +36,7 @@ def test_every_calibration_field_has_a_label_and_a_format():
 
 
 def test_plan_json_carries_every_calibration_field(capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     assert main(["plan", "--params", "7e9", "--gpus", "8", "--json"]) == 0
     calib = json.loads(capsys.readouterr().out)["calibration"]
@@ -74,16 +74,16 @@ def test_calibrate_picks_every_field_a_candidate_measures():
 # ---------------------------------------------------------------- CP implementations
 
 def test_one_list_of_cp_implementations():
+    from dtrain.core.layout import CP_IMPLS
     from dtrain.costmodel import shapes, software
-    from dtrain.layout import CP_IMPLS
-    from dtrain.parallel import checks
+    from dtrain.parallel import feasibility
     from tp_attention.conf import CpStudyTrainConfig
 
     assert CP_IMPLS == ("ring", "ulysses", "torch")
-    assert shapes.CP_IMPLS is CP_IMPLS and checks.IMPLS == ("auto", *CP_IMPLS)
+    assert shapes.CP_IMPLS is CP_IMPLS and feasibility.IMPLS == ("auto", *CP_IMPLS)
     assert software.SOFTWARE["dtrain"].cp_impls == CP_IMPLS
-    assert checks.OWN_CP_IMPLS == ("ring", "ulysses") == software.SOFTWARE["any"].cp_impls
-    assert CpStudyTrainConfig().cp_impl == list(checks.OWN_CP_IMPLS)
+    assert feasibility.OWN_CP_IMPLS == ("ring", "ulysses") == software.SOFTWARE["any"].cp_impls
+    assert CpStudyTrainConfig().cp_impl == list(feasibility.OWN_CP_IMPLS)
 
 
 # ---------------------------------------------------------------- one parameter count
@@ -101,7 +101,7 @@ def _random_gpt(rng) -> GPTConfig:
 def test_gpt_count_is_the_built_models(rng):
     import torch
 
-    from dtrain.model import GPT
+    from dtrain.model.gpt import GPT
 
     for _ in range(6):
         cfg = _random_gpt(rng)
@@ -116,7 +116,7 @@ def test_gpt_count_is_the_built_models(rng):
 def test_former_sites_agree_with_the_one_function(rng):
     """The cost model's ModelShape, the FLOP formula and the fit's per-rank count, each against
     transformer_params and against the closed forms they used before."""
-    from dtrain.fit import params_per_rank
+    from dtrain.train.memory_fit import params_per_rank
 
     for _ in range(20):
         n_kv = rng.choice([1, 2, 8])
@@ -176,9 +176,9 @@ def test_integer_at_least_error_type():
 
 
 def test_converted_sites_say_the_one_form():
-    from dtrain import dist
-    from dtrain.costmodel.cli import parse_layout
-    from dtrain.parallel.checks import check_cp_layout
+    from dtrain.costmodel.plan_cli import parse_layout
+    from dtrain.parallel.feasibility import check_cp_layout
+    from dtrain.run import dist
 
     for call, message in [
         (lambda: check_cp_layout(2, "flash", 1),

@@ -6,9 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain import dist as ddist
-from dtrain.errors import UserError
-from dtrain.launch import check_local, launch
+from dtrain.core.errors import UserError
+from dtrain.run import dist as ddist
+from dtrain.run.launch import check_local, launch
 
 
 def fake_gpus(monkeypatch, n: int) -> None:
@@ -69,7 +69,7 @@ def test_the_default_world_size_on_a_one_gpu_host_is_one_line_from_the_command_l
     from conftest import py
 
     fake = ("import sys, torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1; "
-            f"sys.argv = ['selftest', 'results_dir={tmp_path}']; from dtrain.selftest import main; main()")
+            f"sys.argv = ['selftest', 'results_dir={tmp_path}']; from dtrain.run.selftest import main; main()")
     out = py("-c", fake, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("error: world_size=2 asks for 2 CUDA ranks but this host has 1 GPU(s) (one rank per "

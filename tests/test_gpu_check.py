@@ -157,7 +157,7 @@ def test_every_experiment_step_composes_with_its_typed_config(tmp_path):
     """A GPU session is rare: a renamed or mistyped key in a step must fail here, not on the GPU.
     Each step's overrides go through the same check the app runs before Hydra starts (renamed keys,
     unknown keys, wrong types); the device-dependent validation is left to the GPU."""
-    from dtrain import precheck
+    from dtrain.run import precheck
 
     config_module = {"allreduce_bench": "allreduce_bench.conf", "fsdp_scaling": "fsdp_scaling.conf",
                      "fp8_train": "fp8_train.conf", "tp_attention": "tp_attention.conf"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain import perf
+from dtrain.core.errors import UserError
 from dtrain.costmodel import hardware
-from dtrain.errors import UserError
+from dtrain.model import perf
 
 # name as torch.cuda.get_device_name / nvidia-smi print it -> profile, dense bf16 and fp8 TFLOP/s
 REAL_NAMES = [

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, py
-from dtrain import capstone
-from dtrain.cli import main
-from dtrain.guide.cli import generate
+from dtrain.cli import capstone
+from dtrain.cli.main import main
+from dtrain.guide.guide_cli import generate
 from dtrain.guide.matrix import Cell, cell_text
 from dtrain.guide.rules import rule_ib, rule_tp_in_node, rule_zero
 
@@ -119,7 +119,7 @@ def test_capstone_reports_a_failing_experiment_with_its_log(monkeypatch, tmp_pat
 def test_capstone_piped_prints_a_line_per_step_with_elapsed_time_and_eta(monkeypatch, tmp_path, capsys):
     """Not on a terminal (CI, `| tee`): each step's start and end is a line, the probe and guide included."""
     from dtrain.costmodel import gemm_probe
-    from dtrain.guide import cli as guide_cli
+    from dtrain.guide import guide_cli
 
     steps = tuple(capstone.Step(n, "this", (), module="this", needs_launcher=False, expected_s=e)
                   for n, e in (("first", 30), ("second", 60)))
@@ -158,7 +158,7 @@ def test_capstone_commands_pass_results_dir_and_launcher(tmp_path):
 def test_capstone_end_to_end(tmp_path):
     """The main job: all four experiments at small size on local ranks, then the guide (~4-5 min)."""
     out = tmp_path / "GUIDE.md"
-    r = py("-m", "dtrain.cli", "capstone", "--results-dir", str(tmp_path / "r"), "--out", str(out), timeout=900)
+    r = py("-m", "dtrain.cli.main", "capstone", "--results-dir", str(tmp_path / "r"), "--out", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     text = out.read_text()
     for sub in ("allreduce-bench", "fsdp-scaling", "tp-attention", "fp8-train"):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import contract
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.guide.local_check import local_checks
-from dtrain.metrics import write_summary
+from dtrain.results import contract
+from dtrain.results.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 

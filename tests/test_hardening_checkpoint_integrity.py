@@ -25,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import py
-from dtrain import diskfull
-from dtrain.errors import UserError
-from dtrain.results import read_jsonl
+from dtrain.core import diskfull
+from dtrain.core.errors import UserError
+from dtrain.results.loader import read_jsonl
 from dtrain.train import TrainConfig, Trainer, checkpoint
 from dtrain.train.checkpoint import check_resume
 from test_hardening_runs import one_error_line

@@ -2,12 +2,12 @@
 write only where they may, checked before their work.
 
 - a derived run (the fsdp study report, an FP8 comparison, the gemm-probe) claims its folder as a
-  run does (`dtrain.derived.claim_output`): another run's folder, a folder inside one, a non-empty
+  run does (`dtrain.results.derived.claim_output`): another run's folder, a folder inside one, a non-empty
   folder, a file or an unwritable path is one `error:` line, exit 2, nothing written;
 - `dtrain guide` overwrites and removes only the plots it wrote
   (`<plots dir>/.dtrain-guide-plots.json`);
 - output paths (`dtrain guide --out`, `dtrain capstone --out`, `scripts/bench-costmodel --out`) are
-  checked before any work (`dtrain.checks.check_output_file`, `check_path`);
+  checked before any work (`dtrain.core.checks.check_output_file`, `check_path`);
 - a closed stdout (`dtrain runs | head -1`) ends the command quietly, exit 141.
 
 No test here draws random numbers (nothing to seed).
@@ -29,11 +29,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, py
-from dtrain import derived, rundir
-from dtrain.cli import main as dtrain_main
-from dtrain.errors import UserError
+from dtrain.cli.main import main as dtrain_main
+from dtrain.core.errors import UserError
 from dtrain.guide import figures
-from dtrain.rundir import RunDirTaken
+from dtrain.results import derived
+from dtrain.run import rundir
+from dtrain.run.rundir import RunDirTaken
 
 FIXTURES = REPO / "tests" / "fixtures" / "results"
 TINY = ["-m", "fsdp_scaling", "model.preset=tiny", "train.steps=4", "train.timing_warmup=1",
@@ -259,7 +260,7 @@ def test_guide_refuses_before_any_work_to_overwrite_a_plot_it_did_not_write(tmp_
     monkeypatch.chdir(tmp_path)
     mine = _plot(Path("pics"), "mfu_vs_gpus.png", b"my own plot")
     _plot(Path("pics"), "predicted_vs_measured.png", b"another of mine")
-    import dtrain.guide.cli as guide_cli
+    from dtrain.guide import guide_cli
 
     monkeypatch.setattr(guide_cli, "calibrate_naming_skips", _no_work)
     assert dtrain_main(["guide", "--no-results", "--out", "G.md", "--plots-dir", "pics"]) == 2
@@ -335,7 +336,7 @@ def test_guide_without_runs_leaves_the_users_plot_of_local_runs_alone(tmp_path):
 
 def test_guide_out_that_cannot_be_written_is_one_line_before_any_work(tmp_path, monkeypatch,
                                                                        capsys):
-    import dtrain.guide.cli as guide_cli
+    from dtrain.guide import guide_cli
 
     monkeypatch.setattr(guide_cli, "calibrate_naming_skips", _no_work)
     a_file = tmp_path / "a-file"
@@ -356,7 +357,7 @@ def test_guide_out_that_cannot_be_written_is_one_line_before_any_work(tmp_path, 
 
 
 def test_capstone_checks_its_guide_path_before_any_experiment(tmp_path, monkeypatch, capsys):
-    from dtrain import capstone
+    from dtrain.cli import capstone
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(capstone, "run_steps", lambda *a, **k: pytest.fail("an experiment started"))

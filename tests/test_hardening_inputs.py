@@ -12,13 +12,14 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import precheck, results, rundir
-from dtrain.config import ModelConfig
-from dtrain.errors import UserError
-from dtrain.fit import check_fits, training_need
-from dtrain.metrics import RunWriter
-from dtrain.model import GPTConfig, num_params
+from dtrain.core.errors import UserError
+from dtrain.core.nodes import ModelConfig
+from dtrain.model.gpt import GPTConfig, num_params
+from dtrain.results import loader
+from dtrain.results.metrics import RunWriter
+from dtrain.run import precheck, rundir
 from dtrain.train import TrainConfig
+from dtrain.train.memory_fit import check_fits, training_need
 from test_hardening_runs import one_error_line
 
 
@@ -166,7 +167,7 @@ def test_unknown_keys_and_bad_sweep_points_before_hydra_starts():
     (["--params", "7e9", "--top", "-1"], "argument --top: -1 must be an integer >= 0"),
 ])
 def test_plan_rejects_non_finite_and_non_positive_numbers(args, message, capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     assert main(["plan", "--gpus", "8", *args]) == 2
     one_error_line(capsys.readouterr().err, message)
@@ -178,7 +179,7 @@ def test_plan_rejects_non_finite_and_non_positive_numbers(args, message, capsys)
     ("fsdp_scaling", ["model.foo=1"], "unknown key model.foo: model's keys are preset, seq_len, n_layer"),
     ("fsdp_scaling", ["model.n_head=x"], "model.n_head='x' must be an integer or null"),
     ("fsdp_scaling", ["model.preset=7b"], "model.preset=7b cannot fit: it needs about"),
-    ("dtrain.selftest", ["-m", "world_size=1,0"], "sweep point #1 (world_size=0"),
+    ("dtrain.run.selftest", ["-m", "world_size=1,0"], "sweep point #1 (world_size=0"),
 ])
 def test_cli_one_line_exit_2_no_run_dir(tmp_path, module, args, message):
     out = py("-m", module, *args, f"results_dir={tmp_path}", timeout=120)
@@ -218,7 +219,7 @@ def test_a_wrong_key_is_refused_before_torch_is_imported(tmp_path, module):
 ])
 def test_a_wrong_value_is_refused_before_torch_is_imported(tmp_path, module, override, message):
     """The values (train.*, model.*, the subproject's own keys) are checked first, without torch
-    (dtrain.train.run_checks, dtrain.parallel.checks, dtrain.model_args, allreduce_bench.spec); only a local run's
+    (dtrain.train.run_checks, dtrain.parallel.feasibility, dtrain.model.args, allreduce_bench.spec); only a local run's
     device, backend, memory and checkpoint checks import it, after the values pass."""
     out = py("-c", NO_TORCH, module, override, f"results_dir={tmp_path}", timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "exit 2 no torch", out.stdout + out.stderr
@@ -233,14 +234,14 @@ def test_memory_need_is_the_cost_models_and_7b_is_refused(monkeypatch):
     zero3 = training_need(model, TrainConfig(micro_batch=2, strategy="zero3"), 2)
     assert ddp.states == pytest.approx(16 * psi) and zero3.states == pytest.approx(8 * psi)  # fp32 Adam: 16Ψ / N
     big = GPTConfig.from_preset("7b")
-    monkeypatch.setattr("dtrain.fit.available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr("dtrain.train.memory_fit.available_host_bytes", lambda: 64 * 2**30)
     with pytest.raises(UserError) as e:
         check_fits(big, TrainConfig(micro_batch=2), 2, torch.device("cpu"), "model.preset=7b")
     msg = str(e.value)
     need = 2 * training_need(big, TrainConfig(micro_batch=2), 2).per_rank / 2**30
     assert f"needs about {need:.1f} GiB of host memory for 2 rank(s) but 64.0 GiB is available" in msg
     assert "pick a smaller model.preset" in msg
-    monkeypatch.setattr("dtrain.fit.available_host_bytes", lambda: 2**50)
+    monkeypatch.setattr("dtrain.train.memory_fit.available_host_bytes", lambda: 2**50)
     check_fits(big, TrainConfig(micro_batch=2), 2, torch.device("cpu"))  # fits a 1 PiB host
 
 
@@ -267,12 +268,12 @@ def test_no_scale_alert_after_a_layer_switches_to_high_precision(tmp_path):
     trainer.model[1].input_scaler.scale.fill_(1e-6)  # a live layer's real drop still alerts
     mon.check_scales(trainer, 3, {})
     trainer.ctx.writer.close()
-    alerts = [e for e in results.read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "alert"]
+    alerts = [e for e in loader.read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "alert"]
     assert [(a["step"], a["key"]) for a in alerts] == [(3, "1.input")]
 
 
 def test_interrupt_during_the_checks_is_one_line(monkeypatch, capsys):
-    from dtrain import app
+    from dtrain.run import app
 
     def interrupted(*a):
         raise KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""Hardening, third round: the command line before Hydra starts (dtrain.precheck). A sweep too large
+"""Hardening, third round: the command line before Hydra starts (dtrain.run.precheck). A sweep too large
 is refused from the sizes of its values at once, many points failing one way are one line, a key
 given twice is refused, a huge value is clipped in the error line, selftest's fail_rank and
 tp-attention's measured lists are checked (docs/HARDENING.md)."""
@@ -10,9 +10,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import precheck, rundir
-from dtrain.errors import UserError, clip, clip_words
-from dtrain.selftest import validate as selftest_validate
+from dtrain.core.errors import UserError, clip, clip_words
+from dtrain.run import precheck, rundir
+from dtrain.run.selftest import validate as selftest_validate
 
 
 def _selftest(args: list[str]) -> None:
@@ -84,7 +84,7 @@ def test_progress_off_a_terminal_is_a_line_every_so_many_points(monkeypatch, cap
 @pytest.mark.slow
 def test_1000_bad_points_on_the_command_line_are_one_grouped_line(tmp_path):
     """~1-2 minutes: every point is composed and validated (the cap's worst case)."""
-    lines = _cli(tmp_path, "dtrain.selftest", "-m", "world_size=2", "fail_rank=range(2,1002)", timeout=600)
+    lines = _cli(tmp_path, "dtrain.run.selftest", "-m", "world_size=2", "fail_rank=range(2,1002)", timeout=600)
     errors = [line for line in lines if line.startswith("error: ")]
     assert errors == ["error: sweep points #0, #1, #2, ... (1,000 points): fail_rank=... must be < world_size=2 "
                       "(a rank, 0 to 1; or null: no rank fails)",
@@ -133,7 +133,7 @@ def test_a_100kB_value_is_clipped_in_the_error_line(tmp_path, args, message):
 
 
 def test_selftest_fail_rank_must_be_a_rank(tmp_path):
-    assert _cli(tmp_path, "dtrain.selftest", "world_size=2", "fail_rank=5") == [
+    assert _cli(tmp_path, "dtrain.run.selftest", "world_size=2", "fail_rank=5") == [
         "error: fail_rank=5 must be < world_size=2 (a rank, 0 to 1; or null: no rank fails)"]
     for args, message in ((["world_size=2", "fail_rank=-1"], "fail_rank=-1 must be >= 0 (a rank, 0 to 1; or null"),
                           (["numel=0"], "numel=0 must be an integer >= 1"),
@@ -147,7 +147,7 @@ def test_selftest_fail_rank_must_be_a_rank(tmp_path):
 def test_tp_attention_cp_measures_each_value_once(tmp_path):
     assert _cli(tmp_path, "tp_attention.cp", "train.cp=[2,2]") == [
         "error: train.cp=[2, 2] names 2 twice: each value is measured once: drop the repeat"]
-    from tp_attention.cp import validate
+    from tp_attention.cp.study import validate
 
     for over, message in (({"model": {"seq_len": [256, 512, 256]}}, "model.seq_len=[256, 512, 256] names 256 twice"),
                           ({"train": {"cp_impl": ["ring", "ring"]}}, "train.cp_impl=[ring, ring] names ring twice")):

@@ -17,9 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import app, checks, precheck, rundir
-from dtrain.errors import UserError
-from dtrain.metrics import write_json_atomic, write_summary
+from dtrain.core import checks
+from dtrain.core.errors import UserError
+from dtrain.results.metrics import write_json_atomic, write_summary
+from dtrain.run import app, precheck, rundir
 from test_hardening_runs import _cfg, _stub_launch, one_error_line
 
 TINY_RUN = ["-m", "fsdp_scaling", "model.preset=tiny", "world_size=2", "train.steps=6"]
@@ -78,7 +79,7 @@ def test_hydra_callback_remembers_the_run_dir_before_hydra_makes_it(tmp_path):
 
     with initialize_config_module(config_module="fsdp_scaling.conf", version_base="1.3"):
         hydra_cfg = compose("config", return_hydra_config=True).hydra
-    assert hydra_cfg.callbacks.remember_run_dirs._target_ == "dtrain.rundir.RememberRunDirs"
+    assert hydra_cfg.callbacks.remember_run_dirs._target_ == "dtrain.run.rundir.RememberRunDirs"
     run, sweep = tmp_path / "a" / "run", tmp_path / "b"
     rundir.RememberRunDirs().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(run)}}}))
     rundir.RememberRunDirs().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
@@ -158,7 +159,7 @@ def test_summary_and_env_are_readable_by_other_users(tmp_path):
 
 
 def test_capstones_get_their_own_folders(tmp_path, monkeypatch):
-    from dtrain.capstone import results_folder
+    from dtrain.cli.capstone import results_folder
 
     monkeypatch.chdir(tmp_path)
     first, second = results_folder(None), results_folder(None)  # the same second: still two folders
@@ -174,7 +175,7 @@ def test_capstones_get_their_own_folders(tmp_path, monkeypatch):
 def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
-    from dtrain import launch, liveness
+    from dtrain.run import launch, liveness
 
     side = tmp_path / "dtrain-launch-x"
     monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda prefix: str(side.mkdir() or side))

@@ -2,7 +2,7 @@
 another run's; a requeue of a finished Slurm job touches nothing; misleading path messages are one
 true line.
 
-Command-line cases are refused by dtrain.precheck before Hydra creates a folder (about 1 s each);
+Command-line cases are refused by dtrain.run.precheck before Hydra creates a folder (about 1 s each);
 values only the composed config knows (an interpolation) are refused again in run_app, which
 removes what Hydra made. Every case checks the exact line, the exit code, that no folder was made
 and that the other run's files are byte-identical (hashed before and after).
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, py
-from dtrain import app, requeue, rundir
-from dtrain.errors import UserError
-from dtrain.launch import SlurmTask
+from dtrain.core.errors import UserError
+from dtrain.run import app, requeue, rundir
+from dtrain.run.launch import SlurmTask
 from test_hardening_runs import _cfg, _stub_launch
 
 TINY = ["-m", "fsdp_scaling", "model.preset=tiny", "train.steps=4", "train.timing_warmup=1",

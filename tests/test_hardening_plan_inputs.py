@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import TEST_SEED, py
-from dtrain.cli import main
+from dtrain.cli.main import main
+from dtrain.core.errors import UserError
 from dtrain.costmodel import Cluster, ModelShape, search
 from dtrain.costmodel.backtest import backtest, text_lines
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.shapes import params_text
-from dtrain.errors import UserError
 from dtrain.guide.local_check import local_checks
 from dtrain.guide.render import checks_table
-from dtrain.parallel.checks import check_cp_model, check_tp_model
+from dtrain.parallel.feasibility import check_cp_model, check_tp_model
 
 search_module = importlib.import_module("dtrain.costmodel.search")  # (the package's is search())
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
@@ -30,7 +30,7 @@ CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 def refused(*args: str) -> str:
     """The stderr of a `dtrain plan` that must refuse its input: one `error:` line, exit 2, no
     traceback."""
-    p = py("-m", "dtrain.cli", "plan", *args)
+    p = py("-m", "dtrain.cli.main", "plan", *args)
     assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr)
     err = p.stderr
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err

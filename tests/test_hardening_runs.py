@@ -19,11 +19,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, py
-from dtrain import app, precheck, results, rundir
-from dtrain.config import BaseConfig, defaults
-from dtrain.errors import UserError
-from dtrain.launch import RankFailed
-from dtrain.metrics import RunWriter, write_config, write_summary
+from dtrain.core.errors import UserError
+from dtrain.core.nodes import BaseConfig, defaults
+from dtrain.results import loader
+from dtrain.results.metrics import RunWriter, write_config, write_summary
+from dtrain.run import app, precheck, rundir
+from dtrain.run.launch import RankFailed
 
 BASE = defaults(BaseConfig)
 
@@ -94,20 +95,20 @@ def test_second_run_into_a_used_dir_is_refused_and_leaves_it_alone(tmp_path, mon
 @pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_cli_sequential_and_concurrent_reuse(tmp_path):
     """Real runs: the same hydra.run.dir twice in a row, and two runs started at once."""
-    args = [sys.executable, "-m", "dtrain.selftest", "world_size=1"]
+    args = [sys.executable, "-m", "dtrain.run.selftest", "world_size=1"]
     first = py(*args[1:], f"hydra.run.dir={tmp_path / 'seq'}", "numel=8", timeout=120)
     assert first.returncode == 0, first.stderr
     second = py(*args[1:], f"hydra.run.dir={tmp_path / 'seq'}", "numel=16", timeout=120)
     assert second.returncode == 2
     one_error_line(second.stderr, "already holds a run")
-    assert [r["numel"] for r in results.read_jsonl(tmp_path / "seq" / "records.jsonl")] == [8]
+    assert [r["numel"] for r in loader.read_jsonl(tmp_path / "seq" / "records.jsonl")] == [8]
 
     both = [subprocess.Popen([*args, f"hydra.run.dir={tmp_path / 'conc'}", f"numel={n}"], cwd=REPO, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (8, 16)]
     outs = [(p.wait(120), p.stderr.read()) for p in both]
     assert sorted(code for code, _ in outs) == [0, 2], outs
     one_error_line(next(err for code, err in outs if code == 2), "already holds a run")
-    records = results.read_jsonl(tmp_path / "conc" / "records.jsonl")
+    records = loader.read_jsonl(tmp_path / "conc" / "records.jsonl")
     assert len(records) == 1 and (tmp_path / "conc" / "summary.json").exists()
 
 
@@ -154,16 +155,16 @@ def _run(path: Path, records: str = '{"kind": "m", "v": 1}\n', summary=True) -> 
     ("summary_list", lambda p: (p / "summary.json").write_text("[]"), "summary.json holds a list"),
 ])
 def test_malformed_run_is_skipped_with_a_warning_naming_the_file(tmp_path, name, damage, reason, capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     _run(tmp_path / "good")
     damage(_run(tmp_path / name))
     with pytest.warns(UserWarning) as caught:
-        df = results.load([tmp_path])
+        df = loader.load([tmp_path])
     assert list(df["v"]) == [1] and set(df["run"]) == {str(tmp_path / "good")}
     text = " ".join(str(w.message) for w in caught)
     assert f"skipping corrupt run {tmp_path / name}" in text and reason in text, text
-    statuses = {r.path.name: r.status for r in results.find_runs([tmp_path])}
+    statuses = {r.path.name: r.status for r in loader.find_runs([tmp_path])}
     assert statuses == {"good": "complete", name: "corrupt"}
     assert main(["runs", "--all", str(tmp_path)]) == 0  # lists it as corrupt instead of crashing
     assert "corrupt" in capsys.readouterr().out
@@ -181,7 +182,7 @@ def test_guide_inputs_survive_a_malformed_run(tmp_path):
 
 
 def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch, capsys):
-    import dtrain.metrics as metrics
+    import dtrain.results.metrics as metrics
 
     run_dir = tmp_path / "run"
     monkeypatch.setattr(app, "run_dir_for", lambda cfg: run_dir)
@@ -198,7 +199,7 @@ def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch,
     assert e.value.code == 1
     one_error_line(capsys.readouterr().err, "error: disk full (No space left on device")
     assert not list(run_dir.glob(".*tmp")) and not (run_dir / "summary.json").exists()
-    events = results.read_jsonl(run_dir / "events.jsonl")
+    events = loader.read_jsonl(run_dir / "events.jsonl")
     assert events[-1]["kind"] == "run_failed" and events[-1]["error"].startswith("disk full")
     # the same from a rank: its traceback ends in Errno 28
     run_dir = tmp_path / "run2"
@@ -228,4 +229,4 @@ def test_inspect_and_dashboard_name_the_corrupt_file(tmp_path):
                                 "(ValueError: records.jsonl line 2: int '42', not an object)")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no run directory"):
-        results.require_complete([tmp_path / "empty"])
+        loader.require_complete([tmp_path / "empty"])

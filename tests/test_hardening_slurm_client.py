@@ -17,10 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, py
-from dtrain import slurm_queue
-from dtrain.app import check_signal_delay
-from dtrain.errors import UserError
-from dtrain.files import files_named
+from dtrain.core.errors import UserError
+from dtrain.core.files import files_named
+from dtrain.run.app import check_signal_delay
+from dtrain.slurm import queue
 
 
 # ---------------------------------------------------------------- without a cluster
@@ -46,7 +46,7 @@ def test_a_time_limit_usr2_can_precede_is_refused_naming_the_least_time_min():
 
 
 def test_cli_time_min_too_short_is_one_line_before_slurm_is_asked(tmp_path):
-    out = py("-m", "dtrain.selftest", "launcher=slurm", "world_size=1", "slurm.time_min=1",
+    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=1", "slurm.time_min=1",
              "slurm.signal_delay_s=25", f"results_dir={tmp_path}", timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.splitlines() == [f"error: {TOO_SHORT}"]
@@ -55,32 +55,32 @@ def test_cli_time_min_too_short_is_one_line_before_slurm_is_asked(tmp_path):
 
 def test_cancelled_reads_sacct(monkeypatch):
     answers = {"sacct": "CANCELLED by 0|2026-11-27T06:17:41\n"}
-    monkeypatch.setattr(slurm_queue, "_run", lambda args, need_cluster=False: answers.get(args[0]))
-    assert slurm_queue.cancelled("7", None) == "by root at 2026-11-27T06:17:41"
-    assert slurm_queue.cancelled("7", ("RUNNING", "None")) is None  # active: sacct is not asked
+    monkeypatch.setattr(queue, "_run", lambda args, need_cluster=False: answers.get(args[0]))
+    assert queue.cancelled("7", None) == "by root at 2026-11-27T06:17:41"
+    assert queue.cancelled("7", ("RUNNING", "None")) is None  # active: sacct is not asked
     answers["sacct"] = "COMPLETED|2026-11-27T06:17:41\n"
-    assert slurm_queue.cancelled("7", ("COMPLETING", "None")) is None
+    assert queue.cancelled("7", ("COMPLETING", "None")) is None
     answers["sacct"] = None  # no accounting: squeue's word while it lists the job
-    assert slurm_queue.cancelled("7", ("CANCELLED", "None")) == ""
-    assert slurm_queue.cancelled("7", None) is None
+    assert queue.cancelled("7", ("CANCELLED", "None")) == ""
+    assert queue.cancelled("7", None) is None
 
 
 def test_pending_reason_names_drained_nodes_only_when_they_may_be_why(monkeypatch):
     rows = "node1|DRAINED|maintenance\nnode2|DOWN*|Not responding\n"
-    monkeypatch.setattr(slurm_queue, "_run",
+    monkeypatch.setattr(queue, "_run",
                         lambda args, need_cluster=False: rows if args[0] == "sinfo" else None)
-    assert slurm_queue.pending_reason("Resources") == (
+    assert queue.pending_reason("Resources") == (
         'Resources: node1 drained "maintenance", node2 down "Not responding"')
-    assert slurm_queue.pending_reason("ReqNodeNotAvail, UnavailableNodes:node1") == (
+    assert queue.pending_reason("ReqNodeNotAvail, UnavailableNodes:node1") == (
         'ReqNodeNotAvail, UnavailableNodes:node1; node1 drained "maintenance", '
         'node2 down "Not responding"')
-    assert slurm_queue.pending_reason("Priority") == "Priority"
+    assert queue.pending_reason("Priority") == "Priority"
 
 
 # ---------------------------------------------------------------- on the local cluster
 
 class Client:
-    """`python -m dtrain.selftest launcher=slurm world_size=1 ...`, output to files."""
+    """`python -m dtrain.run.selftest launcher=slurm world_size=1 ...`, output to files."""
 
     def __init__(self, tmp_path: Path, *overrides: str):
         self.results = tmp_path / "results"
@@ -89,7 +89,7 @@ class Client:
         env.pop("RANK", None)
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtrain.selftest", "launcher=slurm", "world_size=1",
+                [sys.executable, "-m", "dtrain.run.selftest", "launcher=slurm", "world_size=1",
                  "work_s=60", "slurm.partition=debug", "slurm.time_min=5",
                  f"results_dir={self.results}", *overrides],
                 stdout=out, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True)

@@ -4,7 +4,7 @@ starts; a diverged run or a crash in finalize is a failed run; a local sweep run
 leftover torchrun environment does not override launcher=local; skipped runs are named; `dtrain
 plan --layout` checks its fields.
 
-In process through dtrain.precheck (what the command line runs before Hydra), the Trainer on the
+In process through dtrain.run.precheck (what the command line runs before Hydra), the Trainer on the
 tiny model and run_app with a stubbed launcher; one subprocess holds the local-sweep command line.
 """
 from __future__ import annotations
@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import py
-from dtrain import app, checks, precheck, results
-from dtrain import dist as ddist
-from dtrain.errors import UserError
+from dtrain.core import checks
+from dtrain.core.errors import UserError
+from dtrain.results import loader
+from dtrain.run import app, precheck
+from dtrain.run import dist as ddist
 from dtrain.train import TrainConfig
 from dtrain.train.checkpoint import check_resume
 from test_hardening_runs import _cfg, _stub_launch, one_error_line
@@ -125,8 +127,8 @@ def test_resume_with_another_recipe_or_fewer_ranks_says_what_to_pass(tmp_path):
     from fp8_train.emulated import FP8Linear
     from test_train_loop import TINY, make_ctx, train_cfg
 
-    from dtrain.data import TokenBatcher
     from dtrain.train import Trainer
+    from dtrain.train.data import TokenBatcher
 
     fp8 = Trainer(make_ctx(tmp_path), train_cfg(steps=1), TINY,
                   linear_factory=lambda name, i, o, bias: FP8Linear(i, o, bias))
@@ -150,7 +152,7 @@ def test_a_diverged_run_fails_and_publishes_nothing(tmp_path):
     t = Trainer(make_ctx(tmp_path), train_cfg(steps=3, lr=1e30, min_lr=0.0, grad_clip=None), TINY)
     with pytest.raises(NonFiniteLoss, match=r"the loss is non-finite at the last step \(3\): the run diverged"):
         t.run()
-    steps = [r for r in results.read_jsonl(tmp_path / "records.jsonl") if r["kind"] == "step"]
+    steps = [r for r in loader.read_jsonl(tmp_path / "records.jsonl") if r["kind"] == "step"]
     assert steps[0]["loss"] is not None and steps[-1]["loss"] is None and not (tmp_path / "summary.json").exists()
 
 
@@ -164,7 +166,7 @@ def test_a_crash_in_finalize_is_a_failed_run_with_run_failed(tmp_path, monkeypat
     with pytest.raises(SystemExit) as e:
         app.run_app(_cfg(tmp_path), rank_fn=None, finalize=finalize)
     assert e.value.code == 1 and not (run_dir / "summary.json").exists()
-    failed = results.read_jsonl(run_dir / "events.jsonl")[-1]
+    failed = loader.read_jsonl(run_dir / "events.jsonl")[-1]
     assert failed == {"kind": "run_failed", "rank": 0, "error": "finalize: KeyError: 'step'"}
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "Traceback (most recent call last):" and err[-1].startswith(
@@ -190,18 +192,18 @@ def test_runs_that_used_to_crash_in_finalize_are_refused_up_front():
 
 
 def test_cli_local_sweep_runs_every_point_and_names_the_failed_one(tmp_path):
-    out = py("-m", "dtrain.selftest", "-m", "world_size=1", "fail_rank=0,null", f"results_dir={tmp_path}", timeout=180)
+    out = py("-m", "dtrain.run.selftest", "-m", "world_size=1", "fail_rank=0,null", f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 1, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 1 of 2 sweep points failed (#0 (world_size=1 fail_rank=0 ") and "exit 1" in last
-    runs = {r.path.name: r.status for r in results.find_runs([tmp_path])}
+    runs = {r.path.name: r.status for r in loader.find_runs([tmp_path])}
     assert runs == {"0": "incomplete", "1": "complete"}  # the point after the failure ran
 
 
 def test_launcher_local_ignores_a_leftover_torchrun_environment(monkeypatch):
     from omegaconf import OmegaConf
 
-    from dtrain.launch import mode_of
+    from dtrain.run.launch import mode_of
 
     for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
@@ -229,7 +231,7 @@ def _broken_copies(tmp_path) -> tuple[Path, Path]:
 
 
 def test_plan_and_calibration_name_every_skipped_run(tmp_path, capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
     from dtrain.costmodel.calibrate import calibrate_naming_skips
 
     newer, unknown = _broken_copies(tmp_path)
@@ -253,7 +255,7 @@ def test_plan_and_calibration_name_every_skipped_run(tmp_path, capsys):
     ("tp=2 tp=4", "--layout: tp= is given twice: give each field once"),
 ])
 def test_plan_layout_fields_that_cannot_make_a_layout(layout, message, capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     assert main(["plan", "--params", "7e9", "--gpus", "8", "--layout", layout]) == 2
     one_error_line(capsys.readouterr().err, message)

@@ -1,6 +1,6 @@
 """Issue: hardening, third round, area D (noise). A finished multi-rank run prints no warning that
 is not about the run: no "leaked semaphore objects" from multiprocessing's resource tracker (each
-spawned rank's tqdm lock, now unlinked before the rank's os._exit: dtrain.launch._leave) and no
+spawned rank's tqdm lock, now unlinked before the rank's os._exit: dtrain.run.launch._leave) and no
 FSDP2 "returned a view tensor" (sequence parallelism gathered the last block's output into a
 movedim view: dtrain.parallel.tp.ops._GatherSequenceToReplicated now returns its own tensor)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import pytest
 
 from conftest import py
-from dtrain.files import files_named
+from dtrain.core.files import files_named
 
 NOISE = ("leaked semaphore", "returned a view tensor", "resource_tracker")
 BASE = ["model.preset=tiny", "train.timing_warmup=1", "profile.enabled=false", "launcher=local"]

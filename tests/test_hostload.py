@@ -1,4 +1,4 @@
-"""Load that cancels: the scheduler's wait time (dtrain.hostload), the probe's roofline check and the
+"""Load that cancels: the scheduler's wait time (dtrain.run.hostload), the probe's roofline check and the
 local check scaling each run's prediction by the load measured during it."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import contract, hostload
 from dtrain.costmodel.efficiency import fit_curve
+from dtrain.results import contract
+from dtrain.run import hostload
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 needs_schedstat = pytest.mark.skipif(not hostload.available(), reason="no /proc/<pid>/task/<tid>/schedstat here")

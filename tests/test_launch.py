@@ -1,4 +1,4 @@
-"""dtrain.launch through the selftest app: local, in-job (torchrun), and the error paths."""
+"""dtrain.run.launch through the selftest app: local, in-job (torchrun), and the error paths."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import py, run_cmd
-from dtrain import results
+from dtrain.results import loader
 
 
 def _only_run(root: Path) -> Path:
@@ -20,7 +20,7 @@ def _only_run(root: Path) -> Path:
 
 
 def test_local_two_ranks_allreduce(tmp_path):
-    out = py("-m", "dtrain.selftest", "world_size=2", f"results_dir={tmp_path}")
+    out = py("-m", "dtrain.run.selftest", "world_size=2", f"results_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     run = _only_run(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
@@ -28,24 +28,24 @@ def test_local_two_ranks_allreduce(tmp_path):
     assert summary["status"] == "complete" and summary["backend"] == "gloo"
     env = json.loads((run / "env.json").read_text())
     assert env["world_size"] == 2 and env["backend"] == "gloo" and env["torch"] == torch.__version__
-    df = results.load([tmp_path], kind="allreduce_check")
+    df = loader.load([tmp_path], kind="allreduce_check")
     assert list(df["wrong"]) == [0] and df["world_size"].iloc[0] == 2
 
 
 def test_local_failing_rank_stops_job_with_traceback(tmp_path):
     t0 = time.monotonic()
-    out = py("-m", "dtrain.selftest", "world_size=2", "fail_rank=1", f"results_dir={tmp_path}", timeout=90)
+    out = py("-m", "dtrain.run.selftest", "world_size=2", "fail_rank=1", f"results_dir={tmp_path}", timeout=90)
     assert time.monotonic() - t0 < 60
     assert out.returncode == 1
     assert "rank 1 failed" in out.stderr and "fails on purpose" in out.stderr and "Traceback" in out.stderr
     run = _only_run(tmp_path)
     assert not (run / "summary.json").exists()
-    assert results.find_runs([tmp_path])[0].status == "incomplete"
+    assert loader.find_runs([tmp_path])[0].status == "incomplete"
 
 
 def test_torchrun_in_job_mode(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
-    out = run_cmd([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.selftest",
+    out = run_cmd([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.run.selftest",
                    f"results_dir={tmp_path}"], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     run = _only_run(tmp_path)  # both ranks agreed on one run dir
@@ -57,7 +57,7 @@ def test_torchrun_in_job_mode(tmp_path):
 def test_torchrun_failing_rank(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     t0 = time.monotonic()
-    out = run_cmd([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.selftest",
+    out = run_cmd([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.run.selftest",
                    "fail_rank=0", f"results_dir={tmp_path}"], timeout=90)
     assert time.monotonic() - t0 < 60
     assert out.returncode != 0
@@ -73,7 +73,7 @@ def test_torchrun_failing_rank(tmp_path):
     ("results_dir=/proc/not-here", "is not writable"),
 ])
 def test_bad_input_one_line_nonzero_no_results(tmp_path, override, message):
-    args = ["-m", "dtrain.selftest", override] + ([] if override.startswith("results_dir") else [f"results_dir={tmp_path}"])
+    args = ["-m", "dtrain.run.selftest", override] + ([] if override.startswith("results_dir") else [f"results_dir={tmp_path}"])
     out = py(*args, timeout=60)
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
@@ -83,7 +83,7 @@ def test_bad_input_one_line_nonzero_no_results(tmp_path, override, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_nccl_without_cuda_is_one_line(tmp_path):
-    out = py("-m", "dtrain.selftest", "backend=nccl", f"results_dir={tmp_path}", timeout=60)
+    out = py("-m", "dtrain.run.selftest", "backend=nccl", f"results_dir={tmp_path}", timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("error: backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
                                   "use backend=gloo (or auto)")
@@ -91,15 +91,15 @@ def test_nccl_without_cuda_is_one_line(tmp_path):
 
 @pytest.mark.gpu
 def test_single_gpu_nccl(tmp_path):
-    out = py("-m", "dtrain.selftest", "world_size=1", "backend=nccl", f"results_dir={tmp_path}")
+    out = py("-m", "dtrain.run.selftest", "world_size=1", "backend=nccl", f"results_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     summary = json.loads((_only_run(tmp_path) / "summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["allreduce_sum"] == 1.0
 
 
 def test_local_hydra_multirun_one_run_dir_per_point(tmp_path):
-    out = py("-m", "dtrain.selftest", "-m", "numel=8,16", f"results_dir={tmp_path}", timeout=180)
+    out = py("-m", "dtrain.run.selftest", "-m", "numel=8,16", f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stderr
-    df = results.load_runs([tmp_path])
+    df = loader.load_runs([tmp_path])
     assert sorted(df["numel"]) == [8, 16] and set(df["summary.allreduce_sum"]) == {3.0}
     assert all("multirun-" in r for r in df["run"])

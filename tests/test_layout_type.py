@@ -1,4 +1,4 @@
-"""One layout type (issue 38): dtrain.layout.Layout is the trainer's, the mesh's and the cost
+"""One layout type (issue 38): dtrain.core.layout.Layout is the trainer's, the mesh's and the cost
 model's, and the plan -> trainer overrides are the inverse of the trainer's resolution."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-import dtrain.costmodel
+from dtrain.core.layout import NO_EXPERTS, Layout
 from dtrain.costmodel import shapes
+import dtrain.costmodel
 from dtrain.costmodel.overrides import train_overrides
-from dtrain.layout import NO_EXPERTS, Layout
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.train.config import TrainConfig
 

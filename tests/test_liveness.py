@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from dtrain.files import files_named
-from dtrain import liveness
+from dtrain.core.files import files_named
+from dtrain.run import liveness
 
 START_TIMEOUT_S = 60  # two spawned ranks import torch and rendezvous; slow on a loaded 2-core host
 
@@ -24,7 +24,7 @@ START_TIMEOUT_S = 60  # two spawned ranks import torch and rendezvous; slow on a
 def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, "-m", "dtrain.selftest", "world_size=2", "work_s=60",
+    return subprocess.Popen([sys.executable, "-m", "dtrain.run.selftest", "world_size=2", "work_s=60",
                              f"results_dir={tmp_path}", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True, preexec_fn=_interruptible)
@@ -156,12 +156,12 @@ def test_stopped_rank_is_named_by_heartbeat(tmp_path, launcher_session):
 @pytest.mark.parametrize("value", [-1.0, 0.001, float("inf")])
 def test_bad_heartbeat_timeout_is_one_line(value):
     """Below the floor healthy ranks would be judged hung (they beat every timeout/5): refused before
-    any rank starts. In process: the command line reaches the same check through dtrain.precheck."""
+    any rank starts. In process: the command line reaches the same check through dtrain.run.precheck."""
     from omegaconf import OmegaConf
 
-    from dtrain import app
-    from dtrain.config import BaseConfig, defaults
-    from dtrain.errors import UserError
+    from dtrain.core.errors import UserError
+    from dtrain.core.nodes import BaseConfig, defaults
+    from dtrain.run import app
 
     cfg = OmegaConf.merge(defaults(BaseConfig), {"heartbeat_timeout_s": value, "world_size": 1})
     with pytest.raises(UserError) as e:
@@ -277,7 +277,7 @@ def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_sessi
     timeout_s = 3
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.selftest", "work_s=60",
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.run.selftest", "work_s=60",
                              f"heartbeat_timeout_s={timeout_s}", f"results_dir={tmp_path}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, py
-from dtrain.files import files_named
+from dtrain.core.files import files_named
 
 pytestmark = pytest.mark.slurm
 
@@ -26,7 +26,7 @@ def _interruptible() -> None:
 
 
 class Client:
-    """`python -m dtrain.selftest launcher=slurm ...` in its own session, output to files."""
+    """`python -m dtrain.run.selftest launcher=slurm ...` in its own session, output to files."""
 
     def __init__(self, tmp_path: Path, *overrides: str):
         self.out_path, self.err_path = tmp_path / "client.out", tmp_path / "client.err"
@@ -34,7 +34,7 @@ class Client:
         env.pop("RANK", None)
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtrain.selftest", "launcher=slurm", "world_size=2", "work_s=60",
+                [sys.executable, "-m", "dtrain.run.selftest", "launcher=slurm", "world_size=2", "work_s=60",
                  "slurm.partition=debug", "slurm.time_min=5", f"results_dir={tmp_path / 'results'}", *overrides],
                 stdout=out, stderr=err, text=True, env=env, cwd=REPO,
                 start_new_session=True, preexec_fn=_interruptible)
@@ -156,7 +156,7 @@ def test_stopped_task_is_named_and_job_cancelled(tmp_path, client):
 
 
 def test_failing_task_real_error_first_and_in_run_failed(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.selftest", "launcher=slurm", "world_size=2", "fail_rank=1", "slurm.partition=debug",
+    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=2", "fail_rank=1", "slurm.partition=debug",
              "slurm.time_min=5", f"results_dir={tmp_path}", timeout=120)
     assert out.returncode == 1, out.stderr
     assert out.stderr.index("fails on purpose") < out.stderr.index("--- task 0")  # not the peer's "connection closed"
@@ -164,7 +164,7 @@ def test_failing_task_real_error_first_and_in_run_failed(tmp_path, slurm_cluster
 
 
 def test_request_no_node_can_hold_is_refused_before_submitting(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.selftest", "launcher=slurm", "world_size=8", "slurm.partition=debug",
+    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=8", "slurm.partition=debug",
              f"results_dir={tmp_path}", timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith("error: Slurm can never run this job: it asks for 1 node(s) with 8 CPUs each"), \
@@ -176,7 +176,7 @@ def test_request_no_node_can_hold_is_refused_before_submitting(tmp_path, slurm_c
 def test_job_pending_for_a_reason_that_never_clears_is_cancelled(tmp_path, slurm_cluster):
     """The backstop for what sinfo cannot foresee: an extra sbatch option (8 tasks on a 2-CPU node)
     slips past the pre-check; Slurm queues the job with reason PartitionConfig."""
-    out = py("-m", "dtrain.selftest", "launcher=slurm", "slurm.partition=debug", "+slurm.additional.ntasks_per_node=8",
+    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "slurm.partition=debug", "+slurm.additional.ntasks_per_node=8",
              f"results_dir={tmp_path}", timeout=90)
     job = re.search(r"submitted Slurm job (\d+)", out.stdout).group(1)
     try:
@@ -190,7 +190,7 @@ def test_job_pending_for_a_reason_that_never_clears_is_cancelled(tmp_path, slurm
 
 
 def test_request_sbatch_refuses_is_one_line(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.selftest", "launcher=slurm", "slurm.partition=debug", "slurm.constraint=nosuchfeature",
+    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "slurm.partition=debug", "slurm.constraint=nosuchfeature",
              f"results_dir={tmp_path}", timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("error: Slurm refused the job (sbatch: error: Batch job submission failed: Invalid "

@@ -7,8 +7,8 @@ import pytest
 
 from dtrain.costmodel import Calibration, LinkModel, Param, step_time
 from dtrain.costmodel.calibrate import calibrate
-from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.collectives import all_gather_time, allreduce_time, p2p_time, reduce_scatter_time
+from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.guide.local_check import free_core_share, host_cluster
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtrain.data import TokenBatcher, markov_corpus
-from dtrain.model import (GPT, PRESETS, GPTConfig, flops_per_token, num_matmul_params,
+from dtrain.train.data import TokenBatcher, markov_corpus
+from dtrain.model.gpt import (GPT, PRESETS, GPTConfig, flops_per_token, num_matmul_params,
                           num_params)
 
 TINY = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
@@ -185,17 +185,17 @@ def test_rejects_too_long_sequence():
 
 
 def test_the_config_and_its_accounting_need_no_torch():
-    """GPTConfig, the presets and the parameter / FLOP counts live apart from the modules (dtrain.model_args):
+    """GPTConfig, the presets and the parameter / FLOP counts live apart from the modules (dtrain.model.args):
     the cost model, the guide's local check and the config nodes size a model without importing torch."""
     import subprocess
     import sys
 
-    import dtrain.model as model
-    import dtrain.model_args as args
+    import dtrain.model.args as args
+    import dtrain.model.gpt as model
 
     assert model.GPTConfig is args.GPTConfig and model.num_params is args.num_params  # one home, re-exported
-    code = ("import sys; import dtrain.model_args, dtrain.config, dtrain.guide.local_check, dtrain.costmodel.overrides;"
-            " from dtrain.config import model_config; model_config({'preset': '7b'});"
+    code = ("import sys; import dtrain.model.args, dtrain.core.nodes, dtrain.guide.local_check, dtrain.costmodel.overrides;"
+            " from dtrain.core.nodes import model_config; model_config({'preset': '7b'});"
             " print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

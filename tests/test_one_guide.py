@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import capstone
-from dtrain.cli import main
+from dtrain.cli import capstone
+from dtrain.cli.main import main
 from dtrain.guide import inputs as guide_inputs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "results"
 def _capstone_inputs(monkeypatch, results: str) -> list[str]:
     """`dtrain capstone` (one trivial step, the probe stubbed): what it gave its guide."""
     from dtrain.costmodel import gemm_probe
-    from dtrain.guide import cli as guide_cli
+    from dtrain.guide import guide_cli
 
     seen = []
 
@@ -36,7 +36,7 @@ def _capstone_inputs(monkeypatch, results: str) -> list[str]:
 
 def _guide_inputs(monkeypatch) -> list[str]:
     """What plain `dtrain guide` (make guide) reads."""
-    from dtrain.guide import cli as guide_cli
+    from dtrain.guide import guide_cli
 
     seen = []
     monkeypatch.setattr(guide_cli, "generate",
@@ -112,7 +112,7 @@ def test_make_guide_and_the_capstone_write_the_same_guide(tmp_path, monkeypatch)
     """The guide text from the default inputs equals the one from the capstone's explicit inputs
     (the fixture runs as a capstone's folder, the fixture GPU runs as measured/); two guides,
     ~30 s on 2 cores."""
-    from dtrain.guide.cli import generate
+    from dtrain.guide.guide_cli import generate
 
     monkeypatch.chdir(tmp_path)
     folder = Path("results/capstone/20990101-000000-000000")

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, py
-from dtrain import terminal
+from dtrain.core import terminal
 
 # this checkout's path, for the lines that name a run's files (app.py's `run complete: <dir>`)
 CHECKOUT = "/work/main"
@@ -82,7 +82,7 @@ def test_tp_attention_table_fits(piped, capsys):
 
 
 def test_tp_attention_cp_table_fits(piped, capsys):
-    from tp_attention.cp_report import print_table
+    from tp_attention.cp.report import print_table
 
     rows = [{"seq_len": s, "cp": cp, "impl": impl, "median_s": 1.2345, "overhead": 1.5,
              "serial_s": 12.345, "sends_s": 1.5, "overlap_fraction": 0.5,
@@ -133,7 +133,7 @@ def test_fsdp_study_table_fits(piped, capsys):
 
 def test_help_fits():
     for args in (["--help"], ["capstone", "--help"], ["guide", "--help"]):
-        r = py("-m", "dtrain.cli", *args, env={"COLUMNS": "100"}, timeout=60)
+        r = py("-m", "dtrain.cli.main", *args, env={"COLUMNS": "100"}, timeout=60)
         assert r.returncode == 0, r.stderr
         assert_fits(r.stdout + r.stderr, "dtrain " + " ".join(args))
 

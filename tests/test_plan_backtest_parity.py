@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dtrain.cli import main
+from dtrain.cli.main import main
 from dtrain.costmodel.backtest import backtest, load_rows
 
 ROWS = [r for r in load_rows() if not r.get("expect_oom")]

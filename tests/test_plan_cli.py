@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import py
-from dtrain.cli import main
+from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, ModelShape, memory_per_gpu, search
 from dtrain.costmodel.hardware import LINK_EFFICIENCY
 from dtrain.costmodel.links import default_links
@@ -104,9 +104,9 @@ def test_results_calibrate_from_gpu_runs_only(capsys):
 
 
 def test_console_script_exit_codes():
-    ok = py("-m", "dtrain.cli", "plan", "--params", "7e9", "--gpus", "8", timeout=60)
+    ok = py("-m", "dtrain.cli.main", "plan", "--params", "7e9", "--gpus", "8", timeout=60)
     assert ok.returncode == 0 and "choice:" in ok.stdout
-    bad = py("-m", "dtrain.cli", "plan", "--params", "7e9", "--gpus", "12", timeout=60)
+    bad = py("-m", "dtrain.cli.main", "plan", "--params", "7e9", "--gpus", "12", timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:")
 
 
@@ -176,7 +176,7 @@ def test_bench_refuses_to_time_a_command_that_failed(tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("written, count", [("70B", 70e9), ("1.3b", 1.3e9), ("350M", 350e6), ("2T", 2e12),
                                             ("7e9", 7e9)])
 def test_params_takes_the_size_as_people_write_it(written, count):
-    from dtrain.costmodel.cli import param_count
+    from dtrain.costmodel.plan_cli import param_count
 
     assert param_count(written) == pytest.approx(count, rel=1e-12)
 

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from conftest import py
-from dtrain import results
-from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.overrides import train_overrides
-from dtrain.model import GPTConfig
+from dtrain.costmodel.shapes import Layout, ModelShape
+from dtrain.model.gpt import GPTConfig
+from dtrain.results import loader
 from dtrain.train import TrainConfig
 
 # a model the CPU trains in seconds (the small preset's vocabulary, so nothing is approximated)
@@ -55,7 +55,7 @@ def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
 
 @pytest.mark.slow  # a 4-rank fsdp-scaling run in a subprocess: ~60-90 s on 2 busy cores
 def test_plan_json_for_a_four_gpu_cluster_runs_in_fsdp_scaling(tmp_path):
-    out = py("-m", "dtrain.cli", "plan", *TINY_FLAGS, "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+    out = py("-m", "dtrain.cli.main", "plan", *TINY_FLAGS, "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
              "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     answer = json.loads(out.stdout)
@@ -67,7 +67,7 @@ def test_plan_json_for_a_four_gpu_cluster_runs_in_fsdp_scaling(tmp_path):
     run = py("-m", "fsdp_scaling", *overrides, "train.steps=2", "train.timing_warmup=0", "profile.enabled=false",
              "train.dataset_tokens=20000", f"results_dir={tmp_path}", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    [done] = results.complete_runs([tmp_path])
+    [done] = loader.complete_runs([tmp_path])
     s = done.summary
     assert (s["world_size"], s["tp"], s["pp"], s["dp"]) == (4, c["tp"], c["pp"], c["dp"])
     assert s["global_batch"] == 8 and s["final_loss"] > 0

@@ -81,7 +81,7 @@ def test_readme_has_the_commands_it_promises():
 
 
 def test_every_readme_command_resolves_as_the_readme_says():
-    from dtrain.cli import build_parser
+    from dtrain.cli.main import build_parser
 
     makefile = (REPO / "Makefile").read_text()
     for cmd in commands():

@@ -9,12 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain import dist as ddist
-from dtrain import requeue
-from dtrain.launch import RankContext
-from dtrain.metrics import RunWriter
-from dtrain.model import GPTConfig
-from dtrain.results import read_jsonl
+from dtrain.model.gpt import GPTConfig
+from dtrain.results.loader import read_jsonl
+from dtrain.results.metrics import RunWriter
+from dtrain.run import dist as ddist
+from dtrain.run import requeue
+from dtrain.run.launch import RankContext
 from dtrain.train import Callback, Trainer, TrainConfig
 
 TINY = GPTConfig.from_preset("tiny")
@@ -136,8 +136,8 @@ def test_slurm_keys_reach_sbatch(requeue_on, slurm_cluster):
     """The executor asks the cluster for its limits (sinfo): it needs one up, not only Slurm installed."""
     from pathlib import Path
 
-    from dtrain.config import BaseConfig, defaults
-    from dtrain.launch import slurm_executor
+    from dtrain.core.nodes import BaseConfig, defaults
+    from dtrain.run.launch import slurm_executor
 
     cfg = defaults(BaseConfig)
     cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = "t", requeue_on, 45, 5
@@ -150,8 +150,8 @@ def test_slurm_keys_reach_sbatch(requeue_on, slurm_cluster):
 def test_usr2_due_before_the_tasks_can_handle_it_is_refused():
     from omegaconf import OmegaConf
 
-    from dtrain.app import check_signal_delay
-    from dtrain.errors import UserError
+    from dtrain.core.errors import UserError
+    from dtrain.run.app import check_signal_delay
 
     check_signal_delay(OmegaConf.create({"time_min": 3, "signal_delay_s": 90}))  # USR2 >= 30 s in
     with pytest.raises(UserError, match=r"^slurm.time_min=2 must be >= 3 minutes: Slurm sends USR2 .*: "

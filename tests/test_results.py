@@ -6,8 +6,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from dtrain import results
-from dtrain.metrics import RunWriter, write_config, write_json_atomic, write_summary
+from dtrain.results import loader
+from dtrain.results.metrics import RunWriter, write_config, write_json_atomic, write_summary
 
 
 def make_run(path, cfg: dict, records: list[dict], summary: dict | None = None, rank1: list[dict] = ()):
@@ -30,18 +30,18 @@ def test_round_trip_and_flattened_config(tmp_path):
     make_run(tmp_path / "a", {"subproject": "x", "world_size": 2, "model": {"n_layer": 2}},
              [{"kind": "step", "step": 0, "loss": 5.0}, {"kind": "step", "step": 1, "loss": 4.0}],
              {"final_loss": 4.0}, rank1=[{"kind": "step", "step": 0, "loss": 5.5, "rank": 1}])
-    df = results.load([tmp_path], kind="step")
+    df = loader.load([tmp_path], kind="step")
     assert sorted(df["loss"]) == [4.0, 5.0, 5.5]
     assert set(df["model.n_layer"]) == {2} and set(df["world_size"]) == {2}
-    runs = results.load_runs([tmp_path])
+    runs = loader.load_runs([tmp_path])
     assert runs.loc[0, "summary.final_loss"] == 4.0 and runs.loc[0, "env.backend"] == "gloo"
-    events = results.load_events([tmp_path])
+    events = loader.load_events([tmp_path])
     assert events.loc[0, "kind"] == "alert" and events.loc[0, "rank"] == 0
 
 
 def test_record_field_wins_over_config_field(tmp_path):
     make_run(tmp_path / "a", {"size": 7}, [{"kind": "m", "size": 1024}], {})
-    df = results.load([tmp_path])
+    df = loader.load([tmp_path])
     assert df.loc[0, "size"] == 1024 and df.loc[0, "config.size"] == 7
 
 
@@ -54,11 +54,11 @@ def test_incomplete_and_corrupt_runs_are_skipped_with_named_warning(tmp_path):
     torn = make_run(tmp_path / "torn", {"subproject": "x"}, [], {"ok": True})
     (torn / "summary.json").write_text('{"ok": tru')
     with pytest.warns(UserWarning) as caught:
-        df = results.load([tmp_path])
+        df = loader.load([tmp_path])
     assert list(df["v"]) == [1]
     text = " ".join(str(w.message) for w in caught)
     assert "half" in text and "no summary.json" in text and "bad" in text and "torn" in text
-    statuses = {r.path.name: r.status for r in results.find_runs([tmp_path])}
+    statuses = {r.path.name: r.status for r in loader.find_runs([tmp_path])}
     assert statuses == {"good": "complete", "half": "incomplete", "bad": "corrupt", "torn": "corrupt"}
 
 
@@ -69,7 +69,7 @@ def test_multirun_tree_and_hydra_copies(tmp_path):
         (run / ".hydra").mkdir()
         (run / ".hydra" / "config.yaml").write_text("lr: 99\n")
     (sweep / "multirun.yaml").write_text("x: 1\n")
-    runs = results.load_runs([tmp_path])
+    runs = loader.load_runs([tmp_path])
     assert sorted(runs["lr"]) == [0, 1, 2] and sorted(runs["summary.i"]) == [0, 1, 2]
 
 
@@ -81,11 +81,11 @@ def test_summary_written_atomically(tmp_path):
 
 def test_missing_path_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such results path"):
-        results.find_runs([tmp_path / "nope"])
+        loader.find_runs([tmp_path / "nope"])
 
 
 def test_runs_cli(tmp_path, capsys):
-    from dtrain.cli import main
+    from dtrain.cli.main import main
 
     make_run(tmp_path / "good", {"subproject": "alpha"}, [], {"ok": True})
     make_run(tmp_path / "half", {"subproject": "alpha"}, [], None)
@@ -96,15 +96,15 @@ def test_runs_cli(tmp_path, capsys):
 
 
 def test_derived_runs_are_flagged(tmp_path):
-    """A run made from runs (dtrain.derived) carries Run.derived (and load_runs' `derived` column);
+    """A run made from runs (dtrain.results.derived) carries Run.derived (and load_runs' `derived` column);
     the runs it was made from do not."""
-    from dtrain.derived import write_derived_run
+    from dtrain.results.derived import write_derived_run
 
     src = make_run(tmp_path / "measured", {"subproject": "x"}, [{"kind": "step", "step": 1}], {"final_loss": 4.0})
     write_derived_run(tmp_path / "report", "x", [src], config={"report": True}, summary={"study": {}})
-    flags = {r.path.name: r.derived for r in results.complete_runs([tmp_path])}
+    flags = {r.path.name: r.derived for r in loader.complete_runs([tmp_path])}
     assert flags == {"measured": False, "report": True}
-    runs = results.load_runs([tmp_path])
+    runs = loader.load_runs([tmp_path])
     assert dict(zip(runs["run"].map(lambda p: p.rsplit("/", 1)[-1]), runs["derived"])) == flags
 
 
@@ -113,7 +113,7 @@ def test_files_named_skips_a_folder_that_vanishes_mid_walk(tmp_path, monkeypatch
     Path.rglob raises there; files_named finds every file that is still present."""
     import os
 
-    from dtrain.files import files_named
+    from dtrain.core.files import files_named
 
     (tmp_path / "run" / ".hydra").mkdir(parents=True)
     for p in ("run/config.yaml", "run/.hydra/config.yaml", "gone/config.yaml", "run/events.jsonl"):

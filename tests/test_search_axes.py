@@ -16,9 +16,9 @@ import pytest
 
 from dtrain.costmodel.search import (AXES, FILTERS, LAYOUT_FIELDS, MICRO_BATCHES, Axis, Filter,
                                      _checks_per_axis, _enumerate)
+from dtrain.core.layout import RECOMPUTE
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.costmodel.software import SOFTWARE
-from dtrain.layout import RECOMPUTE
 
 search_module = sys.modules["dtrain.costmodel.search"]  # the package exports search() by that name
 

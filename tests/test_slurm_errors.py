@@ -11,9 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import slurm_queue, slurm_sweep
-from dtrain.cli import main
-from dtrain.errors import UserError
+from dtrain.cli.main import main
+from dtrain.core.errors import UserError
+from dtrain.slurm import queue, submitit_sweep
 
 NO_CONF = ('sbatch: error: s_p_parse_file: unable to read "/etc/slurm/slurm.conf": No such file or directory\n'
            "sbatch: fatal: Could not establish a configuration source")
@@ -32,18 +32,18 @@ def fake_tools(folder: Path, stderr: str, tools=("sbatch", "sinfo", "squeue", "s
 
 def test_no_configuration_says_how_to_point_at_the_cluster(monkeypatch):
     monkeypatch.delenv("SLURM_CONF", raising=False)
-    err = slurm_queue.refused(NO_CONF, "job", "check slurm.partition")
+    err = queue.refused(NO_CONF, "job", "check slurm.partition")
     assert str(err) == ("Slurm cannot be reached (sbatch: fatal: Could not establish a configuration source; "
-                        "SLURM_CONF is not set): " + slurm_queue.CLUSTER_HINT)
+                        "SLURM_CONF is not set): " + queue.CLUSTER_HINT)
     assert 'eval "$(scripts/slurm-cluster env)"' in str(err) and "partition" not in str(err)
     # a refusal of the request itself still points at the request's keys
-    assert str(slurm_queue.refused(GRES, "sweep", "check hydra.launcher.gres")) == (
+    assert str(queue.refused(GRES, "sweep", "check hydra.launcher.gres")) == (
         f"Slurm refused the sweep ({GRES}): check hydra.launcher.gres")
 
 
 def test_launcher_slurm_without_configuration_is_refused_before_submitting(monkeypatch, tmp_path):
     """sinfo (asked before sbatch) fails for want of a configuration: one UserError, nothing submitted."""
-    from dtrain.launch import slurm_executor
+    from dtrain.run.launch import slurm_executor
 
     monkeypatch.setenv("PATH", fake_tools(tmp_path / "bin", NO_CONF))
     monkeypatch.delenv("SLURM_CONF", raising=False)
@@ -59,12 +59,12 @@ def test_launcher_slurm_without_configuration_is_refused_before_submitting(monke
 
 def test_submitit_sweep_refused_by_sbatch_is_one_line_and_listed(tmp_path, capsys):
     path = fake_tools(tmp_path / "bin", GRES)
-    out = py("-m", "dtrain.selftest", "-m", "numel=16,64", f"results_dir={tmp_path / 'r'}",
+    out = py("-m", "dtrain.run.selftest", "-m", "numel=16,64", f"results_dir={tmp_path / 'r'}",
              "hydra/launcher=submitit_slurm", "hydra.launcher.gres=gpu:nosuch:1", env={"PATH": path}, timeout=90)
     assert out.returncode == 2, out.stderr
     [line] = out.stderr.strip().splitlines()
     assert line.startswith(f"error: Slurm refused the sweep ({GRES}): check the hydra.launcher.* keys"), line
-    [note] = (tmp_path / "r").rglob(slurm_sweep.SUBMISSION_FAILED)
+    [note] = (tmp_path / "r").rglob(submitit_sweep.SUBMISSION_FAILED)
     assert json.loads(note.read_text())["error"].startswith("Slurm refused the sweep")
     assert not list((tmp_path / "r").rglob("config.yaml"))  # no run started
     # dtrain runs lists the sweep that never ran
@@ -86,7 +86,7 @@ def test_a_finished_sweep_prints_its_run_dirs(tmp_path, capsys):
         return JobReturn(working_dir=str(tmp_path), hydra_cfg=OmegaConf.create(
             {"hydra": {"runtime": {"output_dir": str(out)}}}))
 
-    slurm_sweep.report([job(done), job(failed)])
+    submitit_sweep.report([job(done), job(failed)])
     assert capsys.readouterr().out.splitlines() == [
         f"run complete: {done}  (summary.json written)",
         f"run without summary.json: {failed} (see dtrain runs --all)"]

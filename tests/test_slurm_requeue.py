@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, py
-from dtrain.files import files_named
-from dtrain import results
+from dtrain.core.files import files_named
+from dtrain.results import loader
 
 pytestmark = pytest.mark.slurm
 
@@ -40,7 +40,7 @@ def reference_losses(app: str, steps: int, tmp_root: Path) -> list[float]:
     if key not in _references:
         out = py("-m", app, *train_args(app, steps), "launcher=local", f"results_dir={tmp_root / 'ref'}", timeout=600)
         assert out.returncode == 0, out.stdout + out.stderr
-        _references[key] = list(results.load([tmp_root / "ref"], kind="step").sort_values("step")["loss"])
+        _references[key] = list(loader.load([tmp_root / "ref"], kind="step").sort_values("step")["loss"])
     return _references[key]
 
 
@@ -97,8 +97,8 @@ def events(run: Path) -> list[dict]:
 
 def finish_and_check(proc, log: Path, results_dir: Path, reference: list[float], steps: int) -> list[dict]:
     assert proc.wait(timeout=600) == 0, log.read_text()
-    [run] = results.complete_runs([results_dir])
-    rows = results.load([results_dir], kind="step")
+    [run] = loader.complete_runs([results_dir])
+    rows = loader.load([results_dir], kind="step")
     assert list(rows["step"]) == list(range(1, steps + 1))  # every step once: none lost, none twice
     assert list(rows["loss"]) == reference                  # bit-identical to the uninterrupted run
     ev = events(run.path)
@@ -158,7 +158,7 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, slurm_cluster):
     --signal; checked every ~30 s here), the job checkpoints and requeues; the requeued job gets a
     longer limit here so it can finish. The signal is due 90 s in and comes 30 s in at the
     earliest, after the tasks have installed their handlers (a USR2 that lands while submitit is
-    still unpickling the task kills it: Slurm's default action; dtrain.app.check_signal_delay
+    still unpickling the task kills it: Slurm's default action; dtrain.run.app.check_signal_delay
     refuses a shorter time_min), and training (~100 s idle, ~25 steps/s) outlasts the latest the
     signal can come (90 s)."""
     print(f"seed={SEED}")

@@ -1,7 +1,7 @@
 """`dtrain runs` on Slurm logs, without a cluster: submitit log folders read back, error tails kept."""
 from __future__ import annotations
 
-from dtrain import slurm_runs
+from dtrain.slurm import jobs
 
 
 def test_failed_sweep_point_found_with_its_error_tail(tmp_path, monkeypatch):
@@ -12,10 +12,10 @@ def test_failed_sweep_point_found_with_its_error_tail(tmp_path, monkeypatch):
     (bad / "12_1_0_log.err").write_text("submitit INFO (x) - Starting\nTraceback line\n"
                                         "error: backend='bogus' is not one of auto, nccl, gloo\n")
     (bad / "12_1_1_log.err").write_text("[W1122 socket.cpp:207] noise\n")
-    monkeypatch.setattr(slurm_runs, "sacct", lambda jobs: {"12_0": ("COMPLETED", "n1"), "12_1": ("FAILED", "n2")})
-    jobs = slurm_runs.jobs_in([tmp_path])
-    assert [(j.job, j.state, j.nodes) for j in jobs] == [("12_0", "COMPLETED", "n1"), ("12_1", "FAILED", "n2")]
-    [failed] = slurm_runs.unfinished(jobs, complete_jobs={"12_0"})
+    monkeypatch.setattr(jobs, "sacct", lambda ids: {"12_0": ("COMPLETED", "n1"), "12_1": ("FAILED", "n2")})
+    found = jobs.jobs_in([tmp_path])
+    assert [(j.job, j.state, j.nodes) for j in found] == [("12_0", "COMPLETED", "n1"), ("12_1", "FAILED", "n2")]
+    [failed] = jobs.unfinished(found, complete_jobs={"12_0"})
     assert failed.job == "12_1" and failed.sweep_point == str(sweep / "1")
     assert failed.error_tail == "Traceback line\nerror: backend='bogus' is not one of auto, nccl, gloo"
 
@@ -24,8 +24,8 @@ def test_sacct_absent_gives_unknown_state(tmp_path, monkeypatch):
     folder = tmp_path / "run" / "slurm"
     folder.mkdir(parents=True)
     (folder / "7_0_log.err").write_text("RuntimeError: boom\n")
-    monkeypatch.setattr(slurm_runs.shutil, "which", lambda name: None)
-    [job] = slurm_runs.jobs_in([tmp_path])
+    monkeypatch.setattr(jobs.shutil, "which", lambda name: None)
+    [job] = jobs.jobs_in([tmp_path])
     assert (job.job, job.state, job.sweep_point, job.error_tail) == ("7", "?", None, "RuntimeError: boom")
 
 
@@ -34,10 +34,10 @@ def test_dtrain_runs_fits_100_columns_and_wide_shows_everything(tmp_path, monkey
     in its middle (the end tells runs apart), says once why the state is unknown; --wide has the full path."""
     from omegaconf import OmegaConf
 
-    from dtrain.cli import main
-    from dtrain.metrics import write_config, write_json_atomic, write_summary
+    from dtrain.cli.main import main
+    from dtrain.results.metrics import write_config, write_json_atomic, write_summary
 
-    monkeypatch.setattr(slurm_runs.shutil, "which", lambda name: None)  # no sacct here
+    monkeypatch.setattr(jobs.shutil, "which", lambda name: None)  # no sacct here
     deep = tmp_path / "fsdp-scaling" / ("multirun-20261125-110744-886682-" + "x" * 60)
     for point in ("0", "1"):
         run = deep / point

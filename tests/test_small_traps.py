@@ -14,9 +14,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import precheck, slurm_sweep
-from dtrain.cli import main
-from dtrain.errors import UserError
+from dtrain.cli.main import main
+from dtrain.core.errors import UserError
+from dtrain.run import precheck
+from dtrain.slurm import submitit_sweep
 
 FIXTURE_RUN = Path(__file__).parent / "fixtures/results/cpu/fsdp-scaling/20250301-100100-000000"
 
@@ -117,13 +118,13 @@ def launcher(**kw):
 
 def test_sweep_fits_check_names_the_launcher_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", fake_sinfo(tmp_path / "bin"))
-    slurm_sweep.check_fits(launcher(partition="debug", tasks_per_node=2))  # fits: silent
+    submitit_sweep.check_fits(launcher(partition="debug", tasks_per_node=2))  # fits: silent
     with pytest.raises(UserError) as e:
-        slurm_sweep.check_fits(launcher(partition="gpu", tasks_per_node=2, gpus_per_node=8))
+        submitit_sweep.check_fits(launcher(partition="gpu", tasks_per_node=2, gpus_per_node=8))
     assert str(e.value) == ("Slurm partition 'gpu' has no nodes (sinfo): set "
                             "hydra.launcher.partition to one that `sinfo` lists")
     with pytest.raises(UserError) as e:
-        slurm_sweep.check_fits(launcher(tasks_per_node=2, gres="gpu:4"))
+        submitit_sweep.check_fits(launcher(tasks_per_node=2, gres="gpu:4"))
     assert str(e.value).startswith(
         "Slurm can never run this job: it asks for 1 node(s) with 2 CPUs, 4 GPUs")
     assert str(e.value).endswith(
@@ -134,7 +135,7 @@ def test_sweep_fits_check_names_the_launcher_keys(tmp_path, monkeypatch):
 
 def test_submitit_sweep_on_a_missing_partition_is_the_launcher_slurm_line(tmp_path):
     """Before sbatch (which would answer with a raw gres error), nothing submitted, nothing left."""
-    out = py("-m", "dtrain.selftest", "-m", "numel=16,64", "world_size=2",
+    out = py("-m", "dtrain.run.selftest", "-m", "numel=16,64", "world_size=2",
              f"results_dir={tmp_path / 'r'}", "hydra/launcher=submitit_slurm",
              "hydra.launcher.partition=gpu", "hydra.launcher.tasks_per_node=2",
              "hydra.launcher.gpus_per_node=8", env={"PATH": fake_sinfo(tmp_path / "bin")},
@@ -155,9 +156,9 @@ def test_the_job_id_is_printed_as_soon_as_sbatch_answers(monkeypatch, capsys):
     monkeypatch.setattr(SlurmExecutor, "_submit_command", lambda self, command: Job())
     seen = []
     def announce(job):
-        seen.append(slurm_sweep.submitted_line(job.job_id, 2, "/s/%j"))
+        seen.append(submitit_sweep.submitted_line(job.job_id, 2, "/s/%j"))
 
-    with slurm_sweep._refusals(announce):
+    with submitit_sweep._refusals(announce):
         job = SlurmExecutor._submit_command(object(), "sbatch ...")
         # said before the sweep goes on to wait for its points
         assert seen == ["submitted Slurm job array 4242 (2 point(s)); logs in /s/4242_*"]
@@ -166,7 +167,7 @@ def test_the_job_id_is_printed_as_soon_as_sbatch_answers(monkeypatch, capsys):
 
 @pytest.mark.slurm
 def test_submitit_sweep_prints_its_job_id_before_it_finishes(slurm_cluster, tmp_path):
-    out = py("-m", "dtrain.selftest", "-m", "numel=16,64", "world_size=2",
+    out = py("-m", "dtrain.run.selftest", "-m", "numel=16,64", "world_size=2",
              f"results_dir={tmp_path}", "hydra/launcher=submitit_slurm",
              "hydra.launcher.tasks_per_node=2", timeout=300)
     assert out.returncode == 0, out.stderr
@@ -265,7 +266,7 @@ def test_dtrain_runs_wide_shows_every_override(tmp_path, capsys):
 
 
 def test_compact_table_cuts_paths_in_the_middle():
-    from dtrain.cli_runs import shorten
+    from dtrain.cli.runs import shorten
 
     assert shorten("fsdp-scaling/multirun-20261127-063855-207738/12", 20) == "fsdp-s…855-207738/12"
     assert len(shorten("x" * 300, 37)) == 37 and shorten("short", 37) == "short"
@@ -284,7 +285,7 @@ def test_each_model_has_its_own_colour_and_marker():
         pairs = itertools.combinations(colours, 2)
         return min(sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5 for a, b in pairs)
 
-    from dtrain import plots
+    from dtrain.results import plots
 
     assert far(palette) > 0.3  # the old colorblind palette's orange and vermillion were 0.19 apart
     assert far(plots.sns.color_palette("colorblind", 7)) < 0.3

@@ -1,4 +1,4 @@
-"""TensorBoard event files beside records.jsonl (dtrain.metrics.RunWriter.scalar): what the trainer
+"""TensorBoard event files beside records.jsonl (dtrain.results.metrics.RunWriter.scalar): what the trainer
 records per step is read back with TensorBoard's own reader and equals the records, step by step."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain import dist as ddist
-from dtrain.launch import RankContext
-from dtrain.metrics import RunWriter, run_name
-from dtrain.model import GPTConfig
-from dtrain.results import read_jsonl
+from dtrain.model.gpt import GPTConfig
+from dtrain.results.loader import read_jsonl
+from dtrain.results.metrics import RunWriter, run_name
+from dtrain.run import dist as ddist
+from dtrain.run.launch import RankContext
 from dtrain.train import Trainer, TrainConfig
 from dtrain.train.trainer import SCALARS
 
@@ -106,7 +106,7 @@ def test_without_tensorboard_one_event_and_no_folder(tmp_path, monkeypatch):
 
 
 def test_a_run_that_records_no_scalar_imports_no_tensorboard(tmp_path):
-    code = ("import sys; from dtrain.metrics import RunWriter\n"
+    code = ("import sys; from dtrain.results.metrics import RunWriter\n"
             f"w = RunWriter({str(tmp_path)!r}); w.record('x', v=1); w.event('y'); w.close()\n"
             "print(json.dumps(sorted(m for m in sys.modules if 'tensorboard' in m)))")
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True,

@@ -1,9 +1,9 @@
-"""dtrain.timing: statistics against hand values; warmup and iteration counts."""
+"""dtrain.model.timing: statistics against hand values; warmup and iteration counts."""
 import time
 
 import pytest
 
-from dtrain.timing import Stopwatch, TimingStats, time_fn
+from dtrain.model.timing import Stopwatch, TimingStats, time_fn
 
 
 def test_stats_by_hand():

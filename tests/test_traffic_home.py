@@ -63,14 +63,14 @@ def test_cp_and_pp_and_dp_bytes_by_hand():
 def test_the_trainers_expected_bytes_are_these_functions():
     """The counted-bytes checks (tp-attention's parity, the CP study, the TP bench) compare with
     `expected_wire_bytes`: that name is the traffic module's function, not a copy."""
-    from dtrain.parallel import comm
-    from dtrain.parallel.cp import comm as cp_comm
-    from dtrain.parallel.tp import comm as tp_comm
+    from dtrain.parallel import comm_counter
+    from dtrain.parallel.cp import exchange
+    from dtrain.parallel.tp import tp_collectives
 
-    assert tp_comm.expected_wire_bytes is traffic.tp_layer_wire_bytes
-    assert cp_comm.expected_wire_bytes is traffic.cp_layer_wire_bytes
-    assert cp_comm.ulysses_kv_heads is traffic.ulysses_kv_heads
-    assert comm.wire_bytes is tp_comm.wire_bytes is traffic.wire_bytes
+    assert tp_collectives.expected_wire_bytes is traffic.tp_layer_wire_bytes
+    assert exchange.expected_wire_bytes is traffic.cp_layer_wire_bytes
+    assert exchange.ulysses_kv_heads is traffic.ulysses_kv_heads
+    assert comm_counter.wire_bytes is tp_collectives.wire_bytes is traffic.wire_bytes
 
 
 def test_traffic_module_and_cost_model_import_without_torch():
@@ -91,8 +91,8 @@ def rank(r):
     os.environ.update(RANK=str(r), WORLD_SIZE="2")
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    from dtrain.model import GPT, GPTConfig
-    from dtrain.parallel.comm import CommCounter
+    from dtrain.model.gpt import GPT, GPTConfig
+    from dtrain.parallel.comm_counter import CommCounter
     from dtrain.parallel.cp.ring import ring_attention
     from dtrain.parallel.cp.ulysses import ulysses_attention
     from dtrain.parallel.tp.attention import TensorParallelBlock, make_tp_groups
@@ -128,7 +128,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    from dtrain.dist import free_port
+    from dtrain.run.dist import free_port
 
     script = tmp_path_factory.mktemp("counted") / "counted.py"  # spawn re-imports it by path
     script.write_text(COUNTED)
@@ -215,9 +215,9 @@ def test_the_cost_model_calls_the_traffic_functions(monkeypatch):
             called.add(_n)
             return _f(*a, **k)
         monkeypatch.setattr(traffic, name, spy)
-    from dtrain.costmodel import traffic as cm_traffic
+    from dtrain.costmodel import comm_time
 
-    cm_traffic.dp_comm_time.cache_clear()
+    comm_time.dp_comm_time.cache_clear()
     shape = ModelShape(8, 1024, 16, 4, 32000, 8192)
     m = step_model(shape, H100x64, Calibration())
     m.time(Layout(dp_shard=4, tp=2, pp=2, zero_stage=3, grad_accum=4, sequence_parallel=True,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.errors import UserError
-from dtrain.model import GPTConfig
-from dtrain.parallel.cp.apply import select_impl
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import GPTConfig
+from dtrain.parallel.cp.trainer_cp import select_impl
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.train import TrainConfig
 from test_train_layouts import assert_matches, references, reference, run_specs  # noqa: F401  (fixtures)
@@ -96,7 +96,7 @@ def test_torch_context_parallel_is_refused_off_cuda():
 
 
 def test_the_memory_check_counts_a_cp_ranks_tokens_and_fsdp_over_cp():
-    from dtrain.fit import training_need
+    from dtrain.train.memory_fit import training_need
 
     model = GPTConfig.from_preset("1b", seq_len=8192)
     need = {cp: training_need(model, TrainConfig(cp=cp, micro_batch=1).resolved(4, "cuda"), 4) for cp in (1, 2, 4)}
@@ -109,28 +109,28 @@ def test_the_memory_check_counts_a_cp_ranks_tokens_and_fsdp_over_cp():
 def test_cli_cp2_equals_one_rank_and_records_cp(tmp_path):
     """The issue's check, as a user runs it: two CLI runs, the same global batch (2 sequences)."""
     from conftest import py
-    from dtrain import contract, results
+    from dtrain.results import contract, loader
 
     args = ["model.preset=tiny", "model.seq_len=256", "train.steps=8"]
     for world, extra in ((2, ["train.cp=2"]), (1, [])):
         out = py("-m", "fsdp_scaling", f"world_size={world}", *extra, *args, f"results_dir={tmp_path}/w{world}",
                  timeout=240)
         assert out.returncode == 0, out.stderr[-3000:]
-    steps = {w: results.load([tmp_path / f"w{w}"], kind="step") for w in (1, 2)}
+    steps = {w: loader.load([tmp_path / f"w{w}"], kind="step") for w in (1, 2)}
     for key in ("loss", "grad_norm"):
         rel = max(abs(a - b) / abs(b) for a, b in zip(steps[2][key], steps[1][key], strict=True))
         assert rel <= 1e-6, (key, rel)
-    [run] = results.complete_runs([tmp_path / "w2"])
+    [run] = loader.complete_runs([tmp_path / "w2"])
     assert (run.summary["cp"], run.summary["cp_impl"], run.summary["global_batch"]) == (2, "ring", 2)
     [m] = contract.read(run.summary)
     assert (m.layout.cp, m.layout.dp, m.layout.world_size) == (2, 1, 2)
 
 
 def test_cp_refuses_an_attention_that_is_not_dtrain_models_sdpa():
-    from dtrain.model import GPT
-    from dtrain.parallel.cp.apply import apply_cp
+    from dtrain.model.gpt import GPT
+    from dtrain.parallel.cp.trainer_cp import swap_attention_cores
 
     gpt = GPT(GPTConfig.from_preset("tiny"))
     gpt.blocks[1].attn.core = lambda q, k, v, head_dim: q  # e.g. an experiment's own attention
-    with pytest.raises(UserError, match=r"needs dtrain.model's SDPA attention in every block, but blocks.1.attn runs"):
-        apply_cp(gpt, "ring", mesh=None)
+    with pytest.raises(UserError, match=r"needs dtrain.model.gpt's SDPA attention in every block, but blocks.1.attn runs"):
+        swap_attention_cores(gpt, "ring", mesh=None)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dtrain.errors import UserError
-from dtrain.launch import launch
-from dtrain.model import GPTConfig
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import GPTConfig
+from dtrain.run.launch import launch
 from dtrain.train import Callback, Trainer, TrainConfig
 
 STEPS = 5
@@ -263,14 +263,14 @@ def test_strategies_split_dp_into_replicas_and_shards():
 
 
 def test_memory_need_counts_the_layout_by_hand():
-    """dtrain.fit for tp2 x pp2 x dp2 (zero3 -> zero2 under pp), one k/v head, fp32, worked by hand.
+    """dtrain.train.memory_fit for tp2 x pp2 x dp2 (zero3 -> zero2 under pp), one k/v head, fp32, worked by hand.
 
     d=64, F=256, head_dim=16, V=256, T=64, RMSNorm, no bias. Per block per tp rank: norms 2*64,
     wq and wo 64*32 each, w1 and w2 64*128 each, wk and wv whole (1 k/v head < tp) 16*64 each
     = 128 + 4096 + 16384 + 2048 = 22656. Stage 0 = blocks 0-1 + tok/pos embeddings (256+64)*64:
     45312 + 20480 = 65792 (stage 1: 45312 + norm 64 + lm_head 16384 = 61760)."""
-    from dtrain.fit import params_per_rank, training_need
-    from dtrain.model import num_params
+    from dtrain.model.gpt import num_params
+    from dtrain.train.memory_fit import params_per_rank, training_need
 
     model = GPTConfig.from_preset("tiny", n_layer=4, n_kv_head=1)
     assert params_per_rank(model) == num_params(model) == 209_472

@@ -8,12 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain import dist as ddist
-from dtrain.errors import UserError
-from dtrain.launch import RankContext
-from dtrain.metrics import RunWriter
-from dtrain.model import GPTConfig
-from dtrain.results import read_jsonl
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import GPTConfig
+from dtrain.results.loader import read_jsonl
+from dtrain.results.metrics import RunWriter
+from dtrain.run import dist as ddist
+from dtrain.run.launch import RankContext
 from dtrain.train import Callback, Trainer, TrainConfig
 
 TINY = GPTConfig.from_preset("tiny")

@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from conftest import REPO, py
-from dtrain import precheck
-from dtrain.config import ModelConfig
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
+from dtrain.core.nodes import ModelConfig
+from dtrain.run import precheck
 from dtrain.train import TrainConfig
 
 APPS = [  # (config module, config name, dataclass "module:Class")
@@ -64,7 +64,7 @@ def test_one_model_node_and_one_train_node_everywhere():
         types = {f.name: f.type for f in dataclasses.fields(_cls(cls))}
         assert types["train"] in (TrainConfig, "TrainConfig"), cls
     # every GPTConfig field can be set from the command line, under the same name
-    from dtrain.model import GPTConfig
+    from dtrain.model.gpt import GPTConfig
 
     assert {f.name for f in dataclasses.fields(ModelConfig)} == {"preset"} | {f.name for f in dataclasses.fields(GPTConfig)}
 
@@ -142,7 +142,7 @@ def test_a_run_writes_the_dataclass_defaults_to_config_yaml(tmp_path):
     stays auto: the device the ranks used is in env.json)."""
     from dtrain.conf import SelftestConfig
 
-    out = py("-m", "dtrain.selftest", "world_size=1", "numel=8", f"results_dir={tmp_path}", timeout=120)
+    out = py("-m", "dtrain.run.selftest", "world_size=1", "numel=8", f"results_dir={tmp_path}", timeout=120)
     assert out.returncode == 0, out.stderr
     [written] = [yaml.safe_load(p.read_text()) for p in Path(tmp_path).rglob("config.yaml") if ".hydra" not in str(p)]
     expected = OmegaConf.to_container(OmegaConf.structured(SelftestConfig(world_size=1, numel=8,

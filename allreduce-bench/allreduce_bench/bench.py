@@ -2,7 +2,7 @@
 
 Ranks: topology report (rank 0), then the sweep (sweep.py). After them, `finalize` prints the
 nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose
-`guide_inputs` (dtrain.contract.CollectiveFit, one per intra/inter-node fit) the parallelism guide reads.
+`guide_inputs` (dtrain.results.contract.CollectiveFit, one per intra/inter-node fit) the parallelism guide reads.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from omegaconf import DictConfig
 
 from allreduce_bench import groups, report, spec, sweep, topology_report
-from dtrain import contract
-from dtrain.launch import RankContext
-from dtrain.metrics import ENV
+from dtrain.results import contract
+from dtrain.results.metrics import ENV
+from dtrain.run.launch import RankContext
 
 GUIDE_FIT_KEYS = ("collective", "link_class", "alpha_us", "beta_GBps", "r2", "n_points", "algo_factor", "dtype",
                   "world_size", "theoretical_GBps", "beta_pct_of_theoretical")

@@ -1,4 +1,4 @@
-"""What `python -m allreduce_bench` refuses before any rank starts (dtrain.app runs ``validate`` for every
+"""What `python -m allreduce_bench` refuses before any rank starts (dtrain.run.app runs ``validate`` for every
 point of a sweep). The sweep's values first, without torch (allreduce_bench.spec); then the backend the ranks
 will use, which needs torch on a local run, against the dtypes and reductions it is known to refuse."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 from omegaconf import DictConfig
 
 from allreduce_bench import spec
-from dtrain import dist as ddist
-from dtrain.errors import UserError
-from dtrain.launch import mode_of
+from dtrain.core.errors import UserError
+from dtrain.run import dist as ddist
+from dtrain.run.launch import mode_of
 
 
 def expected_backend(cfg: DictConfig) -> str | None:

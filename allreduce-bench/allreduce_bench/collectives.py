@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from allreduce_bench.busbw import Layout, supports
-from dtrain.dist import all_gather_single, reduce_scatter_single
+from dtrain.run.dist import all_gather_single, reduce_scatter_single
 
 REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "AVG"}
 

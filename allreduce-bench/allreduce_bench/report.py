@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 
 from allreduce_bench import fit as abfit
-from dtrain import plots
-from dtrain.metrics import RECORDS
-from dtrain.results import read_jsonl
-from dtrain.terminal import WIDTH
+from dtrain.core.terminal import WIDTH
+from dtrain.results import plots
+from dtrain.results.loader import read_jsonl
+from dtrain.results.metrics import RECORDS
 
 CSV = "collectives.csv"
 BUSBW_PLOT = "busbw_vs_size.png"
@@ -31,7 +31,7 @@ def fit_mode(df: pd.DataFrame, collective: str) -> str:
     return "out_of_place" if "out_of_place" in modes else "in_place"
 
 
-# nccl-tests' columns, one space apart so a row fits dtrain.terminal.WIDTH (100) columns: the
+# nccl-tests' columns, one space apart so a row fits dtrain.core.terminal.WIDTH (100) columns: the
 # identifying columns (42) and one (time, algbw, busbw, #wrong) block (29) per mode
 ID_WIDTHS = {"size": 10, "count": 10, "type": 8, "redop": 5, "root": 4}
 CELL = " {:>7} {:>6} {:>6} {:>6}"
@@ -153,7 +153,7 @@ def plot_fits(df: pd.DataFrame, fitted: list[dict], path: Path) -> Path:
 def print_fits(fitted: list[dict]) -> None:
     from rich.table import Table
 
-    from dtrain.terminal import console
+    from dtrain.core.terminal import console
 
     table = Table(title="α–β fit: t(S) = α + S·c/β  (β is a bus bandwidth)")
     for col in ("collective", "link class", "dtype", "ranks", "α (µs)", "β (GB/s)", "R²", "points", "β % of link"):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from allreduce_bench.busbw import COLLECTIVES, supports
-from dtrain.checks import integer_at_least, one_of
-from dtrain.errors import UserError
+from dtrain.core.checks import integer_at_least, one_of
+from dtrain.core.errors import UserError
 
 # torch's dtype names (torch is imported only by the ranks and by `torch_dtype`: the command line is checked first)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8", "float8_e4m3fn",

@@ -1,7 +1,7 @@
 """The measurement loop: every link class x dtype x collective x size x mode, timed like nccl-tests.
 
 Per case: warmup, then `iters` back-to-back ops between one world barrier and the end of the
-last op (dtrain.timing.Stopwatch: CUDA events on GPU, wall clock on CPU), divided by `iters`.
+last op (dtrain.model.timing.Stopwatch: CUDA events on GPU, wall clock on CPU), divided by `iters`.
 Those per-rank times are reduced over ranks (SUM/MAX/MIN) into avg/min/max; bandwidths use the
 average, as nccl-tests does by default. Then one fresh, checked execution counts wrong elements.
 """
@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from allreduce_bench import busbw, collectives, groups
 from allreduce_bench.spec import NCCL_TYPE_NAMES, BenchSpec, torch_dtype
-from dtrain.errors import UserError
-from dtrain.timing import Stopwatch, synchronize
+from dtrain.core.errors import UserError
+from dtrain.model.timing import Stopwatch, synchronize
 
 _UNSUPPORTED = ("invalid scalar type", "unsupported", "not supported", "does not support", "cannot use reduceop",
                 "can't be cast")
@@ -67,7 +67,7 @@ def over_ranks(seconds: float, member: bool, wrong: int, device) -> tuple[float,
 def _progress(total: int, enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from dtrain.terminal import rich_progress
+    from dtrain.core.terminal import rich_progress
 
     return rich_progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                          TimeElapsedColumn(), show=enabled, transient=True)

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from allreduce_bench import linkspeed, topology
-from dtrain.metrics import write_text_atomic
+from dtrain.results.metrics import write_text_atomic
 
 REPORT = "TOPOLOGY.md"
 

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from allreduce_bench.spec import parse_bytes, size_sweep
-from dtrain.timing import Stopwatch, synchronize
+from dtrain.model.timing import Stopwatch, synchronize
 
 
 def copy_seconds(nbytes: int, device: torch.device, warmup: int, iters: int) -> float:

@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 
 from allreduce_bench import busbw, collectives, sweep
 from allreduce_bench.spec import DTYPES, parse_bytes, size_sweep, torch_dtype
-from dtrain.dist import free_port
-from dtrain.timing import synchronize
+from dtrain.model.timing import synchronize
+from dtrain.run.dist import free_port
 
 
 def raw_loop(x: torch.Tensor, warmup: int, iters: int, device) -> float:

@@ -9,7 +9,7 @@ import pytest
 from allreduce_bench import busbw
 from allreduce_bench.bench import GUIDE_FIT_KEYS
 from conftest import py
-from dtrain import contract, results
+from dtrain.results import contract, loader
 
 SMALL = ["min_bytes=1K", "max_bytes=64K", "step_factor=8", "iters=3", "timing_warmup=1"]
 
@@ -19,7 +19,7 @@ def full_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ar")
     out = py("-m", "allreduce_bench", f"results_dir={out_dir}", *SMALL, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run] = results.complete_runs([out_dir])
+    [run] = loader.complete_runs([out_dir])
     return out, run
 
 
@@ -37,7 +37,7 @@ def test_prints_nccl_tests_table_and_paths(full_run):
 
 def test_records_csv_and_correctness(full_run):
     _, run = full_run
-    df = results.load([run.path], kind="collective")
+    df = loader.load([run.path], kind="collective")
     # 3 sizes x (all_gather, reduce_scatter in both modes + 5 collectives in one mode)
     assert len(df) == 3 * (2 * 2 + 5)
     assert set(df.collective) == set(busbw.COLLECTIVES)
@@ -102,7 +102,7 @@ def test_corrupted_result_fails_the_run_after_writing_records(tmp_path):
              "debug.inject_wrong=all_gather", *SMALL, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "correctness check failed in 6 case(s): all_gather intra_node float32 1024 B out_of_place: 1 wrong" in out.stderr
-    [run] = results.find_runs([tmp_path])
+    [run] = loader.find_runs([tmp_path])
     assert run.status == "incomplete"  # no summary.json: loaders skip it
     rows = [json.loads(line) for line in (run.path / "records.jsonl").read_text().splitlines()]
     assert {r["collective"]: r["wrong"] for r in rows if r["nbytes"] == 1024 and r["mode"] == "in_place"} == \
@@ -114,8 +114,8 @@ def test_simulated_two_nodes_measure_intra_inter_and_world(tmp_path):
     out = py("-m", "allreduce_bench", f"results_dir={tmp_path}", "world_size=4", "debug.simulate_nodes=2",
              "collectives=[all_reduce,sendrecv,broadcast]", "modes=[in_place,out_of_place]", *SMALL, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run] = results.complete_runs([tmp_path])
-    df = results.load([run.path], kind="collective")
+    [run] = loader.complete_runs([tmp_path])
+    df = loader.load([run.path], kind="collective")
     shape = {lc: (int(g.group_size.iloc[0]), int(g.groups.iloc[0])) for lc, g in df.groupby("link_class")}
     assert shape == {"intra_node": (2, 2), "inter_node": (2, 2), "world": (4, 1)}
     assert (df.wrong == 0).all()
@@ -134,9 +134,9 @@ def test_single_rank_nccl_path(tmp_path):
              "collectives=[all_reduce,all_gather,broadcast]", "dtypes=[bf16]", "min_bytes=1M", "max_bytes=64M",
              timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run] = results.complete_runs([tmp_path])
+    [run] = loader.complete_runs([tmp_path])
     assert (run.summary["device"], run.summary["backend"]) == ("cuda", "nccl")
-    assert (results.load([run.path], kind="collective").wrong == 0).all()
+    assert (loader.load([run.path], kind="collective").wrong == 0).all()
     assert "## Links per GPU pair" in (run.path / "TOPOLOGY.md").read_text()
 
 
@@ -146,10 +146,10 @@ def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
              f"results_dir={tmp_path}", *SMALL, "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug",
              "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", "hydra.launcher.mem_gb=2", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    runs = results.load_runs([tmp_path])
+    runs = loader.load_runs([tmp_path])
     assert len(runs) == 2 and set(runs["summary.backend"]) == {"gloo"}
     # one run per sweep point, each measuring its own dtype with no wrong element (whether 3 small sizes
     # under load give a fit is noise, so the fit itself is checked elsewhere)
-    records = results.load([tmp_path], kind="collective")
+    records = loader.load([tmp_path], kind="collective")
     assert sorted(records.groupby("run")["dtype"].agg(lambda d: ",".join(sorted(set(d))))) == ["bfloat16", "float32"]
     assert (records["wrong"] == 0).all()

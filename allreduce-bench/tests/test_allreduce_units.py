@@ -7,7 +7,7 @@ from allreduce_bench import collectives, groups, spec, sweep
 from allreduce_bench import busbw
 from allreduce_bench.busbw import layout
 from allreduce_bench.conf import AllreduceBenchConfig
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 
 
 def cfg(**over):

@@ -1,4 +1,6 @@
-"""dtrain: the shared launcher, metrics, model, data, timing, plots, cost model and guide."""
+"""dtrain, by layer (docs/ARCHITECTURE.md, "Packages" and "Layers"): the base (`core`, `run`,
+`slurm`, `model`, `results`, `conf`), then `parallel`, `costmodel`, `train`, and on top `guide`,
+`gpucheck`, `cli`."""
 import os
 
 # torch.profiler's kineto prints "USDT: ... profiler_start/stop" lines at its top log level (5) into every

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dtrain.dist import DistEnv
-from dtrain.launch import RankContext
-from dtrain.metrics import RunWriter
-from dtrain.model import GPTConfig
+from dtrain.model.gpt import GPTConfig
+from dtrain.results.metrics import RunWriter
+from dtrain.run.dist import DistEnv
+from dtrain.run.launch import RankContext
 from dtrain.train import TrainConfig, Trainer
 from fp8_train import backends
 from fp8_train.conf import Fp8DebugConfig

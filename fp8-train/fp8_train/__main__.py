@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import sys
 
-from dtrain.app import fail, hydra_main
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError, fail
+from dtrain.run.app import hydra_main
 
-# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
+# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
 train_main = hydra_main("fp8_train.conf", rank_fn="fp8_train.train:rank_fn", validate="fp8_train.checks:validate",
                         finalize="fp8_train.train:finalize")
 

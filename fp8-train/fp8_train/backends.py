@@ -24,9 +24,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from dtrain.checks import one_of
-from dtrain.errors import UserError, missing_dependency
-from dtrain.model import default_linear
+from dtrain.core.checks import one_of
+from dtrain.core.errors import UserError, missing_dependency
+from dtrain.model.gpt import default_linear
 from fp8_train.recipes import HIGH, RECIPES, backend_of
 
 def high_precision(recipe: str, precision: str, device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""What `python -m fp8_train` refuses before any rank starts (dtrain.app runs ``validate`` for every point of a
+"""What `python -m fp8_train` refuses before any rank starts (dtrain.run.app runs ``validate`` for every point of a
 sweep). The values first, without torch (a wrong one is one line in a fraction of a second); then what needs
 torch: a local run's device and whether its recipe runs there, memory, a resume's checkpoint, the precision map
 and the fault plan against the model's layers."""
@@ -8,7 +8,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 from dtrain.train import run_checks
 from fp8_train import recipes
 
@@ -28,7 +28,7 @@ def validate(cfg: DictConfig) -> None:
 
     import torch
 
-    from dtrain.model import GPT
+    from dtrain.model.gpt import GPT
     from fp8_train import backends, faults
     from fp8_train.precision_map import PrecisionMap, check_rules_match
 

@@ -2,8 +2,8 @@
 
 Trains the high-precision baseline and each FP8 recipe over several seeds (a Hydra multirun of
 `python -m fp8_train` underneath, so `hydra/launcher=submitit_slurm` sends it to Slurm), then
-writes a derived run directory results/fp8-train/compare-<time>/ (dtrain.derived: it names the
-sweep's runs under runs/) with report.md, plots, and one dtrain.contract.Fp8Comparison per recipe
+writes a derived run directory results/fp8-train/compare-<time>/ (dtrain.results.derived: it names the
+sweep's runs under runs/) with report.md, plots, and one dtrain.results.contract.Fp8Comparison per recipe
 in its summary's "guide_inputs", which the cost model reads.
 
 The within-noise test, stated: a recipe is within noise when its mean final loss (mean of the
@@ -24,13 +24,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from dtrain import contract, plots
-from dtrain.checks import one_of
-from dtrain.derived import claim_fresh, write_derived_run
-from dtrain.errors import UserError
-from dtrain.metrics import SUMMARY, write_json_atomic
-from dtrain.results import complete_runs, load, load_events, load_runs
-from dtrain.terminal import WIDTH, shell_command
+from dtrain.core.checks import one_of
+from dtrain.core.errors import UserError
+from dtrain.core.terminal import WIDTH, shell_command
+from dtrain.results import contract, plots
+from dtrain.results.derived import claim_fresh, write_derived_run
+from dtrain.results.loader import complete_runs, load, load_events, load_runs
+from dtrain.results.metrics import SUMMARY, write_json_atomic
 from fp8_train.recipes import HIGH, RECIPES
 
 CPU_RECIPES = ["fp32", "emulated_delayed", "emulated_current", "torchao_tensorwise"]
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> dict:
     recipes, baseline, seeds = plan(args, overrides)
     results_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("results_dir=")), "results")
     overrides = [o for o in overrides if not o.startswith(("results_dir=", "recipe=", "seed="))]
-    # a derived run's own new folder, claimed before the sweep (dtrain.derived); its runs go inside it
+    # a derived run's own new folder, claimed before the sweep (dtrain.results.derived); its runs go inside it
     out = claim_fresh(Path(results_dir) / "fp8-train", "compare-", "results_dir", holds_runs=True)
     plan_config = {"mode": "compare", "recipes": recipes, "baseline": baseline, "seeds": seeds,
                    "noise_k": args.noise_k, "overrides": overrides}

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtrain import plots
-from dtrain.metrics import EVENTS, RECORDS
-from dtrain.results import read_jsonl, require_complete
+from dtrain.results import plots
+from dtrain.results.loader import read_jsonl, require_complete
+from dtrain.results.metrics import EVENTS, RECORDS
 
 PANELS = [("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("param_norm", "parameter norm", "linear"),
           ("update_ratio", "update / parameter ratio", "log"), ("grad_snr", "gradient SNR", "log"),

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dtrain.checks import one_of
-from dtrain.errors import UserError
+from dtrain.core.checks import one_of
+from dtrain.core.errors import UserError
 from dtrain.train import Callback
 from dtrain.train.parallelize import unwrap
 

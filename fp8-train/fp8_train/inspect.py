@@ -20,8 +20,8 @@ from dataclasses import asdict
 
 import pandas as pd
 
-from dtrain.errors import UserError
-from dtrain.results import load, require_complete
+from dtrain.core.errors import UserError
+from dtrain.results.loader import load, require_complete
 from fp8_train.conf import InspectConfig
 
 DEFAULTS = asdict(InspectConfig())  # the thresholds' defaults live in the config dataclass
@@ -90,7 +90,7 @@ def thresholds(config: dict, overrides: list[str]) -> dict:
 def main(argv: list[str]) -> pd.DataFrame:
     from rich.table import Table
 
-    from dtrain.terminal import WIDTH, console
+    from dtrain.core.terminal import WIDTH, console
 
     if not argv:
         raise UserError("usage: python -m fp8_train inspect RUN [mse_bad=1e3 underflow_bad_pct=80 ...]")

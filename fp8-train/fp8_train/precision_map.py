@@ -16,7 +16,7 @@ which fnmatch reads literally) is refused with the layer names (`check_rules_mat
 Embeddings are lookups, not matmuls: they are always high precision and listed as such. A linear
 whose dimensions an FP8 GEMM cannot take (not multiples of 16; FP4 blocks need 16 or 32) falls
 back to high precision whatever the rules say, and the reason is recorded as a `layer_fallback`
-event. The map plugs into the model through `dtrain.model`'s `linear_factory` hook.
+event. The map plugs into the model through `dtrain.model.gpt`'s `linear_factory` hook.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import torch.nn as nn
 
-from dtrain.errors import UserError, clip
-from dtrain.model import GPTConfig, default_linear
+from dtrain.core.errors import UserError, clip
+from dtrain.model.gpt import GPTConfig, default_linear
 
 PRECISIONS = ("fp8", "high")
 EMBEDDINGS = ("tok_emb", "pos_emb")

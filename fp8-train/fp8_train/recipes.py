@@ -2,8 +2,8 @@
 (fp8_train.checks); fp8_train.backends builds the recipes and re-exports these names."""
 from __future__ import annotations
 
-from dtrain.checks import integer_at_least, one_of
-from dtrain.errors import UserError
+from dtrain.core.checks import integer_at_least, one_of
+from dtrain.core.errors import UserError
 
 HIGH = ("fp32", "bf16", "fp16")
 EMULATED = ("emulated_delayed", "emulated_current", "emulated_nvfp4", "emulated_mxfp4")

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 
 MIN_VERSION = (2, 3)
 INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.3' (builds against the installed torch)"

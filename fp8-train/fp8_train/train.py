@@ -15,11 +15,11 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain import config as dtrain_config
-from dtrain import contract
+from dtrain.core import nodes as dtrain_config
 from dtrain.costmodel import hardware
-from dtrain.metrics import RECORDS
-from dtrain.results import read_jsonl
+from dtrain.results import contract
+from dtrain.results.loader import read_jsonl
+from dtrain.results.metrics import RECORDS
 from dtrain.train import Trainer, TrainConfig
 from fp8_train import backends, faults, recipes, scaling
 from fp8_train.debug import DebugTool
@@ -88,13 +88,13 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
 
     import pandas as pd
 
-    from dtrain.terminal import WIDTH, console
+    from dtrain.core.terminal import WIDTH, console
     from fp8_train import dashboard
 
     rows = step_rows(run_dir)
     pd.DataFrame(rows).to_csv(run_dir / "steps.csv", index=False)
     loss = final_loss(rows)
-    # the recipe is in the title; short headers keep the table within 100 columns (dtrain.terminal)
+    # the recipe is in the title; short headers keep the table within 100 columns (dtrain.core.terminal)
     table = Table(title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, {cfg.train.strategy})",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("precision", "final loss", "tokens/s", "peak mem", "NaN events", "rollbacks"):

@@ -15,11 +15,11 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from dtrain.config import defaults
-from dtrain.launch import RankContext, launch
-from dtrain.metrics import RunWriter
-from dtrain.model import GPT, GPTConfig
-from dtrain.results import read_jsonl
+from dtrain.core.nodes import defaults
+from dtrain.model.gpt import GPT, GPTConfig
+from dtrain.results.loader import read_jsonl
+from dtrain.results.metrics import RunWriter
+from dtrain.run.launch import RankContext, launch
 from fp8_train import backends
 from fp8_train import train as fp8_train_run
 from fp8_train.conf import Fp8TrainConfig

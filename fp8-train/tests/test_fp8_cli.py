@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from conftest import py
 
-from dtrain import contract
-from dtrain.model import GPTConfig, num_params
-from dtrain.results import find_runs, load, load_events, read_jsonl
+from dtrain.model.gpt import GPTConfig, num_params
+from dtrain.results import contract
+from dtrain.results.loader import find_runs, load, load_events, read_jsonl
 
 SUMMARY_KEYS = {"recipe", "precision", "tokens_per_s", "peak_mem_bytes", "final_loss", "nan_events",
               "high_precision_layers", "device", "backend"}

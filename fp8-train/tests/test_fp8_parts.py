@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from dtrain.dist import DistEnv
-from dtrain.errors import UserError
-from dtrain.launch import RankContext
-from dtrain.metrics import RunWriter
-from dtrain.model import GPT, GPTConfig
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import GPT, GPTConfig
+from dtrain.results.metrics import RunWriter
+from dtrain.run.dist import DistEnv
+from dtrain.run.launch import RankContext
 from dtrain.train import TrainConfig, Trainer
 from fp8_train import backends, compare, faults, inspect, te_backend
 from fp8_train.conf import GuardConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import py
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 from fp8_train import recipes, te_backend
 
 UNDEFINED = "libtransformer_engine.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev"

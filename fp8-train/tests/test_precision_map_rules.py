@@ -9,9 +9,9 @@ from conftest import py
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from dtrain import precheck, rundir
-from dtrain.errors import UserError
-from dtrain.model import GPT
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import GPT
+from dtrain.run import precheck, rundir
 from fp8_train import backends
 from fp8_train.checks import validate
 from fp8_train.emulated import FP8Linear

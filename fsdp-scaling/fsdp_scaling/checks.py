@@ -1,11 +1,11 @@
-"""What `python -m fsdp_scaling` refuses before any rank starts (dtrain.app runs ``validate`` for every point
+"""What `python -m fsdp_scaling` refuses before any rank starts (dtrain.run.app runs ``validate`` for every point
 of a sweep). Without torch at import: a wrong value is one line in a fraction of a second; the device, memory
 and checkpoint checks import it after the values pass (dtrain.train.run_checks)."""
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 from dtrain.train import run_checks
 
 

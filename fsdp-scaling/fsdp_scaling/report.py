@@ -1,7 +1,7 @@
 """`python -m fsdp_scaling.report RUN_DIRS... [--out DIR]`: the scaling study over many runs.
 
-Loads complete runs through dtrain.results (single runs or Hydra multirun trees), then writes into
-one report directory (a derived run, dtrain.derived: config.yaml, env.json, summary.json naming
+Loads complete runs through dtrain.results.loader (single runs or Hydra multirun trees), then writes into
+one report directory (a derived run, dtrain.results.derived: config.yaml, env.json, summary.json naming
 the runs it was made from in "derived_from"):
 
   scaling.csv                    one row per run: strategy, layout (tpNxppM[xcpK]), ranks, tokens/s,
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtrain import derived, plots, results
-from dtrain.derived import write_derived_run
-from dtrain.errors import UserError
-from dtrain.strategies import SHARDED
+from dtrain.core.errors import UserError
+from dtrain.core.layout import SHARDED
+from dtrain.results import derived, loader, plots
+from dtrain.results.derived import write_derived_run
 from fsdp_scaling.summary import headline
 
 GROUP = ["strategy", "layout", "scaling", "model", "seq_len", "batch", "mixed_precision", "prefetch", "ac"]
@@ -49,7 +49,7 @@ def layout_name(g: dict) -> str:
 
 
 def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
-    runs = [r for r in results.complete_runs(paths) if r.subproject == "fsdp-scaling" and not r.derived]
+    runs = [r for r in loader.complete_runs(paths) if r.subproject == "fsdp-scaling" and not r.derived]
     if not runs:
         raise UserError(f"no complete fsdp-scaling training runs under {', '.join(map(str, paths))}: "
                         "run `python -m fsdp_scaling -m ...` first")
@@ -143,7 +143,7 @@ def scaling_summary(df: pd.DataFrame) -> dict:
     return out
 
 
-# (header, column, format, what it means): the printed table keeps to dtrain.terminal.WIDTH columns,
+# (header, column, format, what it means): the printed table keeps to dtrain.core.terminal.WIDTH columns,
 # the legend under it says what the short headers mean; scaling.csv has every column
 PRINTED = (("dp", "strategy", "", "DP strategy"), ("layout", "layout", "", ""), ("scaling", "scaling", "", ""),
            ("model", "model", "", ""), ("ranks", "world_size", "", ""), ("tok/s", "tokens_per_s", ".0f", ""),
@@ -167,7 +167,7 @@ def print_study(table: pd.DataFrame) -> None:
     from rich import box
     from rich.table import Table
 
-    from dtrain.terminal import console
+    from dtrain.core.terminal import console
 
     legend = "; ".join(f"{h} = {m}" for h, _, _, m in PRINTED if m)
     t = Table(title="fsdp-scaling study", caption=legend, caption_justify="left", box=box.SIMPLE_HEAD,

@@ -3,14 +3,14 @@
 Records per step (loss, grad norm, tokens/s, TFLOP/s, MFU, peak memory), per-rank state bytes
 against the ZeRO formula (with tp / pp: this rank's stages and tp shards, sharded over dp), and
 the comm/compute overlap and step breakdown (compute, TP comm, PP p2p and bubble, DP comm) of a
-profiled window; the summary's "guide_inputs" (dtrain.contract) hold what the parallelism guide reads.
+profiled window; the summary's "guide_inputs" (dtrain.results.contract) hold what the parallelism guide reads.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from dtrain import config as dtrain_config
-from dtrain.launch import RankContext
+from dtrain.core import nodes as dtrain_config
+from dtrain.run.launch import RankContext
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
 from fsdp_scaling.probes import ProfileWindow, StateBytes

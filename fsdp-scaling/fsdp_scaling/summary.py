@@ -1,4 +1,4 @@
-"""After a run: the guide inputs (dtrain.contract), a table (measured vs formula bytes side by side), CSV, plots."""
+"""After a run: the guide inputs (dtrain.results.contract), a table (measured vs formula bytes side by side), CSV, plots."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +7,9 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from dtrain import contract, plots, results, terminal
-from dtrain.plots import human_bytes
+from dtrain.core import terminal
+from dtrain.results import contract, loader, plots
+from dtrain.results.plots import human_bytes
 from dtrain.train import TrainConfig
 
 STATE_KEYS = ("params", "grads", "optimizer")
@@ -66,11 +67,11 @@ def print_tables(r: dict, console: Console | None = None) -> None:
 
 
 def plot_steps(run_dir: Path) -> Path | None:
-    df = results.load([run_dir], kind="step", warn=False) if (run_dir / "summary.json").exists() else None
+    df = loader.load([run_dir], kind="step", warn=False) if (run_dir / "summary.json").exists() else None
     if df is None or df.empty:
         import pandas as pd
 
-        df = pd.DataFrame(results.read_jsonl(run_dir / "records.jsonl"))
+        df = pd.DataFrame(loader.read_jsonl(run_dir / "records.jsonl"))
         df = df[df["kind"] == "step"]
     fig, axes = plots.figure(ncols=2)
     axes[0][0].plot(df["step"], df["loss"], marker="o")

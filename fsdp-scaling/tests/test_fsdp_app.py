@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import contract, results
+from dtrain.results import contract, loader
 from fsdp_scaling.summary import headline
 
 HEADLINE_KEYS = {"strategy", "world_size", "model_params", "flops_per_token", "tokens_per_s", "step_time_s",
@@ -30,9 +30,9 @@ def test_sweep_then_report(tmp_path):
     out = py("-m", "fsdp_scaling", "-m", "train.strategy=ddp,zero3", "model.preset=tiny", "train.steps=6",
              "train.global_batch=8", f"results_dir={tmp_path}", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    runs = results.load_runs([tmp_path])
+    runs = loader.load_runs([tmp_path])
     assert sorted(runs["summary.strategy"]) == ["ddp", "zero3"]
-    for run in results.complete_runs([tmp_path]):
+    for run in loader.complete_runs([tmp_path]):
         # config.yaml = the config Hydra composes for this point, as asked: nothing the run derives
         # (device, grad_accum, precision) is written back into it
         point = [f"train.strategy={run.config['train']['strategy']}", "model.preset=tiny", "train.steps=6",
@@ -51,9 +51,9 @@ def test_sweep_then_report(tmp_path):
         assert (m.strategy, m.layout.dp, m.step_time_s, m.mfu) == (g["strategy"], 2, g["step_time_s"], g["mfu"])
         assert (m.layout.grad_accum, m.precision) == (2, "fp32")  # as the run used them
         assert m.exposed_comm_s == g["exposed_comm_s"] and (m.breakdown is None) == (not g["breakdown"]) and m.recipe is None
-    steps = results.load([tmp_path], kind="step")
+    steps = loader.load([tmp_path], kind="step")
     assert len(steps) == 12 and steps["loss"].notna().all()
-    assert len(results.load([tmp_path], kind="overlap")) == 2
+    assert len(loader.load([tmp_path], kind="overlap")) == 2
 
     report_dir = tmp_path / "report"
     rep = py("-m", "fsdp_scaling.report", str(tmp_path), "--out", str(report_dir))
@@ -62,7 +62,7 @@ def test_sweep_then_report(tmp_path):
     assert summary["subproject"] == "fsdp-scaling" and len(summary["study"]["runs"]) == 2
     # a derived run: names its sources, publishes no copy of their guide inputs
     assert sorted(contract.derived_from(summary, report_dir)) == sorted(
-        r.path.resolve() for r in results.complete_runs([tmp_path]) if r.path != report_dir)
+        r.path.resolve() for r in loader.complete_runs([tmp_path]) if r.path != report_dir)
     assert contract.read(summary) == []
     for name in ("scaling.csv", "throughput_vs_ranks.png", "efficiency.png", "memory_per_strategy.png", "overlap.png"):
         assert (report_dir / name).exists(), name

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from conftest import py
-from dtrain import results
+from dtrain.results import loader
 
 
 @pytest.mark.gpu
@@ -12,7 +12,7 @@ def test_bf16_zero3_on_one_gpu(tmp_path):
     out = py("-m", "fsdp_scaling", "world_size=1", "device=cuda", "model.preset=small", "train.strategy=zero3",
              "train.precision=bf16", "train.steps=8", f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    run = results.complete_runs([tmp_path])[0]
+    run = loader.complete_runs([tmp_path])[0]
     g = run.summary
     assert g["backend"] == "nccl" and g["device"].startswith("cuda")
     assert g["peak_flops_source"].startswith("datasheet: ") and 0 < g["mfu"] < 1

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from dtrain import perf
 from dtrain.costmodel import hardware
-from dtrain.model import GPTConfig, flops_per_token
+from dtrain.model import perf
+from dtrain.model.gpt import GPTConfig, flops_per_token
 from fsdp_scaling import memory
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dtrain.launch import launch
-from dtrain.model import GPTConfig
+from dtrain.model.gpt import GPTConfig
+from dtrain.run.launch import launch
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
 from fsdp_scaling.probes import StateBytes

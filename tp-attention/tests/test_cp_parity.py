@@ -13,9 +13,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain.launch import launch
-from dtrain.parallel.cp.apply import ContextParallelCore
-from tp_attention.cp_parity import check_case, draw_case, failures
+from dtrain.parallel.cp.trainer_cp import ContextParallelCore
+from dtrain.run.launch import launch
+from tp_attention.cp.parity import check_case, draw_case, failures
 
 RTOL = 1e-5
 

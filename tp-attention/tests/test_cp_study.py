@@ -1,16 +1,16 @@
 """The CP study end to end on 2 CPU ranks: every measured layer parity-checked, counted bytes =
 analytic, the table / CSV / plot, and the typed CpMeasurement records calibration reads. The rank
-function runs through dtrain.launch in-process (fast); the CLI once, in a slow test."""
+function runs through dtrain.run.launch in-process (fast); the CLI once, in a slow test."""
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
 from conftest import py
-from dtrain import contract, metrics, results
-from dtrain.config import defaults
-from dtrain.launch import launch
-from dtrain.parallel.cp.comm import expected_wire_bytes
+from dtrain.core.nodes import defaults
+from dtrain.parallel.cp.exchange import expected_wire_bytes
+from dtrain.results import contract, loader, metrics
+from dtrain.run.launch import launch
 
 TINY = {"model.seq_len": [32, 64], "model.d_model": 32, "model.n_head": 4, "model.n_kv_head": 2, "iters": 2,
         "timing_warmup": 1}
@@ -18,8 +18,8 @@ TINY = {"model.seq_len": [32, 64], "model.d_model": 32, "model.n_head": 4, "mode
 
 def test_study_measures_every_layout_and_publishes_cp_records(tmp_path):
     from tp_attention.conf import CpStudyConfig
-    from tp_attention.cp_bench import rank_fn
-    from tp_attention.cp_report import finalize
+    from tp_attention.cp.bench import rank_fn
+    from tp_attention.cp.report import finalize
 
     cfg = defaults(CpStudyConfig)
     for key, value in {**TINY, "launcher": "local", "device": "cpu", "backend": "gloo", "threads_per_rank": 1}.items():
@@ -46,7 +46,7 @@ def test_study_measures_every_layout_and_publishes_cp_records(tmp_path):
             assert m.overlap_fraction is None
     assert (run_dir / "cp_scaling.png").stat().st_size > 0 and (run_dir / "cp_scaling.csv").exists()
     metrics.write_summary(run_dir, {**summary, "status": "complete"})  # strict JSON, contract checked
-    assert len(contract.read(results.complete_runs([run_dir])[0].summary)) == 4
+    assert len(contract.read(loader.complete_runs([run_dir])[0].summary)) == 4
 
 
 @pytest.mark.slow
@@ -54,7 +54,7 @@ def test_cli_runs_the_study_and_refuses_bad_input(tmp_path):
     args = [f"{k}={v}".replace(" ", "") for k, v in TINY.items()]
     out = py("-m", "tp_attention.cp", *args, f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run] = results.complete_runs([tmp_path])
+    [run] = loader.complete_runs([tmp_path])
     assert len(contract.read(run.summary)) == 4 and "all-to-all (Ulysses)" in out.stdout
     bad = py("-m", "tp_attention.cp", "model.seq_len=[30]", f"results_dir={tmp_path}/bad", timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: model.seq_len=30 is not divisible")

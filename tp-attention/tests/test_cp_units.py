@@ -7,11 +7,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain.config import defaults
-from dtrain.errors import UserError
-from dtrain.parallel import comm
+from dtrain.core.errors import UserError
+from dtrain.core.nodes import defaults
+from dtrain.parallel import comm_counter
 from dtrain.parallel.cp import sharding
-from dtrain.parallel.cp.comm import expected_wire_bytes, ulysses_kv_heads
+from dtrain.parallel.cp.exchange import expected_wire_bytes, ulysses_kv_heads
 from dtrain.parallel.cp.ring import (block_attention, block_attention_math, block_grads, block_grads_math,
                                      block_plan, merge_partials, ring_attention)
 from dtrain.parallel.cp.ulysses import causal_sdpa
@@ -87,7 +87,7 @@ def test_ring_of_one_is_causal_sdpa_with_gqa():
 
 
 def test_expected_bytes_by_hand():
-    assert comm.wire_bytes("send", 1000, 4) == 1000 and comm.wire_bytes("all_to_all", 1000, 4) == 750
+    assert comm_counter.wire_bytes("send", 1000, 4) == 1000 and comm_counter.wire_bytes("all_to_all", 1000, 4) == 750
     # b=1, s=8, hd=4, fp32, cp=2: a rank holds 4 tokens; a k/v block with 2 k/v heads = 2*4*2*4*4 = 256 bytes,
     # sent 3(cp-1) = 3 times (forward k/v, backward k/v and its gradient)
     kw = dict(batch=1, seq=8, n_head=4, n_kv_head=2, head_dim=4, cp=2)
@@ -117,7 +117,7 @@ def study_cfg(**over):
     ({"iters": 0}, "iters=0 must be an integer >= 1"),
 ])
 def test_the_study_refuses_what_it_cannot_measure(over, message):
-    from tp_attention.cp import validate
+    from tp_attention.cp.study import validate
 
     validate(study_cfg())  # the defaults run
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import py
-from dtrain import contract, results
-from dtrain.parallel.tp import comm
+from dtrain.parallel.tp import tp_collectives
+from dtrain.results import contract, loader
 
 TINY = ["train.micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_head=4", "timing_warmup=1", "iters=2",
         "profile.steps=1"]
@@ -16,22 +16,22 @@ TINY = ["train.micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_
 def test_tiny_run_writes_the_guide_inputs(tmp_path):
     out = py("-m", "tp_attention", *TINY, f"results_dir={tmp_path}", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run] = results.complete_runs([tmp_path])
+    [run] = loader.complete_runs([tmp_path])
     assert run.summary["device"] == "cpu" and run.summary["backend"] == "gloo"
     rows = contract.read(run.summary)  # the typed records calibration reads, one per (tp, SP)
     assert [(r.tp, r.sequence_parallel) for r in rows] == [(2, False), (2, True)]
     for r in rows:
         assert isinstance(r, contract.TpMeasurement) and r.where == contract.Where("cpu", "gloo")
         assert (r.module, r.micro_batch, r.seq_len, r.d_model, r.n_head, r.n_kv_head) == ("block", 1, 16, 32, 4, 4)
-        assert r.comm_bytes_per_layer == comm.expected_wire_bytes(
+        assert r.comm_bytes_per_layer == tp_collectives.expected_wire_bytes(
             batch=1, seq=16, d_model=32, n_head=4, n_kv_head=4, tp=2, sequence_parallel=r.sequence_parallel)["activation"]
         assert r.comm_bytes_per_layer == 4 * 2 * 16 * 32 * 4 // 2  # 4 all-reduces, 2(n-1)/n of 2 KiB
         assert r.overhead_factor == pytest.approx(r.step_time_s * 2 / r.single_rank_step_time_s)
         assert 0 < r.comm_share < 1 and r.dtensor_step_time_s > 0
 
-    steps = results.load([tmp_path], kind="step")
+    steps = loader.load([tmp_path], kind="step")
     assert set(steps.impl) == {"handrolled", "handrolled_async", "dtensor", "single", "single_same_threads"}
-    comm_rows = results.load([tmp_path], kind="comm")
+    comm_rows = loader.load([tmp_path], kind="comm")
     assert all(r.analytic == r.counted for r in comm_rows.itertuples())
     assert (run.path / "tp_step_time.png").stat().st_size > 0
     assert "tp_overhead.csv" in {p.name for p in run.path.iterdir()}
@@ -73,7 +73,7 @@ def test_local_multirun_sweep(tmp_path):
     out = py("-m", "tp_attention", "-m", *TINY, "train.sequence_parallel=false,true", "impls=[single,handrolled]",
              f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    df = results.load_runs([tmp_path])
+    df = loader.load_runs([tmp_path])
     assert sorted(df["train.sequence_parallel"]) == [False, True]
     assert all("/multirun-" in r for r in df["run"])
 
@@ -87,5 +87,5 @@ def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
              "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
              "hydra.launcher.mem_gb=2", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    df = results.load_runs([tmp_path])
+    df = loader.load_runs([tmp_path])
     assert sorted(df["train.tp"]) == [1, 2]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import py
-from dtrain import results
-from dtrain.model import Block, GPTConfig
+from dtrain.model.gpt import Block, GPTConfig
 from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups
+from dtrain.results import loader
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def test_bench_single_gpu_bf16(tmp_path):
     out = py("-m", "tp_attention", "device=cuda", "world_size=1", "train.tp=1", "train.precision=bf16",
              "train.sequence_parallel=false", f"results_dir={tmp_path}", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run] = results.complete_runs([tmp_path])
+    [run] = loader.complete_runs([tmp_path])
     assert run.summary["device"] == "cuda" and run.summary["backend"] == "nccl" and run.summary["gpu_name"]
 
 

@@ -1,5 +1,5 @@
 """In-process checks with no process group: the analytic volume formula, head-layout errors, and
-tp=1 (every operator the identity) against dtrain.model."""
+tp=1 (every operator the identity) against dtrain.model.gpt."""
 from __future__ import annotations
 
 import random
@@ -7,42 +7,42 @@ import random
 import pytest
 import torch
 
-from dtrain.errors import UserError
-from dtrain.model import Block, GPTConfig
-from dtrain.parallel.tp import comm
-from dtrain.parallel.checks import check_tp_heads
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import Block, GPTConfig
+from dtrain.parallel.feasibility import check_tp_heads
+from dtrain.parallel.tp import tp_collectives
 from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups, kv_heads_of
 from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def test_wire_bytes_ring_formulas():
-    assert comm.wire_bytes("all_reduce", 1000, 4) == 1500  # 2 (n-1)/n S
-    assert comm.wire_bytes("all_gather", 1000, 4) == 750  # (n-1)/n S
-    assert comm.wire_bytes("reduce_scatter", 1000, 4) == 750
-    assert comm.wire_bytes("all_reduce", 1000, 1) == 0
+    assert tp_collectives.wire_bytes("all_reduce", 1000, 4) == 1500  # 2 (n-1)/n S
+    assert tp_collectives.wire_bytes("all_gather", 1000, 4) == 750  # (n-1)/n S
+    assert tp_collectives.wire_bytes("reduce_scatter", 1000, 4) == 750
+    assert tp_collectives.wire_bytes("all_reduce", 1000, 1) == 0
 
 
 def test_expected_bytes_block_by_hand():
     # b=2, s=8, h=16 fp32: an activation is 1024 bytes; a block = 4 all-reduces, each 2*(1/2)*1024 on tp=2
     kw = dict(batch=2, seq=8, d_model=16, n_head=4, n_kv_head=4, tp=2)
-    assert comm.expected_wire_bytes(sequence_parallel=False, **kw) == {"activation": 4096, "grad_sync": 0}
+    assert tp_collectives.expected_wire_bytes(sequence_parallel=False, **kw) == {"activation": 4096, "grad_sync": 0}
     # SP: 4 all-gathers + 4 reduce-scatters of 1024 bytes, 512 each: the same volume
     # plus the two RMSNorm weights' partial grads (2 x 16 fp32 = 128 bytes) all-reduced: 128
-    assert comm.expected_wire_bytes(sequence_parallel=True, **kw) == {"activation": 4096, "grad_sync": 128}
+    assert tp_collectives.expected_wire_bytes(sequence_parallel=True, **kw) == {"activation": 4096, "grad_sync": 128}
     # attention alone: one TP region, half the activation traffic; no norms
-    assert comm.expected_wire_bytes(sequence_parallel=False, module="attention", **kw)["activation"] == 2048
+    assert tp_collectives.expected_wire_bytes(sequence_parallel=False, module="attention", **kw)["activation"] == 2048
 
 
 def test_expected_bytes_replicated_kv_heads():
     # n_kv_head=1 < tp=4: every rank holds wk and wv whole (2 x head_dim=4 rows of 16 + bias)
     # and sums their grads over all 4 ranks: payload 8 * 17 * 4 = 544 bytes, wire 2 * 3/4 * 544 = 816
     kw = dict(batch=1, seq=4, d_model=16, n_head=4, tp=4, bias=True)
-    assert comm.expected_wire_bytes(n_kv_head=1, sequence_parallel=False, **kw)["grad_sync"] == 816
+    assert tp_collectives.expected_wire_bytes(n_kv_head=1, sequence_parallel=False, **kw)["grad_sync"] == 816
     # two k/v heads on tp=4: both whole on every rank, 16 rows: payload 16 * 17 * 4 = 1088, wire 1632
-    assert comm.expected_wire_bytes(n_kv_head=2, sequence_parallel=False, **kw)["grad_sync"] == 1632
+    assert tp_collectives.expected_wire_bytes(n_kv_head=2, sequence_parallel=False, **kw)["grad_sync"] == 1632
     # with SP the norm weights (2 x 16) and row biases (2 x 16) join the same all-reduce over tp:
     # (136 + 64) * 4 = 800 bytes, wire 2 * 3/4 * 800 = 1200
-    assert comm.expected_wire_bytes(n_kv_head=1, sequence_parallel=True, **kw)["grad_sync"] == 1200
+    assert tp_collectives.expected_wire_bytes(n_kv_head=1, sequence_parallel=True, **kw)["grad_sync"] == 1200
 
 
 @pytest.mark.parametrize("n_head,n_kv,tp,message", [

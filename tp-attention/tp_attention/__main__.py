@@ -5,9 +5,9 @@
     python -m tp_attention -m model.n_kv_head=2,8 sequence_parallel=false,true
     python -m tp_attention.parity                           # prove it equal to one device first
 """
-from dtrain.app import hydra_main
+from dtrain.run.app import hydra_main
 
-# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.app.resolve)
+# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
 main = hydra_main("tp_attention.conf", rank_fn="tp_attention.bench:rank_fn", validate="tp_attention.config:check_bench",
                   finalize="tp_attention.report:finalize")
 

@@ -3,7 +3,7 @@
     handrolled        TensorParallelBlock (or Attention) from attention.py
     handrolled_async  the same with the input-grad collective overlapped with the weight-grad GEMM
     dtensor           the same layouts through parallelize_module (dtrain.parallel.tp.dtensor_plan)
-    single            the unsharded dtrain.model layer on rank 0 alone, with one rank's threads
+    single            the unsharded dtrain.model.gpt layer on rank 0 alone, with one rank's threads
                       (the guide's baseline) and, on CPU, with the whole TP group's threads
 
 For each (tp, sequence_parallel) the first TP group (ranks 0..tp-1) measures while the other
@@ -20,12 +20,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtrain.launch import RankContext
-from dtrain.model import Block
-from dtrain.parallel.tp import comm, dtensor_plan
+from dtrain.model.gpt import Block
+from dtrain.model.timing import synchronize, time_fn
+from dtrain.parallel.tp import tp_collectives, dtensor_plan
 from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
 from dtrain.parallel.tp.layers import allreduce_partial_grads
-from dtrain.timing import synchronize, time_fn
+from dtrain.run.launch import RankContext
 from tp_attention.config import as_list, model_config, torch_dtype, tp_degrees
 
 
@@ -127,9 +127,9 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     hand = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.train.fused_qkv)
     step = make_step(hand, xl, gl, sync_grads=True)
     out["handrolled"] = _timed(step, cfg, device, groups.group)
-    with comm.CommCounter() as counter:
+    with tp_collectives.CommCounter() as counter:
         step()
-    out["counted"] = {tag: counter.wire_bytes(tag) for tag in (comm.ACTIVATION, comm.GRAD_SYNC)}
+    out["counted"] = {tag: counter.wire_bytes(tag) for tag in (tp_collectives.ACTIVATION, tp_collectives.GRAD_SYNC)}
     out["payload_bytes"] = counter.payload_bytes()
     out["op_counts"] = counter.op_counts()
     out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
@@ -197,15 +197,15 @@ def rank_fn(ctx: RankContext) -> dict:
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
     elem_bytes, mc = torch.empty(0, dtype=torch_dtype(cfg)).element_size(), model_config(cfg)
-    analytic = comm.expected_wire_bytes(batch=cfg.train.micro_batch, seq=mc.seq_len, d_model=mc.d_model,
+    analytic = tp_collectives.expected_wire_bytes(batch=cfg.train.micro_batch, seq=mc.seq_len, d_model=mc.d_model,
                                         n_head=mc.n_head, n_kv_head=mc.n_kv_head, tp=tp, sequence_parallel=sp,
                                         module=cfg.module, norm=mc.norm, bias=mc.bias, elem_bytes=elem_bytes)
     if analytic != m["counted"]:
         raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")
     tokens = cfg.train.micro_batch * mc.seq_len
     e = {"tp": tp, "sequence_parallel": sp, "threads_per_rank": threads, "tokens": tokens,
-         "comm_bytes_per_layer": analytic[comm.ACTIVATION], "grad_sync_bytes_per_layer": analytic[comm.GRAD_SYNC],
-         "counted_bytes_per_layer": m["counted"][comm.ACTIVATION], "payload_bytes": m["payload_bytes"],
+         "comm_bytes_per_layer": analytic[tp_collectives.ACTIVATION], "grad_sync_bytes_per_layer": analytic[tp_collectives.GRAD_SYNC],
+         "counted_bytes_per_layer": m["counted"][tp_collectives.ACTIVATION], "payload_bytes": m["payload_bytes"],
          "op_counts": m["op_counts"], "dtensor_collectives": m.get("dtensor_collectives"),
          "comm_share": m["comm_share"], "comm_share_async": m.get("comm_share_async")}
     for impl in ("handrolled", "handrolled_async", "dtensor"):
@@ -233,6 +233,6 @@ def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
 
 def progress(items, show: bool, desc: str = "tp x sp"):
     """A bar on a terminal (rank 0); in a pipe a line per setting (seconds to a minute each)."""
-    from dtrain.terminal import bar
+    from dtrain.core.terminal import bar
 
     return bar(items, desc=desc, show=show, lines=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from omegaconf import ListConfig
 
-from dtrain import config as dtrain_config
-from dtrain.errors import UserError, clip
-from dtrain.model_args import GPTConfig
-from dtrain.parallel.checks import check_tp_heads
+from dtrain.core import nodes as dtrain_config
+from dtrain.core.errors import UserError, clip
+from dtrain.model.args import GPTConfig
+from dtrain.parallel.feasibility import check_tp_heads
 
 IMPLS = ("single", "handrolled", "handrolled_async", "dtensor")
 MODULES = ("block", "attention")

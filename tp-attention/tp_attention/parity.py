@@ -5,11 +5,11 @@ One launch checks many random cases in one process group (spawning is the slow p
   ops     each conjugate operator's forward and backward against its definition
   layers  ColumnParallelLinear(gather_output) -> RowParallelLinear(scatter input) vs two nn.Linear
   cases   for every tp in `tp`, every head layout (MHA; GQA with kv_heads >= tp; kv_heads < tp)
-          and SP off/on: a dtrain.model Block (or Attention) with random shapes, bias, norm and
+          and SP off/on: a dtrain.model.gpt Block (or Attention) with random shapes, bias, norm and
           QKV variant (separate, fused, each with and without async grad all-reduce), sharded with from_full;
           output, input gradient and every parameter-shard gradient are compared with the
           reference's (sharded the same way), the collectives counted in the step are compared
-          with comm.expected_wire_bytes, and where DTensor can shard the heads the DTensor
+          with tp_collectives.expected_wire_bytes, and where DTensor can shard the heads the DTensor
           baseline is checked the same way.
 
 Errors are max|tp - ref| / max|ref| per tensor, the worst over ranks; rank 0 records each case.
@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from dtrain.app import hydra_main
-from dtrain.errors import UserError
-from dtrain.launch import RankContext
-from dtrain.model import Block, GPTConfig
-from dtrain.parallel.tp import comm, dtensor_plan, ops
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import Block, GPTConfig
+from dtrain.parallel.tp import tp_collectives, dtensor_plan, ops
 from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
 from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, allreduce_partial_grads
+from dtrain.run.app import hydra_main
+from dtrain.run.launch import RankContext
 from tp_attention.config import as_list, check_tp
 
 VARIANTS = ({"fused_qkv": False}, {"fused_qkv": True}, {"fused_qkv": True, "async_grad_allreduce": True},
@@ -165,7 +165,7 @@ def check_case(case: dict, groups, seed: int, device) -> tuple[dict[str, float],
     expected = dict(shard_like(grads_as_module(ref), case, groups).named_parameters())
 
     xt = local(x).clone().requires_grad_()
-    with comm.CommCounter() as counter:
+    with tp_collectives.CommCounter() as counter:
         out = tp_mod(xt)
         out.backward(local(g))
         allreduce_partial_grads(tp_mod)
@@ -184,10 +184,10 @@ def check_case(case: dict, groups, seed: int, device) -> tuple[dict[str, float],
         for name, p in dt_mod.named_parameters():
             full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             errs[f"dtensor.grad.{name}"] = rel_err(full, ref_grads[name].grad, floor)
-    analytic = comm.expected_wire_bytes(**{k: case[k] for k in ("batch", "seq", "d_model", "n_head", "n_kv_head",
+    analytic = tp_collectives.expected_wire_bytes(**{k: case[k] for k in ("batch", "seq", "d_model", "n_head", "n_kv_head",
                                                                  "tp", "sequence_parallel", "module", "norm", "bias")})
-    volume = {"analytic_activation": analytic[comm.ACTIVATION], "counted_activation": counter.wire_bytes(comm.ACTIVATION),
-              "analytic_grad_sync": analytic[comm.GRAD_SYNC], "counted_grad_sync": counter.wire_bytes(comm.GRAD_SYNC)}
+    volume = {"analytic_activation": analytic[tp_collectives.ACTIVATION], "counted_activation": counter.wire_bytes(tp_collectives.ACTIVATION),
+              "analytic_grad_sync": analytic[tp_collectives.GRAD_SYNC], "counted_grad_sync": counter.wire_bytes(tp_collectives.GRAD_SYNC)}
     return errs, volume
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtrain import contract, plots
+from dtrain.results import contract, plots
 from tp_attention.config import model_config
 
 TARGET_VS_DTENSOR = 0.75  # hand-rolled / DTensor step time at tp = 2
@@ -24,7 +24,7 @@ def _ratio(a, b):
 
 
 def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeasurement]:
-    """One dtrain.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model reads."""
+    """One dtrain.results.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model reads."""
     m = model_config(cfg)
     where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
     return [contract.TpMeasurement(
@@ -73,7 +73,7 @@ def _x(r):
     return "-" if r is None else f"{r:.2f}"
 
 
-# (header, what it means): the headers stay short so the table fits dtrain.terminal.WIDTH columns;
+# (header, what it means): the headers stay short so the table fits dtrain.core.terminal.WIDTH columns;
 # the legend printed under it spells them out
 COLUMNS = (("tp", ""), ("SP", "sequence parallel"), ("hand", "hand-rolled"),
            ("async", "hand-rolled, async comm"), ("DTensor", ""), ("single", "one rank, unsharded"),
@@ -91,7 +91,7 @@ def print_table(df: pd.DataFrame, title: str) -> None:
     from rich import box
     from rich.table import Table
 
-    from dtrain.terminal import console
+    from dtrain.core.terminal import console
 
     t = Table(title=title, caption=legend(), caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               collapse_padding=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from dtrain.config import BaseConfig, register
+from dtrain.core.nodes import BaseConfig, register
 
 
 @dataclass

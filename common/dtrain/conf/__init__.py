@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dtrain.config import BaseConfig, register
+from dtrain.core.nodes import BaseConfig, register
 
 
 @dataclass

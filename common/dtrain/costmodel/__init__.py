@@ -11,7 +11,7 @@ Modules: ``hardware`` (GPU datasheets, links, cluster), ``shapes`` (``ModelShape
 rates), ``efficiency`` (GEMM roofline × achieved-fraction curve), ``collectives`` (α–β times),
 ``calibration`` (the empirical inputs, with provenance), ``timemodel`` (seconds per step), ``search``
 (the chooser), ``gemm_probe`` (the matmul probe that fits the curve), ``backtest`` (published GPU
-runs). Model FLOPs: ``dtrain.flops``.
+runs). Model FLOPs: ``dtrain.model.flops``.
 """
 
 from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles

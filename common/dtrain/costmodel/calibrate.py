@@ -1,7 +1,7 @@
 """Calibrate the cost model from this cluster's run directories, with provenance.
 
-Reads completed runs only through ``dtrain.results`` and only their typed guide inputs
-(``dtrain.contract``, ``summary.json["guide_inputs"]``), never an experiment's name, config.yaml or
+Reads completed runs only through ``dtrain.results.loader`` and only their typed guide inputs
+(``dtrain.results.contract``, ``summary.json["guide_inputs"]``), never an experiment's name, config.yaml or
 private files; env.json (the launcher's) gives the date. A run whose guide inputs break the
 contract is skipped with a warning that names it. By record:
 
@@ -16,7 +16,7 @@ contract is skipped with a warning that names it. By record:
                          overheads[]             per-model fixed step overhead feeds the local checks
                                                  (step_overhead_s: their median, shown in the guide)
 
-Derived runs (``dtrain.derived``) publish only what they derived, so each measurement is read once.
+Derived runs (``dtrain.results.derived``) publish only what they derived, so each measurement is read once.
 
 Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
 "datasheet/published: <source>". Two calibrations come out:
@@ -36,8 +36,8 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain import contract
-from dtrain.results import Run, complete_runs
+from dtrain.results import contract
+from dtrain.results.loader import Run, complete_runs
 
 from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_cp, from_fp8,
                                   from_fsdp, from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
@@ -91,7 +91,7 @@ def read_inputs(runs: list[Run], base: Path | None = None, warn: bool = True) ->
             if warn:
                 warnings.warn(f"skipping run {run.path}: summary.json {e}", stacklevel=3)
             continue
-        if not records and "guide" in run.summary and warn:  # written before dtrain.contract existed
+        if not records and "guide" in run.summary and warn:  # written before dtrain.results.contract existed
             warnings.warn(f"run {run.path} has no guide_inputs (an older summary.json format): rerun it to "
                           "calibrate with it", stacklevel=3)
         out.append(RunInputs(run, source_of(run, base, records), records))

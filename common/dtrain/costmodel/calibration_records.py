@@ -1,4 +1,4 @@
-"""The calibration's per-record-kind readers: each turns one kind of guide input (dtrain.contract)
+"""The calibration's per-record-kind readers: each turns one kind of guide input (dtrain.results.contract)
 into candidate values with their provenance (``Source``); ``calibrate.calibrate`` picks among them."""
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from dtrain import contract
-from dtrain.results import Run
-from dtrain.strategies import SHARDED
+from dtrain.core.layout import SHARDED
+from dtrain.results import contract
+from dtrain.results.loader import Run
 
 from .efficiency import fit_curve
 from .hardware import LinkModel
 from .calibration import Param
 from .collectives import p2p_time
 from .timemodel import bubble_fraction
-from .traffic import tp_comm_time
+from .comm_time import tp_comm_time
 
 LINK_CLASSES = {"intra_node": "intra", "inter_node": "inter"}
 
@@ -163,7 +163,7 @@ def from_layout(runs: list[contract.TrainingMeasurement], src: Source,
                  formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
                  model puts on its bubble
     """
-    from dtrain.model_args import GPTConfig
+    from dtrain.model.args import GPTConfig
 
     from .gpt_shape import shape_of
 

@@ -3,7 +3,7 @@ achieved-fraction curve, and measure the fixed per-step overhead.
 
     python -m dtrain.costmodel.gemm_probe results/capstone/<time>     # dtrain capstone runs it
 
-Reads the complete runs under the results folder (through ``dtrain.results``), collects the
+Reads the complete runs under the results folder (through ``dtrain.results.loader``), collects the
 forward GEMMs of every model they trained (``efficiency.layer_gemms`` / ``head_gemm``, TP shards
 included), times each on this device (CPU: fp32 on the runs' threads per rank, the peak being
 the same 512³ probe the runs' MFU used; CUDA: bf16 against the datasheet peak), fits
@@ -13,10 +13,10 @@ read-back, as the trainer does). The fixed per-step overhead of a model is that 
 time the fitted curve gives its GEMMs: the cost of Python, autograd, elementwise kernels
 (norms, activations, softmax, residuals: work that grows with d_model, so it is measured at the
 real width, not on a shrunk model) and the optimizer. Writes a derived run
-``<results>/gemm-probe/`` (``dtrain.derived``: config.yaml, env.json, summary.json with one
-``dtrain.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
+``<results>/gemm-probe/`` (``dtrain.results.derived``: config.yaml, env.json, summary.json with one
+``dtrain.results.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
 
-Load cancels (``dtrain.hostload``): on CPU every timing has the time its threads waited for a CPU
+Load cancels (``dtrain.run.hostload``): on CPU every timing has the time its threads waited for a CPU
 taken out (the kernel's per-thread run-queue delay), and is paired with the reference matmul (the
 512³ of the runs' MFU probe) timed right before and after it, so a slowdown that is not a wait (a
 busy SMT sibling, cooled caches) cancels too: a GEMM's fraction is its rate over the reference's of
@@ -36,11 +36,13 @@ from pathlib import Path
 
 import torch
 
-from dtrain import contract, envinfo, hostload, perf
-from dtrain.derived import claim_output, write_derived_run
-from dtrain.errors import UserError
-from dtrain.results import complete_runs
-from dtrain.timing import queued_s
+from dtrain.core.errors import UserError
+from dtrain.model import perf
+from dtrain.model.timing import queued_s
+from dtrain.results import contract
+from dtrain.results.derived import claim_output, write_derived_run
+from dtrain.results.loader import complete_runs
+from dtrain.run import envinfo, hostload
 
 from . import hardware
 from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
@@ -51,7 +53,7 @@ SUBPROJECT = "gemm-probe"
 
 def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
     """(models the runs trained: {"kind", "config": GPTConfig fields | block fields, "micro_batch", "tp"},
-    threads per rank, the runs they came from), from the runs' guide inputs (dtrain.contract)."""
+    threads per rank, the runs they came from), from the runs' guide inputs (dtrain.results.contract)."""
     found, threads, sources = {}, [], []
     for run in complete_runs([results], warn=False):
         if run.derived:  # publishes no measurement of its own; its env.json is a source's copy
@@ -93,7 +95,7 @@ def gemms_of(t: dict) -> list[Gemm]:
 
 REF_N = 512             # the reference matmul: the runs' own peak probe (perf.cpu_matmul_probe)
 ABOVE_ROOFLINE = 1.05   # a fraction above this is a measurement error; up to it, timer noise (clipped to 1)
-LOAD_FILE = "host-load.jsonl"  # the capstone's timeline of its processes' CPU and wait times (dtrain.hostload)
+LOAD_FILE = "host-load.jsonl"  # the capstone's timeline of its processes' CPU and wait times (dtrain.run.hostload)
 
 
 class Timer:
@@ -167,7 +169,7 @@ def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer
 
 def step_s(t: dict, device: torch.device, timer: Timer) -> float:
     """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its real size."""
-    from dtrain.model import GPT, Block, GPTConfig
+    from dtrain.model.gpt import GPT, Block, GPTConfig
 
     c = dict(t["config"])
     torch.manual_seed(0)
@@ -230,7 +232,7 @@ def fit(points: list[dict]) -> GemmCurve | None:
 def run_window(run) -> tuple[float, float]:
     """When a run timed its steps: the trainer's timed steps end when records.jsonl was last written
     and last as long as their step times add up to; other runs span env.json to records.jsonl."""
-    from dtrain.results import read_jsonl
+    from dtrain.results.loader import read_jsonl
 
     records = run.path / "records.jsonl"
     end = records.stat().st_mtime if records.exists() else (run.path / "summary.json").stat().st_mtime
@@ -259,7 +261,7 @@ def probe(results: Path, device: str = "auto") -> Path:
     results = Path(results)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tg, threads, sources = targets(results)
-    # its own folder, claimed before the timing (dtrain.derived): an earlier probe's is never rewritten
+    # its own folder, claimed before the timing (dtrain.results.derived): an earlier probe's is never rewritten
     out = claim_output(results / SUBPROJECT, "gemm-probe", fix="remove it to probe again")
     timer, ref = Timer(dev), None
     if dev.type == "cpu":

@@ -1,6 +1,6 @@
-"""dtrain's GPT (dtrain.model.GPTConfig, or any object with its fields) in the cost model's terms.
+"""dtrain's GPT (dtrain.model.args.GPTConfig, or any object with its fields) in the cost model's terms.
 
-The cost model owns this conversion: the trainer-side modules (dtrain.fit) and the calibration
+The cost model owns this conversion: the trainer-side modules (dtrain.train.memory_fit) and the calibration
 readers both call it, so no cost-model module reaches up into them for it.
 """
 from __future__ import annotations

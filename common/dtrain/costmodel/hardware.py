@@ -137,8 +137,8 @@ def peak_flops(device, dtype: str = "bf16") -> tuple[float, str]:
     carries its source ("datasheet: h100-sxm bf16", "... tf32" or perf.CPU_PROBE_SOURCE)."""
     import torch
 
-    from dtrain import perf
-    from dtrain.errors import UserError
+    from dtrain.core.errors import UserError
+    from dtrain.model import perf
 
     device = torch.device(device)
     if device.type == "cuda":

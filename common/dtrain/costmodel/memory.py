@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from dtrain.checks import one_of
+from dtrain.core.checks import one_of
 
 from .shapes import RECOMPUTE, Layout, ModelShape, end_stage_layers, last_stage_layers, stage_layers
 from .stack import Stack

@@ -3,7 +3,7 @@
     world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses | torch)
     pp_virtual v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; gpipe, zbv as named;
                       1f1b, or gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
-    train.strategy: Layout.strategy (dtrain.layout: ZeRO 0 -> ddp, 1 and 2 -> zero2, the trainer has no
+    train.strategy: Layout.strategy (dtrain.core.layout: ZeRO 0 -> ddp, 1 and 2 -> zero2, the trainer has no
                       optimizer-only sharding, 3 -> zero3; HSDP replicas R > 1 -> hsdp, train.hsdp_replicate=R)
     recompute none / op / full -> activation_checkpointing=none / op / block; selective -> block
                       (the trainer has no attention-core-only recompute)
@@ -20,7 +20,7 @@ balanced pipeline split, and ZeRO-1/2 under pp, whose gradient reduction the tra
 """
 from __future__ import annotations
 
-from dtrain.layout import checkpointing_of
+from dtrain.core.layout import checkpointing_of
 
 from .shapes import Layout, ModelShape
 
@@ -63,7 +63,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
         notes.append("fp8 runs as bf16 here; FP8 recipes are in fp8-train")
     if model.gated_mlp:
         notes.append("the trainer's GPT has a GELU MLP: the gated MLP runs as GELU 4x")
-    from dtrain.model_args import PRESETS
+    from dtrain.model.args import PRESETS
 
     if PRESETS[preset].vocab_size != model.vocab:
         notes.append(f"vocabulary: the {preset} preset's {PRESETS[preset].vocab_size}, not {model.vocab}")

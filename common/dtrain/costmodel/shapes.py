@@ -9,13 +9,13 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
-from dtrain.model_args import ParamCount, transformer_params
+from dtrain.model.args import ParamCount, transformer_params
 
 from .hashing import cached_hash
 
-# The layout vocabulary and the type itself are dtrain.layout's (one type for the trainer, the mesh, the
+# The layout vocabulary and the type itself are dtrain.core.layout's (one type for the trainer, the mesh, the
 # contract and this model); re-exported here, where the cost model has always read them.
-from dtrain.layout import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, Layout  # noqa: F401
+from dtrain.core.layout import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, Layout  # noqa: F401
 
 
 def params_text(n: float) -> str:
@@ -69,7 +69,7 @@ class ModelShape:
 
     @cached_property
     def param_count(self) -> ParamCount:
-        """dtrain.model_args.transformer_params of this shape: RMSNorm, no biases, no learned
+        """dtrain.model.args.transformer_params of this shape: RMSNorm, no biases, no learned
         positions (a non-rotary model's are too few to count). Cached: the search asks per layout."""
         return transformer_params(self.n_layer, self.d_model, self.n_head, self.n_kv_head,
                                   self.ffn_hidden, self.vocab, gated_mlp=self.gated_mlp,
@@ -212,7 +212,7 @@ def pipeline_slots(shape: ModelShape, layout: Layout) -> int:
 
 @dataclass(frozen=True)
 class _TrainerModel:
-    """The fields of a ``dtrain.model_args.GPTConfig`` that the trainer's layout rules read."""
+    """The fields of a ``dtrain.model.args.GPTConfig`` that the trainer's layout rules read."""
 
     n_head: int
     n_kv_head: int
@@ -233,13 +233,13 @@ _PLAN_NAMES = (("train.sequence_parallel=true", "sp=on"), ("train.sequence_paral
 def parallel_refusal(shape: ModelShape, tp: int = 1, cp: int = 1, cp_impl: str = "ring",
                      sequence_parallel: bool = False) -> str | None:
     """Why the trainer refuses to split ``shape`` over ``tp`` and ``cp`` (None when it does not),
-    in the plan's words. The rules are the trainer's own (``dtrain.parallel.checks``: heads, k/v
+    in the plan's words. The rules are the trainer's own (``dtrain.parallel.feasibility``: heads, k/v
     heads and the MLP width over tp; the sequence over 2·cp zigzag chunks, and over tp with
     sequence parallelism; ulysses' heads), called rather than restated, so the plan never scores a
     layout the trainer cannot build. The embedding and lm_head stay whole on every tp rank there:
     the vocabulary has no rule."""
-    from dtrain.errors import UserError
-    from dtrain.parallel.checks import check_cp_model, check_tp_model
+    from dtrain.core.errors import UserError
+    from dtrain.parallel.feasibility import check_cp_model, check_tp_model
 
     model = _TrainerModel(shape.n_head, shape.n_kv_head, shape.ffn_hidden, shape.seq_len)
     try:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.checks import one_of
-from dtrain.layout import CP_IMPLS
-from dtrain.parallel.checks import OWN_CP_IMPLS
+from dtrain.core.checks import one_of
+from dtrain.core.layout import CP_IMPLS
+from dtrain.parallel.feasibility import OWN_CP_IMPLS
 
 __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.checks import one_of
+from dtrain.core.checks import one_of
 
 from .hashing import cached_hash
 from .software import Software, software

@@ -2,7 +2,7 @@
 
 Sources
 -------
-* FLOPs: ``dtrain.flops.transformer_flops_per_token`` (the project's one formula: 6·N_matmul +
+* FLOPs: ``dtrain.model.flops.transformer_flops_per_token`` (the project's one formula: 6·N_matmul +
   12·L·h·s, lm_head kept when tied, full non-causal attention as in PaLM App. B, Megatron-LM and
   torchtitan). MFU and TFLOP/s use these *model* FLOPs; recompute adds *hardware* FLOPs (time)
   but never model FLOPs.
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .hardware import Cluster, GPUProfile
-from dtrain.flops import transformer_flops_per_token
+from dtrain.model.flops import transformer_flops_per_token
 
 from .calibration import Calibration, Param
 from .collectives import (COPY_ENGINE_HBM_PASSES, RING_HBM_PASSES, all_gather_time, all_to_all_time,
@@ -47,7 +47,7 @@ from .stack import Stack
 from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
-from .traffic import dp_comm_time, dp_link, tp_comm_time
+from .comm_time import dp_comm_time, dp_link, tp_comm_time
 from dtrain.parallel import traffic as volume
 
 __all__ = ["StepTime", "StepModel", "bubble_fraction", "model_flops_per_token", "step_time",
@@ -104,7 +104,7 @@ class StepTime:
 
 @lru_cache(maxsize=1 << 10)
 def model_flops_per_token(shape: ModelShape) -> float:
-    """``dtrain.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
+    """``dtrain.model.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
     return transformer_flops_per_token(shape.n_layer, shape.d_model, shape.n_head, shape.n_kv_head,
                                        shape.ffn_hidden, shape.vocab, shape.seq_len, shape.gated_mlp)
 

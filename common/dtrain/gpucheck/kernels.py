@@ -6,7 +6,7 @@ length, memory-bound kernels against HBM bandwidth). One process each, one JSON 
 
 `--small` runs the same code at CPU-sized shapes (the tests); only GPU numbers go into a report.
 
-Timing: `dtrain.timing.queued_s`, CUDA events around R back-to-back calls (R chosen so a timing lasts ~5 ms), the
+Timing: `dtrain.model.timing.queued_s`, CUDA events around R back-to-back calls (R chosen so a timing lasts ~5 ms), the
 median of 3 such timings over R: the time a kernel costs inside a training step, where the CPU has
 already queued the next one. (Timing each call alone adds the launch gap, ~10-30 us, which made the
 small shapes of the first H100 check, measured that way, look 2-5x slower.)
@@ -29,7 +29,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from dtrain.timing import queued_s, time_fn
+from dtrain.model.timing import queued_s, time_fn
 
 
 def _device() -> torch.device:
@@ -250,7 +250,7 @@ def step_profile(small: bool = False) -> dict:
     category, the step's wall time and the GPU idle share, for the models `make gpu-check` trains."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dtrain.model import GPT, GPTConfig
+    from dtrain.model.gpt import GPT, GPTConfig
 
     dev = _device()
     cases = ([("tiny", {}, 2)] if small else

@@ -2,7 +2,7 @@
 NAME [--size N]`), each printing one JSON line: the machine, device-to-device copy bandwidth,
 bf16 and FP8 GEMM throughput.
 
-Timing: dtrain.timing.time_fn (CUDA events around each call after warmup calls, synchronized), the
+Timing: dtrain.model.timing.time_fn (CUDA events around each call after warmup calls, synchronized), the
 median over the timed calls. A copy moves its bytes twice (read + write), so its bandwidth counts
 2 x bytes, as the ~3 TB/s figures quoted for H100 copies do. GEMM FLOPs = 2 n^3. On CPU the same
 code runs at small sizes (tests); only GPU numbers go into a report.
@@ -15,10 +15,10 @@ import sys
 
 import torch
 
-from dtrain import envinfo
+from dtrain.core.errors import UserError
 from dtrain.costmodel import hardware
-from dtrain.errors import UserError
-from dtrain.timing import time_fn
+from dtrain.model.timing import time_fn
+from dtrain.run import envinfo
 
 
 def device() -> torch.device:

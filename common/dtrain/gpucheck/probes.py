@@ -36,8 +36,8 @@ from torch import nn
 
 from dtrain.costmodel.hardware import get_profile, gpu_profile_name
 from dtrain.gpucheck.kernels import _device, _name, gpu_time_by_category
-from dtrain.model import causal_attention
-from dtrain.timing import time_fn
+from dtrain.model.gpt import causal_attention
+from dtrain.model.timing import time_fn
 
 # name: (d_model, heads, kv_heads, ffn_hidden, tp, micro_batch, seq, vocab) of the published models
 LAYER_CASES = {
@@ -100,7 +100,7 @@ def model_price(command: str) -> dict:
     """The cost model's terms for the block (seconds): `command` run, its layout's compute terms less the
     LM head and the optimizer step, which the probe does not run."""
     args = shlex.split(command)[1:]
-    done = subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout).strip()[-300:]}
     terms = json.loads(done.stdout)["layout"]["step_time_s"]["compute_terms"]

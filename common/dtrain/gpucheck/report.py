@@ -8,7 +8,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dtrain.results import read_jsonl
+from dtrain.results.loader import read_jsonl
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _allreduce(stdout: str, folder: Path) -> dict:
 
 
 def _probe(stdout: str, folder: Path) -> dict:
-    from dtrain import contract
+    from dtrain.results import contract
 
     [summary] = list(folder.parent.glob("gemm-probe/summary.json"))  # the probe's derived run, beside the steps
     [g] = [r for r in contract.read(json.loads(summary.read_text())) if isinstance(r, contract.GemmProbe)]

@@ -11,9 +11,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from dtrain import plots
-from dtrain.errors import UserError
-from dtrain.metrics import write_json_atomic
+from dtrain.core.errors import UserError
+from dtrain.results import plots
+from dtrain.results.metrics import write_json_atomic
 
 from .check import GOAL, Check
 from .matrix import GPU_COUNTS, IB_GBITS, MODELS, Cell, model_label

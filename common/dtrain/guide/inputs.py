@@ -13,11 +13,11 @@ import json
 import os
 from pathlib import Path
 
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 
 MEASURED = "measured"              # the committed GPU measurements (`make gpu-check` reports)
 RESULTS = Path("results")
-CAPSTONES = RESULTS / "capstone"   # dtrain.capstone.results_folder's default parent
+CAPSTONES = RESULTS / "capstone"   # dtrain.cli.capstone.results_folder's default parent
 INPUTS_FILE = "guide-inputs.json"  # in a capstone's folder: {"measured": [paths relative to it]}
 CHOOSE = "(--results DIR to choose)"
 
@@ -39,7 +39,7 @@ def gpu_measurements(measured: str = MEASURED) -> list[str]:
 def record(folder: Path, measured: list[str]) -> list[str]:
     """The capstone, before its guide: note in its folder what the guide reads besides the
     folder's runs; returns the guide's inputs, read back as `dtrain guide` will read them."""
-    from dtrain.metrics import write_json_atomic
+    from dtrain.results.metrics import write_json_atomic
 
     folder = Path(folder)
     # relative to the folder: the record stays right when the checkout moves or is read from

@@ -24,7 +24,7 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
                        computes that many times slower: its peak is divided, its overhead multiplied
                        by ranks·threads / cores (``oversubscription``)
   other load           with a gemm-probe that has the run's load factor (the CPU time other processes
-                       took during the run's timed steps, ``dtrain.hostload``): the probe's idle
+                       took during the run's timed steps, ``dtrain.run.hostload``): the probe's idle
                        reference rate divided, its overhead multiplied by that factor, so load that
                        slowed the run slows its prediction alike; the factor's 10th-90th percentile
                        over the window gives the prediction's spread (``Check.predicted_range``)
@@ -41,15 +41,15 @@ from pathlib import Path
 from dtrain.costmodel import (Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape,
                               Param, StepTime, step_time)
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
-from dtrain import contract
+from dtrain.results import contract
 from dtrain.costmodel.calibration_records import (Candidate, RunInputs, leave_one_out,
                                                   tp_modelled_comm_s, tp_rows, training_entries)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
-from dtrain.costmodel.timemodel import model_flops_per_token
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.stack import Stack
-from dtrain.flops import transformer_flops_per_token
-from dtrain.model_args import GPTConfig
+from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.model.args import GPTConfig
+from dtrain.model.flops import transformer_flops_per_token
 
 from .check import CALLBACKS_NOTE, Check
 

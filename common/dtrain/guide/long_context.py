@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from dtrain.costmodel import Calibration, ModelShape, search
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.links import LinkCalibration
-
 from dtrain.costmodel.search import MIN_CP_CHUNK
 
 from .matrix import cluster_for

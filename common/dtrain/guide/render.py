@@ -155,7 +155,7 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
         in_spread = sum(c.within_spread for c in checks)
         widths = sorted((c.predicted_range[1] - c.predicted_range[0]) / c.predicted_s for c in spread)
         loaded = (f" Predictions carry the load other processes put on the cores during each run (measured, "
-                  f"`dtrain.hostload`); across its 10th-90th percentile they move by {widths[len(widths) // 2]:.0%} "
+                  f"`dtrain.run.hostload`); across its 10th-90th percentile they move by {widths[len(widths) // 2]:.0%} "
                   f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(checks)} reach the goal somewhere "
                   "in that spread.")
     out += [f"The cost model's step time for each local run, with this machine as the 'cluster' (peak = the "

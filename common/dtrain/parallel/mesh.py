@@ -3,7 +3,7 @@
     world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
 
 Every layout has one: tp = pp = 1 included (then dp = world_size). The data-parallel strategy
-decides how dp splits (`of`, by `dtrain.layout.split_dp`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
+decides how dp splits (`of`, by `dtrain.core.layout.split_dp`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
 (dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single has dp = 1.
 
 Mesh dimensions, outermost first (as torchtitan's ParallelDims): ``pp``, ``replicate``,
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtrain.errors import UserError
-from dtrain.layout import Layout, split_dp, zero_stage_of
+from dtrain.core.errors import UserError
+from dtrain.core.layout import Layout, split_dp, zero_stage_of
 
 ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
 MODEL_DIMS = ("pp", "tp")  # dimensions that split the model; the rest split the batch (cp: its sequences)
@@ -66,12 +66,12 @@ class ParallelDims:
         dp = cls(world_size, tp=tp, pp=pp, cp=cp).dp
         if strategy == "hsdp":  # the one HSDP check (__post_init__) before the split
             cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=hsdp_replicate)
-        replicate, shard = split_dp(strategy, dp, hsdp_replicate)  # dtrain.layout: the one rule
+        replicate, shard = split_dp(strategy, dp, hsdp_replicate)  # dtrain.core.layout: the one rule
         return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=replicate, dp_shard=shard)
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
-        """The mesh of a layout (dtrain.layout.Layout: the degrees; this class adds the mesh)."""
+        """The mesh of a layout (dtrain.core.layout.Layout: the degrees; this class adds the mesh)."""
         return cls(layout.gpus, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                    dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard)
 

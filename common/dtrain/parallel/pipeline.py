@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtrain.model import GPT
-from dtrain.parallel.checks import SINGLE_STAGE
+from dtrain.model.gpt import GPT
+from dtrain.parallel.feasibility import SINGLE_STAGE
 
 
 

@@ -2,7 +2,7 @@
 
 Both sides call these functions: the trainer's counted-bytes checks (`tp.comm.expected_wire_bytes`
 and `cp.comm.expected_wire_bytes` are `tp_layer_wire_bytes` and `cp_layer_wire_bytes`, compared with
-what a `CommCounter` counts) and the cost model (`costmodel/traffic.py`, `timemodel.StepModel`),
+what a `CommCounter` counts) and the cost model (`costmodel/comm_time.py`, `timemodel.StepModel`),
 which prices each collective's bytes with its α–β (`costmodel/collectives.py`). No torch here, so
 the cost model imports it without torch.
 

@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dtrain import diskfull
-from dtrain.errors import UserError
-from dtrain.metrics import write_json_atomic
+from dtrain.core import diskfull
+from dtrain.core.errors import UserError
+from dtrain.results.metrics import write_json_atomic
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -11,8 +11,8 @@ import dataclasses
 import os
 from dataclasses import asdict, dataclass, fields
 
-from dtrain.errors import UserError, unknown_key
-from dtrain.layout import SHARDED, STRATEGIES, Layout, recompute_of, schedule_of  # noqa: F401  (STRATEGIES: dtrain.train)
+from dtrain.core.errors import UserError, unknown_key
+from dtrain.core.layout import SHARDED, STRATEGIES, Layout, recompute_of, schedule_of  # noqa: F401  (STRATEGIES: dtrain.train)
 
 PRECISIONS = ("fp32", "bf16", "auto")
 TP_IMPLS = ("handrolled", "dtensor")  # dtrain.parallel.tp (the study's subject) | parallelize_module
@@ -108,7 +108,7 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         """Check against the world size (changes nothing: see `resolved`)."""
-        from dtrain import checks
+        from dtrain.core import checks
 
         checks.check_train_values(self)  # finite, AdamW-sized numbers
         if self.strategy not in STRATEGIES:
@@ -123,7 +123,7 @@ class TrainConfig:
         if self.strategy == "single" and world_size != 1:
             raise UserError(f"train.strategy=single runs on one rank but world_size={world_size}: "
                             "pass world_size=1 or pick ddp / zero2 / zero3 / hsdp")
-        from dtrain.parallel.checks import check_cp_layout
+        from dtrain.parallel.feasibility import check_cp_layout
 
         check_cp_layout(self.cp, self.cp_impl, self.pp)
         for key in ("tp", "pp", "pp_virtual", "steps", "micro_batch", "grad_accum"):
@@ -150,7 +150,7 @@ class TrainConfig:
                             "pass train.dataset=synthetic or the path of a token (.bin) or text file")
         if self.dataset == "synthetic" and self.dataset_tokens < 2:
             raise UserError(f"train.dataset_tokens={self.dataset_tokens} must be >= 2")
-        from dtrain.parallel.checks import SCHEDULES
+        from dtrain.parallel.feasibility import SCHEDULES
 
         if self.pp_schedule not in SCHEDULES:
             raise UserError(f"train.pp_schedule={self.pp_schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
@@ -165,7 +165,7 @@ class TrainConfig:
             grad_accum = self.global_batch // (self.micro_batch * self.dims(world_size).dp)
         precision = self.precision if device_type is None else self.precision_on(device_type)
         if device_type is not None:
-            from dtrain.parallel.checks import check_cp_device
+            from dtrain.parallel.feasibility import check_cp_device
 
             check_cp_device(self.cp, self.cp_impl, device_type)
         return dataclasses.replace(self, grad_accum=grad_accum, precision=precision)
@@ -173,14 +173,14 @@ class TrainConfig:
     def validate_model(self, model_cfg) -> None:
         """The layout against the model (on a `resolved` config: pp needs the real grad_accum):
         heads divisible by tp, enough layers and micro-batches for pp, a sequence cp can shard."""
-        from dtrain.parallel.checks import check_cp_model, check_pipeline, check_tp_model
+        from dtrain.parallel.feasibility import check_cp_model, check_pipeline, check_tp_model
 
         check_tp_model(model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl)
         check_cp_model(model_cfg, self.cp, self.cp_impl, self.tp, self.sequence_parallel)
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
 
     def layout(self, world_size: int, device_type: str | None = None) -> Layout:
-        """The run's layout (dtrain.layout.Layout; call it on a `resolved` config), grad_accum derived
+        """The run's layout (dtrain.core.layout.Layout; call it on a `resolved` config), grad_accum derived
         from global_batch: the inverse of `dtrain.costmodel.overrides.train_overrides`. cp_impl
         `auto` is torch on CUDA, else ring (the device given or not known)."""
         dims = self.dims(world_size)

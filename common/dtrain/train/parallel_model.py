@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtrain import dist as ddist
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.tp.layers import allreduce_partial_grads, local_shard
+from dtrain.run import dist as ddist
 from dtrain.train.config import TrainConfig
 
 
@@ -99,7 +99,7 @@ class ParallelModel:
         self.cp_impl = cp_impl                     # ring | ulysses | torch; None without cp
         self.cp = None
         if cp_impl is not None:
-            from dtrain.parallel.cp.apply import ContextParallel
+            from dtrain.parallel.cp.trainer_cp import ContextParallel
 
             self.cp = ContextParallel(cp_impl, dims.submesh("cp"), seq_len, device)
         self.fsdp = fsdp                           # FSDP2 shards the parts over dp

@@ -134,9 +134,9 @@ def apply_tp(part: nn.Module, train: TrainConfig, dims: ParallelDims, n_layer: i
         from dtrain.parallel.tp.dtensor_plan import apply_dtensor_tp
 
         return apply_dtensor_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer)
-    from dtrain.parallel.tp.apply import apply_tp as apply_handrolled_tp
+    from dtrain.parallel.tp.megatron import apply_megatron_tp
 
-    return apply_handrolled_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce)
+    return apply_megatron_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce)
 
 
 def apply_cp(part: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device) -> str | None:
@@ -145,10 +145,10 @@ def apply_cp(part: nn.Module, train: TrainConfig, dims: ParallelDims, device: to
         return None
     import torch.distributed as dist
 
-    from dtrain.parallel.cp.apply import apply_cp as swap_attention_core, select_impl
+    from dtrain.parallel.cp.trainer_cp import select_impl, swap_attention_cores
 
     impl = select_impl(train.cp_impl, device.type, dist.get_backend())
-    swap_attention_core(part, impl, dims.submesh("cp"))
+    swap_attention_cores(part, impl, dims.submesh("cp"))
     return impl
 
 

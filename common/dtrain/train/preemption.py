@@ -1,4 +1,4 @@
-"""The trainer's half of preemption and requeue (see dtrain/requeue.py for the whole story).
+"""The trainer's half of preemption and requeue (see dtrain/run/requeue.py for the whole story).
 
 `StopOnSignal` is a callback the Trainer adds inside a Slurm job: USR2/TERM set a flag; at each
 step boundary the ranks agree on it (one all-reduce of one number), save a DCP checkpoint of the
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain import requeue
-from dtrain.errors import UserError
-from dtrain.results import read_jsonl
+from dtrain.core.errors import UserError
+from dtrain.results.loader import read_jsonl
+from dtrain.run import requeue
 from dtrain.train import checkpoint
 from dtrain.train.callbacks import Callback
 

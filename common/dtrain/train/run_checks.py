@@ -7,9 +7,9 @@ second, before torch is imported.
 """
 from __future__ import annotations
 
-from dtrain import checks
-from dtrain.config import model_config
-from dtrain.launch import mode_of
+from dtrain.core import checks
+from dtrain.core.nodes import model_config
+from dtrain.run.launch import mode_of
 from dtrain.train.config import TrainConfig
 
 
@@ -25,7 +25,7 @@ def check_values(cfg) -> tuple:
 
 def local_device(cfg):
     """The device a local run's ranks get (torch decides); None on Slurm, whose compute nodes decide."""
-    from dtrain import dist as ddist
+    from dtrain.run import dist as ddist
 
     return ddist.pick_device(cfg.device, 0) if mode_of(cfg) == "local" else None
 
@@ -33,9 +33,9 @@ def local_device(cfg):
 def check_host(cfg, train: TrainConfig, model, device) -> None:
     """This host's side, after the values: the train config resolved for a local run's ``device`` (precision
     `auto`, a CUDA-only context parallelism), a resume's checkpoint and the memory the run needs here."""
-    from dtrain import dist as ddist
-    from dtrain.fit import check_fits
+    from dtrain.run import dist as ddist
     from dtrain.train.checkpoint import check_resume
+    from dtrain.train.memory_fit import check_fits
 
     if device is not None:
         train = train.resolved(cfg.world_size, device.type)

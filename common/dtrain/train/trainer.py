@@ -1,7 +1,7 @@
 """The training loop shared by fsdp-scaling and fp8-train.
 
 One optimizer step = `grad_accum` micro-steps of forward + backward on this rank's slice of the
-global batch (dtrain.data.TokenBatcher: the data of a step depends only on seed, step and global
+global batch (dtrain.train.data.TokenBatcher: the data of a step depends only on seed, step and global
 batch, never on the world size), then grad-norm clipping and AdamW. Loss and grad norm are
 global (averaged / computed across data-parallel ranks), so every rank sees the same numbers and
 can take the same decision (skip a step, cut the LR, roll back).
@@ -26,16 +26,17 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain import perf, requeue
+from dtrain.core.errors import UserError
 from dtrain.costmodel import hardware
-from dtrain.data import TokenBatcher, make_dataset
-from dtrain.errors import UserError
-from dtrain.metrics import finite_or_none
-from dtrain.model import GPT, GPTConfig, flops_per_token, num_params
-from dtrain.timing import Stopwatch
+from dtrain.model import perf
+from dtrain.model.gpt import GPT, GPTConfig, flops_per_token, num_params
+from dtrain.model.timing import Stopwatch
+from dtrain.results.metrics import finite_or_none
+from dtrain.run import requeue
 from dtrain.train import checkpoint, preemption
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
+from dtrain.train.data import TokenBatcher, make_dataset
 from dtrain.train.parallel_model import OptimizerParts
 from dtrain.train.parallelize import parallelize
 
@@ -283,7 +284,7 @@ class Trainer:
         return self.final_metrics(last)
 
     def _progress(self):
-        from dtrain.terminal import bar
+        from dtrain.core.terminal import bar
 
         # on a terminal only (rank 0); in a pipe the periodic step lines show progress
         return bar(total=self.train.steps, initial=self.step, desc=f"train {self.train.strategy}",

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import II
 
-from dtrain.config import RENAMED_MODEL, RENAMED_TRAIN, BaseConfig, ModelConfig, register
+from dtrain.core.nodes import RENAMED_MODEL, RENAMED_TRAIN, BaseConfig, ModelConfig, register
 from dtrain.train import TrainConfig
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import II
 
-from dtrain.config import RENAMED_MODEL, RENAMED_TRAIN, BaseConfig, ModelConfig, ProfileConfig, register
+from dtrain.core.nodes import RENAMED_MODEL, RENAMED_TRAIN, BaseConfig, ModelConfig, ProfileConfig, register
 from dtrain.train import TrainConfig
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from dtrain.config import RENAMED_MODEL, BaseConfig, ModelConfig, ProfileConfig, register
-from dtrain.parallel.checks import OWN_CP_IMPLS
+from dtrain.core.nodes import RENAMED_MODEL, BaseConfig, ModelConfig, ProfileConfig, register
+from dtrain.parallel.feasibility import OWN_CP_IMPLS
 from dtrain.train import TrainConfig
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from dtrain.parallel.comm import group_size
-from dtrain.parallel.cp import comm
+from dtrain.parallel.comm_counter import group_size
+from dtrain.parallel.cp import exchange
 
 
 def merge_partials(out, lse, block_out, block_lse):
@@ -98,10 +98,10 @@ def block_grads(q, k, v, out, lse, dout, causal: bool, scale: float):
 def _walk_ring(k, v, group, overlap: bool, n_rep: int, length: int):
     """Each step's (step, query rows, key rows, causal, k block, v block) on this rank, the k/v block
     already on its way to the next rank while the step computes (overlap=False: delivered first)."""
-    cp, rank = group_size(group), comm.rank_in(group)
+    cp, rank = group_size(group), exchange.rank_in(group)
     kv = torch.stack([k, v])  # what travels, in the input dtype
     for step in range(cp):
-        pending = comm.ring_exchange(kv, group, comm.KV) if step + 1 < cp else None
+        pending = exchange.ring_exchange(kv, group, exchange.KV) if step + 1 < cp else None
         if pending is not None and not overlap:
             pending.wait()
         rows, keys, causal = block_plan(rank, (rank - step) % cp, length)
@@ -145,7 +145,7 @@ class _RingAttention(torch.autograd.Function):
                 else:  # add to what the ranks before added to this block's gradient, pass it on
                     if travelling is not None:
                         dkv += travelling.wait()
-                    travelling = comm.ring_exchange(dkv, ctx.group, comm.KV_GRAD)
+                    travelling = exchange.ring_exchange(dkv, ctx.group, exchange.KV_GRAD)
                     if not ctx.overlap:
                         travelling.wait()
             if travelling is not None:  # the last hop brings this rank's own block's gradient home

@@ -1,8 +1,8 @@
-"""Tensor-parallel attention, MLP and transformer block, built from a full dtrain.model Block.
+"""Tensor-parallel attention, MLP and transformer block, built from a full dtrain.model.gpt Block.
 
 Heads are split across the tp ranks of a group: rank r computes query heads
 [r*H/tp, (r+1)*H/tp) with a column-parallel QKV projection, runs causal SDPA on them alone
-(dtrain.model.causal_attention, the single-device code), and the row-parallel output
+(dtrain.model.gpt.causal_attention, the single-device code), and the row-parallel output
 projection sums the ranks' partial outputs. The MLP is column-parallel w1, GELU, row-parallel w2.
 Each block therefore has two TP regions and, per forward+backward, four all-reduces (or with
 sequence parallelism four all-gathers and four reduce-scatters).
@@ -14,7 +14,7 @@ computes with the rows of the one k/v head its query heads read; its gradient is
 those rows, and summed over the tp group after backward it is the full gradient on every rank.
 With one k/v head this is exactly Megatron-LM's replicated layout; with 1 < kv_heads < tp a rank
 keeps kv_heads - 1 heads it does not compute with (2·(kv_heads-1)·head_dim·d_model weights per
-layer, counted by dtrain.fit).
+layer, counted by dtrain.train.memory_fit).
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtrain.errors import UserError
-from dtrain.parallel.checks import check_tp_heads
-from dtrain.model import Attention, Block, MLP, causal_attention
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import Attention, Block, MLP, causal_attention
+from dtrain.parallel.feasibility import check_tp_heads
 from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, linears_async_grad_reduce
 
 
@@ -116,7 +116,7 @@ class TensorParallelAttention(nn.Module):
 
     @classmethod
     def from_full(cls, attn: Attention, groups: TPGroups, **options) -> "TensorParallelAttention":
-        """This rank's shard of a single-device dtrain.model Attention."""
+        """This rank's shard of a single-device dtrain.model.gpt Attention."""
         hd = attn.head_dim
         d = attn.wq.weight.shape[1]
         n_head, n_kv = attn.wq.weight.shape[0] // hd, attn.wk.weight.shape[0] // hd

@@ -1,5 +1,5 @@
 """The Megatron TP layouts through PyTorch's DTensor API (`parallelize_module`): torchtitan's plan
-for a Llama block applied to dtrain.model's Block. The trainer's `train.tp_impl=dtensor` and
+for a Llama block applied to dtrain.model.gpt's Block. The trainer's `train.tp_impl=dtensor` and
 tp-attention's DTensor baseline (the hand-rolled layers' reference) both use it:
 
     attn.wq/wk/wv, mlp.w1   ColwiseParallel          (replicated in, sharded heads out)
@@ -9,7 +9,7 @@ tp-attention's DTensor baseline (the hand-rolled layers' reference) both use it:
 
 In a whole GPT (`apply_dtensor_tp`) the embeddings, final norm and lm_head stay replicated on
 every tp rank, as with the hand-rolled layers; with SP the first block takes the replicated
-activations to this rank's sequence slice and the last block gathers them back. dtrain.model's
+activations to this rank's sequence slice and the last block gathers them back. dtrain.model.gpt's
 attention infers head counts from local shapes, so it runs on its local heads unchanged. DTensor
 cannot split kv_heads < tp (the hand-rolled layers replicate them), so this needs
 n_kv_head % tp == 0 (`supported`). On GPU this is the path to async TP and float8 TP (torchao's
@@ -49,7 +49,7 @@ def _region_plan(prefix: str, col: list[str], row: str, sequence_parallel: bool)
 
 
 def parallelize_block(module: nn.Module, mesh, sequence_parallel: bool) -> nn.Module:
-    """Shard a dtrain.model Block or Attention in place over a 1-D tp mesh (every rank of it must
+    """Shard a dtrain.model.gpt Block or Attention in place over a 1-D tp mesh (every rank of it must
     hold the same full weights). With SP the module takes and returns this rank's sequence slice,
     like the hand-rolled one."""
     from torch.distributed.tensor import Replicate, Shard

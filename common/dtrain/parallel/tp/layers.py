@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtrain.parallel.tp import comm, ops
+from dtrain.parallel.tp import tp_collectives, ops
 
 
 def local_shard(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -55,7 +55,7 @@ class _LinearsAsyncGradReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads_out):
         x_full, *weights = ctx.saved_tensors
-        group, n = ctx.group, comm.group_size(ctx.group)
+        group, n = ctx.group, tp_collectives.group_size(ctx.group)
         grad_in = grads_out[0].matmul(weights[0])
         for grad, weight in zip(grads_out[1:], weights[1:]):
             grad_in = grad_in + grad.matmul(weight)
@@ -63,9 +63,9 @@ class _LinearsAsyncGradReduce(torch.autograd.Function):
         if n > 1 and ctx.sp:  # reduce-scatter along seq: seq-major so each rank's slice is contiguous
             grad_in = grad_in.transpose(0, 1).contiguous()
             grad_in_shard = grad_in.new_empty((grad_in.shape[0] // n, *grad_in.shape[1:]))
-            work = comm.reduce_scatter(grad_in_shard, grad_in, group, async_op=True)
+            work = tp_collectives.reduce_scatter(grad_in_shard, grad_in, group, async_op=True)
         elif n > 1:
-            work = comm.all_reduce(grad_in, group, async_op=True)
+            work = tp_collectives.all_reduce(grad_in, group, async_op=True)
         # Runs while the collective is in flight.
         x_flat = x_full.flatten(0, -2)
         param_grads = []
@@ -209,10 +209,10 @@ def allreduce_partial_grads(module: nn.Module, specs: dict[str, tuple] | None = 
         for wrapper in _WRAPPERS:
             name = name.replace(wrapper, "")
         spec = specs.get(name)
-        if spec is None or p.grad is None or comm.group_size(spec[0]) == 1:
+        if spec is None or p.grad is None or tp_collectives.group_size(spec[0]) == 1:
             continue
         group, rows = spec
         grad = local_shard(p.grad)
         buckets.setdefault(id(group), (group, []))[1].append(grad if rows is None else grad[rows])
     for group, grads in buckets.values():
-        comm.all_reduce_flat(grads, group, tag=comm.GRAD_SYNC)
+        tp_collectives.all_reduce_flat(grads, group, tag=tp_collectives.GRAD_SYNC)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dtrain.parallel.tp import comm
+from dtrain.parallel.tp import tp_collectives
 
 
 def _rank(group) -> int:
@@ -31,36 +31,36 @@ def _rank(group) -> int:
 
 def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (in rank order)."""
-    n = comm.group_size(group)
+    n = tp_collectives.group_size(group)
     if n == 1:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    comm.all_gather(out, x, group)
+    tp_collectives.all_gather(out, x, group)
     return out.movedim(0, dim)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum `x` over ranks and keep this rank's slice along `dim`."""
-    n = comm.group_size(group)
+    n = tp_collectives.group_size(group)
     if n == 1:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    comm.reduce_scatter(out, x, group)
+    tp_collectives.reduce_scatter(out, x, group)
     return out.movedim(0, dim)
 
 
 def own_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = comm.group_size(group)
+    n = tp_collectives.group_size(group)
     if n == 1:
         return x
     return x.chunk(n, dim=dim)[_rank(group)].contiguous()
 
 
 def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
-    if comm.group_size(group) > 1:
-        comm.all_reduce(x, group)
+    if tp_collectives.group_size(group) > 1:
+        tp_collectives.all_reduce(x, group)
     return x
 
 
