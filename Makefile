@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # python when there is one, else python3
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: venv capstone test test-all test-fast guide gpu-check gpu-bundle slurm-up slurm-down clean
+.PHONY: venv capstone test test-all test-fast lint lint-fix guide gpu-check gpu-bundle slurm-up slurm-down clean
 
 venv:
 	@scripts/setup-venv
@@ -22,6 +22,12 @@ test-all: venv          ## every test, the slow ones too (about twice as long)
 
 test-fast: venv         ## the fast path: every subproject, no slow or slurm tests
 	$(BIN)/python -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+
+lint: venv              ## ruff: the lint (pyflakes, pycodestyle, lines <= 100 columns) and the format check
+	@rc=0; $(BIN)/ruff check . || rc=$$?; $(BIN)/ruff format --check . || rc=$$?; exit $$rc
+
+lint-fix: venv          ## ruff format, then split what is still over 100 columns (what is left: by hand)
+	VENV=$(VENV) $(BIN)/python scripts/lint-fix
 
 guide: venv             ## regenerate PARALLELISM_GUIDE.md from results/
 	$(BIN)/dtrain guide
