@@ -1,4 +1,5 @@
 """Shared fixtures: run a project command in a subprocess, find the local Slurm cluster, seed every test."""
+
 from __future__ import annotations
 
 import os
@@ -12,11 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parent
 
 
-def run_cmd(args: list[str], timeout: float = 120, env: dict | None = None, cwd: Path | None = None):
+def run_cmd(
+    args: list[str], timeout: float = 120, env: dict | None = None, cwd: Path | None = None
+):
     """Run `python -m ...`-style commands with this interpreter; returns CompletedProcess."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO
+    )
 
 
 def py(*args: str, timeout: float = 120, **kw):
@@ -30,15 +35,29 @@ def slurm_available() -> str | None:
     if not os.environ.get("SLURM_CONF"):
         conf = REPO / ".slurm" / "etc" / "slurm.conf"
         # `status` answers in ~0.1 s; sinfo against a stopped cluster takes ~10 s to fail
-        if not conf.exists() or subprocess.run([str(REPO / "scripts" / "slurm-cluster"), "status"],
-                                               capture_output=True).returncode != 0:
-            return "no cluster: scripts/slurm-cluster start, then eval \"$(scripts/slurm-cluster env)\""
+        if (
+            not conf.exists()
+            or subprocess.run(
+                [str(REPO / "scripts" / "slurm-cluster"), "status"], capture_output=True
+            ).returncode
+            != 0
+        ):
+            return (
+                'no cluster: scripts/slurm-cluster start, then eval "$(scripts/slurm-cluster env)"'
+            )
         os.environ["SLURM_CONF"] = str(conf)
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10
+        )
     except subprocess.TimeoutExpired:
         return "sinfo timed out"
-    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout and "alloc" not in out.stdout:
+    if (
+        out.returncode != 0
+        or "idle" not in out.stdout
+        and "mix" not in out.stdout
+        and "alloc" not in out.stdout
+    ):
         return f"Slurm cluster not up: {out.stderr.strip() or out.stdout.strip()}"
     return None
 
@@ -81,9 +100,17 @@ def pytest_collection_modifyitems(config, items):
 
 def slurm_nodes_idle() -> int:
     """How many nodes of the cluster are usable (after slurm_available() said it is up)."""
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10)
-    return len({line.split()[0] for line in out.stdout.splitlines()
-                if len(line.split()) == 2 and line.split()[1].rstrip("*~#") in ("idle", "mixed", "allocated")})
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10
+    )
+    return len(
+        {
+            line.split()[0]
+            for line in out.stdout.splitlines()
+            if len(line.split()) == 2
+            and line.split()[1].rstrip("*~#") in ("idle", "mixed", "allocated")
+        }
+    )
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +118,8 @@ def slurm_two_nodes(slurm_cluster):
     """A cluster with at least two nodes (`scripts/slurm-cluster start --nodes 2`)."""
     n = slurm_nodes_idle()
     if n < 2:
-        pytest.skip(f"needs a 2-node Slurm cluster, this one has {n} usable node(s): "
-                    "scripts/slurm-cluster restart --nodes 2")
+        pytest.skip(
+            f"needs a 2-node Slurm cluster, this one has {n} usable node(s): "
+            "scripts/slurm-cluster restart --nodes 2"
+        )
     return slurm_cluster

@@ -1,6 +1,7 @@
 """Activation checkpointing levels of the shared trainer (train.activation_checkpointing): the same
 gradients as no checkpointing, and saved bytes that order none > op > block, matching the cost model's
 op count (memory.op_checkpoint_bytes) for the tensors the policy saves."""
+
 from __future__ import annotations
 
 
@@ -40,14 +41,23 @@ def _run(mode: str, seed: int = 0):
     try:
         if mode != "none":
             apply_activation_checkpointing(model, mode)
-        idx = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(seed))
+        idx = torch.randint(
+            0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(seed)
+        )
         loss = model(idx, idx)
-        cached = sum(_tensor_bytes(out) for c in contexts[:CFG.n_layer] for outs in c.storage.values()
-                     for out in (outs.values() if isinstance(outs, dict) else outs))
+        cached = sum(
+            _tensor_bytes(out)
+            for c in contexts[: CFG.n_layer]
+            for outs in c.storage.values()
+            for out in (outs.values() if isinstance(outs, dict) else outs)
+        )
         loss.backward()
     finally:
         parallelize._op_policy_context = real
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    grads = {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+    }
     return loss.item(), grads, cached
 
 
@@ -58,7 +68,9 @@ def test_op_and_block_checkpointing_give_the_gradients_of_none():
         assert loss == pytest.approx(loss0, abs=1e-6), mode
         assert g.keys() == g0.keys()
         for name in g0:
-            torch.testing.assert_close(g[name], g0[name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+            torch.testing.assert_close(
+                g[name], g0[name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}"
+            )
 
 
 def test_op_caches_what_the_cost_model_counts():
@@ -68,9 +80,13 @@ def test_op_caches_what_the_cost_model_counts():
     _, _, cached = _run("op")
     s, b, h, heads = CFG.seq_len, 2, CFG.d_model, CFG.n_head
     r = CFG.n_kv_head / CFG.n_head
-    per_block = 2 * (op_checkpoint_bytes(s, b, h, kv_ratio=r, ffn_mult=CFG.mlp_ratio) - 2 * s * b * h)
+    per_block = 2 * (
+        op_checkpoint_bytes(s, b, h, kv_ratio=r, ffn_mult=CFG.mlp_ratio) - 2 * s * b * h
+    )
     lse = b * heads * s * 4
-    print(f"cached {cached} bytes, modelled {CFG.n_layer * per_block} + log-sum-exp {CFG.n_layer * lse}")
+    print(
+        f"cached {cached} bytes, modelled {CFG.n_layer * per_block} + log-sum-exp {CFG.n_layer * lse}"
+    )
     assert cached == CFG.n_layer * (per_block + lse)
 
 
@@ -99,5 +115,6 @@ def test_op_checkpoint_bytes_by_hand():
     # s=32, b=2, h=64, t=1, GELU 4h, GQA r=1/2: x 2h + q 2h + v 2h·r + attn 2h + w1 2·4h = 2s·b·h·(1+1+0.5+1+4)
     assert op_checkpoint_bytes(32, 2, 64, kv_ratio=0.5) == 32 * 2 * 64 * 2 * 7.5
     # SwiGLU adds w2's unreduced output 2h; TP 2 with SP shards everything but that
-    assert op_checkpoint_bytes(32, 2, 64, 2, True, gated_mlp=True, ffn_mult=3.5, kv_ratio=0.5) == \
-        32 * 2 * (2 * 64 / 2 + (2 * 64 + 64 + 2 * 64 + 7 * 64) / 2 + 2 * 64)
+    assert op_checkpoint_bytes(
+        32, 2, 64, 2, True, gated_mlp=True, ffn_mult=3.5, kv_ratio=0.5
+    ) == 32 * 2 * (2 * 64 / 2 + (2 * 64 + 64 + 2 * 64 + 7 * 64) / 2 + 2 * 64)

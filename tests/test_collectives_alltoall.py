@@ -40,9 +40,11 @@ def test_beta_is_the_nccl_tests_bus_bandwidth():
 
 
 def test_uneven_all_to_all_the_busiest_sender_sets_the_time():
-    sends = [[0, 1e6, 3e6],   # rank 0 sends 4 MB: the busiest
-             [2e6, 0, 0],
-             [1e6, 1e6, 0]]   # receives: rank 0 3 MB, rank 1 2 MB, rank 2 3 MB
+    sends = [
+        [0, 1e6, 3e6],  # rank 0 sends 4 MB: the busiest
+        [2e6, 0, 0],
+        [1e6, 1e6, 0],
+    ]  # receives: rank 0 3 MB, rank 1 2 MB, rank 2 3 MB
     assert all_to_all_uneven_time(sends, LINK) == pytest.approx(4e6 / 2e9 + 2 * 1e-5)
 
 
@@ -67,25 +69,38 @@ def test_uneven_all_to_all_refuses_a_bad_matrix(sends):
 
 def _a2a_fit(world_size: int = 4) -> contract.CollectiveFit:
     where = contract.where_of("cpu", "gloo", None)
-    return contract.CollectiveFit(collective="all_to_all", link_class="intra_node", dtype="float32",
-                                  world_size=world_size, alpha_us=90.0, beta_GBps=1.2, r2=0.99,
-                                  n_points=7, algo_factor=0.75, theoretical_GBps=None,
-                                  beta_pct_of_theoretical=None, where=where)
+    return contract.CollectiveFit(
+        collective="all_to_all",
+        link_class="intra_node",
+        dtype="float32",
+        world_size=world_size,
+        alpha_us=90.0,
+        beta_GBps=1.2,
+        r2=0.99,
+        n_points=7,
+        algo_factor=0.75,
+        theoretical_GBps=None,
+        beta_pct_of_theoretical=None,
+        where=where,
+    )
 
 
 def test_from_allreduce_keeps_the_all_to_all_fit_alpha_per_peer():
     src = Source("cpu/allreduce-bench", "2025-03-01", "cpu", "gloo", 4, None)
     got = {c.name: c.value for c in from_allreduce([_a2a_fit()], src)}
     # a whole 4-rank all_to_all's α is 3 peers' worth
-    assert got == {"intra_all_to_all_alpha_s": pytest.approx(30e-6),
-                   "intra_all_to_all_beta_Bps": pytest.approx(1.2e9)}
+    assert got == {
+        "intra_all_to_all_alpha_s": pytest.approx(30e-6),
+        "intra_all_to_all_beta_Bps": pytest.approx(1.2e9),
+    }
 
 
 def test_a_measured_all_to_all_becomes_the_links_all_to_all(tmp_path):
     """The fixture's allreduce-bench run plus an all_to_all fit: the local link prices all-to-alls
     with it; without the fit the link's all-reduce α–β does, as for the other collectives."""
-    assert calibrate([CPU], warn=False).local_links["intra"].of("all_to_all").alpha_s == \
-        pytest.approx(31.25e-6)  # not fitted: the all-reduce's α per hop
+    assert calibrate([CPU], warn=False).local_links["intra"].of(
+        "all_to_all"
+    ).alpha_s == pytest.approx(31.25e-6)  # not fitted: the all-reduce's α per hop
     shutil.copytree(CPU / "allreduce-bench", tmp_path / "cpu" / "allreduce-bench")
     [run] = [p for p in (tmp_path / "cpu" / "allreduce-bench").iterdir() if p.is_dir()]
     summary = json.loads((run / "summary.json").read_text())

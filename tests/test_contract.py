@@ -1,5 +1,6 @@
 """dtrain.results.contract: the typed guide inputs round-trip through summary.json, bad ones are refused
 with a message that says where, and the committed fixtures are exactly what the real writers write."""
+
 from __future__ import annotations
 
 import filecmp
@@ -31,8 +32,14 @@ def test_committed_fixtures_are_what_the_real_writers_write(tmp_path):
     for tree in ("cpu", "gpu"):
         committed, fresh = FIXTURES / tree, tmp_path / tree
         assert _files(committed) == _files(fresh)
-        different = [str(p) for p in _files(fresh) if not filecmp.cmp(committed / p, fresh / p, shallow=False)]
-        assert different == [], "run `python tests/fixtures/results/make_fixtures.py` and commit the result"
+        different = [
+            str(p)
+            for p in _files(fresh)
+            if not filecmp.cmp(committed / p, fresh / p, shallow=False)
+        ]
+        assert different == [], (
+            "run `python tests/fixtures/results/make_fixtures.py` and commit the result"
+        )
 
 
 def test_every_fixture_summary_round_trips():
@@ -42,33 +49,72 @@ def test_every_fixture_summary_round_trips():
         records = contract.read(summary)
         assert contract.encode(records) == summary["guide_inputs"], path
         kinds |= {r.kind for r in records}
-    assert kinds == set(contract.RECORDS) - {"gemm_probe"}  # the probe runs on the host (test_costmodel_fidelity)
+    assert kinds == set(contract.RECORDS) - {
+        "gemm_probe"
+    }  # the probe runs on the host (test_costmodel_fidelity)
 
 
 def _fit(**changes) -> dict:
-    rec = {"kind": "collective_fit", "collective": "all_reduce", "link_class": "intra_node", "dtype": "float32",
-           "world_size": 2, "alpha_us": 60.0, "beta_GBps": 1.5, "r2": 0.99, "n_points": 7, "algo_factor": 1.0,
-           "theoretical_GBps": None, "beta_pct_of_theoretical": None,
-           "where": {"device": "cpu", "backend": "gloo", "gpu_name": None}}
+    rec = {
+        "kind": "collective_fit",
+        "collective": "all_reduce",
+        "link_class": "intra_node",
+        "dtype": "float32",
+        "world_size": 2,
+        "alpha_us": 60.0,
+        "beta_GBps": 1.5,
+        "r2": 0.99,
+        "n_points": 7,
+        "algo_factor": 1.0,
+        "theoretical_GBps": None,
+        "beta_pct_of_theoretical": None,
+        "where": {"device": "cpu", "backend": "gloo", "gpu_name": None},
+    }
     return {k: v for k, v in {**rec, **changes}.items() if v != "<drop>"}
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"schema_version": 1, "records": [_fit()]}, None),
-    ({"schema_version": 3, "records": []}, "guide_inputs.schema_version=3: this dtrain reads schema 1..2"),
-    ([_fit()], "guide_inputs must be {'schema_version': int, 'records': [...]}"),
-    ({"schema_version": 1, "records": [_fit(kind="fancy")]}, "records[0]: unknown kind 'fancy'"),
-    ({"schema_version": 1, "records": [_fit(alpha_us="<drop>")]}, "records[0] (collective_fit): missing field alpha_us"),
-    ({"schema_version": 1, "records": [_fit(colour="red")]}, "records[0] (collective_fit): unknown field(s) colour"),
-    ({"schema_version": 1, "records": [_fit(world_size=2.5)]}, "collective_fit).world_size=2.5 must be an integer"),
-    ({"schema_version": 1, "records": [_fit(beta_GBps=None)]}, "collective_fit).beta_GBps is null but must be float"),
-    ({"schema_version": 1, "records": [_fit(where={"device": "cpu"})]}, "(collective_fit).where: missing field backend"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"schema_version": 1, "records": [_fit()]}, None),
+        (
+            {"schema_version": 3, "records": []},
+            "guide_inputs.schema_version=3: this dtrain reads schema 1..2",
+        ),
+        ([_fit()], "guide_inputs must be {'schema_version': int, 'records': [...]}"),
+        (
+            {"schema_version": 1, "records": [_fit(kind="fancy")]},
+            "records[0]: unknown kind 'fancy'",
+        ),
+        (
+            {"schema_version": 1, "records": [_fit(alpha_us="<drop>")]},
+            "records[0] (collective_fit): missing field alpha_us",
+        ),
+        (
+            {"schema_version": 1, "records": [_fit(colour="red")]},
+            "records[0] (collective_fit): unknown field(s) colour",
+        ),
+        (
+            {"schema_version": 1, "records": [_fit(world_size=2.5)]},
+            "collective_fit).world_size=2.5 must be an integer",
+        ),
+        (
+            {"schema_version": 1, "records": [_fit(beta_GBps=None)]},
+            "collective_fit).beta_GBps is null but must be float",
+        ),
+        (
+            {"schema_version": 1, "records": [_fit(where={"device": "cpu"})]},
+            "(collective_fit).where: missing field backend",
+        ),
+    ],
+)
 def test_decode_checks_kind_fields_and_types(value, message):
     if message is None:
         [fit] = contract.decode(value)
-        assert fit == contract.CollectiveFit(**{k: v for k, v in _fit().items() if k not in ("kind", "where")},
-                                             where=contract.Where("cpu", "gloo"))
+        assert fit == contract.CollectiveFit(
+            **{k: v for k, v in _fit().items() if k not in ("kind", "where")},
+            where=contract.Where("cpu", "gloo"),
+        )
         return
     with pytest.raises(contract.ContractError) as e:
         contract.decode(value)
@@ -76,14 +122,26 @@ def test_decode_checks_kind_fields_and_types(value, message):
 
 
 def test_write_summary_encodes_records_and_refuses_what_a_reader_would_refuse(tmp_path):
-    m = contract.read(json.loads((FIXTURES / "cpu/fsdp-scaling/20250301-100100-000001/summary.json").read_text()))
+    m = contract.read(
+        json.loads((FIXTURES / "cpu/fsdp-scaling/20250301-100100-000001/summary.json").read_text())
+    )
     write_summary(tmp_path, {"status": "complete", "guide_inputs": m})
     back = json.loads((tmp_path / "summary.json").read_text())
-    assert contract.read(back) == m and back["guide_inputs"]["schema_version"] == contract.SCHEMA_VERSION
+    assert (
+        contract.read(back) == m
+        and back["guide_inputs"]["schema_version"] == contract.SCHEMA_VERSION
+    )
     with pytest.raises(contract.ContractError, match="dict is not a guide-input record"):
         write_summary(tmp_path / "x", {"guide_inputs": [{"kind": "training"}]})
     assert not (tmp_path / "x").exists()
     with pytest.raises(contract.ContractError, match="model is not a GPTConfig"):
-        contract.TrainingMeasurement(model={"d_model": 10, "n_head": 3}, layout=m[0].layout, strategy="zero3",
-                                     precision="fp32",
-                                     step_time_s=1.0, tokens_per_s=1.0, peak_mem_bytes=1, where=m[0].where)
+        contract.TrainingMeasurement(
+            model={"d_model": 10, "n_head": 3},
+            layout=m[0].layout,
+            strategy="zero3",
+            precision="fp32",
+            step_time_s=1.0,
+            tokens_per_s=1.0,
+            peak_mem_bytes=1,
+            where=m[0].where,
+        )

@@ -4,10 +4,28 @@ import pytest
 
 from conftest import py
 
-from dtrain.costmodel import (Calibration, Cluster, Layout, LinkModel, ModelShape, Param, all_gather_time,
-                              allreduce_time, bubble_fraction, explain, get_profile, group_link,
-                              load_profiles, memory_per_gpu, model_state_bytes, p2p_time, params_per_gpu,
-                              reduce_scatter_time, search, step_time)
+from dtrain.costmodel import (
+    Calibration,
+    Cluster,
+    Layout,
+    LinkModel,
+    ModelShape,
+    Param,
+    all_gather_time,
+    allreduce_time,
+    bubble_fraction,
+    explain,
+    get_profile,
+    group_link,
+    load_profiles,
+    memory_per_gpu,
+    model_state_bytes,
+    p2p_time,
+    params_per_gpu,
+    reduce_scatter_time,
+    search,
+    step_time,
+)
 from dtrain.costmodel.memory import activation_bytes_per_layer
 from dtrain.costmodel.search import Plan, SearchResult
 
@@ -16,9 +34,18 @@ GiB = 1024**3
 
 # ---------------------------------------------------------------- hardware profiles
 
+
 def test_profiles_load_with_sources_and_dense_peaks():
     profiles = load_profiles()
-    assert set(profiles) == {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h200", "b200"}
+    assert set(profiles) == {
+        "a100-40gb",
+        "a100-80gb",
+        "h100-sxm",
+        "h100-pcie",
+        "h100-nvl",
+        "h200",
+        "b200",
+    }
     for p in profiles.values():
         assert "NVIDIA" in p.source
         assert p.nvlink_gbps_bidir == 2 * p.nvlink_gbps_per_dir
@@ -38,12 +65,19 @@ def test_unknown_gpu_error_lists_known_names():
 
 # ---------------------------------------------------------------- memory
 
-@pytest.mark.parametrize("stage, expected", [
-    (0, 18 * 7e9),                        # Megatron: 18 bytes/param (fp32 main grads)
-    (1, (6 + 12 / 64) * 7e9),             # Megatron distributed optimizer: 6 + 12/d
-    (2, 2 * 7e9 + 16 * 7e9 / 64),         # bf16 weights replicated, fp32 grads + Adam sharded: 2Ψ + 16Ψ/N
-    (3, 16 * 7e9 / 64),                   # FSDP2: fp32 master weights, fp32 grads, m, v sharded: 16Ψ/N
-])
+
+@pytest.mark.parametrize(
+    "stage, expected",
+    [
+        (0, 18 * 7e9),  # Megatron: 18 bytes/param (fp32 main grads)
+        (1, (6 + 12 / 64) * 7e9),  # Megatron distributed optimizer: 6 + 12/d
+        (
+            2,
+            2 * 7e9 + 16 * 7e9 / 64,
+        ),  # bf16 weights replicated, fp32 grads + Adam sharded: 2Ψ + 16Ψ/N
+        (3, 16 * 7e9 / 64),  # FSDP2: fp32 master weights, fp32 grads, m, v sharded: 16Ψ/N
+    ],
+)
 def test_zero_model_states_7b_on_64_gpus(stage, expected):
     params, grads, optimizer = model_state_bytes(7e9, stage, 64)
     assert params + grads + optimizer == pytest.approx(expected, rel=1e-12)
@@ -53,17 +87,25 @@ def test_zero_components():
     psi, nd = 7e9, 64
     assert model_state_bytes(psi, 0, nd) == pytest.approx((2 * psi, 4 * psi, 12 * psi))
     assert model_state_bytes(psi, 2, nd) == pytest.approx((2 * psi, 4 * psi / nd, 12 * psi / nd))
-    assert model_state_bytes(psi, 3, nd) == pytest.approx((4 * psi / nd, 4 * psi / nd, 8 * psi / nd))
+    assert model_state_bytes(psi, 3, nd) == pytest.approx(
+        (4 * psi / nd, 4 * psi / nd, 8 * psi / nd)
+    )
 
 
 def test_gpt_param_count_and_tp_pp_division():
     gpt2 = ModelShape(12, 768, 12, 12, 50257, 1024, tied_embeddings=True)
-    assert gpt2.num_params() == 12 * (12 * 768**2 + 2 * 768) + 50257 * 768 + 768  # ~124M (GPT-2 small)
+    assert (
+        gpt2.num_params() == 12 * (12 * 768**2 + 2 * 768) + 50257 * 768 + 768
+    )  # ~124M (GPT-2 small)
     # 2 stages x 4-way TP: each stage holds 6 layers / 4 plus one V*h embedding / 4.
-    assert params_per_gpu(gpt2, tp=4, pp=2) == pytest.approx((6 * (12 * 768**2 + 2 * 768) + 50257 * 768) / 4)
+    assert params_per_gpu(gpt2, tp=4, pp=2) == pytest.approx(
+        (6 * (12 * 768**2 + 2 * 768) + 50257 * 768) / 4
+    )
     layout = Layout(dp_shard=8, tp=4, pp=2, zero_stage=3)
     psi = params_per_gpu(gpt2, 4, 2)
-    assert memory_per_gpu(gpt2, layout).params == pytest.approx(4 * psi / 8)  # FSDP2: fp32 sharded master weights
+    assert memory_per_gpu(gpt2, layout).params == pytest.approx(
+        4 * psi / 8
+    )  # FSDP2: fp32 sharded master weights
     # under PP the stage keeps its bf16 weights gathered (2 psi) and FSDP2 accumulates its unsharded gradients
     # in the fp32 reduce dtype until the last micro-batch syncs them (FSDPParam.to_accumulated_grad_if_needed)
     assert memory_per_gpu(gpt2, layout).buffers == pytest.approx(2 * psi + 4 * psi)
@@ -71,32 +113,51 @@ def test_gpt_param_count_and_tp_pp_division():
 
 def test_from_params_uses_known_shapes_and_interpolates():
     llama70 = ModelShape.from_params(70e9, seq_len=2048)
-    assert (llama70.n_layer, llama70.d_model, llama70.n_kv_head, llama70.seq_len) == (80, 8192, 8, 2048)
+    assert (llama70.n_layer, llama70.d_model, llama70.n_kv_head, llama70.seq_len) == (
+        80,
+        8192,
+        8,
+        2048,
+    )
     assert llama70.num_params() == pytest.approx(69e9, rel=0.01)
     for target in (3e9, 20e9, 120e9, 250e9, 60e6, 200e6, 500e6):
         assert ModelShape.from_params(target).num_params() == pytest.approx(target, rel=0.05)
     # below 1B: GPT-3's small models (Brown et al. 2020, Table 2.1), not a Llama-vocabulary shape whose embedding
     # would leave 125M parameters one layer
     small = ModelShape.from_params(125e6, seq_len=2048)
-    assert (small.n_layer, small.d_model, small.n_head, small.vocab, small.rotary) == (12, 768, 12, 50257, False)
-    assert small.num_params() == pytest.approx(125e6, rel=0.02)   # learned positions (1.6M) not counted
-    assert [(s.n_layer, s.d_model) for s in map(ModelShape.from_params, (350e6, 760e6))] == [(24, 1024), (24, 1536)]
+    assert (small.n_layer, small.d_model, small.n_head, small.vocab, small.rotary) == (
+        12,
+        768,
+        12,
+        50257,
+        False,
+    )
+    assert small.num_params() == pytest.approx(
+        125e6, rel=0.02
+    )  # learned positions (1.6M) not counted
+    assert [(s.n_layer, s.d_model) for s in map(ModelShape.from_params, (350e6, 760e6))] == [
+        (24, 1024),
+        (24, 1536),
+    ]
     assert ModelShape.from_params(200e6).n_layer >= 6
 
 
 S, B, H, A, T = 2048, 4, 4096, 32, 8
 
 
-@pytest.mark.parametrize("t, sp, recompute, expected", [
-    (1, False, "none", S * B * H * (34 + 5 * A * S / H)),
-    (T, False, "none", S * B * H * (10 + 24 / T + 5 * A * S / (H * T))),
-    (T, True, "none", S * B * H / T * (34 + 5 * A * S / H)),
-    (T, False, "selective", S * B * H * (10 + 24 / T)),
-    (T, True, "selective", S * B * H / T * 34),
-    (1, False, "full", 2 * S * B * H),
-    (T, False, "full", 2 * S * B * H),
-    (T, True, "full", 2 * S * B * H / T),
-])
+@pytest.mark.parametrize(
+    "t, sp, recompute, expected",
+    [
+        (1, False, "none", S * B * H * (34 + 5 * A * S / H)),
+        (T, False, "none", S * B * H * (10 + 24 / T + 5 * A * S / (H * T))),
+        (T, True, "none", S * B * H / T * (34 + 5 * A * S / H)),
+        (T, False, "selective", S * B * H * (10 + 24 / T)),
+        (T, True, "selective", S * B * H / T * 34),
+        (1, False, "full", 2 * S * B * H),
+        (T, False, "full", 2 * S * B * H),
+        (T, True, "full", 2 * S * B * H / T),
+    ],
+)
 def test_activation_formulas_korthikanti(t, sp, recompute, expected):
     got = activation_bytes_per_layer(S, B, H, A, t, sequence_parallel=sp, recompute=recompute)
     assert got == pytest.approx(expected, rel=1e-12)
@@ -110,10 +171,12 @@ def test_flash_attention_drops_the_score_term():
 def test_pipeline_first_stage_holds_pp_microbatches():
     shape = ModelShape(8, 1024, 8, 8, 1000, 512)
     one = memory_per_gpu(shape, Layout(grad_accum=8)).activations
-    per_layer = activation_bytes_per_layer(512, 1, 1024, 8, flash_attention=True, dropout=False)  # no dropout
-    output = 4 * 512 * (1024 + 1000)   # output layer input + fp32 logits (Megatron's count)
-    ids = 8 * 512                      # the embedding's token ids, per micro-batch in flight
-    temporaries = 1.05                 # without SP (Megatron's precise count)
+    per_layer = activation_bytes_per_layer(
+        512, 1, 1024, 8, flash_attention=True, dropout=False
+    )  # no dropout
+    output = 4 * 512 * (1024 + 1000)  # output layer input + fp32 logits (Megatron's count)
+    ids = 8 * 512  # the embedding's token ids, per micro-batch in flight
+    temporaries = 1.05  # without SP (Megatron's precise count)
     assert one == pytest.approx((8 * per_layer + ids + output) * temporaries)
     four = memory_per_gpu(shape, Layout(pp=4, grad_accum=8)).activations
     # first stage: 2 layers, 4 micro-batches in flight (its last stage holds one and the logits: less)
@@ -124,12 +187,14 @@ def test_pipeline_first_stage_holds_pp_microbatches():
 
 def test_memory_breakdown_fits():
     from dtrain.costmodel import MemoryBreakdown
+
     m = MemoryBreakdown(params=10 * GiB, grads=10 * GiB, optimizer=40 * GiB, activations=10 * GiB)
     assert m.total == 70 * GiB
     assert m.fits(80 * GiB, headroom=0.1) and not m.fits(80 * GiB, headroom=0.2)
 
 
 # ---------------------------------------------------------------- time model
+
 
 def test_collective_formulas_by_hand():
     link = LinkModel(alpha_s=5e-6, beta_Bps=100e9)
@@ -141,24 +206,37 @@ def test_collective_formulas_by_hand():
     assert allreduce_time(nbytes, 1, link) == 0.0
 
 
-@pytest.mark.parametrize("p, m, v, expected", [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (8, 32, 4, 7 / 128),
-                                               (1, 4, 1, 0.0)])
+@pytest.mark.parametrize(
+    "p, m, v, expected", [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (8, 32, 4, 7 / 128), (1, 4, 1, 0.0)]
+)
 def test_bubble_fraction(p, m, v, expected):
     assert bubble_fraction(p, m, v) == pytest.approx(expected)
 
 
 def _cluster(gpus=64, ib_alpha=5e-6):
-    return Cluster(gpus, 8, get_profile("h100-sxm"), LinkModel(1e-6, 450e9, "NVLink"),
-                   LinkModel(ib_alpha, 50e9, "IB"))
+    return Cluster(
+        gpus,
+        8,
+        get_profile("h100-sxm"),
+        LinkModel(1e-6, 450e9, "NVLink"),
+        LinkModel(ib_alpha, 50e9, "IB"),
+    )
 
 
 def test_step_time_bubble_and_total():
     shape = ModelShape.from_params(7e9)
     for pp, m, v in [(2, 8, 1), (4, 8, 2), (8, 16, 4)]:
-        t = step_time(shape, Layout(dp_shard=64 // (2 * pp), tp=2, pp=pp, grad_accum=m,
-                                    pp_virtual=v), _cluster())
-        assert t.bubble == pytest.approx((pp - 1) / (v * m) * (t.compute - t.terms.optimizer + t.tp_comm))
-        assert t.total == pytest.approx(t.compute + t.tp_comm + t.pp_comm + t.bubble + t.dp_comm_exposed)
+        t = step_time(
+            shape,
+            Layout(dp_shard=64 // (2 * pp), tp=2, pp=pp, grad_accum=m, pp_virtual=v),
+            _cluster(),
+        )
+        assert t.bubble == pytest.approx(
+            (pp - 1) / (v * m) * (t.compute - t.terms.optimizer + t.tp_comm)
+        )
+        assert t.total == pytest.approx(
+            t.compute + t.tp_comm + t.pp_comm + t.bubble + t.dp_comm_exposed
+        )
         assert t.mfu == pytest.approx(t.model_flops / (t.total * 64 * 989.4e12))
 
 
@@ -169,8 +247,10 @@ def test_dp_volumes_fp32_grads_bf16_weights():
     dp = step_time(shape, Layout(dp_shard=64, zero_stage=0), cluster, no_overlap).dp_comm
     z1 = step_time(shape, Layout(dp_shard=64, zero_stage=1), cluster, no_overlap).dp_comm
     z3 = step_time(shape, Layout(dp_shard=64, zero_stage=3), cluster, no_overlap).dp_comm
-    assert dp == pytest.approx(2 * f * 4 * psi / beta)            # all-reduce of fp32 grads
-    assert z1 == pytest.approx(f * 4 * psi / beta + f * 2 * psi / beta)  # reduce-scatter fp32 + all-gather bf16
+    assert dp == pytest.approx(2 * f * 4 * psi / beta)  # all-reduce of fp32 grads
+    assert z1 == pytest.approx(
+        f * 4 * psi / beta + f * 2 * psi / beta
+    )  # reduce-scatter fp32 + all-gather bf16
     assert z3 == pytest.approx(2 * f * 2 * psi / beta + f * 4 * psi / beta)
 
 
@@ -186,13 +266,21 @@ def test_recompute_costs_extra_forward():
     dev = device_of(cluster, Calibration(), Stack("eager"))
     lay = Layout(dp_shard=64)
     fwd = sum(dev.gemm_s(g) for g in layer_gemms(shape, lay) if g.name not in ("scores", "av"))
-    mem_fwd = sum(dev.mem_s(b, _KIND[k]) * _FORWARD_SHARE[k] for k, b in memory_bytes(shape, lay, "bf16", True).items())
+    mem_fwd = sum(
+        dev.mem_s(b, _KIND[k]) * _FORWARD_SHARE[k]
+        for k, b in memory_bytes(shape, lay, "bf16", True).items()
+    )
     L = shape.n_layer
-    t = lambda rc: step_time(shape, Layout(dp_shard=64,
-                                           recompute=rc), cluster, stack=Stack("eager")).terms  # noqa: E731
+    t = lambda rc: (
+        step_time(shape, Layout(dp_shard=64, recompute=rc), cluster, stack=Stack("eager")).terms
+    )  # noqa: E731
     base = t("none")
-    assert base.recompute == 0 and base.gemm == pytest.approx(L * 3 * fwd)  # forward + dgrad + wgrad
-    assert t("full").recompute == pytest.approx(L * (fwd + attention_s(shape, lay, dev, True) + mem_fwd))
+    assert base.recompute == 0 and base.gemm == pytest.approx(
+        L * 3 * fwd
+    )  # forward + dgrad + wgrad
+    assert t("full").recompute == pytest.approx(
+        L * (fwd + attention_s(shape, lay, dev, True) + mem_fwd)
+    )
     assert t("selective").recompute == pytest.approx(L * attention_s(shape, lay, dev, True))
 
 
@@ -204,8 +292,10 @@ def test_links_nvlink_inside_node_ib_across():
 
 
 def test_calibration_provenance_is_checked():
-    assert all(getattr(Calibration(), f).provenance.startswith("datasheet/published:")
-               for f in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor"))
+    assert all(
+        getattr(Calibration(), f).provenance.startswith("datasheet/published:")
+        for f in ("mfu", "dp_overlap", "tp_overhead", "fp8_speedup", "fp8_memory_factor")
+    )
     assert Param(0.41, "measured here: results/fsdp-scaling/run1").measured
     with pytest.raises(ValueError, match="provenance"):
         Param(0.5, "I think so")
@@ -220,8 +310,15 @@ def test_fp8_on_a100_is_refused():
 # ---------------------------------------------------------------- search
 
 GRID_MODELS = (1e9, 7e9, 13e9, 70e9, 405e9)
-GRID_CLUSTERS = (("a100-40gb", 8), ("a100-80gb", 64), ("h100-sxm", 8), ("h100-sxm", 256), ("h200", 64),
-                 ("b200", 16), ("h100-pcie", 16))
+GRID_CLUSTERS = (
+    ("a100-40gb", 8),
+    ("a100-80gb", 64),
+    ("h100-sxm", 8),
+    ("h100-sxm", 256),
+    ("h200", 64),
+    ("b200", 16),
+    ("h100-pcie", 16),
+)
 
 
 @pytest.mark.parametrize("gpu, gpus", GRID_CLUSTERS)
@@ -240,7 +337,9 @@ def test_chooser_never_exceeds_capacity(gpu, gpus):
 
 
 def test_nothing_fits_gives_reason_not_exception():
-    res = search(ModelShape.from_params(405e9), Cluster.from_profile("a100-40gb", 8), global_batch=64)
+    res = search(
+        ModelShape.from_params(405e9), Cluster.from_profile("a100-40gb", 8), global_batch=64
+    )
     assert res.best is None and res.ranked == []
     assert res.reason.startswith("does not fit") and "GiB" in res.reason
     assert explain(res) == [res.reason]
@@ -255,20 +354,24 @@ def test_explain_names_cross_node_tp_and_memory_rejections():
     shape, cluster = ModelShape.from_params(70e9), _cluster(64)
     plans = []
     for tp in (8, 16):
-        lay = Layout(dp_shard=64 // tp, tp=tp, zero_stage=3, recompute="full",
-                     grad_accum=tp)  # batch 64
+        lay = Layout(
+            dp_shard=64 // tp, tp=tp, zero_stage=3, recompute="full", grad_accum=tp
+        )  # batch 64
         mem, time = memory_per_gpu(shape, lay), step_time(shape, lay, cluster)
         plans.append(Plan(**vars(lay), memory=mem, time=time))
     plans.sort(key=lambda p: -p.time.tokens_per_s)
-    too_big = Layout(dp_shard=64, zero_stage=0,
-                     grad_accum=1)  # plain DP: faster, but 16 bytes/param
+    too_big = Layout(
+        dp_shard=64, zero_stage=0, grad_accum=1
+    )  # plain DP: faster, but 16 bytes/param
     assert step_time(shape, too_big, cluster).tokens_per_s > plans[0].time.tokens_per_s
     res = SearchResult(plans[0], plans, [(too_big, "does not fit: test")], "", shape, cluster, 64)
     lines = explain(res)
     assert plans[0].tp == 8
     assert any("tp=16 crosses nodes: TP all-reduce over IB" in line for line in lines)
-    assert any("dp=64 tp=1 pp=1" in line and "does not fit" in line and "GiB > 72.0 GiB" in line
-               for line in lines)
+    assert any(
+        "dp=64 tp=1 pp=1" in line and "does not fit" in line and "GiB > 72.0 GiB" in line
+        for line in lines
+    )
     # --top 0: the choice alone, no runner-up or too-big design (k = 0 used to list every runner-up)
     assert explain(res, 0) == lines[:1]
     assert len(explain(res, 1)) == 3 and explain(res, 1)[1].startswith("dp=4 tp=16")
@@ -277,7 +380,9 @@ def test_explain_names_cross_node_tp_and_memory_rejections():
 def test_global_batch_not_divisible_is_reported():
     res = search(ModelShape.from_params(1e9), Cluster.from_profile("h100-sxm", 8), global_batch=3)
     assert any("not a multiple" in why for _, why in res.rejected_with_reasons)
-    assert res.best.dp == 1 and res.best.micro_batch * res.best.grad_accum == 3  # only dp=1 divides 3
+    assert (
+        res.best.dp == 1 and res.best.micro_batch * res.best.grad_accum == 3
+    )  # only dp=1 divides 3
 
 
 FSDP2_ACCUMULATION = """

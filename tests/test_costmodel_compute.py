@@ -3,6 +3,7 @@
 Each hand value below is written from the module docstring's formulas with the H100 numbers of
 hardware.yaml (989.4 TFLOP/s bf16, 1978.9 fp8, 3.35 TB/s) and kernels.yaml (shares), not by calling the code under
 test; the last tests reproduce steps profiled on an H100 and on an H200 (measured/, make gpu-check)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.costmodel.compute import (CLIP_BYTES, EAGER_BYTES, OPTIMIZER_BYTES, attention_s, memory_bytes,
-                                      optimizer_s, published)
+from dtrain.costmodel.compute import (
+    CLIP_BYTES,
+    EAGER_BYTES,
+    OPTIMIZER_BYTES,
+    attention_s,
+    memory_bytes,
+    optimizer_s,
+    published,
+)
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.efficiency import Gemm
 from dtrain.costmodel.gpt_shape import shape_of
@@ -23,7 +31,7 @@ from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.timemodel import device_of, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
-H100_PROFILE = "measured/h100-sxm/gpu-check-20261125-105450"   # make gpu-check reports, committed
+H100_PROFILE = "measured/h100-sxm/gpu-check-20261125-105450"  # make gpu-check reports, committed
 H200_PROFILE = "measured/h200/gpu-check-20261126-021500"
 H100 = Cluster.from_profile("h100-sxm", 8, 8)
 PEAK, PEAK_FP8, HBM = 989.4e12, 1978.9e12, 3.35e12
@@ -56,7 +64,9 @@ def test_fused_attention_is_causal_flops_over_the_benchmark_rate(cp, impl):
 
 def test_fused_attention_forward_alone_is_two_sevenths():
     d, lay = dev(), Layout(tp=2, micro_batch=1)
-    assert attention_s(LLAMA8B, lay, d, forward_only=True) == pytest.approx(attention_s(LLAMA8B, lay, d) / 3.5)
+    assert attention_s(LLAMA8B, lay, d, forward_only=True) == pytest.approx(
+        attention_s(LLAMA8B, lay, d) / 3.5
+    )
 
 
 def test_attention_dropout_in_a_fused_kernel_costs_its_measured_multiplier():
@@ -67,10 +77,12 @@ def test_attention_dropout_in_a_fused_kernel_costs_its_measured_multiplier():
     d, lay = dev(), Layout(tp=2, micro_batch=1)
     gpt3 = replace(LLAMA8B, dropout=True)
     assert d.kernels.attention.dropout == 1.46
-    assert attention_s(gpt3, lay, d) == pytest.approx(1.46 * attention_s(LLAMA8B, lay, d), rel=1e-12)
+    assert attention_s(gpt3, lay, d) == pytest.approx(
+        1.46 * attention_s(LLAMA8B, lay, d), rel=1e-12
+    )
     assert published("h100-sxm", "flash2").attention.dropout == 1.18
-    assert published("h200").attention.dropout == 1.46      # the same GH100 SMs: one measurement
-    assert published("a100-80gb").attention.dropout == 1.0   # not measured: not priced
+    assert published("h200").attention.dropout == 1.46  # the same GH100 SMs: one measurement
+    assert published("a100-80gb").attention.dropout == 1.0  # not measured: not priced
 
 
 def test_the_dropout_multipliers_are_the_h200_attention_sweep_medians():
@@ -89,14 +101,35 @@ def test_gpu_check_reads_the_dropout_multiplier_as_the_median_over_training_leng
     from dtrain.gpucheck.report import dropout_slowdown
 
     pt = lambda backend, seq, p, t, causal=True, hd=128: {  # noqa: E731
-        "backend": backend, "seq": seq, "dropout_p": p, "fwd_bwd_s": t, "causal": causal, "head_dim": hd,
-        "kv_heads": 16}
-    points = [pt("flash", 512, 0.0, 1.0), pt("flash", 512, 0.1, 3.0),       # shorter than training: left out
-              pt("flash", 2048, 0.0, 1.0), pt("flash", 2048, 0.1, 1.1), pt("flash", 4096, 0.0, 1.0),
-              pt("flash", 4096, 0.1, 1.3), pt("flash", 8192, 0.0, 4.0), pt("flash", 8192, 0.1, 5.0),
-              pt("flash", 8192, 0.0, 2.0, causal=False), pt("cudnn", 8192, 0.0, 3.0),
-              {**pt("flash", 8192, 0.0, 9.0), "kv_heads": 2},                 # a GQA point: another kernel
-              {"backend": "cudnn", "seq": 8192, "dropout_p": 0.1, "causal": True, "head_dim": 128, "error": "no"}]
+        "backend": backend,
+        "seq": seq,
+        "dropout_p": p,
+        "fwd_bwd_s": t,
+        "causal": causal,
+        "head_dim": hd,
+        "kv_heads": 16,
+    }
+    points = [
+        pt("flash", 512, 0.0, 1.0),
+        pt("flash", 512, 0.1, 3.0),  # shorter than training: left out
+        pt("flash", 2048, 0.0, 1.0),
+        pt("flash", 2048, 0.1, 1.1),
+        pt("flash", 4096, 0.0, 1.0),
+        pt("flash", 4096, 0.1, 1.3),
+        pt("flash", 8192, 0.0, 4.0),
+        pt("flash", 8192, 0.1, 5.0),
+        pt("flash", 8192, 0.0, 2.0, causal=False),
+        pt("cudnn", 8192, 0.0, 3.0),
+        {**pt("flash", 8192, 0.0, 9.0), "kv_heads": 2},  # a GQA point: another kernel
+        {
+            "backend": "cudnn",
+            "seq": 8192,
+            "dropout_p": 0.1,
+            "causal": True,
+            "head_dim": 128,
+            "error": "no",
+        },
+    ]
     assert dropout_slowdown(points) == {"flash": ((2048, 4096, 8192), pytest.approx(1.25))}
 
 
@@ -105,8 +138,12 @@ def test_memory_bound_bytes_per_layer_by_hand():
     RoPE 8·(q + kv heads)·hd on the rank (16 + 4 heads of 128)."""
     lay = Layout(tp=2, micro_batch=1, sequence_parallel=True)
     tokens, h_r, f = 8192, 4096 / 2, 3.5 * 4096 / 2
-    want = {"norm": 20 * h_r * tokens, "add": 24 * h_r * tokens, "act_swiglu": 16 * f * tokens,
-            "rope": 8 * (16 + 4) * 128 * tokens}
+    want = {
+        "norm": 20 * h_r * tokens,
+        "add": 24 * h_r * tokens,
+        "act_swiglu": 16 * f * tokens,
+        "rope": 8 * (16 + 4) * 128 * tokens,
+    }
     got = memory_bytes(LLAMA8B, lay, "bf16", fused=True)
     assert got == pytest.approx(want, rel=1e-12)
     eager = memory_bytes(LLAMA8B, lay, "bf16", fused=False)
@@ -121,23 +158,40 @@ def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
     q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
     elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
     for fused in (True, False):
-        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "dynamic")["fp8_cast"] == pytest.approx(11.5 * elems * 8192)
-        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "delayed")["fp8_cast"] == pytest.approx(3.0 * elems * 8192)
+        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "dynamic")["fp8_cast"] == pytest.approx(
+            11.5 * elems * 8192
+        )
+        assert memory_bytes(LLAMA8B, lay, "fp8", fused, "delayed")["fp8_cast"] == pytest.approx(
+            3.0 * elems * 8192
+        )
 
 
 def test_fp8_scaling_follows_the_software_unless_given():
     """torchtitan and dtrain run torchao's dynamic scaling, Megatron (TransformerEngine) and "any" delayed; a given
     scaling wins; the device the step is priced on carries it; an unknown one is refused."""
-    assert [Stack(software=s).fp8_casts for s in ("torchtitan", "dtrain", "megatron-core", "any")] == \
-        ["dynamic", "dynamic", "delayed", "delayed"]
+    assert [
+        Stack(software=s).fp8_casts for s in ("torchtitan", "dtrain", "megatron-core", "any")
+    ] == ["dynamic", "dynamic", "delayed", "delayed"]
     assert Stack(software="torchtitan", fp8_scaling="delayed").fp8_casts == "delayed"
-    assert device_of(Cluster.from_profile("h100-sxm", 8), Calibration(), Stack(software="torchtitan")).fp8_scaling == \
-        "dynamic"
-    with pytest.raises(ValueError, match="fp8_scaling='per-row' must be one of delayed, dynamic, None"):
+    assert (
+        device_of(
+            Cluster.from_profile("h100-sxm", 8), Calibration(), Stack(software="torchtitan")
+        ).fp8_scaling
+        == "dynamic"
+    )
+    with pytest.raises(
+        ValueError, match="fp8_scaling='per-row' must be one of delayed, dynamic, None"
+    ):
         Stack(fp8_scaling="per-row")
 
 
-PROBE = Path(__file__).resolve().parents[1] / "measured" / "h200" / "probe-20261126-0510" / "layer_probe_mb123.json"
+PROBE = (
+    Path(__file__).resolve().parents[1]
+    / "measured"
+    / "h200"
+    / "probe-20261126-0510"
+    / "layer_probe_mb123.json"
+)
 
 
 def _probe_pairs():
@@ -158,14 +212,23 @@ def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
     xs = []
     for _, mb, bf16, fp8 in _probe_pairs():
         hd = bf16["d_model"] // bf16["heads"]
-        q, kv, h, f = (bf16["heads"] // bf16["tp"]) * hd, max(bf16["kv_heads"] // bf16["tp"], 1) * hd, \
-            bf16["d_model"], bf16["ffn"] // bf16["tp"]
+        q, kv, h, f = (
+            (bf16["heads"] // bf16["tp"]) * hd,
+            max(bf16["kv_heads"] // bf16["tp"], 1) * hd,
+            bf16["d_model"],
+            bf16["ffn"] // bf16["tp"],
+        )
         elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
         weights = h * (q + 2 * kv) + q * h + 3 * h * f
         extra = fp8["gpu_s_by_category"]["elementwise"] - bf16["gpu_s_by_category"]["elementwise"]
-        xs.append((extra - (FP8_WEIGHT_CAST_BYTES + 5) * weights / bw) / (1.5 * elems * bf16["seq"] * mb / bw))
+        xs.append(
+            (extra - (FP8_WEIGHT_CAST_BYTES + 5) * weights / bw)
+            / (1.5 * elems * bf16["seq"] * mb / bw)
+        )
     assert len(xs) == 6 and 8 < min(xs) and max(xs) < 18
-    assert FP8_CAST_BYTES["dynamic"] == pytest.approx(math.exp(statistics.fmean(math.log(x) for x in xs)), abs=0.05)
+    assert FP8_CAST_BYTES["dynamic"] == pytest.approx(
+        math.exp(statistics.fmean(math.log(x) for x in xs)), abs=0.05
+    )
 
 
 def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them_in_fp8():
@@ -176,26 +239,43 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
 
     from dtrain.costmodel.compute import layer_terms
 
-    weights = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096   # linears + 2 norms
+    weights = (
+        4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    )  # linears + 2 norms
     assert LLAMA8B.params_per_layer_on_rank(1) == weights
     cluster = Cluster.from_profile("h100-sxm", 8)
     lay = Layout(dp_shard=8, zero_stage=3, recompute="full", micro_batch=1)
 
     def terms(**stack):
         return layer_terms(LLAMA8B, lay, device_of(cluster, Calibration(), Stack(**stack)), "fp8")
-    titan, gathered = terms(software="torchtitan"), terms(software="torchtitan", fp8_all_gather="tp+fsdp")
+
+    titan, gathered = (
+        terms(software="torchtitan"),
+        terms(software="torchtitan", fp8_all_gather="tp+fsdp"),
+    )
     dev = device_of(cluster, Calibration(), Stack(software="torchtitan"))
     cast = dev.mem_s(8.0 * weights, "add")
     assert titan.memory - gathered.memory == pytest.approx(cast)
     assert titan.recompute - gathered.recompute == pytest.approx(cast * 5 / 8)
-    zero0 = layer_terms(LLAMA8B, dc_replace(lay, zero_stage=0), device_of(
-        cluster, Calibration(), Stack(software="torchtitan", fp8_all_gather="tp+fsdp")), "fp8")
-    assert zero0.memory == pytest.approx(titan.memory)   # nothing gathers the weights: cast at each use
-    from dtrain.costmodel.compute import _KIND   # delayed: the per-token bytes alone, no weight cast on the layer
+    zero0 = layer_terms(
+        LLAMA8B,
+        dc_replace(lay, zero_stage=0),
+        device_of(cluster, Calibration(), Stack(software="torchtitan", fp8_all_gather="tp+fsdp")),
+        "fp8",
+    )
+    assert zero0.memory == pytest.approx(
+        titan.memory
+    )  # nothing gathers the weights: cast at each use
+    from dtrain.costmodel.compute import (
+        _KIND,
+    )  # delayed: the per-token bytes alone, no weight cast on the layer
 
     mega = device_of(cluster, Calibration(), Stack(software="megatron-core"))
     lay0 = dc_replace(lay, zero_stage=0)
-    per_token = sum(mega.mem_s(v, _KIND[k]) for k, v in memory_bytes(LLAMA8B, lay0, "fp8", True, "delayed").items())
+    per_token = sum(
+        mega.mem_s(v, _KIND[k])
+        for k, v in memory_bytes(LLAMA8B, lay0, "fp8", True, "delayed").items()
+    )
     assert layer_terms(LLAMA8B, lay0, mega, "fp8").memory == pytest.approx(per_token)
 
 
@@ -204,8 +284,10 @@ def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():
     FP8 GEMMs' share of their (doubled) peak against the bf16 GEMMs': (bf16 GEMM time / FP8 GEMM time) / 2."""
     from dtrain.costmodel.compute import published
 
-    ratio = statistics.median(b["gpu_s_by_category"]["gemm"] / f["gpu_s_by_category"]["gemm"] / 2
-                              for _, _, b, f in _probe_pairs())
+    ratio = statistics.median(
+        b["gpu_s_by_category"]["gemm"] / f["gpu_s_by_category"]["gemm"] / 2
+        for _, _, b, f in _probe_pairs()
+    )
     assert 0.95 < ratio < 0.99
     for gpu in ("h100-sxm", "h100-pcie", "h100-nvl", "h200"):
         k = published(gpu)
@@ -220,25 +302,35 @@ def test_torch_cp_merges_count_the_ring_steps_eager_ops():
     selective recompute too (the attention core with them), op AC none (SDPA's output is saved)."""
     from dataclasses import replace
     from dtrain.costmodel.compute import layer_terms
+
     shape = replace(LLAMA8B, seq_len=32768)
-    local = replace(LLAMA8B, seq_len=8192)   # memory_bytes counts a rank's tokens (as layer_terms passes them)
+    local = replace(
+        LLAMA8B, seq_len=8192
+    )  # memory_bytes counts a rank's tokens (as layer_terms passes them)
     lay = Layout(cp=4, micro_batch=1, cp_impl="torch")
     for fused in (True, False):
         got = memory_bytes(local, lay, "bf16", fused=fused)
         assert got["cp_merge_fwd"] == pytest.approx(133.5 * 4096 * 8192)
         assert got["cp_merge_bwd"] == pytest.approx(251.5 * 4096 * 8192)
     for impl in ("ring", "ulysses"):
-        assert not any(k.startswith("cp_merge") for k in memory_bytes(local, replace(lay, cp_impl=impl), "bf16", True))
-    assert not any(k.startswith("cp_merge") for k in memory_bytes(local, replace(lay, cp=1), "bf16", True))
+        assert not any(
+            k.startswith("cp_merge")
+            for k in memory_bytes(local, replace(lay, cp_impl=impl), "bf16", True)
+        )
+    assert not any(
+        k.startswith("cp_merge") for k in memory_bytes(local, replace(lay, cp=1), "bf16", True)
+    )
     d = dev()
-    merge_fwd = 133.5 * 4096 * 8192 / (HBM * 0.89)   # kernels.yaml h100 "add" share
+    merge_fwd = 133.5 * 4096 * 8192 / (HBM * 0.89)  # kernels.yaml h100 "add" share
     merge_bwd = 251.5 * 4096 * 8192 / (HBM * 0.89)
     ring = layer_terms(shape, replace(lay, cp_impl="ring"), d)
     torch_cp = layer_terms(shape, lay, d)
     assert torch_cp.memory - ring.memory == pytest.approx(merge_fwd + merge_bwd, rel=1e-9)
     for rc, extra in (("full", merge_fwd), ("selective", merge_fwd), ("op", 0.0)):
-        a, b = layer_terms(shape, replace(lay, recompute=rc), d), layer_terms(shape, replace(lay, recompute=rc,
-                                                                                             cp_impl="ring"), d)
+        a, b = (
+            layer_terms(shape, replace(lay, recompute=rc), d),
+            layer_terms(shape, replace(lay, recompute=rc, cp_impl="ring"), d),
+        )
         assert a.recompute - b.recompute == pytest.approx(extra, rel=1e-9, abs=1e-12)
 
 
@@ -249,16 +341,20 @@ def test_optimizer_is_bytes_over_the_measured_adamw_bandwidth():
     nbytes = OPTIMIZER_BYTES * sharded + CLIP_BYTES * local
     assert OPTIMIZER_BYTES == 28 and CLIP_BYTES == 12
     assert optimizer_s(sharded, local, dev()) == pytest.approx(nbytes / (HBM * 0.74))
-    assert optimizer_s(sharded, local, dev(Stack("flash", "eager"))) == pytest.approx(nbytes / (HBM * 0.27))
+    assert optimizer_s(sharded, local, dev(Stack("flash", "eager"))) == pytest.approx(
+        nbytes / (HBM * 0.27)
+    )
 
 
 def test_fp8_gemm_runs_at_the_fp8_peak_on_its_own_curve():
     """A 8192³ GEMM: 2mnk FLOPs at e_max·W/(W + W_half) of the dtype's peak (bf16 0.82, 4.8 GFLOP; fp8
     0.80, 9.6 GFLOP), over the sustained-clock share (0.885)."""
     g, d = Gemm(8192, 8192, 8192), dev()
-    w = 2 * 8192 ** 3
+    w = 2 * 8192**3
     assert d.gemm_s(g, "bf16") == pytest.approx(w / (PEAK * 0.82 * w / (w + 4.8e9)) * d.power_scale)
-    assert d.gemm_s(g, "fp8") == pytest.approx(w / (PEAK_FP8 * 0.80 * w / (w + 9.6e9)) * d.power_scale)
+    assert d.gemm_s(g, "fp8") == pytest.approx(
+        w / (PEAK_FP8 * 0.80 * w / (w + 9.6e9)) * d.power_scale
+    )
     assert d.power_scale == pytest.approx(1 / published("h100-sxm").sustained)
 
 
@@ -271,9 +367,12 @@ def test_a_lower_power_cap_slows_compute_by_the_cube_root_of_the_power_above_idl
     capped = replace(H100, gpu=replace(H100.gpu, power_w=350))
     full, slow = dev(), device_of(capped, Calibration(), Stack())
     assert slow.power_scale / full.power_scale == pytest.approx((622 / 272) ** (1 / 3))
-    assert device_of(Cluster.from_profile("h100-pcie", 8, 8), Calibration(), Stack()).power_scale == \
-        pytest.approx(full.power_scale)
-    assert published("a100-80gb").power_scale(300) == pytest.approx((400 / 300) ** (1 / 3))  # no idle measured
+    assert device_of(
+        Cluster.from_profile("h100-pcie", 8, 8), Calibration(), Stack()
+    ).power_scale == pytest.approx(full.power_scale)
+    assert published("a100-80gb").power_scale(300) == pytest.approx(
+        (400 / 300) ** (1 / 3)
+    )  # no idle measured
 
 
 def test_the_idle_draw_is_the_h200_clock_traces_median():
@@ -286,11 +385,18 @@ def test_the_idle_draw_is_the_h200_clock_traces_median():
     rows = [r for r in csv.reader(trace.open()) if not r[0].startswith("timestamp")]
     idle = [float(r[3]) for r in rows if float(r[1]) <= 400]
     assert len(idle) > 500
-    assert round(statistics.median(idle)) == published("h200").idle_w == published("h100-sxm").idle_w == 78
+    assert (
+        round(statistics.median(idle))
+        == published("h200").idle_w
+        == published("h100-sxm").idle_w
+        == 78
+    )
 
 
 def _profiled_steps(report: str = H100_PROFILE):
-    steps = {s["name"]: s for s in json.loads((ROOT / report / "report.json").read_text())}["step_profile"]
+    steps = {s["name"]: s for s in json.loads((ROOT / report / "report.json").read_text())}[
+        "step_profile"
+    ]
     return steps["data"]["cases"]
 
 
@@ -299,11 +405,16 @@ def _predicted_step(c: dict, gpu: str) -> float:
 
     cfg = GPTConfig.from_preset(c["preset"], **c["overrides"])
     assert (cfg.n_layer, cfg.d_model, cfg.seq_len) == (c["n_layer"], c["d_model"], c["seq_len"])
-    pred = step_time(shape_of(cfg), Layout(zero_stage=0, recompute="none",
-                                           micro_batch=c["micro_batch"], grad_accum=1),
-                     Cluster.from_profile(gpu, 1, 8), stack=Stack("flash", "eager")).total
-    print(f"{gpu} {c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured {c['step_s'] * 1e3:.1f} ms "
-          f"(GPU busy {c['gpu_busy_s'] * 1e3:.1f}), predicted {pred * 1e3:.1f} ms ({pred / c['step_s'] - 1:+.0%})")
+    pred = step_time(
+        shape_of(cfg),
+        Layout(zero_stage=0, recompute="none", micro_batch=c["micro_batch"], grad_accum=1),
+        Cluster.from_profile(gpu, 1, 8),
+        stack=Stack("flash", "eager"),
+    ).total
+    print(
+        f"{gpu} {c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured {c['step_s'] * 1e3:.1f} ms "
+        f"(GPU busy {c['gpu_busy_s'] * 1e3:.1f}), predicted {pred * 1e3:.1f} ms ({pred / c['step_s'] - 1:+.0%})"
+    )
     return pred
 
 
@@ -329,9 +440,9 @@ def test_steps_measured_on_an_h200_the_model_was_not_built_from_are_predicted_wi
     cases = {(c["preset"], c["micro_batch"]): c for c in _profiled_steps(H200_PROFILE)}
     assert len(cases) == 4
     small = cases.pop(("125m", 8))
-    assert small["gpu_busy_s"] < 0.95 * small["step_s"]   # dispatch-bound: why it is left out
+    assert small["gpu_busy_s"] < 0.95 * small["step_s"]  # dispatch-bound: why it is left out
     for c in cases.values():
-        assert c["gpu_busy_s"] > c["step_s"]   # the GPU never waits (profiled kernel time overlaps)
+        assert c["gpu_busy_s"] > c["step_s"]  # the GPU never waits (profiled kernel time overlaps)
         err = _predicted_step(c, "h200") / c["step_s"] - 1
         assert abs(err) < 0.10, c
 

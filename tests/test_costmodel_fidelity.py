@@ -1,4 +1,5 @@
 """Issue 12: cost-model formulas against hand calculations from their cited sources."""
+
 from dataclasses import replace
 import json
 import subprocess
@@ -19,8 +20,17 @@ GiB = 1024**3
 
 def test_tied_embedding_flops_equal_model_py():
     cfg = GPTConfig.from_preset("125m")
-    shape = ModelShape(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.vocab_size, cfg.seq_len,
-                       float(cfg.mlp_ratio), False, True)
+    shape = ModelShape(
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.n_head,
+        cfg.n_kv_head,
+        cfg.vocab_size,
+        cfg.seq_len,
+        float(cfg.mlp_ratio),
+        False,
+        True,
+    )
     # 6 * (12 layers * 12 h^2 + V h [lm_head, kept though tied]) + 12 L h s
     h, L, V, s = 768, 12, 50304, 1024
     hand = 6 * (L * 12 * h * h + V * h) + 12 * L * h * s
@@ -39,14 +49,17 @@ def test_uneven_interleaved_bubble():
 def test_activations_gqa_swiglu_by_hand():
     s, b, h, a, t = 4096, 1, 8192, 64, 8
     # Llama-2-70B: 8 KV heads (r = 1/8), SwiGLU with F = 3.5 h (3 stored F-wide tensors), TP 8 + SP
-    got = activation_bytes_per_layer(s, b, h, a, t, True, "none", True, ffn_mult=3.5, gated_mlp=True,
-                                     kv_ratio=1 / 8)
+    got = activation_bytes_per_layer(
+        s, b, h, a, t, True, "none", True, ffn_mult=3.5, gated_mlp=True, kv_ratio=1 / 8
+    )
     assert got == pytest.approx(s * b * h / t * (10 + 4 + 4 / 8 + 2 * 3.5 * 3))
-    eager = activation_bytes_per_layer(s, b, h, a, t, True, "none", False, ffn_mult=3.5, gated_mlp=True,
-                                       kv_ratio=1 / 8)
+    eager = activation_bytes_per_layer(
+        s, b, h, a, t, True, "none", False, ffn_mult=3.5, gated_mlp=True, kv_ratio=1 / 8
+    )
     assert eager - got == pytest.approx(s * b * h / t * 5 * a * s / h)  # Korthikanti's score term
-    sel = activation_bytes_per_layer(s, b, h, a, t, True, "selective", False, ffn_mult=3.5, gated_mlp=True,
-                                     kv_ratio=1 / 8)
+    sel = activation_bytes_per_layer(
+        s, b, h, a, t, True, "selective", False, ffn_mult=3.5, gated_mlp=True, kv_ratio=1 / 8
+    )
     assert sel == pytest.approx(got)  # selective recompute removes exactly the scores
 
 
@@ -56,11 +69,23 @@ def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
     psi = params_per_gpu(shape, 2, 8)
     m = memory_per_gpu(shape, lay)
     assert (m.params, m.grads, m.optimizer) == pytest.approx((2 * psi, 4 * psi, 12 * psi / 4))
-    full = memory_per_gpu(shape, Layout(dp_shard=4, tp=2, pp=8, zero_stage=1, recompute="full",
-                                        grad_accum=16, sequence_parallel=True))
+    full = memory_per_gpu(
+        shape,
+        Layout(
+            dp_shard=4,
+            tp=2,
+            pp=8,
+            zero_stage=1,
+            recompute="full",
+            grad_accum=16,
+            sequence_parallel=True,
+        ),
+    )
     kw = dict(ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=True, kv_ratio=8 / 64)
     stored = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "full", True, **kw)
-    working = activation_bytes_per_layer(4096, 1, 8192, 64, 2, True, "none", True, **kw, dropout=False)
+    working = activation_bytes_per_layer(
+        4096, 1, 8192, 64, 2, True, "none", True, **kw, dropout=False
+    )
     assert stored == 2 * 4096 * 8192 / 2
     # first stage: 10 layers x 8 micro-batches in flight of layer inputs + one layer's full working set + the
     # embedding's token ids of each micro-batch in flight (8 bytes each, Megatron's count)
@@ -82,25 +107,33 @@ def test_backtest_rows_cite_sources_and_report_goals():
     assert s["rows"] == sum(not r.expect_oom for r in rows) and 0 <= s["median_abs_error"] < 1
     # a TFLOP/s row is converted with its source's FLOP count: SC'21 eq. (3) counts the recompute forward
     from dtrain.costmodel.backtest import load_rows, reported_tps, row_setup
+
     [row] = [r for r in load_rows() if r["name"].startswith("Megatron SC'21 1.7B")]
     l, h, s_, v = 24, 2304, 2048, 51200
     assert reported_tps(row, row_setup(row).shape) == pytest.approx(
-        137e12 / (96 * l * h * h * (1 + s_ / (6 * h) + v / (16 * l * h))))
+        137e12 / (96 * l * h * h * (1 + s_ / (6 * h) + v / (16 * l * h)))
+    )
     # a source's reported peak memory (torchtitan's table) is read and compared with the prediction
     [tt] = [r for r in rows if r.name == "torchtitan Llama 3.1 8B, FSDP, 8 H100"]
-    assert tt.reported_memory_gib == 82.4 and tt.memory_error == pytest.approx(tt.memory_gib / 82.4 - 1)
+    assert tt.reported_memory_gib == 82.4 and tt.memory_error == pytest.approx(
+        tt.memory_gib / 82.4 - 1
+    )
     mem = sorted(r.memory_error for r in rows if r.reported_memory_gib)
     assert s["memory_rows"] == len(mem) == 18 and s["memory_error_range"] == (mem[0], mem[-1])
     assert any("(82.4)" in line for line in text_lines(rows))
     # the footer says how the rows were predicted, and that an unranked table has no gap figure
     loso, in_sample = "\n".join(text_lines(rows)), "\n".join(text_lines(rows, loso=False))
     assert "fitted on the OTHER sources (leave-one-source-out)" in loso and "OTHER" not in in_sample
-    assert "fitted to every row (in sample)" in in_sample and "layouts not ranked (--no-rank)" in loso
+    assert (
+        "fitted to every row (in sample)" in in_sample and "layouts not ranked (--no-rank)" in loso
+    )
     assert "within 10% of the best" not in loso
 
 
 def _plan(*args):
-    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", "plan", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "dtrain.cli.main", "plan", *args], capture_output=True, text=True
+    )
 
 
 def test_plan_layout_json_reports_gap_and_tflops():
@@ -110,8 +143,9 @@ def test_plan_layout_json_reports_gap_and_tflops():
     lay = d["layout"]
     assert (lay["tp"], lay["pp"], lay["zero_stage"], lay["micro_batch"]) == (8, 2, 1, 1)
     assert lay["slower_than_best_pct"] >= 0 and lay["tflops_per_gpu"] > 0
-    assert lay["tflops_per_gpu"] == pytest.approx(lay["tokens_per_s"] * model_flops_per_token(
-        ModelShape.from_params(70e9)) / 64 / 1e12)
+    assert lay["tflops_per_gpu"] == pytest.approx(
+        lay["tokens_per_s"] * model_flops_per_token(ModelShape.from_params(70e9)) / 64 / 1e12
+    )
 
 
 def test_plan_bad_layout_is_a_user_error():
@@ -136,10 +170,17 @@ def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     [g] = contract.read(summary)
     assert isinstance(g, contract.GemmProbe) and g.points and g.overheads and g.e_max > 0
-    assert all(p.seconds > 0 and p.fraction == pytest.approx(p.flops / p.seconds / g.peak_flops) for p in g.points)
+    assert all(
+        p.seconds > 0 and p.fraction == pytest.approx(p.flops / p.seconds / g.peak_flops)
+        for p in g.points
+    )
     # a derived run: it names the runs whose models it probed (those that publish training / TP records)
     assert sorted(p.name for p in contract.derived_from(summary, out)) == [
-        "20250301-100100-000000", "20250301-100100-000001", "20250301-100200-000000", "20250301-100300-000000"]
+        "20250301-100100-000000",
+        "20250301-100100-000001",
+        "20250301-100200-000000",
+        "20250301-100300-000000",
+    ]
     report = calibrate([res], warn=False)
     assert report.local_probe() is not None
     assert report.local.mfu.value == pytest.approx(g.e_max) and report.local.mfu.measured
@@ -156,10 +197,24 @@ def test_activations_without_dropout_by_hand():
     assert activation_bytes_per_layer(s, b, h, a, dropout=True) == sbh * (34 + 5 * a * s / h)
     assert activation_bytes_per_layer(s, b, h, a, dropout=False) == sbh * (32 + 2 * a * s / h)
     # TP 4 without SP: replicated 8, sharded (24 + 2as/h)/t
-    assert activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == sbh * (8 + (24 + 2 * a * s / h) / 4)
+    assert activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == sbh * (
+        8 + (24 + 2 * a * s / h) / 4
+    )
     # Llama-2-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 / 8
-    got = activation_bytes_per_layer(4096, 1, 8192, 64, 8, True, "none", True, ffn_mult=3.5, gated_mlp=True,
-                                     kv_ratio=1 / 8, dropout=False)
+    got = activation_bytes_per_layer(
+        4096,
+        1,
+        8192,
+        64,
+        8,
+        True,
+        "none",
+        True,
+        ffn_mult=3.5,
+        gated_mlp=True,
+        kv_ratio=1 / 8,
+        dropout=False,
+    )
     assert got == 4096 * 8192 / 8 * 33.5
     # full recompute stores only the layer input, dropout or not
     assert activation_bytes_per_layer(s, b, h, a, recompute="full", dropout=False) == 2 * sbh
@@ -184,8 +239,18 @@ def test_backtest_leave_one_source_out_never_uses_the_source_itself():
     g = "megatron-sc21"
     assert fits[g] == fit([r for r in rows if r["group"] != g])
     # changing that source's reported numbers never moves its own fit
-    scaled = [dict(r, reported={"tflops_per_gpu": r["reported"]["tflops_per_gpu"] * 3, "flops": "megatron_recompute"})
-              if r["group"] == g else r for r in rows]
+    scaled = [
+        dict(
+            r,
+            reported={
+                "tflops_per_gpu": r["reported"]["tflops_per_gpu"] * 3,
+                "flops": "megatron_recompute",
+            },
+        )
+        if r["group"] == g
+        else r
+        for r in rows
+    ]
     assert loso_fits(tuple(scaled))[g] == fits[g]
 
 
@@ -198,9 +263,9 @@ def test_zero3_pays_latency_per_fsdp_unit_by_hand():
     cluster = host_cluster(1e11, 2, LinkModel(alpha, beta))
     t = step_time(shape, Layout(dp_shard=2, zero_stage=3), cluster)
     psi = params_per_gpu(shape, 1, 1)
-    ag = 0.5 * 2 * psi / beta + alpha    # bf16 weights, ring all-gather over 2 ranks
-    rs = 0.5 * 4 * psi / beta + alpha    # fp32 grads, reduce-scatter
-    per_unit = 6 * alpha                 # 6 blocks + the root = 7 FSDP units: 6 more latencies per collective
+    ag = 0.5 * 2 * psi / beta + alpha  # bf16 weights, ring all-gather over 2 ranks
+    rs = 0.5 * 4 * psi / beta + alpha  # fp32 grads, reduce-scatter
+    per_unit = 6 * alpha  # 6 blocks + the root = 7 FSDP units: 6 more latencies per collective
     assert t.dp_comm == pytest.approx(2 * (ag + per_unit) + rs + per_unit)
     # ZeRO-1 keeps one collective of each kind per step
     z1 = step_time(shape, Layout(dp_shard=2, zero_stage=1), cluster)
@@ -222,16 +287,20 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
     calib = Calibration()
     ov = calib.dp_overlap.value
     for zero in (1, 3):
-        t = step_time(shape, Layout(dp_shard=2, pp=4, zero_stage=zero,
-                                    grad_accum=2), cluster, calib)
+        t = step_time(
+            shape, Layout(dp_shard=2, pp=4, zero_stage=zero, grad_accum=2), cluster, calib
+        )
         psi = params_per_gpu(shape, 1, 4)
-        rs, ag = 0.5 * 4 * psi / 1e8 + 1e-5, 0.5 * 2 * psi / 1e8 + 1e-5   # ring over 2 ranks: fp32 grads, bf16 weights
+        rs, ag = (
+            0.5 * 4 * psi / 1e8 + 1e-5,
+            0.5 * 2 * psi / 1e8 + 1e-5,
+        )  # ring over 2 ranks: fp32 grads, bf16 weights
         assert t.dp_comm == pytest.approx(rs + ag)
         micro = (t.compute - t.terms.optimizer) / 2
         window = 2 / 3 * micro + t.bubble / 2 if zero == 1 else 0.0
         hidden = ov * (min(rs, window) + min(ag, micro / 3))
         loss = t.dp_comm_exposed - (rs + ag - hidden)
-        assert 0 <= loss < 1e-3   # the step's loss all-reduce: one latency-bound message
+        assert 0 <= loss < 1e-3  # the step's loss all-reduce: one latency-bound message
     z1 = step_time(shape, Layout(dp_shard=2, pp=4, zero_stage=1, grad_accum=2), cluster, calib)
     z3 = step_time(shape, Layout(dp_shard=2, pp=4, zero_stage=3, grad_accum=2), cluster, calib)
     assert z3.dp_comm == pytest.approx(z1.dp_comm) and z3.dp_comm_exposed > z1.dp_comm_exposed
@@ -248,18 +317,31 @@ def test_overlapped_dp_traffic_costs_its_sms_and_its_rings_hbm_by_hand():
 
     calib = Calibration()
     shape = ModelShape.from_params(70e9)
-    for gpus, lay in ((8, Layout(dp_shard=8, zero_stage=3, recompute="full", micro_batch=16)),
-                      (128, Layout(dp_shard=16, tp=8, zero_stage=3, recompute="full",
-                                   micro_batch=16, sequence_parallel=True))):
+    for gpus, lay in (
+        (8, Layout(dp_shard=8, zero_stage=3, recompute="full", micro_batch=16)),
+        (
+            128,
+            Layout(
+                dp_shard=16,
+                tp=8,
+                zero_stage=3,
+                recompute="full",
+                micro_batch=16,
+                sequence_parallel=True,
+            ),
+        ),
+    ):
         cluster = Cluster.from_profile("h100-sxm", gpus, 8)
         t = step_time(shape, lay, cluster, calib)
-        assert t.dp_comm < t.compute - t.terms.optimizer     # all of it overlaps
+        assert t.dp_comm < t.compute - t.terms.optimizer  # all of it overlaps
         link = group_link(cluster, lay.dp, lay.tp, multi_rail=True)
         cost = (1 - calib.dp_overlap.value) + 3 * link.beta_Bps / (cluster.gpu.hbm_tbps * 1e12)
         assert t.dp_contention == pytest.approx(cost * t.dp_comm, rel=1e-12)
-        assert 0 <= t.dp_comm_exposed - t.dp_contention < 1e-3   # + the loss all-reduce's latency
-    assert 3 * 450e9 / 3.35e12 == pytest.approx(0.403, abs=1e-3)  # NVLink ring: 0.40 of its time from HBM
-    assert 3 * 50e9 / 3.35e12 == pytest.approx(0.045, abs=1e-3)   # one 400 Gbit/s NIC's: 0.045
+        assert 0 <= t.dp_comm_exposed - t.dp_contention < 1e-3  # + the loss all-reduce's latency
+    assert 3 * 450e9 / 3.35e12 == pytest.approx(
+        0.403, abs=1e-3
+    )  # NVLink ring: 0.40 of its time from HBM
+    assert 3 * 50e9 / 3.35e12 == pytest.approx(0.045, abs=1e-3)  # one 400 Gbit/s NIC's: 0.045
 
 
 def test_megatron_tp_overlap_pays_only_its_copy_engines_hbm_by_hand():
@@ -301,8 +383,20 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
     assert flush.total - over.total == pytest.approx(flush.dp_comm_exposed - over.dp_comm_exposed)
     with pytest.raises(ValueError, match=r"dp_sync='never' must be one of overlap, flush"):
         Stack(dp_sync="never")
-    base = ["plan", "--params", "20e9", "--gpus", "64", "--global-batch", "256", "--json", "--top", "0",
-            "--layout", "dp=8 tp=2 pp=4 zero=1 mb=1"]
+    base = [
+        "plan",
+        "--params",
+        "20e9",
+        "--gpus",
+        "64",
+        "--global-batch",
+        "256",
+        "--json",
+        "--top",
+        "0",
+        "--layout",
+        "dp=8 tp=2 pp=4 zero=1 mb=1",
+    ]
     steps = {}
     for sync in ("overlap", "flush"):
         assert main([*base, "--dp-sync", sync]) == 0
@@ -312,7 +406,10 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
     assert steps["flush"]["dp_comm_exposed"] > steps["overlap"]["dp_comm_exposed"]
     assert main([*base, "--dp-sync", "never"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: dtrain plan: argument --dp-sync: invalid choice: 'never'") and err.count("\n") == 1
+    assert (
+        err.startswith("error: dtrain plan: argument --dp-sync: invalid choice: 'never'")
+        and err.count("\n") == 1
+    )
 
 
 def test_neox_tflops_read_with_the_count_gpt_neox_logged_in_2022():
@@ -336,7 +433,9 @@ def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
     cfg = GPTConfig.from_preset("tiny")
     t = {"kind": "gpt", "config": vars(cfg), "micro_batch": 8, "tp": 1}
     tokens = 8 * cfg.seq_len
-    assert gemm_step_s(t, GemmCurve(1.0, 0.0), 1e11, 4) == pytest.approx(tokens * flops_per_token(cfg) / 1e11)
+    assert gemm_step_s(t, GemmCurve(1.0, 0.0), 1e11, 4) == pytest.approx(
+        tokens * flops_per_token(cfg) / 1e11
+    )
 
 
 def test_fitted_defaults_are_the_fit_to_every_development_row():
@@ -346,8 +445,11 @@ def test_fitted_defaults_are_the_fit_to_every_development_row():
     from dtrain.costmodel.calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP
     from dtrain.costmodel.hardware import LINK_EFFICIENCY
 
-    assert fit(list(load_rows())) == {"dp_overlap": GPU_DP_OVERLAP, "link_efficiency": LINK_EFFICIENCY,
-                                      "async_tp_hidden": ASYNC_TP_HIDDEN}
+    assert fit(list(load_rows())) == {
+        "dp_overlap": GPU_DP_OVERLAP,
+        "link_efficiency": LINK_EFFICIENCY,
+        "async_tp_hidden": ASYNC_TP_HIDDEN,
+    }
 
 
 def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
@@ -362,14 +464,20 @@ def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
     assert len(shares) == 2
     name = "torchtitan Llama 3.1 70B, FSDP32 x TP8, 256 H100, Float8 + AsyncTP"
     base = row_setup(by_name[by_name[name]["without"]])
-    step = 512 * 8192 / 256 / 829    # global batch x seq / GPUs / reported tokens/s per GPU, without AsyncTP
+    step = (
+        512 * 8192 / 256 / 829
+    )  # global batch x seq / GPUs / reported tokens/s per GPU, without AsyncTP
     assert shares[name] == pytest.approx(step * (1 - 829 / 876) / predict(base, {})[0].tp_comm)
     other = "torchtitan Llama 3.1 405B, FSDP16 x TP8, 128 H100, Float8 + AsyncTP"
     fits = loso_fits(rows)
     eff = fits["torchtitan-2024-12"]["link_efficiency"]
     assert fits["torchtitan-2024-12"]["async_tp_hidden"] == round(
-        async_tp_shares(rows, {"link_efficiency": eff})[other], 2)   # 2024-12 rows: the 2024-08 pair alone
+        async_tp_shares(rows, {"link_efficiency": eff})[other], 2
+    )  # 2024-12 rows: the 2024-08 pair alone
     # the stack runs it: AsyncTP hides that share of the TP traffic (no more than the GEMMs it overlaps)
     with_it = row_setup(by_name[name])
-    t0, t1 = predict(base, {"async_tp_hidden": 0.2})[0], predict(with_it, {"async_tp_hidden": 0.2})[0]
+    t0, t1 = (
+        predict(base, {"async_tp_hidden": 0.2})[0],
+        predict(with_it, {"async_tp_hidden": 0.2})[0],
+    )
     assert t1.tp_comm == pytest.approx(0.8 * t0.tp_comm)

@@ -2,21 +2,34 @@
 1-byte values while its reduce-scatters stay bf16 (torchao's Float8 TP styles, TransformerEngine), and with
 "tp+fsdp" FSDP's weight all-gathers move the block linears in FP8 (torchao enable_fsdp_float8_all_gather). Traffic
 by hand, bf16 runs untouched, the vocabulary's errors, and the plan flag end to end."""
+
 import json
 
 import pytest
 
 from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, params_per_gpu, step_time
-from dtrain.costmodel.collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
+from dtrain.costmodel.collectives import (
+    all_gather_time,
+    allreduce_time,
+    group_link,
+    reduce_scatter_time,
+)
 from dtrain.costmodel.links import default_links
 from dtrain.costmodel.memory import embedding_params_per_gpu
 from dtrain.costmodel.stack import Stack
 
 SHAPE = ModelShape(32, 4096, 32, 8, 32000, 4096, 3.5, True)
 CLUSTER = default_links().apply(Cluster.from_profile("h100-sxm", 64, 8, ib_gbit_per_gpu=400))
-TP_SP = Layout(dp_shard=8, tp=8, zero_stage=3, recompute="none", micro_batch=2, grad_accum=4,
-               sequence_parallel=True)     # dp 8 x tp 8, SP, 4 micro-batches of 2
+TP_SP = Layout(
+    dp_shard=8,
+    tp=8,
+    zero_stage=3,
+    recompute="none",
+    micro_batch=2,
+    grad_accum=4,
+    sequence_parallel=True,
+)  # dp 8 x tp 8, SP, 4 micro-batches of 2
 
 
 def test_fp8_tp_all_gathers_move_one_byte_and_the_reduce_scatters_two():
@@ -29,13 +42,22 @@ def test_fp8_tp_all_gathers_move_one_byte_and_the_reduce_scatters_two():
     fp8 = step_time(SHAPE, TP_SP, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="tp"))
     none = step_time(SHAPE, TP_SP, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="none"))
     assert fp8.tp_comm == pytest.approx(want)
-    assert none.tp_comm == pytest.approx(SHAPE.n_layer * 4 * 4 * allreduce_time(values * 2, 8, link))
-    assert fp8.tp_comm < 0.8 * none.tp_comm       # 3/4 of the bytes, the same α
+    assert none.tp_comm == pytest.approx(
+        SHAPE.n_layer * 4 * 4 * allreduce_time(values * 2, 8, link)
+    )
+    assert fp8.tp_comm < 0.8 * none.tp_comm  # 3/4 of the bytes, the same α
 
 
 def test_tp_without_sequence_parallel_all_reduces_in_bf16():
-    lay = Layout(dp_shard=8, tp=8, zero_stage=3, recompute="none", micro_batch=2, grad_accum=4,
-                 sequence_parallel=False)
+    lay = Layout(
+        dp_shard=8,
+        tp=8,
+        zero_stage=3,
+        recompute="none",
+        micro_batch=2,
+        grad_accum=4,
+        sequence_parallel=False,
+    )
     a = step_time(SHAPE, lay, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="tp"))
     b = step_time(SHAPE, lay, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="none"))
     assert a.tp_comm == b.tp_comm > 0
@@ -48,26 +70,48 @@ def test_fsdp_fp8_all_gather_gathers_the_linears_in_one_byte():
     assert emb == pytest.approx(2 * SHAPE.vocab * SHAPE.d_model / 8)
     link = group_link(CLUSTER, 8, 8, multi_rail=True)
     ag, rs = all_gather_time((psi - emb) + 2 * emb, 8, link), reduce_scatter_time(4 * psi, 8, link)
-    lat_ag, lat_rs = (SHAPE.n_layer * 7 * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
+    lat_ag, lat_rs = (
+        SHAPE.n_layer * 7 * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter")
+    )
     t = step_time(SHAPE, TP_SP, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="tp+fsdp"))
     assert t.dp_comm == pytest.approx(4 * (rs + lat_rs) + 4 * 2 * (ag + lat_ag))
-    bf16_weights = step_time(SHAPE, TP_SP, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="tp"))
+    bf16_weights = step_time(
+        SHAPE, TP_SP, CLUSTER, precision="fp8", stack=Stack(fp8_all_gather="tp")
+    )
     assert t.dp_comm < bf16_weights.dp_comm and t.tp_comm == bf16_weights.tp_comm
 
 
 def test_a_bf16_run_moves_bf16_whatever_the_fp8_setting():
-    times = {g: step_time(SHAPE, TP_SP, CLUSTER, stack=Stack(fp8_all_gather=g)).total
-             for g in ("none", "tp", "tp+fsdp")}
+    times = {
+        g: step_time(SHAPE, TP_SP, CLUSTER, stack=Stack(fp8_all_gather=g)).total
+        for g in ("none", "tp", "tp+fsdp")
+    }
     assert len(set(times.values())) == 1
 
 
 def test_stack_refuses_an_unknown_fp8_all_gather():
-    with pytest.raises(ValueError, match=r"fp8_all_gather='[^']*' must be one of none, tp, tp\+fsdp"):
+    with pytest.raises(
+        ValueError, match=r"fp8_all_gather='[^']*' must be one of none, tp, tp\+fsdp"
+    ):
         Stack(fp8_all_gather="fsdp")
 
 
-BASE = ["plan", "--params", "8e9", "--gpus", "64", "--global-batch", "64", "--precision", "fp8", "--json",
-        "--top", "0", "--layout", "dp=8 tp=8 zero=3 sp=on mb=1"]
+BASE = [
+    "plan",
+    "--params",
+    "8e9",
+    "--gpus",
+    "64",
+    "--global-batch",
+    "64",
+    "--precision",
+    "fp8",
+    "--json",
+    "--top",
+    "0",
+    "--layout",
+    "dp=8 tp=8 zero=3 sp=on mb=1",
+]
 
 
 def test_plan_flag_reaches_the_prediction(capsys):
@@ -96,14 +140,36 @@ def test_plan_prices_fp8_casts_by_the_softwares_scaling(capsys):
     from dtrain.cli.main import main
 
     def memory(*extra):
-        assert main(["plan", "--params", "8e9", "--gpus", "8", "--precision", "fp8", "--layout",
-                     "dp=1 tp=8 pp=1 zero=0 recompute=full mb=1", "--json", *extra]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--params",
+                    "8e9",
+                    "--gpus",
+                    "8",
+                    "--precision",
+                    "fp8",
+                    "--layout",
+                    "dp=1 tp=8 pp=1 zero=0 recompute=full mb=1",
+                    "--json",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         out = json.loads(capsys.readouterr().out)
         return out["fp8_scaling"], out["layout"]["step_time_s"]["compute_terms"]["memory"]
-    titan, mega, forced = (memory("--software", "torchtitan"), memory("--software", "megatron-core"),
-                           memory("--software", "torchtitan", "--fp8-scaling", "delayed"))
+
+    titan, mega, forced = (
+        memory("--software", "torchtitan"),
+        memory("--software", "megatron-core"),
+        memory("--software", "torchtitan", "--fp8-scaling", "delayed"),
+    )
     assert titan[0] == "dynamic" and mega[0] == "delayed" and forced[0] == "delayed"
     assert forced[1] == pytest.approx(mega[1]) and titan[1] > mega[1]
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--fp8-scaling", "per-row"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: dtrain plan: argument --fp8-scaling: invalid choice: 'per-row' "
-                                               "(choose from 'delayed', 'dynamic') (see dtrain plan --help)")
+    assert capsys.readouterr().err.strip() == (
+        "error: dtrain plan: argument --fp8-scaling: invalid choice: 'per-row' "
+        "(choose from 'delayed', 'dynamic') (see dtrain plan --help)"
+    )

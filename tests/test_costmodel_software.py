@@ -1,6 +1,7 @@
 """``Stack.software``: the layouts a framework runs (costmodel/software.py). The search returns only those, the
 published layout of every backtest row is one its own software runs, "any" is the search as before, and
 ``dtrain plan --software`` refuses a pinned field the framework lacks with a one-line error."""
+
 import json
 
 import pytest
@@ -27,7 +28,10 @@ def test_search_returns_only_what_the_software_runs(searches, name):
     res, sw = searches[name], SOFTWARE[name]
     assert res.ranked, res.reason
     for p in res.ranked:
-        assert unsupported(sw, layout_fields(p), SHAPE.n_layer, SHAPE.n_kv_head) is None, (name, p.describe())
+        assert unsupported(sw, layout_fields(p), SHAPE.n_layer, SHAPE.n_kv_head) is None, (
+            name,
+            p.describe(),
+        )
         assert p.dp * p.cp == 1 or p.zero_stage in sw.zeros(p.pp)
         assert p.cp == 1 or p.cp_impl in sw.cp_impls
         assert p.tp == 1 or p.sequence_parallel in sw.sp
@@ -39,29 +43,44 @@ def test_search_returns_only_what_the_software_runs(searches, name):
 def test_each_restriction_bites(searches):
     """Each framework's search leaves out a layout kind the unrestricted one ranks."""
     ranked = {n: searches[n].ranked for n in SOFTWARE}
-    assert any(p.zero_stage == 1 for p in ranked["any"]) and not any(p.zero_stage == 1 for p in ranked["torchtitan"])
-    assert any(p.cp_impl == "ulysses" for p in ranked["any"]) and not any(p.cp > 1 for p in ranked["megatron-2021"])
+    assert any(p.zero_stage == 1 for p in ranked["any"]) and not any(
+        p.zero_stage == 1 for p in ranked["torchtitan"]
+    )
+    assert any(p.cp_impl == "ulysses" for p in ranked["any"]) and not any(
+        p.cp > 1 for p in ranked["megatron-2021"]
+    )
     assert all(p.cp_impl == "torch" for p in ranked["torchtitan"] if p.cp > 1)
-    assert any(p.cp_impl == "torch" for p in ranked["torchtitan"])   # searched there, not only scored
+    assert any(
+        p.cp_impl == "torch" for p in ranked["torchtitan"]
+    )  # searched there, not only scored
     assert not any(p.virtual_stages > 1 for p in ranked["megatron-deepspeed"])
     assert not any(p.zero_stage >= 2 and p.pp > 1 for p in ranked["megatron-deepspeed"])
     assert not any(p.sequence_parallel for p in ranked["megatron-2021"])
     assert not any(p.tp > 1 and not p.sequence_parallel for p in ranked["torchtitan"])
     assert any(p.cp > 1 and p.pp > 1 for p in ranked["any"])
     assert not any(p.cp > 1 and p.pp > 1 for p in ranked["dtrain"])
-    assert not any(p.zero_stage == 2 and p.pp > 1 for p in ranked["dtrain"]) and any(p.cp > 1 for p in ranked["dtrain"])
+    assert not any(p.zero_stage == 2 and p.pp > 1 for p in ranked["dtrain"]) and any(
+        p.cp > 1 for p in ranked["dtrain"]
+    )
     # 8 KV heads: tp=16 replicates them (dtrain, any); Megatron and torchtitan shard whole KV heads
     assert any(p.tp == 16 for p in ranked["dtrain"]) and any(p.tp == 16 for p in ranked["any"])
-    assert not any(p.tp > 8 for n in ("torchtitan", "megatron-core", "megatron-2021") for p in ranked[n])
+    assert not any(
+        p.tp > 8 for n in ("torchtitan", "megatron-core", "megatron-2021") for p in ranked[n]
+    )
 
 
 def test_2021_megatron_splits_the_layers_evenly():
     """30 layers on 64 GPUs: the unrestricted search ranks pipelines of uneven stages or chunks (pp=4, pp=8,
     v=4 ...), 2021's Megatron only those whose pp·v divides the 30 layers."""
     shape = ModelShape(30, 8192, 64, 8, 32000, 4096, 3.5, True)
-    ranked = {n: search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked for n in ("any", "megatron-2021")}
+    ranked = {
+        n: search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked
+        for n in ("any", "megatron-2021")
+    }
     assert any(30 % (p.pp * p.virtual_stages) for p in ranked["any"])
-    assert ranked["megatron-2021"] and not any(30 % (p.pp * p.virtual_stages) for p in ranked["megatron-2021"])
+    assert ranked["megatron-2021"] and not any(
+        30 % (p.pp * p.virtual_stages) for p in ranked["megatron-2021"]
+    )
     assert any(p.pp > 1 for p in ranked["megatron-2021"])
 
 
@@ -70,9 +89,16 @@ def test_megatron_core_interleaves_only_whole_equal_chunks():
     interleaved schedule only where pp·v divides the layers (pp=4 v=2 ranks; pp=4 v=4, pp=8 v=2 do not, though
     the unrestricted search ranks them)."""
     shape = ModelShape(40, 8192, 64, 8, 32000, 4096, 3.5, True)
-    chunks = {n: {(p.pp, p.virtual_stages) for p in search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked}
-              for n in ("megatron-core", "any")}
-    assert {(16, 1), (32, 1), (4, 2)} <= chunks["megatron-core"] and {(4, 4), (8, 2)} <= chunks["any"]
+    chunks = {
+        n: {
+            (p.pp, p.virtual_stages)
+            for p in search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked
+        }
+        for n in ("megatron-core", "any")
+    }
+    assert {(16, 1), (32, 1), (4, 2)} <= chunks["megatron-core"] and {(4, 4), (8, 2)} <= chunks[
+        "any"
+    ]
     assert not any(40 % (pp * v) for pp, v in chunks["megatron-core"] if v > 1)
 
 
@@ -82,10 +108,19 @@ def test_megatron_interleaves_a_multiple_of_pp_micro_batches():
     a multiple of 4: Megatron-core scores it only without interleaving, and a pinned v=2 says why."""
     shape = ModelShape(40, 8192, 64, 8, 32000, 4096, 3.5, True)
     pinned = {"tp": 8, "pp": 4, "micro_batch": 1}
-    by = {n: search(shape, CLUSTER, 10, stack=Stack(software=n), fixed=pinned) for n in ("megatron-core", "any")}
+    by = {
+        n: search(shape, CLUSTER, 10, stack=Stack(software=n), fixed=pinned)
+        for n in ("megatron-core", "any")
+    }
     assert {p.virtual_stages for p in by["any"].ranked} > {1}
     assert {p.virtual_stages for p in by["megatron-core"].ranked} == {1}
-    none = search(shape, CLUSTER, 10, stack=Stack(software="megatron-core"), fixed={**pinned, "virtual_stages": 2})
+    none = search(
+        shape,
+        CLUSTER,
+        10,
+        stack=Stack(software="megatron-core"),
+        fixed={**pinned, "virtual_stages": 2},
+    )
     assert none.best is None and "(a multiple of pp under megatron-core)" in none.reason
 
 
@@ -100,41 +135,64 @@ def test_every_published_layout_runs_on_its_own_software():
     assert len(named) >= 50  # all but Meta's internal stack (Llama 3 405B)
     for row in rows:
         s = row_setup(row)
-        assert unsupported(s.stack.runs, layout_fields(s.layout), s.shape.n_layer, s.shape.n_kv_head) is None, row["name"]
-    by_name = {r.name: r.software for r in backtest(loo=False, rank=False)}   # what --json reports per row
+        assert (
+            unsupported(s.stack.runs, layout_fields(s.layout), s.shape.n_layer, s.shape.n_kv_head)
+            is None
+        ), row["name"]
+    by_name = {
+        r.name: r.software for r in backtest(loo=False, rank=False)
+    }  # what --json reports per row
     assert by_name == {r["name"]: (r.get("stack") or {}).get("software", "any") for r in rows}
 
 
 def test_unsupported_names_the_field_by_hand():
     tt, ds, m21 = SOFTWARE["torchtitan"], SOFTWARE["megatron-deepspeed"], SOFTWARE["megatron-2021"]
     assert unsupported(tt, {"zero_stage": 1}) == "zero=1 (it runs zero=0, 2, 3)"
-    assert unsupported(tt, {"cp": 4, "cp_impl": "ulysses"}) == "cp_impl=ulysses (it runs cp_impl=torch)"
+    assert (
+        unsupported(tt, {"cp": 4, "cp_impl": "ulysses"})
+        == "cp_impl=ulysses (it runs cp_impl=torch)"
+    )
     assert unsupported(ds, {"pp": 4, "zero_stage": 3}) == "zero=3 with pp > 1 (it runs zero=0, 1)"
-    assert unsupported(ds, {"pp": 1, "zero_stage": 3}) is None          # DeepSpeed without its pipeline engine
+    assert (
+        unsupported(ds, {"pp": 1, "zero_stage": 3}) is None
+    )  # DeepSpeed without its pipeline engine
     assert unsupported(ds, {"virtual_stages": 2}) == "v=2 (it has no interleaved schedule)"
-    assert unsupported(m21, {"recompute": "selective"}) == "recompute=selective (it runs none, full)"
+    assert (
+        unsupported(m21, {"recompute": "selective"}) == "recompute=selective (it runs none, full)"
+    )
     assert unsupported(m21, {"tp": 8, "sequence_parallel": True}) == "sp=on with tp > 1"
     assert unsupported(m21, {"cp": 2}) == "cp > 1 (it has no context parallelism)"
-    assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "pp": 4}) == "cp > 1 with pp > 1 (it runs one or the other)"
+    assert (
+        unsupported(SOFTWARE["dtrain"], {"cp": 2, "pp": 4})
+        == "cp > 1 with pp > 1 (it runs one or the other)"
+    )
     # 2021's Megatron builds whole, equal chunks: 105 layers on pp=35 run v=1 or 3, not 2; 30 layers not on pp=4
     assert unsupported(m21, {"pp": 35, "virtual_stages": 2}, 105) == (
-        "pp=35 v=2 for 105 layers (it splits the layers into whole, equal chunks: pp·v must divide them)")
+        "pp=35 v=2 for 105 layers (it splits the layers into whole, equal chunks: pp·v must divide them)"
+    )
     assert unsupported(m21, {"pp": 35, "virtual_stages": 3}, 105) is None
     assert unsupported(m21, {"pp": 4}, 30) == (
-        "pp=4 for 30 layers (it splits the layers into whole, equal chunks: pp·v must divide them)")
-    assert unsupported(SOFTWARE["megatron-core"], {"pp": 4}, 30) is None   # uneven first/last stages
+        "pp=4 for 30 layers (it splits the layers into whole, equal chunks: pp·v must divide them)"
+    )
+    assert unsupported(SOFTWARE["megatron-core"], {"pp": 4}, 30) is None  # uneven first/last stages
     # ... but its interleaved schedule builds whole, equal chunks (arguments.py): 80 layers on pp=8 run v=2, not v=4
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 4}, 80) == (
         "pp=8 v=4 for 80 layers (its interleaved schedule splits the layers into whole, equal chunks: pp·v must "
-        "divide them)")
+        "divide them)"
+    )
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 2}, 80) is None
     # Megatron and torchtitan shard whole KV heads; dtrain replicates them above tp
-    assert unsupported(tt, {"tp": 16}, 32, 8) == "tp=16 with 8 KV heads (it shards whole KV heads: tp must divide them)"
+    assert (
+        unsupported(tt, {"tp": 16}, 32, 8)
+        == "tp=16 with 8 KV heads (it shards whole KV heads: tp must divide them)"
+    )
     assert unsupported(SOFTWARE["megatron-core"], {"tp": 8}, 32, 8) is None
     assert unsupported(SOFTWARE["dtrain"], {"tp": 16}, 32, 8) is None
     assert unsupported(SOFTWARE["dtrain"], {"cp": 2, "cp_impl": "ulysses", "pp": 1}) is None
-    assert unsupported(SOFTWARE["megatron-core"], {"dp_replicate": 4, "zero_stage": 1}) == \
-        "hsdp=4 (it has no hybrid sharding)"
+    assert (
+        unsupported(SOFTWARE["megatron-core"], {"dp_replicate": 4, "zero_stage": 1})
+        == "hsdp=4 (it has no hybrid sharding)"
+    )
     assert unsupported(tt, {"dp_replicate": 4, "zero_stage": 3}) is None
     assert unsupported(SOFTWARE["any"], {"zero_stage": 1, "cp_impl": "torch", "cp": 2}) is None
     with pytest.raises(ValueError, match="software='nemo' must be one of any, megatron-core, "):
@@ -142,12 +200,27 @@ def test_unsupported_names_the_field_by_hand():
 
 
 def _plan(capsys, *extra):
-    rc = main(["plan", "--params", "8e9", "--gpus", "64", "--seq", "8192", "--global-batch", "256", *extra])
+    rc = main(
+        [
+            "plan",
+            "--params",
+            "8e9",
+            "--gpus",
+            "64",
+            "--seq",
+            "8192",
+            "--global-batch",
+            "256",
+            *extra,
+        ]
+    )
     return rc, capsys.readouterr()
 
 
 def test_plan_flag_and_its_error(capsys):
-    rc, out = _plan(capsys, "--software", "torchtitan", "--layout", "tp=1 zero=3 recompute=full", "--json")
+    rc, out = _plan(
+        capsys, "--software", "torchtitan", "--layout", "tp=1 zero=3 recompute=full", "--json"
+    )
     assert rc == 0
     d = json.loads(out.out)
     assert d["software"] == "torchtitan" and d["choice"]["zero_stage"] != 1
@@ -156,20 +229,32 @@ def test_plan_flag_and_its_error(capsys):
     assert rc == 0 and "slower than the best layout torchtitan runs" in out.out
     rc, out = _plan(capsys, "--software", "torchtitan", "--layout", "zero=1")
     assert rc == 2 and out.out == ""
-    assert out.err.strip() == ("error: --layout: torchtitan does not run zero=1 (it runs zero=0, 2, 3): change "
-                               "--layout, or pass the --software that runs it (--software any scores every layout)")
+    assert out.err.strip() == (
+        "error: --layout: torchtitan does not run zero=1 (it runs zero=0, 2, 3): change "
+        "--layout, or pass the --software that runs it (--software any scores every layout)"
+    )
     rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=4 v=2")
-    assert rc == 2 and "megatron-deepspeed does not run v=2 (it has no interleaved schedule)" in out.err
-    layers = ModelShape.from_params(8e9).n_layer   # 38: pp=2 splits them evenly, pp=4 does not
+    assert (
+        rc == 2
+        and "megatron-deepspeed does not run v=2 (it has no interleaved schedule)" in out.err
+    )
+    layers = ModelShape.from_params(8e9).n_layer  # 38: pp=2 splits them evenly, pp=4 does not
     rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=2")
     assert layers == 38 and rc == 0 and out.err == ""
     rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=4")
-    assert rc == 2 and "megatron-2021 does not run pp=4 for 38 layers (it splits the layers" in out.err
+    assert (
+        rc == 2 and "megatron-2021 does not run pp=4 for 38 layers (it splits the layers" in out.err
+    )
     rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=1 zero=3 hsdp=4")
-    assert rc == 2 and "megatron-deepspeed does not run hsdp=4 (it has no hybrid sharding)" in out.err
+    assert (
+        rc == 2 and "megatron-deepspeed does not run hsdp=4 (it has no hybrid sharding)" in out.err
+    )
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--software", "nemo"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: dtrain plan: argument --software: invalid choice: 'nemo'") and err.count("\n") == 1
+    assert (
+        err.startswith("error: dtrain plan: argument --software: invalid choice: 'nemo'")
+        and err.count("\n") == 1
+    )
 
 
 def test_dtrain_software_choices_run_on_the_trainer_as_priced():
@@ -181,7 +266,9 @@ def test_dtrain_software_choices_run_on_the_trainer_as_priced():
     assert res.ranked
     for p in res.ranked:
         _, notes = train_overrides(p, SHAPE, 64)
-        assert [n for n in notes if not n.startswith(("vocabulary", "the trainer's GPT"))] == [], p.describe()
+        assert [n for n in notes if not n.startswith(("vocabulary", "the trainer's GPT"))] == [], (
+            p.describe()
+        )
 
 
 def test_plan_says_what_the_framework_costs(capsys):
@@ -192,13 +279,18 @@ def test_plan_says_what_the_framework_costs(capsys):
     restricted, free = d["choice"], d["any_framework"]["choice"]
     assert rc == 0 and not restricted["sequence_parallel"] and restricted["zero_stage"] == 0
     assert d["any_framework"]["faster_pct"] == pytest.approx(
-        100 * (free["tokens_per_s"] / restricted["tokens_per_s"] - 1), rel=1e-9)
-    assert d["any_framework"]["faster_pct"] > 0.05           # 2021's Megatron lacks what the best layout uses
+        100 * (free["tokens_per_s"] / restricted["tokens_per_s"] - 1), rel=1e-9
+    )
+    assert (
+        d["any_framework"]["faster_pct"] > 0.05
+    )  # 2021's Megatron lacks what the best layout uses
     rc, out = _plan(capsys, "--software", "megatron-2021", "--top", "0")
     line = next(x for x in out.out.splitlines() if x.startswith("framework:"))
     assert f"is {d['any_framework']['faster_pct']:.1f}% faster than megatron-2021's best" in line
     rc, out = _plan(capsys, "--json", "--top", "0")
-    assert "any_framework" not in json.loads(out.out)        # --software any: one search, nothing to compare
+    assert "any_framework" not in json.loads(
+        out.out
+    )  # --software any: one search, nothing to compare
 
 
 def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
@@ -209,16 +301,25 @@ def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
     from dtrain.costmodel.comm_time import dp_comm_time
     from dtrain.costmodel.memory import params_per_gpu
 
-    shape, cluster = ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True), Cluster.from_profile("h100-sxm", 64, 8)
+    shape, cluster = (
+        ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True),
+        Cluster.from_profile("h100-sxm", 64, 8),
+    )
     lay = Layout(dp_shard=64, zero_stage=2, recompute="none", micro_batch=1, grad_accum=4)
     psi = params_per_gpu(shape, 1, 1)
     link = group_link(cluster, 64, 1, multi_rail=True)
     ag, rs = all_gather_time(2 * psi, 64, link), reduce_scatter_time(4 * psi, 64, link)
     assert dp_comm_time(shape, lay, cluster, 2) == pytest.approx((4 * rs, ag), rel=1e-12)
-    assert dp_comm_time(shape, lay, cluster, 2, zero2_regathers=True) == pytest.approx((4 * rs, 4 * ag), rel=1e-12)
+    assert dp_comm_time(shape, lay, cluster, 2, zero2_regathers=True) == pytest.approx(
+        (4 * rs, 4 * ag), rel=1e-12
+    )
     t_any = step_time(shape, lay, cluster)
     t_fsdp = step_time(shape, lay, cluster, stack=Stack(software="torchtitan"))
     assert t_fsdp.dp_comm - t_any.dp_comm == pytest.approx(3 * ag, rel=1e-9)
-    one = Layout(dp_shard=64, zero_stage=2, recompute="none", micro_batch=1,
-                 grad_accum=1)   # one micro-batch a step: the two are the same
-    assert step_time(shape, one, cluster, stack=Stack(software="dtrain")).total == step_time(shape, one, cluster).total
+    one = Layout(
+        dp_shard=64, zero_stage=2, recompute="none", micro_batch=1, grad_accum=1
+    )  # one micro-batch a step: the two are the same
+    assert (
+        step_time(shape, one, cluster, stack=Stack(software="dtrain")).total
+        == step_time(shape, one, cluster).total
+    )

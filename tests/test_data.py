@@ -2,8 +2,15 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.train.data import (TokenBatcher, byte_tokens, load_token_file, make_dataset, markov_corpus,
-                         markov_entropy_rate, write_token_file)
+from dtrain.train.data import (
+    TokenBatcher,
+    byte_tokens,
+    load_token_file,
+    make_dataset,
+    markov_corpus,
+    markov_entropy_rate,
+    write_token_file,
+)
 from dtrain.train.data import _markov_chain
 
 
@@ -37,7 +44,9 @@ def test_entropy_rate_matches_empirical_estimate(order, vocab):
 
 
 def test_entropy_rate_closed_cases():
-    assert markov_entropy_rate(32, seed=0, branching=1) == pytest.approx(0, abs=1e-12)  # deterministic
+    assert markov_entropy_rate(32, seed=0, branching=1) == pytest.approx(
+        0, abs=1e-12
+    )  # deterministic
     # A Dirichlet(1) row over k successors has mean entropy psi(k+1) - psi(2) = 1/2 + ... + 1/k;
     # with many contexts the stationary average is close to it.
     assert abs(markov_entropy_rate(1024, seed=0, branching=4) - (1 / 2 + 1 / 3 + 1 / 4)) < 0.05
@@ -122,11 +131,16 @@ def test_batcher_determinism():
 
 def test_global_batch_is_independent_of_world_size():
     """64 sequences per step, split as (ranks x micro-steps x micro_batch) in different ways."""
+
     def step_batch(world_size, grad_accum, step):
         micro = 64 // (world_size * grad_accum)
-        parts = [TokenBatcher(CORPUS, 8, micro, rank=r, world_size=world_size, seed=5,
-                              grad_accum=grad_accum).get(step, m)[0]
-                 for m in range(grad_accum) for r in range(world_size)]
+        parts = [
+            TokenBatcher(
+                CORPUS, 8, micro, rank=r, world_size=world_size, seed=5, grad_accum=grad_accum
+            ).get(step, m)[0]
+            for m in range(grad_accum)
+            for r in range(world_size)
+        ]
         return torch.cat(parts)
 
     for step in (0, 7):
@@ -149,7 +163,9 @@ def test_next_state_dict_and_resume_on_other_world_size():
     # Same global batch on 4 ranks: rank 3 at micro-step 0 holds what rank 1 held at micro-step 1.
     wider = TokenBatcher(CORPUS, 8, 2, rank=3, world_size=4, grad_accum=1)
     wider.load_state_dict({"step": 3, "micro_step": 0, "global_batch": 8})
-    torch.testing.assert_close(wider.next()[0], TokenBatcher(CORPUS, 8, 2, 1, 2, grad_accum=2).get(3, 1)[0])
+    torch.testing.assert_close(
+        wider.next()[0], TokenBatcher(CORPUS, 8, 2, 1, 2, grad_accum=2).get(3, 1)[0]
+    )
 
 
 def test_batcher_errors():

@@ -1,5 +1,6 @@
 """Lists derived from one home, not kept by hand (issue 38, "Derived lists"): the calibration
 fields, the context-parallel implementations, the parameter count and the shared `one_of` check."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ from dtrain.costmodel.calibration import Calibration, Param, calibration_inputs
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.model.flops import flops_per_token, transformer_flops_per_token
-from dtrain.model.args import (GPTConfig, num_matmul_params, num_params, param_count,
-                               transformer_params)
+from dtrain.model.args import (
+    GPTConfig,
+    num_matmul_params,
+    num_params,
+    param_count,
+    transformer_params,
+)
 
 SEED = 38
 
@@ -28,6 +34,7 @@ def rng():
 
 
 # ---------------------------------------------------------------- calibration fields
+
 
 def test_every_calibration_field_has_a_label_and_a_format():
     for f in fields(Calibration):
@@ -73,6 +80,7 @@ def test_calibrate_picks_every_field_a_candidate_measures():
 
 # ---------------------------------------------------------------- CP implementations
 
+
 def test_one_list_of_cp_implementations():
     from dtrain.core.layout import CP_IMPLS
     from dtrain.costmodel import shapes, software
@@ -88,14 +96,23 @@ def test_one_list_of_cp_implementations():
 
 # ---------------------------------------------------------------- one parameter count
 
+
 def _random_gpt(rng) -> GPTConfig:
     n_kv = rng.choice([1, 2, 4])
     n_head = n_kv * rng.choice([1, 2])
     layernorm = rng.random() < 0.5
-    return GPTConfig(vocab_size=rng.choice([64, 256, 1000]), seq_len=rng.choice([16, 32]),
-                     n_layer=rng.randint(1, 3), n_head=n_head, n_kv_head=n_kv, d_model=8 * n_head,
-                     mlp_ratio=rng.choice([2, 4]), norm="layernorm" if layernorm else "rmsnorm",
-                     bias=layernorm and rng.random() < 0.5, tie_embeddings=rng.random() < 0.5)
+    return GPTConfig(
+        vocab_size=rng.choice([64, 256, 1000]),
+        seq_len=rng.choice([16, 32]),
+        n_layer=rng.randint(1, 3),
+        n_head=n_head,
+        n_kv_head=n_kv,
+        d_model=8 * n_head,
+        mlp_ratio=rng.choice([2, 4]),
+        norm="layernorm" if layernorm else "rmsnorm",
+        bias=layernorm and rng.random() < 0.5,
+        tie_embeddings=rng.random() < 0.5,
+    )
 
 
 def test_gpt_count_is_the_built_models(rng):
@@ -122,20 +139,38 @@ def test_former_sites_agree_with_the_one_function(rng):
         n_kv = rng.choice([1, 2, 8])
         n_head = n_kv * rng.choice([1, 4])
         vocab = rng.choice([32000, 50257, 128256])
-        s = ModelShape(rng.randint(1, 80), 128 * n_head, n_head, n_kv, vocab, 4096,
-                       rng.choice([4.0, 2.6875, 3.5]), rng.random() < 0.5, rng.random() < 0.5)
+        s = ModelShape(
+            rng.randint(1, 80),
+            128 * n_head,
+            n_head,
+            n_kv,
+            vocab,
+            4096,
+            rng.choice([4.0, 2.6875, 3.5]),
+            rng.random() < 0.5,
+            rng.random() < 0.5,
+        )
         h, kv = s.d_model, s.d_model * s.n_kv_head // s.n_head
         per_layer = h * (h + 2 * kv) + h * h + (3 if s.gated_mlp else 2) * h * s.ffn_hidden + 2 * h
-        one = transformer_params(s.n_layer, s.d_model, s.n_head, s.n_kv_head, s.ffn_hidden, s.vocab,
-                                 gated_mlp=s.gated_mlp, tied_embeddings=s.tied_embeddings)
+        one = transformer_params(
+            s.n_layer,
+            s.d_model,
+            s.n_head,
+            s.n_kv_head,
+            s.ffn_hidden,
+            s.vocab,
+            gated_mlp=s.gated_mlp,
+            tied_embeddings=s.tied_embeddings,
+        )
         assert s.params_per_layer() == per_layer == one.per_layer, s
         embedding = s.vocab * h * (1 if s.tied_embeddings else 2)
         assert s.num_params() == s.n_layer * per_layer + embedding + h == one.total, s
         assert s.embedding_params() == embedding
         matmul = s.n_layer * (per_layer - 2 * h) + s.vocab * h
         attention = 12 * s.n_layer * s.n_head * (h // s.n_head) * s.seq_len
-        flops = transformer_flops_per_token(s.n_layer, h, s.n_head, s.n_kv_head, s.ffn_hidden,
-                                            s.vocab, s.seq_len, s.gated_mlp)
+        flops = transformer_flops_per_token(
+            s.n_layer, h, s.n_head, s.n_kv_head, s.ffn_hidden, s.vocab, s.seq_len, s.gated_mlp
+        )
         assert flops == 6 * matmul + attention == 6 * one.matmul + attention
     for _ in range(10):
         cfg = _random_gpt(rng)
@@ -148,6 +183,7 @@ def test_former_sites_agree_with_the_one_function(rng):
 
 
 # ---------------------------------------------------------------- one_of, integer_at_least
+
 
 def test_one_of_says_it_in_the_one_form():
     with pytest.raises(UserError) as e:
@@ -181,12 +217,16 @@ def test_converted_sites_say_the_one_form():
     from dtrain.run import dist
 
     for call, message in [
-        (lambda: check_cp_layout(2, "flash", 1),
-         "train.cp_impl='flash' must be one of auto, ring, ulysses, torch"),
+        (
+            lambda: check_cp_layout(2, "flash", 1),
+            "train.cp_impl='flash' must be one of auto, ring, ulysses, torch",
+        ),
         (lambda: check_cp_layout(0, "ring", 1), "train.cp=0 must be an integer >= 1"),
         (lambda: dist.device_type("tpu"), "device='tpu' must be one of auto, cpu, cuda"),
-        (lambda: parse_layout("tp=2 schedule=dualpipe"),
-         "--layout: schedule='dualpipe' must be one of 1f1b, gpipe, zbv"),
+        (
+            lambda: parse_layout("tp=2 schedule=dualpipe"),
+            "--layout: schedule='dualpipe' must be one of 1f1b, gpipe, zbv",
+        ),
     ]:
         with pytest.raises(UserError) as e:
             call()

@@ -1,5 +1,6 @@
 """GPU peak lookup by real `torch.cuda.get_device_name` strings, TF32 for fp32 runs, and the one-line
 error for a GPU that hardware.yaml does not know (CUDA faked: names are all the lookup needs)."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,11 +29,17 @@ def test_real_device_names_map_to_exact_profiles(name, profile, bf16, fp8):
     assert hardware.gpu_profile_name(name) == profile
     assert hardware.datasheet_peak(profile, "bf16") == pytest.approx(bf16 * 1e12)
     assert hardware.datasheet_peak(profile, "tf32") == pytest.approx(bf16 / 2 * 1e12)
-    assert hardware.datasheet_peak(profile, "fp8") == (None if fp8 is None else pytest.approx(fp8 * 1e12))
-    assert hardware.datasheet_peak(profile, "fp32") is None  # CUDA-core fp32: no figure, TF32 is turned on instead
+    assert hardware.datasheet_peak(profile, "fp8") == (
+        None if fp8 is None else pytest.approx(fp8 * 1e12)
+    )
+    assert (
+        hardware.datasheet_peak(profile, "fp32") is None
+    )  # CUDA-core fp32: no figure, TF32 is turned on instead
 
 
-@pytest.mark.parametrize("name", ["NVIDIA H200 NVL", "NVIDIA GH200 480GB", "Tesla T4", "NVIDIA H100", "NVIDIA L40S"])
+@pytest.mark.parametrize(
+    "name", ["NVIDIA H200 NVL", "NVIDIA GH200 480GB", "Tesla T4", "NVIDIA H100", "NVIDIA L40S"]
+)
 def test_names_that_are_not_exact_are_not_guessed(name):
     assert hardware.gpu_profile_name(name) is None
 
@@ -61,12 +68,24 @@ def test_fp32_on_a_gpu_uses_the_tf32_peak_once_tf32_is_on(monkeypatch, tf32_rest
     torch.backends.cuda.matmul.allow_tf32 = False
     with pytest.raises(UserError, match="h100-sxm has no fp32 tensor-core peak .*turn TF32 on"):
         hardware.peak_flops(torch.device("cuda", 0), "fp32")
-    assert perf.enable_tf32(torch.device("cpu")) is False and torch.backends.cuda.matmul.allow_tf32 is False
+    assert (
+        perf.enable_tf32(torch.device("cpu")) is False
+        and torch.backends.cuda.matmul.allow_tf32 is False
+    )
     assert perf.enable_tf32(torch.device("cuda", 0)) is True
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    assert hardware.peak_flops(torch.device("cuda", 0), "fp32") == (pytest.approx(494.7e12), "datasheet: h100-sxm tf32")
-    assert hardware.peak_flops(torch.device("cuda", 0), "bf16") == (pytest.approx(989.4e12), "datasheet: h100-sxm bf16")
-    assert hardware.peak_flops(torch.device("cuda", 0), "fp8") == (pytest.approx(1978.9e12), "datasheet: h100-sxm fp8")
+    assert hardware.peak_flops(torch.device("cuda", 0), "fp32") == (
+        pytest.approx(494.7e12),
+        "datasheet: h100-sxm tf32",
+    )
+    assert hardware.peak_flops(torch.device("cuda", 0), "bf16") == (
+        pytest.approx(989.4e12),
+        "datasheet: h100-sxm bf16",
+    )
+    assert hardware.peak_flops(torch.device("cuda", 0), "fp8") == (
+        pytest.approx(1978.9e12),
+        "datasheet: h100-sxm fp8",
+    )
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB")
     with pytest.raises(UserError, match="a100-80gb has no fp8 tensor-core peak"):
         hardware.peak_flops(torch.device("cuda", 0), "fp8")

@@ -7,6 +7,7 @@ tmpfs) and a real EFBIG (RLIMIT_FSIZE) during a checkpoint are one `error:` line
 `run_failed` event. Trainer runs are in process on the tiny model; the command-line runs are
 subprocesses (a few seconds each).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,14 @@ from dtrain.train import TrainConfig, Trainer, checkpoint
 from dtrain.train.checkpoint import check_resume
 from test_hardening_runs import one_error_line
 
-RUN = ["-m", "fsdp_scaling", "model.preset=tiny", "train.timing_warmup=1", "profile.enabled=false",
-       "world_size=1"]
+RUN = [
+    "-m",
+    "fsdp_scaling",
+    "model.preset=tiny",
+    "train.timing_warmup=1",
+    "profile.enabled=false",
+    "world_size=1",
+]
 
 
 def _trained(tmp_path, steps=4, every=2) -> Path:
@@ -86,8 +93,10 @@ def test_a_flipped_block_in_a_shard_is_refused_naming_the_previous_good_checkpoi
     ck = _trained(tmp_path)
     last, previous = ck / "step-000004", ck / "step-000002"
     shard = _flip_tok_emb(last)
-    want = (f"checkpoint {last} is damaged (shard {shard}: checksum mismatch): "
-            f"pass train.resume_from={previous}")
+    want = (
+        f"checkpoint {last} is damaged (shard {shard}: checksum mismatch): "
+        f"pass train.resume_from={previous}"
+    )
     with pytest.raises(UserError) as e:
         check_resume(TrainConfig(steps=6, resume_from=str(last)))
     assert str(e.value) == want
@@ -104,8 +113,10 @@ def test_an_overwritten_metadata_is_refused(tmp_path):
     _overwrite(last / ".metadata", 100, b"garbage!")  # still unpickles: only the digest sees it
     with pytest.raises(UserError) as e:
         check_resume(TrainConfig(steps=6, resume_from=str(ck)))
-    assert str(e.value) == (f"checkpoint {last} is damaged (.metadata: checksum mismatch): "
-                            f"pass train.resume_from={previous}")
+    assert str(e.value) == (
+        f"checkpoint {last} is damaged (.metadata: checksum mismatch): "
+        f"pass train.resume_from={previous}"
+    )
 
 
 def test_a_lost_or_unreadable_manifest_is_damage_but_a_checkpoint_without_any_is_allowed(tmp_path):
@@ -186,22 +197,29 @@ def test_a_requeued_attempt_passes_over_a_damaged_latest_checkpoint(tmp_path, in
     assert step_losses(run_dir) == step_losses(full_dir)  # steps 5-8 again from step 4, once each
     events = read_jsonl(run_dir / "events.jsonl")
     [bad] = [e for e in events if e["kind"] == "checkpoint_damaged"]
-    assert bad == {"kind": "checkpoint_damaged", "rank": 0, "path": str(ck / "step-000005"),
-                   "problem": "shard __0_0.distcp: checksum mismatch",
-                   "resumed_from": str(ck / "step-000004")}
+    assert bad == {
+        "kind": "checkpoint_damaged",
+        "rank": 0,
+        "path": str(ck / "step-000005"),
+        "problem": "shard __0_0.distcp: checksum mismatch",
+        "resumed_from": str(ck / "step-000004"),
+    }
     assert [e["step"] for e in events if e["kind"] == "resumed"] == [4] and result["steps"] == 8
     # every checkpoint damaged: the line, not a silent start from scratch
     for step in ck.glob("step-*"):
         if checkpoint.is_complete(step):
             _flip_tok_emb(step)
     in_slurm_job.setenv("SLURM_RESTART_COUNT", "2")
-    all_bad = (r"checkpoint .*step-000008 is damaged \(shard __0_0.distcp: checksum mismatch\) "
-               r"and no earlier checkpoint of this run is intact: remove the damaged ones")
+    all_bad = (
+        r"checkpoint .*step-000008 is damaged \(shard __0_0.distcp: checksum mismatch\) "
+        r"and no earlier checkpoint of this run is intact: remove the damaged ones"
+    )
     with pytest.raises(UserError, match=all_bad):
         Trainer(make_ctx(run_dir), train_cfg(checkpoint_every=2), TINY).run()
 
 
 # ---------------------------------------------------------------- full disk, file too large
+
 
 def test_wrapped_disk_full_errors_are_recognised_and_others_are_not():
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
@@ -216,8 +234,10 @@ def test_wrapped_disk_full_errors_are_recognised_and_others_are_not():
         assert diskfull.find(e).errno == errno.EDQUOT
     assert diskfull.find(RuntimeError("unexpected pos 1 vs 2")) is None  # not torch's writer
     assert diskfull.find(OSError(errno.EACCES, "Permission denied")) is None
-    text = ("rank 1 failed:\nTraceback ...\n  File \"/data/Errno 28/x.py\"\n"
-            "OSError: [Errno 27] File too large")
+    text = (
+        'rank 1 failed:\nTraceback ...\n  File "/data/Errno 28/x.py"\n'
+        "OSError: [Errno 27] File too large"
+    )
     assert diskfull.in_text(text) == "OSError: [Errno 27] File too large"
     assert diskfull.errno_in_text(diskfull.in_text(text)) == errno.EFBIG
     other = "Traceback ...\n  File \"/data/[Errno 28]/x.py\"\nKeyError: 'a'"  # only in a path
@@ -244,8 +264,11 @@ def test_a_real_full_disk_during_a_checkpoint_is_one_line(tmp_path):
     mnt = Path("/tmp") / f"dtrain-enospc-{uuid.uuid4().hex[:8]}"  # unique: tests may run at once
     mnt.mkdir()
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)],
-                                 capture_output=True, text=True)
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
         if mounted.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
         try:
@@ -270,11 +293,27 @@ def test_a_file_size_limit_during_a_checkpoint_is_one_line(tmp_path):
 
     from conftest import REPO
 
-    args = [sys.executable, *RUN, "train.steps=4", "train.checkpoint_every=2",
-            f"results_dir={tmp_path / 'r'}"]
+    args = [
+        sys.executable,
+        *RUN,
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        f"results_dir={tmp_path / 'r'}",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
-    out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
-                         preexec_fn=_file_size_limit)
-    _one_line_failed_run(out, tmp_path / "r", "error: file too large (OSError: [Errno 27] File too",
-                         "file too large: OSError: [Errno 27]")
+    out = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+        preexec_fn=_file_size_limit,
+    )
+    _one_line_failed_run(
+        out,
+        tmp_path / "r",
+        "error: file too large (OSError: [Errno 27] File too",
+        "file too large: OSError: [Errno 27]",
+    )

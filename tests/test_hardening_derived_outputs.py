@@ -12,6 +12,7 @@ write only where they may, checked before their work.
 
 No test here draws random numbers (nothing to seed).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,15 +38,24 @@ from dtrain.run import rundir
 from dtrain.run.rundir import RunDirTaken
 
 FIXTURES = REPO / "tests" / "fixtures" / "results"
-TINY = ["-m", "fsdp_scaling", "model.preset=tiny", "train.steps=4", "train.timing_warmup=1",
-        "profile.enabled=false", "world_size=1"]
+TINY = [
+    "-m",
+    "fsdp_scaling",
+    "model.preset=tiny",
+    "train.steps=4",
+    "train.timing_warmup=1",
+    "profile.enabled=false",
+    "world_size=1",
+]
 DTRAIN = Path(sys.executable).parent / "dtrain"
 
 
 def _hashes(folder: Path) -> dict[str, str | None]:
     """Every entry under ``folder`` with its sha256 (None for a folder)."""
-    return {str(p.relative_to(folder)): _sha(p) if p.is_file() else None
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): _sha(p) if p.is_file() else None
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def _sha(path: Path) -> str:
@@ -90,6 +100,7 @@ def _report(*args: str) -> int:
 
 # ------------------------------------------------------------ 1. a derived run claims its folder
 
+
 def test_report_into_another_runs_folder_is_refused_and_the_run_is_byte_identical(study):
     results, run = study
     before = _hashes(results)
@@ -98,12 +109,14 @@ def test_report_into_another_runs_folder_is_refused_and_the_run_is_byte_identica
     owner = rundir.owner_text(run / rundir.OWNER)
     assert _one_line(out.stderr) == (
         f"error: --out {run} already holds a run ({owner}): pass a new --out; "
-        "a derived run never writes into another run's folder")
+        "a derived run never writes into another run's folder"
+    )
     assert _hashes(results) == before  # config.yaml, env.json, summary.json as they were
 
 
-def test_report_refuses_a_folder_in_a_run_a_users_folder_a_file_an_unwritable_path(study, tmp_path,
-                                                                                     capsys):
+def test_report_refuses_a_folder_in_a_run_a_users_folder_a_file_an_unwritable_path(
+    study, tmp_path, capsys
+):
     results, run = study
     users = tmp_path / "pics"
     users.mkdir()
@@ -113,13 +126,13 @@ def test_report_refuses_a_folder_in_a_run_a_users_folder_a_file_an_unwritable_pa
     why = _unwritable_reason("/proc")
     cases = {
         str(run / "sub"): f"error: --out {run / 'sub'} is inside run {run} ({owner}): pass a --out "
-                          "outside any run's folder; a run never writes into another run's folder",
+        "outside any run's folder; a run never writes into another run's folder",
         str(users): f"error: --out {users} is not empty (it holds notes.txt): pass a new or empty "
-                    "--out; a derived run writes only into a folder it creates",
+        "--out; a derived run writes only into a folder it creates",
         str(a_file): f"error: --out={str(a_file)!r} cannot be used: {a_file} is a file, not a "
-                     "folder: pass another --out",
+        "folder: pass another --out",
         "/proc/report": f"error: --out='/proc/report' is not writable ({why} in /proc): "
-                        "pass --out=<a writable folder>",
+        "pass --out=<a writable folder>",
     }
     before, users_before = _hashes(results), _hashes(users)
     for out, message in cases.items():
@@ -128,8 +141,9 @@ def test_report_refuses_a_folder_in_a_run_a_users_folder_a_file_an_unwritable_pa
     assert _hashes(results) == before and _hashes(users) == users_before  # nothing written anywhere
 
 
-def test_report_claims_its_folder_and_the_default_never_collides(study, tmp_path, monkeypatch,
-                                                                   capsys):
+def test_report_claims_its_folder_and_the_default_never_collides(
+    study, tmp_path, monkeypatch, capsys
+):
     results, _ = study
     out = tmp_path / "report"
     assert _report(str(results), "--out", str(out)) == 0
@@ -216,8 +230,10 @@ def test_a_second_gemm_probe_is_refused_before_it_times_anything(tmp_path, monke
     owner = rundir.owner_text(earlier / rundir.OWNER)
     with pytest.raises(RunDirTaken) as e:
         gemm_probe.probe(results)
-    assert str(e.value) == (f"gemm-probe {earlier} already holds a run ({owner}): remove it to "
-                            "probe again; a derived run never writes into another run's folder")
+    assert str(e.value) == (
+        f"gemm-probe {earlier} already holds a run ({owner}): remove it to "
+        "probe again; a derived run never writes into another run's folder"
+    )
     assert _hashes(earlier) == before
 
 
@@ -249,14 +265,16 @@ def test_an_fp8_comparison_claims_its_folder_for_the_runs_it_starts_inside(tmp_p
 
 # ------------------------------------------------------------ 2. the guide's plots
 
+
 def _plot(folder: Path, name: str, data: bytes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_bytes(data)
     return folder / name
 
 
-def test_guide_refuses_before_any_work_to_overwrite_a_plot_it_did_not_write(tmp_path, monkeypatch,
-                                                                             capsys):
+def test_guide_refuses_before_any_work_to_overwrite_a_plot_it_did_not_write(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     mine = _plot(Path("pics"), "mfu_vs_gpus.png", b"my own plot")
     _plot(Path("pics"), "predicted_vs_measured.png", b"another of mine")
@@ -264,27 +282,35 @@ def test_guide_refuses_before_any_work_to_overwrite_a_plot_it_did_not_write(tmp_
 
     monkeypatch.setattr(guide_cli, "calibrate_naming_skips", _no_work)
     assert dtrain_main(["guide", "--no-results", "--out", "G.md", "--plots-dir", "pics"]) == 2
-    assert _one_line(capsys) == ("error: --plots-dir pics holds pics/mfu_vs_gpus.png that dtrain "
-                                 "guide did not write: move it or pass another --plots-dir")
+    assert _one_line(capsys) == (
+        "error: --plots-dir pics holds pics/mfu_vs_gpus.png that dtrain "
+        "guide did not write: move it or pass another --plots-dir"
+    )
     mine.unlink()  # with runs, the plot of the local runs may be drawn: the user's is refused too
     cpu = str(FIXTURES / "cpu")
     assert dtrain_main(["guide", "--results", cpu, "--out", "G.md", "--plots-dir", "pics"]) == 2
-    assert _one_line(capsys) == ("error: --plots-dir pics holds pics/predicted_vs_measured.png "
-                                 "that dtrain guide did not write: move it or pass another "
-                                 "--plots-dir")
+    assert _one_line(capsys) == (
+        "error: --plots-dir pics holds pics/predicted_vs_measured.png "
+        "that dtrain guide did not write: move it or pass another "
+        "--plots-dir"
+    )
     _plot(Path("docs/guide"), "step_breakdown.png", b"mine")  # the default folder beside --out
     assert dtrain_main(["guide", "--no-results", "--out", "G.md"]) == 2
-    assert _one_line(capsys) == ("error: --plots-dir docs/guide (the default, beside --out) holds "
-                                 "docs/guide/step_breakdown.png that dtrain guide did not write: "
-                                 "move it or pass another --plots-dir")
+    assert _one_line(capsys) == (
+        "error: --plots-dir docs/guide (the default, beside --out) holds "
+        "docs/guide/step_breakdown.png that dtrain guide did not write: "
+        "move it or pass another --plots-dir"
+    )
     assert not Path("G.md").exists() and sorted(os.listdir("pics")) == ["predicted_vs_measured.png"]
     assert (Path("pics") / "predicted_vs_measured.png").read_bytes() == b"another of mine"
 
 
 def test_a_stale_plot_is_removed_only_when_the_guide_wrote_it_and_it_is_unchanged(tmp_path):
     folder = tmp_path / "pics"
-    drawn = [_plot(folder, f"{n}.png", n.encode())
-             for n in ("mfu_vs_gpus", "mfu_vs_ib", "step_breakdown")]
+    drawn = [
+        _plot(folder, f"{n}.png", n.encode())
+        for n in ("mfu_vs_gpus", "mfu_vs_ib", "step_breakdown")
+    ]
     ours = _plot(folder, "predicted_vs_measured.png", b"drawn from local runs")
     figures._record(folder, [*drawn, ours])  # a generation with local runs
     figures.check_plots_dir(folder, True, "--plots-dir pics")  # all the guide's: nothing refused
@@ -322,8 +348,20 @@ def test_guide_without_runs_leaves_the_users_plot_of_local_runs_alone(tmp_path):
     pics = tmp_path / "pics"
     users = _plot(pics, "predicted_vs_measured.png", b"the user's own")
     (pics / "holiday.jpg").write_bytes(b"jpg")
-    out = subprocess.run([str(DTRAIN), "guide", "--no-results", "--out", str(tmp_path / "G.md"),
-                          "--plots-dir", str(pics)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            str(DTRAIN),
+            "guide",
+            "--no-results",
+            "--out",
+            str(tmp_path / "G.md"),
+            "--plots-dir",
+            str(pics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert users.read_bytes() == b"the user's own" and (pics / "holiday.jpg").read_bytes() == b"jpg"
     listed = figures.read_manifest(pics)
@@ -334,8 +372,10 @@ def test_guide_without_runs_leaves_the_users_plot_of_local_runs_alone(tmp_path):
 
 # ------------------------------------------------------------ 3. output paths before any work
 
-def test_guide_out_that_cannot_be_written_is_one_line_before_any_work(tmp_path, monkeypatch,
-                                                                       capsys):
+
+def test_guide_out_that_cannot_be_written_is_one_line_before_any_work(
+    tmp_path, monkeypatch, capsys
+):
     from dtrain.guide import guide_cli
 
     monkeypatch.setattr(guide_cli, "calibrate_naming_skips", _no_work)
@@ -344,11 +384,11 @@ def test_guide_out_that_cannot_be_written_is_one_line_before_any_work(tmp_path, 
     why = _unwritable_reason("/proc")
     cases = {
         str(a_file / "G.md"): f"error: --out={str(a_file / 'G.md')!r} cannot be used: {a_file} is "
-                              "a file, not a folder: pass another --out",
+        "a file, not a folder: pass another --out",
         str(tmp_path): f"error: --out={str(tmp_path)!r} is a folder, not a file: pass a file path, "
-                       f"e.g. --out={tmp_path / 'GUIDE.md'}",
+        f"e.g. --out={tmp_path / 'GUIDE.md'}",
         "/proc/G.md": f"error: --out='/proc/G.md' is not writable ({why} in /proc): "
-                      "pass --out=<a file in a writable folder>",
+        "pass --out=<a file in a writable folder>",
     }
     for out, message in cases.items():
         assert dtrain_main(["guide", "--no-results", "--out", out]) == 2
@@ -363,8 +403,10 @@ def test_capstone_checks_its_guide_path_before_any_experiment(tmp_path, monkeypa
     monkeypatch.setattr(capstone, "run_steps", lambda *a, **k: pytest.fail("an experiment started"))
     Path("a-file").write_text("x")
     assert dtrain_main(["capstone", "--out", "a-file/G.md"]) == 2
-    assert _one_line(capsys) == ("error: --out='a-file/G.md' cannot be used: a-file is a file, "
-                                 "not a folder: pass another --out")
+    assert _one_line(capsys) == (
+        "error: --out='a-file/G.md' cannot be used: a-file is a file, "
+        "not a folder: pass another --out"
+    )
     _plot(Path("docs/guide"), "mfu_vs_ib.png", b"mine")  # where its guide's plots would go
     assert dtrain_main(["capstone", "--out", "G.md"]) == 2
     assert "holds docs/guide/mfu_vs_ib.png that dtrain guide did not write" in _one_line(capsys)
@@ -386,10 +428,12 @@ def test_bench_costmodel_checks_out_first_and_gets_its_own_folder(tmp_path, monk
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     why = _unwritable_reason("/proc")
-    cases = {str(a_file): f"error: --out={str(a_file)!r} cannot be used: {a_file} is a file, not a "
-                          "folder: pass another --out",
-             "/proc/bench": f"error: --out='/proc/bench' is not writable ({why} in /proc): "
-                            "pass --out=<a writable folder>"}
+    cases = {
+        str(a_file): f"error: --out={str(a_file)!r} cannot be used: {a_file} is a file, not a "
+        "folder: pass another --out",
+        "/proc/bench": f"error: --out='/proc/bench' is not writable ({why} in /proc): "
+        "pass --out=<a writable folder>",
+    }
     for out, message in cases.items():
         monkeypatch.setattr(sys, "argv", ["bench-costmodel", "--repeat", "1", "--out", out])
         assert bench.main() == 2
@@ -410,6 +454,7 @@ def test_bench_costmodel_checks_out_first_and_gets_its_own_folder(tmp_path, monk
 
 # ------------------------------------------------------------ 4. a closed pipe
 
+
 @pytest.fixture(scope="module")
 def many_runs(tmp_path_factory) -> Path:
     """1,000 runs: `dtrain runs` prints more than a pipe holds (64 KiB), so `head -1` closes it
@@ -425,8 +470,9 @@ def many_runs(tmp_path_factory) -> Path:
 def test_a_closed_stdout_ends_the_command_quietly(command, many_runs):
     args = command.format(many=many_runs)
     line = f'"{DTRAIN}" {args} | head -1; echo "exit=${{PIPESTATUS[0]}}" >&2'
-    out = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
+    out = subprocess.run(
+        ["bash", "-c", line], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert len(out.stdout.splitlines()) == 1
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
     assert out.stderr.strip().splitlines() == ["exit=141"], out.stderr[-2000:]

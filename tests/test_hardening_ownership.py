@@ -5,6 +5,7 @@ files are readable by others, capstones get their own folders, a double Ctrl-C l
 In process wherever the code path allows (rundir, run_app with a stubbed launcher, the Trainer on
 the tiny model); one subprocess holds the headline command line (`hydra.run.dir=precious`).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,10 @@ TINY_RUN = ["-m", "fsdp_scaling", "model.preset=tiny", "world_size=2", "train.st
 
 
 def _tree(path: Path) -> dict:
-    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+    return {
+        str(p.relative_to(path)): p.read_bytes() if p.is_file() else None
+        for p in sorted(path.rglob("*"))
+    }
 
 
 def test_cli_bad_input_into_a_users_folder_leaves_it_as_it_was(tmp_path):
@@ -47,9 +51,13 @@ def test_current_directory_and_sweep_dirs_with_files_are_refused(tmp_path, monke
         precheck.check_run_dirs(["hydra.run.dir=."])
     with pytest.raises(UserError, match="hydra.sweep.dir=.* is not empty"):
         precheck.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
-    (tmp_path / "hydra-only" / ".hydra").mkdir(parents=True)  # Hydra's bookkeeping alone (a torchrun peer's): fine
+    (tmp_path / "hydra-only" / ".hydra").mkdir(
+        parents=True
+    )  # Hydra's bookkeeping alone (a torchrun peer's): fine
     (tmp_path / "hydra-only" / "fsdp-scaling.log").write_text("")
-    precheck.check_run_dirs([f"hydra.run.dir={tmp_path / 'hydra-only'}", f"hydra.run.dir={tmp_path / 'new'}"])
+    precheck.check_run_dirs(
+        [f"hydra.run.dir={tmp_path / 'hydra-only'}", f"hydra.run.dir={tmp_path / 'new'}"]
+    )
 
 
 def test_bad_input_removes_only_what_this_process_created(tmp_path, monkeypatch, capsys):
@@ -60,8 +68,14 @@ def test_bad_input_removes_only_what_this_process_created(tmp_path, monkeypatch,
     (users / "thesis.txt").write_text("x")
     monkeypatch.setattr(app, "run_dir_for", lambda cfg: users)
     with pytest.raises(SystemExit) as e:
-        app.run_app(_cfg(tmp_path), rank_fn=None, validate=lambda cfg: (users / "made.txt").write_text("") or bad(cfg))
-    assert e.value.code == 2 and _tree(users) == {"thesis.txt": b"x"}  # ours (made.txt) gone, theirs kept
+        app.run_app(
+            _cfg(tmp_path),
+            rank_fn=None,
+            validate=lambda cfg: (users / "made.txt").write_text("") or bad(cfg),
+        )
+    assert e.value.code == 2 and _tree(users) == {
+        "thesis.txt": b"x"
+    }  # ours (made.txt) gone, theirs kept
     # the default <results_dir>/<subproject>/<time>: the run dir and the parents this run made go
     fresh = tmp_path / "results" / "fsdp-scaling" / "20260101-000000"
     rundir.remember(fresh)  # what Hydra's callback does before creating it
@@ -82,7 +96,9 @@ def test_hydra_callback_remembers_the_run_dir_before_hydra_makes_it(tmp_path):
     assert hydra_cfg.callbacks.remember_run_dirs._target_ == "dtrain.run.rundir.RememberRunDirs"
     run, sweep = tmp_path / "a" / "run", tmp_path / "b"
     rundir.RememberRunDirs().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(run)}}}))
-    rundir.RememberRunDirs().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    rundir.RememberRunDirs().on_multirun_start(
+        OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    )
     for made in (run, sweep / "0"):
         made.mkdir(parents=True)
         assert rundir.created_here(made) and rundir.created_here(made.parent)
@@ -101,8 +117,12 @@ def _claim_ckpt(path, barrier, out, run):
 def test_a_checkpoint_dir_belongs_to_one_run(tmp_path, monkeypatch, capsys):
     ck = tmp_path / "ck"
     assert rundir.claim_folder(ck, "train.checkpoint_dir", tmp_path / "runA") is True
-    assert rundir.claim_folder(ck, "train.checkpoint_dir", tmp_path / "runA") is False  # runA requeued: its own
-    with pytest.raises(UserError, match=r"train.checkpoint_dir=.*/ck belongs to another run \(started .* by pid"):
+    assert (
+        rundir.claim_folder(ck, "train.checkpoint_dir", tmp_path / "runA") is False
+    )  # runA requeued: its own
+    with pytest.raises(
+        UserError, match=r"train.checkpoint_dir=.*/ck belongs to another run \(started .* by pid"
+    ):
         rundir.claim_folder(ck, "train.checkpoint_dir", tmp_path / "runB")
     old = tmp_path / "old"  # checkpoints from before ownership files: someone else's too
     (old / "step-000010").mkdir(parents=True)
@@ -112,7 +132,10 @@ def test_a_checkpoint_dir_belongs_to_one_run(tmp_path, monkeypatch, capsys):
     # two runs started at once on one checkpoint dir: exactly one gets it
     ctx = multiprocessing.get_context("fork")
     barrier, out = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_claim_ckpt, args=(tmp_path / "shared", barrier, out, f"run{i}")) for i in range(4)]
+    procs = [
+        ctx.Process(target=_claim_ckpt, args=(tmp_path / "shared", barrier, out, f"run{i}"))
+        for i in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -139,8 +162,12 @@ def test_keep_checkpoints_prunes_the_runs_own_older_ones_but_not_a_pinned_one(tm
             if step == 2:
                 trainer.pinned = {trainer.last_checkpoint}
 
-    t = Trainer(make_ctx(tmp_path), train_cfg(steps=5, checkpoint_every=1, keep_checkpoints=2), TINY,
-                callbacks=[PinFirst()])
+    t = Trainer(
+        make_ctx(tmp_path),
+        train_cfg(steps=5, checkpoint_every=1, keep_checkpoints=2),
+        TINY,
+        callbacks=[PinFirst()],
+    )
     t.run()
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["step-000001", "step-000004", "step-000005"]
@@ -172,7 +199,9 @@ def test_capstones_get_their_own_folders(tmp_path, monkeypatch):
         results_folder("mine")
 
 
-def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(tmp_path, monkeypatch):
+def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(
+    tmp_path, monkeypatch
+):
     import torch.multiprocessing as mp
 
     from dtrain.run import launch, liveness
@@ -186,6 +215,7 @@ def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(tm
 
     def second_ctrl_c(procs):  # arrives while the ranks are being killed
         os.kill(os.getpid(), signal.SIGINT)
+
     monkeypatch.setattr(liveness, "supervise_local", first_ctrl_c)
     monkeypatch.setattr(liveness, "kill_all", second_ctrl_c)
     cfg = OmegaConf.create({"world_size": 2, "heartbeat_timeout_s": None})
@@ -194,12 +224,15 @@ def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(tm
     assert not side.exists()
 
 
-@pytest.mark.parametrize("value, message", [
-    ("", "results_dir='' is empty: pass results_dir=<a folder>"),
-    ("a" * 300, "is too long (a name of 300 bytes; the filesystem allows 255 per name"),
-    ("{tmp}/loop/x", "{tmp}/loop is a symlink loop"),
-    ("{tmp}/file/x", "{tmp}/file is a file, not a folder"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("", "results_dir='' is empty: pass results_dir=<a folder>"),
+        ("a" * 300, "is too long (a name of 300 bytes; the filesystem allows 255 per name"),
+        ("{tmp}/loop/x", "{tmp}/loop is a symlink loop"),
+        ("{tmp}/file/x", "{tmp}/file is a file, not a folder"),
+    ],
+)
 def test_results_paths_that_cannot_hold_a_run(tmp_path, value, message):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "file").write_text("")
@@ -209,14 +242,23 @@ def test_results_paths_that_cannot_hold_a_run(tmp_path, value, message):
 
 
 def test_unwritable_and_unicode_results_dirs_are_one_line(tmp_path, monkeypatch):
-    with pytest.raises(UserError, match="token recognition error.*: quote a value with non-ASCII characters"):
+    with pytest.raises(
+        UserError, match="token recognition error.*: quote a value with non-ASCII characters"
+    ):
         precheck.check_overrides("dtrain.conf", "selftest", ["results_dir=résultats"], None)
-    precheck.check_overrides("dtrain.conf", "selftest", ["results_dir='résultats'"], None)  # quoted: fine
+    precheck.check_overrides(
+        "dtrain.conf", "selftest", ["results_dir='résultats'"], None
+    )  # quoted: fine
 
     def read_only(*a, **k):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(checks.tempfile, "TemporaryDirectory", read_only)  # root may write anywhere: simulate
-    with pytest.raises(UserError, match=r"results_dir='ro/x' is not writable \(Permission denied in \.\)"):
+
+    monkeypatch.setattr(
+        checks.tempfile, "TemporaryDirectory", read_only
+    )  # root may write anywhere: simulate
+    with pytest.raises(
+        UserError, match=r"results_dir='ro/x' is not writable \(Permission denied in \.\)"
+    ):
         checks.check_path("results_dir", "ro/x")
 
 

@@ -1,6 +1,7 @@
 """`dtrain plan` input checks (issue "hardening, third round", area C2) and the guide's local check
 counting copies of one run once: each bad input is one `error:` line, exit 2, naming the rule and
 the numbers."""
+
 from __future__ import annotations
 
 import importlib
@@ -50,14 +51,16 @@ def plan_text(capsys, *args: str) -> tuple[int, str, str]:
 def test_heads_that_do_not_divide_hidden_name_the_rule():
     assert refused("--gpus", "8", "--layers", "3", "--hidden", "100", "--heads", "7") == (
         "error: --hidden 100 is not divisible by --heads 7 (head dim must be a whole number): "
-        "pick heads that divide hidden")
+        "pick heads that divide hidden"
+    )
 
 
 def test_kv_heads_that_do_not_divide_heads_name_the_rule():
     shape = ["--layers", "3", "--hidden", "128", "--heads", "8", "--kv-heads", "3"]
     assert refused("--gpus", "8", *shape) == (
         "error: --heads 8 is not divisible by --kv-heads 3 (each k/v head serves a whole group of "
-        "query heads): pick kv-heads that divide heads")
+        "query heads): pick kv-heads that divide heads"
+    )
 
 
 def test_model_shape_errors_name_the_rule_not_the_repr():
@@ -74,7 +77,8 @@ def test_model_shape_errors_name_the_rule_not_the_repr():
 def test_cp_with_a_sequence_it_cannot_split_is_the_trainers_rule():
     assert refused("--gpus", "8", "--params", "7e9", "--layout", "cp=2", "--seq", "4097") == (
         "error: --layout 'cp=2': --seq 4097 is not divisible by 2 x cp = 4 (each rank holds 2 of "
-        "2·cp equal chunks): pick --seq a multiple of 4")
+        "2·cp equal chunks): pick --seq a multiple of 4"
+    )
 
 
 # item 3: a global batch no layout's replicas can share
@@ -86,7 +90,8 @@ def test_global_batch_1_says_what_helps_not_more_gpus():
         "error: --global-batch 1 cannot be split over 64 GPUs: every layout of this model has at "
         "least dp=2 data-parallel replicas (tp, cp and pp are bounded by its heads, sequence and "
         "layers) and a global batch of 1 feeds at most 1 data-parallel replica: give a "
-        "--global-batch that is a multiple of 2, or fewer --gpus")
+        "--global-batch that is a multiple of 2, or fewer --gpus"
+    )
     assert "more GPUs" not in err
 
 
@@ -95,7 +100,8 @@ def test_a_global_batch_that_is_not_a_multiple_of_any_dp():
         "error: --global-batch 1000 cannot be split over 512 GPUs: every layout of this model has "
         "at least dp=16 data-parallel replicas (tp, cp and pp are bounded by its heads, sequence "
         "and layers) and 1000 is not a multiple of any of their dp: give a --global-batch that is "
-        "a multiple of 16, or fewer --gpus")
+        "a multiple of 16, or fewer --gpus"
+    )
 
 
 def test_a_model_too_big_still_gets_the_memory_hint(capsys):
@@ -110,7 +116,8 @@ def test_a_model_too_big_still_gets_the_memory_hint(capsys):
 def test_an_empty_layout_is_refused(text):
     assert refused("--gpus", "8", "--params", "7e9", "--layout", text) == (
         f'error: --layout {text!r} is empty: give fields like "tp=8 pp=2 zero=1 mb=1" or leave '
-        "--layout out")
+        "--layout out"
+    )
 
 
 @pytest.mark.parametrize("params, shown", [("1", "1"), ("20M", "20M"), ("28e6", "28M")])
@@ -120,14 +127,17 @@ def test_params_below_the_smallest_buildable_model_is_refused_with_the_minimum(p
     assert refused("--gpus", "8", "--params", params) == (
         f"error: --params {shown} is below 28.9M, the smallest model --params builds (1 layer x "
         "512, 8 heads, a 50257-token vocabulary): give --params 28.9M or more, or the shape "
-        "(--layers --hidden --heads)")
+        "(--layers --hidden --heads)"
+    )
 
 
 def test_small_models_print_their_size_in_millions(capsys):
     code, out, _ = plan_text(capsys, "--gpus", "8", "--params", "30M")
     assert code == 0
-    assert out.splitlines()[0] == ("model:    ~30M (interpolated): 1 layers, d_model 512, 8 heads "
-                                   "(8 KV), seq 4096, 28.9M params")
+    assert out.splitlines()[0] == (
+        "model:    ~30M (interpolated): 1 layers, d_model 512, 8 heads "
+        "(8 KV), seq 4096, 28.9M params"
+    )
     assert ModelShape.from_params(40e6).name == "~40M (interpolated)"
     sizes = (1, 20e6, 1.24e9, 405e9, 2e12)
     assert [params_text(n) for n in sizes] == ["1", "20M", "1.24B", "405B", "2T"]
@@ -135,20 +145,38 @@ def test_small_models_print_their_size_in_millions(capsys):
     assert code == 0 and ", 6.7B params" in out.splitlines()[0]  # unchanged from 1B up
 
 
-@pytest.mark.parametrize("shape, layout, rule", [
-    (["--layers", "4", "--hidden", "1024", "--heads", "16", "--ffn-hidden", "7"], "tp=8",
-     "tp=8 does not divide the MLP width 7: pick another tp"),
-    (["--layers", "4", "--hidden", "768", "--heads", "12"], "tp=8",
-     "--heads 12 is not divisible by tp=8: pick a tp that divides the head count"),
-    (["--layers", "4", "--hidden", "1536", "--heads", "24", "--kv-heads", "3"], "tp=8",
-     "tp=8 is not a multiple of --kv-heads 3: k/v heads can only be replicated evenly; "
-     "pick --kv-heads dividing tp"),
-    (["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "4098"], "tp=4 sp=on",
-     "sp=on: --seq 4098 is not divisible by tp=4"),
-    (["--params", "7e9", "--seq", "8192"], "cp=8 cp_impl=ulysses tp=8",
-     "cp_impl=ulysses spreads a rank's 4 query heads (--heads / tp) over cp=8 ranks, which does "
-     "not divide them: use cp_impl=ring"),
-])
+@pytest.mark.parametrize(
+    "shape, layout, rule",
+    [
+        (
+            ["--layers", "4", "--hidden", "1024", "--heads", "16", "--ffn-hidden", "7"],
+            "tp=8",
+            "tp=8 does not divide the MLP width 7: pick another tp",
+        ),
+        (
+            ["--layers", "4", "--hidden", "768", "--heads", "12"],
+            "tp=8",
+            "--heads 12 is not divisible by tp=8: pick a tp that divides the head count",
+        ),
+        (
+            ["--layers", "4", "--hidden", "1536", "--heads", "24", "--kv-heads", "3"],
+            "tp=8",
+            "tp=8 is not a multiple of --kv-heads 3: k/v heads can only be replicated evenly; "
+            "pick --kv-heads dividing tp",
+        ),
+        (
+            ["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "4098"],
+            "tp=4 sp=on",
+            "sp=on: --seq 4098 is not divisible by tp=4",
+        ),
+        (
+            ["--params", "7e9", "--seq", "8192"],
+            "cp=8 cp_impl=ulysses tp=8",
+            "cp_impl=ulysses spreads a rank's 4 query heads (--heads / tp) over cp=8 ranks, which does "
+            "not divide them: use cp_impl=ring",
+        ),
+    ],
+)
 def test_a_layout_the_trainer_refuses_is_refused_naming_the_rule(shape, layout, rule):
     err = refused("--gpus", "64", *shape, "--layout", layout)
     assert err == f"error: --layout {layout!r}: {rule}"
@@ -161,8 +189,12 @@ def test_the_search_skips_a_tp_the_mlp_width_cannot_split():
 
 
 def _trainer_refuses(shape: ModelShape, lay) -> bool:
-    model = SimpleNamespace(n_head=shape.n_head, n_kv_head=shape.n_kv_head,
-                            mlp_hidden=shape.ffn_hidden, seq_len=shape.seq_len)
+    model = SimpleNamespace(
+        n_head=shape.n_head,
+        n_kv_head=shape.n_kv_head,
+        mlp_hidden=shape.ffn_hidden,
+        seq_len=shape.seq_len,
+    )
     try:
         check_tp_model(model, lay.tp, lay.sequence_parallel)
         check_cp_model(model, lay.cp, lay.cp_impl, lay.tp, lay.sequence_parallel)
@@ -194,8 +226,11 @@ def _old_rules(shape, tp=1, cp=1, cp_impl="ring", sequence_parallel=False):
     """The divisibility the search checked before it called the trainer's rules: heads over tp,
     the sequence into 2·cp chunks, ulysses' heads over cp (no MLP width, k/v replication or
     sequence-parallel rule)."""
-    broken = shape.n_head % tp or shape.seq_len % (2 * cp) * (cp > 1) or (
-        cp_impl == "ulysses" and (shape.n_head // tp) % cp)
+    broken = (
+        shape.n_head % tp
+        or shape.seq_len % (2 * cp) * (cp > 1)
+        or (cp_impl == "ulysses" and (shape.n_head // tp) % cp)
+    )
     return "broken" if broken else None
 
 
@@ -238,14 +273,17 @@ def test_copies_of_a_run_count_once_in_the_local_check(tmp_path):
     plain, checks = local_checks(base, CPU.parent), local_checks(report, tmp_path)
     assert len(checks) == len(plain)  # not 5 more rows
     assert [(c.what, c.measured_s, c.predicted_s) for c in checks] == [
-        (c.what, c.measured_s, c.predicted_s) for c in plain]  # a copy is no "other run" either
+        (c.what, c.measured_s, c.predicted_s) for c in plain
+    ]  # a copy is no "other run" either
     [row] = [c for c in checks if c.run.endswith("20250301-100100-000000")]
     assert row.copies == tuple(f"cpu/fsdp-scaling/copy-{i}" for i in range(5))
     text = "\n".join(checks_table(checks, report))
     runs = len({c.run for c in checks})
-    assert (f"The rows check {runs} distinct runs; 5 more folders repeating a run's guide inputs "
-            "(`cpu/fsdp-scaling/copy-0`, `cpu/fsdp-scaling/copy-1`, `cpu/fsdp-scaling/copy-2` "
-            "and 2 more) were counted once.") in text
+    assert (
+        f"The rows check {runs} distinct runs; 5 more folders repeating a run's guide inputs "
+        "(`cpu/fsdp-scaling/copy-0`, `cpu/fsdp-scaling/copy-1`, `cpu/fsdp-scaling/copy-2` "
+        "and 2 more) were counted once."
+    ) in text
 
 
 def test_a_real_rerun_is_not_a_copy(tmp_path):

@@ -4,6 +4,7 @@ the loader and the fp8 tools on malformed runs, a full disk, strict JSON.
 Checked in process where a subprocess is not needed (the claim, run_app with a stubbed launcher,
 the loader); one subprocess test holds the command-line contract for a reused hydra.run.dir.
 """
+
 from __future__ import annotations
 
 import errno
@@ -59,7 +60,9 @@ def test_claim_is_atomic_between_concurrent_processes(tmp_path):
 
 
 def _cfg(tmp_path, **over):
-    cfg = OmegaConf.merge(BASE, {"subproject": "t", "results_dir": str(tmp_path), "world_size": 1, **over})
+    cfg = OmegaConf.merge(
+        BASE, {"subproject": "t", "results_dir": str(tmp_path), "world_size": 1, **over}
+    )
     OmegaConf.set_struct(cfg, False)
     return cfg
 
@@ -72,6 +75,7 @@ def _stub_launch(monkeypatch, result=None, exc=None):
         with RunWriter(run_dir) as w:
             w.record("step", seed=cfg.seed)
         return (result or {"seed": cfg.seed}), run_dir
+
     monkeypatch.setattr(app, "launch", launch)
 
 
@@ -89,7 +93,9 @@ def test_second_run_into_a_used_dir_is_refused_and_leaves_it_alone(tmp_path, mon
         assert e.value.code == 2
         err = capsys.readouterr().err
         one_error_line(err, "bad input" if bad_too else "already holds a run")
-        assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == first  # nothing mixed, nothing removed
+        assert {
+            p.name: p.read_bytes() for p in run_dir.iterdir()
+        } == first  # nothing mixed, nothing removed
 
 
 @pytest.mark.slow  # the fast path keeps a shorter test of the same property
@@ -103,8 +109,16 @@ def test_cli_sequential_and_concurrent_reuse(tmp_path):
     one_error_line(second.stderr, "already holds a run")
     assert [r["numel"] for r in loader.read_jsonl(tmp_path / "seq" / "records.jsonl")] == [8]
 
-    both = [subprocess.Popen([*args, f"hydra.run.dir={tmp_path / 'conc'}", f"numel={n}"], cwd=REPO, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (8, 16)]
+    both = [
+        subprocess.Popen(
+            [*args, f"hydra.run.dir={tmp_path / 'conc'}", f"numel={n}"],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for n in (8, 16)
+    ]
     outs = [(p.wait(120), p.stderr.read()) for p in both]
     assert sorted(code for code, _ in outs) == [0, 2], outs
     one_error_line(next(err for code, err in outs if code == 2), "already holds a run")
@@ -144,17 +158,42 @@ def _run(path: Path, records: str = '{"kind": "m", "v": 1}\n', summary=True) -> 
     return path
 
 
-@pytest.mark.parametrize("name, damage, reason", [
-    ("config_list", lambda p: (p / "config.yaml").write_text("- 1\n- 2\n"), "config.yaml holds a list"),
-    ("env_list", lambda p: (p / "env.json").write_text("[1, 2]"), "env.json holds a list"),
-    ("record_int", lambda p: (p / "records.jsonl").write_text('{"kind": "m", "v": 1}\n42\n'),
-     "records.jsonl line 2: int '42', not an object"),
-    ("record_torn", lambda p: (p / "records.jsonl").write_text('{"kind": "m", "v": 1}\n{"kind": "m", "v"\n'),
-     "records.jsonl line 2"),
-    ("event_list", lambda p: (p / "events.jsonl").write_text("[]\n"), "events.jsonl line 1: list"),
-    ("summary_list", lambda p: (p / "summary.json").write_text("[]"), "summary.json holds a list"),
-])
-def test_malformed_run_is_skipped_with_a_warning_naming_the_file(tmp_path, name, damage, reason, capsys):
+@pytest.mark.parametrize(
+    "name, damage, reason",
+    [
+        (
+            "config_list",
+            lambda p: (p / "config.yaml").write_text("- 1\n- 2\n"),
+            "config.yaml holds a list",
+        ),
+        ("env_list", lambda p: (p / "env.json").write_text("[1, 2]"), "env.json holds a list"),
+        (
+            "record_int",
+            lambda p: (p / "records.jsonl").write_text('{"kind": "m", "v": 1}\n42\n'),
+            "records.jsonl line 2: int '42', not an object",
+        ),
+        (
+            "record_torn",
+            lambda p: (p / "records.jsonl").write_text(
+                '{"kind": "m", "v": 1}\n{"kind": "m", "v"\n'
+            ),
+            "records.jsonl line 2",
+        ),
+        (
+            "event_list",
+            lambda p: (p / "events.jsonl").write_text("[]\n"),
+            "events.jsonl line 1: list",
+        ),
+        (
+            "summary_list",
+            lambda p: (p / "summary.json").write_text("[]"),
+            "summary.json holds a list",
+        ),
+    ],
+)
+def test_malformed_run_is_skipped_with_a_warning_naming_the_file(
+    tmp_path, name, damage, reason, capsys
+):
     from dtrain.cli.main import main
 
     _run(tmp_path / "good")
@@ -192,6 +231,7 @@ def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch,
     def full_disk(obj, f, **kw):  # half a file, then ENOSPC
         f.write('{"half": ')
         raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "summary.json"))
+
     monkeypatch.setattr(metrics.json, "dump", full_disk)
     with pytest.raises(SystemExit) as e:
         app.run_app(_cfg(tmp_path), rank_fn=None)
@@ -203,7 +243,12 @@ def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch,
     assert events[-1]["kind"] == "run_failed" and events[-1]["error"].startswith("disk full")
     # the same from a rank: its traceback ends in Errno 28
     run_dir = tmp_path / "run2"
-    _stub_launch(monkeypatch, exc=RankFailed("rank 1 failed:\nTraceback ...\nOSError: [Errno 28] No space left on device"))
+    _stub_launch(
+        monkeypatch,
+        exc=RankFailed(
+            "rank 1 failed:\nTraceback ...\nOSError: [Errno 28] No space left on device"
+        ),
+    )
     with pytest.raises(SystemExit) as e:
         app.run_app(_cfg(tmp_path), rank_fn=None)
     assert e.value.code == 1
@@ -211,11 +256,17 @@ def test_disk_full_is_one_line_with_run_failed_and_no_tmp(tmp_path, monkeypatch,
 
 
 def test_summary_json_has_no_nan_literals(tmp_path):
-    write_summary(tmp_path, {"step_time_s": float("nan"), "xs": [1.0, float("inf")], "t": torch.tensor(float("nan"))})
+    write_summary(
+        tmp_path,
+        {"step_time_s": float("nan"), "xs": [1.0, float("inf")], "t": torch.tensor(float("nan"))},
+    )
     text = (tmp_path / "summary.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"step_time_s": None, "xs": [1.0, None],
-                                                                         "t": None}
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
+        "step_time_s": None,
+        "xs": [1.0, None],
+        "t": None,
+    }
 
 
 def test_inspect_and_dashboard_name_the_corrupt_file(tmp_path):
@@ -225,8 +276,10 @@ def test_inspect_and_dashboard_name_the_corrupt_file(tmp_path):
     for tool, what in ((inspect.main, "inspect"), (dashboard.main, "a dashboard")):
         with pytest.raises(UserError) as e:
             tool([str(run)])
-        assert str(e.value) == (f"cannot use run {run} for {what}: it is corrupt "
-                                "(ValueError: records.jsonl line 2: int '42', not an object)")
+        assert str(e.value) == (
+            f"cannot use run {run} for {what}: it is corrupt "
+            "(ValueError: records.jsonl line 2: int '42', not an object)"
+        )
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no run directory"):
         loader.require_complete([tmp_path / "empty"])

@@ -2,6 +2,7 @@
 within seconds; a job pending on a drained node says why it waits; a time limit Slurm can signal
 too early is refused up front; a job that timed out past slurm.max_requeues ends in one line.
 The cluster tests cancel their job and resume the node they drained, whatever happens."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,12 @@ from dtrain.slurm import queue
 
 # ---------------------------------------------------------------- without a cluster
 
-TOO_SHORT = ("slurm.time_min=1 must be >= 2 minutes: Slurm sends USR2 slurm.signal_delay_s=25 s "
-             "before the limit and up to 60 s earlier (sbatch --signal), and the tasks need 30 s "
-             "for submitit's handler: pass slurm.time_min=2 or more")
+TOO_SHORT = (
+    "slurm.time_min=1 must be >= 2 minutes: Slurm sends USR2 slurm.signal_delay_s=25 s "
+    "before the limit and up to 60 s earlier (sbatch --signal), and the tasks need 30 s "
+    "for submitit's handler: pass slurm.time_min=2 or more"
+)
+
 
 def test_a_time_limit_usr2_can_precede_is_refused_naming_the_least_time_min():
     """sbatch --signal: USR2 may come up to 60 s before signal_delay_s; the tasks need 30 s."""
@@ -35,19 +39,33 @@ def test_a_time_limit_usr2_can_precede_is_refused_naming_the_least_time_min():
         check_signal_delay(OmegaConf.create({"time_min": 1, "signal_delay_s": 25}))
     assert str(e.value) == TOO_SHORT
     # no negative signal delay suggested any more
-    with pytest.raises(UserError, match=r"^slurm.time_min=0 must be >= 3 minutes: .*: "
-                                        r"pass slurm.time_min=3 or more$"):
+    with pytest.raises(
+        UserError,
+        match=r"^slurm.time_min=0 must be >= 3 minutes: .*: "
+        r"pass slurm.time_min=3 or more$",
+    ):
         check_signal_delay(OmegaConf.create({"time_min": 0, "signal_delay_s": 60}))
-    with pytest.raises(UserError, match=r"^slurm.time_min=4 must be >= 5 minutes: .* or lower "
-                                        r"slurm.signal_delay_s to <= 150$"):
+    with pytest.raises(
+        UserError,
+        match=r"^slurm.time_min=4 must be >= 5 minutes: .* or lower "
+        r"slurm.signal_delay_s to <= 150$",
+    ):
         check_signal_delay(OmegaConf.create({"time_min": 4, "signal_delay_s": 200}))
     check_signal_delay(OmegaConf.create({"time_min": 2, "signal_delay_s": 30}))  # 30 s in, earliest
     check_signal_delay(OmegaConf.create({"time_min": 30, "signal_delay_s": 60}))  # the defaults
 
 
 def test_cli_time_min_too_short_is_one_line_before_slurm_is_asked(tmp_path):
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=1", "slurm.time_min=1",
-             "slurm.signal_delay_s=25", f"results_dir={tmp_path}", timeout=60)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "world_size=1",
+        "slurm.time_min=1",
+        "slurm.signal_delay_s=25",
+        f"results_dir={tmp_path}",
+        timeout=60,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.splitlines() == [f"error: {TOO_SHORT}"]
     assert not any(tmp_path.iterdir())
@@ -67,17 +85,21 @@ def test_cancelled_reads_sacct(monkeypatch):
 
 def test_pending_reason_names_drained_nodes_only_when_they_may_be_why(monkeypatch):
     rows = "node1|DRAINED|maintenance\nnode2|DOWN*|Not responding\n"
-    monkeypatch.setattr(queue, "_run",
-                        lambda args, need_cluster=False: rows if args[0] == "sinfo" else None)
+    monkeypatch.setattr(
+        queue, "_run", lambda args, need_cluster=False: rows if args[0] == "sinfo" else None
+    )
     assert queue.pending_reason("Resources") == (
-        'Resources: node1 drained "maintenance", node2 down "Not responding"')
+        'Resources: node1 drained "maintenance", node2 down "Not responding"'
+    )
     assert queue.pending_reason("ReqNodeNotAvail, UnavailableNodes:node1") == (
         'ReqNodeNotAvail, UnavailableNodes:node1; node1 drained "maintenance", '
-        'node2 down "Not responding"')
+        'node2 down "Not responding"'
+    )
     assert queue.pending_reason("Priority") == "Priority"
 
 
 # ---------------------------------------------------------------- on the local cluster
+
 
 class Client:
     """`python -m dtrain.run.selftest launcher=slurm world_size=1 ...`, output to files."""
@@ -89,10 +111,25 @@ class Client:
         env.pop("RANK", None)
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtrain.run.selftest", "launcher=slurm", "world_size=1",
-                 "work_s=60", "slurm.partition=debug", "slurm.time_min=5",
-                 f"results_dir={self.results}", *overrides],
-                stdout=out, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "dtrain.run.selftest",
+                    "launcher=slurm",
+                    "world_size=1",
+                    "work_s=60",
+                    "slurm.partition=debug",
+                    "slurm.time_min=5",
+                    f"results_dir={self.results}",
+                    *overrides,
+                ],
+                stdout=out,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
         self.job_id: str | None = None
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
@@ -121,9 +158,12 @@ class Client:
         return job
 
     def run_failed(self) -> list[dict]:
-        return [e for f in files_named(self.results, "events.jsonl")
-                for line in f.read_text().splitlines()
-                if (e := json.loads(line))["kind"] == "run_failed"]
+        return [
+            e
+            for f in files_named(self.results, "events.jsonl")
+            for line in f.read_text().splitlines()
+            if (e := json.loads(line))["kind"] == "run_failed"
+        ]
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:
@@ -158,8 +198,11 @@ def test_scancel_is_said_in_one_line_within_seconds(client):
     err = c.err_path.read_text()
     assert code == 1, err
     [line] = err.splitlines()
-    assert re.fullmatch(rf"error: Slurm job {job} was cancelled \(scancel by \S+ at \S+\): "
-                        r"run_failed recorded in \S+/events\.jsonl", line), line
+    assert re.fullmatch(
+        rf"error: Slurm job {job} was cancelled \(scancel by \S+ at \S+\): "
+        r"run_failed recorded in \S+/events\.jsonl",
+        line,
+    ), line
     assert took < 15, f"noticed after {took:.1f} s"  # submitit alone: ~40 s
     [failed] = c.run_failed()
     assert failed["reason"] == "cancelled"
@@ -178,10 +221,12 @@ def test_time_limit_past_max_requeues_is_one_line(client):
     err = c.err_path.read_text()
     assert code == 1, err
     [line] = err.splitlines()
-    assert re.fullmatch(rf"error: Slurm job {job} reached its time limit \(slurm.time_min=5\) "
-                        r"after slurm.max_requeues=0 requeue\(s\): run_failed recorded in "
-                        r"\S+/events\.jsonl; raise slurm.time_min or slurm.max_requeues",
-                        line), line
+    assert re.fullmatch(
+        rf"error: Slurm job {job} reached its time limit \(slurm.time_min=5\) "
+        r"after slurm.max_requeues=0 requeue\(s\): run_failed recorded in "
+        r"\S+/events\.jsonl; raise slurm.time_min or slurm.max_requeues",
+        line,
+    ), line
     assert [e["reason"] for e in c.run_failed()] == ["time_limit"]
 
 
@@ -189,8 +234,9 @@ def test_time_limit_past_max_requeues_is_one_line(client):
 @pytest.mark.slow
 def test_job_pending_on_a_drained_node_says_why(client):
     node, why = "node1", "maintenance by test"
-    subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={why}"],
-                   check=True)
+    subprocess.run(
+        ["scontrol", "update", f"nodename={node}", "state=drain", f"reason={why}"], check=True
+    )
     try:
         c = client(f"+slurm.additional.nodelist={node}")
         job = c.wait_submitted()

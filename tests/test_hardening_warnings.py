@@ -3,6 +3,7 @@ is not about the run: no "leaked semaphore objects" from multiprocessing's resou
 spawned rank's tqdm lock, now unlinked before the rank's os._exit: dtrain.run.launch._leave) and no
 FSDP2 "returned a view tensor" (sequence parallelism gathered the last block's output into a
 movedim view: dtrain.parallel.tp.ops._GatherSequenceToReplicated now returns its own tensor)."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ def _run_quietly(tmp_path, *overrides: str, timeout: float = 300) -> list[float]
     [summary] = files_named(tmp_path, "summary.json")
     assert json.loads(summary.read_text())["status"] == "complete"
     records = summary.parent / "records.jsonl"
-    losses = [r["loss"] for line in records.read_text().splitlines()
-              if (r := json.loads(line)).get("kind") == "step"]
+    losses = [
+        r["loss"]
+        for line in records.read_text().splitlines()
+        if (r := json.loads(line)).get("kind") == "step"
+    ]
     assert losses and all(math.isfinite(x) for x in losses), losses
     return losses
 
@@ -43,6 +47,14 @@ def test_two_rank_run_leaks_no_semaphores(tmp_path):
 def test_cp_tp_sequence_parallel_one_kv_head_prints_no_fsdp_view_warning(tmp_path):
     """The issue's layout: cp2 x tp2 with SP and one k/v head under zero3 (FSDP2 wraps every block;
     the last one's output used to be a view, warned once per rank); it still trains as before."""
-    losses = _run_quietly(tmp_path, "model.n_kv_head=1", "world_size=4", "train.cp=2", "train.tp=2",
-                          "train.sequence_parallel=true", "train.strategy=zero3", "train.steps=3")
+    losses = _run_quietly(
+        tmp_path,
+        "model.n_kv_head=1",
+        "world_size=4",
+        "train.cp=2",
+        "train.tp=2",
+        "train.sequence_parallel=true",
+        "train.strategy=zero3",
+        "train.steps=3",
+    )
     assert len(losses) == 3

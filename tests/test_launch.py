@@ -1,4 +1,5 @@
 """dtrain.run.launch through the selftest app: local, in-job (torchrun), and the error paths."""
+
 from __future__ import annotations
 
 import json
@@ -34,10 +35,21 @@ def test_local_two_ranks_allreduce(tmp_path):
 
 def test_local_failing_rank_stops_job_with_traceback(tmp_path):
     t0 = time.monotonic()
-    out = py("-m", "dtrain.run.selftest", "world_size=2", "fail_rank=1", f"results_dir={tmp_path}", timeout=90)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "world_size=2",
+        "fail_rank=1",
+        f"results_dir={tmp_path}",
+        timeout=90,
+    )
     assert time.monotonic() - t0 < 60
     assert out.returncode == 1
-    assert "rank 1 failed" in out.stderr and "fails on purpose" in out.stderr and "Traceback" in out.stderr
+    assert (
+        "rank 1 failed" in out.stderr
+        and "fails on purpose" in out.stderr
+        and "Traceback" in out.stderr
+    )
     run = _only_run(tmp_path)
     assert not (run / "summary.json").exists()
     assert loader.find_runs([tmp_path])[0].status == "incomplete"
@@ -45,8 +57,17 @@ def test_local_failing_rank_stops_job_with_traceback(tmp_path):
 
 def test_torchrun_in_job_mode(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
-    out = run_cmd([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.run.selftest",
-                   f"results_dir={tmp_path}"], timeout=120)
+    out = run_cmd(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dtrain.run.selftest",
+            f"results_dir={tmp_path}",
+        ],
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     run = _only_run(tmp_path)  # both ranks agreed on one run dir
     summary = json.loads((run / "summary.json").read_text())
@@ -57,23 +78,38 @@ def test_torchrun_in_job_mode(tmp_path):
 def test_torchrun_failing_rank(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     t0 = time.monotonic()
-    out = run_cmd([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.run.selftest",
-                   "fail_rank=0", f"results_dir={tmp_path}"], timeout=90)
+    out = run_cmd(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dtrain.run.selftest",
+            "fail_rank=0",
+            f"results_dir={tmp_path}",
+        ],
+        timeout=90,
+    )
     assert time.monotonic() - t0 < 60
     assert out.returncode != 0
     assert "fails on purpose" in out.stdout + out.stderr
     assert not list(tmp_path.rglob("summary.json"))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("launcher=foo", "launcher='foo' is not one of auto, local, slurm"),
-    ("world_size=0", "world_size=0 must be an integer >= 1"),
-    ("device=tpu", "device='tpu' must be one of auto, cpu, cuda"),
-    ("world_size=1000", "more ranks than this host allows"),
-    ("results_dir=/proc/not-here", "is not writable"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("launcher=foo", "launcher='foo' is not one of auto, local, slurm"),
+        ("world_size=0", "world_size=0 must be an integer >= 1"),
+        ("device=tpu", "device='tpu' must be one of auto, cpu, cuda"),
+        ("world_size=1000", "more ranks than this host allows"),
+        ("results_dir=/proc/not-here", "is not writable"),
+    ],
+)
 def test_bad_input_one_line_nonzero_no_results(tmp_path, override, message):
-    args = ["-m", "dtrain.run.selftest", override] + ([] if override.startswith("results_dir") else [f"results_dir={tmp_path}"])
+    args = ["-m", "dtrain.run.selftest", override] + (
+        [] if override.startswith("results_dir") else [f"results_dir={tmp_path}"]
+    )
     out = py(*args, timeout=60)
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
@@ -85,8 +121,10 @@ def test_bad_input_one_line_nonzero_no_results(tmp_path, override, message):
 def test_nccl_without_cuda_is_one_line(tmp_path):
     out = py("-m", "dtrain.run.selftest", "backend=nccl", f"results_dir={tmp_path}", timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
-                                  "use backend=gloo (or auto)")
+    assert out.stderr.strip() == (
+        "error: backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
+        "use backend=gloo (or auto)"
+    )
 
 
 @pytest.mark.gpu
@@ -98,7 +136,9 @@ def test_single_gpu_nccl(tmp_path):
 
 
 def test_local_hydra_multirun_one_run_dir_per_point(tmp_path):
-    out = py("-m", "dtrain.run.selftest", "-m", "numel=8,16", f"results_dir={tmp_path}", timeout=180)
+    out = py(
+        "-m", "dtrain.run.selftest", "-m", "numel=8,16", f"results_dir={tmp_path}", timeout=180
+    )
     assert out.returncode == 0, out.stderr
     df = loader.load_runs([tmp_path])
     assert sorted(df["numel"]) == [8, 16] and set(df["summary.allreduce_sum"]) == {3.0}

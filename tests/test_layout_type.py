@@ -1,5 +1,6 @@
 """One layout type (issue 38): dtrain.core.layout.Layout is the trainer's, the mesh's and the cost
 model's, and the plan -> trainer overrides are the inverse of the trainer's resolution."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,22 +43,38 @@ def test_derived_values():
     lay = Layout(dp_replicate=2, dp_shard=4, cp=2, tp=2, pp=3, zero_stage=3, pp_virtual=2)
     got = (lay.dp, lay.gpus, lay.world_size, lay.data_shards, lay.shard_group)
     assert got == (8, 96, 96, 16, 8)
-    assert (lay.hsdp_replicate, lay.strategy, lay.virtual_stages, lay.trainer_schedule) == \
-        (2, "hsdp", 2, "interleaved_1f1b")
+    assert (lay.hsdp_replicate, lay.strategy, lay.virtual_stages, lay.trainer_schedule) == (
+        2,
+        "hsdp",
+        2,
+        "interleaved_1f1b",
+    )
 
 
 def test_without_zero_the_layout_is_stored_as_ddp():
     """One layout, one value: nothing sharded means every data-parallel rank is a replica."""
     assert Layout(dp_shard=8) == Layout(dp_replicate=8)
     ddp = Layout(dp_shard=8, cp=2)
-    assert (ddp.dp_replicate, ddp.dp_shard, ddp.hsdp_replicate, ddp.shard_group, ddp.strategy) == \
-        (8, 1, 1, 16, "ddp")
+    assert (ddp.dp_replicate, ddp.dp_shard, ddp.hsdp_replicate, ddp.shard_group, ddp.strategy) == (
+        8,
+        1,
+        1,
+        16,
+        "ddp",
+    )
 
 
-@pytest.mark.parametrize("strategy, dp, replicas, want", [
-    ("ddp", 8, 1, (8, 1, 0)), ("zero2", 8, 1, (1, 8, 2)), ("zero3", 8, 1, (1, 8, 3)),
-    ("hsdp", 8, 2, (2, 4, 3)), ("single", 1, 1, (1, 1, 0)), ("zero3", 1, 1, (1, 1, 0)),
-])
+@pytest.mark.parametrize(
+    "strategy, dp, replicas, want",
+    [
+        ("ddp", 8, 1, (8, 1, 0)),
+        ("zero2", 8, 1, (1, 8, 2)),
+        ("zero3", 8, 1, (1, 8, 3)),
+        ("hsdp", 8, 2, (2, 4, 3)),
+        ("single", 1, 1, (1, 1, 0)),
+        ("zero3", 1, 1, (1, 1, 0)),
+    ],
+)
 def test_from_strategy_is_the_one_split(strategy, dp, replicas, want):
     lay = Layout.from_strategy(strategy, dp=dp, hsdp_replicate=replicas)
     assert (lay.dp_replicate, lay.dp_shard, lay.zero_stage) == want
@@ -73,31 +90,68 @@ def test_sharded_strategies_under_pp_run_zero2():
 
 
 def test_train_config_resolves_to_a_layout():
-    train = TrainConfig(strategy="hsdp", hsdp_replicate=2, tp=2, pp=2,
-                        pp_schedule="interleaved_1f1b", pp_virtual=2,
-                        activation_checkpointing="block", micro_batch=2, global_batch=32)
+    train = TrainConfig(
+        strategy="hsdp",
+        hsdp_replicate=2,
+        tp=2,
+        pp=2,
+        pp_schedule="interleaved_1f1b",
+        pp_virtual=2,
+        activation_checkpointing="block",
+        micro_batch=2,
+        global_batch=32,
+    )
     assert train.resolved(16).layout(16) == Layout(
-        dp_replicate=2, dp_shard=2, tp=2, pp=2, zero_stage=2, recompute="full", micro_batch=2,
-        grad_accum=4, pp_virtual=2)
+        dp_replicate=2,
+        dp_shard=2,
+        tp=2,
+        pp=2,
+        zero_stage=2,
+        recompute="full",
+        micro_batch=2,
+        grad_accum=4,
+        pp_virtual=2,
+    )
 
 
 def _candidates(rng):
     """Layouts over every axis the trainer has; the invalid ones are dropped by the type itself."""
-    axes = dict(dp=(1, 2, 4), replicas=(1, 2), cp=(1, 2), tp=(1, 2), pp=(1, 2), zero=(0, 1, 2, 3),
-                recompute=("none", "op", "selective", "full"), mb=(1, 2), ga=(1, 2, 4),
-                sp=(False, True),
-                schedule=("1f1b", "gpipe", "zbv"), v=(1, 2), impl=("ring", "ulysses", "torch"))
+    axes = dict(
+        dp=(1, 2, 4),
+        replicas=(1, 2),
+        cp=(1, 2),
+        tp=(1, 2),
+        pp=(1, 2),
+        zero=(0, 1, 2, 3),
+        recompute=("none", "op", "selective", "full"),
+        mb=(1, 2),
+        ga=(1, 2, 4),
+        sp=(False, True),
+        schedule=("1f1b", "gpipe", "zbv"),
+        v=(1, 2),
+        impl=("ring", "ulysses", "torch"),
+    )
     grid = list(itertools.product(*axes.values()))
     for values in rng.sample(grid, 600):
         a = dict(zip(axes, values))
         if a["dp"] % a["replicas"] or (a["pp"] == 1 and (a["schedule"], a["v"]) != ("1f1b", 1)):
             continue
         try:
-            yield Layout(dp_replicate=a["replicas"], dp_shard=a["dp"] // a["replicas"], cp=a["cp"],
-                         tp=a["tp"], pp=a["pp"], zero_stage=a["zero"], recompute=a["recompute"],
-                         micro_batch=a["mb"], grad_accum=a["ga"], sequence_parallel=a["sp"],
-                         pp_schedule=a["schedule"], pp_virtual=a["v"],
-                         cp_impl=a["impl"] if a["cp"] > 1 else "ring")
+            yield Layout(
+                dp_replicate=a["replicas"],
+                dp_shard=a["dp"] // a["replicas"],
+                cp=a["cp"],
+                tp=a["tp"],
+                pp=a["pp"],
+                zero_stage=a["zero"],
+                recompute=a["recompute"],
+                micro_batch=a["mb"],
+                grad_accum=a["ga"],
+                sequence_parallel=a["sp"],
+                pp_schedule=a["schedule"],
+                pp_virtual=a["v"],
+                cp_impl=a["impl"] if a["cp"] > 1 else "ring",
+            )
         except ValueError:
             continue
 
@@ -125,8 +179,13 @@ def _runs_as_priced(lay: Layout, notes: list[str]) -> bool:
     notes = [n for n in notes if not n.startswith(("vocabulary", "the trainer's GPT"))]
     trainer_ok = lay.pp == 1 or (lay.pp_virtual == 1 or lay.grad_accum % lay.pp == 0)
     gpipe = lay.pp_schedule == "1f1b" and lay.grad_accum < lay.pp
-    return not notes and not gpipe and trainer_ok \
-        and not (lay.zero_stage == 3 and lay.pp > 1) and not (lay.cp > 1 and lay.cp_impl == "torch")
+    return (
+        not notes
+        and not gpipe
+        and trainer_ok
+        and not (lay.zero_stage == 3 and lay.pp > 1)
+        and not (lay.cp > 1 and lay.cp_impl == "torch")
+    )
 
 
 def test_overrides_round_trip_through_the_trainer():

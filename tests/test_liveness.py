@@ -1,6 +1,7 @@
 """Fault injection on local runs: kill -9 / Ctrl-C / SIGTERM of the launcher, a stopped rank, and
 which rank's error is shown first. Every test starts its launcher in a new session and kills that
 session at the end, so nothing outlives it."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,24 @@ START_TIMEOUT_S = 60  # two spawned ranks import torch and rendezvous; slow on a
 def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, "-m", "dtrain.run.selftest", "world_size=2", "work_s=60",
-                             f"results_dir={tmp_path}", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True, preexec_fn=_interruptible)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtrain.run.selftest",
+            "world_size=2",
+            "work_s=60",
+            f"results_dir={tmp_path}",
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        preexec_fn=_interruptible,
+    )
 
 
 def _interruptible() -> None:
@@ -44,7 +59,9 @@ def _stat(pid: int) -> list[str] | None:
 
 def _alive(pid: int) -> bool:
     s = _stat(pid)
-    return s is not None and s[0] != "Z"  # a zombie has ended; only its parent has not read its status
+    return (
+        s is not None and s[0] != "Z"
+    )  # a zombie has ended; only its parent has not read its status
 
 
 def _ranks_of(launcher: int) -> list[int]:
@@ -77,13 +94,19 @@ def _wait_running(proc: subprocess.Popen, tmp_path: Path) -> tuple[Path, list[in
 def _wait_gone(pids: list[int], timeout: float) -> float:
     t0 = time.monotonic()
     while any(_alive(p) for p in pids):
-        assert time.monotonic() - t0 < timeout, f"ranks still alive: {[p for p in pids if _alive(p)]}"
+        assert time.monotonic() - t0 < timeout, (
+            f"ranks still alive: {[p for p in pids if _alive(p)]}"
+        )
         time.sleep(0.1)
     return time.monotonic() - t0
 
 
 def _events(run: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(run.glob("events*.jsonl")) for line in f.read_text().splitlines()]
+    return [
+        json.loads(line)
+        for f in sorted(run.glob("events*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
 
 
 @pytest.fixture
@@ -102,8 +125,11 @@ def test_kill9_launcher_ends_every_rank_and_records_run_failed(tmp_path, launche
     proc = _start(tmp_path)
     launcher_session(proc)
     run, ranks = _wait_running(proc, tmp_path)
-    [launcher_tmp] = [b.parent for b in Path(tempfile.gettempdir()).glob("dtrain-launch-*/heartbeat.rank0")
-                      if b.read_text().split()[-1:] == [str(ranks[0])]]
+    [launcher_tmp] = [
+        b.parent
+        for b in Path(tempfile.gettempdir()).glob("dtrain-launch-*/heartbeat.rank0")
+        if b.read_text().split()[-1:] == [str(ranks[0])]
+    ]
     os.kill(proc.pid, signal.SIGKILL)
     took = _wait_gone(ranks, timeout=15)
     print(f"ranks {ranks} gone {took:.1f} s after kill -9 of launcher {proc.pid}")
@@ -114,10 +140,15 @@ def test_kill9_launcher_ends_every_rank_and_records_run_failed(tmp_path, launche
     assert not launcher_tmp.exists()  # rank 0 tidied the dead launcher's temp dir
 
 
-@pytest.mark.parametrize("sig, to_group, code", [
-    (signal.SIGINT, True, 130),
-    pytest.param(signal.SIGTERM, False, 143, marks=pytest.mark.slow),  # the same path, another signal
-])
+@pytest.mark.parametrize(
+    "sig, to_group, code",
+    [
+        (signal.SIGINT, True, 130),
+        pytest.param(
+            signal.SIGTERM, False, 143, marks=pytest.mark.slow
+        ),  # the same path, another signal
+    ],
+)
 def test_interrupt_stops_ranks_one_error_line(tmp_path, launcher_session, sig, to_group, code):
     """SIGINT to the whole process group, as Ctrl-C in a terminal does; SIGTERM to the launcher only."""
     proc = _start(tmp_path)
@@ -147,7 +178,9 @@ def test_stopped_rank_is_named_by_heartbeat(tmp_path, launcher_session):
     print(f"stopped rank detected after {took:.1f} s (heartbeat_timeout_s={timeout_s})")
     assert proc.returncode == 1, err
     assert f"rank 1 (pid {ranks[1]}, state T: stopped) stopped responding" in err, err
-    assert took < timeout_s + 20  # the bound: timeout + a beat interval + polling, not dist_timeout_s (300)
+    assert (
+        took < timeout_s + 20
+    )  # the bound: timeout + a beat interval + polling, not dist_timeout_s (300)
     _wait_gone(ranks, timeout=10)
     [failed] = [e for e in _events(run) if e["kind"] == "run_failed"]
     assert failed["error"].startswith("rank 1 (pid") and "heartbeat_timeout_s=3" in failed["error"]
@@ -166,21 +199,26 @@ def test_bad_heartbeat_timeout_is_one_line(value):
     cfg = OmegaConf.merge(defaults(BaseConfig), {"heartbeat_timeout_s": value, "world_size": 1})
     with pytest.raises(UserError) as e:
         app.check_base(cfg)
-    assert str(e.value) == (f"heartbeat_timeout_s={value!r} must be a number of seconds >= 2 (ranks beat every "
-                            "timeout/5; below that healthy ranks look hung), or null to turn it off")
+    assert str(e.value) == (
+        f"heartbeat_timeout_s={value!r} must be a number of seconds >= 2 (ranks beat every "
+        "timeout/5; below that healthy ranks look hung), or null to turn it off"
+    )
     app.check_base(OmegaConf.merge(cfg, {"heartbeat_timeout_s": 2.0}))  # the floor itself is fine
 
 
 # ---------------------------------------------------------------- root cause, without processes
+
 
 class _Proc:
     def __init__(self, exitcode, pid=0):
         self.exitcode, self.pid = exitcode, pid
 
 
-CLOSED = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
-          "torch.distributed.DistBackendError: [pair.cc:534] Connection closed by peer [127.0.0.1]:1234\n")
-REAL = "Traceback (most recent call last):\n  File \"y.py\", line 2, in g\nValueError: loss is nan at step 3\n"
+CLOSED = (
+    'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+    "torch.distributed.DistBackendError: [pair.cc:534] Connection closed by peer [127.0.0.1]:1234\n"
+)
+REAL = 'Traceback (most recent call last):\n  File "y.py", line 2, in g\nValueError: loss is nan at step 3\n'
 
 
 def test_root_cause_is_the_real_error_not_the_peer_symptom(tmp_path):
@@ -203,28 +241,39 @@ def test_root_cause_killed_rank_before_peer_symptom(tmp_path):
 
 
 def test_root_cause_blames_the_stopped_rank_not_the_waiting_peer(tmp_path):
-    (tmp_path / "error.0").write_text(CLOSED.replace("Connection closed by peer", "Timed out waiting 300000ms"))
+    (tmp_path / "error.0").write_text(
+        CLOSED.replace("Connection closed by peer", "Timed out waiting 300000ms")
+    )
     err = liveness._root_cause([_Proc(1), _Proc(None)], tmp_path, survivors={1}, stopped=[1])
     assert err.error == "rank 1 is stopped (SIGSTOP); its peers failed waiting for it"
 
 
 def test_error_line_finds_the_exception_in_a_submitit_message():
-    text = ("Job (task=1) failed during processing with trace:\n----------------------\n" + REAL +
-            "----------------------\nYou can check full logs with 'job.stderr(1)' and 'job.stdout(1)'or at paths:\n"
-            "  - /tmp/x/slurm/12_1_log.err\n  - /tmp/x/slurm/12_1_log.out\n")
+    text = (
+        "Job (task=1) failed during processing with trace:\n----------------------\n"
+        + REAL
+        + "----------------------\nYou can check full logs with 'job.stderr(1)' and 'job.stdout(1)'or at paths:\n"
+        "  - /tmp/x/slurm/12_1_log.err\n  - /tmp/x/slurm/12_1_log.out\n"
+    )
     assert liveness.error_line(text) == "ValueError: loss is nan at step 3"
-    assert liveness.error_line("srun: error: task 1: Exited with exit code 1\n") == \
-        "srun: error: task 1: Exited with exit code 1"
+    assert (
+        liveness.error_line("srun: error: task 1: Exited with exit code 1\n")
+        == "srun: error: task 1: Exited with exit code 1"
+    )
 
 
 def test_heartbeat_monitor_names_the_silent_rank(tmp_path):
     beat = [tmp_path / f"heartbeat.rank{r}" for r in range(3)]
     mon = liveness.HeartbeatMonitor(tmp_path, world_size=3, timeout_s=0.3, startup_grace_s=0)
-    assert mon.stale() is None  # nobody beat yet: nothing to judge (a Slurm job may still be pending)
+    assert (
+        mon.stale() is None
+    )  # nobody beat yet: nothing to judge (a Slurm job may still be pending)
     beat[0].write_text("1 hostA 11\n")
     beat[1].write_text("1 hostB 22\n")
     assert mon.stale() is None
-    for i in range(8):  # ranks 0 and 1 keep beating; rank 2 never does; rank 1 stops after the first rounds
+    for i in range(
+        8
+    ):  # ranks 0 and 1 keep beating; rank 2 never does; rank 1 stops after the first rounds
         time.sleep(0.1)
         os.utime(beat[0], (i + 2.0, i + 2.0))
         if i < 2:
@@ -234,8 +283,12 @@ def test_heartbeat_monitor_names_the_silent_rank(tmp_path):
     assert rank == 2 and age > 0.3  # silent longest: never beat since rank 0 first did
     beat[2].write_text("1 hostC 33\n")
     rank, age = mon.stale()
-    assert rank == 1 and 0.3 < age < 5.0  # from when its last change was seen (~0.6 s), not its mtime (epoch 3 s)
-    assert mon.describe(1, age).startswith("rank 1 (pid 22 on hostB) stopped responding: no heartbeat for")
+    assert (
+        rank == 1 and 0.3 < age < 5.0
+    )  # from when its last change was seen (~0.6 s), not its mtime (epoch 3 s)
+    assert mon.describe(1, age).startswith(
+        "rank 1 (pid 22 on hostB) stopped responding: no heartbeat for"
+    )
 
 
 def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
@@ -258,16 +311,20 @@ def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
 
 def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp_path):
     """Slurm tasks / torchrun ranks: task 0's "connection closed" names rank 1's own error instead."""
-    own = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad batch on purpose\n"
+    own = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad batch on purpose\n'
     symptom = "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1\n"
     assert liveness.job_root_cause(tmp_path, 1, own) is None  # a rank's own error stays as it is
     line = liveness.job_root_cause(tmp_path, 0, symptom, wait_s=0)
-    assert line == ("rank 1 failed first: ValueError: bad batch on purpose (rank 0 then lost its peer: "
-                    "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1)")
+    assert line == (
+        "rank 1 failed first: ValueError: bad batch on purpose (rank 0 then lost its peer: "
+        "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1)"
+    )
     alone = tmp_path / "alone"
     alone.mkdir()
     t0 = time.monotonic()
-    assert liveness.job_root_cause(alone, 0, symptom, wait_s=0.5) is None  # nobody else wrote: the symptom stays
+    assert (
+        liveness.job_root_cause(alone, 0, symptom, wait_s=0.5) is None
+    )  # nobody else wrote: the symptom stays
     assert 0.5 <= time.monotonic() - t0 < 5
     assert (alone / liveness.JOB_ERRORS / "rank0.txt").read_text() == symptom
 
@@ -277,10 +334,24 @@ def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_sessi
     timeout_s = 3
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "dtrain.run.selftest", "work_s=60",
-                             f"heartbeat_timeout_s={timeout_s}", f"results_dir={tmp_path}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dtrain.run.selftest",
+            "work_s=60",
+            f"heartbeat_timeout_s={timeout_s}",
+            f"results_dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     launcher_session(proc)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (beats := files_named(tmp_path, f"{liveness.JOB_HEARTBEATS}/heartbeat.rank1")):

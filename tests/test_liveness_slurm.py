@@ -1,6 +1,7 @@
 """launcher=slurm under fault injection, on the local cluster: Ctrl-C or kill -9 of the client
 cancels its job, a stopped task is named by its heartbeat, a request no node can hold is refused
 and a job pending for a reason that never clears is detected. Every test cancels what it submitted."""
+
 from __future__ import annotations
 
 import json
@@ -34,10 +35,26 @@ class Client:
         env.pop("RANK", None)
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtrain.run.selftest", "launcher=slurm", "world_size=2", "work_s=60",
-                 "slurm.partition=debug", "slurm.time_min=5", f"results_dir={tmp_path / 'results'}", *overrides],
-                stdout=out, stderr=err, text=True, env=env, cwd=REPO,
-                start_new_session=True, preexec_fn=_interruptible)
+                [
+                    sys.executable,
+                    "-m",
+                    "dtrain.run.selftest",
+                    "launcher=slurm",
+                    "world_size=2",
+                    "work_s=60",
+                    "slurm.partition=debug",
+                    "slurm.time_min=5",
+                    f"results_dir={tmp_path / 'results'}",
+                    *overrides,
+                ],
+                stdout=out,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+                preexec_fn=_interruptible,
+            )
         self.job_id: str | None = None
 
     def wait_running(self, timeout: float = 60) -> str:
@@ -47,7 +64,9 @@ class Client:
             if m:
                 self.job_id = m.group(1)
                 beats = files_named(self.out_path.parent / "results", "heartbeat.rank*")
-                if len(beats) == 2 and len(_task_pids(self.job_id)) == 2:  # both tasks' Python is up
+                if (
+                    len(beats) == 2 and len(_task_pids(self.job_id)) == 2
+                ):  # both tasks' Python is up
                     return self.job_id
             assert self.proc.poll() is None, self.err_path.read_text()
             time.sleep(0.5)
@@ -80,14 +99,18 @@ def client(tmp_path, slurm_cluster):
 
 
 def _squeue_state(job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def _final_state(job_id: str, timeout: float = 30) -> str:
     """The job's state in sacct once it left the queue."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True
+        )
         state = out.stdout.strip()
         if state and not _squeue_state(job_id) and state not in ("RUNNING", "PENDING"):
             return state
@@ -102,8 +125,11 @@ def _task_pids(job_id: str) -> dict[int, int]:
         if not p.name.isdigit():
             continue
         try:
-            env = dict(kv.split("=", 1) for kv in Path(p, "environ").read_bytes().decode(errors="replace").split("\0")
-                       if "=" in kv)
+            env = dict(
+                kv.split("=", 1)
+                for kv in Path(p, "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in kv
+            )
             cmd = Path(p, "cmdline").read_bytes()
         except OSError:
             continue
@@ -113,8 +139,12 @@ def _task_pids(job_id: str) -> dict[int, int]:
 
 
 def _run_failed(tmp_path: Path) -> list[str]:
-    return [e["error"] for f in tmp_path.rglob("events*.jsonl") for line in f.read_text().splitlines()
-            if (e := json.loads(line))["kind"] == "run_failed"]
+    return [
+        e["error"]
+        for f in tmp_path.rglob("events*.jsonl")
+        for line in f.read_text().splitlines()
+        if (e := json.loads(line))["kind"] == "run_failed"
+    ]
 
 
 def test_ctrl_c_on_client_cancels_the_job(tmp_path, client):
@@ -147,7 +177,9 @@ def test_stopped_task_is_named_and_job_cancelled(tmp_path, client):
     t0 = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     code, err = c.wait(timeout=60)
-    print(f"stopped Slurm task detected after {time.monotonic() - t0:.1f} s (heartbeat_timeout_s=5)")
+    print(
+        f"stopped Slurm task detected after {time.monotonic() - t0:.1f} s (heartbeat_timeout_s=5)"
+    )
     assert code == 1, err
     assert f"rank 1 (pid {pid} on " in err and "stopped responding" in err, err
     assert _final_state(job).startswith("CANCELLED")
@@ -156,19 +188,40 @@ def test_stopped_task_is_named_and_job_cancelled(tmp_path, client):
 
 
 def test_failing_task_real_error_first_and_in_run_failed(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=2", "fail_rank=1", "slurm.partition=debug",
-             "slurm.time_min=5", f"results_dir={tmp_path}", timeout=120)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "world_size=2",
+        "fail_rank=1",
+        "slurm.partition=debug",
+        "slurm.time_min=5",
+        f"results_dir={tmp_path}",
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
-    assert out.stderr.index("fails on purpose") < out.stderr.index("--- task 0")  # not the peer's "connection closed"
-    assert _run_failed(tmp_path) == ["task 1: RuntimeError: selftest: rank 1 fails on purpose (fail_rank=1)"]
+    assert out.stderr.index("fails on purpose") < out.stderr.index(
+        "--- task 0"
+    )  # not the peer's "connection closed"
+    assert _run_failed(tmp_path) == [
+        "task 1: RuntimeError: selftest: rank 1 fails on purpose (fail_rank=1)"
+    ]
 
 
 def test_request_no_node_can_hold_is_refused_before_submitting(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=8", "slurm.partition=debug",
-             f"results_dir={tmp_path}", timeout=60)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "world_size=8",
+        "slurm.partition=debug",
+        f"results_dir={tmp_path}",
+        timeout=60,
+    )
     assert out.returncode == 2
-    assert out.stderr.startswith("error: Slurm can never run this job: it asks for 1 node(s) with 8 CPUs each"), \
-        out.stderr
+    assert out.stderr.startswith(
+        "error: Slurm can never run this job: it asks for 1 node(s) with 8 CPUs each"
+    ), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert "submitted" not in out.stdout and not list(tmp_path.rglob("config.yaml"))
 
@@ -176,13 +229,22 @@ def test_request_no_node_can_hold_is_refused_before_submitting(tmp_path, slurm_c
 def test_job_pending_for_a_reason_that_never_clears_is_cancelled(tmp_path, slurm_cluster):
     """The backstop for what sinfo cannot foresee: an extra sbatch option (8 tasks on a 2-CPU node)
     slips past the pre-check; Slurm queues the job with reason PartitionConfig."""
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "slurm.partition=debug", "+slurm.additional.ntasks_per_node=8",
-             f"results_dir={tmp_path}", timeout=90)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "slurm.partition=debug",
+        "+slurm.additional.ntasks_per_node=8",
+        f"results_dir={tmp_path}",
+        timeout=90,
+    )
     job = re.search(r"submitted Slurm job (\d+)", out.stdout).group(1)
     try:
         assert out.returncode == 2, out.stderr
-        assert out.stderr.strip() == (f"error: Slurm job {job} can never start (squeue: PENDING, PartitionConfig), "
-                                      "cancelled: ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition")
+        assert out.stderr.strip() == (
+            f"error: Slurm job {job} can never start (squeue: PENDING, PartitionConfig), "
+            "cancelled: ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition"
+        )
         assert f"cancelled Slurm job {job}" in out.stdout
         assert _final_state(job).startswith("CANCELLED")
     finally:
@@ -190,10 +252,19 @@ def test_job_pending_for_a_reason_that_never_clears_is_cancelled(tmp_path, slurm
 
 
 def test_request_sbatch_refuses_is_one_line(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "slurm.partition=debug", "slurm.constraint=nosuchfeature",
-             f"results_dir={tmp_path}", timeout=60)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "slurm.partition=debug",
+        "slurm.constraint=nosuchfeature",
+        f"results_dir={tmp_path}",
+        timeout=60,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: Slurm refused the job (sbatch: error: Batch job submission failed: Invalid "
-                                  "feature specification): check slurm.partition, slurm.constraint, slurm.account, "
-                                  "slurm.qos and slurm.additional"), out.stderr
+    assert out.stderr.strip() == (
+        "error: Slurm refused the job (sbatch: error: Batch job submission failed: Invalid "
+        "feature specification): check slurm.partition, slurm.constraint, slurm.account, "
+        "slurm.qos and slurm.additional"
+    ), out.stderr
     assert not list(tmp_path.rglob("config.yaml"))

@@ -1,5 +1,6 @@
 """The local check's physics: per-collective α–β, cores shared by compute and gloo, FP8 as a whole-step
 factor. Hand-computed values (see common/dtrain/guide/local_check.py and costmodel/timemodel.py)."""
+
 from dataclasses import replace
 from pathlib import Path
 
@@ -7,7 +8,12 @@ import pytest
 
 from dtrain.costmodel import Calibration, LinkModel, Param, step_time
 from dtrain.costmodel.calibrate import calibrate
-from dtrain.costmodel.collectives import all_gather_time, allreduce_time, p2p_time, reduce_scatter_time
+from dtrain.costmodel.collectives import (
+    all_gather_time,
+    allreduce_time,
+    p2p_time,
+    reduce_scatter_time,
+)
 from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.guide.local_check import free_core_share, host_cluster
 
@@ -40,7 +46,9 @@ def test_allreduce_bench_fits_become_the_local_links_per_collective():
 def test_free_core_share_by_hand():
     assert free_core_share({"cpu_count": 2, "threads_per_rank": 1}, 2) == 0.0
     assert free_core_share({"cpu_count": 16, "threads_per_rank": 4}, 2) == 0.5
-    assert free_core_share({"cpu_count": 2, "threads_per_rank": 1}, 4) == 0.0  # oversubscribed: none free
+    assert (
+        free_core_share({"cpu_count": 2, "threads_per_rank": 1}, 4) == 0.0
+    )  # oversubscribed: none free
     assert free_core_share({}, 2) == 1.0  # unknown host: the measured overlap as is
 
 
@@ -48,8 +56,11 @@ def test_fp8_factor_divides_the_whole_step_it_was_measured_on():
     shape = ModelShape(2, 64, 4, 4, 256, 64)
     lay = Layout(micro_batch=8)
     cluster = host_cluster(1e11, 1, LinkModel(1e-4, 1e9))
-    calib = replace(Calibration(), step_overhead_s=Param(0.01, "measured here: test"),
-                    fp8_speedup=Param(0.5, "measured here: test"))
+    calib = replace(
+        Calibration(),
+        step_overhead_s=Param(0.01, "measured here: test"),
+        fp8_speedup=Param(0.5, "measured here: test"),
+    )
     base = step_time(shape, lay, cluster, calib, precision="bf16")
     fp8 = step_time(shape, lay, cluster, calib, precision="fp8")
     # a 0.5x tokens/s ratio doubles compute and the fixed overhead alike (no communication on one rank)

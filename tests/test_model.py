@@ -5,8 +5,7 @@ import torch
 import torch.nn as nn
 
 from dtrain.train.data import TokenBatcher, markov_corpus
-from dtrain.model.gpt import (GPT, PRESETS, GPTConfig, flops_per_token, num_matmul_params,
-                          num_params)
+from dtrain.model.gpt import GPT, PRESETS, GPTConfig, flops_per_token, num_matmul_params, num_params
 
 TINY = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 
@@ -15,18 +14,23 @@ def count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("overrides", [
-    {},                                                    # MHA, RMSNorm, untied, no bias
-    {"n_kv_head": 2},                                      # GQA
-    {"n_kv_head": 1, "tie_embeddings": True},              # MQA + tied
-    {"norm": "layernorm", "bias": True},                   # GPT-2 style
-    {"norm": "layernorm", "bias": False, "mlp_ratio": 2},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # MHA, RMSNorm, untied, no bias
+        {"n_kv_head": 2},  # GQA
+        {"n_kv_head": 1, "tie_embeddings": True},  # MQA + tied
+        {"norm": "layernorm", "bias": True},  # GPT-2 style
+        {"norm": "layernorm", "bias": False, "mlp_ratio": 2},
+    ],
+)
 def test_num_params_matches_built_model(overrides):
     cfg = GPTConfig(**{**TINY, **overrides})
     model = GPT(cfg)
     assert num_params(cfg) == count(model)
-    embeddings = model.pos_emb.weight.numel() + (0 if cfg.tie_embeddings else model.tok_emb.weight.numel())
+    embeddings = model.pos_emb.weight.numel() + (
+        0 if cfg.tie_embeddings else model.tok_emb.weight.numel()
+    )
     assert num_params(cfg, exclude_embeddings=True) == count(model) - embeddings
     linear_weights = sum(model.get_submodule(n).weight.numel() for n in GPT.linear_names(cfg))
     assert num_matmul_params(cfg) == linear_weights
@@ -58,11 +62,14 @@ def test_flops_per_token_hand_count():
     assert flops_per_token(cfg, seq_len=8) == 6 * n_matmul + 12 * L * H * hd * 8
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"d_model": 30}, "divisible by n_head"),
-    ({"n_kv_head": 3}, "divisible by n_kv_head"),
-    ({"norm": "batchnorm"}, "norm='batchnorm' must be one of rmsnorm, layernorm"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"d_model": 30}, "divisible by n_head"),
+        ({"n_kv_head": 3}, "divisible by n_kv_head"),
+        ({"norm": "batchnorm"}, "norm='batchnorm' must be one of rmsnorm, layernorm"),
+    ],
+)
 def test_config_validation(bad, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**{**TINY, **bad})
@@ -73,11 +80,24 @@ def test_config_validation(bad, message):
 def test_module_names_are_stable():
     cfg = GPTConfig(**TINY)
     names = {n for n, _ in GPT(cfg).named_modules()}
-    expected = {"tok_emb", "pos_emb", "norm", "lm_head", "blocks.1.attn_norm", "blocks.1.mlp_norm",
-                *GPT.linear_names(cfg)}
+    expected = {
+        "tok_emb",
+        "pos_emb",
+        "norm",
+        "lm_head",
+        "blocks.1.attn_norm",
+        "blocks.1.mlp_norm",
+        *GPT.linear_names(cfg),
+    }
     assert expected <= names
-    assert GPT.linear_names(cfg)[:6] == ["blocks.0.attn.wq", "blocks.0.attn.wk", "blocks.0.attn.wv",
-                                         "blocks.0.attn.wo", "blocks.0.mlp.w1", "blocks.0.mlp.w2"]
+    assert GPT.linear_names(cfg)[:6] == [
+        "blocks.0.attn.wq",
+        "blocks.0.attn.wk",
+        "blocks.0.attn.wv",
+        "blocks.0.attn.wo",
+        "blocks.0.mlp.w1",
+        "blocks.0.mlp.w2",
+    ]
 
 
 def test_causality():
@@ -99,8 +119,12 @@ def test_gqa_equals_mha_with_repeated_kv_weights(n_kv_head):
     n_rep, hd, d = 4 // n_kv_head, 8, 32
     state = gqa.state_dict()
     for key, value in state.items():
-        if key.endswith(("attn.wk.weight", "attn.wv.weight")):  # query head h reads kv head h // n_rep
-            state[key] = value.view(n_kv_head, hd, d).repeat_interleave(n_rep, dim=0).reshape(4 * hd, d)
+        if key.endswith(
+            ("attn.wk.weight", "attn.wv.weight")
+        ):  # query head h reads kv head h // n_rep
+            state[key] = (
+                value.view(n_kv_head, hd, d).repeat_interleave(n_rep, dim=0).reshape(4 * hd, d)
+            )
     mha.load_state_dict(state)
     idx = torch.randint(0, 64, (2, 16))
     torch.testing.assert_close(gqa(idx), mha(idx))
@@ -145,8 +169,9 @@ def test_meta_init_equals_eager_init(tie):
 
 
 def test_init_statistics():
-    cfg = GPTConfig(vocab_size=256, seq_len=64, n_layer=8, n_head=4, d_model=128, bias=True,
-                    norm="layernorm")
+    cfg = GPTConfig(
+        vocab_size=256, seq_len=64, n_layer=8, n_head=4, d_model=128, bias=True, norm="layernorm"
+    )
     model = GPT(cfg)
     assert abs(model.blocks[0].attn.wq.weight.std().item() - 0.02) < 0.001
     assert abs(model.blocks[0].mlp.w2.weight.std().item() - 0.02 / math.sqrt(16)) < 0.0005
@@ -158,7 +183,9 @@ def test_loss_is_cross_entropy_of_logits_and_training_reduces_it():
     torch.manual_seed(0)
     cfg = GPTConfig.from_preset("tiny", seq_len=32)
     model = GPT(cfg)
-    batcher = TokenBatcher(markov_corpus(50_000, vocab_size=256, seed=0), seq_len=32, micro_batch=16)
+    batcher = TokenBatcher(
+        markov_corpus(50_000, vocab_size=256, seed=0), seq_len=32, micro_batch=16
+    )
     x, y = batcher.get(0)
     logits = model(x)
     assert logits.shape == (16, 32, 256)
@@ -193,9 +220,13 @@ def test_the_config_and_its_accounting_need_no_torch():
     import dtrain.model.args as args
     import dtrain.model.gpt as model
 
-    assert model.GPTConfig is args.GPTConfig and model.num_params is args.num_params  # one home, re-exported
-    code = ("import sys; import dtrain.model.args, dtrain.core.nodes, dtrain.guide.local_check, dtrain.costmodel.overrides;"
-            " from dtrain.core.nodes import model_config; model_config({'preset': '7b'});"
-            " print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    assert (
+        model.GPTConfig is args.GPTConfig and model.num_params is args.num_params
+    )  # one home, re-exported
+    code = (
+        "import sys; import dtrain.model.args, dtrain.core.nodes, dtrain.guide.local_check, dtrain.costmodel.overrides;"
+        " from dtrain.core.nodes import model_config; model_config({'preset': '7b'});"
+        " print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,6 +1,7 @@
 """One guide from the same inputs whichever command makes it (issue 40): `dtrain guide` without
 --results reads what the latest `dtrain capstone` gave its guide (its own runs and measured/), so
 `make guide` and the capstone give the same cells."""
+
 from __future__ import annotations
 
 import shutil
@@ -39,8 +40,9 @@ def _guide_inputs(monkeypatch) -> list[str]:
     from dtrain.guide import guide_cli
 
     seen = []
-    monkeypatch.setattr(guide_cli, "generate",
-                        lambda inputs, out, plots_dir, gpu: seen.append(list(inputs)))
+    monkeypatch.setattr(
+        guide_cli, "generate", lambda inputs, out, plots_dir, gpu: seen.append(list(inputs))
+    )
     assert main(["guide", "--out", "G.md"]) == 0
     return seen[0]
 
@@ -54,8 +56,10 @@ def test_plain_guide_reads_what_the_latest_capstone_read(tmp_path, monkeypatch, 
     assert _guide_inputs(monkeypatch) == given
     err = capsys.readouterr().err
     said = " ".join(err.split())
-    assert "guide: reading the latest capstone, results/capstone/20990101-000000-000000 and " \
-           "measured, as `dtrain capstone` did (--results DIR to choose)" in said
+    assert (
+        "guide: reading the latest capstone, results/capstone/20990101-000000-000000 and "
+        "measured, as `dtrain capstone` did (--results DIR to choose)" in said
+    )
     # a later capstone that stopped before its guide (no guide-inputs.json) is not "the latest"
     (tmp_path / "results" / "capstone" / "20990102-000000-000000" / "logs").mkdir(parents=True)
     assert _guide_inputs(monkeypatch) == given
@@ -76,8 +80,10 @@ def test_without_a_capstone_the_guide_reads_results_and_measured(tmp_path, monke
     (tmp_path / "measured").mkdir()
     inputs, said = guide_inputs.default_inputs()
     assert inputs == ["results", "measured"]
-    assert said == ("guide: no capstone under results/capstone: reading results and measured "
-                    "(--results DIR to choose)")
+    assert said == (
+        "guide: no capstone under results/capstone: reading results and measured "
+        "(--results DIR to choose)"
+    )
 
 
 def test_recorded_measurements_survive_a_moved_checkout(tmp_path, monkeypatch):
@@ -102,7 +108,8 @@ def test_a_damaged_record_is_one_error_line(tmp_path, monkeypatch, capsys):
     assert main(["guide", "--out", "G.md"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[-1].startswith(
-        "error: results/capstone/20990101-000000-000000/guide-inputs.json: unreadable (")
+        "error: results/capstone/20990101-000000-000000/guide-inputs.json: unreadable ("
+    )
     assert err[-1].endswith("): pass --results DIR")
     assert not (tmp_path / "G.md").exists()
 

@@ -3,6 +3,7 @@
 The tables are rendered from made-up rows wide enough to stress them (the experiments' real runs,
 piped, are the slow tests at the end); the setup script's stages are read from its dry run.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,17 @@ def test_bars_stay_off_a_pipe_and_slow_stages_say_a_line_each(capsys):
 
 
 def test_a_pasted_command_breaks_between_arguments():
-    argv = ["/a/long/venv/bin/python", "-m", "fp8_train", "-m", "recipe=fp32,emulated_delayed",
-            "seed=0,1", "results_dir=" + "/x" * 40, "train.steps=20", "name=a b"]
+    argv = [
+        "/a/long/venv/bin/python",
+        "-m",
+        "fp8_train",
+        "-m",
+        "recipe=fp32,emulated_delayed",
+        "seed=0,1",
+        "results_dir=" + "/x" * 40,
+        "train.steps=20",
+        "name=a b",
+    ]
     text = terminal.shell_command(argv)
     assert_fits(text, "command")
     lines = text.splitlines()
@@ -70,10 +80,22 @@ def test_tp_attention_table_fits(piped, capsys):
     from tp_attention.report import print_table
 
     ms = 1e-3
-    rows = [{"tp": tp, "sequence_parallel": sp, "handrolled_s": 12345.6 * ms,
-             "handrolled_async_s": 9999.9 * ms, "dtensor_s": 23456.7 * ms, "single_s": 34567.8 * ms,
-             "single_same_threads_s": 45678.9 * ms, "overhead_factor": 12.34, "comm_share": 0.999,
-             "comm_bytes_per_layer": 123456789} for tp in (2, 16) for sp in (False, True)]
+    rows = [
+        {
+            "tp": tp,
+            "sequence_parallel": sp,
+            "handrolled_s": 12345.6 * ms,
+            "handrolled_async_s": 9999.9 * ms,
+            "dtensor_s": 23456.7 * ms,
+            "single_s": 34567.8 * ms,
+            "single_same_threads_s": 45678.9 * ms,
+            "overhead_factor": 12.34,
+            "comm_share": 0.999,
+            "comm_bytes_per_layer": 123456789,
+        }
+        for tp in (2, 16)
+        for sp in (False, True)
+    ]
     print_table(pd.DataFrame(rows), "tp-attention block: b=16 s=8192 d=8192 heads=64/8 bf16, cuda")
     out = capsys.readouterr().out
     assert_fits(out, "tp-attention table")
@@ -84,11 +106,23 @@ def test_tp_attention_table_fits(piped, capsys):
 def test_tp_attention_cp_table_fits(piped, capsys):
     from tp_attention.cp.report import print_table
 
-    rows = [{"seq_len": s, "cp": cp, "impl": impl, "median_s": 1.2345, "overhead": 1.5,
-             "serial_s": 12.345, "sends_s": 1.5, "overlap_fraction": 0.5,
-             "comm_bytes_per_layer": 2**30, "saved_bytes": 2**33}
-            for s in (8192, 131072) for cp in (1, 8)
-            for impl in ("single", "ring", "ulysses", "tp_sp")]
+    rows = [
+        {
+            "seq_len": s,
+            "cp": cp,
+            "impl": impl,
+            "median_s": 1.2345,
+            "overhead": 1.5,
+            "serial_s": 12.345,
+            "sends_s": 1.5,
+            "overlap_fraction": 0.5,
+            "comm_bytes_per_layer": 2**30,
+            "saved_bytes": 2**33,
+        }
+        for s in (8192, 131072)
+        for cp in (1, 8)
+        for impl in ("single", "ring", "ulysses", "tp_sp")
+    ]
     print_table(pd.DataFrame(rows), "tp-attention cp: b=1 d=8192 heads=64/8 bf16 on cuda (nccl)")
     out = capsys.readouterr().out
     assert_fits(out, "cp table")
@@ -98,11 +132,29 @@ def test_tp_attention_cp_table_fits(piped, capsys):
 def test_nccl_table_fits_at_its_largest_values():
     from allreduce_bench.report import nccl_table
 
-    rows = [{"link_class": "inter_node", "dtype": "float8_e4m3fn", "collective": "reduce_scatter",
-             "group_size": 1024, "groups": 8, "iters": 100, "warmup": 10, "nbytes": 2**33,
-             "mode": mode, "count": 2**33, "type": "bfloat16", "redop": "prod", "root": 1023,
-             "time_us": t, "algbw_GBps": 999.99, "busbw_GBps": 999.99, "wrong": 123456}
-            for mode in ("out_of_place", "in_place") for t in (9999.99, 99999.9, 9999999.0)]
+    rows = [
+        {
+            "link_class": "inter_node",
+            "dtype": "float8_e4m3fn",
+            "collective": "reduce_scatter",
+            "group_size": 1024,
+            "groups": 8,
+            "iters": 100,
+            "warmup": 10,
+            "nbytes": 2**33,
+            "mode": mode,
+            "count": 2**33,
+            "type": "bfloat16",
+            "redop": "prod",
+            "root": 1023,
+            "time_us": t,
+            "algbw_GBps": 999.99,
+            "busbw_GBps": 999.99,
+            "wrong": 123456,
+        }
+        for mode in ("out_of_place", "in_place")
+        for t in (9999.99, 99999.9, 9999999.0)
+    ]
     text = nccl_table(pd.DataFrame(rows))
     assert_fits(text, "nccl table")
     assert "8589934592 8589934592 bfloat16  prod 1023 9999999" in text
@@ -111,9 +163,18 @@ def test_nccl_table_fits_at_its_largest_values():
 def test_allreduce_fit_table_fits(piped, capsys):
     from allreduce_bench.report import print_fits
 
-    fit = {"collective": "reduce_scatter", "link_class": "inter_node", "dtype": "float8_e4m3fn",
-           "world_size": 1024, "alpha_us": 12345.6, "alpha_clamped": True, "beta_GBps": 123.0,
-           "r2": 0.999, "n_points": 30, "beta_pct_of_theoretical": 99.0}
+    fit = {
+        "collective": "reduce_scatter",
+        "link_class": "inter_node",
+        "dtype": "float8_e4m3fn",
+        "world_size": 1024,
+        "alpha_us": 12345.6,
+        "alpha_clamped": True,
+        "beta_GBps": 123.0,
+        "r2": 0.999,
+        "n_points": 30,
+        "beta_pct_of_theoretical": 99.0,
+    }
     print_fits([fit, {**fit, "beta_pct_of_theoretical": None}])
     assert_fits(capsys.readouterr().out, "α–β fit table")
 
@@ -121,10 +182,21 @@ def test_allreduce_fit_table_fits(piped, capsys):
 def test_fsdp_study_table_fits(piped, capsys):
     from fsdp_scaling.report import PRINTED, print_study
 
-    row = {"strategy": "zero3", "layout": "tp8xpp4", "scaling": "strong", "model": "1b",
-           "world_size": 1024, "tokens_per_s": 12345678.0, "step_time_s": 12.3456, "mfu": 0.456,
-           "efficiency": 0.99, "step_time_vs_ddp": 1.23, "overlap_fraction": 0.5,
-           "exposed_comm_s": 1.2345, "peak_mem_bytes": 80 * 2**30}
+    row = {
+        "strategy": "zero3",
+        "layout": "tp8xpp4",
+        "scaling": "strong",
+        "model": "1b",
+        "world_size": 1024,
+        "tokens_per_s": 12345678.0,
+        "step_time_s": 12.3456,
+        "mfu": 0.456,
+        "efficiency": 0.99,
+        "step_time_vs_ddp": 1.23,
+        "overlap_fraction": 0.5,
+        "exposed_comm_s": 1.2345,
+        "peak_mem_bytes": 80 * 2**30,
+    }
     print_study(pd.DataFrame([row, {**row, "strategy": "hsdp", "step_time_vs_ddp": float("nan")}]))
     out = capsys.readouterr().out
     assert_fits(out, "fsdp study table")
@@ -157,7 +229,8 @@ def test_setup_says_each_stage_and_keeps_pip_quiet_in_a_pipe(tmp_path):
         "setup: downloading torch==2.13.0 (CPU build, ~200 MB: a minute or two) ...",
         f"+ {venv}/bin/python -m pip install -q --progress-bar off torch==2.13.0",
         f"setup: installing the project (.[dev]) and its dependencies into {venv} ...",
-        f"+ {venv}/bin/python -m pip install -q --progress-bar off -e .[dev]"]
+        f"+ {venv}/bin/python -m pip install -q --progress-bar off -e .[dev]",
+    ]
     assert not venv.exists()
     assert "export PIP_DISABLE_PIP_VERSION_CHECK=1" in (REPO / "scripts" / "setup-venv").read_text()
     if shutil.which("script"):
@@ -166,13 +239,17 @@ def test_setup_says_each_stage_and_keeps_pip_quiet_in_a_pipe(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ("-m", "tp_attention"),
-    ("-m", "tp_attention.cp"),
-    ("-m", "allreduce_bench"),
-    ("-m", "fsdp_scaling", "model.preset=tiny", "train.steps=6", "world_size=2", "train.tp=2"),
-    ("-m", "fp8_train", "train.steps=10"),
-], ids=lambda a: " ".join(a[1:3]))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("-m", "tp_attention"),
+        ("-m", "tp_attention.cp"),
+        ("-m", "allreduce_bench"),
+        ("-m", "fsdp_scaling", "model.preset=tiny", "train.steps=6", "world_size=2", "train.tp=2"),
+        ("-m", "fp8_train", "train.steps=10"),
+    ],
+    ids=lambda a: " ".join(a[1:3]),
+)
 def test_experiments_piped_fit_100_columns(args, tmp_path):
     """Each experiment at its small default, stdout and stderr into pipes, COLUMNS=100 (~20-40 s
     each). Its run folder is the default one (results/<experiment>/<time>) of a checkout at

@@ -1,6 +1,7 @@
 """The folders show the architecture (docs/ARCHITECTURE.md, "Packages"): the root of common/dtrain
 holds only packages and `__init__.py`, and no two modules under it share a name (`__init__` and
 `__main__` aside), so a name says which module it is."""
+
 from __future__ import annotations
 
 from collections import defaultdict

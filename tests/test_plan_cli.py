@@ -1,4 +1,5 @@
 """`dtrain plan`: units, output, JSON, exit codes; and the pruned search the guide relies on."""
+
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,19 @@ from dtrain.costmodel.hardware import LINK_EFFICIENCY
 from dtrain.costmodel.links import default_links
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
-BASE = ["plan", "--params", "70e9", "--gpus", "512", "--gpus-per-node", "8", "--nvlink-gbps", "900", "--ib-gbps", "400"]
+BASE = [
+    "plan",
+    "--params",
+    "70e9",
+    "--gpus",
+    "512",
+    "--gpus-per-node",
+    "8",
+    "--nvlink-gbps",
+    "900",
+    "--ib-gbps",
+    "400",
+]
 
 
 def plan(capsys, *args):
@@ -27,24 +40,35 @@ def test_text_output_has_choice_memory_time_and_runners_up(capsys):
     # units: 900 GB/s bidirectional -> 450 per direction; 400 Gbit/s -> 50 GB/s; collectives reach
     # LINK_EFFICIENCY of each (the bus bandwidth the model uses)
     assert f"NVLink {450 * LINK_EFFICIENCY:.4g} GB/s per direction achieved" in out
-    assert f"{50 * LINK_EFFICIENCY:.4g} GB/s per GPU achieved ({400 * LINK_EFFICIENCY:.4g} Gbit/s)" in out
+    assert (
+        f"{50 * LINK_EFFICIENCY:.4g} GB/s per GPU achieved ({400 * LINK_EFFICIENCY:.4g} Gbit/s)"
+        in out
+    )
     choice = re.search(r"choice:\s+dp=(\d+) tp=(\d+) pp=(\d+)", out)
     assert choice and int(choice[1]) * int(choice[2]) * int(choice[3]) == 512
     assert re.search(r"step time\s+[\d.]+ s = compute", out) and re.search(r"MFU \d+\.\d%", out)
-    used, usable = map(float, re.search(r"memory/GPU\s+([\d.]+) GiB of ([\d.]+) GiB usable", out).groups())
+    used, usable = map(
+        float, re.search(r"memory/GPU\s+([\d.]+) GiB of ([\d.]+) GiB usable", out).groups()
+    )
     assert used <= usable == 72.0
     assert "why the runners-up lost:" in out and "slower;" in out
-    assert "stack:    flash attention, fused kernels (--attention" in out  # the software it assumed, said
+    assert (
+        "stack:    flash attention, fused kernels (--attention" in out
+    )  # the software it assumed, said
 
 
 def test_json_answer_matches_a_direct_search(capsys):
     code, out, _ = plan(capsys, *BASE, "--json")
     assert code == 0
     ans = json.loads(out)
-    assert ans["fits"] and ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(450 * LINK_EFFICIENCY)
+    assert ans["fits"] and ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(
+        450 * LINK_EFFICIENCY
+    )
     assert ans["cluster"]["inter_node_Gbps_per_gpu"] == pytest.approx(400 * LINK_EFFICIENCY)
     shape = ModelShape.from_params(70e9)
-    direct = search(shape, default_links().apply(Cluster.from_profile("h100-sxm", 512, 8, 400, 450)), 1024).best
+    direct = search(
+        shape, default_links().apply(Cluster.from_profile("h100-sxm", 512, 8, 400, 450)), 1024
+    ).best
     c = ans["choice"]
     assert c["describe"] == direct.describe()
     assert c["step_time_s"]["total"] == pytest.approx(direct.time.total)
@@ -53,37 +77,80 @@ def test_json_answer_matches_a_direct_search(capsys):
 
 
 def test_shape_flags_and_gpu_choice(capsys):
-    code, out, _ = plan(capsys, "plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
-                        "--seq", "2048", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "256", "--json")
+    code, out, _ = plan(
+        capsys,
+        "plan",
+        "--layers",
+        "32",
+        "--hidden",
+        "4096",
+        "--heads",
+        "32",
+        "--kv-heads",
+        "8",
+        "--seq",
+        "2048",
+        "--gpus",
+        "16",
+        "--gpu",
+        "a100-80gb",
+        "--global-batch",
+        "256",
+        "--json",
+    )
     ans = json.loads(out)
     assert code == 0 and ans["model"]["kv_heads"] == 8 and ans["model"]["seq"] == 2048
-    assert ans["cluster"]["gpu"] == "a100-80gb" and ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(300 * LINK_EFFICIENCY)
+    assert ans["cluster"]["gpu"] == "a100-80gb" and ans["cluster"][
+        "intra_node_GBps_per_direction"
+    ] == pytest.approx(300 * LINK_EFFICIENCY)
     assert ans["choice"]["dp"] * ans["choice"]["micro_batch"] * ans["choice"]["grad_accum"] == 256
 
 
 def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
     code, out, err = plan(capsys, "plan", "--params", "405e9", "--gpus", "8", "--gpu", "a100-40gb")
     assert code == 1
-    assert re.search(r"does not fit: even the smallest plan .* needs [\d.]+ GiB per GPU > 36.0 GiB usable", out)
+    assert re.search(
+        r"does not fit: even the smallest plan .* needs [\d.]+ GiB per GPU > 36.0 GiB usable", out
+    )
     assert "hint:" in err
-    code, out, _ = plan(capsys, "plan", "--params", "405e9", "--gpus", "8", "--gpu", "a100-40gb", "--json")
+    code, out, _ = plan(
+        capsys, "plan", "--params", "405e9", "--gpus", "8", "--gpu", "a100-40gb", "--json"
+    )
     assert code == 1 and json.loads(out)["fits"] is False and json.loads(out)["choice"] is None
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--params", "7e9", "--gpus", "12"], "not a whole number of 8-GPU nodes"),
-    (["--params", "7e9", "--layers", "4", "--gpus", "8"], "either --params or the shape"),
-    (["--layers", "4", "--gpus", "8"], "needs --params, or all of"),
-    (["--params", "-1", "--gpus", "8"], "argument --params: '-1' is not a positive parameter count (70e9, 70B, 350M, 1T)"),
-    (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"],
-     "--hidden 100 is not divisible by --heads 3 (head dim must be a whole number)"),
-    (["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"], "no FP8 tensor cores"),
-    (["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"], "argument --ib-gbps: 0 must be a finite number > 0"),
-    (["--params", "7e9", "--gpus", "8", "--power-w", "60"],
-     "--power-w 60 is at or below h100-sxm's idle draw (78 W): give the board's power limit in W"),
-    (["--params", "7e9", "--gpus", "8", "--tp-overlap", "--async-tp"],
-     "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--params", "7e9", "--gpus", "12"], "not a whole number of 8-GPU nodes"),
+        (["--params", "7e9", "--layers", "4", "--gpus", "8"], "either --params or the shape"),
+        (["--layers", "4", "--gpus", "8"], "needs --params, or all of"),
+        (
+            ["--params", "-1", "--gpus", "8"],
+            "argument --params: '-1' is not a positive parameter count (70e9, 70B, 350M, 1T)",
+        ),
+        (
+            ["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "8"],
+            "--hidden 100 is not divisible by --heads 3 (head dim must be a whole number)",
+        ),
+        (
+            ["--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
+            "no FP8 tensor cores",
+        ),
+        (
+            ["--params", "7e9", "--gpus", "8", "--ib-gbps", "0"],
+            "argument --ib-gbps: 0 must be a finite number > 0",
+        ),
+        (
+            ["--params", "7e9", "--gpus", "8", "--power-w", "60"],
+            "--power-w 60 is at or below h100-sxm's idle draw (78 W): give the board's power limit in W",
+        ),
+        (
+            ["--params", "7e9", "--gpus", "8", "--tp-overlap", "--async-tp"],
+            "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, args, message):
     code, out, err = plan(capsys, "plan", *args)
     assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
@@ -110,8 +177,15 @@ def test_console_script_exit_codes():
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:")
 
 
-@pytest.mark.parametrize("params, gpus, gpu, link", [(7e9, 8, "h100-sxm", None), (70e9, 256, "h100-sxm", 32),
-                                                     (13e9, 64, "a100-80gb", None), (405e9, 1024, "h200", None)])
+@pytest.mark.parametrize(
+    "params, gpus, gpu, link",
+    [
+        (7e9, 8, "h100-sxm", None),
+        (70e9, 256, "h100-sxm", 32),
+        (13e9, 64, "a100-80gb", None),
+        (405e9, 1024, "h200", None),
+    ],
+)
 def test_pruned_search_finds_the_same_best(params, gpus, gpu, link):
     shape = ModelShape.from_params(params)
     cluster = Cluster.from_profile(gpu, gpus, 8, ib_gbit_per_gpu=100, nvlink_gbps_per_dir=link)
@@ -124,8 +198,26 @@ def test_pruned_search_finds_the_same_best(params, gpus, gpu, link):
 
 
 # A 32B Llama-style model with FSDP on one node at 8K tokens: its states alone are 16 B/param / 8 = 60 GiB.
-FSDP_32B = ["plan", "--layers", "60", "--hidden", "6656", "--heads", "52", "--ffn-hidden", "17920", "--gated-mlp",
-            "--seq", "8192", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "8"]
+FSDP_32B = [
+    "plan",
+    "--layers",
+    "60",
+    "--hidden",
+    "6656",
+    "--heads",
+    "52",
+    "--ffn-hidden",
+    "17920",
+    "--gated-mlp",
+    "--seq",
+    "8192",
+    "--gpus",
+    "8",
+    "--gpu",
+    "h100-sxm",
+    "--global-batch",
+    "8",
+]
 
 
 def test_a_given_layout_is_judged_against_the_whole_hbm(capsys):
@@ -133,16 +225,26 @@ def test_a_given_layout_is_judged_against_the_whole_hbm(capsys):
     between 72 and 80 GiB it is scored and marked tight, over 80 it is one error line and exit 2."""
     code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1", "--json")
     mine = json.loads(out)["layout"]
-    total = mine["memory_bytes"]["total"] / 2 ** 30
+    total = mine["memory_bytes"]["total"] / 2**30
     assert code == 0 and mine["fits"] and mine["tight"] and 72.0 < total <= 80.0
-    assert mine["hbm_usable_bytes"] == 80 * 2 ** 30 and mine["tokens_per_s"] > 0
+    assert mine["hbm_usable_bytes"] == 80 * 2**30 and mine["tokens_per_s"] > 0
     code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1")
     assert code == 0 and re.search(r"memory/GPU\s+7[2-9]\.\d GiB of 80\.0 GiB usable", out)
     assert "caution     fits only in the HBM that --headroom keeps free" in out
     code, out, err = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=none mb=1")
-    assert code == 2 and err.startswith('error: your layout "dp=8 zero=3 recompute=none mb=1" cannot run: does not fit')
+    assert code == 2 and err.startswith(
+        'error: your layout "dp=8 zero=3 recompute=none mb=1" cannot run: does not fit'
+    )
     assert re.search(r"needs [\d.]+ GiB per GPU > 80\.0 GiB usable", err) and err.count("\n") == 1
-    code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1", "--headroom", "0", "--json")
+    code, out, _ = plan(
+        capsys,
+        *FSDP_32B,
+        "--layout",
+        "dp=8 zero=3 recompute=full mb=1",
+        "--headroom",
+        "0",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["layout"]["tight"] is False
 
 
@@ -166,15 +268,23 @@ def test_bench_refuses_to_time_a_command_that_failed(tmp_path, monkeypatch, caps
     bench = _bench_module()
     failing = [sys.executable, "-c", "import sys; sys.exit('no module named rich')"]
     monkeypatch.setattr(bench, "commands", lambda out: {"plan 405B on 8192 GPUs": failing})
-    monkeypatch.setattr(sys, "argv", ["bench-costmodel", "--repeat", "1", "--out", str(tmp_path / "bench")])
+    monkeypatch.setattr(
+        sys, "argv", ["bench-costmodel", "--repeat", "1", "--out", str(tmp_path / "bench")]
+    )
     assert bench.main() == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "exited 1" in err and "no module named rich" in err and err.count("\n") == 1
+    assert (
+        err.startswith("error: ")
+        and "exited 1" in err
+        and "no module named rich" in err
+        and err.count("\n") == 1
+    )
     assert list((tmp_path / "bench").iterdir()) == []
 
 
-@pytest.mark.parametrize("written, count", [("70B", 70e9), ("1.3b", 1.3e9), ("350M", 350e6), ("2T", 2e12),
-                                            ("7e9", 7e9)])
+@pytest.mark.parametrize(
+    "written, count", [("70B", 70e9), ("1.3b", 1.3e9), ("350M", 350e6), ("2T", 2e12), ("7e9", 7e9)]
+)
 def test_params_takes_the_size_as_people_write_it(written, count):
     from dtrain.costmodel.plan_cli import param_count
 
@@ -185,7 +295,9 @@ def test_params_takes_the_size_as_people_write_it(written, count):
 def test_params_with_a_wrong_size_is_one_line(capsys, written):
     code = main(["plan", "--params", written, "--gpus", "8"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: dtrain plan: argument --params:")
+    assert (
+        code == 2 and len(err) == 1 and err[0].startswith("error: dtrain plan: argument --params:")
+    )
 
 
 def test_an_interpolated_trillion_parameter_shape_is_named_in_t():
@@ -196,7 +308,9 @@ def test_an_interpolated_trillion_parameter_shape_is_named_in_t():
 def test_a_power_cap_is_shown_as_its_term(capsys):
     """--power-w below the table's board power prints the term it costs: ((700 - 78)/(500 - 78))^(1/3) = 1.138
     for an H100 SXM capped to 500 W (the 78 W idle draw is kernels.yaml's); without a cap, no such line."""
-    code, out, _ = plan(capsys, "plan", "--params", "8e9", "--gpus", "8", "--power-w", "500", "--hbm-gib", "96")
+    code, out, _ = plan(
+        capsys, "plan", "--params", "8e9", "--gpus", "8", "--power-w", "500", "--hbm-gib", "96"
+    )
     line = [x for x in out.splitlines() if x.startswith("power:")]
     assert code == 0 and len(line) == 1
     assert f"x{(622 / 422) ** (1 / 3):.3f} the time" in line[0] and "x1.138" in line[0]

@@ -10,6 +10,7 @@ after the README's own `source`/`eval` lines that come before it (its "shell sta
   activation line puts .venv's python, dtrain and torchrun first on a bare PATH.
 * slow: the local commands run, at small sizes (SMALL is appended to them), in a scratch folder.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +28,11 @@ from conftest import REPO
 README = REPO / "README.md"
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # overrides that make a README command small (appended; README sizes are already small on CPU)
-SMALL = {"fsdp_scaling": ["train.steps=4", "train.timing_warmup=1"], "tp_attention": ["iters=2", "timing_warmup=1"],
-         "scripts/bench-costmodel": ["--repeat", "1", "--out", "results/bench-costmodel"]}  # into the scratch folder
+SMALL = {
+    "fsdp_scaling": ["train.steps=4", "train.timing_warmup=1"],
+    "tp_attention": ["iters=2", "timing_warmup=1"],
+    "scripts/bench-costmodel": ["--repeat", "1", "--out", "results/bench-costmodel"],
+}  # into the scratch folder
 
 
 def commands(text: str | None = None) -> list[str]:
@@ -58,7 +62,9 @@ def not_local(cmd: str) -> str | None:
     if "<" in cmd:
         return "a placeholder for an earlier run's output"
     if "results/capstone" in cmd:
-        return "reads make capstone's runs (the capstone's own slow test builds the guide from them)"
+        return (
+            "reads make capstone's runs (the capstone's own slow test builds the guide from them)"
+        )
     return None
 
 
@@ -66,18 +72,24 @@ def module_and_args(cmd: str) -> tuple[str, list[str]] | None:
     words = shlex.split(cmd)
     if words[0] in ("python", "python3") and words[1] == "-m" or words[0] == "torchrun":
         i = words.index("-m")
-        return words[i + 1], words[i + 2:]
+        return words[i + 1], words[i + 2 :]
     return None
 
 
 def test_readme_has_the_commands_it_promises():
     cmds = commands()
     assert cmds[:2] == ["make capstone", "make test"]
-    assert any(c.startswith("python -m tp_attention") for c in cmds) and any(c.startswith("dtrain plan") for c in cmds)
+    assert any(c.startswith("python -m tp_attention") for c in cmds) and any(
+        c.startswith("dtrain plan") for c in cmds
+    )
     # the shell state comes before the first command that needs .venv
-    first_venv = next(i for i, c in enumerate(cmds) if c.split()[0] in ("python", "dtrain", "torchrun"))
+    first_venv = next(
+        i for i, c in enumerate(cmds) if c.split()[0] in ("python", "dtrain", "torchrun")
+    )
     assert any(is_state(c) and ".venv/bin/activate" in c for c in cmds[:first_venv])
-    assert all("runs/" not in c.replace("results/", "") for c in cmds)  # results go under results/ (ignored)
+    assert all(
+        "runs/" not in c.replace("results/", "") for c in cmds
+    )  # results go under results/ (ignored)
 
 
 def test_every_readme_command_resolves_as_the_readme_says():
@@ -98,8 +110,12 @@ def test_every_readme_command_resolves_as_the_readme_says():
             module, args = module_and_args(cmd)
             spec = importlib.util.find_spec(module)
             assert spec is not None, cmd
-            main = importlib.import_module(f"{module}.__main__" if spec.submodule_search_locations else module).main
-            main.check(args)  # unknown keys, wrong types, every sweep point: as `python -m` checks them
+            main = importlib.import_module(
+                f"{module}.__main__" if spec.submodule_search_locations else module
+            ).main
+            main.check(
+                args
+            )  # unknown keys, wrong types, every sweep point: as `python -m` checks them
         else:
             assert (REPO / words[0]).exists() and os.access(REPO / words[0], os.X_OK), cmd
 
@@ -110,16 +126,26 @@ def _state_lines(upto: int) -> list[str]:
 
 def bare_shell(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`script` in bash with a new login's environment: the system PATH, no virtual environment."""
-    env = {"PATH": SYSTEM_PATH, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", "TERM": "dumb"}
-    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        "PATH": SYSTEM_PATH,
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+    }
+    return subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_activation_puts_the_venv_first_in_a_new_shell():
     if not (REPO / ".venv" / "bin" / "activate").exists():
         pytest.skip(".venv is made by make test / make capstone (scripts/setup-venv)")
     state = _state_lines(len(commands()))
-    out = bare_shell("command -v python || echo 'no python'\n" + "\n".join(state) +
-                     "\ncommand -v python dtrain", REPO, 30)
+    out = bare_shell(
+        "command -v python || echo 'no python'\n" + "\n".join(state) + "\ncommand -v python dtrain",
+        REPO,
+        30,
+    )
     assert out.returncode == 0, out.stderr
     found = out.stdout.split()
     assert found[-2:] == [str(REPO / ".venv/bin/python"), str(REPO / ".venv/bin/dtrain")]
@@ -132,7 +158,9 @@ def test_readme_local_commands_run_in_a_new_shell(tmp_path):
     if not (REPO / ".venv" / "bin" / "activate").exists():
         pytest.skip(".venv is made by make test / make capstone (scripts/setup-venv)")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
-    (tmp_path / "scripts").symlink_to(REPO / "scripts")   # the README's scripts/ commands, as from the checkout
+    (tmp_path / "scripts").symlink_to(
+        REPO / "scripts"
+    )  # the README's scripts/ commands, as from the checkout
     ran = []
     for i, cmd in enumerate(commands()):
         if is_state(cmd) or not_local(cmd):

@@ -1,5 +1,6 @@
 """Stop on a signal, checkpoint, resume as a requeued attempt: in process, one rank, no Slurm
 (the environment variables Slurm sets are set by hand; tests/test_slurm_requeue.py does it for real)."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,14 @@ def make_ctx(run_dir) -> RankContext:
 
 
 def train_cfg(**kw) -> TrainConfig:
-    base = dict(steps=8, micro_batch=2, strategy="single", log_every=0, dataset_tokens=20_000, warmup_steps=1)
+    base = dict(
+        steps=8,
+        micro_batch=2,
+        strategy="single",
+        log_every=0,
+        dataset_tokens=20_000,
+        warmup_steps=1,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -51,7 +59,9 @@ class PreRecord(Callback):
 
 
 def step_losses(run_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_jsonl(run_dir / "records.jsonl") if r["kind"] == "step"]
+    return [
+        (r["step"], r["loss"]) for r in read_jsonl(run_dir / "records.jsonl") if r["kind"] == "step"
+    ]
 
 
 @pytest.fixture
@@ -62,22 +72,34 @@ def in_slurm_job(monkeypatch):
     return monkeypatch
 
 
-def test_term_mid_run_checkpoints_and_requeued_attempt_matches_uninterrupted(tmp_path, in_slurm_job):
+def test_term_mid_run_checkpoints_and_requeued_attempt_matches_uninterrupted(
+    tmp_path, in_slurm_job
+):
     print(f"seed={SEED}")
     full_dir, run_dir = tmp_path / "full", tmp_path / "run"
     full_dir.mkdir(), run_dir.mkdir()
     Trainer(make_ctx(full_dir), train_cfg(), TINY).run()
     full = step_losses(full_dir)
 
-    first = Trainer(make_ctx(run_dir), train_cfg(checkpoint_every=2), TINY, callbacks=[PreRecord(), SignalAt(5)])
+    first = Trainer(
+        make_ctx(run_dir), train_cfg(checkpoint_every=2), TINY, callbacks=[PreRecord(), SignalAt(5)]
+    )
     with pytest.raises(SystemExit):
         first.run()
     assert signal.getsignal(signal.SIGTERM) is not first.callbacks[0]._catch  # handlers restored
     # the interrupted attempt got further than its checkpoint: step 5 saved at the start of step 6
     assert [s for s, _ in step_losses(run_dir)] == [1, 2, 3, 4, 5]
     stop = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "preempted"]
-    assert stop == [{"kind": "preempted", "rank": 0, "step": 5, "reason": "terminated",
-                     "checkpoint": str(run_dir / "checkpoints" / "step-000005"), "signal": "TERM"}]
+    assert stop == [
+        {
+            "kind": "preempted",
+            "rank": 0,
+            "step": 5,
+            "reason": "terminated",
+            "checkpoint": str(run_dir / "checkpoints" / "step-000005"),
+            "signal": "TERM",
+        }
+    ]
     # pretend the attempt also wrote past its checkpoint before dying (SIGKILL after the save)
     with open(run_dir / "records.jsonl", "a") as f:
         f.write('{"kind": "step", "step": 6, "loss": 123.0}\n')
@@ -119,7 +141,8 @@ def test_requeued_attempt_without_checkpoint_restarts_records(tmp_path, in_slurm
         requeue.start_attempt(tmp_path, 0, w)
     assert (tmp_path / "records.jsonl").read_text() == ""  # a benchmark simply starts again
     assert read_jsonl(tmp_path / "events.jsonl") == [
-        {"kind": "requeued", "rank": 0, "restart_count": 2, "slurm_job_id": "4242"}]
+        {"kind": "requeued", "rank": 0, "restart_count": 2, "slurm_job_id": "4242"}
+    ]
 
 
 def test_outside_slurm_nothing_changes(tmp_path, monkeypatch):
@@ -140,11 +163,18 @@ def test_slurm_keys_reach_sbatch(requeue_on, slurm_cluster):
     from dtrain.run.launch import slurm_executor
 
     cfg = defaults(BaseConfig)
-    cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = "t", requeue_on, 45, 5
+    cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = (
+        "t",
+        requeue_on,
+        45,
+        5,
+    )
     ex = slurm_executor(cfg, Path("/tmp/unused"))._executor
     assert ex.parameters["signal_delay_s"] == 45
     assert ex.max_num_timeout == (5 if requeue_on else 0)
-    assert ex.parameters["additional_parameters"] == ({"requeue": True} if requeue_on else {"no_requeue": True})
+    assert ex.parameters["additional_parameters"] == (
+        {"requeue": True} if requeue_on else {"no_requeue": True}
+    )
 
 
 def test_usr2_due_before_the_tasks_can_handle_it_is_refused():
@@ -154,8 +184,11 @@ def test_usr2_due_before_the_tasks_can_handle_it_is_refused():
     from dtrain.run.app import check_signal_delay
 
     check_signal_delay(OmegaConf.create({"time_min": 3, "signal_delay_s": 90}))  # USR2 >= 30 s in
-    with pytest.raises(UserError, match=r"^slurm.time_min=2 must be >= 3 minutes: Slurm sends USR2 .*: "
-                                        r"pass slurm.time_min=3 or more, or lower slurm.signal_delay_s to <= 30$"):
+    with pytest.raises(
+        UserError,
+        match=r"^slurm.time_min=2 must be >= 3 minutes: Slurm sends USR2 .*: "
+        r"pass slurm.time_min=3 or more, or lower slurm.signal_delay_s to <= 30$",
+    ):
         check_signal_delay(OmegaConf.create({"time_min": 2, "signal_delay_s": 90}))
     with pytest.raises(UserError, match="must be an integer number of seconds >= 1"):
         check_signal_delay(OmegaConf.create({"time_min": 30, "signal_delay_s": 0}))

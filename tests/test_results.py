@@ -1,4 +1,5 @@
 """The run-directory contract: write, load back, skip what is incomplete or corrupt."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,14 @@ from dtrain.results import loader
 from dtrain.results.metrics import RunWriter, write_config, write_json_atomic, write_summary
 
 
-def make_run(path, cfg: dict, records: list[dict], summary: dict | None = None, rank1: list[dict] = ()):
+def make_run(
+    path, cfg: dict, records: list[dict], summary: dict | None = None, rank1: list[dict] = ()
+):
     path.mkdir(parents=True)
     write_config(path, OmegaConf.create(cfg))
-    write_json_atomic(path / "env.json", {"world_size": cfg.get("world_size", 1), "backend": "gloo"})
+    write_json_atomic(
+        path / "env.json", {"world_size": cfg.get("world_size", 1), "backend": "gloo"}
+    )
     with RunWriter(path, 0) as w:
         for r in records:
             w.record(**r)
@@ -27,9 +32,13 @@ def make_run(path, cfg: dict, records: list[dict], summary: dict | None = None, 
 
 
 def test_round_trip_and_flattened_config(tmp_path):
-    make_run(tmp_path / "a", {"subproject": "x", "world_size": 2, "model": {"n_layer": 2}},
-             [{"kind": "step", "step": 0, "loss": 5.0}, {"kind": "step", "step": 1, "loss": 4.0}],
-             {"final_loss": 4.0}, rank1=[{"kind": "step", "step": 0, "loss": 5.5, "rank": 1}])
+    make_run(
+        tmp_path / "a",
+        {"subproject": "x", "world_size": 2, "model": {"n_layer": 2}},
+        [{"kind": "step", "step": 0, "loss": 5.0}, {"kind": "step", "step": 1, "loss": 4.0}],
+        {"final_loss": 4.0},
+        rank1=[{"kind": "step", "step": 0, "loss": 5.5, "rank": 1}],
+    )
     df = loader.load([tmp_path], kind="step")
     assert sorted(df["loss"]) == [4.0, 5.0, 5.5]
     assert set(df["model.n_layer"]) == {2} and set(df["world_size"]) == {2}
@@ -59,13 +68,20 @@ def test_incomplete_and_corrupt_runs_are_skipped_with_named_warning(tmp_path):
     text = " ".join(str(w.message) for w in caught)
     assert "half" in text and "no summary.json" in text and "bad" in text and "torn" in text
     statuses = {r.path.name: r.status for r in loader.find_runs([tmp_path])}
-    assert statuses == {"good": "complete", "half": "incomplete", "bad": "corrupt", "torn": "corrupt"}
+    assert statuses == {
+        "good": "complete",
+        "half": "incomplete",
+        "bad": "corrupt",
+        "torn": "corrupt",
+    }
 
 
 def test_multirun_tree_and_hydra_copies(tmp_path):
     sweep = tmp_path / "sub" / "multirun-1"
     for i in range(3):
-        run = make_run(sweep / str(i), {"subproject": "sub", "lr": i}, [{"kind": "m", "v": i}], {"i": i})
+        run = make_run(
+            sweep / str(i), {"subproject": "sub", "lr": i}, [{"kind": "m", "v": i}], {"i": i}
+        )
         (run / ".hydra").mkdir()
         (run / ".hydra" / "config.yaml").write_text("lr: 99\n")
     (sweep / "multirun.yaml").write_text("x: 1\n")
@@ -100,8 +116,15 @@ def test_derived_runs_are_flagged(tmp_path):
     the runs it was made from do not."""
     from dtrain.results.derived import write_derived_run
 
-    src = make_run(tmp_path / "measured", {"subproject": "x"}, [{"kind": "step", "step": 1}], {"final_loss": 4.0})
-    write_derived_run(tmp_path / "report", "x", [src], config={"report": True}, summary={"study": {}})
+    src = make_run(
+        tmp_path / "measured",
+        {"subproject": "x"},
+        [{"kind": "step", "step": 1}],
+        {"final_loss": 4.0},
+    )
+    write_derived_run(
+        tmp_path / "report", "x", [src], config={"report": True}, summary={"study": {}}
+    )
     flags = {r.path.name: r.derived for r in loader.complete_runs([tmp_path])}
     assert flags == {"measured": False, "report": True}
     runs = loader.load_runs([tmp_path])
@@ -129,5 +152,8 @@ def test_files_named_skips_a_folder_that_vanishes_mid_walk(tmp_path, monkeypatch
     monkeypatch.setattr(os, "scandir", scandir)
     with pytest.raises(FileNotFoundError):
         list(tmp_path.rglob("config.yaml"))
-    assert files_named(tmp_path, "config.yaml") == [tmp_path / "run/.hydra/config.yaml", tmp_path / "run/config.yaml"]
+    assert files_named(tmp_path, "config.yaml") == [
+        tmp_path / "run/.hydra/config.yaml",
+        tmp_path / "run/config.yaml",
+    ]
     assert files_named(tmp_path, ".hydra/config.yaml") == [tmp_path / "run/.hydra/config.yaml"]

@@ -14,8 +14,16 @@ import sys
 
 import pytest
 
-from dtrain.costmodel.search import (AXES, FILTERS, LAYOUT_FIELDS, MICRO_BATCHES, Axis, Filter,
-                                     _checks_per_axis, _enumerate)
+from dtrain.costmodel.search import (
+    AXES,
+    FILTERS,
+    LAYOUT_FIELDS,
+    MICRO_BATCHES,
+    Axis,
+    Filter,
+    _checks_per_axis,
+    _enumerate,
+)
 from dtrain.core.layout import RECOMPUTE
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.costmodel.software import SOFTWARE
@@ -23,48 +31,189 @@ from dtrain.costmodel.software import SOFTWARE
 search_module = sys.modules["dtrain.costmodel.search"]  # the package exports search() by that name
 
 # Every field a layout is told apart by (ep, etp: always 1 until expert parallelism exists)
-KEY_FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "zero_stage", "recompute",
-              "micro_batch", "grad_accum", "sequence_parallel", "pp_schedule", "pp_virtual",
-              "cp_impl", "pp_split")
+KEY_FIELDS = (
+    "dp_replicate",
+    "dp_shard",
+    "cp",
+    "tp",
+    "pp",
+    "zero_stage",
+    "recompute",
+    "micro_batch",
+    "grad_accum",
+    "sequence_parallel",
+    "pp_schedule",
+    "pp_virtual",
+    "cp_impl",
+    "pp_split",
+)
 
-LONG = ModelShape(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, vocab=128256, seq_len=131072,
-                  ffn_mult=3.5, gated_mlp=True)
+LONG = ModelShape(
+    n_layer=32,
+    d_model=4096,
+    n_head=32,
+    n_kv_head=8,
+    vocab=128256,
+    seq_len=131072,
+    ffn_mult=3.5,
+    gated_mlp=True,
+)
 NO_SELECTIVE = tuple(r for r in RECOMPUTE if r != "selective")
 
 # name: (model, GPUs, node size, global batch, micro-batches, recompute, prune, fixed,
 #        context parallel, software)
 CASES = {
-    "70B on 512": (ModelShape.from_params(70e9), 512, 8, 1024, MICRO_BATCHES, NO_SELECTIVE,
-                   False, {}, True, "any"),
-    "70B on 512, pruned": (ModelShape.from_params(70e9), 512, 8, 1024, MICRO_BATCHES,
-                           NO_SELECTIVE, True, {}, True, "any"),
+    "70B on 512": (
+        ModelShape.from_params(70e9),
+        512,
+        8,
+        1024,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        False,
+        {},
+        True,
+        "any",
+    ),
+    "70B on 512, pruned": (
+        ModelShape.from_params(70e9),
+        512,
+        8,
+        1024,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        True,
+        {},
+        True,
+        "any",
+    ),
     "8B 128K on 64": (LONG, 64, 8, 1024, MICRO_BATCHES, NO_SELECTIVE, False, {}, True, "any"),
-    "70B 8K on 256, torchtitan": (ModelShape.from_params(70e9, 8192), 256, 8, 1024, MICRO_BATCHES,
-                                  ("none", "op", "full"), False, {}, True, "torchtitan"),
-    "13B on 96, megatron-core, eager": (ModelShape.from_params(13e9, 32768), 96, 8, 96,
-                                        MICRO_BATCHES, RECOMPUTE, False, {}, False,
-                                        "megatron-core"),
-    "175B on 384, megatron-2021": (ModelShape.from_params(175e9), 384, 8, 1536, MICRO_BATCHES,
-                                   ("none", "full"), False, {}, True, "megatron-2021"),
-    "8B 128K on 64, dtrain": (LONG, 64, 8, 256, MICRO_BATCHES, ("none", "op", "full"), True, {},
-                              True, "dtrain"),
-    "70B on 512, megatron-deepspeed": (ModelShape.from_params(70e9), 512, 8, 1000, MICRO_BATCHES,
-                                       ("none", "full"), False, {}, True, "megatron-deepspeed"),
-    "pinned hsdp zbv": (ModelShape.from_params(70e9), 256, 8, 512, MICRO_BATCHES, NO_SELECTIVE,
-                        False, {"dp_replicate": 2, "pp_schedule": "zbv", "virtual_stages": 2}, True,
-                        "any"),
-    "pinned torch cp": (LONG, 64, 8, 64, MICRO_BATCHES, NO_SELECTIVE, False,
-                        {"cp": 4, "cp_impl": "torch", "zero_stage": 3}, True, "any"),
-    "pinned tp pp dp": (ModelShape.from_params(405e9), 1024, 8, 512, MICRO_BATCHES,
-                        NO_SELECTIVE, True, {"tp": 8, "pp": 16, "dp": 8, "pp_split": "balanced"},
-                        True, "any"),
-    "pinned sp recompute mb gpipe": (ModelShape.from_params(70e9), 512, 8, 1024, MICRO_BATCHES,
-                                     NO_SELECTIVE, False,
-                                     {"sequence_parallel": False, "recompute": "full",
-                                      "micro_batch": 2, "pp_schedule": "gpipe", "zero_stage": 1},
-                                     True, "megatron-core"),
-    "pinned cp the sequence refuses": (LONG, 64, 8, 64, MICRO_BATCHES, NO_SELECTIVE, False,
-                                       {"cp": 3}, True, "any"),
+    "70B 8K on 256, torchtitan": (
+        ModelShape.from_params(70e9, 8192),
+        256,
+        8,
+        1024,
+        MICRO_BATCHES,
+        ("none", "op", "full"),
+        False,
+        {},
+        True,
+        "torchtitan",
+    ),
+    "13B on 96, megatron-core, eager": (
+        ModelShape.from_params(13e9, 32768),
+        96,
+        8,
+        96,
+        MICRO_BATCHES,
+        RECOMPUTE,
+        False,
+        {},
+        False,
+        "megatron-core",
+    ),
+    "175B on 384, megatron-2021": (
+        ModelShape.from_params(175e9),
+        384,
+        8,
+        1536,
+        MICRO_BATCHES,
+        ("none", "full"),
+        False,
+        {},
+        True,
+        "megatron-2021",
+    ),
+    "8B 128K on 64, dtrain": (
+        LONG,
+        64,
+        8,
+        256,
+        MICRO_BATCHES,
+        ("none", "op", "full"),
+        True,
+        {},
+        True,
+        "dtrain",
+    ),
+    "70B on 512, megatron-deepspeed": (
+        ModelShape.from_params(70e9),
+        512,
+        8,
+        1000,
+        MICRO_BATCHES,
+        ("none", "full"),
+        False,
+        {},
+        True,
+        "megatron-deepspeed",
+    ),
+    "pinned hsdp zbv": (
+        ModelShape.from_params(70e9),
+        256,
+        8,
+        512,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        False,
+        {"dp_replicate": 2, "pp_schedule": "zbv", "virtual_stages": 2},
+        True,
+        "any",
+    ),
+    "pinned torch cp": (
+        LONG,
+        64,
+        8,
+        64,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        False,
+        {"cp": 4, "cp_impl": "torch", "zero_stage": 3},
+        True,
+        "any",
+    ),
+    "pinned tp pp dp": (
+        ModelShape.from_params(405e9),
+        1024,
+        8,
+        512,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        True,
+        {"tp": 8, "pp": 16, "dp": 8, "pp_split": "balanced"},
+        True,
+        "any",
+    ),
+    "pinned sp recompute mb gpipe": (
+        ModelShape.from_params(70e9),
+        512,
+        8,
+        1024,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        False,
+        {
+            "sequence_parallel": False,
+            "recompute": "full",
+            "micro_batch": 2,
+            "pp_schedule": "gpipe",
+            "zero_stage": 1,
+        },
+        True,
+        "megatron-core",
+    ),
+    "pinned cp the sequence refuses": (
+        LONG,
+        64,
+        8,
+        64,
+        MICRO_BATCHES,
+        NO_SELECTIVE,
+        False,
+        {"cp": 3},
+        True,
+        "any",
+    ),
 }
 
 
@@ -86,32 +235,43 @@ def enumerate_case(name: str):
 # Computed with the nine-loop _enumerate (the code before the rewrite), printed by
 # `python tests/test_search_axes.py`.
 FROZEN = {
-    "70B on 512":
-        (8638, "ace601a38f44eb5800f70a2980c16897264491762a425aca2aa372a385641195"),
-    "70B on 512, pruned":
-        (3508, "5311f93d4624f7675f9d6688632ca2115029a2894db989ab6367463fcaeeb56e"),
-    "8B 128K on 64":
-        (33480, "fd225cc9ac60a7f39a425b223906c15b1cb0084547d15b378def0323f09123c7"),
-    "70B 8K on 256, torchtitan":
-        (4271, "72b762dd8d98d35f855bc36aa91d6d2e00af3329c96a7d828b8860360e27f8a5"),
-    "13B on 96, megatron-core, eager":
-        (2176, "8657a4541158322331c64a02c20d11e3b08baf38efc6d5e05d2d2c5a7abcd7e1"),
-    "175B on 384, megatron-2021":
-        (1436, "dcb7506ed697dc50d7f124b0289532e93e563bdb4a5626b785e87c026e8325ba"),
-    "8B 128K on 64, dtrain":
-        (2525, "df8bf2a03e4f6c7182b44a757938cf3719b1602572fdaec2fa7b16912d927e38"),
-    "70B on 512, megatron-deepspeed":
-        (192, "de25913f448b03c62149578b6f73997aff8684749ed51113397dfbd7cacf478a"),
-    "pinned hsdp zbv":
-        (958, "b2ca3720ef324b16ae633a7eb13161cb1e2b610c336a39c98837215186c3e820"),
-    "pinned torch cp":
-        (907, "e5c8fea0fded65dc42d9b5171cec40230de83ebc24c00ab01c0740ced35edcda"),
-    "pinned tp pp dp":
-        (126, "1b33bff5baea7f377b96ad213c37a16a1ec9d1922d97faad4dccde13b816abf6"),
-    "pinned sp recompute mb gpipe":
-        (37, "25ee87ba4742b0edb45387d73cd8bf4d431e9c05ea8b89cb080d1c40f7a87757"),
-    "pinned cp the sequence refuses":
-        (0, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+    "70B on 512": (8638, "ace601a38f44eb5800f70a2980c16897264491762a425aca2aa372a385641195"),
+    "70B on 512, pruned": (
+        3508,
+        "5311f93d4624f7675f9d6688632ca2115029a2894db989ab6367463fcaeeb56e",
+    ),
+    "8B 128K on 64": (33480, "fd225cc9ac60a7f39a425b223906c15b1cb0084547d15b378def0323f09123c7"),
+    "70B 8K on 256, torchtitan": (
+        4271,
+        "72b762dd8d98d35f855bc36aa91d6d2e00af3329c96a7d828b8860360e27f8a5",
+    ),
+    "13B on 96, megatron-core, eager": (
+        2176,
+        "8657a4541158322331c64a02c20d11e3b08baf38efc6d5e05d2d2c5a7abcd7e1",
+    ),
+    "175B on 384, megatron-2021": (
+        1436,
+        "dcb7506ed697dc50d7f124b0289532e93e563bdb4a5626b785e87c026e8325ba",
+    ),
+    "8B 128K on 64, dtrain": (
+        2525,
+        "df8bf2a03e4f6c7182b44a757938cf3719b1602572fdaec2fa7b16912d927e38",
+    ),
+    "70B on 512, megatron-deepspeed": (
+        192,
+        "de25913f448b03c62149578b6f73997aff8684749ed51113397dfbd7cacf478a",
+    ),
+    "pinned hsdp zbv": (958, "b2ca3720ef324b16ae633a7eb13161cb1e2b610c336a39c98837215186c3e820"),
+    "pinned torch cp": (907, "e5c8fea0fded65dc42d9b5171cec40230de83ebc24c00ab01c0740ced35edcda"),
+    "pinned tp pp dp": (126, "1b33bff5baea7f377b96ad213c37a16a1ec9d1922d97faad4dccde13b816abf6"),
+    "pinned sp recompute mb gpipe": (
+        37,
+        "25ee87ba4742b0edb45387d73cd8bf4d431e9c05ea8b89cb080d1c40f7a87757",
+    ),
+    "pinned cp the sequence refuses": (
+        0,
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    ),
 }
 
 
@@ -147,6 +307,7 @@ def test_no_axis_is_expanded_under_a_rejected_choice(monkeypatch):
                     if f.after == above.name:
                         assert f.ok(space, chosen), (axis.name, f.name, dict(chosen))
             return axis.values(space, chosen)
+
         return Axis(axis.name, values)
 
     monkeypatch.setattr(search_module, "AXES", tuple(watched(i, a) for i, a in enumerate(AXES)))

@@ -1,4 +1,5 @@
 """The Slurm paths, on a real cluster (`scripts/slurm-cluster start`); skipped without one."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,16 @@ pytestmark = pytest.mark.slurm
 
 
 def test_launcher_slurm_two_tasks(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=2", "slurm.partition=debug",
-             "slurm.time_min=5", f"results_dir={tmp_path}", timeout=180)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "world_size=2",
+        "slurm.partition=debug",
+        "slurm.time_min=5",
+        f"results_dir={tmp_path}",
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "submitted Slurm job" in out.stdout
     [run] = loader.complete_runs([tmp_path])
@@ -24,8 +33,17 @@ def test_launcher_slurm_two_tasks(tmp_path, slurm_cluster):
 
 def test_launcher_slurm_failing_rank(tmp_path, slurm_cluster):
     t0 = time.monotonic()
-    out = py("-m", "dtrain.run.selftest", "launcher=slurm", "world_size=2", "fail_rank=1", "slurm.partition=debug",
-             "slurm.time_min=5", f"results_dir={tmp_path}", timeout=180)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "launcher=slurm",
+        "world_size=2",
+        "fail_rank=1",
+        "slurm.partition=debug",
+        "slurm.time_min=5",
+        f"results_dir={tmp_path}",
+        timeout=180,
+    )
     assert time.monotonic() - t0 < 60
     assert out.returncode == 1
     assert "fails on purpose" in out.stderr
@@ -33,11 +51,24 @@ def test_launcher_slurm_failing_rank(tmp_path, slurm_cluster):
 
 
 def test_hydra_multirun_through_submitit_slurm(tmp_path, slurm_cluster):
-    out = py("-m", "dtrain.run.selftest", "-m", "numel=16,64", "world_size=2", f"results_dir={tmp_path}",
-             "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2",
-             "hydra.launcher.timeout_min=5", "hydra.launcher.mem_gb=2", timeout=240)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "-m",
+        "numel=16,64",
+        "world_size=2",
+        f"results_dir={tmp_path}",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=5",
+        "hydra.launcher.mem_gb=2",
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("run complete: ") == 2 and "sweep complete: 2 point(s)" in out.stdout  # where results are
+    assert (
+        out.stdout.count("run complete: ") == 2 and "sweep complete: 2 point(s)" in out.stdout
+    )  # where results are
     df = loader.load_runs([tmp_path])
     assert sorted(df["numel"]) == [16, 64]
     assert set(df["summary.allreduce_sum"]) == {3.0}

@@ -2,6 +2,7 @@
 network + UTS namespace, hostname and slurmd): ranks on separate hosts, MASTER_ADDR from the node
 list, inter-node link class, HSDP's shard groups inside a node. And `dtrain runs` on a sweep with
 a failing point. Skipped without such a cluster."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,14 @@ ON_TWO_NODES = ["launcher=slurm", "slurm.nodes=2", "slurm.partition=debug", "slu
 
 
 def test_selftest_across_two_nodes(tmp_path, slurm_two_nodes):
-    out = py("-m", "dtrain.run.selftest", *ON_TWO_NODES, "world_size=2", f"results_dir={tmp_path}", timeout=240)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        *ON_TWO_NODES,
+        "world_size=2",
+        f"results_dir={tmp_path}",
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = loader.complete_runs([tmp_path])
     assert run.summary["allreduce_sum"] == 3.0
@@ -24,8 +32,17 @@ def test_selftest_across_two_nodes(tmp_path, slurm_two_nodes):
 
 
 def test_allreduce_bench_measures_inter_node(tmp_path, slurm_two_nodes):
-    out = py("-m", "allreduce_bench", *ON_TWO_NODES, "world_size=2", "collectives=[all_reduce]", "max_bytes=16K",
-             "iters=3", f"results_dir={tmp_path}", timeout=300)
+    out = py(
+        "-m",
+        "allreduce_bench",
+        *ON_TWO_NODES,
+        "world_size=2",
+        "collectives=[all_reduce]",
+        "max_bytes=16K",
+        "iters=3",
+        f"results_dir={tmp_path}",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     records = loader.load([tmp_path], kind="collective")
     assert "inter_node" in set(records["link_class"])
@@ -36,9 +53,20 @@ def test_allreduce_bench_measures_inter_node(tmp_path, slurm_two_nodes):
 
 @pytest.mark.slow
 def test_hsdp_shards_inside_a_node_replicates_across(tmp_path, slurm_two_nodes):
-    out = py("-m", "fsdp_scaling", *ON_TWO_NODES, "world_size=4", "train.strategy=hsdp", "train.hsdp_replicate=2",
-             "model.preset=tiny", "train.steps=3", "train.timing_warmup=1", "profile.enabled=false",
-             f"results_dir={tmp_path}", timeout=400)
+    out = py(
+        "-m",
+        "fsdp_scaling",
+        *ON_TWO_NODES,
+        "world_size=4",
+        "train.strategy=hsdp",
+        "train.hsdp_replicate=2",
+        "model.preset=tiny",
+        "train.steps=3",
+        "train.timing_warmup=1",
+        "profile.enabled=false",
+        f"results_dir={tmp_path}",
+        timeout=400,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = loader.complete_runs([tmp_path])
     hosts = run.env["rank_hosts"]
@@ -52,12 +80,25 @@ def test_hsdp_shards_inside_a_node_replicates_across(tmp_path, slurm_two_nodes):
 def test_sweep_with_one_failing_point_runs_the_others_and_lists_it(tmp_path, slurm_cluster):
     """A point that fails at run time (an invalid point is refused before any point runs, dtrain.run.precheck):
     the other point completes, and `dtrain runs` names the failed one with its job id and error."""
-    out = py("-m", "dtrain.run.selftest", "-m", "fail_rank=null,1", "world_size=2", f"results_dir={tmp_path}",
-             "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2",
-             "hydra.launcher.timeout_min=5", "hydra.launcher.mem_gb=2", timeout=300)
+    out = py(
+        "-m",
+        "dtrain.run.selftest",
+        "-m",
+        "fail_rank=null,1",
+        "world_size=2",
+        f"results_dir={tmp_path}",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=5",
+        "hydra.launcher.mem_gb=2",
+        timeout=300,
+    )
     assert out.returncode != 0  # the multirun reports the failed point
     # with the root cause (rank 1's own error), not task 0's "connection closed" that submitit returns first
-    assert "rank 1 failed first: RuntimeError: selftest: rank 1 fails on purpose" in out.stderr, out.stderr[-3000:]
+    assert "rank 1 failed first: RuntimeError: selftest: rank 1 fails on purpose" in out.stderr, (
+        out.stderr[-3000:]
+    )
     [run] = loader.complete_runs([tmp_path], warn=False)
     assert run.summary["allreduce_sum"] == 3.0 and run.path.name == "0"
     listed = py("-m", "dtrain.cli.main", "runs", str(tmp_path), timeout=60)

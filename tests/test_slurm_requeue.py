@@ -1,6 +1,7 @@
 """Preemption and time limits on a real Slurm cluster: the job saves a DCP checkpoint, is requeued,
 resumes in the same run directory and ends with the losses of an uninterrupted run, every step
 recorded once. Skipped without a cluster (`scripts/slurm-cluster start`)."""
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,13 @@ def train_args(app: str, steps: int) -> list[str]:
         return [*common, "model.preset=tiny", "profile.enabled=false"]
     # emulated_current: a resume of emulated_delayed is not bit-exact even without Slurm
     # (train.resume_from: ~1e-5 relative from the first resumed step), a separate issue
-    return [*common, "model.preset=tiny", "train.strategy=ddp", "recipe=emulated_current", "fp8_debug.freq=0"]
+    return [
+        *common,
+        "model.preset=tiny",
+        "train.strategy=ddp",
+        "recipe=emulated_current",
+        "fp8_debug.freq=0",
+    ]
 
 
 _references: dict = {}
@@ -38,21 +45,51 @@ def reference_losses(app: str, steps: int, tmp_root: Path) -> list[float]:
     """The same training, uninterrupted, on local ranks."""
     key = (app, steps)
     if key not in _references:
-        out = py("-m", app, *train_args(app, steps), "launcher=local", f"results_dir={tmp_root / 'ref'}", timeout=600)
+        out = py(
+            "-m",
+            app,
+            *train_args(app, steps),
+            "launcher=local",
+            f"results_dir={tmp_root / 'ref'}",
+            timeout=600,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
-        _references[key] = list(loader.load([tmp_root / "ref"], kind="step").sort_values("step")["loss"])
+        _references[key] = list(
+            loader.load([tmp_root / "ref"], kind="step").sort_values("step")["loss"]
+        )
     return _references[key]
 
 
-def start(app: str, steps: int, results_dir: Path, *extra: str, sweep: bool = False) -> tuple[subprocess.Popen, Path]:
+def start(
+    app: str, steps: int, results_dir: Path, *extra: str, sweep: bool = False
+) -> tuple[subprocess.Popen, Path]:
     """launcher=slurm (launch.SlurmTask), or a one-point Hydra sweep on submitit_slurm."""
     log = results_dir.parent / f"{results_dir.name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
-    how = (["hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.tasks_per_node=2",
-            "hydra.launcher.mem_gb=2", *extra] if sweep else ["launcher=slurm", "slurm.partition=debug", *extra])
-    cmd = [sys.executable, "-m", app, *(["-m"] if sweep else []), *train_args(app, steps), f"results_dir={results_dir}", *how]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO), log
+    how = (
+        [
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.partition=debug",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.mem_gb=2",
+            *extra,
+        ]
+        if sweep
+        else ["launcher=slurm", "slurm.partition=debug", *extra]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        app,
+        *(["-m"] if sweep else []),
+        *train_args(app, steps),
+        f"results_dir={results_dir}",
+        *how,
+    ]
+    return subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO
+    ), log
 
 
 def job_id(log: Path, proc: subprocess.Popen, results_dir: Path, timeout: float = 120) -> str:
@@ -80,7 +117,9 @@ def stop_all(proc: subprocess.Popen, job: str | None) -> None:
 
 def steps_recorded(results_dir: Path) -> int:
     files = list(results_dir.rglob("records.jsonl"))
-    return sum('"kind": "step"' in line for line in files[0].read_text().splitlines()) if files else 0
+    return (
+        sum('"kind": "step"' in line for line in files[0].read_text().splitlines()) if files else 0
+    )
 
 
 def wait_until(what: str, cond, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -92,21 +131,27 @@ def wait_until(what: str, cond, proc: subprocess.Popen, log: Path, timeout: floa
 
 
 def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
-def finish_and_check(proc, log: Path, results_dir: Path, reference: list[float], steps: int) -> list[dict]:
+def finish_and_check(
+    proc, log: Path, results_dir: Path, reference: list[float], steps: int
+) -> list[dict]:
     assert proc.wait(timeout=600) == 0, log.read_text()
     [run] = loader.complete_runs([results_dir])
     rows = loader.load([results_dir], kind="step")
     assert list(rows["step"]) == list(range(1, steps + 1))  # every step once: none lost, none twice
-    assert list(rows["loss"]) == reference                  # bit-identical to the uninterrupted run
+    assert list(rows["loss"]) == reference  # bit-identical to the uninterrupted run
     ev = events(run.path)
     kinds = [e["kind"] for e in ev]
     assert {"preempted", "requeued", "resumed"} <= set(kinds), kinds
     stop = next(e for e in ev if e["kind"] == "preempted")
     resumed = next(e for e in ev if e["kind"] == "resumed")
-    assert resumed["step"] == stop["step"] > 0 and Path(stop["checkpoint"]).parent.parent == run.path
+    assert (
+        resumed["step"] == stop["step"] > 0 and Path(stop["checkpoint"]).parent.parent == run.path
+    )
     return ev
 
 
@@ -115,7 +160,9 @@ def test_scontrol_requeue_of_a_sweep_point_resumes_exactly(tmp_path, slurm_clust
     """Slurm requeues a Hydra sweep point (TERM): the ranks checkpoint at the next step boundary and
     exit; the requeued point resumes in the same sweep subfolder."""
     print(f"seed={SEED}")
-    steps = 60  # ~4 s of training after step 10 on an idle 2-core machine: the requeue lands mid-run
+    steps = (
+        60  # ~4 s of training after step 10 on an idle 2-core machine: the requeue lands mid-run
+    )
     reference = reference_losses("fsdp_scaling", steps, tmp_path)
     out = tmp_path / "run"
     proc, log = start("fsdp_scaling", steps, out, "hydra.launcher.timeout_min=10", sweep=True)
@@ -149,7 +196,9 @@ def test_usr2_checkpoints_and_requeues_through_submitit(tmp_path, slurm_cluster)
         stop_all(proc, job)
     stop = next(e for e in ev if e["kind"] == "preempted")
     assert stop["signal"] == "USR2"
-    assert stop["reason"] == "time_limit"  # submitit counts every USR2 of a job under 10 min as a time-out
+    assert (
+        stop["reason"] == "time_limit"
+    )  # submitit counts every USR2 of a job under 10 min as a time-out
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """TensorBoard event files beside records.jsonl (dtrain.results.metrics.RunWriter.scalar): what the trainer
 records per step is read back with TensorBoard's own reader and equals the records, step by step."""
+
 from __future__ import annotations
 
 import json
@@ -46,18 +47,32 @@ def tiny_run(run_dir: Path, overrides: list[str]) -> None:
     print(f"seed {SEED}")
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    ctx = RankContext(OmegaConf.create({"seed": SEED}), ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", 0),
-                      torch.device("cpu"), "gloo", run_dir, RunWriter(run_dir))
-    train = TrainConfig(steps=4, micro_batch=2, strategy="single", log_every=0,
-                        dataset_tokens=20_000)
+    ctx = RankContext(
+        OmegaConf.create({"seed": SEED}),
+        ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", 0),
+        torch.device("cpu"),
+        "gloo",
+        run_dir,
+        RunWriter(run_dir),
+    )
+    train = TrainConfig(
+        steps=4, micro_batch=2, strategy="single", log_every=0, dataset_tokens=20_000
+    )
     with ctx.writer:
         Trainer(ctx, train, GPTConfig.from_preset("tiny")).run()
 
 
 def test_trainer_scalars_equal_the_records_step_by_step(tmp_path):
     run = tmp_path / "run"
-    tiny_run(run, ["model.preset=tiny", "train.strategy=single", "results_dir=/tmp/r",
-                   "hydra.sweep.dir=/tmp/s"])
+    tiny_run(
+        run,
+        [
+            "model.preset=tiny",
+            "train.strategy=single",
+            "results_dir=/tmp/r",
+            "hydra.sweep.dir=/tmp/s",
+        ],
+    )
     (folder,) = event_folders(run)
     # named by what the run changed; where it is written (results_dir, hydra.*) left out
     assert folder == run / "tb" / "model.preset=tiny,train.strategy=single"
@@ -106,11 +121,14 @@ def test_without_tensorboard_one_event_and_no_folder(tmp_path, monkeypatch):
 
 
 def test_a_run_that_records_no_scalar_imports_no_tensorboard(tmp_path):
-    code = ("import sys; from dtrain.results.metrics import RunWriter\n"
-            f"w = RunWriter({str(tmp_path)!r}); w.record('x', v=1); w.event('y'); w.close()\n"
-            "print(json.dumps(sorted(m for m in sys.modules if 'tensorboard' in m)))")
-    out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True,
-                         text=True, check=True)
+    code = (
+        "import sys; from dtrain.results.metrics import RunWriter\n"
+        f"w = RunWriter({str(tmp_path)!r}); w.record('x', v=1); w.event('y'); w.close()\n"
+        "print(json.dumps(sorted(m for m in sys.modules if 'tensorboard' in m)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import json\n" + code], capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout) == [] and not (tmp_path / "tb").exists()
 
 
@@ -127,13 +145,26 @@ def test_run_name_is_the_overrides_clipped_to_a_file_name(tmp_path):
 def test_a_sweep_names_each_point_by_its_overrides(tmp_path):
     """`tensorboard --logdir results` tells sweep points apart: each point's events folder is named
     by its own overrides (end to end, through Hydra)."""
-    cmd = [sys.executable, "-m", "fsdp_scaling", "-m", "model.preset=tiny", "train.steps=3",
-           "train.timing_warmup=1", "profile.enabled=false", "world_size=1",
-           "train.strategy=single,ddp", f"results_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_scaling",
+        "-m",
+        "model.preset=tiny",
+        "train.steps=3",
+        "train.timing_warmup=1",
+        "profile.enabled=false",
+        "world_size=1",
+        "train.strategy=single,ddp",
+        f"results_dir={tmp_path}",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
     names = sorted(f.name for f in tmp_path.glob("fsdp-scaling/multirun-*/*/tb/*"))
-    assert names == [f"model.preset=tiny,train.steps=3,train.timing_warmup=1,profile.enabled=False,"
-                     f"world_size=1,train.strategy={s}" for s in ("ddp", "single")]
+    assert names == [
+        f"model.preset=tiny,train.steps=3,train.timing_warmup=1,profile.enabled=False,"
+        f"world_size=1,train.strategy={s}"
+        for s in ("ddp", "single")
+    ]
     for point in tmp_path.glob("fsdp-scaling/multirun-*/*/"):
         records = read_jsonl(point / "records.jsonl")
         losses = [(r["step"], r["loss"]) for r in records if r["kind"] == "step"]
@@ -144,10 +175,22 @@ def test_a_sweep_names_each_point_by_its_overrides(tmp_path):
 def test_benchmarks_main_numbers_in_tensorboard(tmp_path):
     """allreduce-bench: busbw per message size (x = bytes), one curve per case; tp-attention: each
     implementation's median step time per SP setting (x = tp). Equal to their records."""
-    small = ["min_bytes=1K", "max_bytes=64K", "step_factor=8", "iters=3", "timing_warmup=1",
-             "collectives=[all_reduce]", "dtypes=[float32]"]
-    subprocess.run([sys.executable, "-m", "allreduce_bench", f"results_dir={tmp_path}", *small],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    small = [
+        "min_bytes=1K",
+        "max_bytes=64K",
+        "step_factor=8",
+        "iters=3",
+        "timing_warmup=1",
+        "collectives=[all_reduce]",
+        "dtypes=[float32]",
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "allreduce_bench", f"results_dir={tmp_path}", *small],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (run,) = tmp_path.glob("allreduce-bench/*/")
     records = [r for r in read_jsonl(run / "records.jsonl") if r["kind"] == "collective"]
     scalars = read_scalars(event_folders(run)[0])
@@ -156,14 +199,29 @@ def test_benchmarks_main_numbers_in_tensorboard(tmp_path):
         assert (r["nbytes"], np.float32(r["busbw_GBps"])) in as_f32(scalars[tag]), tag
     assert sum(map(len, scalars.values())) == len(records) > 0
 
-    tiny = ["train.micro_batch=1", "model.seq_len=16", "model.d_model=32", "model.n_head=4",
-            "timing_warmup=1", "iters=2", "profile.steps=1"]
-    subprocess.run([sys.executable, "-m", "tp_attention", f"results_dir={tmp_path}", *tiny],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    tiny = [
+        "train.micro_batch=1",
+        "model.seq_len=16",
+        "model.d_model=32",
+        "model.n_head=4",
+        "timing_warmup=1",
+        "iters=2",
+        "profile.steps=1",
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "tp_attention", f"results_dir={tmp_path}", *tiny],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (run,) = tmp_path.glob("tp-attention/*/")
     scalars = read_scalars(event_folders(run)[0])
-    steps = [r for r in read_jsonl(run / "records.jsonl") if r["kind"] == "step"
-             and r["impl"] in ("handrolled", "handrolled_async", "dtensor")]
+    steps = [
+        r
+        for r in read_jsonl(run / "records.jsonl")
+        if r["kind"] == "step" and r["impl"] in ("handrolled", "handrolled_async", "dtensor")
+    ]
     assert len(steps) == sum(map(len, scalars.values())) > 0
     for r in steps:
         tag = f"step_time_s/{r['impl']}/sp_{'on' if r['sequence_parallel'] else 'off'}"

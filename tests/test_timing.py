@@ -1,4 +1,5 @@
 """dtrain.model.timing: statistics against hand values; warmup and iteration counts."""
+
 import time
 
 import pytest

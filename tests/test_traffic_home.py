@@ -56,8 +56,9 @@ def test_cp_and_pp_and_dp_bytes_by_hand():
     assert traffic.zero_gather_bytes(1000, 2, kept_params=100) == 900 + 200  # FP8 blocks, bf16 emb
     assert traffic.hsdp_replica_bytes(4000, 8) == 500
     with pytest.raises(ValueError, match="unknown cp impl 'allgather'"):
-        traffic.cp_layer_wire_bytes("allgather", batch=1, seq=8, n_head=2, n_kv_head=1, head_dim=4,
-                                    cp=2)
+        traffic.cp_layer_wire_bytes(
+            "allgather", batch=1, seq=8, n_head=2, n_kv_head=1, head_dim=4, cp=2
+        )
 
 
 def test_the_trainers_expected_bytes_are_these_functions():
@@ -74,8 +75,10 @@ def test_the_trainers_expected_bytes_are_these_functions():
 
 
 def test_traffic_module_and_cost_model_import_without_torch():
-    code = ("import sys; import dtrain.parallel.traffic, dtrain.costmodel.timemodel; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; import dtrain.parallel.traffic, dtrain.costmodel.timemodel; "
+        "print('torch' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
@@ -132,8 +135,9 @@ def counted(tmp_path_factory):
 
     script = tmp_path_factory.mktemp("counted") / "counted.py"  # spawn re-imports it by path
     script.write_text(COUNTED)
-    r = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -142,9 +146,11 @@ def test_counted_ring_sends_are_the_ring_formulas(counted):
     block = traffic.ring_kv_block_bytes(2, 16, 2, 2, 8, 4)
     sends = [p for op, p in counted["ring"] if op == "send"]
     assert sends == [block] * traffic.ring_sends_per_layer(2)
-    assert sum(traffic.wire_bytes(op, p, 2) for op, p in counted["ring"]) == \
-        traffic.cp_layer_wire_bytes("ring", batch=2, seq=16, n_head=4, n_kv_head=2, head_dim=8,
-                                    cp=2)
+    assert sum(
+        traffic.wire_bytes(op, p, 2) for op, p in counted["ring"]
+    ) == traffic.cp_layer_wire_bytes(
+        "ring", batch=2, seq=16, n_head=4, n_kv_head=2, head_dim=8, cp=2
+    )
 
 
 def test_counted_ulysses_all_to_alls_repeat_the_kv_heads(counted):
@@ -153,19 +159,29 @@ def test_counted_ulysses_all_to_alls_repeat_the_kv_heads(counted):
     assert pieces[1] == 2 * 8 * 2 * 8 * 4  # 2 k heads, not 1
     a2a = sorted(p for op, p in counted["ulysses"] if op == "all_to_all")
     assert a2a == sorted(list(pieces) * traffic.ulysses_passes())
-    assert sum(traffic.wire_bytes("all_to_all", p, 2) for p in a2a) == \
-        traffic.cp_layer_wire_bytes("ulysses", batch=2, seq=16, n_head=4, n_kv_head=1, head_dim=8,
-                                    cp=2)
+    assert sum(traffic.wire_bytes("all_to_all", p, 2) for p in a2a) == traffic.cp_layer_wire_bytes(
+        "ulysses", batch=2, seq=16, n_head=4, n_kv_head=1, head_dim=8, cp=2
+    )
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_counted_tp_block_is_the_tp_formulas(counted, sp):
     """LayerNorm with biases and 1 k/v head over tp=2: activation and partial-grad sums."""
-    want = traffic.tp_layer_wire_bytes(batch=2, seq=16, d_model=32, n_head=4, n_kv_head=1, tp=2,
-                                       sequence_parallel=sp, norm="layernorm", bias=True)
+    want = traffic.tp_layer_wire_bytes(
+        batch=2,
+        seq=16,
+        d_model=32,
+        n_head=4,
+        n_kv_head=1,
+        tp=2,
+        sequence_parallel=sp,
+        norm="layernorm",
+        bias=True,
+    )
     assert counted[f"tp_sp{int(sp)}"] == want
     assert want["activation"] == traffic.tp_collectives_per_layer() * traffic.wire_bytes(
-        "all_reduce", traffic.tp_activation_bytes(2, 16, 32, 4), 2)
+        "all_reduce", traffic.tp_activation_bytes(2, 16, 32, 4), 2
+    )
 
 
 # ---------------------------------------------------------------- the cost model prices the same
@@ -195,6 +211,7 @@ def test_ulysses_uses_the_links_own_all_to_all_fit():
     base = H100x64.nvlink
     fitted = type(base)(base.alpha_s, base.beta_Bps, base.name, (("all_to_all", 3e-5, 1e9),))
     from dataclasses import replace
+
     cluster = replace(H100x64, nvlink=fitted)
     m = step_model(shape, cluster, Calibration())
     lay = Layout(dp_shard=32, tp=1, pp=1, zero_stage=3, cp=2, cp_impl="ulysses")
@@ -207,25 +224,42 @@ def test_ulysses_uses_the_links_own_all_to_all_fit():
 def test_the_cost_model_calls_the_traffic_functions(monkeypatch):
     """Every kind of traffic the step prices goes through dtrain.parallel.traffic."""
     called = set()
-    for name in ("tp_activation_bytes", "tp_collectives_per_layer", "ring_kv_block_bytes",
-                 "ring_sends_per_layer", "ulysses_all_to_all_payloads", "dp_grad_bytes",
-                 "zero_gather_bytes", "pp_activation_bytes", "pp_sends_per_step"):
+    for name in (
+        "tp_activation_bytes",
+        "tp_collectives_per_layer",
+        "ring_kv_block_bytes",
+        "ring_sends_per_layer",
+        "ulysses_all_to_all_payloads",
+        "dp_grad_bytes",
+        "zero_gather_bytes",
+        "pp_activation_bytes",
+        "pp_sends_per_step",
+    ):
         real = getattr(traffic, name)
+
         def spy(*a, _n=name, _f=real, **k):
             called.add(_n)
             return _f(*a, **k)
+
         monkeypatch.setattr(traffic, name, spy)
     from dtrain.costmodel import comm_time
 
     comm_time.dp_comm_time.cache_clear()
     shape = ModelShape(8, 1024, 16, 4, 32000, 8192)
     m = step_model(shape, H100x64, Calibration())
-    m.time(Layout(dp_shard=4, tp=2, pp=2, zero_stage=3, grad_accum=4, sequence_parallel=True,
-                  cp=2))
+    m.time(Layout(dp_shard=4, tp=2, pp=2, zero_stage=3, grad_accum=4, sequence_parallel=True, cp=2))
     m.time(Layout(dp_shard=4, tp=2, pp=2, zero_stage=3, grad_accum=4, cp=2, cp_impl="ulysses"))
-    assert called == {"tp_activation_bytes", "tp_collectives_per_layer", "ring_kv_block_bytes",
-                      "ring_sends_per_layer", "ulysses_all_to_all_payloads", "dp_grad_bytes",
-                      "zero_gather_bytes", "pp_activation_bytes", "pp_sends_per_step"}
+    assert called == {
+        "tp_activation_bytes",
+        "tp_collectives_per_layer",
+        "ring_kv_block_bytes",
+        "ring_sends_per_layer",
+        "ulysses_all_to_all_payloads",
+        "dp_grad_bytes",
+        "zero_gather_bytes",
+        "pp_activation_bytes",
+        "pp_sends_per_step",
+    }
     ring = Layout(dp_shard=4, tp=2, pp=2, zero_stage=3, grad_accum=4, cp=2)
     link = group_link(H100x64, 2, 2, multi_rail=False)
     chunk = traffic.ring_kv_block_bytes(1, 8192, 2, traffic.tp_kv_heads(4, 2), 64, 2)

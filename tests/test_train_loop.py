@@ -1,5 +1,6 @@
 """dtrain.train on one rank, in process: schedule, accumulation, callbacks, checkpoints, config errors.
 (Multi-rank strategy equality and cross-world-size resume are in fsdp-scaling/tests.)"""
+
 from __future__ import annotations
 
 import math
@@ -26,19 +27,30 @@ def make_ctx(run_dir, seed=0) -> RankContext:
 
 
 def train_cfg(**kw) -> TrainConfig:
-    base = dict(steps=4, micro_batch=2, strategy="single", log_every=0, dataset_tokens=20_000, warmup_steps=1)
+    base = dict(
+        steps=4,
+        micro_batch=2,
+        strategy="single",
+        log_every=0,
+        dataset_tokens=20_000,
+        warmup_steps=1,
+    )
     return TrainConfig(**{**base, **kw})
 
 
 def losses(trainer) -> list[float]:
     trainer.run()
-    return [r["loss"] for r in read_jsonl(trainer.ctx.run_dir / "records.jsonl") if r["kind"] == "step"]
+    return [
+        r["loss"] for r in read_jsonl(trainer.ctx.run_dir / "records.jsonl") if r["kind"] == "step"
+    ]
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     big = losses(Trainer(make_ctx(tmp_path / "a"), train_cfg(micro_batch=4), TINY))
-    accum = losses(Trainer(make_ctx(tmp_path / "b"), train_cfg(micro_batch=1, global_batch=4), TINY))
+    accum = losses(
+        Trainer(make_ctx(tmp_path / "b"), train_cfg(micro_batch=1, global_batch=4), TINY)
+    )
     assert len(big) == 4 and big == pytest.approx(accum, abs=1e-5)
     assert big[-1] < big[0]  # it learns
 
@@ -85,12 +97,32 @@ def test_callbacks_order_skip_and_extra_metrics(tmp_path):
     t.train_step()  # skipped by the callback: weights unchanged
     assert all(torch.equal(a, b) for a, b in zip(after_one, t.model.parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(before, after_one))
-    assert cb.calls == [("step_start", 1), ("after_backward", 1, True), ("before_opt", 1, True), ("step_end", 1),
-                        ("step_start", 2), ("after_backward", 2, True), ("before_opt", 2, True), ("step_end", 2)]
+    assert cb.calls == [
+        ("step_start", 1),
+        ("after_backward", 1, True),
+        ("before_opt", 1, True),
+        ("step_end", 1),
+        ("step_start", 2),
+        ("after_backward", 2, True),
+        ("before_opt", 2, True),
+        ("step_end", 2),
+    ]
     t.ctx.writer.close()
     records = [r for r in read_jsonl(tmp_path / "records.jsonl") if r["kind"] == "step"]
-    assert [r["extra"] for r in records] == [10, 20] and [r["skipped"] for r in records] == [False, True]
-    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "step_time_s", "peak_mem_bytes"):
+    assert [r["extra"] for r in records] == [10, 20] and [r["skipped"] for r in records] == [
+        False,
+        True,
+    ]
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+        "step_time_s",
+        "peak_mem_bytes",
+    ):
         assert key in records[0]
     events = read_jsonl(tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "skipped_step"] == [2]
@@ -106,8 +138,11 @@ def test_checkpoint_resume_gives_identical_losses(tmp_path):
     path = first.save_checkpoint()
     assert path.endswith("step-000003") and first.last_checkpoint == path
     # resume_from a folder of checkpoints takes the latest complete one
-    resumed = Trainer(make_ctx(tmp_path / "resumed"),
-                      train_cfg(steps=6, resume_from=str(tmp_path / "first" / "checkpoints")), TINY)
+    resumed = Trainer(
+        make_ctx(tmp_path / "resumed"),
+        train_cfg(steps=6, resume_from=str(tmp_path / "first" / "checkpoints")),
+        TINY,
+    )
     tail = losses(resumed)
     assert resumed.step == 6 and resumed.batcher.step == 6
     assert tail == pytest.approx(full[3:], abs=1e-6)
@@ -134,22 +169,34 @@ def test_skip_batch_moves_data_not_step(tmp_path):
     assert (t.step, t.batcher.step, t.batcher.micro_step) == (0, 1, 0)
 
 
-@pytest.mark.parametrize("kw, world, message", [
-    (dict(strategy="zero9"), 2, "train.strategy='zero9' is unknown"),
-    (dict(strategy="hsdp", hsdp_replicate=2), 3, "do not factor"),
-    (dict(strategy="ddp", micro_batch=3, global_batch=8), 2, "not divisible"),
-    (dict(strategy="single"), 2, "runs on one rank"),
-    (dict(precision="fp16"), 1, "train.precision='fp16' is unknown: choose one of fp32, bf16, auto"),
-])
+@pytest.mark.parametrize(
+    "kw, world, message",
+    [
+        (dict(strategy="zero9"), 2, "train.strategy='zero9' is unknown"),
+        (dict(strategy="hsdp", hsdp_replicate=2), 3, "do not factor"),
+        (dict(strategy="ddp", micro_batch=3, global_batch=8), 2, "not divisible"),
+        (dict(strategy="single"), 2, "runs on one rank"),
+        (
+            dict(precision="fp16"),
+            1,
+            "train.precision='fp16' is unknown: choose one of fp32, bf16, auto",
+        ),
+    ],
+)
 def test_config_errors(kw, world, message):
     with pytest.raises(UserError, match=message):
         TrainConfig(**kw).validate(world)
 
 
 def test_config_from_cfg_rejects_unknown_key_and_derives_accum():
-    with pytest.raises(UserError, match=r"^unknown key train.stpes: did you mean train.steps\? \(all keys: --cfg job\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^unknown key train.stpes: did you mean train.steps\? \(all keys: --cfg job\)$",
+    ):
         TrainConfig.from_cfg(OmegaConf.create({"stpes": 3}))
-    asked = TrainConfig.from_cfg(OmegaConf.create({"micro_batch": 2, "global_batch": 16, "precision": "auto"}))
+    asked = TrainConfig.from_cfg(
+        OmegaConf.create({"micro_batch": 2, "global_batch": 16, "precision": "auto"})
+    )
     before = asked.to_dict()
     asked.validate(4)
     t = asked.resolved(4, "cpu")
@@ -174,4 +221,6 @@ def test_clip_grad_norm_is_torchs_on_one_rank():
     assert mine == pytest.approx(theirs, rel=1e-6) and mine > 0.5
     for g, p in zip(grads, params):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=0)
-    assert math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)) == pytest.approx(0.5, rel=1e-5)
+    assert math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)) == pytest.approx(
+        0.5, rel=1e-5
+    )

@@ -18,11 +18,20 @@
 busbw = S*c/t is at most the link bandwidth whatever n is. This is also why the α–β fit in
 `fit.py` uses x = S*c: its β is a bus bandwidth.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "sendrecv",
+)
 ROOTED = ("broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # S is split into n per-rank chunks
@@ -33,7 +42,9 @@ OUT_OF_PLACE_ONLY = ("all_to_all", "sendrecv")
 
 def supports(collective: str, in_place: bool) -> bool:
     """Whether torch.distributed has `collective` in place (or out of place)."""
-    return not (collective in IN_PLACE_ONLY and not in_place) and not (collective in OUT_OF_PLACE_ONLY and in_place)
+    return not (collective in IN_PLACE_ONLY and not in_place) and not (
+        collective in OUT_OF_PLACE_ONLY and in_place
+    )
 
 
 def bus_factor(collective: str, n: int) -> float:
@@ -50,10 +61,11 @@ def bus_factor(collective: str, n: int) -> float:
 @dataclass(frozen=True)
 class Layout:
     """Buffer sizes of one case. `nbytes` is S, the bytes counted (a multiple of n*w for chunked ops)."""
+
     collective: str
     n: int
     elem_size: int
-    chunk: int       # elements per rank-chunk (CHUNKED) or the whole buffer (others)
+    chunk: int  # elements per rank-chunk (CHUNKED) or the whole buffer (others)
     send_numel: int
     recv_numel: int
 

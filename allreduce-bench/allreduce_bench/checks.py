@@ -1,6 +1,7 @@
 """What `python -m allreduce_bench` refuses before any rank starts (dtrain.run.app runs ``validate`` for every
 point of a sweep). The sweep's values first, without torch (allreduce_bench.spec); then the backend the ranks
 will use, which needs torch on a local run, against the dtypes and reductions it is known to refuse."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,14 @@ from dtrain.run.launch import mode_of
 def expected_backend(cfg: DictConfig) -> str | None:
     """The backend the ranks will use, when it can be known before they start."""
     if mode_of(cfg) == "slurm":
-        return cfg.backend if cfg.backend != "auto" else ("nccl" if cfg.slurm.gpus_per_node else "gloo")
-    return ddist.pick_backend(cfg.backend, ddist.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))))
+        return (
+            cfg.backend
+            if cfg.backend != "auto"
+            else ("nccl" if cfg.slurm.gpus_per_node else "gloo")
+        )
+    return ddist.pick_backend(
+        cfg.backend, ddist.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
+    )
 
 
 def validate(cfg: DictConfig) -> None:

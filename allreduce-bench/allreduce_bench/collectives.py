@@ -9,6 +9,7 @@ collective it checks.
 torch.distributed has no out-of-place all_reduce / broadcast / reduce and no in-place
 all_to_all / send-recv: those combinations are reported as N/A (`build` returns None).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else torch.int64
 
 
-def input_values(rank: int, numel: int, n: int, redop: str | None, dtype: torch.dtype, device) -> torch.Tensor:
+def input_values(
+    rank: int, numel: int, n: int, redop: str | None, dtype: torch.dtype, device
+) -> torch.Tensor:
     """Rank- and position-dependent inputs, already rounded to `dtype` (returned in the acc dtype).
 
     Sums stay small integers (exact in bf16 up to n = 85); products have one 2 per position across
@@ -46,7 +49,9 @@ def input_values(rank: int, numel: int, n: int, redop: str | None, dtype: torch.
     return v.to(torch.float32).to(dtype).to(_acc_dtype(dtype))
 
 
-def reduce_expected(rank_inputs: Callable[[int], torch.Tensor], n: int, redop: str, dtype: torch.dtype) -> torch.Tensor:
+def reduce_expected(
+    rank_inputs: Callable[[int], torch.Tensor], n: int, redop: str, dtype: torch.dtype
+) -> torch.Tensor:
     acc = rank_inputs(0).clone()
     for j in range(1, n):
         v = rank_inputs(j)
@@ -82,12 +87,20 @@ class Case:
     in_place: bool
     run: Callable[[], None]
     fill: Callable[[], None]
-    result: Callable[[], torch.Tensor | None]   # this rank's checked output (None: nothing to check)
+    result: Callable[[], torch.Tensor | None]  # this rank's checked output (None: nothing to check)
     expected: Callable[[], torch.Tensor]
 
 
-def build(collective: str, lay: Layout, dtype: torch.dtype, device, group, redop: str, root: int,
-          in_place: bool) -> Case | None:
+def build(
+    collective: str,
+    lay: Layout,
+    dtype: torch.dtype,
+    device,
+    group,
+    redop: str,
+    root: int,
+    in_place: bool,
+) -> Case | None:
     """Buffers and closures for one (collective, size, dtype, mode) on `group`; None when N/A."""
     if not supports(collective, in_place):
         return None
@@ -100,45 +113,95 @@ def build(collective: str, lay: Layout, dtype: torch.dtype, device, group, redop
 
     if collective in ("all_reduce", "broadcast", "reduce"):
         src = dist.get_global_rank(group, root)
-        run = {"all_reduce": lambda: dist.all_reduce(send, op=op, group=group),
-               "broadcast": lambda: dist.broadcast(send, src=src, group=group),
-               "reduce": lambda: dist.reduce(send, dst=src, op=op, group=group)}[collective]
+        run = {
+            "all_reduce": lambda: dist.all_reduce(send, op=op, group=group),
+            "broadcast": lambda: dist.broadcast(send, src=src, group=group),
+            "reduce": lambda: dist.reduce(send, dst=src, op=op, group=group),
+        }[collective]
         if collective == "broadcast":
             expected = lambda: vals(root, m).to(dtype)  # noqa: E731
         else:
             expected = lambda: reduce_expected(lambda j: vals(j, m), n, redop, dtype)  # noqa: E731
         checked = collective != "reduce" or r == root  # reduce leaves non-root buffers undefined
-        return Case(collective, True, run, lambda: send.copy_(vals(r, m)), lambda: send if checked else None, expected)
+        return Case(
+            collective,
+            True,
+            run,
+            lambda: send.copy_(vals(r, m)),
+            lambda: send if checked else None,
+            expected,
+        )
 
     if collective == "all_gather":
         recv = new(lay.recv_numel)
-        inp = recv[r * m:(r + 1) * m] if in_place else send
+        inp = recv[r * m : (r + 1) * m] if in_place else send
+
         def fill():
             recv.zero_()
             inp.copy_(vals(r, m))
+
         expected = lambda: torch.cat([vals(j, m) for j in range(n)]).to(dtype)  # noqa: E731
-        return Case(collective, in_place, lambda: all_gather_single(recv, inp, group=group), fill, lambda: recv, expected)
+        return Case(
+            collective,
+            in_place,
+            lambda: all_gather_single(recv, inp, group=group),
+            fill,
+            lambda: recv,
+            expected,
+        )
 
     if collective == "reduce_scatter":
-        out = send[r * m:(r + 1) * m] if in_place else new(lay.recv_numel)
-        expected = lambda: reduce_expected(lambda j: vals(j, n * m)[r * m:(r + 1) * m], n, redop, dtype)  # noqa: E731
-        return Case(collective, in_place, lambda: reduce_scatter_single(out, send, op=op, group=group),
-                    lambda: send.copy_(vals(r, n * m)), lambda: out, expected)
+        out = send[r * m : (r + 1) * m] if in_place else new(lay.recv_numel)
+        expected = lambda: reduce_expected(
+            lambda j: vals(j, n * m)[r * m : (r + 1) * m], n, redop, dtype
+        )  # noqa: E731
+        return Case(
+            collective,
+            in_place,
+            lambda: reduce_scatter_single(out, send, op=op, group=group),
+            lambda: send.copy_(vals(r, n * m)),
+            lambda: out,
+            expected,
+        )
 
     recv = new(lay.recv_numel)
     if collective == "all_to_all":
-        expected = lambda: torch.cat([vals(j, n * m)[r * m:(r + 1) * m] for j in range(n)]).to(dtype)  # noqa: E731
-        return Case(collective, False, lambda: dist.all_to_all_single(recv, send, group=group),
-                    lambda: send.copy_(vals(r, n * m)), lambda: recv, expected)
+        expected = lambda: torch.cat([vals(j, n * m)[r * m : (r + 1) * m] for j in range(n)]).to(
+            dtype
+        )  # noqa: E731
+        return Case(
+            collective,
+            False,
+            lambda: dist.all_to_all_single(recv, send, group=group),
+            lambda: send.copy_(vals(r, n * m)),
+            lambda: recv,
+            expected,
+        )
 
-    if collective == "sendrecv":  # nccl-tests' sendrecv: every rank sends to r+1 and receives from r-1
-        nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    if (
+        collective == "sendrecv"
+    ):  # nccl-tests' sendrecv: every rank sends to r+1 and receives from r-1
+        nxt, prv = (
+            dist.get_global_rank(group, (r + 1) % n),
+            dist.get_global_rank(group, (r - 1) % n),
+        )
+
         def run():
-            ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+            ops = [
+                dist.P2POp(dist.isend, send, nxt, group),
+                dist.P2POp(dist.irecv, recv, prv, group),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return Case(collective, False, run, lambda: send.copy_(vals(r, m)), lambda: recv,
-                    lambda: vals((r - 1) % n, m).to(dtype))
+
+        return Case(
+            collective,
+            False,
+            run,
+            lambda: send.copy_(vals(r, m)),
+            lambda: recv,
+            lambda: vals((r - 1) % n, m).to(dtype),
+        )
     raise ValueError(f"unknown collective {collective!r}")
 
 

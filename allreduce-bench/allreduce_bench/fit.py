@@ -9,6 +9,7 @@ magnitude, so an ordinary least squares fit would be decided by the largest size
 alike. A negative α (noise at the small sizes) is refitted with α = 0 and flagged. R² is that of
 the weighted regression (relative residuals), so small sizes count in it as much as large ones.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -53,8 +54,13 @@ def fit_alpha_beta(nbytes, seconds, bus_factor: float) -> Fit | None:
         alpha, clamped = 0.0, True
     if slope <= 0:
         return None
-    return Fit(alpha_us=float(alpha) * 1e6, beta_GBps=1.0 / float(slope) / 1e9,
-               r2=r_squared(y, alpha + slope * x, w**2), n_points=len(x), alpha_clamped=clamped)
+    return Fit(
+        alpha_us=float(alpha) * 1e6,
+        beta_GBps=1.0 / float(slope) / 1e9,
+        r2=r_squared(y, alpha + slope * x, w**2),
+        n_points=len(x),
+        alpha_clamped=clamped,
+    )
 
 
 def predict_seconds(fit: Fit, nbytes: float, bus_factor: float) -> float:

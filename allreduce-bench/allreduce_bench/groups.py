@@ -11,6 +11,7 @@ measured under the load it sees in training. A rank outside every group of a cla
 barriers. `debug.simulate_nodes=K` splits one host's ranks into K pretend hosts, to test the
 multi-host path on a laptop (the numbers then say nothing about real links).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,10 @@ def plan(hosts: list[str]) -> tuple[list[tuple[str, list[list[int]]]], dict[str,
         by_host.setdefault(host, []).append(rank)
     everyone = list(range(len(hosts)))
     if len(by_host) == 1:
-        return [("intra_node", [everyone])], {"inter_node": "all ranks ran on one host",
-                                              "world": "same ranks as intra_node (one host)"}
+        return [("intra_node", [everyone])], {
+            "inter_node": "all ranks ran on one host",
+            "world": "same ranks as intra_node (one host)",
+        }
     classes, missing = [], {}
     intra = [ranks for ranks in by_host.values() if len(ranks) > 1]
     if intra:
@@ -49,9 +52,9 @@ def plan(hosts: list[str]) -> tuple[list[tuple[str, list[list[int]]]], dict[str,
 @dataclass
 class LinkGroup:
     link_class: str
-    group: object | None   # this rank's process group for the class; None = idle
-    size: int              # ranks per group
-    count: int             # groups measured concurrently
+    group: object | None  # this rank's process group for the class; None = idle
+    size: int  # ranks per group
+    count: int  # groups measured concurrently
 
 
 def build(classes: list[tuple[str, list[list[int]]]]) -> list[LinkGroup]:

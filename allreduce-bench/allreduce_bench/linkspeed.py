@@ -8,13 +8,25 @@ an InfiniBand/RoCE port's `Rate` (Gb/s) / 8. `nvidia-smi nvlink -s` prints the r
 (26.562 GB/s on H100), above what data can use, so it counts links, not speed, unless the GPU is
 unknown here.
 """
+
 from __future__ import annotations
 
 from allreduce_bench.topology import TopoMatrix
 
-NVLINK_GBPS_PER_LINK = (("GB200", 50.0), ("B200", 50.0), ("B100", 50.0), ("GH200", 25.0), ("H200", 25.0),
-                        ("H100", 25.0), ("H800", 25.0), ("H20", 25.0), ("A100", 25.0), ("A800", 25.0),
-                        ("V100", 25.0), ("P100", 20.0))
+NVLINK_GBPS_PER_LINK = (
+    ("GB200", 50.0),
+    ("B200", 50.0),
+    ("B100", 50.0),
+    ("GH200", 25.0),
+    ("H200", 25.0),
+    ("H100", 25.0),
+    ("H800", 25.0),
+    ("H20", 25.0),
+    ("A100", 25.0),
+    ("A800", 25.0),
+    ("V100", 25.0),
+    ("P100", 20.0),
+)
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 
@@ -32,16 +44,20 @@ def _active_links(nvlink: dict[int, list] | None) -> int | None:
 
 
 def pcie_GBps(pcie: dict[int, dict] | None) -> tuple[float | None, str]:
-    rates = [(PCIE_GBPS_PER_LANE.get(p["gen"], 0) * (p["width"] or 0), p) for p in (pcie or {}).values()
-             if p.get("gen") and p.get("width")]
+    rates = [
+        (PCIE_GBPS_PER_LANE.get(p["gen"], 0) * (p["width"] or 0), p)
+        for p in (pcie or {}).values()
+        if p.get("gen") and p.get("width")
+    ]
     if not rates:
         return None, "PCIe generation/width unknown"
     rate, p = min(rates, key=lambda t: t[0])
     return rate, f"PCIe Gen{p['gen']} x{p['width']} per GPU"
 
 
-def intra_node_GBps(matrix: TopoMatrix | None, nvlink: dict | None, pcie: dict | None,
-                    gpu_name: str | None) -> tuple[float | None, str]:
+def intra_node_GBps(
+    matrix: TopoMatrix | None, nvlink: dict | None, pcie: dict | None, gpu_name: str | None
+) -> tuple[float | None, str]:
     """Per-GPU bus bandwidth between GPUs of one node, and how it was derived."""
     if matrix is None or len(matrix.gpus) < 2:
         return None, "fewer than two GPUs on the node"
@@ -54,13 +70,19 @@ def intra_node_GBps(matrix: TopoMatrix | None, nvlink: dict | None, pcie: dict |
         if links is None and len(set(nv)) == 1:
             links, how = nv[0], "every GPU pair has the same NV# (NVSwitch, or two GPUs)"
         elif links is None:  # direct mesh: a GPU's links are split between its peers
-            links = min(sum(matrix.nvlinks(g, p) for p in matrix.gpus if p != g) for g in matrix.gpus)
+            links = min(
+                sum(matrix.nvlinks(g, p) for p in matrix.gpus if p != g) for g in matrix.gpus
+            )
             how = "sum of NV# over a GPU's peers (direct NVLink mesh)"
         if per_link is None:
             return None, f"{links} NVLinks per GPU, speed unknown for {gpu_name!r}"
         return links * per_link, f"NVLink: {links} links x {per_link:g} GB/s per direction ({how})"
     rate, how = pcie_GBps(pcie)
-    mixed = "some GPU pairs have no NVLink, so a ring over all GPUs is bound by PCIe; " if any(nv) else ""
+    mixed = (
+        "some GPU pairs have no NVLink, so a ring over all GPUs is bound by PCIe; "
+        if any(nv)
+        else ""
+    )
     return rate, mixed + how
 
 
@@ -68,13 +90,17 @@ def nic_rates_Gbps(ibstat: list[dict] | None) -> dict[str, float]:
     """Active ports' rate per HCA (an HCA's best port; topo -m lists one device per port)."""
     out = {}
     for ca in ibstat or []:
-        rates = [p["rate_Gbps"] for p in ca["ports"] if p.get("state") == "Active" and p.get("rate_Gbps")]
+        rates = [
+            p["rate_Gbps"] for p in ca["ports"] if p.get("state") == "Active" and p.get("rate_Gbps")
+        ]
         if rates:
             out[ca["name"]] = max(rates)
     return out
 
 
-def inter_node_GBps(matrix: TopoMatrix | None, ibstat: list[dict] | None) -> tuple[float | None, str]:
+def inter_node_GBps(
+    matrix: TopoMatrix | None, ibstat: list[dict] | None
+) -> tuple[float | None, str]:
     """Per-GPU network bandwidth: each GPU uses its nearest NIC(s); a NIC nearest to k GPUs gives
     each 1/k of its rate. The slowest GPU bounds a collective over all of them."""
     rates = nic_rates_Gbps(ibstat)
@@ -87,11 +113,16 @@ def inter_node_GBps(matrix: TopoMatrix | None, ibstat: list[dict] | None) -> tup
     for _, nics in nearest.values():
         for nic in nics:
             users[nic] = users.get(nic, 0) + 1
-    per_gpu = {g: sum(rates.get(nic, 0.0) / users[nic] for nic in nics) / 8 for g, (_, nics) in nearest.items()}
+    per_gpu = {
+        g: sum(rates.get(nic, 0.0) / users[nic] for nic in nics) / 8
+        for g, (_, nics) in nearest.items()
+    }
     worst = min(per_gpu, key=per_gpu.get)
     if per_gpu[worst] <= 0:
         return None, f"{worst} has no active NIC near it"
     level, nics = nearest[worst]
     shared = max(users[n] for n in nics)
-    return per_gpu[worst], (f"nearest NIC(s) of {worst} via {level}: {', '.join(nics)} at "
-                            f"{', '.join(f'{rates.get(n, 0):g}' for n in nics)} Gb/s, shared by {shared} GPU(s)")
+    return per_gpu[worst], (
+        f"nearest NIC(s) of {worst} via {level}: {', '.join(nics)} at "
+        f"{', '.join(f'{rates.get(n, 0):g}' for n in nics)} Gb/s, shared by {shared} GPU(s)"
+    )

@@ -1,4 +1,5 @@
 """After the ranks: the nccl-tests table, CSV, plots and the α–β fits."""
+
 from __future__ import annotations
 
 import math
@@ -46,7 +47,11 @@ def _cell(row) -> str:
     if row is None:
         return CELL.format("N/A", "N/A", "N/A", "N/A")
     t = row["time_us"]
-    wrong = "N/A" if row["wrong"] is None or (isinstance(row["wrong"], float) and math.isnan(row["wrong"])) else int(row["wrong"])
+    wrong = (
+        "N/A"
+        if row["wrong"] is None or (isinstance(row["wrong"], float) and math.isnan(row["wrong"]))
+        else int(row["wrong"])
+    )
     return CELL.format(_time(t), f"{row['algbw_GBps']:.2f}", f"{row['busbw_GBps']:.2f}", wrong)
 
 
@@ -60,23 +65,36 @@ def nccl_table(df: pd.DataFrame) -> str:
     for (link_class, dtype, collective), block in df.groupby(BLOCK_KEYS, sort=False):
         first = block.iloc[0]
         ids = sum(ID_WIDTHS.values()) + len(ID_WIDTHS) - 1
-        title = (f"# {collective}  link_class={link_class}  {int(first.group_size)} ranks/group x "
-                 f"{int(first.groups)} group(s)  dtype={dtype}  iters={int(first.iters)} "
-                 f"warmup={int(first.warmup)}")
+        title = (
+            f"# {collective}  link_class={link_class}  {int(first.group_size)} ranks/group x "
+            f"{int(first.groups)} group(s)  dtype={dtype}  iters={int(first.iters)} "
+            f"warmup={int(first.warmup)}"
+        )
         out += textwrap.wrap(title, WIDTH, subsequent_indent="#   ", break_on_hyphens=False)
-        names = (_ids("size", "count", "type", "redop", "root")
-                 + CELL.format("time", "algbw", "busbw", "#wrong") * 2)
-        units = (_ids("(B)", "(elements)", "", "", "")
-                 + CELL.format("(us)", "(GB/s)", "(GB/s)", "") * 2)
-        out += [f"#{'':{ids - 1}}{'out-of-place':^29}{'in-place':^29}".rstrip(),
-                "#" + names[1:], ("#" + units[1:]).rstrip()]
+        names = (
+            _ids("size", "count", "type", "redop", "root")
+            + CELL.format("time", "algbw", "busbw", "#wrong") * 2
+        )
+        units = (
+            _ids("(B)", "(elements)", "", "", "") + CELL.format("(us)", "(GB/s)", "(GB/s)", "") * 2
+        )
+        out += [
+            f"#{'':{ids - 1}}{'out-of-place':^29}{'in-place':^29}".rstrip(),
+            "#" + names[1:],
+            ("#" + units[1:]).rstrip(),
+        ]
         for nbytes, rows in block.groupby("nbytes", sort=True):
             by_mode = {r["mode"]: r for _, r in rows.iterrows()}
             r = rows.iloc[0]
-            out.append(_ids(int(nbytes), int(r["count"]), r["type"], r["redop"], int(r["root"]))
-                       + "".join(_cell(by_mode.get(m)) for m in MODES))
+            out.append(
+                _ids(int(nbytes), int(r["count"]), r["type"], r["redop"], int(r["root"]))
+                + "".join(_cell(by_mode.get(m)) for m in MODES)
+            )
         main = block[block["mode"] == fit_mode(df, collective)]
-        out += [f"# Avg bus bandwidth    : {main['busbw_GBps'].mean():.4g} GB/s ({fit_mode(df, collective)})", ""]
+        out += [
+            f"# Avg bus bandwidth    : {main['busbw_GBps'].mean():.4g} GB/s ({fit_mode(df, collective)})",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -89,17 +107,41 @@ def fits(df: pd.DataFrame, theoretical: dict[str, float | None]) -> tuple[list[d
         c = float(rows["bus_factor"].iloc[0])
         f = abfit.fit_alpha_beta(rows["nbytes"], rows["time_us"] * 1e-6, c)
         if f is None:
-            reason = "bus factor 0 (one rank)" if c == 0 else "fewer than 2 sizes" if len(rows) < 2 else \
-                "time does not grow with size (noise or too few sizes)"
-            unfitted.append({"collective": collective, "link_class": link_class, "dtype": dtype, "reason": reason})
+            reason = (
+                "bus factor 0 (one rank)"
+                if c == 0
+                else "fewer than 2 sizes"
+                if len(rows) < 2
+                else "time does not grow with size (noise or too few sizes)"
+            )
+            unfitted.append(
+                {
+                    "collective": collective,
+                    "link_class": link_class,
+                    "dtype": dtype,
+                    "reason": reason,
+                }
+            )
             continue
         theo = theoretical.get(link_class)
-        out.append({"collective": collective, "link_class": link_class, "alpha_us": f.alpha_us,
-                    "beta_GBps": f.beta_GBps, "r2": f.r2, "n_points": f.n_points, "algo_factor": c,
-                    "dtype": dtype, "world_size": int(rows["group_size"].iloc[0]), "theoretical_GBps": theo,
-                    "beta_pct_of_theoretical": 100 * f.beta_GBps / theo if theo else None,
-                    "mode": fit_mode(df, collective), "alpha_clamped": f.alpha_clamped,
-                    "groups": int(rows["groups"].iloc[0])})
+        out.append(
+            {
+                "collective": collective,
+                "link_class": link_class,
+                "alpha_us": f.alpha_us,
+                "beta_GBps": f.beta_GBps,
+                "r2": f.r2,
+                "n_points": f.n_points,
+                "algo_factor": c,
+                "dtype": dtype,
+                "world_size": int(rows["group_size"].iloc[0]),
+                "theoretical_GBps": theo,
+                "beta_pct_of_theoretical": 100 * f.beta_GBps / theo if theo else None,
+                "mode": fit_mode(df, collective),
+                "alpha_clamped": f.alpha_clamped,
+                "groups": int(rows["groups"].iloc[0]),
+            }
+        )
     return out, unfitted
 
 
@@ -116,14 +158,30 @@ def plot_busbw(df: pd.DataFrame, path: Path) -> Path:
     classes = list(dict.fromkeys(df.link_class))
     fig, axes = plots.figure(ncols=len(classes))
     for ax, link_class in zip(axes[0], classes):
-        part = df[(df.link_class == link_class) & (df["mode"] == df.collective.map(lambda c: fit_mode(df, c)))]
-        sns.lineplot(data=part, x="nbytes", y="busbw_GBps", hue="collective",
-                     style="dtype" if part.dtype.nunique() > 1 else None, marker="o", ax=ax)
+        part = df[
+            (df.link_class == link_class)
+            & (df["mode"] == df.collective.map(lambda c: fit_mode(df, c)))
+        ]
+        sns.lineplot(
+            data=part,
+            x="nbytes",
+            y="busbw_GBps",
+            hue="collective",
+            style="dtype" if part.dtype.nunique() > 1 else None,
+            marker="o",
+            ax=ax,
+        )
         plots.log2_bytes_axis(ax)
-        ax.set(xlabel="message size S", ylabel="bus bandwidth (GB/s)", title=f"busbw vs size ({link_class})")
+        ax.set(
+            xlabel="message size S",
+            ylabel="bus bandwidth (GB/s)",
+            title=f"busbw vs size ({link_class})",
+        )
         if ax is not axes[0][-1]:
             ax.get_legend().remove()
-    plots.legend_outside(axes[0][-1])  # one legend, right of the last panel: the collectives are the same
+    plots.legend_outside(
+        axes[0][-1]
+    )  # one legend, right of the last panel: the collectives are the same
     return plots.save(fig, path)
 
 
@@ -134,18 +192,30 @@ def plot_fits(df: pd.DataFrame, fitted: list[dict], path: Path) -> Path:
 
     classes = list(dict.fromkeys(df.link_class))
     fig, axes = plots.figure(ncols=len(classes))
-    colors = dict(zip(dict.fromkeys(df.collective), sns.color_palette("colorblind", df.collective.nunique())))
+    colors = dict(
+        zip(dict.fromkeys(df.collective), sns.color_palette("colorblind", df.collective.nunique()))
+    )
     for ax, link_class in zip(axes[0], classes):
         for f in (f for f in fitted if f["link_class"] == link_class):
-            rows = df[(df.link_class == link_class) & (df.collective == f["collective"]) & (df.dtype == f["dtype"])
-                      & (df["mode"] == f["mode"])].sort_values("nbytes")
+            rows = df[
+                (df.link_class == link_class)
+                & (df.collective == f["collective"])
+                & (df.dtype == f["dtype"])
+                & (df["mode"] == f["mode"])
+            ].sort_values("nbytes")
             s = np.geomspace(rows.nbytes.min(), rows.nbytes.max(), 50)
             model = f["alpha_us"] + s * f["algo_factor"] / (f["beta_GBps"] * 1e3)
-            ax.plot(rows.nbytes, rows.time_us, "o", color=colors[f["collective"]], label=f["collective"])
+            ax.plot(
+                rows.nbytes, rows.time_us, "o", color=colors[f["collective"]], label=f["collective"]
+            )
             ax.plot(s, model, "-", color=colors[f["collective"]], alpha=0.6)
         plots.log2_bytes_axis(ax)
         plots.log_axis_plain(ax, "y")
-        ax.set(xlabel="message size S", ylabel="time per op (µs)", title=f"α–β fit ({link_class}; lines = fit)")
+        ax.set(
+            xlabel="message size S",
+            ylabel="time per op (µs)",
+            title=f"α–β fit ({link_class}; lines = fit)",
+        )
     plots.legend_outside(axes[0][-1], "collective")
     return plots.save(fig, path)
 
@@ -156,11 +226,35 @@ def print_fits(fitted: list[dict]) -> None:
     from dtrain.core.terminal import console
 
     table = Table(title="α–β fit: t(S) = α + S·c/β  (β is a bus bandwidth)")
-    for col in ("collective", "link class", "dtype", "ranks", "α (µs)", "β (GB/s)", "R²", "points", "β % of link"):
-        table.add_column(col, justify="right" if col not in ("collective", "link class", "dtype") else "left")
+    for col in (
+        "collective",
+        "link class",
+        "dtype",
+        "ranks",
+        "α (µs)",
+        "β (GB/s)",
+        "R²",
+        "points",
+        "β % of link",
+    ):
+        table.add_column(
+            col, justify="right" if col not in ("collective", "link class", "dtype") else "left"
+        )
     for f in fitted:
-        pct = "n/a" if f["beta_pct_of_theoretical"] is None else f"{f['beta_pct_of_theoretical']:.0f}%"
-        table.add_row(f["collective"], f["link_class"], f["dtype"], str(f["world_size"]),
-                      f"{f['alpha_us']:.1f}" + ("*" if f["alpha_clamped"] else ""), f"{f['beta_GBps']:.3g}",
-                      f"{f['r2']:.3f}", str(f["n_points"]), pct)
+        pct = (
+            "n/a"
+            if f["beta_pct_of_theoretical"] is None
+            else f"{f['beta_pct_of_theoretical']:.0f}%"
+        )
+        table.add_row(
+            f["collective"],
+            f["link_class"],
+            f["dtype"],
+            str(f["world_size"]),
+            f"{f['alpha_us']:.1f}" + ("*" if f["alpha_clamped"] else ""),
+            f"{f['beta_GBps']:.3g}",
+            f"{f['r2']:.3f}",
+            str(f["n_points"]),
+            pct,
+        )
     console().print(table)

@@ -10,6 +10,7 @@
 
 Pure functions on text: the tests run them on saved outputs of real boxes.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,10 +28,12 @@ def strip_ansi(text: str) -> str:
 
 @dataclass
 class TopoMatrix:
-    devices: list[str]                       # column labels in order, NICs already renamed
-    links: dict[tuple[str, str], str]        # (row, column) -> X | NV18 | PIX | ... | SYS
-    affinity: dict[str, dict[str, str]] = field(default_factory=dict)  # device -> {"CPU Affinity": ..}
-    nic_legend: dict[str, str] = field(default_factory=dict)           # NIC0 -> mlx5_0
+    devices: list[str]  # column labels in order, NICs already renamed
+    links: dict[tuple[str, str], str]  # (row, column) -> X | NV18 | PIX | ... | SYS
+    affinity: dict[str, dict[str, str]] = field(
+        default_factory=dict
+    )  # device -> {"CPU Affinity": ..}
+    nic_legend: dict[str, str] = field(default_factory=dict)  # NIC0 -> mlx5_0
 
     @property
     def gpus(self) -> list[str]:
@@ -49,7 +52,7 @@ class TopoMatrix:
 
     def gpu_pairs(self) -> list[tuple[str, str]]:
         g = self.gpus
-        return [(a, b) for i, a in enumerate(g) for b in g[i + 1:]]
+        return [(a, b) for i, a in enumerate(g) for b in g[i + 1 :]]
 
     def pair_kinds(self) -> dict[str, int]:
         """How many GPU pairs have each link kind, e.g. {'NV18': 28}."""
@@ -74,9 +77,15 @@ class TopoMatrix:
 def parse_topo_matrix(text: str) -> TopoMatrix:
     lines = [strip_ansi(line).rstrip() for line in text.splitlines()]
     try:
-        h = next(i for i, line in enumerate(lines) if re.search(r"\bGPU0\b", line) and not line.lstrip().startswith("GPU0 "))
+        h = next(
+            i
+            for i, line in enumerate(lines)
+            if re.search(r"\bGPU0\b", line) and not line.lstrip().startswith("GPU0 ")
+        )
     except StopIteration:
-        raise ValueError("no GPU matrix header (a line naming GPU0) in nvidia-smi topo -m output") from None
+        raise ValueError(
+            "no GPU matrix header (a line naming GPU0) in nvidia-smi topo -m output"
+        ) from None
     columns = [c.strip() for c in lines[h].split("\t") if c.strip()]
     if len(columns) == 1:  # header without tabs: fall back to runs of 2+ spaces
         columns = [c for c in re.split(r"\s{2,}|\t", lines[h].strip()) if c]
@@ -84,7 +93,7 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     devices, extra = columns[:n_dev], columns[n_dev:]
     links: dict[tuple[str, str], str] = {}
     affinity: dict[str, dict[str, str]] = {}
-    for line in lines[h + 1:]:
+    for line in lines[h + 1 :]:
         tokens = line.split()
         if not tokens or tokens[0] not in devices:
             if tokens and tokens[0].startswith("Legend"):
@@ -98,9 +107,12 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
             affinity[row] = dict(zip(extra, values))
     legend = dict(re.findall(r"^\s*(NIC\d+):\s*(\S+)\s*$", "\n".join(lines), flags=re.M))
     rename = lambda d: legend.get(d, d)  # noqa: E731
-    return TopoMatrix(devices=[rename(d) for d in devices],
-                      links={(rename(a), rename(b)): v for (a, b), v in links.items()},
-                      affinity={rename(d): v for d, v in affinity.items()}, nic_legend=legend)
+    return TopoMatrix(
+        devices=[rename(d) for d in devices],
+        links={(rename(a), rename(b)): v for (a, b), v in links.items()},
+        affinity={rename(d): v for d, v in affinity.items()},
+        nic_legend=legend,
+    )
 
 
 def parse_nvlink_status(text: str) -> dict[int, list[float | None]]:
@@ -135,8 +147,13 @@ def parse_ibstat(text: str) -> list[dict]:
             continue
         m = re.match(r"^Port (\d+):$", s)
         if m:
-            port = {"port": int(m.group(1)), "state": None, "physical_state": None, "rate_Gbps": None,
-                    "link_layer": None}
+            port = {
+                "port": int(m.group(1)),
+                "state": None,
+                "physical_state": None,
+                "rate_Gbps": None,
+                "link_layer": None,
+            }
             cas[-1]["ports"].append(port)
             continue
         key, _, value = s.partition(":")
@@ -144,8 +161,12 @@ def parse_ibstat(text: str) -> list[dict]:
         if key == "CA type":
             cas[-1]["ca_type"] = value
         elif port is not None and key in ("State", "Physical state", "Rate", "Link layer"):
-            name = {"State": "state", "Physical state": "physical_state", "Rate": "rate_Gbps",
-                    "Link layer": "link_layer"}[key]
+            name = {
+                "State": "state",
+                "Physical state": "physical_state",
+                "Rate": "rate_Gbps",
+                "Link layer": "link_layer",
+            }[key]
             port[name] = float(value) if key == "Rate" else value
     return cas
 

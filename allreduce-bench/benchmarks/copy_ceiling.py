@@ -8,6 +8,7 @@ is such a copy; NVLink busbw above it would be a measuring error).
 Prints bytes/s of the copy (S/t, the busbw convention) and the memory traffic it implies (2S/t:
 every byte is read once and written once, which is what CUDA's bandwidthTest reports for D2D).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,15 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA GPU: run on a GPU node or drop --device")
+        raise SystemExit(
+            "error: --device cuda but torch sees no CUDA GPU: run on a GPU node or drop --device"
+        )
     top = parse_bytes(args.max_bytes or ("1G" if device.type == "cuda" else "256M"), "max")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
     print(f"# copy ceiling on {name}: dst.copy_(src), iters={args.iters}")
     print(f"#{'size (B)':>11}  {'time (us)':>10}  {'copy GB/s':>9}  {'traffic GB/s':>12}")
     best = 0.0

@@ -9,6 +9,7 @@ busbw (= raw time / tool time, per-op times averaged over ranks); the median ove
 answer, its interquartile range the noise. Goal: >= 0.98 at >= 1 MiB (the tool's closures,
 barrier and bookkeeping cost <= 2%).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def raw_loop(x: torch.Tensor, warmup: int, iters: int, device) -> float:
 
 def tool_time(collective: str, lay, dtype, device, warmup: int, iters: int) -> float:
     """Exactly the path `python -m allreduce_bench` takes for one case (sweep.py)."""
-    case = collectives.build(collective, lay, dtype, device, dist.group.WORLD, "sum", 0, in_place=True)
+    case = collectives.build(
+        collective, lay, dtype, device, dist.group.WORLD, "sum", 0, in_place=True
+    )
     seconds = sweep.time_per_op(case, warmup, iters, device)
     return sweep.over_ranks(seconds, True, 0, device)[0]
 
@@ -55,13 +58,18 @@ def closure_overhead_ns(calls: int = 200_000) -> float:
     x, op, group = object(), object(), object()
     run = lambda: stub(x, op=op, group=group)  # noqa: E731  (the shape of Case.run)
     best = {}
-    for name, loop in (("raw", lambda: [stub(x) for _ in range(calls)]), ("tool", lambda: [run() for _ in range(calls)])):
+    for name, loop in (
+        ("raw", lambda: [stub(x) for _ in range(calls)]),
+        ("tool", lambda: [run() for _ in range(calls)]),
+    ):
         best[name] = min(timeit.repeat(loop, number=1, repeat=5)) / calls
     return (best["tool"] - best["raw"]) * 1e9
 
 
 def avg_over_ranks(seconds: float, device) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    t = torch.tensor(
+        [seconds], dtype=torch.float64, device=device if device.type == "cuda" else "cpu"
+    )
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -73,11 +81,15 @@ def worker(rank: int, args, port: int) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.world_size)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.world_size
+    )
     dtype, n = torch_dtype(args.dtype), args.world_size
     elem = torch.empty(0, dtype=dtype).element_size()
     rows = []
-    for size in size_sweep(parse_bytes(args.min_bytes, "min"), parse_bytes(args.max_bytes, "max"), args.factor):
+    for size in size_sweep(
+        parse_bytes(args.min_bytes, "min"), parse_bytes(args.max_bytes, "max"), args.factor
+    ):
         lay = busbw.layout("all_reduce", size, elem, n)
         x = torch.ones(lay.count, dtype=dtype, device=device)
         tool, raw = [], []
@@ -85,30 +97,54 @@ def worker(rank: int, args, port: int) -> None:
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for side in order:
                 if side == 0:
-                    tool.append(tool_time("all_reduce", lay, dtype, device, args.warmup, args.iters))
+                    tool.append(
+                        tool_time("all_reduce", lay, dtype, device, args.warmup, args.iters)
+                    )
                 else:
                     raw.append(avg_over_ranks(raw_loop(x, args.warmup, args.iters, device), device))
         t_tool, t_raw = statistics.median(tool), statistics.median(raw)
         paired = sorted(r / t for r, t in zip(raw, tool))  # each round's two sides ran back to back
         q1, q3 = paired[len(paired) // 4], paired[(3 * len(paired)) // 4]
-        rows.append((lay.nbytes, busbw.busbw_GBps("all_reduce", lay.nbytes, t_tool, n),
-                     busbw.busbw_GBps("all_reduce", lay.nbytes, t_raw, n), statistics.median(paired), q1, q3))
+        rows.append(
+            (
+                lay.nbytes,
+                busbw.busbw_GBps("all_reduce", lay.nbytes, t_tool, n),
+                busbw.busbw_GBps("all_reduce", lay.nbytes, t_raw, n),
+                statistics.median(paired),
+                q1,
+                q3,
+            )
+        )
     if rank == 0:
-        print(f"# all_reduce {args.dtype}, {n} ranks ({device.type}), iters={args.iters} warmup={args.warmup}, "
-              f"median of {args.rounds} interleaved rounds")
-        print("# busbw (GB/s) from each side's median time; ratio = tool busbw / raw busbw, the median over rounds "
-              "of the paired ratio (both sides of a round ran back to back), with its interquartile range")
-        print(f"#{'size (B)':>11}  {'tool busbw':>10}  {'raw busbw':>10}  {'ratio':>6}  {'IQR':>13}")
+        print(
+            f"# all_reduce {args.dtype}, {n} ranks ({device.type}), iters={args.iters} warmup={args.warmup}, "
+            f"median of {args.rounds} interleaved rounds"
+        )
+        print(
+            "# busbw (GB/s) from each side's median time; ratio = tool busbw / raw busbw, the median over rounds "
+            "of the paired ratio (both sides of a round ran back to back), with its interquartile range"
+        )
+        print(
+            f"#{'size (B)':>11}  {'tool busbw':>10}  {'raw busbw':>10}  {'ratio':>6}  {'IQR':>13}"
+        )
         for nbytes, b_tool, b_raw, ratio, q1, q3 in rows:
             print(f"{nbytes:>12}  {b_tool:10.4f}  {b_raw:10.4f}  {ratio:6.3f}  {q1:6.3f}-{q3:6.3f}")
-        big = [(r, nb * busbw.bus_factor("all_reduce", n) / (bt * 1e9)) for nb, bt, _, r, _, _ in rows if nb >= 2**20]
+        big = [
+            (r, nb * busbw.bus_factor("all_reduce", n) / (bt * 1e9))
+            for nb, bt, _, r, _, _ in rows
+            if nb >= 2**20
+        ]
         if big:
-            print(f"# sizes >= 1 MiB: median paired ratio {', '.join(f'{r:.3f}' for r, _ in big)} "
-                  f"({'meets' if min(r for r, _ in big) >= 0.98 else 'misses'} the >= 0.98 goal)")
+            print(
+                f"# sizes >= 1 MiB: median paired ratio {', '.join(f'{r:.3f}' for r, _ in big)} "
+                f"({'meets' if min(r for r, _ in big) >= 0.98 else 'misses'} the >= 0.98 goal)"
+            )
             extra, fastest = closure_overhead_ns(), min(t for _, t in big)
-            print(f"# the only code the tool adds inside the timed loop costs {extra:.0f} ns per op "
-                  f"= {100 * extra * 1e-9 / fastest:.4f}% of the fastest op >= 1 MiB here ({fastest * 1e6:.0f} us); "
-                  f"ratio bound from it: {1 / (1 + extra * 1e-9 / fastest):.5f}")
+            print(
+                f"# the only code the tool adds inside the timed loop costs {extra:.0f} ns per op "
+                f"= {100 * extra * 1e-9 / fastest:.4f}% of the fastest op >= 1 MiB here ({fastest * 1e6:.0f} us); "
+                f"ratio bound from it: {1 / (1 + extra * 1e-9 / fastest):.5f}"
+            )
     dist.destroy_process_group()
 
 
@@ -124,7 +160,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
-    mp.start_processes(worker, args=(args, free_port()), nprocs=args.world_size, start_method="spawn")
+    mp.start_processes(
+        worker, args=(args, free_port()), nprocs=args.world_size, start_method="spawn"
+    )
 
 
 if __name__ == "__main__":

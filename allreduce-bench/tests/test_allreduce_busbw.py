@@ -1,4 +1,5 @@
 """Byte counts and bus factors against hand-computed nccl-tests values, for n = 2, 4, 8."""
+
 import pytest
 
 from allreduce_bench import busbw
@@ -6,7 +7,9 @@ from allreduce_bench import busbw
 MiB = 2**20
 
 
-@pytest.mark.parametrize("n, all_reduce, chunked", [(2, 1.0, 0.5), (4, 1.5, 0.75), (8, 1.75, 0.875)])
+@pytest.mark.parametrize(
+    "n, all_reduce, chunked", [(2, 1.0, 0.5), (4, 1.5, 0.75), (8, 1.75, 0.875)]
+)
 def test_bus_factors(n, all_reduce, chunked):
     assert busbw.bus_factor("all_reduce", n) == all_reduce
     for c in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -21,7 +24,12 @@ def test_bytes_counted_per_collective(n):
     # all_reduce, broadcast, reduce, sendrecv: the per-rank buffer of S bytes
     for c in ("all_reduce", "broadcast", "reduce", "sendrecv"):
         lay = busbw.layout(c, MiB, w, n)
-        assert (lay.send_numel, lay.recv_numel, lay.count, lay.nbytes) == (MiB // 4, MiB // 4, MiB // 4, MiB)
+        assert (lay.send_numel, lay.recv_numel, lay.count, lay.nbytes) == (
+            MiB // 4,
+            MiB // 4,
+            MiB // 4,
+            MiB,
+        )
     # all_gather: S is the whole output; each rank sends S/n
     ag = busbw.layout("all_gather", MiB, w, n)
     assert (ag.send_numel, ag.recv_numel, ag.nbytes) == (MiB // 4 // n, MiB // 4, MiB)
@@ -30,7 +38,12 @@ def test_bytes_counted_per_collective(n):
     assert (rs.send_numel, rs.recv_numel, rs.nbytes) == (MiB // 4, MiB // 4 // n, MiB)
     # all_to_all: S is the per-rank send buffer, n chunks of S/n
     a2a = busbw.layout("all_to_all", MiB, w, n)
-    assert (a2a.send_numel, a2a.recv_numel, a2a.chunk, a2a.nbytes) == (MiB // 4, MiB // 4, MiB // 4 // n, MiB)
+    assert (a2a.send_numel, a2a.recv_numel, a2a.chunk, a2a.nbytes) == (
+        MiB // 4,
+        MiB // 4,
+        MiB // 4 // n,
+        MiB,
+    )
 
 
 def test_chunked_sizes_round_down_to_whole_chunks_like_nccl_tests():

@@ -1,4 +1,5 @@
 """The α–β fit recovers known α, β from synthetic timings."""
+
 import numpy as np
 import pytest
 
@@ -46,7 +47,7 @@ def test_negative_alpha_is_clamped_and_flagged():
 
 
 def test_no_fit_without_a_line():
-    assert fit_alpha_beta([1024], [1e-5], 1.0) is None            # one size
+    assert fit_alpha_beta([1024], [1e-5], 1.0) is None  # one size
     assert fit_alpha_beta([1024, 2048], [1e-5, 2e-5], 0.0) is None  # c = 0 (one rank)
     assert fit_alpha_beta([1024, 2048], [2e-5, 1e-5], 1.0) is None  # time falls with size
 
@@ -55,4 +56,6 @@ def test_r_squared_by_hand():
     y = np.array([1.0, 2.0, 3.0])
     assert r_squared(y, np.array([1.0, 2.0, 4.0])) == pytest.approx(1 - 1 / 2)
     # weights 1, 1, 2: weighted mean 2.25, SS_tot = 1.5625 + 0.0625 + 2 * 0.5625, SS_res = 2 * 1
-    assert r_squared(y, np.array([1.0, 2.0, 4.0]), np.array([1.0, 1.0, 2.0])) == pytest.approx(1 - 2 / 2.75)
+    assert r_squared(y, np.array([1.0, 2.0, 4.0]), np.array([1.0, 1.0, 2.0])) == pytest.approx(
+        1 - 2 / 2.75
+    )

@@ -1,4 +1,5 @@
 """Topology parsers and link-speed expectations on saved outputs of three real box types."""
+
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,12 @@ FIX = Path(__file__).parent / "fixtures"
 
 def raw(box: str) -> dict:
     read = lambda name: (FIX / name).read_text() if (FIX / name).exists() else None  # noqa: E731
-    return {"topo": read(f"{box}_topo.txt"), "nvlink": read(f"{box}_nvlink.txt"), "pcie": read(f"{box}_query.csv"),
-            "ibstat": read(f"{box}_ibstat.txt")}
+    return {
+        "topo": read(f"{box}_topo.txt"),
+        "nvlink": read(f"{box}_nvlink.txt"),
+        "pcie": read(f"{box}_query.csv"),
+        "ibstat": read(f"{box}_ibstat.txt"),
+    }
 
 
 def test_h100_matrix_with_ansi_header_and_nic_legend():
@@ -24,7 +29,11 @@ def test_h100_matrix_with_ansi_header_and_nic_legend():
     assert m.pair_kinds() == {"NV18": 28} and m.nvlinks("GPU0", "GPU7") == 18
     assert m.link("GPU1", "mlx5_3") == "PIX" and m.link("mlx5_3", "GPU1") == "PIX"
     assert m.link("GPU0", "mlx5_6") == "SYS"
-    assert m.affinity["GPU0"] == {"CPU Affinity": "0-55,112-167", "NUMA Affinity": "0", "GPU NUMA ID": "N/A"}
+    assert m.affinity["GPU0"] == {
+        "CPU Affinity": "0-55,112-167",
+        "NUMA Affinity": "0",
+        "GPU NUMA ID": "N/A",
+    }
     assert m.affinity["GPU6"]["NUMA Affinity"] == "1"
     assert "mlx5_0" not in m.affinity  # NIC rows carry no affinity columns
     assert m.nearest_nics("GPU5") == ("PIX", ["mlx5_9"])
@@ -49,22 +58,51 @@ def test_pcie_only_matrix():
 def test_nvlink_status_and_ibstat():
     nv = topology.parse_nvlink_status((FIX / "h100_nvlink.txt").read_text())
     assert sorted(nv) == list(range(8)) and nv[3] == [26.562] * 18
-    assert topology.parse_nvlink_status((FIX / "pcie_nvlink.txt").read_text()) == {0: [], 1: [], 2: [], 3: []}
-    assert topology.parse_nvlink_status("GPU 0: X (UUID: GPU-1)\n\t Link 0: 25 GB/s\n\t Link 1: <inactive>\n") == {0: [25.0, None]}
+    assert topology.parse_nvlink_status((FIX / "pcie_nvlink.txt").read_text()) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [],
+    }
+    assert topology.parse_nvlink_status(
+        "GPU 0: X (UUID: GPU-1)\n\t Link 0: 25 GB/s\n\t Link 1: <inactive>\n"
+    ) == {0: [25.0, None]}
     ib = topology.parse_ibstat((FIX / "h100_ibstat.txt").read_text())
     assert [ca["name"] for ca in ib] == [f"mlx5_{i}" for i in range(12)]
     assert ib[0]["ca_type"] == "MT4129"
-    assert ib[0]["ports"] == [{"port": 1, "state": "Active", "physical_state": "LinkUp", "rate_Gbps": 400.0,
-                               "link_layer": "InfiniBand"}]
+    assert ib[0]["ports"] == [
+        {
+            "port": 1,
+            "state": "Active",
+            "physical_state": "LinkUp",
+            "rate_Gbps": 400.0,
+            "link_layer": "InfiniBand",
+        }
+    ]
     assert ib[8]["ports"][0]["state"] == "Down"
-    assert linkspeed.nic_rates_Gbps(ib)["mlx5_1"] == 200.0 and "mlx5_8" not in linkspeed.nic_rates_Gbps(ib)
+    assert linkspeed.nic_rates_Gbps(ib)[
+        "mlx5_1"
+    ] == 200.0 and "mlx5_8" not in linkspeed.nic_rates_Gbps(ib)
 
 
-@pytest.mark.parametrize("box, gpu, intra, inter", [
-    ("h100", "NVIDIA H100 80GB HBM3", 450.0, 50.0),   # 18 x 25 GB/s NVLink4; one 400G NIC per GPU
-    ("a100", "A100-SXM4-40GB", 300.0, 25.0),          # 12 x 25 GB/s NVLink3; two 200G NICs per GPU pair
-    ("pcie", "NVIDIA L40S", 16 * 1.969, 100 / 4 / 8),  # PCIe Gen4 x16; one 100G NIC for four GPUs
-])
+@pytest.mark.parametrize(
+    "box, gpu, intra, inter",
+    [
+        (
+            "h100",
+            "NVIDIA H100 80GB HBM3",
+            450.0,
+            50.0,
+        ),  # 18 x 25 GB/s NVLink4; one 400G NIC per GPU
+        ("a100", "A100-SXM4-40GB", 300.0, 25.0),  # 12 x 25 GB/s NVLink3; two 200G NICs per GPU pair
+        (
+            "pcie",
+            "NVIDIA L40S",
+            16 * 1.969,
+            100 / 4 / 8,
+        ),  # PCIe Gen4 x16; one 100G NIC for four GPUs
+    ],
+)
 def test_theoretical_bandwidth_per_link_class(box, gpu, intra, inter):
     facts = topology_report.analyse(raw(box), gpu)
     assert facts["source"] == "nvidia-smi" and facts["gpu_count"] in (4, 8)
@@ -92,13 +130,22 @@ def test_report_markdown_for_h100():
 
 def test_report_without_gpu_describes_the_host():
     facts = topology_report.analyse({"topo": None, "nvlink": None, "pcie": None, "ibstat": None})
-    assert facts["source"] == "none" and facts["theoretical_GBps"] == {"intra_node": None, "inter_node": None}
+    assert facts["source"] == "none" and facts["theoretical_GBps"] == {
+        "intra_node": None,
+        "inter_node": None,
+    }
     md = topology_report.render(facts, {"topo": None}, ["h"])
     assert "No NVIDIA GPU" in md and "## Host" in md and "logical CPUs" in md
     assert facts["host_cpu"]["logical_cpus"] >= 1
 
 
 def test_unreadable_topo_output_is_not_fatal():
-    facts = topology_report.analyse({"topo": "NVML: Driver/library version mismatch", "nvlink": None, "pcie": None,
-                                     "ibstat": None})
+    facts = topology_report.analyse(
+        {
+            "topo": "NVML: Driver/library version mismatch",
+            "nvlink": None,
+            "pcie": None,
+            "ibstat": None,
+        }
+    )
     assert facts["source"] == "none"

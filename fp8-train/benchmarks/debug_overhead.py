@@ -12,6 +12,7 @@ the mean; noise from another job is one-sided, so both take minima). A multi-ran
 same per-rank work (stats are computed on rank 0 only). Writes JSON to --out and prints a table.
 Target: <= 5% at freq=10.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,18 +34,46 @@ from fp8_train import backends
 from fp8_train.conf import Fp8DebugConfig
 from fp8_train.debug import DebugTool
 
-FP8 = OmegaConf.create({"margin": 0, "amax_history_len": 16, "amax_compute_algo": "max", "e5m2_overflow": "saturate"})
+FP8 = OmegaConf.create(
+    {"margin": 0, "amax_history_len": 16, "amax_compute_algo": "max", "e5m2_overflow": "saturate"}
+)
 
 
 def make(args, freq: int, enabled: bool) -> Trainer:
     tmp = Path(tempfile.mkdtemp(prefix="fp8-dbg-bench-"))
-    ctx = RankContext(OmegaConf.create({"seed": 0}), DistEnv(0, 1, 0, 1, "127.0.0.1", 0), torch.device("cpu"), "gloo",
-                      tmp, RunWriter(tmp))
-    debug = OmegaConf.structured(Fp8DebugConfig(enabled=enabled, freq=freq, margin=0, amax_history_len=16,
-                                                e5m2_overflow="saturate", sample_elements=args.sample_elements))
-    train = TrainConfig(steps=10**6, micro_batch=args.micro_batch, strategy="single", dataset_tokens=100_000, log_every=0)
-    t = Trainer(ctx, train, GPTConfig.from_preset(args.preset), callbacks=[DebugTool(debug, tmp, 0)],
-                linear_factory=backends.emulated_linear("emulated_delayed", FP8), peak_flops=(1e12, "unused"))
+    ctx = RankContext(
+        OmegaConf.create({"seed": 0}),
+        DistEnv(0, 1, 0, 1, "127.0.0.1", 0),
+        torch.device("cpu"),
+        "gloo",
+        tmp,
+        RunWriter(tmp),
+    )
+    debug = OmegaConf.structured(
+        Fp8DebugConfig(
+            enabled=enabled,
+            freq=freq,
+            margin=0,
+            amax_history_len=16,
+            e5m2_overflow="saturate",
+            sample_elements=args.sample_elements,
+        )
+    )
+    train = TrainConfig(
+        steps=10**6,
+        micro_batch=args.micro_batch,
+        strategy="single",
+        dataset_tokens=100_000,
+        log_every=0,
+    )
+    t = Trainer(
+        ctx,
+        train,
+        GPTConfig.from_preset(args.preset),
+        callbacks=[DebugTool(debug, tmp, 0)],
+        linear_factory=backends.emulated_linear("emulated_delayed", FP8),
+        peak_flops=(1e12, "unused"),
+    )
     t._call("on_train_start")
     return t
 
@@ -59,8 +88,11 @@ def main() -> None:
     p.add_argument("--out", default="results/fp8-train-bench")
     args = p.parse_args()
     torch.set_num_threads(1)
-    cases = {"off": make(args, args.freq, False), "track_only": make(args, 10**9, True),
-             f"freq_{args.freq}": make(args, args.freq, True)}
+    cases = {
+        "off": make(args, args.freq, False),
+        "track_only": make(args, 10**9, True),
+        f"freq_{args.freq}": make(args, args.freq, True),
+    }
     steps: dict[str, list[list[float]]] = {k: [] for k in cases}  # [round][position] seconds
     for _ in range(args.rounds):
         for name, trainer in cases.items():
@@ -72,20 +104,31 @@ def main() -> None:
             steps[name].append(times)
     best = {k: min(sum(r) / len(r) for r in v) for k, v in steps.items()}
     per_step = {k: sum(min(col) for col in zip(*v)) / args.freq for k, v in steps.items()}
-    result = {"preset": args.preset, "micro_batch": args.micro_batch, "freq": args.freq, "rounds": args.rounds,
-              "sample_elements": args.sample_elements, "step_s": steps, "best_round_s_per_step": best,
-              "per_step_min_s_per_step": per_step,
-              "overhead_pct": {k: 100 * (v / best["off"] - 1) for k, v in best.items()},
-              "overhead_pct_per_step_min": {k: 100 * (v / per_step["off"] - 1) for k, v in per_step.items()},
-              "machine": "shared 2-core CPU, 1 thread"}
+    result = {
+        "preset": args.preset,
+        "micro_batch": args.micro_batch,
+        "freq": args.freq,
+        "rounds": args.rounds,
+        "sample_elements": args.sample_elements,
+        "step_s": steps,
+        "best_round_s_per_step": best,
+        "per_step_min_s_per_step": per_step,
+        "overhead_pct": {k: 100 * (v / best["off"] - 1) for k, v in best.items()},
+        "overhead_pct_per_step_min": {
+            k: 100 * (v / per_step["off"] - 1) for k, v in per_step.items()
+        },
+        "machine": "shared 2-core CPU, 1 thread",
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"debug-overhead-{args.preset}-{datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"{'':6s} {'':12s} {'best round':>19s}  {'per-step min':>19s}")
     for k, v in best.items():
-        print(f"{args.preset:6s} {k:12s} {v * 1e3:7.1f} ms {result['overhead_pct'][k]:+6.1f}%"
-              f"  {per_step[k] * 1e3:7.1f} ms {result['overhead_pct_per_step_min'][k]:+6.1f}%")
+        print(
+            f"{args.preset:6s} {k:12s} {v * 1e3:7.1f} ms {result['overhead_pct'][k]:+6.1f}%"
+            f"  {per_step[k] * 1e3:7.1f} ms {result['overhead_pct_per_step_min'][k]:+6.1f}%"
+        )
     print(f"wrote {path}")
 
 

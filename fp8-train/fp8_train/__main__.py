@@ -1,11 +1,12 @@
 """`python -m fp8_train` (or `fp8-train`):
 
-    python -m fp8_train [hydra overrides]            train one run (recipe=..., see conf/config.yaml)
-    python -m fp8_train -m recipe=fp32,emulated_delayed seed=0,1     a Hydra sweep of runs
-    python -m fp8_train inspect RUN [key=value ...]  rank the worst layers from the FP8 debug records
-    python -m fp8_train dashboard RUN [RUN...]       training-health dashboard (PNG + HTML)
-    python -m fp8_train compare [options] [overrides]  high precision vs FP8 recipes over seeds
+python -m fp8_train [hydra overrides]            train one run (recipe=..., see conf/config.yaml)
+python -m fp8_train -m recipe=fp32,emulated_delayed seed=0,1     a Hydra sweep of runs
+python -m fp8_train inspect RUN [key=value ...]  rank the worst layers from the FP8 debug records
+python -m fp8_train dashboard RUN [RUN...]       training-health dashboard (PNG + HTML)
+python -m fp8_train compare [options] [overrides]  high precision vs FP8 recipes over seeds
 """
+
 from __future__ import annotations
 
 import sys
@@ -14,8 +15,12 @@ from dtrain.core.errors import UserError, fail
 from dtrain.run.app import hydra_main
 
 # named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
-train_main = hydra_main("fp8_train.conf", rank_fn="fp8_train.train:rank_fn", validate="fp8_train.checks:validate",
-                        finalize="fp8_train.train:finalize")
+train_main = hydra_main(
+    "fp8_train.conf",
+    rank_fn="fp8_train.train:rank_fn",
+    validate="fp8_train.checks:validate",
+    finalize="fp8_train.train:finalize",
+)
 
 
 def _tool(name: str):

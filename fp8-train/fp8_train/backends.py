@@ -14,6 +14,7 @@ FP8 recipes keep everything that is not an FP8 linear in `train.precision` (auto
 CPU). TransformerEngine and torchao are imported only when asked for; a missing one is one clear
 error line. See te_backend.py for the TransformerEngine glue.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,7 @@ from dtrain.core.errors import UserError, missing_dependency
 from dtrain.model.gpt import default_linear
 from fp8_train.recipes import HIGH, RECIPES, backend_of
 
+
 def high_precision(recipe: str, precision: str, device: torch.device) -> str:
     """The dtype of everything that is not an FP8 linear."""
     if recipe in HIGH:
@@ -41,10 +43,11 @@ def high_precision(recipe: str, precision: str, device: torch.device) -> str:
 @dataclass
 class Numerics:
     """What the Trainer needs for one recipe."""
+
     recipe: str
     backend: str
-    precision: str                               # fp32 | bf16 | fp16: the non-FP8 dtype
-    fp8_linear: Callable | None = None           # (name, in, out, bias) -> module, None for baselines
+    precision: str  # fp32 | bf16 | fp16: the non-FP8 dtype
+    fp8_linear: Callable | None = None  # (name, in, out, bias) -> module, None for baselines
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None
     grad_scaler: object | None = None
     notes: list[str] = field(default_factory=list)
@@ -74,8 +77,10 @@ def _import_torchao():
 
         if importlib.util.find_spec("torchao") is None:
             raise missing_dependency("torchao", "fp8", "recipe=torchao_*") from None
-        raise UserError(f"torchao is installed but its float8 training does not import ({e}): install the torchao "
-                        f"release made for torch {torch.__version__.split('+')[0]}") from None
+        raise UserError(
+            f"torchao is installed but its float8 training does not import ({e}): install the torchao "
+            f"release made for torch {torch.__version__.split('+')[0]}"
+        ) from None
     return Float8LinearConfig, Float8Linear
 
 
@@ -91,9 +96,16 @@ def emulated_linear(recipe: str, fp8_cfg) -> Callable:
     one_of("fp8.e5m2_overflow", fp8_cfg.e5m2_overflow, ("saturate", "inf"))
     bwd = replace(E5M2, saturate=fp8_cfg.e5m2_overflow == "saturate")
     scaling = recipe.split("_", 1)[1]
-    return lambda name, i, o, bias: FP8Linear(i, o, bias, scaling=scaling, margin=fp8_cfg.margin,
-                                              history_len=fp8_cfg.amax_history_len,
-                                              amax_algo=fp8_cfg.amax_compute_algo, bwd_format=bwd)
+    return lambda name, i, o, bias: FP8Linear(
+        i,
+        o,
+        bias,
+        scaling=scaling,
+        margin=fp8_cfg.margin,
+        history_len=fp8_cfg.amax_history_len,
+        amax_algo=fp8_cfg.amax_compute_algo,
+        bwd_format=bwd,
+    )
 
 
 def torchao_linear(recipe: str, emulate: bool) -> Callable:
@@ -122,10 +134,16 @@ def build(recipe: str, precision: str, fp8_cfg, device: torch.device) -> Numeric
     if backend == "emulated":
         n.fp8_linear = emulated_linear(recipe, fp8_cfg)
     elif backend == "torchao":
-        emulate = device.type == "cpu" if fp8_cfg.torchao_emulate == "auto" else bool(fp8_cfg.torchao_emulate)
+        emulate = (
+            device.type == "cpu"
+            if fp8_cfg.torchao_emulate == "auto"
+            else bool(fp8_cfg.torchao_emulate)
+        )
         n.fp8_linear = torchao_linear(recipe, emulate)
         if emulate:
-            n.notes.append("torchao emulate=True: torchao's FP8 casts and scales, GEMMs in high precision")
+            n.notes.append(
+                "torchao emulate=True: torchao's FP8 casts and scales, GEMMs in high precision"
+            )
     elif backend == "te":
         from fp8_train import te_backend
 
@@ -148,7 +166,9 @@ def to_high_precision(module: nn.Module) -> bool:
     if isinstance(module, FP8Linear):
         module.fp8_enabled = False
         return True
-    if type(module).__name__ == "Float8Linear":  # torchao: run nn.Linear's forward on the same weight
+    if (
+        type(module).__name__ == "Float8Linear"
+    ):  # torchao: run nn.Linear's forward on the same weight
         module.forward = nn.Linear.forward.__get__(module)
         return True
     return False

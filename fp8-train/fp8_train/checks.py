@@ -2,6 +2,7 @@
 sweep). The values first, without torch (a wrong one is one line in a fraction of a second); then what needs
 torch: a local run's device and whether its recipe runs there, memory, a resume's checkpoint, the precision map
 and the fault plan against the model's layers."""
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,9 @@ from fp8_train import recipes
 
 def validate(cfg: DictConfig) -> None:
     if cfg.recipe not in recipes.RECIPES:
-        raise UserError(f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(recipes.RECIPES)}")
+        raise UserError(
+            f"recipe={cfg.recipe!r} is unknown: choose one of {', '.join(recipes.RECIPES)}"
+        )
     recipes.check_fp8_cfg(cfg.fp8)
     train, model = run_checks.check_values(cfg)
     recipes.check_run(cfg.recipe, train.micro_batch, model.seq_len, train.activation_checkpointing)

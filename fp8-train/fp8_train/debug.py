@@ -27,6 +27,7 @@ tensor x recipe at once, overflow counted only in blocks whose max passes the th
 round trip in one (tensors, recipes, elements) pass, two read-backs (`.tolist()`) per format.
 Past PENDING_LIMIT held elements a batch runs early, so the copies stay bounded.
 """
+
 from __future__ import annotations
 
 import re
@@ -39,8 +40,15 @@ from dtrain.train import Callback
 from fp8_train import fp4
 from fp8_train.emulated import in_recompute
 from fp8_train.formats import Format
-from fp8_train.quantstats import (BLOCK, batch_roundtrip, block_stats, count_above, fmt_for, overflow_thresholds,
-                                  stats_from_sums)
+from fp8_train.quantstats import (
+    BLOCK,
+    batch_roundtrip,
+    block_stats,
+    count_above,
+    fmt_for,
+    overflow_thresholds,
+    stats_from_sums,
+)
 from fp8_train.scaling import amax_of, scale_from_amax
 
 TENSORS = ("activation", "weight", "gradient")
@@ -60,16 +68,21 @@ class AmaxHistory:
         return torch.stack(self.values).max() if self.values else torch.zeros((), device=device)
 
     def scale(self, fmt: Format, margin: int) -> float:
-        return float(scale_from_amax(self.amax(), fmt, margin))  # no history yet: scale 1, as TE starts
+        return float(
+            scale_from_amax(self.amax(), fmt, margin)
+        )  # no history yet: scale 1, as TE starts
 
     def push(self, amax: torch.Tensor) -> None:
-        self.values = (self.values + [amax])[-self.length:]
+        self.values = (self.values + [amax])[-self.length :]
 
 
 # A sampled tensor waiting for its batch. ax: |x| (float32 copy, zero-padded (blocks, BLOCK));
 # part: the round trip's elements (a copy); own_scale: an emulated delayed layer's scale, else
 # history_amax: the tracked history's amax before this step; x: only for block recipes.
-Pending = namedtuple("Pending", "step layer tensor fmt numel ax block_amax part amax own_scale history_amax sampled x")
+Pending = namedtuple(
+    "Pending",
+    "step layer tensor fmt numel ax block_amax part amax own_scale history_amax sampled x",
+)
 
 
 class DebugTool(Callback):
@@ -104,14 +117,23 @@ class DebugTool(Callback):
         self._writer = trainer.ctx.writer
         for name, module in unwrap(trainer.model).named_modules():
             weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and hasattr(module, "in_features") \
-                    and self.pattern.fullmatch(name):
+            if (
+                isinstance(weight, torch.Tensor)
+                and weight.dim() == 2
+                and hasattr(module, "in_features")
+                and self.pattern.fullmatch(name)
+            ):
                 module.register_forward_hook(self._forward_hook(name))
                 self.layers.append(name)
                 if getattr(module, "scaling", None) == "delayed":
                     self.own_scalers[name] = module
-        self._writer.event("debug_layers", layers=self.layers, freq=self.freq, tensors=self.tensors,
-                           recipes=self.recipes)
+        self._writer.event(
+            "debug_layers",
+            layers=self.layers,
+            freq=self.freq,
+            tensors=self.tensors,
+            recipes=self.recipes,
+        )
 
     def on_step_start(self, trainer, step: int) -> None:
         self.step = step
@@ -134,6 +156,7 @@ class DebugTool(Callback):
                 self.observe(name, "weight", module.weight)
             if "gradient" in self.tensors and output.requires_grad:
                 output.register_hook(lambda g: self.observe(name, "gradient", g))
+
         return hook
 
     # ---------------------------------------------------------------- stats
@@ -143,7 +166,13 @@ class DebugTool(Callback):
         if hasattr(x, "full_tensor"):
             x = x.full_tensor()
         own = layer in self.own_scalers
-        history = None if own else self.histories.setdefault((layer, tensor), AmaxHistory(int(self.cfg.amax_history_len)))
+        history = (
+            None
+            if own
+            else self.histories.setdefault(
+                (layer, tensor), AmaxHistory(int(self.cfg.amax_history_len))
+            )
+        )
         if not self.sampling():
             history.push(amax_of(x))  # a tensor: no GPU sync
             return
@@ -156,11 +185,28 @@ class DebugTool(Callback):
         block_amax = ax.amax(1)
         amax = block_amax.amax()  # NaN if any element is NaN, as x.abs().amax()
         sample = self.sample_of(xf)
-        part = xf.index_select(0, sample) if sample is not None else (xf.clone() if x.dtype == torch.float32 else xf)
-        self.pending.append(Pending(
-            self.step, layer, tensor, self.formats[tensor], n, ax, block_amax, part, amax,
-            self.own_scale(layer, tensor) if own else None, None if own else history.amax(x.device),
-            sample is not None, x.clone() if len(self.per_tensor) < len(self.recipes) else None))
+        part = (
+            xf.index_select(0, sample)
+            if sample is not None
+            else (xf.clone() if x.dtype == torch.float32 else xf)
+        )
+        self.pending.append(
+            Pending(
+                self.step,
+                layer,
+                tensor,
+                self.formats[tensor],
+                n,
+                ax,
+                block_amax,
+                part,
+                amax,
+                self.own_scale(layer, tensor) if own else None,
+                None if own else history.amax(x.device),
+                sample is not None,
+                x.clone() if len(self.per_tensor) < len(self.recipes) else None,
+            )
+        )
         if history is not None:
             history.push(amax)
         if self.dump_dir is not None:
@@ -186,7 +232,9 @@ class DebugTool(Callback):
         module = self.own_scalers[layer]
         if tensor == "gradient":
             return module.grad_output_scaler.scale.detach().clone()
-        return (module.input_scaler if tensor == "activation" else module.weight_scaler).last_used.detach()
+        return (
+            module.input_scaler if tensor == "activation" else module.weight_scaler
+        ).last_used.detach()
 
     def flush(self) -> None:
         """Compute and write the records of every pending tensor, one batch per format."""
@@ -199,9 +247,18 @@ class DebugTool(Callback):
             amax, per_recipe = stats[id(p)]
             for recipe in self.recipes:
                 s = per_recipe[recipe] if recipe in PER_TENSOR else block_stats(p.x, recipe)
-                self._writer.record("fp8_debug", step=p.step, layer=p.layer, tensor=p.tensor, recipe=recipe,
-                                    format=p.fmt.name if recipe in PER_TENSOR else fp4.ELEMENT_FORMAT[recipe].name,
-                                    cur_amax=amax, numel=p.numel, sampled=p.sampled, **s)
+                self._writer.record(
+                    "fp8_debug",
+                    step=p.step,
+                    layer=p.layer,
+                    tensor=p.tensor,
+                    recipe=recipe,
+                    format=p.fmt.name if recipe in PER_TENSOR else fp4.ELEMENT_FORMAT[recipe].name,
+                    cur_amax=amax,
+                    numel=p.numel,
+                    sampled=p.sampled,
+                    **s,
+                )
 
     def _batch(self, fmt: Format, ps: list[Pending]) -> list[tuple[float, dict]]:
         """(cur_amax, {recipe: stats}) for each of ps, all tensors and per-tensor recipes at once."""
@@ -213,31 +270,64 @@ class DebugTool(Callback):
             columns["current"] = scale_from_amax(amax, fmt, self.margin)
         if "delayed" in self.per_tensor:
             from_history = torch.tensor([p.own_scale is None for p in ps], device=amax.device)
-            history_amax = torch.stack([p.amax if p.history_amax is None else p.history_amax for p in ps]).float()
+            history_amax = torch.stack(
+                [p.amax if p.history_amax is None else p.history_amax for p in ps]
+            ).float()
             own = torch.stack([p.amax if p.own_scale is None else p.own_scale for p in ps]).float()
-            columns["delayed"] = torch.where(from_history, scale_from_amax(history_amax, fmt, self.margin), own)
+            columns["delayed"] = torch.where(
+                from_history, scale_from_amax(history_amax, fmt, self.margin), own
+            )
         R, T = len(self.per_tensor), len(ps)
         scales = torch.stack([columns[r] for r in self.per_tensor], 1)  # (T, R)
         thresholds = overflow_thresholds(scales, fmt)
         head = torch.cat([amax[:, None], scales, thresholds], 1).tolist()  # sync 1 of 2
         # overflow counts, exact over the whole tensor; 0 without counting where amax <= threshold
-        count_at = [(i, r) for i, row in enumerate(head) for r in range(R) if not row[0] <= row[1 + R + r]]
+        count_at = [
+            (i, r) for i, row in enumerate(head) for r in range(R) if not row[0] <= row[1 + R + r]
+        ]
         counts = [count_above(ps[i].ax, ps[i].block_amax, thresholds[i, r]) for i, r in count_at]
         by_length: dict[int, list[int]] = {}  # round trips: one batch per part length
         for i, p in enumerate(ps):
             by_length.setdefault(p.part.numel(), []).append(i)
         order = [i for rows in by_length.values() for i in rows]
-        sums = [batch_roundtrip(torch.stack([ps[i].part for i in rows]),
-                                scales[torch.tensor(rows, device=scales.device)], fmt) for rows in by_length.values()]
-        flat = torch.cat([s.reshape(-1) for s in sums] + [torch.stack(counts).to(F64) if counts else scales.new_zeros(0, dtype=F64)])
+        sums = [
+            batch_roundtrip(
+                torch.stack([ps[i].part for i in rows]),
+                scales[torch.tensor(rows, device=scales.device)],
+                fmt,
+            )
+            for rows in by_length.values()
+        ]
+        flat = torch.cat(
+            [s.reshape(-1) for s in sums]
+            + [torch.stack(counts).to(F64) if counts else scales.new_zeros(0, dtype=F64)]
+        )
         flat = flat.tolist()  # sync 2 of 2
         K = 2 + 3 * R
-        table = {i: flat[j * K:(j + 1) * K] for j, i in enumerate(order)}
+        table = {i: flat[j * K : (j + 1) * K] for j, i in enumerate(order)}
         overflow = {(i, r): flat[T * K + j] for j, (i, r) in enumerate(count_at)}
         out = []
         for i, p in enumerate(ps):
             n_nonzero, power, *rest = table[i]
-            out.append((head[i][0], {r: {"scale": head[i][1 + k], **stats_from_sums(
-                rest[k], n_nonzero, overflow.get((i, k), 0.0), rest[R + k], power, rest[2 * R + k], p.part.numel(), p.numel)}
-                for k, r in enumerate(self.per_tensor)}))
+            out.append(
+                (
+                    head[i][0],
+                    {
+                        r: {
+                            "scale": head[i][1 + k],
+                            **stats_from_sums(
+                                rest[k],
+                                n_nonzero,
+                                overflow.get((i, k), 0.0),
+                                rest[R + k],
+                                power,
+                                rest[2 * R + k],
+                                p.part.numel(),
+                                p.numel,
+                            ),
+                        }
+                        for k, r in enumerate(self.per_tensor)
+                    },
+                )
+            )
         return out

@@ -24,6 +24,7 @@ reuses the scales the first forward used and records no amax (TE's `in_fp8_activ
 Difference from TE: amaxes are per rank (TE all-reduces them over the data-parallel group); with
 DDP or FSDP the weight amax is the same on every rank anyway.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,12 @@ from fp8_train.formats import E4M3, E5M2, Format, quantize
 from fp8_train.scaling import make_scaler
 
 ROLES = ("input", "weight", "grad_output")
-SCALINGS = ("delayed", "current", "nvfp4", "mxfp4")  # the last two: FP4 block scaling, no scale state
+SCALINGS = (
+    "delayed",
+    "current",
+    "nvfp4",
+    "mxfp4",
+)  # the last two: FP4 block scaling, no scale state
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,16 +76,32 @@ class _FP8LinearFn(torch.autograd.Function):
             g8 = ctx.layer.quant("grad_output", grad_out.to(x8.dtype))
             grad_x = (g8 @ w8).to(x_dtype)
             grad_w = (g8.reshape(-1, g8.shape[-1]).t() @ x8.reshape(-1, x8.shape[-1])).to(w_dtype)
-            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).float().sum(0).to(b_dtype) if ctx.has_bias else None
+            grad_b = (
+                grad_out.reshape(-1, grad_out.shape[-1]).float().sum(0).to(b_dtype)
+                if ctx.has_bias
+                else None
+            )
         return grad_x, grad_w, grad_b, None
 
 
 class FP8Linear(nn.Linear):
     """nn.Linear whose matmuls see E4M3 input/weight and E5M2 output gradients."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, scaling: str = "delayed",
-                 margin: int = 0, history_len: int = 16, amax_algo: str = "max",
-                 fwd_format: Format = E4M3, bwd_format: Format = E5M2, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        scaling: str = "delayed",
+        margin: int = 0,
+        history_len: int = 16,
+        amax_algo: str = "max",
+        fwd_format: Format = E4M3,
+        bwd_format: Format = E5M2,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if scaling not in SCALINGS:
             raise ValueError(f"unknown scaling {scaling!r}: choose one of {SCALINGS}")
@@ -122,7 +144,11 @@ class FP8Linear(nn.Linear):
 
 
 def _attr(role: str) -> str:
-    return {"input": "input_scaler", "weight": "weight_scaler", "grad_output": "grad_output_scaler"}[role]
+    return {
+        "input": "input_scaler",
+        "weight": "weight_scaler",
+        "grad_output": "grad_output_scaler",
+    }[role]
 
 
 def fp8_layers(model: nn.Module) -> dict[str, FP8Linear]:

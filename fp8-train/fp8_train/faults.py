@@ -9,6 +9,7 @@ forward) | gradient (the gradient arriving at that output in backward). The faul
 first `repeat` step attempts at or after `step` (steps re-run after a rollback count as attempts,
 so a fault never fires forever) on rank `rank` (null = every rank).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,13 +33,17 @@ def check(faults, module_names: set[str]) -> None:
         where = f"faults[{i}]"
         for key in ("step", "layer"):
             if key not in f:
-                raise UserError(f"{where} needs '{key}': e.g. {{step: 10, layer: blocks.0.mlp.w1, kind: inf}}")
+                raise UserError(
+                    f"{where} needs '{key}': e.g. {{step: 10, layer: blocks.0.mlp.w1, kind: inf}}"
+                )
         if kind_of(f) not in KINDS:
             one_of(f"{where}.kind", f["kind"], KINDS)
         one_of(f"{where}.tensor", f.get("tensor", "activation"), TENSORS)
         if f["layer"] not in module_names:
-            raise UserError(f"{where}.layer={f['layer']!r} is not a module of the model: "
-                            f"e.g. {', '.join(sorted(n for n in module_names if n.endswith('w1')))}")
+            raise UserError(
+                f"{where}.layer={f['layer']!r} is not a module of the model: "
+                f"e.g. {', '.join(sorted(n for n in module_names if n.endswith('w1')))}"
+            )
 
 
 def corrupt(t: torch.Tensor, kind: str, factor: float) -> torch.Tensor:
@@ -51,9 +56,19 @@ def corrupt(t: torch.Tensor, kind: str, factor: float) -> torch.Tensor:
 
 class FaultInjector(Callback):
     def __init__(self, faults, rank: int):
-        self.faults = [dict(step=int(f["step"]), layer=str(f["layer"]), tensor=f.get("tensor", "activation"),
-                            kind=kind_of(f), rank=f.get("rank", 0), repeat=int(f.get("repeat", 1)),
-                            factor=float(f.get("factor", 1e4)), fired=0) for f in (faults or [])]
+        self.faults = [
+            dict(
+                step=int(f["step"]),
+                layer=str(f["layer"]),
+                tensor=f.get("tensor", "activation"),
+                kind=kind_of(f),
+                rank=f.get("rank", 0),
+                repeat=int(f.get("repeat", 1)),
+                factor=float(f.get("factor", 1e4)),
+                fired=0,
+            )
+            for f in (faults or [])
+        ]
         self.rank = rank
         self.active: list[dict] = []
 
@@ -69,8 +84,14 @@ class FaultInjector(Callback):
                 f["fired"] += 1  # counted on every rank, so all ranks agree on when it is spent
                 if f["rank"] is None or f["rank"] == self.rank:
                     self.active.append(f)
-                    trainer.ctx.writer.event("fault_injected", step=step, layer=f["layer"], tensor=f["tensor"],
-                                             fault=f["kind"], attempt=f["fired"])
+                    trainer.ctx.writer.event(
+                        "fault_injected",
+                        step=step,
+                        layer=f["layer"],
+                        tensor=f["tensor"],
+                        fault=f["kind"],
+                        attempt=f["fired"],
+                    )
 
     def _hook(self, fault: dict):
         def hook(module, inputs, output):
@@ -81,4 +102,5 @@ class FaultInjector(Callback):
             if output.requires_grad:
                 output.register_hook(lambda g: corrupt(g, fault["kind"], fault["factor"]))
             return None
+
         return hook

@@ -8,6 +8,7 @@
 cast(x * scale) / scale. The FP8 casts are torch's own float8 dtypes, which work on CPU, so
 emulation rounds exactly like the hardware (round to nearest even).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,10 @@ import torch
 @dataclass(frozen=True)
 class Format:
     name: str
-    max: float              # largest finite magnitude
-    min_subnormal: float    # smallest non-zero magnitude
+    max: float  # largest finite magnitude
+    min_subnormal: float  # smallest non-zero magnitude
     dtype: torch.dtype | None  # torch storage dtype; None = emulated by a value grid (FP4)
-    saturate: bool          # clamp to +-max before the cast (else values past max become Inf)
+    saturate: bool  # clamp to +-max before the cast (else values past max become Inf)
 
 
 E4M3 = Format("e4m3", 448.0, 2.0**-9, torch.float8_e4m3fn, saturate=True)

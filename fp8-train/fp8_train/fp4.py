@@ -10,6 +10,7 @@ block); for a Linear's weight, input and output gradient that is along the last 
 one the GEMM reduces over for the forward pass. MX scales are 2**(floor(log2(block amax)) - emax):
 the block's amax lands in [2**emax, 2**(emax+1)), so the top of that range saturates at max.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -26,8 +27,8 @@ _EMAX = {"e2m1": 2, "e4m3": 8}  # exponent of the largest power of two below the
 
 class BlockQuant(NamedTuple):
     dequantized: torch.Tensor  # x after the round trip, x's shape and dtype
-    scaled: torch.Tensor       # x multiplied by its block's encode scale, before the cast (flat)
-    fmt: Format                # element format
+    scaled: torch.Tensor  # x multiplied by its block's encode scale, before the cast (flat)
+    fmt: Format  # element format
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -50,10 +51,15 @@ def block_quantize(x: torch.Tensor, recipe: str) -> BlockQuant:
     amax = xb.abs().amax(dim=1, keepdim=True)
     if recipe == "nvfp4":
         tensor_amax = amax.max()
-        global_scale = torch.where(tensor_amax > 0, (E4M3.max * fmt.max) / tensor_amax, torch.ones_like(tensor_amax))
+        global_scale = torch.where(
+            tensor_amax > 0, (E4M3.max * fmt.max) / tensor_amax, torch.ones_like(tensor_amax)
+        )
         decode = cast(amax / fmt.max * global_scale, E4M3) / global_scale  # E4M3-stored block scale
     else:
-        exp = torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - _EMAX[fmt.name]
+        exp = (
+            torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny)))
+            - _EMAX[fmt.name]
+        )
         decode = torch.where(amax > 0, torch.exp2(exp), torch.ones_like(amax))
     encode = torch.where(decode > 0, 1.0 / decode, torch.zeros_like(decode))
     scaled = xb * encode

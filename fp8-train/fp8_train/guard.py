@@ -16,6 +16,7 @@ parameters with non-finite gradients, and the current FP8 / loss scales. With fp
 gradient under a finite loss is GradScaler's business (it skips and halves the scale): that is
 logged as `fp16_overflow`, not treated as a NaN.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ from fp8_train.emulated import fp8_layers
 
 
 def _is_linear(module) -> bool:
-    return hasattr(module, "in_features") and isinstance(getattr(module, "weight", None), torch.Tensor)
+    return hasattr(module, "in_features") and isinstance(
+        getattr(module, "weight", None), torch.Tensor
+    )
 
 
 class NanGuard(Callback):
@@ -67,7 +70,10 @@ class NanGuard(Callback):
                 return
             self._flags.append(("activation", name, torch.isfinite(output).all()))  # no sync yet
             if output.requires_grad:
-                output.register_hook(lambda g: self._flags.append(("gradient", name, torch.isfinite(g).all())))
+                output.register_hook(
+                    lambda g: self._flags.append(("gradient", name, torch.isfinite(g).all()))
+                )
+
         return hook
 
     def _first_bad(self, tensor: str) -> str | None:
@@ -109,7 +115,9 @@ class NanGuard(Callback):
             restore = int(self.cfg.lr_restore_after)
             if restore and trainer.lr_scale < 1.0 and self.good_in_a_row % restore == 0:
                 trainer.lr_scale = min(1.0, trainer.lr_scale / float(self.cfg.lr_cut_factor))
-                trainer.ctx.writer.event("recovery", step=step, action="lr_restore", lr_scale=trainer.lr_scale)
+                trainer.ctx.writer.event(
+                    "recovery", step=step, action="lr_restore", lr_scale=trainer.lr_scale
+                )
             return True
         self.good_in_a_row = 0
         w = trainer.ctx.writer
@@ -119,12 +127,20 @@ class NanGuard(Callback):
         self.nan_events += 1
         self.bad_in_a_row += 1
         self.streak_positions.append(self._position)
-        self._offender = self._first_bad("activation") or self._first_bad("gradient") or self._offender
-        w.event("nonfinite", step=step, loss=str(loss), grad_norm=str(grad_norm),
-                first_nonfinite_activation=self._first_bad("activation"),
-                first_nonfinite_gradient=self._first_bad("gradient"),
-                nonfinite_grad_params=self._bad_params(trainer), scales=self.scales(trainer),
-                bad_in_a_row=self.bad_in_a_row)
+        self._offender = (
+            self._first_bad("activation") or self._first_bad("gradient") or self._offender
+        )
+        w.event(
+            "nonfinite",
+            step=step,
+            loss=str(loss),
+            grad_norm=str(grad_norm),
+            first_nonfinite_activation=self._first_bad("activation"),
+            first_nonfinite_gradient=self._first_bad("gradient"),
+            nonfinite_grad_params=self._bad_params(trainer),
+            scales=self.scales(trainer),
+            bad_in_a_row=self.bad_in_a_row,
+        )
         w.event("recovery", step=step, action="skip_step")
         if self.cfg.lr_cut_after and self.bad_in_a_row == self.cfg.lr_cut_after:
             trainer.lr_scale *= float(self.cfg.lr_cut_factor)
@@ -141,29 +157,43 @@ class NanGuard(Callback):
         metrics["nan_events"] = self.nan_events
         if self._rollback_pending:
             self._rollback(trainer, step)
-        elif self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0 and self.bad_in_a_row == 0:
+        elif (
+            self.cfg.checkpoint_every
+            and step % self.cfg.checkpoint_every == 0
+            and self.bad_in_a_row == 0
+        ):
             self.last_good = trainer.save_checkpoint()
             trainer.pinned = {self.last_good}
 
     def _rollback(self, trainer, step: int) -> None:
         self._rollback_pending = False
         if self.rollbacks >= self.cfg.max_rollbacks:
-            raise RuntimeError(f"NaN guard: still non-finite after {self.rollbacks} rollbacks (step {step}); "
-                               "see events.jsonl `nonfinite` for the layers involved")
+            raise RuntimeError(
+                f"NaN guard: still non-finite after {self.rollbacks} rollbacks (step {step}); "
+                "see events.jsonl `nonfinite` for the layers involved"
+            )
         self.rollbacks += 1
         lr_scale = trainer.lr_scale  # a cut stays cut across the rollback
         trainer.load_checkpoint(self.last_good)
         trainer.lr_scale = lr_scale
         self.skip_positions.update(self.streak_positions)
-        trainer.ctx.writer.event("recovery", step=step, action="rollback", to_step=trainer.step,
-                                 checkpoint=self.last_good, skip_data_positions=sorted(self.streak_positions))
+        trainer.ctx.writer.event(
+            "recovery",
+            step=step,
+            action="rollback",
+            to_step=trainer.step,
+            checkpoint=self.last_good,
+            skip_data_positions=sorted(self.streak_positions),
+        )
         self.bad_in_a_row, self.streak_positions = 0, []
         if self.cfg.to_high_precision:
             self._switch_offender(trainer, step)
 
     def _switch_offender(self, trainer, step: int) -> None:
         names = [self._offender]
-        if dist.is_initialized() and trainer.world_size > 1:  # the rank that saw it tells the others
+        if (
+            dist.is_initialized() and trainer.world_size > 1
+        ):  # the rank that saw it tells the others
             names = [None] * trainer.world_size
             dist.all_gather_object(names, self._offender)
         name = next((n for n in names if n), None)
@@ -173,5 +203,6 @@ class NanGuard(Callback):
         switched = to_high_precision(module)
         if switched:
             self.switched.append(name)
-        trainer.ctx.writer.event("recovery", step=step, action="layer_to_high_precision", layer=name,
-                                 switched=switched)
+        trainer.ctx.writer.event(
+            "recovery", step=step, action="layer_to_high_precision", layer=name, switched=switched
+        )

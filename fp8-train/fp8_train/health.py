@@ -16,6 +16,7 @@ Alerts (events of kind `alert`, and a console line on rank 0):
     scale_rise        it rose by > scale_jump x: amax collapsed (underflow ahead)
 TensorBoard event files go to <run_dir>/tensorboard when `tensorboard: true`.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,7 @@ class HealthMonitor(Callback):
         self.scales: dict[str, float] = {}
         self.scales_step = 0  # step of the last scale sample
         self.before: list[torch.Tensor] | None = None
-        self.last_plateau_alert = -10**9
+        self.last_plateau_alert = -(10**9)
         self.tb = None
         if cfg.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -81,7 +82,11 @@ class HealthMonitor(Callback):
         self.check_trends(trainer, step, metrics)
         if self.tb is not None:
             for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
+                if (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and value is not None
+                ):
                     self.tb.add_scalar(f"train/{key}", value, step)
 
     def grad_snr(self, trainer) -> float | None:
@@ -128,11 +133,25 @@ class HealthMonitor(Callback):
         for key, scale in current.items():
             old = self.scales.get(key)
             if old and scale < old / jump:
-                self.alert(trainer, step, "scale_drop", f"{key} scale {old:.3g} -> {scale:.3g}: amax jumped, "
-                           "overflow/NaN ahead", key=key, old=old, new=scale)
+                self.alert(
+                    trainer,
+                    step,
+                    "scale_drop",
+                    f"{key} scale {old:.3g} -> {scale:.3g}: amax jumped, overflow/NaN ahead",
+                    key=key,
+                    old=old,
+                    new=scale,
+                )
             elif old and scale > old * jump:
-                self.alert(trainer, step, "scale_rise", f"{key} scale {old:.3g} -> {scale:.3g}: amax collapsed, "
-                           "underflow ahead", key=key, old=old, new=scale)
+                self.alert(
+                    trainer,
+                    step,
+                    "scale_rise",
+                    f"{key} scale {old:.3g} -> {scale:.3g}: amax collapsed, underflow ahead",
+                    key=key,
+                    old=old,
+                    new=scale,
+                )
         self.scales = current
         if current:
             metrics["fp8_scale_min"] = min(current.values())
@@ -147,18 +166,38 @@ class HealthMonitor(Callback):
             std = statistics.pstdev(past)
             z = (g - statistics.fmean(past)) / std if std > 0 else 0.0
             if z > float(self.cfg.spike_z):
-                self.alert(trainer, step, "grad_norm_spike", f"grad norm {g:.3g} is {z:.1f} sigma above the "
-                           f"last {len(past)} steps", z=z, grad_norm=g)
+                self.alert(
+                    trainer,
+                    step,
+                    "grad_norm_spike",
+                    f"grad norm {g:.3g} is {z:.1f} sigma above the last {len(past)} steps",
+                    z=z,
+                    grad_norm=g,
+                )
         self.grad_norms.append(g)
         self.losses.append(loss)
         if len(self.losses) >= 2 * window and step - self.last_plateau_alert >= window:
-            old_loss, new_loss = statistics.fmean(self.losses[-2 * window:-window]), statistics.fmean(self.losses[-window:])
-            old_g, new_g = statistics.fmean(self.grad_norms[-2 * window:-window]), statistics.fmean(self.grad_norms[-window:])
-            if (old_loss - new_loss) < float(self.cfg.plateau_rel) * abs(old_loss) and new_g >= old_g:
+            old_loss, new_loss = (
+                statistics.fmean(self.losses[-2 * window : -window]),
+                statistics.fmean(self.losses[-window:]),
+            )
+            old_g, new_g = (
+                statistics.fmean(self.grad_norms[-2 * window : -window]),
+                statistics.fmean(self.grad_norms[-window:]),
+            )
+            if (old_loss - new_loss) < float(self.cfg.plateau_rel) * abs(
+                old_loss
+            ) and new_g >= old_g:
                 self.last_plateau_alert = step
-                self.alert(trainer, step, "loss_plateau", f"loss {old_loss:.4g} -> {new_loss:.4g} over {window} "
-                           f"steps while grad norm {old_g:.3g} -> {new_g:.3g} did not fall",
-                           old_loss=old_loss, new_loss=new_loss)
+                self.alert(
+                    trainer,
+                    step,
+                    "loss_plateau",
+                    f"loss {old_loss:.4g} -> {new_loss:.4g} over {window} "
+                    f"steps while grad norm {old_g:.3g} -> {new_g:.3g} did not fall",
+                    old_loss=old_loss,
+                    new_loss=new_loss,
+                )
 
     def on_train_end(self, trainer) -> None:
         if self.tb is not None:

@@ -12,6 +12,7 @@ threshold (config `inspect:`, overridable on the command line):
 A layer's rank is its worst tensor under the run's own recipe (delayed for emulated_delayed,
 current for the others); the other recipes' numbers decide the suggestion.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,10 +31,12 @@ DEFAULTS = asdict(InspectConfig())  # the thresholds' defaults live in the confi
 def severity(row, t: dict) -> tuple[float, str]:
     """(severity, the criterion that set it)."""
     mse = max(row["mse"], 1e-300)
-    parts = {"mse": math.log10(mse / t["mse_healthy"]) / math.log10(t["mse_bad"] / t["mse_healthy"]),
-             "underflow": row["underflows_pct"] / t["underflow_bad_pct"],
-             "overflow": row["overflows_pct"] / t["overflow_bad_pct"],
-             "cosine": (1 - row["cos_sim"]) / (1 - t["cos_bad"])}
+    parts = {
+        "mse": math.log10(mse / t["mse_healthy"]) / math.log10(t["mse_bad"] / t["mse_healthy"]),
+        "underflow": row["underflows_pct"] / t["underflow_bad_pct"],
+        "overflow": row["overflows_pct"] / t["overflow_bad_pct"],
+        "cosine": (1 - row["cos_sim"]) / (1 - t["cos_bad"]),
+    }
     worst = max(parts, key=parts.get)
     return max(0.0, parts[worst]), worst
 
@@ -56,9 +59,18 @@ def suggest(cause: str, tensor: str, recipe: str, others: dict[str, float], t: d
 
 
 def rank_layers(df: pd.DataFrame, run_recipe: str, t: dict) -> pd.DataFrame:
-    agg = df.groupby(["layer", "tensor", "recipe"]).agg(
-        mse=("mse", "max"), rel_mse=("rel_mse", "max"), underflows_pct=("underflows_pct", "max"),
-        overflows_pct=("overflows_pct", "max"), cos_sim=("cos_sim", "min"), samples=("step", "nunique")).reset_index()
+    agg = (
+        df.groupby(["layer", "tensor", "recipe"])
+        .agg(
+            mse=("mse", "max"),
+            rel_mse=("rel_mse", "max"),
+            underflows_pct=("underflows_pct", "max"),
+            overflows_pct=("overflows_pct", "max"),
+            cos_sim=("cos_sim", "min"),
+            samples=("step", "nunique"),
+        )
+        .reset_index()
+    )
     sev = agg.apply(lambda r: severity(r, t), axis=1)
     agg["severity"], agg["cause"] = [s for s, _ in sev], [c for _, c in sev]
     mine = own_recipe(run_recipe)
@@ -70,8 +82,14 @@ def rank_layers(df: pd.DataFrame, run_recipe: str, t: dict) -> pd.DataFrame:
         r = g[g["recipe"] == mine].iloc[0]
         verdict = "bad" if r.severity >= 1 else ("watch" if r.severity >= 0.5 else "healthy")
         fix = suggest(r.cause, tensor, mine, by_recipe, t) if verdict != "healthy" else "-"
-        rows.append({**r.to_dict(), "verdict": verdict, "suggestion": fix,
-                     **{f"severity_{k}": v for k, v in by_recipe.items()}})
+        rows.append(
+            {
+                **r.to_dict(),
+                "verdict": verdict,
+                "suggestion": fix,
+                **{f"severity_{k}": v for k, v in by_recipe.items()},
+            }
+        )
     out = pd.DataFrame(rows)
     worst = out.groupby("layer")["severity"].transform("max")
     return out.assign(layer_worst=worst).sort_values(["layer_worst", "severity"], ascending=False)
@@ -82,7 +100,9 @@ def thresholds(config: dict, overrides: list[str]) -> dict:
     for item in overrides:
         key, sep, value = item.removeprefix("inspect.").partition("=")
         if not sep or key not in DEFAULTS:
-            raise UserError(f"inspect option {item!r}: expected key=value with key in {', '.join(DEFAULTS)}")
+            raise UserError(
+                f"inspect option {item!r}: expected key=value with key in {', '.join(DEFAULTS)}"
+            )
         t[key] = float(value)
     return t
 
@@ -93,7 +113,9 @@ def main(argv: list[str]) -> pd.DataFrame:
     from dtrain.core.terminal import WIDTH, console
 
     if not argv:
-        raise UserError("usage: python -m fp8_train inspect RUN [mse_bad=1e3 underflow_bad_pct=80 ...]")
+        raise UserError(
+            "usage: python -m fp8_train inspect RUN [mse_bad=1e3 underflow_bad_pct=80 ...]"
+        )
     runs = require_complete([argv[0]], "inspect")
     if len(runs) != 1:
         raise UserError(f"{argv[0]} holds {len(runs)} complete runs: pass one run directory")
@@ -103,17 +125,46 @@ def main(argv: list[str]) -> pd.DataFrame:
     if df.empty:
         raise UserError(f"{run.path} has no fp8_debug records: run with fp8_debug.enabled=true")
     ranked = rank_layers(df, run.config.get("recipe", ""), t)
-    table = Table(title=f"FP8 debug: worst layers of {run.path.name} (recipe {run.config.get('recipe')})")
-    for col in ("layer", "tensor", "verdict", "cause", "mse", "underflow %", "overflow %", "cos", "suggestion"):
+    table = Table(
+        title=f"FP8 debug: worst layers of {run.path.name} (recipe {run.config.get('recipe')})"
+    )
+    for col in (
+        "layer",
+        "tensor",
+        "verdict",
+        "cause",
+        "mse",
+        "underflow %",
+        "overflow %",
+        "cos",
+        "suggestion",
+    ):
         table.add_column(col)
     for r in ranked.head(int(t["top"]) * 3).itertuples():
-        table.add_row(r.layer, r.tensor, r.verdict, r.cause, f"{r.mse:.2e}", f"{r.underflows_pct:.2f}",
-                      f"{r.overflows_pct:.3f}", f"{r.cos_sim:.5f}", r.suggestion)
+        table.add_row(
+            r.layer,
+            r.tensor,
+            r.verdict,
+            r.cause,
+            f"{r.mse:.2e}",
+            f"{r.underflows_pct:.2f}",
+            f"{r.overflows_pct:.3f}",
+            f"{r.cos_sim:.5f}",
+            r.suggestion,
+        )
     console().print(table)  # within 100 columns: long names and suggestions wrap by words
     bad = sorted(set(ranked.loc[ranked.verdict == "bad", "layer"]))
-    print(textwrap.fill(f"{len(bad)} layer(s) bad: {', '.join(bad) or 'none'}", WIDTH,
-                        break_on_hyphens=False, subsequent_indent="  "))
-    print(f"thresholds: mse {t['mse_healthy']:g}..{t['mse_bad']:g}, "
-          f"underflow {t['underflow_bad_pct']:g}%, overflow {t['overflow_bad_pct']:g}%, "
-          f"cos {t['cos_bad']:g}")
+    print(
+        textwrap.fill(
+            f"{len(bad)} layer(s) bad: {', '.join(bad) or 'none'}",
+            WIDTH,
+            break_on_hyphens=False,
+            subsequent_indent="  ",
+        )
+    )
+    print(
+        f"thresholds: mse {t['mse_healthy']:g}..{t['mse_bad']:g}, "
+        f"underflow {t['underflow_bad_pct']:g}%, overflow {t['overflow_bad_pct']:g}%, "
+        f"cos {t['cos_bad']:g}"
+    )
     return ranked

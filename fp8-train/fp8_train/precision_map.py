@@ -18,6 +18,7 @@ whose dimensions an FP8 GEMM cannot take (not multiples of 16; FP4 blocks need 1
 back to high precision whatever the rules say, and the reason is recorded as a `layer_fallback`
 event. The map plugs into the model through `dtrain.model.gpt`'s `linear_factory` hook.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,10 +51,14 @@ class PrecisionMap:
     def __init__(self, rules: list[tuple[str, str]], default: str = "fp8", multiple: int = 16):
         for pattern, precision in rules:
             if precision not in PRECISIONS:
-                raise UserError(f"precision_map rule {pattern!r}: precision={precision!r} is not one of "
-                                f"{', '.join(PRECISIONS)}")
+                raise UserError(
+                    f"precision_map rule {pattern!r}: precision={precision!r} is not one of "
+                    f"{', '.join(PRECISIONS)}"
+                )
         if default not in PRECISIONS:
-            raise UserError(f"precision_map.default={default!r} is not one of {', '.join(PRECISIONS)}")
+            raise UserError(
+                f"precision_map.default={default!r} is not one of {', '.join(PRECISIONS)}"
+            )
         self.rules, self.default, self.multiple = list(rules), default, multiple
         self.decisions: list[LayerDecision] = []
 
@@ -77,13 +82,21 @@ class PrecisionMap:
                 precision, reason = p, f"rule {pattern!r}"
                 break
         if precision == "fp8" and (in_features % self.multiple or out_features % self.multiple):
-            return LayerDecision(name, "high", f"fallback: in_features={in_features}, out_features="
-                                 f"{out_features} not both multiples of {self.multiple} (FP8 GEMM shape rule)")
+            return LayerDecision(
+                name,
+                "high",
+                f"fallback: in_features={in_features}, out_features="
+                f"{out_features} not both multiples of {self.multiple} (FP8 GEMM shape rule)",
+            )
         return LayerDecision(name, precision, reason)
 
-    def factory(self, fp8_linear: Callable[[str, int, int, bool], nn.Module],
-                high_linear: Callable[[str, int, int, bool], nn.Module] = default_linear):
+    def factory(
+        self,
+        fp8_linear: Callable[[str, int, int, bool], nn.Module],
+        high_linear: Callable[[str, int, int, bool], nn.Module] = default_linear,
+    ):
         """A `linear_factory` that builds each layer in its decided precision and remembers why."""
+
         def make(name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
             d = self.decide(name, in_features, out_features)
             self.decisions.append(d)
@@ -116,9 +129,11 @@ def user_rules(rules) -> list[tuple[str, str]]:
     if rules is None:
         return []
     if not isinstance(rules, list):
-        raise UserError(f"precision_map.rules={clip(repr(rules))} must be a list of rules "
-                        f"{RULE_SHAPE}, "
-                        "e.g. 'precision_map.rules=[{pattern: \"blocks.0.*\", precision: high}]'")
+        raise UserError(
+            f"precision_map.rules={clip(repr(rules))} must be a list of rules "
+            f"{RULE_SHAPE}, "
+            "e.g. 'precision_map.rules=[{pattern: \"blocks.0.*\", precision: high}]'"
+        )
     return [_rule(i, rule) for i, rule in enumerate(rules)]
 
 
@@ -128,21 +143,30 @@ def _rule(i: int, rule) -> tuple[str, str]:
         raise UserError(f"{where}={clip(repr(rule))} is not a rule: write {RULE_SHAPE}")
     unknown = [str(k) for k in rule if k not in RULE_KEYS]
     if unknown:
-        raise UserError(f"{where}: unknown key {clip(repr(unknown[0]))}: a rule has only "
-                        f"{' and '.join(RULE_KEYS)}, {RULE_SHAPE}")
+        raise UserError(
+            f"{where}: unknown key {clip(repr(unknown[0]))}: a rule has only "
+            f"{' and '.join(RULE_KEYS)}, {RULE_SHAPE}"
+        )
     if "pattern" not in rule:
-        raise UserError(f"{where}: needs a 'pattern' key (an fnmatch pattern on layer names, e.g. "
-                        "blocks.0.* or lm_head)")
+        raise UserError(
+            f"{where}: needs a 'pattern' key (an fnmatch pattern on layer names, e.g. "
+            "blocks.0.* or lm_head)"
+        )
     if "precision" not in rule:
-        raise UserError(f"{where}: needs a 'precision' key (one of {', '.join(PRECISIONS)}; "
-                        f"{HIGH_MEANS})")
+        raise UserError(
+            f"{where}: needs a 'precision' key (one of {', '.join(PRECISIONS)}; {HIGH_MEANS})"
+        )
     pattern, precision = rule["pattern"], rule["precision"]
     if not isinstance(pattern, str) or not pattern:
-        raise UserError(f"{where}: pattern={clip(repr(pattern))} must be a non-empty fnmatch "
-                        "pattern on layer names, e.g. blocks.0.*")
+        raise UserError(
+            f"{where}: pattern={clip(repr(pattern))} must be a non-empty fnmatch "
+            "pattern on layer names, e.g. blocks.0.*"
+        )
     if precision not in PRECISIONS:
-        raise UserError(f"{where}: precision={clip(repr(precision))} is not one of "
-                        f"{', '.join(PRECISIONS)} ({HIGH_MEANS})")
+        raise UserError(
+            f"{where}: precision={clip(repr(precision))} is not one of "
+            f"{', '.join(PRECISIONS)} ({HIGH_MEANS})"
+        )
     return pattern, precision
 
 
@@ -157,6 +181,8 @@ def check_rules_match(node, linear_names: list[str]) -> None:
         names = linear_names
         if len(names) > 8:
             names = [*names[:6], "...", names[-1]]
-        raise UserError(f"precision_map.rules[{i}]: pattern {clip(repr(pattern))} matches no "
-                        f"linear layer of this model ({', '.join(names)}): {why}, e.g. blocks.0.* "
-                        "or blocks.*.mlp.w2")
+        raise UserError(
+            f"precision_map.rules[{i}]: pattern {clip(repr(pattern))} matches no "
+            f"linear layer of this model ({', '.join(names)}): {why}, e.g. blocks.0.* "
+            "or blocks.*.mlp.w2"
+        )

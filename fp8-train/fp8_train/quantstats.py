@@ -5,6 +5,7 @@
 debug tool batches them at step end to keep its cost under 5% of a step). Reductions that feed
 MSE and cosine are float64; counts are exact.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,24 +26,37 @@ def fmt_for(tensor: str, e5m2_saturates: bool = True) -> Format:
     return E4M3
 
 
-def stats_from_sums(underflow, n_nonzero, overflow, err, power, dpower, n: int, n_overflow: int) -> dict:
+def stats_from_sums(
+    underflow, n_nonzero, overflow, err, power, dpower, n: int, n_overflow: int
+) -> dict:
     """A record's numbers from one round trip's float64 sums (n elements; overflow over n_overflow).
     Cosine from three norms: (|x|^2 + |d|^2 - |x-d|^2) / 2|x||d|."""
     n = max(1, n)
     denom = 2 * math.sqrt(power * dpower)
     cos = (power + dpower - err) / denom if denom > 0 else (1.0 if err == 0 else 0.0)
-    return {"underflows_pct": 100.0 * underflow / max(1.0, n_nonzero), "overflows_pct": 100.0 * overflow / max(1, n_overflow),
-            "mse": err / n, "rel_mse": err / power if power > 0 else 0.0, "cos_sim": cos}
+    return {
+        "underflows_pct": 100.0 * underflow / max(1.0, n_nonzero),
+        "overflows_pct": 100.0 * overflow / max(1, n_overflow),
+        "mse": err / n,
+        "rel_mse": err / power if power > 0 else 0.0,
+        "cos_sim": cos,
+    }
 
 
 def roundtrip_stats(x: torch.Tensor, deq: torch.Tensor, scaled: torch.Tensor, fmt: Format) -> dict:
     """Quantization error of one round trip (block recipes); reductions in float64, one sync."""
     x, deq = x.detach().reshape(-1).float(), deq.detach().reshape(-1).float()
     nonzero = x != 0
-    sums = torch.stack([(nonzero & (deq == 0)).sum(dtype=F64), nonzero.sum(dtype=F64),
-                        (scaled.detach().abs() > fmt.max).sum(dtype=F64),
-                        torch.linalg.vector_norm(x - deq, dtype=F64) ** 2,
-                        torch.linalg.vector_norm(x, dtype=F64) ** 2, torch.linalg.vector_norm(deq, dtype=F64) ** 2])
+    sums = torch.stack(
+        [
+            (nonzero & (deq == 0)).sum(dtype=F64),
+            nonzero.sum(dtype=F64),
+            (scaled.detach().abs() > fmt.max).sum(dtype=F64),
+            torch.linalg.vector_norm(x - deq, dtype=F64) ** 2,
+            torch.linalg.vector_norm(x, dtype=F64) ** 2,
+            torch.linalg.vector_norm(deq, dtype=F64) ** 2,
+        ]
+    )
     underflow, n_nonzero, overflow, err, power, dpower = sums.tolist()
     return stats_from_sums(underflow, n_nonzero, overflow, err, power, dpower, x.numel(), x.numel())
 
@@ -61,7 +75,9 @@ def roundtrip(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor
     key = (fmt.dtype, y.device)
     if key not in _TABLES:
         _TABLES[key] = torch.arange(256, dtype=torch.uint8, device=y.device).view(fmt.dtype).float()
-    torch.index_select(_TABLES[key], 0, y.to(fmt.dtype).view(torch.uint8).reshape(-1).int(), out=y.view(-1))
+    torch.index_select(
+        _TABLES[key], 0, y.to(fmt.dtype).view(torch.uint8).reshape(-1).int(), out=y.view(-1)
+    )
     return y.div_(scale)
 
 
@@ -76,7 +92,9 @@ def count_nonzero(t: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return count((t.nan_to_num_(nan=1.0) if inplace else t.nan_to_num(nan=1.0)).sign_().abs_())
 
 
-def count_above(blocks: torch.Tensor, block_amax: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def count_above(
+    blocks: torch.Tensor, block_amax: torch.Tensor, threshold: torch.Tensor
+) -> torch.Tensor:
     """(|x| > threshold).sum(), looking only at blocks whose max is not <= threshold (usually one
     or none). a > b gives a - b > 0 (gradual underflow); NaN - b, inf - inf are NaN: not counted,
     as NaN > b and inf > inf are false; inf - b becomes the largest float: counted."""
@@ -96,7 +114,9 @@ def batch_roundtrip(x: torch.Tensor, scales: torch.Tensor, fmt: Format) -> torch
     norm2 = lambda t: torch.linalg.vector_norm(t, dim=-1) ** 2  # noqa: E731
     dpower = norm2(deq64)
     err = norm2(deq64.sub_(x64[:, None, :]))
-    return torch.cat([nonzero[:, None].to(F64), norm2(x64)[:, None], underflow.to(F64), err, dpower], 1)
+    return torch.cat(
+        [nonzero[:, None].to(F64), norm2(x64)[:, None], underflow.to(F64), err, dpower], 1
+    )
 
 
 def overflow_thresholds(scales: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -104,7 +124,9 @@ def overflow_thresholds(scales: torch.Tensor, fmt: Format) -> torch.Tensor:
     return (fmt.max / scales.to(F64)).float()
 
 
-def per_tensor_stats(x: torch.Tensor, scale, fmt: Format, sample: torch.Tensor | None = None) -> dict:
+def per_tensor_stats(
+    x: torch.Tensor, scale, fmt: Format, sample: torch.Tensor | None = None
+) -> dict:
     """Stats of the scaled round trip. With `sample` (flat indices), underflow, mse and cosine are
     estimated on those elements; the overflow count is always exact over the whole tensor."""
     xf = x.detach().reshape(-1).float()
@@ -112,7 +134,12 @@ def per_tensor_stats(x: torch.Tensor, scale, fmt: Format, sample: torch.Tensor |
     s = torch.as_tensor(scale, dtype=torch.float32, device=xf.device).reshape(1, 1)
     n_nonzero, power, underflow, err, dpower = batch_roundtrip(part[None], s, fmt)[0].tolist()
     overflow = float((xf.abs() > overflow_thresholds(s, fmt)[0, 0]).sum())
-    return {"scale": float(s), **stats_from_sums(underflow, n_nonzero, overflow, err, power, dpower, part.numel(), xf.numel())}
+    return {
+        "scale": float(s),
+        **stats_from_sums(
+            underflow, n_nonzero, overflow, err, power, dpower, part.numel(), xf.numel()
+        ),
+    }
 
 
 def block_stats(x: torch.Tensor, recipe: str) -> dict:

@@ -8,6 +8,7 @@ the cast needs no reduction first; a tensor that suddenly grows past its history
 (E5M2) or saturates (E4M3) until the history catches up. An amax of 0 or a non-finite amax keeps
 the previous scale, as TE does, so one bad step cannot poison the scale.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ from fp8_train.formats import Format
 AMAX_ALGOS = ("max", "most_recent")
 
 
-def scale_from_amax(amax: torch.Tensor | float, fmt: Format, margin: int = 0,
-                    previous: torch.Tensor | float = 1.0) -> torch.Tensor:
+def scale_from_amax(
+    amax: torch.Tensor | float, fmt: Format, margin: int = 0, previous: torch.Tensor | float = 1.0
+) -> torch.Tensor:
     amax = torch.as_tensor(amax, dtype=torch.float32)
     previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
     scale = (fmt.max / amax) / (2.0**margin)
@@ -117,18 +119,21 @@ class AmaxReduction(Callback):
     def on_step_end(self, trainer, step, metrics) -> None:
         if not self.scalers:
             return
-        amax = torch.stack([torch.stack(m.pending).max() if m.pending else torch.zeros(()) for m in self.scalers])
+        amax = torch.stack(
+            [torch.stack(m.pending).max() if m.pending else torch.zeros(()) for m in self.scalers]
+        )
         seen = torch.tensor([1.0 if m.pending else 0.0 for m in self.scalers])
         both = torch.cat([amax, seen]).to(self.scalers[0].scale.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # "seen" by max: by any rank
-        for m, a, s in zip(self.scalers, both[:len(self.scalers)], both[len(self.scalers):]):
+        for m, a, s in zip(self.scalers, both[: len(self.scalers)], both[len(self.scalers) :]):
             m.pending.clear()
             if s > 0:
                 m.push(a)
 
 
-def make_scaler(kind: str, fmt: Format, margin: int = 0, history_len: int = 16,
-                algo: str = "max") -> nn.Module:
+def make_scaler(
+    kind: str, fmt: Format, margin: int = 0, history_len: int = 16, algo: str = "max"
+) -> nn.Module:
     if kind == "current":
         return CurrentScaler(fmt, margin)
     if kind == "delayed":

@@ -22,6 +22,7 @@ Checks, in the launching process (fp8_train.checks.validate) before any rank sta
     linear dims that are not fall back to high precision in the precision map.
 Nothing here runs without a GPU; tests drive it with a stand-in `transformer_engine` module.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,14 +40,18 @@ MIN_VERSION = (2, 3)
 INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.3' (builds against the installed torch)"
 
 # recipe -> (TE recipe class, TE availability check)
-TE_RECIPES = {"te_delayed": ("DelayedScaling", "is_fp8_available"),
-              "te_current": ("Float8CurrentScaling", "is_fp8_available"),
-              "te_block": ("Float8BlockScaling", "is_fp8_block_scaling_available"),
-              "te_mxfp8": ("MXFP8BlockScaling", "is_mxfp8_available")}
+TE_RECIPES = {
+    "te_delayed": ("DelayedScaling", "is_fp8_available"),
+    "te_current": ("Float8CurrentScaling", "is_fp8_available"),
+    "te_block": ("Float8BlockScaling", "is_fp8_block_scaling_available"),
+    "te_mxfp8": ("MXFP8BlockScaling", "is_mxfp8_available"),
+}
 # the same checks before TE exported them at the top level: transformer_engine.pytorch.fp8.<name>()
-_LEGACY_CHECKS = {"is_fp8_available": "check_fp8_support",
-                  "is_fp8_block_scaling_available": "check_fp8_block_scaling_support",
-                  "is_mxfp8_available": "check_mxfp8_support"}
+_LEGACY_CHECKS = {
+    "is_fp8_available": "check_fp8_support",
+    "is_fp8_block_scaling_available": "check_fp8_block_scaling_support",
+    "is_mxfp8_available": "check_mxfp8_support",
+}
 
 
 def _import_te():
@@ -58,8 +63,10 @@ def _import_te():
         te_recipe = importlib.import_module("transformer_engine.common.recipe")
     except Exception as e:  # noqa: BLE001 - an ABI mismatch is an OSError/ImportError/RuntimeError/AssertionError
         cause = (str(e).strip().splitlines() or [""])[0][:300]
-        raise UserError(f"TransformerEngine is installed but does not import ({type(e).__name__}: {cause}); "
-                        f"it must be built against this torch {torch.__version__}: {INSTALL}") from None
+        raise UserError(
+            f"TransformerEngine is installed but does not import ({type(e).__name__}: {cause}); "
+            f"it must be built against this torch {torch.__version__}: {INSTALL}"
+        ) from None
     return te, te_recipe
 
 
@@ -92,8 +99,10 @@ def recipe_available(te, recipe: str) -> tuple[bool, str]:
 def check_available(recipe: str, device_type: str) -> None:
     """TE needs a CUDA GPU, an importable TE >= 2.3, and TE's yes for the recipe here."""
     if device_type != "cuda" or not torch.cuda.is_available():
-        raise UserError(f"recipe={recipe} uses TransformerEngine, which needs a CUDA GPU (none here): "
-                        "use recipe=emulated_delayed or torchao_tensorwise on CPU")
+        raise UserError(
+            f"recipe={recipe} uses TransformerEngine, which needs a CUDA GPU (none here): "
+            "use recipe=emulated_delayed or torchao_tensorwise on CPU"
+        )
     te, _ = _import_te()
     version = te_version()
     if version < MIN_VERSION:
@@ -102,17 +111,23 @@ def check_available(recipe: str, device_type: str) -> None:
     ok, reason = recipe_available(te, recipe)
     if not ok:
         cc = ".".join(map(str, torch.cuda.get_device_capability()))
-        raise UserError(f"recipe={recipe} is not supported on this GPU (compute capability {cc}, CUDA "
-                        f"{torch.version.cuda}): {reason.strip() or 'TransformerEngine says no'} - "
-                        "te_delayed / te_current need cc >= 8.9, te_block Hopper + CUDA >= 12.9, te_mxfp8 Blackwell")
+        raise UserError(
+            f"recipe={recipe} is not supported on this GPU (compute capability {cc}, CUDA "
+            f"{torch.version.cuda}): {reason.strip() or 'TransformerEngine says no'} - "
+            "te_delayed / te_current need cc >= 8.9, te_block Hopper + CUDA >= 12.9, te_mxfp8 Blackwell"
+        )
 
 
 def make_recipe(recipe: str, fp8_cfg):
     _, te_recipe = _import_te()
     cls = getattr(te_recipe, TE_RECIPES[recipe][0])
     if recipe == "te_delayed":
-        return cls(margin=fp8_cfg.margin, fp8_format=te_recipe.Format.HYBRID,
-                   amax_history_len=fp8_cfg.amax_history_len, amax_compute_algo=fp8_cfg.amax_compute_algo)
+        return cls(
+            margin=fp8_cfg.margin,
+            fp8_format=te_recipe.Format.HYBRID,
+            amax_history_len=fp8_cfg.amax_history_len,
+            amax_compute_algo=fp8_cfg.amax_compute_algo,
+        )
     if recipe == "te_current":
         return cls(fp8_format=te_recipe.Format.HYBRID)
     return cls()
@@ -122,7 +137,9 @@ def linear_factory(device: torch.device) -> Callable:
     te, _ = _import_te()
 
     def make(name, in_features, out_features, bias):
-        return te.Linear(in_features, out_features, bias=bias, params_dtype=torch.float32, device=device)
+        return te.Linear(
+            in_features, out_features, bias=bias, params_dtype=torch.float32, device=device
+        )
 
     return make
 
@@ -131,8 +148,11 @@ def autocast_factory(recipe: str, fp8_cfg, precision: str, device: torch.device)
     """A context for each forward: TE's FP8 autocast, inside torch bf16 autocast when asked."""
     te, _ = _import_te()
     te_recipe = make_recipe(recipe, fp8_cfg)
-    enter_fp8 = (lambda: te.autocast(enabled=True, recipe=te_recipe)) if hasattr(te, "autocast") else \
-        (lambda: te.fp8_autocast(enabled=True, fp8_recipe=te_recipe))
+    enter_fp8 = (
+        (lambda: te.autocast(enabled=True, recipe=te_recipe))
+        if hasattr(te, "autocast")
+        else (lambda: te.fp8_autocast(enabled=True, fp8_recipe=te_recipe))
+    )
 
     @contextlib.contextmanager
     def fp8_context():

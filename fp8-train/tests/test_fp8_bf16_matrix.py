@@ -5,6 +5,7 @@ exactness under activation checkpointing.
 
 Several trainings share one launch (a spawn costs seconds); each gets its own run directory.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,12 +33,32 @@ RECIPES = ("emulated_delayed", "emulated_current", "torchao_tensorwise")
 
 def fp8_cfg(world_size: int, **extra) -> OmegaConf:
     """fp8_train's config (its dataclass's defaults), small and quiet."""
-    cfg = OmegaConf.merge(defaults(Fp8TrainConfig), {
-        "launcher": "local", "world_size": world_size, "backend": "gloo", "device": "cpu", "seed": SEED,
-        "dist_timeout_s": 120, "threads_per_rank": 1,
-        "train": {"steps": STEPS, "micro_batch": 2, "warmup_steps": 1, "log_every": 0, "timing_warmup": 0,
-                  "dataset_tokens": 20_000, "lr": 3e-3, "precision": "bf16"},
-        "fp8_debug": {"enabled": False}, "health": {"enabled": False}, "guard": {"enabled": False}}, extra)
+    cfg = OmegaConf.merge(
+        defaults(Fp8TrainConfig),
+        {
+            "launcher": "local",
+            "world_size": world_size,
+            "backend": "gloo",
+            "device": "cpu",
+            "seed": SEED,
+            "dist_timeout_s": 120,
+            "threads_per_rank": 1,
+            "train": {
+                "steps": STEPS,
+                "micro_batch": 2,
+                "warmup_steps": 1,
+                "log_every": 0,
+                "timing_warmup": 0,
+                "dataset_tokens": 20_000,
+                "lr": 3e-3,
+                "precision": "bf16",
+            },
+            "fp8_debug": {"enabled": False},
+            "health": {"enabled": False},
+            "guard": {"enabled": False},
+        },
+        extra,
+    )
     return cfg
 
 
@@ -50,7 +71,9 @@ def many_runs(ctx) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         ctx.barrier()
         with RunWriter(run_dir, ctx.rank) as writer:
-            result = fp8_train_run.rank_fn(RankContext(cfg, ctx.env, ctx.device, ctx.backend, run_dir, writer))
+            result = fp8_train_run.rank_fn(
+                RankContext(cfg, ctx.env, ctx.device, ctx.backend, run_dir, writer)
+            )
         ctx.barrier()
         if ctx.is_main:
             rows = [r for r in read_jsonl(run_dir / "records.jsonl") if r.get("kind") == "step"]
@@ -71,12 +94,18 @@ def check_learns(results: dict, names) -> None:
         r = results[name]
         losses = r["losses"]
         assert r["precision"] == "bf16", name
-        assert len(losses) == STEPS and all(v is not None and math.isfinite(v) for v in losses), (name, losses)
+        assert len(losses) == STEPS and all(v is not None and math.isfinite(v) for v in losses), (
+            name,
+            losses,
+        )
         assert losses[-1] < losses[0] - 0.05, (name, losses)  # ln(256) = 5.55 at init; it learns
 
 
 def specs_for(pairs) -> dict[str, list[str]]:
-    return {f"{recipe}-{strategy}": [f"recipe={recipe}", f"train.strategy={strategy}"] for recipe, strategy in pairs}
+    return {
+        f"{recipe}-{strategy}": [f"recipe={recipe}", f"train.strategy={strategy}"]
+        for recipe, strategy in pairs
+    }
 
 
 # The whole matrix is cheap (tiny GPT, 5 steps, ~10 s per launch), so it stays in the fast path.
@@ -85,21 +114,30 @@ MULTI = [(r, s) for r in RECIPES for s in ("ddp", "zero2", "zero3")]
 
 
 def test_each_recipe_trains_in_bf16_single_rank(tmp_path):
-    specs = specs_for(SINGLE + [("emulated_nvfp4", "single"), ("emulated_mxfp4", "single")])  # FP4 too
-    specs["emulated_delayed-single-ac"] = ["recipe=emulated_delayed", "train.strategy=single",
-                                           "train.activation_checkpointing=block"]
+    specs = specs_for(
+        SINGLE + [("emulated_nvfp4", "single"), ("emulated_mxfp4", "single")]
+    )  # FP4 too
+    specs["emulated_delayed-single-ac"] = [
+        "recipe=emulated_delayed",
+        "train.strategy=single",
+        "train.activation_checkpointing=block",
+    ]
     check_learns(run_matrix(tmp_path, 1, specs), specs)
 
 
 @pytest.mark.slow  # every recipe x strategy; the single-rank recipe test stays in the fast path
 def test_recipe_x_strategy_matrix_trains_in_bf16_on_two_ranks(tmp_path):
     specs = specs_for(MULTI)
-    specs["emulated_delayed-zero3-ac"] = ["recipe=emulated_delayed", "train.strategy=zero3",
-                                          "train.activation_checkpointing=block"]
+    specs["emulated_delayed-zero3-ac"] = [
+        "recipe=emulated_delayed",
+        "train.strategy=zero3",
+        "train.activation_checkpointing=block",
+    ]
     check_learns(run_matrix(tmp_path, 2, specs), specs)
 
 
 # ---------------------------------------------------------------- the emulated Linear's dtypes
+
 
 def _layer(scaling="delayed", dtype=torch.float32) -> FP8Linear:
     torch.manual_seed(SEED)
@@ -112,7 +150,9 @@ def test_emulated_linear_under_cpu_bf16_autocast_has_the_right_dtypes():
     x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(SEED), requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
-        ref = nn.functional.linear(x, layer.weight, layer.bias)  # what nn.Linear gives under autocast
+        ref = nn.functional.linear(
+            x, layer.weight, layer.bias
+        )  # what nn.Linear gives under autocast
     assert y.dtype == ref.dtype == torch.bfloat16
     y.float().square().sum().backward()
     # gradients in the dtype of what they belong to: fp32 master weights, fp32 input
@@ -123,11 +163,23 @@ def test_emulated_linear_under_cpu_bf16_autocast_has_the_right_dtypes():
 
 
 def test_emulated_linear_with_bf16_weights_as_fsdp2_gives_them_gets_bf16_grads():
-    layer = _layer(scaling="current", dtype=torch.bfloat16)  # FSDP2 MixedPrecisionPolicy: bf16 params + inputs
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(SEED)).bfloat16().requires_grad_()
+    layer = _layer(
+        scaling="current", dtype=torch.bfloat16
+    )  # FSDP2 MixedPrecisionPolicy: bf16 params + inputs
+    x = (
+        torch.randn(16, 64, generator=torch.Generator().manual_seed(SEED))
+        .bfloat16()
+        .requires_grad_()
+    )
     y = layer(x)
     y.float().sum().backward()
-    assert y.dtype == x.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.bfloat16
+    assert (
+        y.dtype
+        == x.grad.dtype
+        == layer.weight.grad.dtype
+        == layer.bias.grad.dtype
+        == torch.bfloat16
+    )
     # bias gradient: sum of the output gradient (all ones) over the 16 rows, exactly
     assert torch.equal(layer.bias.grad, torch.full((32,), 16.0, dtype=torch.bfloat16))
 
@@ -140,9 +192,17 @@ def test_activation_checkpointing_gives_the_same_grads_and_records_each_amax_onc
 
     print(f"seed={SEED}")
     cfg = GPTConfig.from_preset("tiny")
-    make = backends.emulated_linear(recipe, OmegaConf.create({"margin": 0, "amax_history_len": 4,
-                                                              "amax_compute_algo": "max",
-                                                              "e5m2_overflow": "saturate"}))
+    make = backends.emulated_linear(
+        recipe,
+        OmegaConf.create(
+            {
+                "margin": 0,
+                "amax_history_len": 4,
+                "amax_compute_algo": "max",
+                "e5m2_overflow": "saturate",
+            }
+        ),
+    )
     models = []
     for ac in (False, True):
         torch.manual_seed(SEED)
@@ -150,7 +210,9 @@ def test_activation_checkpointing_gives_the_same_grads_and_records_each_amax_onc
         if ac:
             apply_activation_checkpointing(model)
         models.append(model)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(SEED)
+    )
     for _ in range(3):  # three steps: the delayed histories fill, scales move
         for model in models:
             model.zero_grad()
@@ -171,14 +233,29 @@ def test_activation_checkpointing_gives_the_same_grads_and_records_each_amax_onc
 
 # ---------------------------------------------------------------- train.compile
 
+
 def test_compile_is_in_place_per_block_and_keeps_names():
     from dtrain.train.parallelize import apply_compile
 
-    model = GPT(GPTConfig.from_preset("tiny"), backends.emulated_linear("emulated_delayed", OmegaConf.create(
-        {"margin": 0, "amax_history_len": 4, "amax_compute_algo": "max", "e5m2_overflow": "saturate"})))
+    model = GPT(
+        GPTConfig.from_preset("tiny"),
+        backends.emulated_linear(
+            "emulated_delayed",
+            OmegaConf.create(
+                {
+                    "margin": 0,
+                    "amax_history_len": 4,
+                    "amax_compute_algo": "max",
+                    "e5m2_overflow": "saturate",
+                }
+            ),
+        ),
+    )
     keys = list(model.state_dict())
     apply_compile(model)  # lazy: nothing compiles until the first forward
-    assert list(model.state_dict()) == keys and all(b._compiled_call_impl is not None for b in model.blocks)
+    assert list(model.state_dict()) == keys and all(
+        b._compiled_call_impl is not None for b in model.blocks
+    )
 
 
 @pytest.mark.slow
@@ -188,7 +265,11 @@ def test_compiled_blocks_train_like_eager_under_fsdp2_and_fp8(tmp_path):
     specs = {}
     for recipe in ("emulated_delayed", "torchao_tensorwise"):
         for compiled in (False, True):
-            specs[f"{recipe}-{compiled}"] = [f"recipe={recipe}", "train.strategy=zero3", f"train.compile={compiled}"]
+            specs[f"{recipe}-{compiled}"] = [
+                f"recipe={recipe}",
+                "train.strategy=zero3",
+                f"train.compile={compiled}",
+            ]
     results = run_matrix(tmp_path, 2, specs)
     check_learns(results, specs)
     for recipe in ("emulated_delayed", "torchao_tensorwise"):

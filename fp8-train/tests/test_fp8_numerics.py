@@ -1,4 +1,5 @@
 """Formats, scaling, debug statistics and the emulated FP8 Linear, on tensors with known answers."""
+
 import math
 from dataclasses import replace
 
@@ -65,13 +66,19 @@ def test_underflow_overflow_mse_cosine_on_crafted_tensor():
     x = torch.tensor([1e-6, 0.5, 500.0, 0.0])  # 1e-6 < E4M3's smallest subnormal 2^-9 / 2
     s = per_tensor_stats(x, 1.0, E4M3)
     assert s["underflows_pct"] == pytest.approx(100 / 3)  # 1 of the 3 non-zero values
-    assert s["overflows_pct"] == pytest.approx(25.0)       # 500 > 448, counted before the cast
+    assert s["overflows_pct"] == pytest.approx(25.0)  # 500 > 448, counted before the cast
     deq = torch.tensor([0.0, 0.5, 448.0, 0.0], dtype=torch.float64)
     x64 = x.double()
     assert s["mse"] == pytest.approx(((x64 - deq) ** 2).mean().item())
     assert s["cos_sim"] == pytest.approx((x64 @ deq / (x64.norm() * deq.norm())).item())
-    exact = roundtrip_stats(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), E4M3)
-    assert exact["mse"] == 0.0 and exact["cos_sim"] == pytest.approx(1.0) and exact["underflows_pct"] == 0.0
+    exact = roundtrip_stats(
+        torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), E4M3
+    )
+    assert (
+        exact["mse"] == 0.0
+        and exact["cos_sim"] == pytest.approx(1.0)
+        and exact["underflows_pct"] == 0.0
+    )
 
 
 def test_debug_history_scale_is_as_if_delayed():
@@ -83,8 +90,10 @@ def test_debug_history_scale_is_as_if_delayed():
 
 
 def test_mx_and_nvfp4_block_round_trips():
-    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0] * 4)  # one 32-element block, amax 6
-    assert torch.equal(fp4.quantize(grid, "mxfp4"), grid)       # scale 2^(floor(log2 6) - 2) = 1
+    grid = torch.tensor(
+        [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0] * 4
+    )  # one 32-element block, amax 6
+    assert torch.equal(fp4.quantize(grid, "mxfp4"), grid)  # scale 2^(floor(log2 6) - 2) = 1
     assert torch.equal(fp4.quantize(grid * 8, "mxfp4"), grid * 8)  # power-of-two rescale is exact
     assert torch.equal(fp4.quantize(grid[:16], "nvfp4"), grid[:16])
     big = torch.tensor([7.9] + [1.0] * 31)  # amax 7.9 -> scale 1, 7.9 saturates at 6
@@ -107,7 +116,9 @@ def test_fp8_linear_matches_hand_computation():
     g8 = quantize(g, 57344 / g.abs().max(), E5M2)
     assert torch.allclose(x.grad, g8 @ w8, atol=1e-5)
     assert torch.allclose(layer.weight.grad, g8.t() @ x8, atol=1e-5)
-    assert torch.allclose(layer.bias.grad, g.sum(0), atol=1e-6)  # bias gradient stays high precision
+    assert torch.allclose(
+        layer.bias.grad, g.sum(0), atol=1e-6
+    )  # bias gradient stays high precision
     layer.fp8_enabled = False
     assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias))
 

@@ -22,13 +22,13 @@ With bf16 mixed precision the stored parameters stay fp32; only transient gather
 With train.tp / train.pp the shapes are those of this rank's pipeline stages and tp shards, and S
 is the FSDP shard degree over dp (1 for ddp); ideal is Psi / (S * tp * pp).
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.nn as nn
-
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -43,7 +43,9 @@ def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
     (the hand-rolled TP's DTensors); FSDP's sharding is left to `formula_bytes`."""
     shape = list(p.shape)
     mesh = getattr(p, "device_mesh", None)
-    for i, (name, placement) in enumerate(zip(mesh.mesh_dim_names if mesh else (), getattr(p, "placements", ()))):
+    for i, (name, placement) in enumerate(
+        zip(mesh.mesh_dim_names if mesh else (), getattr(p, "placements", ()))
+    ):
         if name == "tp" and placement.is_shard():
             shape[placement.dim] //= mesh.size(i)
     return tuple(shape)
@@ -58,7 +60,12 @@ def measure_grads(model: nn.Module) -> int:
 
 
 def measure_optimizer(optimizer: torch.optim.Optimizer) -> int:
-    return sum(local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    return sum(
+        local_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v)
+    )
 
 
 def local_rows(d0: int, shards: int, index: int) -> int:
@@ -67,14 +74,22 @@ def local_rows(d0: int, shards: int, index: int) -> int:
     return max(0, min(c, d0 - index * c))
 
 
-def formula_bytes(shapes: list[tuple[int, ...]], shards: int, index: int, bytes_per_elem: int = 4) -> dict:
+def formula_bytes(
+    shapes: list[tuple[int, ...]], shards: int, index: int, bytes_per_elem: int = 4
+) -> dict:
     """{"params", "grads", "optimizer"} bytes for the shard `index` of `shards` (see module doc)."""
     elems = sum(local_rows(s[0], shards, index) * math.prod(s[1:]) for s in shapes)
-    return {"params": bytes_per_elem * elems, "grads": bytes_per_elem * elems,
-            "optimizer": 2 * 4 * elems + 4 * len(shapes)}
+    return {
+        "params": bytes_per_elem * elems,
+        "grads": bytes_per_elem * elems,
+        "optimizer": 2 * 4 * elems + 4 * len(shapes),
+    }
 
 
 def ideal_bytes(num_params: int, num_tensors: int, shards: int, bytes_per_elem: int = 4) -> dict:
     psi = num_params / shards
-    return {"params": round(bytes_per_elem * psi), "grads": round(bytes_per_elem * psi),
-            "optimizer": round(8 * psi) + 4 * num_tensors}
+    return {
+        "params": round(bytes_per_elem * psi),
+        "grads": round(bytes_per_elem * psi),
+        "optimizer": round(8 * psi) + 4 * num_tensors,
+    }

@@ -14,6 +14,7 @@ merged into disjoint unions (nested or concurrent events must not count twice), 
         on the training thread (the union of nested ops is the time the thread computed; time it
         spent blocked in work.wait() is in no aten op).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -62,16 +63,33 @@ def overlap_stats(intervals: Iterable[tuple[float, float, str]], steps: int = 1)
     comm = merge((s, e) for s, e, k in intervals if k == "comm")
     compute = merge((s, e) for s, e, k in intervals if k == "compute")
     comm_s, overlapped_s = total(comm), total(intersect(comm, compute))
-    return {"comm_s": comm_s / steps, "compute_s": total(compute) / steps, "overlapped_s": overlapped_s / steps,
-            "exposed_comm_s": (comm_s - overlapped_s) / steps,
-            "overlap_fraction": overlapped_s / comm_s if comm_s > 0 else None}
+    return {
+        "comm_s": comm_s / steps,
+        "compute_s": total(compute) / steps,
+        "overlapped_s": overlapped_s / steps,
+        "exposed_comm_s": (comm_s - overlapped_s) / steps,
+        "overlap_fraction": overlapped_s / comm_s if comm_s > 0 else None,
+    }
 
 
-_NOT_COMPUTE = ("c10d::", "record_param_comms", "wait", "all_gather", "allgather", "reduce_scatter", "allreduce",
-                "all_reduce", "broadcast", "barrier", "gloo:")
+_NOT_COMPUTE = (
+    "c10d::",
+    "record_param_comms",
+    "wait",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "allreduce",
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "gloo:",
+)
 
 
-def intervals_from_trace(trace: dict, main_tid: int | None = None) -> list[tuple[float, float, str]]:
+def intervals_from_trace(
+    trace: dict, main_tid: int | None = None
+) -> list[tuple[float, float, str]]:
     """(start_s, end_s, kind) from a Chrome trace; main_tid = the training thread (CPU compute)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -79,14 +97,20 @@ def intervals_from_trace(trace: dict, main_tid: int | None = None) -> list[tuple
     if kernels:  # GPU run: the device timeline is the truth
         for e in kernels:
             s = e["ts"] / 1e6
-            out.append((s, s + e["dur"] / 1e6, "comm" if "nccl" in e["name"].lower() else "compute"))
+            out.append(
+                (s, s + e["dur"] / 1e6, "comm" if "nccl" in e["name"].lower() else "compute")
+            )
         return out
     for e in events:
         name, s = e["name"], e["ts"] / 1e6
         if name.startswith("gloo:"):
             out.append((s, s + e["dur"] / 1e6, "comm"))
-        elif (e.get("cat") == "cpu_op" and name.startswith("aten::") and (main_tid is None or e.get("tid") == main_tid)
-              and not any(w in name.lower() for w in _NOT_COMPUTE)):
+        elif (
+            e.get("cat") == "cpu_op"
+            and name.startswith("aten::")
+            and (main_tid is None or e.get("tid") == main_tid)
+            and not any(w in name.lower() for w in _NOT_COMPUTE)
+        ):
             out.append((s, s + e["dur"] / 1e6, "compute"))
     return out
 
@@ -126,15 +150,24 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
     p2p = merge(span(e) for e in main if e["name"].startswith(_P2P))
     if cp:  # the trainer runs cp only without pp: every send/recv is the ring's (some outlast their cp range)
         cp, p2p = merge([*cp, *p2p]), []
-    other_comm = merge(span(e) for e in events if e["name"].startswith("gloo:") and not e["name"].startswith(_P2P))
+    other_comm = merge(
+        span(e) for e in events if e["name"].startswith("gloo:") and not e["name"].startswith(_P2P)
+    )
     tp_total = total(tp)
     dp = merge(iv for iv in _subtract(other_comm, merge([*tp, *cp])))
     dp_exposed = _subtract(dp, compute)
     start, end = min(e["ts"] for e in main) / 1e6, max(e["ts"] + e["dur"] for e in main) / 1e6
     busy = total(merge([*compute, *tp, *cp, *p2p, *dp_exposed]))
-    return {"step_s": (end - start) / steps, "compute_s": total(compute) / steps, "tp_comm_s": tp_total / steps,
-            "cp_comm_s": total(cp) / steps, "pp_p2p_s": total(p2p) / steps, "dp_comm_s": total(dp) / steps,
-            "dp_comm_exposed_s": total(dp_exposed) / steps, "idle_s": max(0.0, end - start - busy) / steps}
+    return {
+        "step_s": (end - start) / steps,
+        "compute_s": total(compute) / steps,
+        "tp_comm_s": tp_total / steps,
+        "cp_comm_s": total(cp) / steps,
+        "pp_p2p_s": total(p2p) / steps,
+        "dp_comm_s": total(dp) / steps,
+        "dp_comm_exposed_s": total(dp_exposed) / steps,
+        "idle_s": max(0.0, end - start - busy) / steps,
+    }
 
 
 def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:

@@ -1,4 +1,5 @@
 """Callbacks that measure a training run: state bytes per rank, and a profiled window of steps."""
+
 from __future__ import annotations
 
 import threading
@@ -34,7 +35,9 @@ class ProfileWindow(Callback):
         self.first, self.last, self.steps = first, first + steps - 1, steps
         self.out_dir = Path(out_dir)
         self.result: dict | None = None
-        self.breakdown: dict | None = None  # overlap.step_breakdown: compute / TP / PP / DP time per step
+        self.breakdown: dict | None = (
+            None  # overlap.step_breakdown: compute / TP / PP / DP time per step
+        )
         self.trace_path: Path | None = None
         self._prof = None
 
@@ -61,8 +64,14 @@ class ProfileWindow(Callback):
             self.trace_path = self.out_dir / "trace.rank0.json.gz"
             self._prof.export_chrome_trace(str(self.trace_path))
             trace = overlap.read_trace(self.trace_path)
-            self.result = overlap.overlap_stats(overlap.intervals_from_trace(trace, self._tid), steps=self.steps)
-            trainer.ctx.writer.record("overlap", steps=self.steps, first_step=self.first, **self.result)
+            self.result = overlap.overlap_stats(
+                overlap.intervals_from_trace(trace, self._tid), steps=self.steps
+            )
+            trainer.ctx.writer.record(
+                "overlap", steps=self.steps, first_step=self.first, **self.result
+            )
             self.breakdown = overlap.step_breakdown(trace, self._tid, steps=self.steps)
-            trainer.ctx.writer.record("step_breakdown", steps=self.steps, first_step=self.first, **self.breakdown)
+            trainer.ctx.writer.record(
+                "step_breakdown", steps=self.steps, first_step=self.first, **self.breakdown
+            )
         self._prof = None

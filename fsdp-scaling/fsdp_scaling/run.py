@@ -5,6 +5,7 @@ against the ZeRO formula (with tp / pp: this rank's stages and tp shards, sharde
 the comm/compute overlap and step breakdown (compute, TP comm, PP p2p and bubble, DP comm) of a
 profiled window; the summary's "guide_inputs" (dtrain.results.contract) hold what the parallelism guide reads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,21 +29,41 @@ def rank_fn(ctx: RankContext) -> dict:
     callbacks = [state]
     window = None
     if ctx.cfg.profile.enabled:
-        window = ProfileWindow(train.timing_warmup + 1, ctx.cfg.profile.steps, ctx.run_dir / "profile")
+        window = ProfileWindow(
+            train.timing_warmup + 1, ctx.cfg.profile.steps, ctx.run_dir / "profile"
+        )
         callbacks.append(window)
     trainer = Trainer(ctx, train, model_cfg, callbacks=callbacks)
     result = trainer.run()
-    shapes = [memory.tp_local_shape(p) for p in trainer.model.parameters()]  # this rank's stages, tp shards
-    dims, shards = trainer.dims, trainer.parallel.shard_degree  # FSDP2 shards the tp x pp piece over shard x cp
+    shapes = [
+        memory.tp_local_shape(p) for p in trainer.model.parameters()
+    ]  # this rank's stages, tp shards
+    dims, shards = (
+        trainer.dims,
+        trainer.parallel.shard_degree,
+    )  # FSDP2 shards the tp x pp piece over shard x cp
     formula = memory.formula_bytes(shapes, shards, trainer.parallel.shard_index)
     ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards * dims.tp * dims.pp)
-    ctx.writer.record("state_bytes", rank=ctx.rank, shards=shards,
-                      **{f"measured_{k}": v for k, v in state.measured.items()},
-                      **{f"formula_{k}": v for k, v in formula.items()}, **{f"ideal_{k}": v for k, v in ideal.items()})
-    return {**result, "state_bytes": state.measured, "state_bytes_formula": formula, "state_bytes_ideal": ideal,
-            "shard_degree": shards, "overlap": window.result if window else None,
-            "breakdown": window.breakdown if window else None,
-            "trace": str(window.trace_path) if window and window.trace_path else None,
-            "device": str(ctx.device), "backend": ctx.backend, "gpu_name": ctx.gpu_name,
-            "model": dataclasses.asdict(model_cfg),
-            "train": trainer.train.to_dict()}  # as the run used it (grad_accum, precision derived)
+    ctx.writer.record(
+        "state_bytes",
+        rank=ctx.rank,
+        shards=shards,
+        **{f"measured_{k}": v for k, v in state.measured.items()},
+        **{f"formula_{k}": v for k, v in formula.items()},
+        **{f"ideal_{k}": v for k, v in ideal.items()},
+    )
+    return {
+        **result,
+        "state_bytes": state.measured,
+        "state_bytes_formula": formula,
+        "state_bytes_ideal": ideal,
+        "shard_degree": shards,
+        "overlap": window.result if window else None,
+        "breakdown": window.breakdown if window else None,
+        "trace": str(window.trace_path) if window and window.trace_path else None,
+        "device": str(ctx.device),
+        "backend": ctx.backend,
+        "gpu_name": ctx.gpu_name,
+        "model": dataclasses.asdict(model_cfg),
+        "train": trainer.train.to_dict(),
+    }  # as the run used it (grad_accum, precision derived)

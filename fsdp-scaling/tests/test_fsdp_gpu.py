@@ -1,4 +1,5 @@
 """GPU paths (skipped without CUDA): bf16 FSDP2 on NCCL, datasheet peak, CUDA-event timing."""
+
 import json
 
 import pytest
@@ -9,8 +10,18 @@ from dtrain.results import loader
 
 @pytest.mark.gpu
 def test_bf16_zero3_on_one_gpu(tmp_path):
-    out = py("-m", "fsdp_scaling", "world_size=1", "device=cuda", "model.preset=small", "train.strategy=zero3",
-             "train.precision=bf16", "train.steps=8", f"results_dir={tmp_path}", timeout=300)
+    out = py(
+        "-m",
+        "fsdp_scaling",
+        "world_size=1",
+        "device=cuda",
+        "model.preset=small",
+        "train.strategy=zero3",
+        "train.precision=bf16",
+        "train.steps=8",
+        f"results_dir={tmp_path}",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     run = loader.complete_runs([tmp_path])[0]
     g = run.summary

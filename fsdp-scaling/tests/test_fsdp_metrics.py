@@ -1,4 +1,5 @@
 """MFU arithmetic, GPU peak lookup and the ZeRO state-bytes formula, by hand."""
+
 import pytest
 import torch
 
@@ -39,7 +40,11 @@ def test_zero_formula_by_hand():
     assert [memory.local_rows(10, 4, r) for r in range(4)] == [3, 3, 3, 1]
     assert memory.local_rows(2, 4, 3) == 0
     shapes = [(10, 8), (4,)]  # 84 elements, 2 tensors
-    assert memory.formula_bytes(shapes, 1, 0) == {"params": 336, "grads": 336, "optimizer": 8 * 84 + 8}
+    assert memory.formula_bytes(shapes, 1, 0) == {
+        "params": 336,
+        "grads": 336,
+        "optimizer": 8 * 84 + 8,
+    }
     r3 = memory.formula_bytes(shapes, 4, 3)  # 1 row of 8 + 1 of the vector = 9 elements
     assert r3 == {"params": 36, "grads": 36, "optimizer": 72 + 8}
     assert memory.ideal_bytes(84, 2, 4) == {"params": 84, "grads": 84, "optimizer": 168 + 8}

@@ -1,6 +1,7 @@
 """Strategies agree (losses and grad norms equal the single-process run's within 1e-6 relative)
 and checkpoints resume exactly, with several trainings inside one launch (each spawn costs
 seconds): fp32 on CPU, the tiny GPT, 5 steps, global batch 4."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,13 +17,33 @@ STEPS = 5
 
 
 def base_cfg(world_size: int, **extra):
-    return OmegaConf.create({"launcher": "local", "world_size": world_size, "backend": "gloo", "device": "cpu",
-                             "seed": 0, "dist_timeout_s": 120, "threads_per_rank": 1, "subproject": "test", **extra})
+    return OmegaConf.create(
+        {
+            "launcher": "local",
+            "world_size": world_size,
+            "backend": "gloo",
+            "device": "cpu",
+            "seed": 0,
+            "dist_timeout_s": 120,
+            "threads_per_rank": 1,
+            "subproject": "test",
+            **extra,
+        }
+    )
 
 
 def train_of(**kw) -> TrainConfig:
-    return TrainConfig(**{"steps": STEPS, "micro_batch": 1, "global_batch": 4, "log_every": 0,
-                          "dataset_tokens": 20_000, "timing_warmup": 0, **kw})
+    return TrainConfig(
+        **{
+            "steps": STEPS,
+            "micro_batch": 1,
+            "global_batch": 4,
+            "log_every": 0,
+            "dataset_tokens": 20_000,
+            "timing_warmup": 0,
+            **kw,
+        }
+    )
 
 
 def losses_of(trainer: Trainer) -> tuple[list[float], list[float]]:
@@ -53,9 +74,13 @@ def many_strategies(ctx) -> dict:
         got, norms = losses_of(trainer)
         shapes = [tuple(p.shape) for p in trainer.model.parameters()]
         shards = trainer.dims.dp_shard  # ranks the states are sharded over (1: replicated)
-        out[name] = {"losses": got, "grad_norms": norms, "measured": state.measured,
-                     "formula": memory.formula_bytes(shapes, shards, ctx.rank % shards),
-                     "checkpoint": trainer.last_checkpoint}
+        out[name] = {
+            "losses": got,
+            "grad_norms": norms,
+            "measured": state.measured,
+            "formula": memory.formula_bytes(shapes, shards, ctx.rank % shards),
+            "checkpoint": trainer.last_checkpoint,
+        }
     return out
 
 
@@ -67,17 +92,31 @@ def run_specs(tmp_path, world_size: int, specs: dict) -> dict:
 
 def test_strategies_agree_and_resume_exactly(tmp_path):
     ck = str(tmp_path / "ck")
-    two = run_specs(tmp_path, 2, {
-        "ddp": {"strategy": "ddp"},
-        "zero2": {"strategy": "zero2"},
-        "zero3": {"strategy": "zero3", "checkpoint_every": 3, "checkpoint_dir": ck},
-        "zero3_prefetch_ac": {"strategy": "zero3", "prefetch": True, "activation_checkpointing": "block"},
-        "zero3_op_ac": {"strategy": "zero3", "activation_checkpointing": "op"},
-        "zero3_resumed": {"strategy": "zero3", "resume_from": f"{ck}/step-000003"},
-        "ddp_resumed_from_zero3": {"strategy": "ddp", "resume_from": f"{ck}/step-000003"},
-    })
-    one = run_specs(tmp_path, 1, {"single": {"strategy": "single"},
-                                  "single_resumed": {"strategy": "single", "resume_from": f"{ck}/step-000003"}})
+    two = run_specs(
+        tmp_path,
+        2,
+        {
+            "ddp": {"strategy": "ddp"},
+            "zero2": {"strategy": "zero2"},
+            "zero3": {"strategy": "zero3", "checkpoint_every": 3, "checkpoint_dir": ck},
+            "zero3_prefetch_ac": {
+                "strategy": "zero3",
+                "prefetch": True,
+                "activation_checkpointing": "block",
+            },
+            "zero3_op_ac": {"strategy": "zero3", "activation_checkpointing": "op"},
+            "zero3_resumed": {"strategy": "zero3", "resume_from": f"{ck}/step-000003"},
+            "ddp_resumed_from_zero3": {"strategy": "ddp", "resume_from": f"{ck}/step-000003"},
+        },
+    )
+    one = run_specs(
+        tmp_path,
+        1,
+        {
+            "single": {"strategy": "single"},
+            "single_resumed": {"strategy": "single", "resume_from": f"{ck}/step-000003"},
+        },
+    )
     ref = one["single"]["losses"]
     assert len(ref) == STEPS and ref[-1] < ref[0]
     for name in ("ddp", "zero2", "zero3", "zero3_prefetch_ac", "zero3_op_ac"):
@@ -94,8 +133,14 @@ def test_strategies_agree_and_resume_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_hsdp_agrees_on_four_ranks(tmp_path):
-    four = run_specs(tmp_path, 4, {"hsdp": {"strategy": "hsdp", "hsdp_replicate": 2}, "zero3": {"strategy": "zero3"}})
+    four = run_specs(
+        tmp_path,
+        4,
+        {"hsdp": {"strategy": "hsdp", "hsdp_replicate": 2}, "zero3": {"strategy": "zero3"}},
+    )
     for key in ("losses", "grad_norms"):
         assert four["hsdp"][key] == pytest.approx(four["zero3"][key], rel=1e-6, abs=0), key
     assert four["hsdp"]["measured"] == four["hsdp"]["formula"]
-    assert four["hsdp"]["measured"]["params"] > four["zero3"]["measured"]["params"]  # 2-way vs 4-way shards
+    assert (
+        four["hsdp"]["measured"]["params"] > four["zero3"]["measured"]["params"]
+    )  # 2-way vs 4-way shards

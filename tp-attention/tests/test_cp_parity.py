@@ -4,6 +4,7 @@ heads below cp included), counted bytes = the analytic formula; and the check FA
 merges its partial results without the log-sum-exp rescaling (a planted bug), so it can catch one.
 
 Seeds are drawn per run and printed (reproduce with CP_PARITY_SEED=<seed>)."""
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,15 @@ def parity_cases(ctx) -> list[dict]:
     out = []
     for spec in OmegaConf.to_container(ctx.cfg.cases):
         case, seed = spec["case"], spec["seed"]
-        core = ContextParallelCore("ring", dist.group.WORLD, merge=add_without_rescaling) if spec["planted"] else None
+        core = (
+            ContextParallelCore("ring", dist.group.WORLD, merge=add_without_rescaling)
+            if spec["planted"]
+            else None
+        )
         errs, volume = check_case(case, dist.group.WORLD, seed, ctx.device, core=core)
-        out.append({"case": case, "seed": seed, "planted": spec["planted"], "errs": errs, "volume": volume})
+        out.append(
+            {"case": case, "seed": seed, "planted": spec["planted"], "errs": errs, "volume": volume}
+        )
     return out
 
 
@@ -46,18 +53,45 @@ def run_cases(tmp_path, cp: int, n_random: int) -> list[dict]:
     cases = []
     for impl in ("ring", "ulysses"):
         for _ in range(n_random):
-            cases.append({"case": draw_case(rng, cp, impl), "seed": rng.randrange(1 << 30), "planted": False})
-    gqa = {"impl": "ring", "cp": cp, "n_head": 4, "n_kv_head": 1, "head_dim": 8, "batch": 2, "seq": 4 * cp,
-           "bias": True}
+            cases.append(
+                {"case": draw_case(rng, cp, impl), "seed": rng.randrange(1 << 30), "planted": False}
+            )
+    gqa = {
+        "impl": "ring",
+        "cp": cp,
+        "n_head": 4,
+        "n_kv_head": 1,
+        "head_dim": 8,
+        "batch": 2,
+        "seq": 4 * cp,
+        "bias": True,
+    }
     cases.append({"case": gqa, "seed": rng.randrange(1 << 30), "planted": False})
     cases.append({"case": gqa, "seed": rng.randrange(1 << 30), "planted": True})
-    cfg = OmegaConf.create({"launcher": "local", "world_size": cp, "backend": "gloo", "device": "cpu", "seed": seed,
-                            "dist_timeout_s": 120, "threads_per_rank": 1, "subproject": "test", "cases": cases})
+    cfg = OmegaConf.create(
+        {
+            "launcher": "local",
+            "world_size": cp,
+            "backend": "gloo",
+            "device": "cpu",
+            "seed": seed,
+            "dist_timeout_s": 120,
+            "threads_per_rank": 1,
+            "subproject": "test",
+            "cases": cases,
+        }
+    )
     run_dir = tmp_path / f"cp{cp}"
     run_dir.mkdir()
     got = launch(parity_cases, cfg, run_dir)[0]
     for r in got:
-        print(r["case"], "seed", r["seed"], "planted" if r["planted"] else "", f"worst {max(r['errs'].values()):.1e}")
+        print(
+            r["case"],
+            "seed",
+            r["seed"],
+            "planted" if r["planted"] else "",
+            f"worst {max(r['errs'].values()):.1e}",
+        )
     return got
 
 
@@ -69,7 +103,9 @@ def assert_parity(results: list[dict]) -> None:
             assert r["volume"]["analytic"] == r["volume"]["counted"]
         else:
             assert not bad, (r["case"], r["seed"], bad)
-            assert r["volume"]["counted"] > 0 and len(r["errs"]) >= 6  # out, input grad, wq, wk, wv, wo
+            assert (
+                r["volume"]["counted"] > 0 and len(r["errs"]) >= 6
+            )  # out, input grad, wq, wk, wv, wo
 
 
 def test_cp2_ring_and_ulysses_equal_one_device_and_a_wrong_merge_fails(tmp_path):

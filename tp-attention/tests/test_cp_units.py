@@ -1,6 +1,7 @@
 """Context parallelism without a process group: zigzag shards, the ring's block plan (exact causal
 coverage, equal work on every rank), the online-softmax merge, the fused CPU blocks against their
 definition, the analytic volume by hand, and the CP study's refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,15 @@ from dtrain.core.nodes import defaults
 from dtrain.parallel import comm_counter
 from dtrain.parallel.cp import sharding
 from dtrain.parallel.cp.exchange import expected_wire_bytes, ulysses_kv_heads
-from dtrain.parallel.cp.ring import (block_attention, block_attention_math, block_grads, block_grads_math,
-                                     block_plan, merge_partials, ring_attention)
+from dtrain.parallel.cp.ring import (
+    block_attention,
+    block_attention_math,
+    block_grads,
+    block_grads_math,
+    block_plan,
+    merge_partials,
+    ring_attention,
+)
 from dtrain.parallel.cp.ulysses import causal_sdpa
 
 
@@ -67,8 +75,10 @@ def test_fused_cpu_blocks_equal_their_definition_even_with_another_blocks_out_an
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     out, lse = 0.5 * want[0], want[1] + 0.3  # the ring passes the final (merged) out and lse
-    for a, b in zip(block_grads(q, k, v, out, lse, dout, causal, 0.5),
-                    block_grads_math(q, k, v, out, lse, dout, causal, 0.5)):
+    for a, b in zip(
+        block_grads(q, k, v, out, lse, dout, causal, 0.5),
+        block_grads_math(q, k, v, out, lse, dout, causal, 0.5),
+    ):
         torch.testing.assert_close(a, b)
 
 
@@ -87,7 +97,10 @@ def test_ring_of_one_is_causal_sdpa_with_gqa():
 
 
 def test_expected_bytes_by_hand():
-    assert comm_counter.wire_bytes("send", 1000, 4) == 1000 and comm_counter.wire_bytes("all_to_all", 1000, 4) == 750
+    assert (
+        comm_counter.wire_bytes("send", 1000, 4) == 1000
+        and comm_counter.wire_bytes("all_to_all", 1000, 4) == 750
+    )
     # b=1, s=8, hd=4, fp32, cp=2: a rank holds 4 tokens; a k/v block with 2 k/v heads = 2*4*2*4*4 = 256 bytes,
     # sent 3(cp-1) = 3 times (forward k/v, backward k/v and its gradient)
     kw = dict(batch=1, seq=8, n_head=4, n_kv_head=2, head_dim=4, cp=2)
@@ -95,7 +108,9 @@ def test_expected_bytes_by_hand():
     # ulysses: q and out 4*4*4*4 = 256 bytes, k and v 128 each, half of each leaves the rank, twice (fwd, bwd)
     assert expected_wire_bytes("ulysses", **kw) == 2 * (128 + 64 + 64 + 128)
     assert expected_wire_bytes("ring", **{**kw, "cp": 1}) == 0
-    assert ulysses_kv_heads(2, 4) == 4 and ulysses_kv_heads(8, 4) == 8 and ulysses_kv_heads(3, 2) == 6
+    assert (
+        ulysses_kv_heads(2, 4) == 4 and ulysses_kv_heads(8, 4) == 8 and ulysses_kv_heads(3, 2) == 6
+    )
 
 
 def study_cfg(**over):
@@ -107,15 +122,26 @@ def study_cfg(**over):
     return cfg
 
 
-@pytest.mark.parametrize("over, message", [
-    ({"model.seq_len": [256, 102]}, "model.seq_len=102 is not divisible by 2 x train.cp = 4"),
-    ({"train.cp": [1]}, "train.cp=1 must be an integer in [2, world_size=2]"),
-    ({"train.cp": [4]}, "train.cp=4 must be an integer in [2, world_size=2]"),
-    ({"train.cp_impl": ["ring", "zigzag"]}, "must name at least one of ring, ulysses"),
-    ({"model.n_head": 2, "model.n_kv_head": 1, "world_size": 4, "train.cp": [4], "model.seq_len": [64]},
-     "train.cp_impl=ulysses needs model.n_head=2 divisible by train.cp=4"),
-    ({"iters": 0}, "iters=0 must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"model.seq_len": [256, 102]}, "model.seq_len=102 is not divisible by 2 x train.cp = 4"),
+        ({"train.cp": [1]}, "train.cp=1 must be an integer in [2, world_size=2]"),
+        ({"train.cp": [4]}, "train.cp=4 must be an integer in [2, world_size=2]"),
+        ({"train.cp_impl": ["ring", "zigzag"]}, "must name at least one of ring, ulysses"),
+        (
+            {
+                "model.n_head": 2,
+                "model.n_kv_head": 1,
+                "world_size": 4,
+                "train.cp": [4],
+                "model.seq_len": [64],
+            },
+            "train.cp_impl=ulysses needs model.n_head=2 divisible by train.cp=4",
+        ),
+        ({"iters": 0}, "iters=0 must be an integer >= 1"),
+    ],
+)
 def test_the_study_refuses_what_it_cannot_measure(over, message):
     from tp_attention.cp.study import validate
 

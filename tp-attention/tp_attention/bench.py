@@ -10,6 +10,7 @@ For each (tp, sequence_parallel) the first TP group (ranks 0..tp-1) measures whi
 ranks wait; one step is run under a CommCounter (counted bytes must equal the analytic ones)
 and a few under torch.profiler, whose `tp_comm:*` ranges give the communication share.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,11 @@ import torch.distributed as dist
 from dtrain.model.gpt import Block
 from dtrain.model.timing import synchronize, time_fn
 from dtrain.parallel.tp import tp_collectives, dtensor_plan
-from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
+from dtrain.parallel.tp.attention import (
+    TensorParallelAttention,
+    TensorParallelBlock,
+    make_tp_groups,
+)
 from dtrain.parallel.tp.layers import allreduce_partial_grads
 from dtrain.run.launch import RankContext
 from tp_attention.config import as_list, model_config, torch_dtype, tp_degrees
@@ -39,6 +44,7 @@ def build_reference(cfg, device, dtype) -> torch.nn.Module:
 
 def make_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, sync_grads: bool):
     """One forward+backward as in the middle of a network: input gradient and all weight grads."""
+
     def step():
         for p in module.parameters():
             p.grad = None
@@ -46,6 +52,7 @@ def make_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, sync
         module(inp).backward(grad)
         if sync_grads:
             allreduce_partial_grads(module)
+
     return step
 
 
@@ -72,7 +79,9 @@ def comm_share(step, n_steps: int, device: torch.device) -> tuple[float, str]:
         comm_us = sum(e.self_device_time_total for e in stats if "nccl" in e.key.lower())
     else:
         comm_us = sum(e.cpu_time_total for e in stats if e.key.startswith("tp_comm:"))
-    table = stats.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25)
+    table = stats.table(
+        sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25
+    )
     return (comm_us / step_us if step_us else float("nan")), table
 
 
@@ -129,13 +138,23 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
     out["handrolled"] = _timed(step, cfg, device, groups.group)
     with tp_collectives.CommCounter() as counter:
         step()
-    out["counted"] = {tag: counter.wire_bytes(tag) for tag in (tp_collectives.ACTIVATION, tp_collectives.GRAD_SYNC)}
+    out["counted"] = {
+        tag: counter.wire_bytes(tag)
+        for tag in (tp_collectives.ACTIVATION, tp_collectives.GRAD_SYNC)
+    }
     out["payload_bytes"] = counter.payload_bytes()
     out["op_counts"] = counter.op_counts()
-    out["comm_share"], out["profile_table"] = comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
+    out["comm_share"], out["profile_table"] = (
+        comm_share(step, cfg.profile.steps, device) if tp > 1 else (0.0, "")
+    )
     if "handrolled_async" in impls:
-        hand_async = cls.from_full(ref, groups, sequence_parallel=sp, fused_qkv=cfg.train.fused_qkv,
-                                   async_grad_allreduce=True)
+        hand_async = cls.from_full(
+            ref,
+            groups,
+            sequence_parallel=sp,
+            fused_qkv=cfg.train.fused_qkv,
+            async_grad_allreduce=True,
+        )
         step = make_step(hand_async, xl, gl, sync_grads=True)
         out["handrolled_async"] = _timed(step, cfg, device, groups.group)
         out["comm_share_async"] = comm_share(step, cfg.profile.steps, device)[0] if tp > 1 else 0.0
@@ -178,53 +197,112 @@ def rank_fn(ctx: RankContext) -> dict:
     for tp, sp in progress(combos, ctx.is_main):
         groups = make_tp_groups(tp)  # collective: every rank, same order
         # The first TP group (ranks 0..tp-1) measures; then rank 0 alone runs the single baselines.
-        measured = turns.take(groups is not None and ctx.rank < tp, ctx.is_main,
-                              lambda: measure_tp(cfg, tp, sp, groups, ref, x, g, device))
+        measured = turns.take(
+            groups is not None and ctx.rank < tp,
+            ctx.is_main,
+            lambda: measure_tp(cfg, tp, sp, groups, ref, x, g, device),
+        )
 
         def singles():
             wanted = [threads] + ([tp * threads] if device.type == "cpu" and tp > 1 else [])
             for n in wanted:
                 if n not in single_cache:
-                    single_cache[n] = measure_single(cfg, ref, x, g, device, n if device.type == "cpu" else None)
+                    single_cache[n] = measure_single(
+                        cfg, ref, x, g, device, n if device.type == "cpu" else None
+                    )
             same = single_cache.get(tp * threads) if device.type == "cpu" else None
             entries.append(_entry(cfg, ctx, tp, sp, measured, single_cache[threads], same, threads))
 
         turns.take(ctx.is_main, ctx.is_main, singles)
         dist.barrier()
-    return {"entries": entries, "device": device.type, "backend": ctx.backend, "gpu_name": ctx.gpu_name,
-            "threads_per_rank": threads}
+    return {
+        "entries": entries,
+        "device": device.type,
+        "backend": ctx.backend,
+        "gpu_name": ctx.gpu_name,
+        "threads_per_rank": threads,
+    }
 
 
 def _entry(cfg, ctx, tp, sp, m, single, same_threads, threads) -> dict:
     elem_bytes, mc = torch.empty(0, dtype=torch_dtype(cfg)).element_size(), model_config(cfg)
-    analytic = tp_collectives.expected_wire_bytes(batch=cfg.train.micro_batch, seq=mc.seq_len, d_model=mc.d_model,
-                                        n_head=mc.n_head, n_kv_head=mc.n_kv_head, tp=tp, sequence_parallel=sp,
-                                        module=cfg.module, norm=mc.norm, bias=mc.bias, elem_bytes=elem_bytes)
+    analytic = tp_collectives.expected_wire_bytes(
+        batch=cfg.train.micro_batch,
+        seq=mc.seq_len,
+        d_model=mc.d_model,
+        n_head=mc.n_head,
+        n_kv_head=mc.n_kv_head,
+        tp=tp,
+        sequence_parallel=sp,
+        module=cfg.module,
+        norm=mc.norm,
+        bias=mc.bias,
+        elem_bytes=elem_bytes,
+    )
     if analytic != m["counted"]:
-        raise RuntimeError(f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}")
+        raise RuntimeError(
+            f"tp={tp} sp={sp}: counted communication {m['counted']} != analytic {analytic}"
+        )
     tokens = cfg.train.micro_batch * mc.seq_len
-    e = {"tp": tp, "sequence_parallel": sp, "threads_per_rank": threads, "tokens": tokens,
-         "comm_bytes_per_layer": analytic[tp_collectives.ACTIVATION], "grad_sync_bytes_per_layer": analytic[tp_collectives.GRAD_SYNC],
-         "counted_bytes_per_layer": m["counted"][tp_collectives.ACTIVATION], "payload_bytes": m["payload_bytes"],
-         "op_counts": m["op_counts"], "dtensor_collectives": m.get("dtensor_collectives"),
-         "comm_share": m["comm_share"], "comm_share_async": m.get("comm_share_async")}
+    e = {
+        "tp": tp,
+        "sequence_parallel": sp,
+        "threads_per_rank": threads,
+        "tokens": tokens,
+        "comm_bytes_per_layer": analytic[tp_collectives.ACTIVATION],
+        "grad_sync_bytes_per_layer": analytic[tp_collectives.GRAD_SYNC],
+        "counted_bytes_per_layer": m["counted"][tp_collectives.ACTIVATION],
+        "payload_bytes": m["payload_bytes"],
+        "op_counts": m["op_counts"],
+        "dtensor_collectives": m.get("dtensor_collectives"),
+        "comm_share": m["comm_share"],
+        "comm_share_async": m.get("comm_share_async"),
+    }
     for impl in ("handrolled", "handrolled_async", "dtensor"):
         e[f"{impl}_s"] = m[impl]["median_s"] if impl in m else None
         if impl in m:  # TensorBoard: one curve per implementation and SP, tp on the x axis
             tag = f"step_time_s/{impl}/sp_{'on' if sp else 'off'}"
             ctx.writer.scalar(tag, m[impl]["median_s"], tp)
-            ctx.writer.record("step", impl=impl, tp=tp, sequence_parallel=sp, tokens_per_s=tokens / m[impl]["median_s"],
-                              **m[impl])
-    for name, stats, n in (("single", single, threads), ("single_same_threads", same_threads, tp * threads)):
+            ctx.writer.record(
+                "step",
+                impl=impl,
+                tp=tp,
+                sequence_parallel=sp,
+                tokens_per_s=tokens / m[impl]["median_s"],
+                **m[impl],
+            )
+    for name, stats, n in (
+        ("single", single, threads),
+        ("single_same_threads", same_threads, tp * threads),
+    ):
         e[f"{name}_s"] = stats["median_s"] if stats else None
         if stats:
-            ctx.writer.record("step", impl=name, tp=tp, sequence_parallel=sp, threads=n,
-                              tokens_per_s=tokens / stats["median_s"], **stats)
-    ctx.writer.record("comm", tp=tp, sequence_parallel=sp, analytic=analytic, counted=m["counted"],
-                      payload_bytes=m["payload_bytes"], op_counts=m["op_counts"],
-                      dtensor_collectives=m.get("dtensor_collectives"))
-    ctx.writer.record("profile", tp=tp, sequence_parallel=sp, comm_share=m["comm_share"],
-                      comm_share_async=m.get("comm_share_async"))
+            ctx.writer.record(
+                "step",
+                impl=name,
+                tp=tp,
+                sequence_parallel=sp,
+                threads=n,
+                tokens_per_s=tokens / stats["median_s"],
+                **stats,
+            )
+    ctx.writer.record(
+        "comm",
+        tp=tp,
+        sequence_parallel=sp,
+        analytic=analytic,
+        counted=m["counted"],
+        payload_bytes=m["payload_bytes"],
+        op_counts=m["op_counts"],
+        dtensor_collectives=m.get("dtensor_collectives"),
+    )
+    ctx.writer.record(
+        "profile",
+        tp=tp,
+        sequence_parallel=sp,
+        comm_share=m["comm_share"],
+        comm_share_async=m.get("comm_share_async"),
+    )
     if m["profile_table"]:  # where the hand-rolled step's time goes, op by op (rank 0)
         path = ctx.run_dir / f"profile_tp{tp}_sp{'on' if sp else 'off'}.txt"
         path.write_text(m["profile_table"] + "\n")

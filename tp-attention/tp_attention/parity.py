@@ -15,6 +15,7 @@ One launch checks many random cases in one process group (spawning is the slow p
 Errors are max|tp - ref| / max|ref| per tensor, the worst over ranks; rank 0 records each case.
 Any error above `rtol`, or counted != analytic bytes, fails the run (exit 1, no summary.json).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,14 +28,26 @@ from omegaconf import DictConfig
 from dtrain.core.errors import UserError
 from dtrain.model.gpt import Block, GPTConfig
 from dtrain.parallel.tp import tp_collectives, dtensor_plan, ops
-from dtrain.parallel.tp.attention import TensorParallelAttention, TensorParallelBlock, make_tp_groups
-from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, allreduce_partial_grads
+from dtrain.parallel.tp.attention import (
+    TensorParallelAttention,
+    TensorParallelBlock,
+    make_tp_groups,
+)
+from dtrain.parallel.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_partial_grads,
+)
 from dtrain.run.app import hydra_main
 from dtrain.run.launch import RankContext
 from tp_attention.config import as_list, check_tp
 
-VARIANTS = ({"fused_qkv": False}, {"fused_qkv": True}, {"fused_qkv": True, "async_grad_allreduce": True},
-            {"fused_qkv": False, "async_grad_allreduce": True})
+VARIANTS = (
+    {"fused_qkv": False},
+    {"fused_qkv": True},
+    {"fused_qkv": True, "async_grad_allreduce": True},
+    {"fused_qkv": False, "async_grad_allreduce": True},
+)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
@@ -98,11 +111,14 @@ def check_layers(groups, seed: int, device) -> dict[str, float]:
     out = row(col(xt))
     out.backward(g)
     shard = lambda t, dim: t.chunk(n, dim)[groups.rank]  # noqa: E731
-    return {"layers.out": rel_err(out, ref), "layers.input_grad": rel_err(xt.grad, xr.grad),
-            "layers.col_weight_grad": rel_err(col.weight.grad, shard(a.weight.grad, 0)),
-            "layers.col_bias_grad": rel_err(col.bias.grad, shard(a.bias.grad, 0)),
-            "layers.row_weight_grad": rel_err(row.weight.grad, shard(b.weight.grad, 1)),
-            "layers.row_bias_grad": rel_err(row.bias.grad, b.bias.grad)}
+    return {
+        "layers.out": rel_err(out, ref),
+        "layers.input_grad": rel_err(xt.grad, xr.grad),
+        "layers.col_weight_grad": rel_err(col.weight.grad, shard(a.weight.grad, 0)),
+        "layers.col_bias_grad": rel_err(col.bias.grad, shard(a.bias.grad, 0)),
+        "layers.row_weight_grad": rel_err(row.weight.grad, shard(b.weight.grad, 1)),
+        "layers.row_bias_grad": rel_err(row.bias.grad, b.bias.grad),
+    }
 
 
 def draw_case(rng: random.Random, tp: int, layout: str, sp: bool, index: int) -> dict:
@@ -116,15 +132,31 @@ def draw_case(rng: random.Random, tp: int, layout: str, sp: bool, index: int) ->
         n_kv = rng.choice([k for k in range(1, tp) if tp % k == 0])
         n_head = tp * rng.randint(1, 2)
     head_dim = rng.choice([4, 8, 16])
-    return dict(tp=tp, layout=layout, sequence_parallel=sp, n_head=n_head, n_kv_head=n_kv,
-                d_model=n_head * head_dim, batch=rng.randint(1, 3), seq=tp * rng.randint(1, 5),
-                bias=rng.random() < 0.5, norm=rng.choice(["rmsnorm", "layernorm"]),
-                module=rng.choice(["block", "block", "attention"]), **VARIANTS[index % len(VARIANTS)])
+    return dict(
+        tp=tp,
+        layout=layout,
+        sequence_parallel=sp,
+        n_head=n_head,
+        n_kv_head=n_kv,
+        d_model=n_head * head_dim,
+        batch=rng.randint(1, 3),
+        seq=tp * rng.randint(1, 5),
+        bias=rng.random() < 0.5,
+        norm=rng.choice(["rmsnorm", "layernorm"]),
+        module=rng.choice(["block", "block", "attention"]),
+        **VARIANTS[index % len(VARIANTS)],
+    )
 
 
 def build_reference(case: dict, seed: int, device) -> torch.nn.Module:
-    cfg = GPTConfig(d_model=case["d_model"], n_head=case["n_head"], n_kv_head=case["n_kv_head"],
-                    bias=case["bias"], norm=case["norm"], seq_len=max(case["seq"], 1))
+    cfg = GPTConfig(
+        d_model=case["d_model"],
+        n_head=case["n_head"],
+        n_kv_head=case["n_kv_head"],
+        bias=case["bias"],
+        norm=case["norm"],
+        seq_len=max(case["seq"], 1),
+    )
     torch.manual_seed(seed)
     block = Block(cfg, "blocks.0", lambda name, i, o, b: torch.nn.Linear(i, o, bias=b)).to(device)
     with torch.no_grad():  # norms at weight 1 / bias 0 would hide a wrong norm-gradient sum
@@ -174,7 +206,9 @@ def check_case(case: dict, groups, seed: int, device) -> tuple[dict[str, float],
     for name, p in tp_mod.named_parameters():
         errs[f"grad.{name}"] = rel_err(p.grad, expected[name], floor)
     if dt_mod is not None:
-        dt_mod = dtensor_plan.parallelize_block(dt_mod, dtensor_plan.tp_mesh(groups), case["sequence_parallel"])
+        dt_mod = dtensor_plan.parallelize_block(
+            dt_mod, dtensor_plan.tp_mesh(groups), case["sequence_parallel"]
+        )
         xd = local(x).clone().requires_grad_()
         dout = dt_mod(xd)
         dout.backward(local(g))
@@ -184,10 +218,29 @@ def check_case(case: dict, groups, seed: int, device) -> tuple[dict[str, float],
         for name, p in dt_mod.named_parameters():
             full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             errs[f"dtensor.grad.{name}"] = rel_err(full, ref_grads[name].grad, floor)
-    analytic = tp_collectives.expected_wire_bytes(**{k: case[k] for k in ("batch", "seq", "d_model", "n_head", "n_kv_head",
-                                                                 "tp", "sequence_parallel", "module", "norm", "bias")})
-    volume = {"analytic_activation": analytic[tp_collectives.ACTIVATION], "counted_activation": counter.wire_bytes(tp_collectives.ACTIVATION),
-              "analytic_grad_sync": analytic[tp_collectives.GRAD_SYNC], "counted_grad_sync": counter.wire_bytes(tp_collectives.GRAD_SYNC)}
+    analytic = tp_collectives.expected_wire_bytes(
+        **{
+            k: case[k]
+            for k in (
+                "batch",
+                "seq",
+                "d_model",
+                "n_head",
+                "n_kv_head",
+                "tp",
+                "sequence_parallel",
+                "module",
+                "norm",
+                "bias",
+            )
+        }
+    )
+    volume = {
+        "analytic_activation": analytic[tp_collectives.ACTIVATION],
+        "counted_activation": counter.wire_bytes(tp_collectives.ACTIVATION),
+        "analytic_grad_sync": analytic[tp_collectives.GRAD_SYNC],
+        "counted_grad_sync": counter.wire_bytes(tp_collectives.GRAD_SYNC),
+    }
     return errs, volume
 
 
@@ -207,14 +260,23 @@ def rank_fn(ctx: RankContext) -> dict:
         nonlocal n_checked, worst
         errs = _worst_over_ranks(errs)
         bad = [f"{k}={v:.2e}" for k, v in errs.items() if not v <= cfg.rtol]
-        if volume and volume["analytic_activation"] + volume["analytic_grad_sync"] != \
-                volume["counted_activation"] + volume["counted_grad_sync"]:
+        if (
+            volume
+            and volume["analytic_activation"] + volume["analytic_grad_sync"]
+            != volume["counted_activation"] + volume["counted_grad_sync"]
+        ):
             bad.append(f"comm bytes analytic != counted: {volume}")
         if ctx.is_main:
             n_checked += len(errs)
             worst = max([worst, *errs.values()])
-            ctx.writer.record(kind, **info, max_rel_err=max(errs.values(), default=0.0), errors=errs,
-                              **(volume or {}), passed=not bad)
+            ctx.writer.record(
+                kind,
+                **info,
+                max_rel_err=max(errs.values(), default=0.0),
+                errors=errs,
+                **(volume or {}),
+                passed=not bad,
+            )
             if bad:
                 failures.append(f"{kind} {info}: {', '.join(bad)}")
 
@@ -226,12 +288,21 @@ def rank_fn(ctx: RankContext) -> dict:
         report("layers", {"tp": tp}, check_layers(groups, seed, device) if groups else {})
         for layout, sp in ((lay, sp) for lay in layouts for sp in (False, True)):
             for _ in range(cfg.cases_per_layout):
-                case, seed = draw_case(rng, tp, layout, sp, rng.randrange(3)), rng.randrange(1 << 30)
+                case, seed = (
+                    draw_case(rng, tp, layout, sp, rng.randrange(3)),
+                    rng.randrange(1 << 30),
+                )
                 errs, volume = check_case(case, groups, seed, device) if groups else ({}, None)
                 report("case", {**case, "seed": seed}, errs, volume)
     if ctx.is_main and failures:
         raise RuntimeError(f"parity failed in {len(failures)} check(s):\n" + "\n".join(failures))
-    return {"checks": n_checked, "max_rel_err": worst, "rtol": cfg.rtol, "device": str(device), "backend": ctx.backend}
+    return {
+        "checks": n_checked,
+        "max_rel_err": worst,
+        "rtol": cfg.rtol,
+        "device": str(device),
+        "backend": ctx.backend,
+    }
 
 
 def validate(cfg: DictConfig) -> None:
@@ -242,12 +313,16 @@ def validate(cfg: DictConfig) -> None:
 
 
 def finalize(run_dir, cfg, result) -> dict:
-    print(f"parity: {result['checks']} tensors compared, worst relative error {result['max_rel_err']:.2e} "
-          f"(rtol {result['rtol']:g}); analytic == counted communication bytes in every case")
+    print(
+        f"parity: {result['checks']} tensors compared, worst relative error {result['max_rel_err']:.2e} "
+        f"(rtol {result['rtol']:g}); analytic == counted communication bytes in every case"
+    )
     return {**result, "passed": True}
 
 
-main = hydra_main("tp_attention.conf", rank_fn=rank_fn, validate=validate, finalize=finalize, config_name="parity")
+main = hydra_main(
+    "tp_attention.conf", rank_fn=rank_fn, validate=validate, finalize=finalize, config_name="parity"
+)
 
 if __name__ == "__main__":
     main()

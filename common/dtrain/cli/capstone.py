@@ -15,6 +15,7 @@ generated from exactly this capstone's runs, plus the GPU measurements committed
 (`make gpu-check` reports: their CUDA gemm-probe calibrates the GPU decision matrix; `--measured none`
 leaves them out). The capstone only reads them.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,12 +32,14 @@ from dtrain.core.terminal import on_terminal
 
 @dataclass(frozen=True)
 class Step:
-    name: str            # subproject folder
+    name: str  # subproject folder
     package: str
-    args: tuple          # after `python -m <module>`; results_dir and launcher are added
-    module: str = ""     # default: package
+    args: tuple  # after `python -m <module>`; results_dir and launcher are added
+    module: str = ""  # default: package
     needs_launcher: bool = True
-    expected_s: float = 30.0  # on an idle 2-core host, local ranks: the ETA printed when output is piped
+    expected_s: float = (
+        30.0  # on an idle 2-core host, local ranks: the ETA printed when output is piped
+    )
 
     @property
     def command_module(self) -> str:
@@ -52,17 +55,36 @@ STEPS = (
     # TP, TP x DP and PP layouts of the shared trainer: the guide predicts them too (their own rows)
     Step("fsdp-scaling tp", "fsdp_scaling", ("-m", "world_size=2,4", "train.tp=2"), expected_s=30),
     Step("fsdp-scaling pp", "fsdp_scaling", ("train.pp=2",), expected_s=14),
-    Step("fsdp-scaling report", "fsdp_scaling", ("{results}/fsdp-scaling", "--out", "{results}/fsdp-scaling/report"),
-         module="fsdp_scaling.report", needs_launcher=False, expected_s=3),
+    Step(
+        "fsdp-scaling report",
+        "fsdp_scaling",
+        ("{results}/fsdp-scaling", "--out", "{results}/fsdp-scaling/report"),
+        module="fsdp_scaling.report",
+        needs_launcher=False,
+        expected_s=3,
+    ),
     Step("tp-attention", "tp_attention", (), expected_s=25),
     # context parallelism (ring, all-to-all) vs one device vs TP+SP: the CpMeasurement records
     Step("tp-attention cp", "tp_attention", (), module="tp_attention.cp", expected_s=18),
     # FP8 speed and memory factors and the layers to keep in BF16 come from `compare`; without the per-step
     # tooling (NaN guard hooks on every linear, health and debug statistics), which would dilute the speed
     # factor and is not training work the cost model predicts (numerics runs keep it: the default)
-    Step("fp8-train", "fp8_train", ("compare", "--recipes", "fp32,emulated_delayed", "--seeds", "0,1",
-                                    "train.steps=20", "guard.enabled=false", "health.enabled=false",
-                                    "fp8_debug.enabled=false"), expected_s=40),
+    Step(
+        "fp8-train",
+        "fp8_train",
+        (
+            "compare",
+            "--recipes",
+            "fp32,emulated_delayed",
+            "--seeds",
+            "0,1",
+            "train.steps=20",
+            "guard.enabled=false",
+            "health.enabled=false",
+            "fp8_debug.enabled=false",
+        ),
+        expected_s=40,
+    ),
 )
 # after the experiments, in this process: the matmul probe over their runs, then the guide
 PROBE_EXPECTED_S, GUIDE_EXPECTED_S = 20.0, 8.0
@@ -84,8 +106,12 @@ class StepProgress:
         if on_terminal():  # dtrain.core.terminal: a live display only where a person watches
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self.live = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                 console=console)
+            self.live = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=console,
+            )
             self.tasks = [self.live.add_task(f"[dim]{n}: waiting", total=1) for n in names]
 
     def __enter__(self) -> StepProgress:
@@ -100,28 +126,39 @@ class StepProgress:
     def _eta(self, i: int, started: float) -> float:
         """Elapsed + what is left of step i (by its expected time) + the expected time of the later steps."""
         now = time.perf_counter() - self.t0
-        return now + max(self.expected[i] - (now - started), 0.0) + sum(self.expected[i + 1:])
+        return now + max(self.expected[i] - (now - started), 0.0) + sum(self.expected[i + 1 :])
 
     def _line(self, i: int, text: str) -> None:
-        self.console.print(f"capstone [{i + 1}/{len(self.names)}] {self.names[i]}: {text}",
-                           highlight=False)
+        self.console.print(
+            f"capstone [{i + 1}/{len(self.names)}] {self.names[i]}: {text}", highlight=False
+        )
 
     def start(self, i: int) -> float:
         started = time.perf_counter() - self.t0
         if self.live:
             self.live.update(self.tasks[i], description=f"[bold]{self.names[i]}: running")
         else:
-            self._line(i, f"started at {_clock(started)}, expected ~{self.expected[i]:.0f} s "
-                          f"(all done ~{_clock(self._eta(i, started))})")
+            self._line(
+                i,
+                f"started at {_clock(started)}, expected ~{self.expected[i]:.0f} s "
+                f"(all done ~{_clock(self._eta(i, started))})",
+            )
         return started
 
     def done(self, i: int, started: float) -> float:
         secs = time.perf_counter() - self.t0 - started
         if self.live:
-            self.live.update(self.tasks[i], completed=1, description=f"[green]{self.names[i]}: done in {secs:.0f} s")
+            self.live.update(
+                self.tasks[i],
+                completed=1,
+                description=f"[green]{self.names[i]}: done in {secs:.0f} s",
+            )
         else:
-            self._line(i, f"done in {secs:.0f} s at {_clock(time.perf_counter() - self.t0)}"
-                          f"{'' if i + 1 == len(self.names) else f' (all done ~{_clock(self._eta(i, started))})'}")
+            self._line(
+                i,
+                f"done in {secs:.0f} s at {_clock(time.perf_counter() - self.t0)}"
+                f"{'' if i + 1 == len(self.names) else f' (all done ~{_clock(self._eta(i, started))})'}",
+            )
         return secs
 
     def failed(self, i: int, why: str) -> None:
@@ -132,22 +169,46 @@ class StepProgress:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("capstone", help="run all four experiments at small size, then write the guide",
-                       description=__doc__.split("\n")[0])
+    p = sub.add_parser(
+        "capstone",
+        help="run all four experiments at small size, then write the guide",
+        description=__doc__.split("\n")[0],
+    )
     p.add_argument("--results-dir", help="where the runs go (default results/capstone/<time>)")
-    p.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                   help="local ranks (default) or one Slurm job per experiment (launcher=slurm)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra Hydra override for every experiment, e.g. --set slurm.partition=gpu")
-    p.add_argument("--out", default="PARALLELISM_GUIDE.md", help="guide to write (default PARALLELISM_GUIDE.md)")
-    p.add_argument("--measured", default="measured",
-                   help="committed GPU measurements the guide also reads (default measured/ when it exists; none: "
-                        "leave them out)")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="local ranks (default) or one Slurm job per experiment (launcher=slurm)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Hydra override for every experiment, e.g. --set slurm.partition=gpu",
+    )
+    p.add_argument(
+        "--out",
+        default="PARALLELISM_GUIDE.md",
+        help="guide to write (default PARALLELISM_GUIDE.md)",
+    )
+    p.add_argument(
+        "--measured",
+        default="measured",
+        help="committed GPU measurements the guide also reads (default measured/ when it exists; none: "
+        "leave them out)",
+    )
     names = sorted({s.name for s in STEPS})
     # metavar: argparse would print the choices as one unbreakable word, wider than a terminal
-    p.add_argument("--skip", action="append", default=[], choices=names, metavar="STEP",
-                   help="leave an experiment out (then no guide is written); one of: "
-                        + ", ".join(names))
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=names,
+        metavar="STEP",
+        help="leave an experiment out (then no guide is written); one of: " + ", ".join(names),
+    )
     p.set_defaults(func=run)
 
 
@@ -169,11 +230,16 @@ def command(step: Step, results: Path, launcher: str, extra: list[str]) -> list[
 
 def missing_package(step: Step) -> str | None:
     try:
-        found = importlib.util.find_spec(f"{step.package}.__main__") if step.module == "" else \
-            importlib.util.find_spec(step.command_module)
+        found = (
+            importlib.util.find_spec(f"{step.package}.__main__")
+            if step.module == ""
+            else importlib.util.find_spec(step.command_module)
+        )
     except ModuleNotFoundError:
         found = None
-    return None if found else f"package {step.command_module} is not installed or has no entry point"
+    return (
+        None if found else f"package {step.command_module} is not installed or has no entry point"
+    )
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -183,8 +249,9 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
-def run_steps(steps, results: Path, launcher: str, extra: list[str],
-              progress: StepProgress) -> list[tuple[str, str, float]]:
+def run_steps(
+    steps, results: Path, launcher: str, extra: list[str], progress: StepProgress
+) -> list[tuple[str, str, float]]:
     """Run each step; returns (name, 'ok' | error, seconds). Stops at the first failure."""
     logs = results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -200,7 +267,9 @@ def run_steps(steps, results: Path, launcher: str, extra: list[str],
         with open(log, "w") as f:
             f.write("$ " + " ".join(command(step, results, launcher, extra)) + "\n")
             f.flush()
-            rc = subprocess.run(command(step, results, launcher, extra), stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                command(step, results, launcher, extra), stdout=f, stderr=subprocess.STDOUT
+            ).returncode
         if rc:
             progress.failed(i, f"failed (exit {rc}), log {log}")
             outcome.append((step.name, f"exit code {rc}; last lines of {log}:\n{_tail(log)}", 0.0))
@@ -245,10 +314,15 @@ def run(args) -> int:
     steps = [s for s in STEPS if s.name not in args.skip]
     names = [s.name for s in steps] + ["gemm-probe", "guide"]
     expected = [s.expected_s for s in steps] + [PROBE_EXPECTED_S, GUIDE_EXPECTED_S]
-    console.print(f"capstone: {len(names)} steps ({len(steps)} experiment runs, the matmul probe, the guide), "
-                  f"launcher={args.launcher}", highlight=False)
-    console.print(f"capstone: about {_clock(sum(expected))} on an idle 2-core host; "
-                  f"results in {results}", highlight=False)
+    console.print(
+        f"capstone: {len(names)} steps ({len(steps)} experiment runs, the matmul probe, the guide), "
+        f"launcher={args.launcher}",
+        highlight=False,
+    )
+    console.print(
+        f"capstone: about {_clock(sum(expected))} on an idle 2-core host; results in {results}",
+        highlight=False,
+    )
     t0 = time.perf_counter()
     results.mkdir(parents=True, exist_ok=True)
     # the CPU time other processes take while the steps run: the local check scales each run's prediction by it
@@ -257,13 +331,15 @@ def run(args) -> int:
         failed = [(n, why) for n, why, _ in outcome if why != "ok"]
         if not failed and not args.skip:
             started = progress.start(len(steps))
-            probe(results)  # this host's GEMM curve and fixed step overhead for the runs' models (calibration)
+            probe(
+                results
+            )  # this host's GEMM curve and fixed step overhead for the runs' models (calibration)
             progress.done(len(steps), started)
             started = progress.start(len(steps) + 1)
             # recorded in the folder first: plain `dtrain guide` then reads the same inputs
             guide, plots = generate(guide_inputs.record(results, measured), args.out, quiet=True)
             progress.done(len(steps) + 1, started)
-    not_run = [s.name for s in steps[len(outcome):]]
+    not_run = [s.name for s in steps[len(outcome) :]]
     for name, why in failed:
         console.print(f"[red]error: {name} failed: {why}")
     if not_run:
@@ -278,6 +354,9 @@ def run(args) -> int:
         print(f"  run    {r.path}  ({r.subproject}{', derived' if r.derived else ''})")
     for p in plots:
         print(f"  plot   {p}")
-    print(f"  guide  {guide}" + (f"  (with the GPU measurements in {', '.join(measured)})" if measured else ""))
+    print(
+        f"  guide  {guide}"
+        + (f"  (with the GPU measurements in {', '.join(measured)})" if measured else "")
+    )
     print(f"  logs   {results / 'logs'}")
     return 0

@@ -9,6 +9,7 @@
 Subcommands live beside the code they drive; each module exposes `add_parser(subparsers)` and
 the parser's `func(args) -> int`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,13 @@ import warnings
 from dtrain.core.errors import UserError
 
 # module -> provides add_parser(subparsers); optional ones are skipped until they exist
-SUBCOMMAND_MODULES = ["dtrain.cli.runs", "dtrain.costmodel.plan_cli", "dtrain.costmodel.backtest", "dtrain.guide.guide_cli", "dtrain.cli.capstone"]
+SUBCOMMAND_MODULES = [
+    "dtrain.cli.runs",
+    "dtrain.costmodel.plan_cli",
+    "dtrain.costmodel.backtest",
+    "dtrain.guide.guide_cli",
+    "dtrain.cli.capstone",
+]
 SUBCOMMAND_OF = {"plan": "dtrain.costmodel.plan_cli", "backtest": "dtrain.costmodel.backtest"}
 
 

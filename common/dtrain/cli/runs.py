@@ -9,6 +9,7 @@ log folder and the reason a run is incomplete. Below the table: Slurm jobs that 
 run (a failed sweep point, a crashed or cancelled job) with the last lines of their error
 (dtrain/slurm/jobs.py), and sweeps that sbatch refused (dtrain/slurm/submitit_sweep.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,16 @@ COMPACT = 100  # columns of the default listing
 
 def add_parser(sub) -> None:
     p = sub.add_parser("runs", help="list run directories and their status")
-    p.add_argument("paths", nargs="*", default=["results"], help="run dirs or folders above them (default: results)")
+    p.add_argument(
+        "paths",
+        nargs="*",
+        default=["results"],
+        help="run dirs or folders above them (default: results)",
+    )
     p.add_argument("--all", action="store_true", help="also list incomplete and corrupt runs")
-    p.add_argument("--wide", action="store_true", help="every column, full paths (wider than 100 columns)")
+    p.add_argument(
+        "--wide", action="store_true", help="every column, full paths (wider than 100 columns)"
+    )
     p.set_defaults(func=run)
 
 
@@ -42,7 +50,7 @@ def shorten(text: str, width: int) -> str:
     if len(text) <= width:
         return text
     tail = (2 * (width - 1) + 2) // 3
-    return text[:width - 1 - tail] + "…" + text[-tail:]
+    return text[: width - 1 - tail] + "…" + text[-tail:]
 
 
 def distinguishing(overrides: list[list[str]], groups: list[str]) -> list[str]:
@@ -52,13 +60,15 @@ def distinguishing(overrides: list[list[str]], groups: list[str]) -> list[str]:
     for g in set(groups):
         mine = [set(o) for o, h in zip(overrides, groups) if h == g]
         shared[g] = set.intersection(*mine) if len(mine) > 1 else set()
-    return [" ".join(o for o in these if o not in shared[g]) or ("-" if these else "(defaults)")
-            for these, g in zip(overrides, groups)]
+    return [
+        " ".join(o for o in these if o not in shared[g]) or ("-" if these else "(defaults)")
+        for these, g in zip(overrides, groups)
+    ]
 
 
 def clip(text: str, width: int = COMPACT) -> str:
     """The start of `text` in `width` characters (a line of the lists below the table)."""
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def relative(path: Path, roots: list[str]) -> str:
@@ -73,22 +83,34 @@ def relative(path: Path, roots: list[str]) -> str:
 
 def _created(env: dict) -> str:
     c = str(env.get("created") or "")
-    return f"{c[5:10]} {c[11:16]}" if len(c) >= 16 else c  # 2026-11-25T10:50:53+00:00 -> 11-25 10:50
+    return (
+        f"{c[5:10]} {c[11:16]}" if len(c) >= 16 else c
+    )  # 2026-11-25T10:50:53+00:00 -> 11-25 10:50
 
 
 def _ranks(r) -> str:
     world = r.env.get("world_size", r.config.get("world_size", ""))
-    return " ".join(str(x) for x in (world, r.env.get("backend", ""), r.env.get("device", "")) if x != "")
+    return " ".join(
+        str(x) for x in (world, r.env.get("backend", ""), r.env.get("device", "")) if x != ""
+    )
 
 
 def _state(job, known_job, sacct_ok: bool) -> str:
     if not job:
         return ""
-    return known_job.state if known_job and known_job.state != "?" else ("unknown" if not sacct_ok else "")
+    return (
+        known_job.state
+        if known_job and known_job.state != "?"
+        else ("unknown" if not sacct_ok else "")
+    )
 
 
-def compact_table(cols: list[str], rows: list[list[str]], width: int = COMPACT,
-                  flexible: dict[int, int] | None = None) -> list[str]:
+def compact_table(
+    cols: list[str],
+    rows: list[list[str]],
+    width: int = COMPACT,
+    flexible: dict[int, int] | None = None,
+) -> list[str]:
     """Plain columns two spaces apart in `width` characters. The `flexible` columns (index: least
     width; default the first, the path) share what the others leave, the widest giving way first:
     a path is cut in its middle, any other at its end ("…")."""
@@ -102,8 +124,10 @@ def compact_table(cols: list[str], rows: list[list[str]], width: int = COMPACT,
         widths[i] -= 1
     out = []
     for row in [cols, *rows]:
-        cells = [(shorten(str(x), w) if i == 0 else clip(str(x), w)).ljust(w)
-                 for i, (x, w) in enumerate(zip(row, widths))]
+        cells = [
+            (shorten(str(x), w) if i == 0 else clip(str(x), w)).ljust(w)
+            for i, (x, w) in enumerate(zip(row, widths))
+        ]
         out.append("  ".join(cells).rstrip())
     return out
 
@@ -127,8 +151,16 @@ def run(args) -> int:
     on_slurm = any(job_of(r.env) for r in runs) or bool(jobs)
     shown = [r for r in runs if r.status == "complete" or args.all]
     if args.wide:
-        cols = ["subproject", "status", "world", "backend", "device", "created", "path",
-                "overrides"]
+        cols = [
+            "subproject",
+            "status",
+            "world",
+            "backend",
+            "device",
+            "created",
+            "path",
+            "overrides",
+        ]
         cols += ["slurm job", "state", "nodes", "logs"] if on_slurm else []
     else:
         cols = ["run", "subproject", "status", "ranks", "created", "overrides"]
@@ -142,16 +174,32 @@ def run(args) -> int:
         state = _state(job, known, sacct_note is None)
         if args.wide:
             style = {"complete": "green", "incomplete": "yellow", "corrupt": "red"}[r.status]
-            row = [r.subproject, f"[{style}]{r.status}[/]" + (f" ({escape(r.reason)})" if r.reason else ""),
-                   str(r.env.get("world_size", r.config.get("world_size", ""))), str(r.env.get("backend", "")),
-                   str(r.env.get("device", "")), str(r.env.get("created", "")), escape(str(r.path)),
-                   escape(" ".join(overrides))]
+            row = [
+                r.subproject,
+                f"[{style}]{r.status}[/]" + (f" ({escape(r.reason)})" if r.reason else ""),
+                str(r.env.get("world_size", r.config.get("world_size", ""))),
+                str(r.env.get("backend", "")),
+                str(r.env.get("device", "")),
+                str(r.env.get("created", "")),
+                escape(str(r.path)),
+                escape(" ".join(overrides)),
+            ]
             if on_slurm:
-                row += [job, state, (known.nodes if known else "") or r.env.get("slurm_nodelist") or "",
-                        escape(str(r.env.get("slurm_logs") or (known.logs if known else "")))]
+                row += [
+                    job,
+                    state,
+                    (known.nodes if known else "") or r.env.get("slurm_nodelist") or "",
+                    escape(str(r.env.get("slurm_logs") or (known.logs if known else ""))),
+                ]
         else:
-            row = [relative(r.path, args.paths), r.subproject, r.status, _ranks(r),
-                   _created(r.env), own]
+            row = [
+                relative(r.path, args.paths),
+                r.subproject,
+                r.status,
+                _ranks(r),
+                _created(r.env),
+                own,
+            ]
             row += [job, state] if on_slurm else []
         rows.append(row)
     title = f"{len(runs)} run(s) under {', '.join(args.paths)}"
@@ -161,7 +209,9 @@ def run(args) -> int:
             table.add_column(col)
         for row in rows:
             table.add_row(*row)
-        Console(width=None if Console().is_terminal else 10_000).print(table)  # piped: whole paths, no wrap
+        Console(width=None if Console().is_terminal else 10_000).print(
+            table
+        )  # piped: whole paths, no wrap
     line = (lambda s: s) if args.wide else clip
     if not args.wide:
         print(line(title))
@@ -178,9 +228,17 @@ def run(args) -> int:
     if failed:
         print(f"\n{len(failed)} Slurm job(s) without a complete run:")
         for j in failed:
-            where = f" (sweep point {relative(Path(j.sweep_point), args.paths)})" if j.sweep_point else ""
+            where = (
+                f" (sweep point {relative(Path(j.sweep_point), args.paths)})"
+                if j.sweep_point
+                else ""
+            )
             logs = f"  logs {j.logs}" if args.wide else ""
-            print(line(f"  job {j.job}  {j.state if j.state != '?' else 'state unknown'}{where}{logs}"))
+            print(
+                line(
+                    f"  job {j.job}  {j.state if j.state != '?' else 'state unknown'}{where}{logs}"
+                )
+            )
             for text in (j.error_tail or "(no error output)").splitlines():
                 print(line(f"      {text}"))
     refused = refused_sweeps(args.paths)

@@ -6,6 +6,7 @@ run (empty, too long, a symlink loop, not writable) and datasets or checkpoints 
 fail on (empty, odd-length, token ids beyond the vocab, a missing shard). Each is one UserError:
 one `error:` line, exit 2, no run directory.
 """
+
 from __future__ import annotations
 
 import errno
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from dtrain.core.errors import UserError, clip
 
-MIN_HEARTBEAT_TIMEOUT_S = 2.0  # ranks beat every timeout/5 (>= 0.1 s); a busy host delays a beat by ~1 s
+MIN_HEARTBEAT_TIMEOUT_S = (
+    2.0  # ranks beat every timeout/5 (>= 0.1 s); a busy host delays a beat by ~1 s
+)
 NAME_MAX, PATH_MAX = 255, 4096  # bytes, Linux
 MAX_SEED = 2**63 - 1
 SYNTHETIC_BRANCHING = 4  # dtrain.train.data.markov_corpus: successors per token
@@ -26,25 +29,54 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def number_in(key: str, value, low: float, high: float = math.inf, *, low_open: bool = False,
-              high_open: bool = False, hint: str = "") -> None:
+def number_in(
+    key: str,
+    value,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    hint: str = "",
+) -> None:
     """`value` is a finite number in the interval (open ends where asked), else a UserError."""
-    ok = is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low) \
+    ok = (
+        is_number(value)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
         and (value < high if high_open else value <= high)
+    )
     if not ok:
         lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-        where = f"> {low}" if high == math.inf and low_open else f">= {low}" if high == math.inf else \
-            f"in {lo}{low}, {high}{hi}"
+        where = (
+            f"> {low}"
+            if high == math.inf and low_open
+            else f">= {low}"
+            if high == math.inf
+            else f"in {lo}{low}, {high}{hi}"
+        )
         raise UserError(f"{key}={value!r} must be a finite number {where}{hint}")
 
 
-def integer_at_least(key: str, value, low: int, *, nullable: bool = False, high: int | None = None,
-                     error: type[Exception] = UserError) -> None:
+def integer_at_least(
+    key: str,
+    value,
+    low: int,
+    *,
+    nullable: bool = False,
+    high: int | None = None,
+    error: type[Exception] = UserError,
+) -> None:
     """`value` is an integer (not a bool) >= `low` (<= `high`; None too where `nullable`), else one
     line: `key=value must be an integer >= low`. `error` as in `one_of`."""
     if value is None and nullable:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
         tail = f" and <= {high}" if high is not None else ""
         null = " or null" if nullable else ""
         raise error(f"{key}={value!r} must be an integer >= {low}{tail}{null}")
@@ -63,6 +95,7 @@ def one_of(key: str, value, choices, *, error: type[Exception] = UserError) -> N
 
 # ---------------------------------------------------------------- paths
 
+
 def check_path(key: str, value: str) -> None:
     """A folder a run will create (or write into): not empty, each name and the whole path within
     the filesystem's limits, no symlink loop or file on the way, and writable where it will be made."""
@@ -71,12 +104,16 @@ def check_path(key: str, value: str) -> None:
     try:
         raw = os.fsencode(value)
     except UnicodeEncodeError:
-        raise UserError(f"{key}={value!r} cannot be encoded as a file name here: use ASCII characters") from None
+        raise UserError(
+            f"{key}={value!r} cannot be encoded as a file name here: use ASCII characters"
+        ) from None
     long = [n for n in raw.split(b"/") if len(n) > NAME_MAX]
     if long or len(os.fsencode(os.path.abspath(value))) >= PATH_MAX:
         what = f"a name of {len(long[0])} bytes" if long else "a path this long"
-        raise UserError(f"{key}={value[:60]!r}... is too long ({what}; the filesystem allows {NAME_MAX} "
-                        f"per name, {PATH_MAX} in all): pass a shorter {key}")
+        raise UserError(
+            f"{key}={value[:60]!r}... is too long ({what}; the filesystem allows {NAME_MAX} "
+            f"per name, {PATH_MAX} in all): pass a shorter {key}"
+        )
     _check_writable_below(key, value, Path(value), f"pass {key}=<a writable folder>")
 
 
@@ -89,20 +126,27 @@ def _check_writable_below(key: str, value, target: Path, fix: str) -> None:
             os.stat(q)
         except FileNotFoundError:
             if os.path.islink(q):  # mkdir would say "File exists"
-                raise UserError(f"{key}={value!r} cannot be used: {q} is a dangling symlink (to "
-                                f"{os.readlink(q)}): pass another {key} or fix the link") from None
+                raise UserError(
+                    f"{key}={value!r} cannot be used: {q} is a dangling symlink (to "
+                    f"{os.readlink(q)}): pass another {key} or fix the link"
+                ) from None
             break
         except OSError as e:
             why = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
-            raise UserError(f"{key}={value!r} cannot be used: {q} is {why}: pass another {key}") from None
+            raise UserError(
+                f"{key}={value!r} cannot be used: {q} is {why}: pass another {key}"
+            ) from None
         if not os.path.isdir(q):
-            raise UserError(f"{key}={value!r} cannot be used: {q} is a file, not a folder: pass another {key}")
+            raise UserError(
+                f"{key}={value!r} cannot be used: {q} is a file, not a folder: pass another {key}"
+            )
         existing = q
     try:  # access() says yes to root everywhere; only a real write tells
         tempfile.TemporaryDirectory(dir=existing).cleanup()
     except OSError as e:
-        raise UserError(f"{key}={value!r} is not writable ({e.strerror} in {existing}): "
-                        f"{fix}") from None
+        raise UserError(
+            f"{key}={value!r} is not writable ({e.strerror} in {existing}): {fix}"
+        ) from None
 
 
 def check_output_file(key: str, value) -> Path:
@@ -113,13 +157,16 @@ def check_output_file(key: str, value) -> Path:
         raise UserError(f"{key}={value!r} is empty: pass {key}=<a file>")
     path = Path(value)
     if path.is_dir():
-        raise UserError(f"{key}={str(value)!r} is a folder, not a file: pass a file path, "
-                        f"e.g. {key}={path / 'GUIDE.md'}")
+        raise UserError(
+            f"{key}={str(value)!r} is a folder, not a file: pass a file path, "
+            f"e.g. {key}={path / 'GUIDE.md'}"
+        )
     _check_writable_below(key, str(value), path.parent, f"pass {key}=<a file in a writable folder>")
     return path
 
 
 # ---------------------------------------------------------------- shared keys
+
 
 def check_base_values(cfg) -> None:
     """The shared keys of dtrain.core.nodes.BaseConfig that have the right type but cannot work."""
@@ -127,8 +174,10 @@ def check_base_values(cfg) -> None:
     number_in("dist_timeout_s", cfg.dist_timeout_s, 0, low_open=True)
     hb = cfg.get("heartbeat_timeout_s")
     if hb is not None and not (is_number(hb) and MIN_HEARTBEAT_TIMEOUT_S <= hb < math.inf):
-        raise UserError(f"heartbeat_timeout_s={hb!r} must be a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g} "
-                        "(ranks beat every timeout/5; below that healthy ranks look hung), or null to turn it off")
+        raise UserError(
+            f"heartbeat_timeout_s={hb!r} must be a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g} "
+            "(ranks beat every timeout/5; below that healthy ranks look hung), or null to turn it off"
+        )
     integer_at_least("seed", cfg.seed, 0, high=MAX_SEED)
     integer_at_least("threads_per_rank", cfg.get("threads_per_rank"), 1, nullable=True)
 
@@ -153,6 +202,7 @@ def check_train_values(train) -> None:
 
 # ---------------------------------------------------------------- data
 
+
 def _dataset_error(path: str, what: str, fix: str) -> UserError:
     return UserError(f"train.dataset={path!r} {what}: {fix}")
 
@@ -163,12 +213,16 @@ def check_training_data(train, model) -> None:
     need = model.seq_len + 1  # one (input, target) window
     if train.dataset == "synthetic":
         if model.vocab_size < SYNTHETIC_BRANCHING:
-            raise UserError(f"model.vocab_size={model.vocab_size} is too small for train.dataset=synthetic (each "
-                            f"token has {SYNTHETIC_BRANCHING} successors): pass model.vocab_size >= "
-                            f"{SYNTHETIC_BRANCHING}")
+            raise UserError(
+                f"model.vocab_size={model.vocab_size} is too small for train.dataset=synthetic (each "
+                f"token has {SYNTHETIC_BRANCHING} successors): pass model.vocab_size >= "
+                f"{SYNTHETIC_BRANCHING}"
+            )
         if train.dataset_tokens < need:
-            raise UserError(f"train.dataset_tokens={train.dataset_tokens} is less than model.seq_len + 1 = {need}: "
-                            f"raise train.dataset_tokens")
+            raise UserError(
+                f"train.dataset_tokens={train.dataset_tokens} is less than model.seq_len + 1 = {need}: "
+                f"raise train.dataset_tokens"
+            )
         return
     path = train.dataset
     try:
@@ -176,27 +230,43 @@ def check_training_data(train, model) -> None:
             f.read(1)
         size = os.path.getsize(path)
     except OSError as e:
-        raise _dataset_error(path, f"cannot be read ({e.strerror})",
-                             "fix its permissions or pass another file") from None
+        raise _dataset_error(
+            path, f"cannot be read ({e.strerror})", "fix its permissions or pass another file"
+        ) from None
     if path.endswith(".bin"):
         if size == 0 or size % 2:
-            raise _dataset_error(path, f"is {size} bytes: a nanoGPT .bin holds 2-byte (uint16) tokens, so it is "
-                                 f"{'empty' if size == 0 else 'truncated (odd length)'}",
-                                 "regenerate it, or pass a text file (read as bytes)")
+            raise _dataset_error(
+                path,
+                f"is {size} bytes: a nanoGPT .bin holds 2-byte (uint16) tokens, so it is "
+                f"{'empty' if size == 0 else 'truncated (odd length)'}",
+                "regenerate it, or pass a text file (read as bytes)",
+            )
         tokens = size // 2
         if tokens < need:
-            raise _dataset_error(path, f"holds {tokens} tokens, fewer than model.seq_len + 1 = {need}",
-                                 "pass a larger file or a smaller model.seq_len")
+            raise _dataset_error(
+                path,
+                f"holds {tokens} tokens, fewer than model.seq_len + 1 = {need}",
+                "pass a larger file or a smaller model.seq_len",
+            )
         import numpy as np
 
         top = int(np.memmap(path, dtype="<u2", mode="r").max())
         if top >= model.vocab_size:
-            raise _dataset_error(path, f"has token id {top}, beyond model.vocab_size={model.vocab_size}",
-                                 f"pass model.vocab_size >= {top + 1}")
+            raise _dataset_error(
+                path,
+                f"has token id {top}, beyond model.vocab_size={model.vocab_size}",
+                f"pass model.vocab_size >= {top + 1}",
+            )
         return
     if size < need:
-        raise _dataset_error(path, f"is {size} bytes, fewer tokens than model.seq_len + 1 = {need} (read as bytes)",
-                             "pass a larger file or a smaller model.seq_len")
+        raise _dataset_error(
+            path,
+            f"is {size} bytes, fewer tokens than model.seq_len + 1 = {need} (read as bytes)",
+            "pass a larger file or a smaller model.seq_len",
+        )
     if model.vocab_size < 256:
-        raise _dataset_error(path, f"is read as bytes (token ids up to 255) but model.vocab_size={model.vocab_size}",
-                             "pass model.vocab_size >= 256, or a .bin token file")
+        raise _dataset_error(
+            path,
+            f"is read as bytes (token ids up to 255) but model.vocab_size={model.vocab_size}",
+            "pass model.vocab_size >= 256, or a .bin token file",
+        )

@@ -8,6 +8,7 @@ included) loses the errno: a short write shows as `RuntimeError: [enforce fail a
 inline_container.cc:N] . unexpected pos X vs Y` (the next write finds the stream short) or `...
 file write failed`; only these two messages of that file are taken as a full disk.
 """
+
 from __future__ import annotations
 
 import errno
@@ -16,10 +17,14 @@ import re
 import resource
 
 ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_TEXT = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
-         errno.EFBIG: "File too large"}
+_TEXT = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EFBIG: "File too large",
+}
 _TORCH_SHORT_WRITE = re.compile(
-    r"inline_container\.cc:\d+\].*(unexpected pos \d+ vs \d+|file write failed)")
+    r"inline_container\.cc:\d+\].*(unexpected pos \d+ vs \d+|file write failed)"
+)
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
 # the line that names an exception in a traceback ("OSError: [Errno 28] ...", "torch....Error: ...")
 _EXC_LINE = re.compile(r"^(rank \d+: )?[A-Za-z_][\w.]*(Error|Exception)\b.*:")
@@ -73,8 +78,11 @@ def in_text(text: str) -> str | None:
         if not _EXC_LINE.match(line):
             continue
         m = _ERRNO_IN_TEXT.search(line)
-        if (m and int(m.group(1)) in ERRNOS) or _TORCH_SHORT_WRITE.search(line) or \
-                any(f": {t}" in line for t in _TEXT.values()):
+        if (
+            (m and int(m.group(1)) in ERRNOS)
+            or _TORCH_SHORT_WRITE.search(line)
+            or any(f": {t}" in line for t in _TEXT.values())
+        ):
             return line[:300]
     return None
 
@@ -91,7 +99,8 @@ def message(code: int, cause: str, run_dir) -> str:
     """The error line (without `error: `) of a run stopped by a full disk or an oversized file."""
     left = f"incomplete run left (no summary.json) in {run_dir}"
     if code == errno.EFBIG:
-        return (f"file too large ({cause}): raise the file-size limit (ulimit -f) or write to a "
-                f"file system that allows larger files; {left}")
+        return (
+            f"file too large ({cause}): raise the file-size limit (ulimit -f) or write to a "
+            f"file system that allows larger files; {left}"
+        )
     return f"disk full ({cause}): free space or pass results_dir=<a folder on another disk>; {left}"
-

@@ -4,6 +4,7 @@ Apps catch it at the top and print one line (`error: ...`) with exit code 2, ins
 traceback: bad overrides, unsupported combinations and missing optional dependencies are
 the user's to fix, not bugs.
 """
+
 import sys
 
 
@@ -18,7 +19,9 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def missing_dependency(package: str, extra: str, purpose: str) -> UserError:
-    return UserError(f"{purpose} needs the optional package '{package}': pip install -e '.[{extra}]'")
+    return UserError(
+        f"{purpose} needs the optional package '{package}': pip install -e '.[{extra}]'"
+    )
 
 
 # characters of a user's value an error line quotes: a 100 kB override stays one short line
@@ -38,7 +41,7 @@ def clip_words(message: str, limit: int = VALUE_LIMIT) -> str:
     import re
 
     def one(m: re.Match) -> str:
-        done = m.group().endswith("...") and re.match(r" \([\d,]+ characters\)", message[m.end():])
+        done = m.group().endswith("...") and re.match(r" \([\d,]+ characters\)", message[m.end() :])
         return m.group() if done else clip(m.group(), limit)  # clipped where it was quoted
 
     return re.sub(r"\S{%d,}" % (limit + 1), one, message)

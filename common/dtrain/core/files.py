@@ -4,6 +4,7 @@
 a live results tree has such folders (a path check's temporary folder, a checkpoint being replaced,
 a launcher's side folder), so anything that walks one while runs write uses ``files_named``.
 """
+
 from __future__ import annotations
 
 import os

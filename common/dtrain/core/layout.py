@@ -12,6 +12,7 @@ interleaving as ``pp_virtual`` > 1), ``recompute``, the micro-batch and ``grad_a
 The trainer's ``train.strategy`` names map to (dp_replicate, dp_shard, zero_stage) here and only
 here (``from_strategy``, ``strategy``). Torch-free and at the base layer: every layer imports it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,13 @@ _STRATEGY_OF_ZERO = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
 _RECOMPUTE_OF_CHECKPOINTING = {"none": "none", "op": "op", "block": "full"}
 _CHECKPOINTING_OF_RECOMPUTE = {"none": "none", "op": "op", "selective": "block", "full": "block"}
 # train.pp_schedule <-> (pp_schedule, interleaved); interleaved_zb is priced as interleaved 1F1B
-_SCHEDULE_OF_TRAINER = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "1f1b",
-                        "interleaved_zb": "1f1b", "zbv": "zbv"}
+_SCHEDULE_OF_TRAINER = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved_1f1b": "1f1b",
+    "interleaved_zb": "1f1b",
+    "zbv": "zbv",
+}
 NO_EXPERTS = "expert parallelism is not implemented yet"
 
 
@@ -110,17 +116,17 @@ class Layout:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1                 # expert parallelism: refused until it exists
+    ep: int = 1  # expert parallelism: refused until it exists
     etp: int = 1
     zero_stage: int = 0
     recompute: str = "none"
     micro_batch: int = 1
     grad_accum: int = 1
     sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"   # 1f1b (interleaved when pp_virtual > 1) | gpipe | zbv
+    pp_schedule: str = "1f1b"  # 1f1b (interleaved when pp_virtual > 1) | gpipe | zbv
     pp_virtual: int = 1
-    cp_impl: str = "ring"       # ring | ulysses | torch
-    pp_split: str = "layers"    # layers | balanced (see PP_SPLITS)
+    cp_impl: str = "ring"  # ring | ulysses | torch
+    pp_split: str = "layers"  # layers | balanced (see PP_SPLITS)
 
     def __post_init__(self) -> None:
         # a search builds ~10^5 layouts: the common cases cost a few comparisons
@@ -132,11 +138,14 @@ class Layout:
         if min(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.pp_virtual) < 1:
             raise ValueError(f"every degree must be >= 1, got {self.describe()}")
         if self.dp_replicate != 1 and self.zero_stage == 1:
-            raise ValueError("dp_replicate > 1 is HSDP: FSDP sharding inside each replica group "
-                             "(zero_stage 2 or 3)")
+            raise ValueError(
+                "dp_replicate > 1 is HSDP: FSDP sharding inside each replica group "
+                "(zero_stage 2 or 3)"
+            )
         if self.cp_impl not in CP_IMPLS:
-            raise ValueError(f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, "
-                             f"got {self.cp}, {self.cp_impl!r}")
+            raise ValueError(
+                f"cp must be >= 1 and cp_impl one of {CP_IMPLS}, got {self.cp}, {self.cp_impl!r}"
+            )
         if self.pp_split not in PP_SPLITS:
             raise ValueError(f"pp_split must be one of {PP_SPLITS}, got {self.pp_split!r}")
         if self.pp_schedule not in PP_SCHEDULES:

@@ -21,6 +21,7 @@ One vocabulary across the experiments:
 
 Renamed keys are refused with the new name (each conf module's `RENAMED`, checked by dtrain.run.precheck).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -32,8 +33,9 @@ from dtrain.core.errors import UserError, unknown_key
 @dataclass
 class SlurmConfig:
     """Used when launcher=slurm (single runs); sweeps use hydra/launcher=submitit_slurm."""
+
     nodes: int = 1
-    tasks_per_node: Optional[int] = None   # null = world_size / nodes (one task per GPU)
+    tasks_per_node: Optional[int] = None  # null = world_size / nodes (one task per GPU)
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
@@ -42,24 +44,35 @@ class SlurmConfig:
     account: Optional[str] = None
     qos: Optional[str] = None
     constraint: Optional[str] = None
-    additional: dict[str, Any] = field(default_factory=dict)  # extra sbatch options, e.g. {exclusive: true}
-    requeue: bool = True        # preempted or at the time limit: save a checkpoint, requeue, resume in the same run dir
-    signal_delay_s: int = 60    # USR2 this many seconds before the time limit (a training step + a save must fit)
-    max_requeues: int = 3       # requeues after a time limit (submitit max_num_timeout); preemptions do not count
+    additional: dict[str, Any] = field(
+        default_factory=dict
+    )  # extra sbatch options, e.g. {exclusive: true}
+    requeue: bool = True  # preempted or at the time limit: save a checkpoint, requeue, resume in the same run dir
+    signal_delay_s: int = (
+        60  # USR2 this many seconds before the time limit (a training step + a save must fit)
+    )
+    max_requeues: int = (
+        3  # requeues after a time limit (submitit max_num_timeout); preemptions do not count
+    )
 
 
 @dataclass
 class BaseConfig:
     """The keys every subproject has: `python -m tp_attention world_size=2 results_dir=runs/try1`."""
+
     subproject: str = "dtrain"
-    launcher: str = "auto"      # auto | local | slurm   (auto: this rank if inside a job, else local)
-    world_size: int = 2         # ranks; on Slurm = nodes x tasks_per_node
-    backend: str = "auto"       # auto | nccl | gloo      (auto: nccl when every rank has a GPU)
-    device: str = "auto"        # auto | cpu | cuda
+    launcher: str = "auto"  # auto | local | slurm   (auto: this rank if inside a job, else local)
+    world_size: int = 2  # ranks; on Slurm = nodes x tasks_per_node
+    backend: str = "auto"  # auto | nccl | gloo      (auto: nccl when every rank has a GPU)
+    device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     results_dir: str = "results"  # run dirs land in <results_dir>/<subproject>/<run-id>/
-    dist_timeout_s: float = 300   # collective timeout: a failed peer stops the others within this bound
-    heartbeat_timeout_s: Optional[float] = 120  # a silent rank is named and the run stopped; null = off
+    dist_timeout_s: float = (
+        300  # collective timeout: a failed peer stops the others within this bound
+    )
+    heartbeat_timeout_s: Optional[float] = (
+        120  # a silent rank is named and the run stopped; null = off
+    )
     threads_per_rank: Optional[int] = None  # CPU threads per rank; null = cores / local ranks
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
@@ -68,22 +81,26 @@ class BaseConfig:
 class ModelConfig:
     """One node in every experiment that builds dtrain's GPT: a preset and the fields to change.
     Every field but `preset` is a `dtrain.model.args.GPTConfig` field; null keeps the preset's value."""
-    preset: str = "small"       # tiny | small | 125m | 350m | 1b | 7b (dtrain.model.args.PRESETS)
-    seq_len: Optional[int] = None   # activation memory grows with it
+
+    preset: str = "small"  # tiny | small | 125m | 350m | 1b | 7b (dtrain.model.args.PRESETS)
+    seq_len: Optional[int] = None  # activation memory grows with it
     n_layer: Optional[int] = None
     d_model: Optional[int] = None
     n_head: Optional[int] = None
     n_kv_head: Optional[int] = None  # fewer than n_head = grouped-query attention
     mlp_ratio: Optional[int] = None
     vocab_size: Optional[int] = None
-    norm: Optional[str] = None      # rmsnorm | layernorm
+    norm: Optional[str] = None  # rmsnorm | layernorm
     bias: Optional[bool] = None
     tie_embeddings: Optional[bool] = None
     init_std: Optional[float] = None
 
     def overrides(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "preset" and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "preset" and getattr(self, f.name) is not None
+        }
 
     def build(self):
         """The dtrain.model.args.GPTConfig, checked as one whole model (UserError when it cannot be)."""
@@ -101,6 +118,7 @@ class ModelConfig:
 @dataclass
 class ProfileConfig:
     """torch.profiler over a few steps, right after the timing warm-up (left out of step statistics)."""
+
     enabled: bool = True
     steps: int = 2
 
@@ -151,5 +169,5 @@ def renamed_key(key: str, renamed: dict[str, str]) -> str | None:
     key = key.lstrip("+~").split("=", 1)[0]
     for old, new in renamed.items():
         if key == old or key.startswith(old + "."):
-            return new if "," in new else new + key[len(old):]  # debug.freq -> fp8_debug.freq
+            return new if "," in new else new + key[len(old) :]  # debug.freq -> fp8_debug.freq
     return None

@@ -6,6 +6,7 @@ at most one line per stage (`bar(..., lines=True)`). Tables are printed through 
 most WIDTH columns wide on a terminal and exactly WIDTH in a pipe (rich's own default there is
 80, which squeezes the columns).
 """
+
 from __future__ import annotations
 
 import os

@@ -16,8 +16,13 @@ runs). Model FLOPs: ``dtrain.model.flops``.
 
 from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles
 from .shapes import KNOWN_SHAPES, Layout, ModelShape
-from .memory import (MemoryBreakdown, activation_bytes_per_layer, memory_per_gpu, model_state_bytes,
-                     params_per_gpu)
+from .memory import (
+    MemoryBreakdown,
+    activation_bytes_per_layer,
+    memory_per_gpu,
+    model_state_bytes,
+    params_per_gpu,
+)
 from .explain import explain
 from .search import Plan, SearchResult, search
 from .calibration import Calibration, Param
@@ -25,10 +30,31 @@ from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, 
 from .timemodel import StepTime, bubble_fraction, step_time
 
 __all__ = [
-    "Cluster", "GPUProfile", "LinkModel", "get_profile", "load_profiles",
-    "KNOWN_SHAPES", "Layout", "MemoryBreakdown", "ModelShape", "activation_bytes_per_layer",
-    "memory_per_gpu", "model_state_bytes", "params_per_gpu",
-    "Plan", "SearchResult", "explain", "search",
-    "Calibration", "Param", "StepTime", "all_gather_time", "allreduce_time", "bubble_fraction",
-    "group_link", "p2p_time", "reduce_scatter_time", "step_time",
+    "Cluster",
+    "GPUProfile",
+    "LinkModel",
+    "get_profile",
+    "load_profiles",
+    "KNOWN_SHAPES",
+    "Layout",
+    "MemoryBreakdown",
+    "ModelShape",
+    "activation_bytes_per_layer",
+    "memory_per_gpu",
+    "model_state_bytes",
+    "params_per_gpu",
+    "Plan",
+    "SearchResult",
+    "explain",
+    "search",
+    "Calibration",
+    "Param",
+    "StepTime",
+    "all_gather_time",
+    "allreduce_time",
+    "bubble_fraction",
+    "group_link",
+    "p2p_time",
+    "reduce_scatter_time",
+    "step_time",
 ]

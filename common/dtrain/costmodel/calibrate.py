@@ -30,6 +30,7 @@ Among several runs for one value the latest (env.json ``created``, then path) wi
 ``leave_one_out`` gives instead the median over every run but one (the local checks use it, so a
 row is never predicted from a factor fitted on its own run).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -39,21 +40,36 @@ from pathlib import Path
 from dtrain.results import contract
 from dtrain.results.loader import Run, complete_runs
 
-from .calibration_records import (OWN_FIT_HOPS, Candidate, RunInputs, Source, from_allreduce, from_cp, from_fp8,
-                                  from_fsdp, from_layout, from_probe, from_tp, probe_entry, tp_rows, training_entries)
+from .calibration_records import (
+    OWN_FIT_HOPS,
+    Candidate,
+    RunInputs,
+    Source,
+    from_allreduce,
+    from_cp,
+    from_fp8,
+    from_fsdp,
+    from_layout,
+    from_probe,
+    from_tp,
+    probe_entry,
+    tp_rows,
+    training_entries,
+)
 from .hardware import LinkModel
 from .links import LinkCalibration, default_links  # noqa: F401 - re-exported: calibrate's callers use them
 from .calibration import Calibration, calibration_inputs
+
 
 @dataclass
 class CalibrationReport:
     cluster: Calibration
     cluster_links: LinkCalibration
     local: Calibration
-    local_links: dict[str, LinkModel]          # "intra" / "inter" -> measured α–β of any device
-    local_sources: dict[str, Source]           # which run each local link came from
-    keep_bf16: tuple[list[str], str]           # layers to keep in BF16 on the cluster, provenance
-    keep_bf16_local: tuple[list[str], str]     # the same from any device
+    local_links: dict[str, LinkModel]  # "intra" / "inter" -> measured α–β of any device
+    local_sources: dict[str, Source]  # which run each local link came from
+    keep_bf16: tuple[list[str], str]  # layers to keep in BF16 on the cluster, provenance
+    keep_bf16_local: tuple[list[str], str]  # the same from any device
     candidates: list[Candidate] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
     probes: list[tuple[Source, dict]] = field(default_factory=list)  # gemm-probe guide dicts
@@ -74,11 +90,17 @@ def source_of(run: Run, base: Path | None = None, records=()) -> Source:
     env, where = run.env, (records[0].where if records else None)
     device = str(where.device if where else env.get("device") or "unknown")
     gpus = env.get("gpus") or []
-    gpu_name = (where.gpu_name if where else None) or (gpus[0].get("name") if gpus and device.startswith("cuda")
-                                                        else None)
-    return Source(run=display_path(run.path, base), date=str(env.get("created", "unknown date")), device=device,
-                  backend=str(where.backend if where else env.get("backend") or "?"),
-                  world_size=int(env.get("world_size") or 1), gpu_name=gpu_name)
+    gpu_name = (where.gpu_name if where else None) or (
+        gpus[0].get("name") if gpus and device.startswith("cuda") else None
+    )
+    return Source(
+        run=display_path(run.path, base),
+        date=str(env.get("created", "unknown date")),
+        device=device,
+        backend=str(where.backend if where else env.get("backend") or "?"),
+        world_size=int(env.get("world_size") or 1),
+        gpu_name=gpu_name,
+    )
 
 
 def read_inputs(runs: list[Run], base: Path | None = None, warn: bool = True) -> list[RunInputs]:
@@ -91,9 +113,14 @@ def read_inputs(runs: list[Run], base: Path | None = None, warn: bool = True) ->
             if warn:
                 warnings.warn(f"skipping run {run.path}: summary.json {e}", stacklevel=3)
             continue
-        if not records and "guide" in run.summary and warn:  # written before dtrain.results.contract existed
-            warnings.warn(f"run {run.path} has no guide_inputs (an older summary.json format): rerun it to "
-                          "calibrate with it", stacklevel=3)
+        if (
+            not records and "guide" in run.summary and warn
+        ):  # written before dtrain.results.contract existed
+            warnings.warn(
+                f"run {run.path} has no guide_inputs (an older summary.json format): rerun it to "
+                "calibrate with it",
+                stacklevel=3,
+            )
         out.append(RunInputs(run, source_of(run, base, records), records))
     return out
 
@@ -150,7 +177,9 @@ def _cluster_links(cands: list[Candidate], gpu: str | None = None) -> LinkCalibr
     return links
 
 
-def calibrate(paths, base: Path | None = None, warn: bool = True, gpu: str | None = None) -> CalibrationReport:
+def calibrate(
+    paths, base: Path | None = None, warn: bool = True, gpu: str | None = None
+) -> CalibrationReport:
     """Calibration from every complete run under ``paths`` (missing paths raise FileNotFoundError); the
     cluster values prefer runs on ``gpu`` (the hardware.yaml profile being planned for), then any GPU."""
     runs = complete_runs(paths, warn=warn) if paths else []
@@ -174,12 +203,17 @@ def calibrate(paths, base: Path | None = None, warn: bool = True, gpu: str | Non
     # local links: latest measured α–β per class, this machine's (off-GPU) runs first
     local_links, local_sources = {}, {}
     for cls in ("intra", "inter"):
-        a, b = _latest(cands, f"{cls}_alpha_s", False, _off_gpu), _latest(cands, f"{cls}_beta_Bps", False, _off_gpu)
+        a, b = (
+            _latest(cands, f"{cls}_alpha_s", False, _off_gpu),
+            _latest(cands, f"{cls}_beta_Bps", False, _off_gpu),
+        )
         if a and b:
             own = []  # collectives allreduce-bench fitted apart, from the same run as the all-reduce fit
             for name in OWN_FIT_HOPS:
-                ca, cb = (_latest([c for c in cands if c.source == b.source], f"{cls}_{name}_{x}", False)
-                          for x in ("alpha_s", "beta_Bps"))
+                ca, cb = (
+                    _latest([c for c in cands if c.source == b.source], f"{cls}_{name}_{x}", False)
+                    for x in ("alpha_s", "beta_Bps")
+                )
                 if ca and cb:
                     own.append((name, ca.value, cb.value))
             local_links[cls] = LinkModel(a.value, b.value, f"measured {cls}-node", tuple(own))
@@ -191,15 +225,24 @@ def calibrate(paths, base: Path | None = None, warn: bool = True, gpu: str | Non
         if rows:
             cands += from_tp(rows, ri.source, link)
         cands += from_layout(training_entries(ri), ri.source, link)
-    return CalibrationReport(cluster=_calibration(cands, True, _on(gpu)), cluster_links=_cluster_links(cands, gpu),
-                             local=_calibration(cands, False, _off_gpu), local_links=local_links,
-                             local_sources=local_sources, keep_bf16=_keep(kept, True, gpu),
-                             keep_bf16_local=_keep(kept, False), candidates=cands, runs=[ri.run for ri in inputs],
-                             probes=probes, inputs=inputs)
+    return CalibrationReport(
+        cluster=_calibration(cands, True, _on(gpu)),
+        cluster_links=_cluster_links(cands, gpu),
+        local=_calibration(cands, False, _off_gpu),
+        local_links=local_links,
+        local_sources=local_sources,
+        keep_bf16=_keep(kept, True, gpu),
+        keep_bf16_local=_keep(kept, False),
+        candidates=cands,
+        runs=[ri.run for ri in inputs],
+        probes=probes,
+        inputs=inputs,
+    )
 
 
-def calibrate_naming_skips(paths, base: Path | None = None,
-                           gpu: str | None = None) -> tuple[CalibrationReport, list[str]]:
+def calibrate_naming_skips(
+    paths, base: Path | None = None, gpu: str | None = None
+) -> tuple[CalibrationReport, list[str]]:
     """calibrate(), and one message per run it left out (incomplete, corrupt, breaking the contract:
     a newer schema_version, an unknown record kind), for a command to print: never dropped unnamed."""
     with warnings.catch_warnings(record=True) as caught:
@@ -214,13 +257,18 @@ def _device_link(cands: list[Candidate], on_gpu: bool) -> LinkModel | None:
     return LinkModel(a.value, b.value) if a and b else None
 
 
-KEEP_BF16_PUBLISHED = (["tok_emb", "lm_head"], "datasheet/published: convention, not a measurement: FP8 recipes "
-                       "replace the GEMMs of the transformer blocks (TransformerEngine te.Linear, torchao "
-                       "Float8Linear); the embedding is a lookup with no FP8 GEMM, and the output projection "
-                       "is commonly left in BF16 because the logits need the widest range")
+KEEP_BF16_PUBLISHED = (
+    ["tok_emb", "lm_head"],
+    "datasheet/published: convention, not a measurement: FP8 recipes "
+    "replace the GEMMs of the transformer blocks (TransformerEngine te.Linear, torchao "
+    "Float8Linear); the embedding is a lookup with no FP8 GEMM, and the output projection "
+    "is commonly left in BF16 because the logits need the widest range",
+)
 
 
-def _keep(kept: list[tuple[Source, list[str]]], gpu_only: bool, gpu: str | None = None) -> tuple[list[str], str]:
+def _keep(
+    kept: list[tuple[Source, list[str]]], gpu_only: bool, gpu: str | None = None
+) -> tuple[list[str], str]:
     pool = [(s, layers) for s, layers in kept if s.on_gpu or not gpu_only]
     if not pool:
         return KEEP_BF16_PUBLISHED

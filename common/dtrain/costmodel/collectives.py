@@ -4,6 +4,7 @@
 over β; α is paid per ring hop (all-to-all: per peer). ``group_link`` picks the link a group of
 ranks runs over.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -72,7 +73,9 @@ RING_HBM_PASSES = 3
 COPY_ENGINE_HBM_PASSES = 2
 
 
-def overlap_cost(link: LinkModel, hbm_Bps: float | None, sm_share: float, passes: int = RING_HBM_PASSES) -> float:
+def overlap_cost(
+    link: LinkModel, hbm_Bps: float | None, sm_share: float, passes: int = RING_HBM_PASSES
+) -> float:
     """Share of a transfer's time that still lengthens the step while it runs behind compute: the SMs its kernel
     holds (``sm_share``: NCCL runs one CTA per channel; 0 for copy engines) plus the HBM bandwidth its copies take
     from the kernels beside it, ``passes`` x β / HBM. An H100's NVLink ring (β 315 GB/s, HBM 3.35 TB/s) adds 0.28,
@@ -87,7 +90,9 @@ def p2p_time(nbytes: float, link: LinkModel) -> float:
     return nbytes / link.beta_Bps + link.alpha_s
 
 
-@lru_cache(maxsize=1 << 12)  # a search asks for the same few groups' links tens of thousands of times
+@lru_cache(
+    maxsize=1 << 12
+)  # a search asks for the same few groups' links tens of thousands of times
 def group_link(cluster: Cluster, size: int, stride: int, multi_rail: bool = True) -> LinkModel:
     """The link a group of ``size`` ranks ``stride`` apart runs its collectives over.
 

@@ -3,6 +3,7 @@
 ``dtrain.parallel.traffic``, the formulas the trainer's counted-bytes checks use too. Sources are
 in ``timemodel``'s docstring (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2; Rajbhandari
 et al. 2020 §7)."""
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -15,8 +16,13 @@ from .memory import embedding_params_per_gpu, params_per_gpu
 from .shapes import Layout, ModelShape, stage_layers
 
 
-def tp_comm_time(shape: ModelShape, layout: Layout, link: LinkModel, value_bytes: int = 2,
-                 gather_bytes: int | None = None) -> float:
+def tp_comm_time(
+    shape: ModelShape,
+    layout: Layout,
+    link: LinkModel,
+    value_bytes: int = 2,
+    gather_bytes: int | None = None,
+) -> float:
     """α–β TP communication of one step on the busiest stage, before ``Calibration.tp_overhead``:
     ceil(L/pp) layers · m micro-batches · (4, or 6 with full recompute) ring all-reduces of b·s·h
     values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume).
@@ -44,8 +50,15 @@ def dp_link(cluster: Cluster, lay: Layout) -> LinkModel:
 
 
 @lru_cache(maxsize=1 << 14)
-def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: int,
-             fp8_weights: bool = False, grad_bytes: int = 4, zero2_regathers: bool = False) -> tuple[float, float]:
+def dp_comm_time(
+    shape: ModelShape,
+    lay: Layout,
+    cluster: Cluster,
+    value_bytes: int,
+    fp8_weights: bool = False,
+    grad_bytes: int = 4,
+    zero2_regathers: bool = False,
+) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
     ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``);
     ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``);
@@ -57,7 +70,10 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
     grads = volume.dp_grad_bytes(psi, grad_bytes)
     kept = embedding_params_per_gpu(shape, lay.tp, lay.pp) if fp8_weights else None
     weights = volume.zero_gather_bytes(psi, value_bytes, kept)
-    n, r = lay.shard_group, lay.dp_replicate     # HSDP: shard inside a group, all-reduce the shards across groups
+    n, r = (
+        lay.shard_group,
+        lay.dp_replicate,
+    )  # HSDP: shard inside a group, all-reduce the shards across groups
     link = dp_link(cluster, lay)
     ag = all_gather_time(weights, n, link)
     rs = reduce_scatter_time(grads, n, link)
@@ -68,9 +84,16 @@ def dp_comm_time(shape: ModelShape, lay: Layout, cluster: Cluster, value_bytes: 
     if lay.zero_stage == 0:
         return allreduce_time(grads, lay.dp, link), 0.0
     if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
-        return rs, ag      # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
+        return (
+            rs,
+            ag,
+        )  # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
     if lay.zero_stage == 2:
         return m * rs, (m if zero2_regathers else 1) * ag
-    units = stage_layers(shape, lay.pp, lay.pp_split) + 1  # FSDP: a unit per block + the root; α per unit
-    lat_ag, lat_rs = ((units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter"))
+    units = (
+        stage_layers(shape, lay.pp, lay.pp_split) + 1
+    )  # FSDP: a unit per block + the root; α per unit
+    lat_ag, lat_rs = (
+        (units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter")
+    )
     return m * (rs + lat_rs), m * 2 * (ag + lat_ag)

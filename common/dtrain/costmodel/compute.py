@@ -23,6 +23,7 @@ A device without a kernel table (the local CPU check) is a GEMM-only model: its 
 from the gemm-probe, attention runs as batched GEMMs, and the probe's measured fixed overhead stands
 for everything memory-bound (``Calibration.step_overhead_s``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -108,14 +109,18 @@ class KernelModel:
     __hash__ = cached_hash
 
     name: str
-    gemm: FrozenMap                  # dtype -> GemmCurve
+    gemm: FrozenMap  # dtype -> GemmCurve
     attention: AttentionCurve | None = None
     memory: FrozenMap | None = None  # kernel kind -> share of HBM bandwidth
     power_w: float | None = None
-    sustained: float = 1.0           # share of the benchmark rate kept under continuous load (GEMM, attention)
+    sustained: float = (
+        1.0  # share of the benchmark rate kept under continuous load (GEMM, attention)
+    )
     sources: FrozenMap = field(default_factory=FrozenMap)
-    gemm_measured: bool = False      # the GEMM curve was measured on this GPU (gemm-probe): its clocks are in it
-    idle_w: float = 0.0              # board draw at idle, which a lower power cap cannot take from (W)
+    gemm_measured: bool = (
+        False  # the GEMM curve was measured on this GPU (gemm-probe): its clocks are in it
+    )
+    idle_w: float = 0.0  # board draw at idle, which a lower power cap cannot take from (W)
 
     def __post_init__(self) -> None:
         for name in ("gemm", "memory", "sources"):
@@ -124,8 +129,12 @@ class KernelModel:
                 object.__setattr__(self, name, FrozenMap(value))
 
     def with_gemm(self, dtype: str, curve: GemmCurve, source: str) -> KernelModel:
-        return replace(self, gemm={**self.gemm.as_dict(), dtype: curve},
-                       sources={**self.sources.as_dict(), f"gemm_{dtype}": source}, gemm_measured=True)
+        return replace(
+            self,
+            gemm={**self.gemm.as_dict(), dtype: curve},
+            sources={**self.sources.as_dict(), f"gemm_{dtype}": source},
+            gemm_measured=True,
+        )
 
     def power_scale(self, cap_w: float | None) -> float:
         """Time multiplier of compute-bound kernels under a board power cap below the table's: dynamic power
@@ -137,7 +146,9 @@ class KernelModel:
 
 @lru_cache(maxsize=1)
 def _table() -> dict:
-    return yaml.safe_load(resources.files(__package__).joinpath("kernels.yaml").read_text(encoding="utf-8"))
+    return yaml.safe_load(
+        resources.files(__package__).joinpath("kernels.yaml").read_text(encoding="utf-8")
+    )
 
 
 @lru_cache(maxsize=64)
@@ -147,18 +158,34 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
     e = _table().get(gpu)
     if e is None:
         return None
-    gemm = {d: GemmCurve(c["e_max"], c["w_half_gflop"] * 1e9) for d in ("bf16", "fp8")
-            if (c := e.get(f"gemm_{d}"))}
+    gemm = {
+        d: GemmCurve(c["e_max"], c["w_half_gflop"] * 1e9)
+        for d in ("bf16", "fp8")
+        if (c := e.get(f"gemm_{d}"))
+    }
     a = e["attention"]["flash2" if attention == "flash2" else "flash"]
-    curve = None if attention == "eager" else AttentionCurve(a["e_max"], a["s_half"], a.get("hd64", 0.8),
-                                                             a.get("dropout", 1.0))
+    curve = (
+        None
+        if attention == "eager"
+        else AttentionCurve(a["e_max"], a["s_half"], a.get("hd64", 0.8), a.get("dropout", 1.0))
+    )
     mem = {k: v for k, v in e["memory"].items() if k != "source"}
-    return KernelModel(gpu, gemm, curve, mem, e.get("power_w"),
-                       e.get("sustained", 1.0), {"gemm": e["gemm_source"], "attention": a["source"],
-                                                 "memory": e["memory"]["source"],
-                                                 "sustained": e.get("sustained_source", ""),
-                                                 "idle": e.get("idle_source", "")},
-                       idle_w=e.get("idle_w", 0.0))
+    return KernelModel(
+        gpu,
+        gemm,
+        curve,
+        mem,
+        e.get("power_w"),
+        e.get("sustained", 1.0),
+        {
+            "gemm": e["gemm_source"],
+            "attention": a["source"],
+            "memory": e["memory"]["source"],
+            "sustained": e.get("sustained_source", ""),
+            "idle": e.get("idle_source", ""),
+        },
+        idle_w=e.get("idle_w", 0.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -174,20 +201,37 @@ class ComputeTerms:
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.memory + self.head + self.recompute + self.optimizer
+        return (
+            self.gemm + self.attention + self.memory + self.head + self.recompute + self.optimizer
+        )
 
     def times(self, m: int, optimizer: float = 0.0) -> ComputeTerms:
         """m micro-batches of these terms plus one optimizer step."""
-        return ComputeTerms(self.gemm * m, self.attention * m, self.memory * m, self.head * m, self.recompute * m,
-                            optimizer)
+        return ComputeTerms(
+            self.gemm * m,
+            self.attention * m,
+            self.memory * m,
+            self.head * m,
+            self.recompute * m,
+            optimizer,
+        )
 
     def scaled(self, f: float) -> ComputeTerms:
         """Every term but the optimizer times ``f``."""
-        return ComputeTerms(self.gemm * f, self.attention * f, self.memory * f, self.head * f, self.recompute * f,
-                            self.optimizer)
+        return ComputeTerms(
+            self.gemm * f,
+            self.attention * f,
+            self.memory * f,
+            self.head * f,
+            self.recompute * f,
+            self.optimizer,
+        )
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("gemm", "attention", "memory", "head", "recompute", "optimizer")}
+        return {
+            k: getattr(self, k)
+            for k in ("gemm", "attention", "memory", "head", "recompute", "optimizer")
+        }
 
 
 @dataclass(frozen=True)
@@ -200,16 +244,22 @@ class Device:
     peak_fp8: float | None
     hbm_Bps: float
     kernels: KernelModel
-    power_scale: float = 1.0   # time multiplier of compute-bound kernels: sustained clocks, a lower power cap
+    power_scale: float = (
+        1.0  # time multiplier of compute-bound kernels: sustained clocks, a lower power cap
+    )
     fused: bool = True
     fused_loss: bool = True
-    fp8_scaling: str = "delayed"   # Stack.fp8_casts: the FP8 casts' cost (FP8_CAST_BYTES)
-    fp8_weight_gather: bool = False   # FSDP gathers the block linears' weights in FP8 (Stack.fp8_all_gather tp+fsdp)
+    fp8_scaling: str = "delayed"  # Stack.fp8_casts: the FP8 casts' cost (FP8_CAST_BYTES)
+    fp8_weight_gather: bool = (
+        False  # FSDP gathers the block linears' weights in FP8 (Stack.fp8_all_gather tp+fsdp)
+    )
 
     def gemm_s(self, g: Gemm, dtype: str = "bf16", value_bytes: int = 2) -> float:
         curve = self.kernels.gemm.get(dtype) or self.kernels.gemm["bf16"]
         peak = self.peak_fp8 if dtype == "fp8" and self.peak_fp8 else self.peak_bf16
-        scale = self.power_scale * (self.kernels.sustained if self.kernels.gemm_measured and dtype != "fp8" else 1.0)
+        scale = self.power_scale * (
+            self.kernels.sustained if self.kernels.gemm_measured and dtype != "fp8" else 1.0
+        )
         return gemm_time(g, peak, self.hbm_Bps, curve, value_bytes) * scale
 
     def mem_s(self, nbytes: float, kind: str) -> float:
@@ -222,7 +272,9 @@ def _local_heads(shape: ModelShape, tp: int) -> tuple[int, int]:
     return max(1, shape.n_head // tp), max(1, shape.n_kv_head // tp)
 
 
-def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bool = False) -> float:
+def attention_s(
+    shape: ModelShape, layout: Layout, dev: Device, forward_only: bool = False
+) -> float:
     """The attention core of one layer and micro-batch on one rank (forward+backward, or its forward alone).
 
     With context parallelism each rank does 1/cp of the causal work: the ring's (and PyTorch's) load-balanced
@@ -232,22 +284,35 @@ def attention_s(shape: ModelShape, layout: Layout, dev: Device, forward_only: bo
     hd = shape.d_model // shape.n_head
     heads, _ = _local_heads(shape, layout.tp)
     if dev.kernels.attention is not None:  # fused kernel: FLOPs executed over the benchmark's rate
-        fwd = 2 * 2 * b * heads * s * s * hd / 2 / cp   # causal: half of the s x s products; 1/cp per rank
+        fwd = (
+            2 * 2 * b * heads * s * s * hd / 2 / cp
+        )  # causal: half of the s x s products; 1/cp per rank
         work = fwd if forward_only else 3.5 * fwd
         call = s if layout.cp_impl == "ulysses" else s // cp
         curve = dev.kernels.attention
-        return work / (dev.peak_bf16 * curve.share(call, hd)) * dev.power_scale * (curve.dropout if shape.dropout else 1.0)
-    sq = s // cp   # eager: the rank's queries against every key, scores stored
+        return (
+            work
+            / (dev.peak_bf16 * curve.share(call, hd))
+            * dev.power_scale
+            * (curve.dropout if shape.dropout else 1.0)
+        )
+    sq = s // cp  # eager: the rank's queries against every key, scores stored
     qk, av = Gemm(sq, s, hd, b * heads, "scores"), Gemm(sq, hd, s, b * heads, "av")
     t = (dev.gemm_s(qk) + dev.gemm_s(av)) * (1 if forward_only else 3)
-    elems = b * heads * sq * s   # the stored scores: QKᵀ written, softmax forward (r+w) and backward (r, r, w)
+    elems = (
+        b * heads * sq * s
+    )  # the stored scores: QKᵀ written, softmax forward (r+w) and backward (r, r, w)
     t += dev.mem_s(elems * (6 if forward_only else 12), "softmax") if dev.kernels.memory else 0.0
-    if shape.dropout and dev.kernels.memory:  # dropout on the probabilities: r+w+mask forward, again backward
+    if (
+        shape.dropout and dev.kernels.memory
+    ):  # dropout on the probabilities: r+w+mask forward, again backward
         t += dev.mem_s(elems * (5 if forward_only else 10), "dropout")
     return t
 
 
-def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool, fp8_scaling: str = "delayed") -> dict:
+def memory_bytes(
+    shape: ModelShape, layout: Layout, precision: str, fused: bool, fp8_scaling: str = "delayed"
+) -> dict:
     """Bytes the memory-bound kernels of one layer move per micro-batch, forward+backward, by kind.
 
     Per token, 16-bit values, h_r the width of the replicated ops (h, or h/t with SP), on one TP rank:
@@ -264,8 +329,11 @@ def memory_bytes(shape: ModelShape, layout: Layout, precision: str, fused: bool,
     heads, kv_heads = _local_heads(shape, t)
     hd = h // shape.n_head
     f = shape.ffn_hidden / t
-    out = {"norm": 20 * h_r, "add": 24 * h_r,
-           "act_swiglu" if shape.gated_mlp else "act_gelu": (16 if shape.gated_mlp else 10) * f}
+    out = {
+        "norm": 20 * h_r,
+        "add": 24 * h_r,
+        "act_swiglu" if shape.gated_mlp else "act_gelu": (16 if shape.gated_mlp else 10) * f,
+    }
     if shape.rotary:
         out["rope"] = 8 * (heads + kv_heads) * hd
     if shape.dropout:
@@ -303,50 +371,103 @@ def cp_merge_bytes(cp: int, width: int) -> tuple[float, float]:
 # attention merges in eager ops whatever compiles around it): --kernels eager does not scale them
 _COUNTED_AS_RUN = frozenset({"fp8_cast", "cp_merge_fwd", "cp_merge_bwd"})
 # which measured share each byte count streams at
-_KIND = {"norm": "norm", "add": "add", "rope": "norm", "act_gelu": "act_gelu", "act_swiglu": "act_swiglu",
-         "dropout": "dropout", "fp8_cast": "add", "cp_merge_fwd": "add", "cp_merge_bwd": "add"}
+_KIND = {
+    "norm": "norm",
+    "add": "add",
+    "rope": "norm",
+    "act_gelu": "act_gelu",
+    "act_swiglu": "act_swiglu",
+    "dropout": "dropout",
+    "fp8_cast": "add",
+    "cp_merge_fwd": "add",
+    "cp_merge_bwd": "add",
+}
 # share of each kind's bytes that the forward moves (what full recompute runs again)
-_FORWARD_SHARE = {"norm": 0.4, "add": 0.5, "rope": 0.5, "act_gelu": 0.4, "act_swiglu": 0.375, "dropout": 0.5,
-                  "fp8_cast": 0.5, "fp8_weight_cast": 5 / 8, "cp_merge_fwd": 1.0, "cp_merge_bwd": 0.0}
+_FORWARD_SHARE = {
+    "norm": 0.4,
+    "add": 0.5,
+    "rope": 0.5,
+    "act_gelu": 0.4,
+    "act_swiglu": 0.375,
+    "dropout": 0.5,
+    "fp8_cast": 0.5,
+    "fp8_weight_cast": 5 / 8,
+    "cp_merge_fwd": 1.0,
+    "cp_merge_bwd": 0.0,
+}
 
 
-def layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str = "bf16",
-                value_bytes: int = 2) -> ComputeTerms:
+def layer_terms(
+    shape: ModelShape, layout: Layout, dev: Device, precision: str = "bf16", value_bytes: int = 2
+) -> ComputeTerms:
     """One layer, one micro-batch: GEMMs, attention, memory-bound kernels and recompute (cached on what they
     depend on: a search times thousands of layouts that share them)."""
-    key = Layout(cp=layout.cp, tp=layout.tp, zero_stage=0, recompute=layout.recompute,
-                 micro_batch=layout.micro_batch, grad_accum=1,
-                 sequence_parallel=layout.sequence_parallel, cp_impl=layout.cp_impl)
+    key = Layout(
+        cp=layout.cp,
+        tp=layout.tp,
+        zero_stage=0,
+        recompute=layout.recompute,
+        micro_batch=layout.micro_batch,
+        grad_accum=1,
+        sequence_parallel=layout.sequence_parallel,
+        cp_impl=layout.cp_impl,
+    )
     # FSDP (ZeRO 2/3) gathering the weights in FP8 casts them on the shard, off the layer
-    weight_casts = precision == "fp8" and dev.fp8_scaling == "dynamic" and not (
-        dev.fp8_weight_gather and layout.zero_stage >= 2)
+    weight_casts = (
+        precision == "fp8"
+        and dev.fp8_scaling == "dynamic"
+        and not (dev.fp8_weight_gather and layout.zero_stage >= 2)
+    )
     return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts)
 
 
 @lru_cache(maxsize=1 << 14)
-def _layer_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int,
-                 weight_casts: bool = False) -> ComputeTerms:
-    local = replace(shape, seq_len=shape.seq_len // layout.cp)  # a rank's tokens: s/cp of each sequence
+def _layer_terms(
+    shape: ModelShape,
+    layout: Layout,
+    dev: Device,
+    precision: str,
+    value_bytes: int,
+    weight_casts: bool = False,
+) -> ComputeTerms:
+    local = replace(
+        shape, seq_len=shape.seq_len // layout.cp
+    )  # a rank's tokens: s/cp of each sequence
     attention = shape
     shape = local
     gemms = [g for g in layer_gemms(shape, layout) if g.name not in ("scores", "av")]
-    dtype = "fp8" if precision == "fp8" and "fp8" in dev.kernels.gemm else ("bf16" if value_bytes == 2 else "fp32")
+    dtype = (
+        "fp8"
+        if precision == "fp8" and "fp8" in dev.kernels.gemm
+        else ("bf16" if value_bytes == 2 else "fp32")
+    )
     fwd_gemm = sum(dev.gemm_s(g, dtype, value_bytes) for g in gemms)
     attn = attention_s(attention, layout, dev)
-    mem = {k: dev.mem_s(v, _KIND[k]) for k, v in memory_bytes(shape, layout, precision, dev.fused,
-                                                                      dev.fp8_scaling).items()} \
-        if dev.kernels.memory else {}
+    mem = (
+        {
+            k: dev.mem_s(v, _KIND[k])
+            for k, v in memory_bytes(shape, layout, precision, dev.fused, dev.fp8_scaling).items()
+        }
+        if dev.kernels.memory
+        else {}
+    )
     if weight_casts and mem:
-        mem["fp8_weight_cast"] = dev.mem_s(FP8_WEIGHT_CAST_BYTES * shape.params_per_layer_on_rank(layout.tp), "add")
+        mem["fp8_weight_cast"] = dev.mem_s(
+            FP8_WEIGHT_CAST_BYTES * shape.params_per_layer_on_rank(layout.tp), "add"
+        )
     rc = 0.0
     if layout.recompute == "full":
-        rc = fwd_gemm + attention_s(attention, layout, dev, forward_only=True) + sum(
-            t * _FORWARD_SHARE[k] for k, t in mem.items())
+        rc = (
+            fwd_gemm
+            + attention_s(attention, layout, dev, forward_only=True)
+            + sum(t * _FORWARD_SHARE[k] for k, t in mem.items())
+        )
     elif layout.recompute == "selective":  # the attention core again, with its ring's merges
         rc = attention_s(attention, layout, dev, forward_only=True) + mem.get("cp_merge_fwd", 0.0)
     elif layout.recompute == "op":  # SDPA's output is saved: no attention (nor its merges) re-run
-        rc = sum(dev.gemm_s(g, dtype, value_bytes) for g in op_recompute_gemms(shape, layout)) + sum(
-            t * _FORWARD_SHARE[k] for k, t in mem.items() if k not in ("add", "cp_merge_fwd"))
+        rc = sum(
+            dev.gemm_s(g, dtype, value_bytes) for g in op_recompute_gemms(shape, layout)
+        ) + sum(t * _FORWARD_SHARE[k] for k, t in mem.items() if k not in ("add", "cp_merge_fwd"))
     return ComputeTerms(gemm=3 * fwd_gemm, attention=attn, memory=sum(mem.values()), recompute=rc)
 
 
@@ -366,12 +487,18 @@ def optimizer_s(params_with_states: float, params_local: float, dev: Device) -> 
     """AdamW over the rank's optimizer shard plus clipping over its gradients (memory-bound)."""
     if not dev.kernels.memory:
         return 0.0
-    kind = "optimizer" if dev.fused or "optimizer_foreach" not in dev.kernels.memory else "optimizer_foreach"
+    kind = (
+        "optimizer"
+        if dev.fused or "optimizer_foreach" not in dev.kernels.memory
+        else "optimizer_foreach"
+    )
     return dev.mem_s(OPTIMIZER_BYTES * params_with_states + CLIP_BYTES * params_local, kind)
 
 
 @lru_cache(maxsize=1 << 14)
-def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int) -> ComputeTerms:
+def _micro_terms(
+    shape: ModelShape, layout: Layout, dev: Device, precision: str, value_bytes: int
+) -> ComputeTerms:
     """One micro-batch on the busiest pipeline stage (no optimizer; ``StepModel.compute`` adds it).
 
     Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus the output
@@ -379,11 +506,17 @@ def _micro_terms(shape: ModelShape, layout: Layout, dev: Device, precision: str,
     end stages one layer fewer: a micro-batch costs max(busiest·t_layer, last·t_layer + t_head) on the busiest
     stage."""
     lt = layer_terms(shape, layout, dev, precision, value_bytes)
-    head = head_s(shape, Layout(cp=layout.cp, tp=layout.tp,
-                                micro_batch=layout.micro_batch), dev, value_bytes)
+    head = head_s(
+        shape, Layout(cp=layout.cp, tp=layout.tp, micro_batch=layout.micro_batch), dev, value_bytes
+    )
     layers = stage_layers(shape, layout.pp, layout.pp_split)
     last = last_stage_layers(shape, layout)
     first_busiest = layout.pp > 1 and layers * lt.total >= last * lt.total + head
-    n = layers if first_busiest else last          # the busiest stage's layers
-    return ComputeTerms(gemm=lt.gemm * n, attention=lt.attention * n, memory=lt.memory * n,
-                        head=0.0 if first_busiest else head, recompute=lt.recompute * n)
+    n = layers if first_busiest else last  # the busiest stage's layers
+    return ComputeTerms(
+        gemm=lt.gemm * n,
+        attention=lt.attention * n,
+        memory=lt.memory * n,
+        head=0.0 if first_busiest else head,
+        recompute=lt.recompute * n,
+    )

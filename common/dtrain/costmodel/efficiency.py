@@ -13,6 +13,7 @@ quantisation, launch latency): the achieved fraction is modelled as
 CUDA on a GPU). So a smaller micro-batch or a wider TP shard (smaller GEMMs) computes at a lower
 rate, as on real GPUs.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,15 @@ from dataclasses import dataclass
 
 from .shapes import Layout, ModelShape
 
-__all__ = ["Gemm", "GemmCurve", "layer_gemms", "op_recompute_gemms", "head_gemm", "gemm_time", "fit_curve"]
+__all__ = [
+    "Gemm",
+    "GemmCurve",
+    "layer_gemms",
+    "op_recompute_gemms",
+    "head_gemm",
+    "gemm_time",
+    "fit_curve",
+]
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,9 @@ class GemmCurve:
         return self.e_max * flops / (flops + self.w_half)
 
 
-def gemm_time(g: Gemm, peak_flops: float, hbm_Bps: float, curve: GemmCurve, value_bytes: int = 2) -> float:
+def gemm_time(
+    g: Gemm, peak_flops: float, hbm_Bps: float, curve: GemmCurve, value_bytes: int = 2
+) -> float:
     """Seconds for ``g``: roofline bound max(W/peak, bytes/HBM) over the achieved fraction f(W), W the whole
     (batched) GEMM's FLOPs: one strided-batched kernel fills the GPU with all ``count`` products at once, so a
     per-head attention product is not priced as a lone small GEMM."""
@@ -68,12 +79,14 @@ def layer_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
     kv_local = max(shape.n_kv_head // t, 1) * hd
     f = shape.ffn_hidden
     heads = max(1, shape.n_head // t)
-    return [Gemm(tokens, max(1, h // t + 2 * kv_local), h, 1, "qkv"),
-            Gemm(tokens, h, max(1, h // t), 1, "proj"),
-            Gemm(tokens, max(1, (2 if shape.gated_mlp else 1) * f // t), h, 1, "fc1"),
-            Gemm(tokens, h, max(1, f // t), 1, "fc2"),
-            Gemm(s, s, hd, layout.micro_batch * heads, "scores"),
-            Gemm(s, hd, s, layout.micro_batch * heads, "av")]
+    return [
+        Gemm(tokens, max(1, h // t + 2 * kv_local), h, 1, "qkv"),
+        Gemm(tokens, h, max(1, h // t), 1, "proj"),
+        Gemm(tokens, max(1, (2 if shape.gated_mlp else 1) * f // t), h, 1, "fc1"),
+        Gemm(tokens, h, max(1, f // t), 1, "fc2"),
+        Gemm(s, s, hd, layout.micro_batch * heads, "scores"),
+        Gemm(s, hd, s, layout.micro_batch * heads, "av"),
+    ]
 
 
 def op_recompute_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
@@ -83,13 +96,27 @@ def op_recompute_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
     tokens = layout.micro_batch * s
     kv = shape.n_kv_head * (h // shape.n_head)
     f = shape.ffn_hidden
-    third = Gemm(tokens, max(1, f // t), h, 1, "w3") if shape.gated_mlp else Gemm(tokens, h, max(1, f // t), 1, "fc2")
-    return [Gemm(tokens, max(1, kv // t), h, 1, "k"), Gemm(tokens, h, max(1, h // t), 1, "proj"), third]
+    third = (
+        Gemm(tokens, max(1, f // t), h, 1, "w3")
+        if shape.gated_mlp
+        else Gemm(tokens, h, max(1, f // t), 1, "fc2")
+    )
+    return [
+        Gemm(tokens, max(1, kv // t), h, 1, "k"),
+        Gemm(tokens, h, max(1, h // t), 1, "proj"),
+        third,
+    ]
 
 
 def head_gemm(shape: ModelShape, layout: Layout) -> Gemm:
     """The output projection (vocab-parallel over TP) for one micro-batch."""
-    return Gemm(layout.micro_batch * shape.seq_len, max(1, shape.vocab // layout.tp), shape.d_model, 1, "lm_head")
+    return Gemm(
+        layout.micro_batch * shape.seq_len,
+        max(1, shape.vocab // layout.tp),
+        shape.d_model,
+        1,
+        "lm_head",
+    )
 
 
 def fit_curve(points: list[tuple[float, float]]) -> GemmCurve:

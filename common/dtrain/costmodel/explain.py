@@ -1,5 +1,6 @@
 """Why ``search`` chose its best plan, in sentences (``dtrain plan`` prints them): why each runner-up lost, the
 best plan without context parallelism when the best uses it, and which faster designs do not fit."""
+
 from __future__ import annotations
 
 from .collectives import group_link
@@ -18,28 +19,37 @@ def _ms(seconds: float) -> str:
 def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
     """One clause naming the step-time component that grew most against ``best``."""
     a, b = p.time, best.time
-    deltas = {k: getattr(a, k) - getattr(b, k)
-              for k in ("compute", "dp_comm_exposed", "tp_comm", "cp_comm", "pp_comm", "bubble")}
+    deltas = {
+        k: getattr(a, k) - getattr(b, k)
+        for k in ("compute", "dp_comm_exposed", "tp_comm", "cp_comm", "pp_comm", "bubble")
+    }
     part = max(deltas, key=deltas.get)
     if part == "cp_comm":
         how = {"ulysses": "all-to-alls", "torch": "K/V all-gathers not hidden by attention"}.get(
-            p.cp_impl, "ring sends not hidden by attention")
+            p.cp_impl, "ring sends not hidden by attention"
+        )
         return f"cp={p.cp}: context-parallel {how} cost {_ms(a.cp_comm)} vs {_ms(b.cp_comm)}"
     if part == "tp_comm":
         if p.tp > cluster.node_size:
-            return (f"tp={p.tp} crosses nodes: TP all-reduce over IB costs {_ms(a.tp_comm)} "
-                    f"vs {_ms(b.tp_comm)}")
+            return (
+                f"tp={p.tp} crosses nodes: TP all-reduce over IB costs {_ms(a.tp_comm)} "
+                f"vs {_ms(b.tp_comm)}"
+            )
         return f"tp={p.tp}: TP all-reduces cost {_ms(a.tp_comm)} vs {_ms(b.tp_comm)}"
     if part == "bubble":
         frac = (p.pp - 1) / (p.virtual_stages * p.grad_accum)
-        return (f"pp={p.pp}: pipeline bubble (p-1)/(v*m) = {frac:.1%} costs {_ms(a.bubble)} "
-                f"vs {_ms(b.bubble)}")
+        return (
+            f"pp={p.pp}: pipeline bubble (p-1)/(v*m) = {frac:.1%} costs {_ms(a.bubble)} "
+            f"vs {_ms(b.bubble)}"
+        )
     if part == "pp_comm":
         return f"pp={p.pp}: stage-to-stage sends cost {_ms(a.pp_comm)} vs {_ms(b.pp_comm)}"
     if part == "dp_comm_exposed":
         link = group_link(cluster, p.dp, p.tp).name or "link"
-        return (f"ZeRO-{p.zero_stage} over dp={p.dp} ({link}) exposes {_ms(a.dp_comm_exposed)} of DP "
-                f"traffic vs {_ms(b.dp_comm_exposed)}")
+        return (
+            f"ZeRO-{p.zero_stage} over dp={p.dp} ({link}) exposes {_ms(a.dp_comm_exposed)} of DP "
+            f"traffic vs {_ms(b.dp_comm_exposed)}"
+        )
     if p.recompute != best.recompute:
         return f"recompute={p.recompute} adds {_ms(deltas['compute'])} of re-run forward"
     return f"compute costs {_ms(deltas['compute'])} more"
@@ -51,8 +61,10 @@ def explain(result: SearchResult, k: int = 5) -> list[str]:
     if result.best is None:
         return [result.reason]
     best = result.best
-    out = [f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
-           f"{best.memory.total / GiB:.1f} GiB/GPU"]
+    out = [
+        f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
+        f"{best.memory.total / GiB:.1f} GiB/GPU"
+    ]
     for p in _runners_up(result, k):
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
         out.append(f"{p.describe()}: {loss:.1%} slower; {_why_slower(p, best, result.cluster)}")
@@ -68,14 +80,28 @@ def _without_cp(result: SearchResult) -> list[str]:
     plain = next((p for p in result.ranked if p.cp == 1), None)
     if plain is not None:
         loss = 1 - plain.time.tokens_per_s / best.time.tokens_per_s
-        return [f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each): "
-                f"without context parallelism the best plan, {plain.describe()}, is {loss:.1%} slower "
-                f"({_why_slower(plain, best, result.cluster)})"]
-    need = [(str(w), lay) for lay, w in result.rejected_with_reasons if lay.cp == 1 and str(w).startswith("does not")]
-    smallest = min(need, key=lambda x: float(x[0].split("needs ")[1].split(" GiB")[0]), default=None)
-    why = f": the smallest ({describe_layout(smallest[1])}) {smallest[0][len('does not fit: '):]}" if smallest else ""
-    return [f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each, "
-            f"activations / {best.cp}): without context parallelism no layout fits in memory{why}"]
+        return [
+            f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each): "
+            f"without context parallelism the best plan, {plain.describe()}, is {loss:.1%} slower "
+            f"({_why_slower(plain, best, result.cluster)})"
+        ]
+    need = [
+        (str(w), lay)
+        for lay, w in result.rejected_with_reasons
+        if lay.cp == 1 and str(w).startswith("does not")
+    ]
+    smallest = min(
+        need, key=lambda x: float(x[0].split("needs ")[1].split(" GiB")[0]), default=None
+    )
+    why = (
+        f": the smallest ({describe_layout(smallest[1])}) {smallest[0][len('does not fit: ') :]}"
+        if smallest
+        else ""
+    )
+    return [
+        f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each, "
+        f"activations / {best.cp}): without context parallelism no layout fits in memory{why}"
+    ]
 
 
 def _runners_up(result: SearchResult, k: int) -> list[Plan]:
@@ -108,8 +134,9 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
     for lay, why in result.rejected_with_reasons:
         if not why.startswith("does not fit"):
             continue
-        tps = step_time(result.model, lay, result.cluster, result.calib, result.precision,
-                        stack=result.stack).tokens_per_s
+        tps = step_time(
+            result.model, lay, result.cluster, result.calib, result.precision, stack=result.stack
+        ).tokens_per_s
         if tps <= target:
             continue
         need = memory_for(result.model, lay, result.stack, act).total
@@ -118,8 +145,10 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
         if need < g[1]:
             g[1:] = [need, lay]
     usable = result.cluster.gpu.hbm_bytes * (1 - result.headroom) / GiB
-    return [f"dp={lay.dp}{f' cp={lay.cp}' * (lay.cp > 1)} tp={lay.tp} pp={lay.pp} recompute={lay.recompute} "
-            f"would be up to "
-            f"{tps / target - 1:.1%} faster but does not fit: the smallest faster variant "
-            f"({describe_layout(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable"
-            for tps, need, lay in sorted(groups.values(), key=lambda g: -g[0])[:k]]
+    return [
+        f"dp={lay.dp}{f' cp={lay.cp}' * (lay.cp > 1)} tp={lay.tp} pp={lay.pp} recompute={lay.recompute} "
+        f"would be up to "
+        f"{tps / target - 1:.1%} faster but does not fit: the smallest faster variant "
+        f"({describe_layout(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable"
+        for tps, need, lay in sorted(groups.values(), key=lambda g: -g[0])[:k]
+    ]

@@ -27,6 +27,7 @@ that run's prediction by it, with its 10th-90th percentile spread. A fraction ab
 the roofline) is a measurement error: the point is timed again and, if it stays above, left out of
 the fit and listed in ``rejected``; a fitted e_max above 1 is capped at 1.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,38 +64,78 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
         used = False
         for m in contract.read(run.summary):
             if isinstance(m, contract.TrainingMeasurement):
-                ds = [{"kind": "gpt", "config": dict(m.model), "micro_batch": m.layout.micro_batch, "tp": 1}]
+                ds = [
+                    {
+                        "kind": "gpt",
+                        "config": dict(m.model),
+                        "micro_batch": m.layout.micro_batch,
+                        "tp": 1,
+                    }
+                ]
             elif isinstance(m, contract.TpMeasurement):
-                ds = [{"kind": m.module, "config": {"d_model": m.d_model, "n_head": m.n_head, "n_kv_head": m.n_kv_head,
-                                                    "seq_len": m.seq_len, "mlp_ratio": m.mlp_ratio},
-                       "micro_batch": m.micro_batch, "tp": tp} for tp in (1, m.tp)]
+                ds = [
+                    {
+                        "kind": m.module,
+                        "config": {
+                            "d_model": m.d_model,
+                            "n_head": m.n_head,
+                            "n_kv_head": m.n_kv_head,
+                            "seq_len": m.seq_len,
+                            "mlp_ratio": m.mlp_ratio,
+                        },
+                        "micro_batch": m.micro_batch,
+                        "tp": tp,
+                    }
+                    for tp in (1, m.tp)
+                ]
             else:
                 continue
             used = True
             found.update((repr(d), d) for d in ds)
         if used:
             sources.append(run.path)
-    return [found[k] for k in sorted(found)], (statistics.median(threads) if threads else 1), sources
+    return (
+        [found[k] for k in sorted(found)],
+        (statistics.median(threads) if threads else 1),
+        sources,
+    )
 
 
 def shape_of_target(t: dict) -> ModelShape:
     c = t["config"]
     if t["kind"] == "gpt":
-        return ModelShape(c["n_layer"], c["d_model"], c["n_head"], c["n_kv_head"] or c["n_head"], c["vocab_size"],
-                          c["seq_len"], float(c["mlp_ratio"]), False, c["tie_embeddings"])
+        return ModelShape(
+            c["n_layer"],
+            c["d_model"],
+            c["n_head"],
+            c["n_kv_head"] or c["n_head"],
+            c["vocab_size"],
+            c["seq_len"],
+            float(c["mlp_ratio"]),
+            False,
+            c["tie_embeddings"],
+        )
     ffn = float(c["mlp_ratio"]) if t["kind"] == "block" else 0.0
-    return ModelShape(1, c["d_model"], c["n_head"], c["n_kv_head"] or c["n_head"], 1, c["seq_len"], ffn or 1e-9)
+    return ModelShape(
+        1, c["d_model"], c["n_head"], c["n_kv_head"] or c["n_head"], 1, c["seq_len"], ffn or 1e-9
+    )
 
 
 def gemms_of(t: dict) -> list[Gemm]:
     shape = shape_of_target(t)
     lay = Layout(tp=t["tp"], micro_batch=t["micro_batch"])
-    out = [g for g in layer_gemms(shape, lay) if t["kind"] != "attention" or g.name not in ("fc1", "fc2")]
+    out = [
+        g
+        for g in layer_gemms(shape, lay)
+        if t["kind"] != "attention" or g.name not in ("fc1", "fc2")
+    ]
     return out + ([head_gemm(shape, lay)] if t["kind"] == "gpt" else [])
 
 
-REF_N = 512             # the reference matmul: the runs' own peak probe (perf.cpu_matmul_probe)
-ABOVE_ROOFLINE = 1.05   # a fraction above this is a measurement error; up to it, timer noise (clipped to 1)
+REF_N = 512  # the reference matmul: the runs' own peak probe (perf.cpu_matmul_probe)
+ABOVE_ROOFLINE = (
+    1.05  # a fraction above this is a measurement error; up to it, timer noise (clipped to 1)
+)
 LOAD_FILE = "host-load.jsonl"  # the capstone's timeline of its processes' CPU and wait times (dtrain.run.hostload)
 
 
@@ -108,7 +149,9 @@ class Timer:
         self.sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.wall = self.idle = 0.0
 
-    def times(self, fn, reps: int = 5, min_total_s: float = 0.2, max_reps: int = 200) -> list[float]:
+    def times(
+        self, fn, reps: int = 5, min_total_s: float = 0.2, max_reps: int = 200
+    ) -> list[float]:
         """At least ``reps`` calls after one warm-up, more (up to ``max_reps``) until ``min_total_s`` of wall
         time is spent: a millisecond step on shared cores needs many samples for a stable median."""
         fn()
@@ -143,7 +186,7 @@ class Reference:
 
     def now(self) -> float:
         """FLOP/s of a short block of reference matmuls (median), kept for `idle`."""
-        rates = [2 * REF_N ** 3 / s for s in self.timer.times(self.matmul, reps=5, min_total_s=0.0)]
+        rates = [2 * REF_N**3 / s for s in self.timer.times(self.matmul, reps=5, min_total_s=0.0)]
         self.rates += rates
         return statistics.median(rates)
 
@@ -162,7 +205,9 @@ class Reference:
 def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer) -> float:
     a = torch.randn(g.count, g.m, g.k, device=device, dtype=dtype)
     b = torch.randn(g.count, g.k, g.n, device=device, dtype=dtype)
-    if device.type == "cuda":  # launched back to back, as in a training step (no launch gap per call)
+    if (
+        device.type == "cuda"
+    ):  # launched back to back, as in a training step (no launch gap per call)
         return queued_s(lambda: torch.bmm(a, b), device)
     return statistics.median(timer.times(lambda: torch.bmm(a, b)))
 
@@ -179,15 +224,26 @@ def step_s(t: dict, device: torch.device, timer: Timer) -> float:
         x = torch.randint(0, cfg.vocab_size, (t["micro_batch"], cfg.seq_len), device=device)
         loss_fn = lambda: model(x, x)  # noqa: E731
     else:
-        cfg = GPTConfig(vocab_size=2, seq_len=c["seq_len"], n_layer=1, n_head=c["n_head"], n_kv_head=c["n_kv_head"],
-                        d_model=c["d_model"], mlp_ratio=c["mlp_ratio"])
+        cfg = GPTConfig(
+            vocab_size=2,
+            seq_len=c["seq_len"],
+            n_layer=1,
+            n_head=c["n_head"],
+            n_kv_head=c["n_kv_head"],
+            d_model=c["d_model"],
+            mlp_ratio=c["mlp_ratio"],
+        )
         model = Block(cfg, "blocks.0", lambda n, i, o, b: torch.nn.Linear(i, o, bias=b)).to(device)
         x = torch.randn(t["micro_batch"], cfg.seq_len, cfg.d_model, device=device)
         loss_fn = lambda: model(x).square().mean()  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
     # on CUDA the runs compute in bf16 (FSDP's MixedPrecisionPolicy), as the probe's GEMM points do
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else contextlib.nullcontext()
+    )
 
     def step():  # what the trainer does per step: forward, backward, clip, AdamW, read the loss
         opt.zero_grad(set_to_none=True)
@@ -198,6 +254,7 @@ def step_s(t: dict, device: torch.device, timer: Timer) -> float:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             loss.item()
+
     return statistics.median(timer.times(step, reps=7, min_total_s=0.25))
 
 
@@ -220,7 +277,9 @@ def fit(points: list[dict]) -> GemmCurve | None:
     refitted for it (weighted least squares of 1/f - 1 = W_half/W, as ``fit_curve`` weighs)."""
     if len(points) < 2:
         return None
-    pts = [(p["flops"], min(p["fraction"], 1.0)) for p in points]  # W: the whole (batched) GEMM, as gemm_time
+    pts = [
+        (p["flops"], min(p["fraction"], 1.0)) for p in points
+    ]  # W: the whole (batched) GEMM, as gemm_time
     curve = fit_curve(pts)
     if curve.e_max <= 1.0:
         return curve
@@ -235,9 +294,14 @@ def run_window(run) -> tuple[float, float]:
     from dtrain.results.loader import read_jsonl
 
     records = run.path / "records.jsonl"
-    end = records.stat().st_mtime if records.exists() else (run.path / "summary.json").stat().st_mtime
-    steps = [r for r in read_jsonl(records) if r.get("kind") == "step" and "warmup_step" in r] \
-        if records.exists() else []
+    end = (
+        records.stat().st_mtime if records.exists() else (run.path / "summary.json").stat().st_mtime
+    )
+    steps = (
+        [r for r in read_jsonl(records) if r.get("kind") == "step" and "warmup_step" in r]
+        if records.exists()
+        else []
+    )
     timed = sum(float(r["step_time_s"]) for r in steps if not r["warmup_step"])
     return (end - timed, end) if timed > 0 else ((run.path / "env.json").stat().st_mtime, end)
 
@@ -251,15 +315,27 @@ def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> lis
         cores = int(run.env.get("cpu_count") or 0)
         lf = hostload.load_factor(timeline, *run_window(run), busy, cores or None)
         if lf is not None:
-            out.append(contract.RunLoad(str(run.path.resolve().relative_to(results.resolve())), busy,
-                                        lf.median, lf.low, lf.high, lf.samples))
+            out.append(
+                contract.RunLoad(
+                    str(run.path.resolve().relative_to(results.resolve())),
+                    busy,
+                    lf.median,
+                    lf.low,
+                    lf.high,
+                    lf.samples,
+                )
+            )
     return out
 
 
 def probe(results: Path, device: str = "auto") -> Path:
     """Run the probe for the runs under ``results``; returns the run directory written."""
     results = Path(results)
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda"
+        if device == "auto" and torch.cuda.is_available()
+        else ("cpu" if device == "auto" else device)
+    )
     tg, threads, sources = targets(results)
     # its own folder, claimed before the timing (dtrain.results.derived): an earlier probe's is never rewritten
     out = claim_output(results / SUBPROJECT, "gemm-probe", fix="remove it to probe again")
@@ -271,9 +347,14 @@ def probe(results: Path, device: str = "auto") -> Path:
     else:
         dtype, (peak, peak_source) = torch.bfloat16, hardware.peak_flops(dev, "bf16")
 
-    def fraction(g: Gemm) -> float:  # of the reference of the moment (CPU) or of the datasheet peak (CUDA)
-        seconds, rate = ref.around(lambda: gemm_seconds(g, dev, dtype, timer)) if ref else \
-            (gemm_seconds(g, dev, dtype, timer), peak)
+    def fraction(
+        g: Gemm,
+    ) -> float:  # of the reference of the moment (CPU) or of the datasheet peak (CUDA)
+        seconds, rate = (
+            ref.around(lambda: gemm_seconds(g, dev, dtype, timer))
+            if ref
+            else (gemm_seconds(g, dev, dtype, timer), peak)
+        )
         return g.flops * g.count / seconds / rate
 
     points, rejected, seen = [], [], set()
@@ -283,15 +364,27 @@ def probe(results: Path, device: str = "auto") -> Path:
             if key in seen:
                 continue
             seen.add(key)
-            for _ in range(3):  # above the roofline is a measurement error: time it again, twice at most
+            for _ in range(
+                3
+            ):  # above the roofline is a measurement error: time it again, twice at most
                 frac = fraction(g)
                 if frac <= ABOVE_ROOFLINE:
                     break
-            p = {"m": g.m, "n": g.n, "k": g.k, "count": g.count, "flops": g.flops * g.count, "fraction": frac}
+            p = {
+                "m": g.m,
+                "n": g.n,
+                "k": g.k,
+                "count": g.count,
+                "flops": g.flops * g.count,
+                "fraction": frac,
+            }
             (points if frac <= ABOVE_ROOFLINE else rejected).append(p)
     # each step as at the idle roofline: x (the reference of its moment / the idle reference)
-    steps = [(t, *(ref.around(lambda: step_s(t, dev, timer)) if ref else (step_s(t, dev, timer), None)))
-             for t in tg if t["tp"] == 1]
+    steps = [
+        (t, *(ref.around(lambda: step_s(t, dev, timer)) if ref else (step_s(t, dev, timer), None)))
+        for t in tg
+        if t["tp"] == 1
+    ]
     if ref:
         peak = ref.idle
     for p in points + rejected:
@@ -302,20 +395,52 @@ def probe(results: Path, device: str = "auto") -> Path:
     for t, step, rate in steps:
         step = step * rate / peak if rate else step
         gemm = gemm_step_s(t, curve, peak, vb) if curve else 0.0
-        overheads.append(contract.StepOverhead(t["kind"], t["config"], t["micro_batch"], t["tp"],
-                                               max(step - gemm, 0.0), step_s=step, gemm_s=gemm))
-    runs = [r for r in complete_runs([results], warn=False) if r.path.resolve() in {s.resolve() for s in sources}]
+        overheads.append(
+            contract.StepOverhead(
+                t["kind"],
+                t["config"],
+                t["micro_batch"],
+                t["tp"],
+                max(step - gemm, 0.0),
+                step_s=step,
+                gemm_s=gemm,
+            )
+        )
+    runs = [
+        r
+        for r in complete_runs([results], warn=False)
+        if r.path.resolve() in {s.resolve() for s in sources}
+    ]
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
-    record = contract.GemmProbe(dtype=str(dtype).replace("torch.", ""), peak_flops=peak, peak_flops_source=peak_source,
-                                points=[contract.GemmPoint(**p) for p in points], overheads=overheads,
-                                e_max=curve.e_max if curve else None, w_half=curve.w_half if curve else None,
-                                where=contract.where_of(dev, "none", gpu_name),
-                                rejected=[contract.GemmPoint(**p) for p in rejected], probe_load=timer.load(),
-                                loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)))
-    env = envinfo.collect(backend="none", world_size=1, device=str(dev), launcher="local",
-                          threads_per_rank=int(threads))
-    return write_derived_run(out, SUBPROJECT, sources,
-                             {"device": dev.type, "threads": int(threads)}, {"device": str(dev)}, [record], env=env)
+    record = contract.GemmProbe(
+        dtype=str(dtype).replace("torch.", ""),
+        peak_flops=peak,
+        peak_flops_source=peak_source,
+        points=[contract.GemmPoint(**p) for p in points],
+        overheads=overheads,
+        e_max=curve.e_max if curve else None,
+        w_half=curve.w_half if curve else None,
+        where=contract.where_of(dev, "none", gpu_name),
+        rejected=[contract.GemmPoint(**p) for p in rejected],
+        probe_load=timer.load(),
+        loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)),
+    )
+    env = envinfo.collect(
+        backend="none",
+        world_size=1,
+        device=str(dev),
+        launcher="local",
+        threads_per_rank=int(threads),
+    )
+    return write_derived_run(
+        out,
+        SUBPROJECT,
+        sources,
+        {"device": dev.type, "threads": int(threads)},
+        {"device": str(dev)},
+        [record],
+        env=env,
+    )
 
 
 if __name__ == "__main__":

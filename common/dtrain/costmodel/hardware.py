@@ -20,8 +20,17 @@ from .hashing import cached_hash
 
 GiB = 1024**3
 _FIELDS = (
-    "bf16_tflops", "fp8_tflops", "hbm_gib", "hbm_tbps", "nvlink_gbps_per_dir", "nvlink_gbps_bidir",
-    "nvlink_domain", "pcie_gen", "pcie_gbps_per_dir", "ib_gbit_per_gpu", "source",
+    "bf16_tflops",
+    "fp8_tflops",
+    "hbm_gib",
+    "hbm_tbps",
+    "nvlink_gbps_per_dir",
+    "nvlink_gbps_bidir",
+    "nvlink_domain",
+    "pcie_gen",
+    "pcie_gbps_per_dir",
+    "ib_gbit_per_gpu",
+    "source",
 )
 
 
@@ -43,7 +52,9 @@ class GPUProfile:
     pcie_gbps_per_dir: float
     ib_gbit_per_gpu: float
     source: str
-    power_w: float | None = None    # board power cap where a machine runs below the part's (kernels.yaml power_w)
+    power_w: float | None = (
+        None  # board power cap where a machine runs below the part's (kernels.yaml power_w)
+    )
 
     @property
     def peak_bf16_flops(self) -> float:
@@ -145,14 +156,18 @@ def peak_flops(device, dtype: str = "bf16") -> tuple[float, str]:
         name = torch.cuda.get_device_name(device)
         profile = gpu_profile_name(name)
         if profile is None:
-            raise UserError(f"no datasheet peak for GPU {name!r}, so no MFU: add its profile to "
-                            "dtrain/costmodel/hardware.yaml and its name to dtrain.costmodel.hardware.GPU_NAMES")
+            raise UserError(
+                f"no datasheet peak for GPU {name!r}, so no MFU: add its profile to "
+                "dtrain/costmodel/hardware.yaml and its name to dtrain.costmodel.hardware.GPU_NAMES"
+            )
         if dtype == "fp32":
             dtype = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
         peak = datasheet_peak(profile, dtype)
         if peak is None:
-            raise UserError(f"{profile} has no {dtype} tensor-core peak in dtrain/costmodel/hardware.yaml "
-                            "(fp8: Ada/Hopper and newer; fp32: turn TF32 on)")
+            raise UserError(
+                f"{profile} has no {dtype} tensor-core peak in dtrain/costmodel/hardware.yaml "
+                "(fp8: Ada/Hopper and newer; fp32: turn TF32 on)"
+            )
         return peak, f"datasheet: {profile} {dtype}"
     return perf.cpu_matmul_probe(), perf.CPU_PROBE_SOURCE
 
@@ -181,7 +196,9 @@ class LinkModel:
         if self.alpha_s < 0 or self.beta_Bps <= 0:
             raise ValueError(f"LinkModel needs alpha_s >= 0 and beta_Bps > 0, got {self}")
         if any(a < 0 or b <= 0 for _, a, b in self.collectives):
-            raise ValueError(f"LinkModel collectives need alpha >= 0 and beta > 0, got {self.collectives}")
+            raise ValueError(
+                f"LinkModel collectives need alpha >= 0 and beta > 0, got {self.collectives}"
+            )
 
     def of(self, collective: str) -> "LinkModel":
         for name, alpha, beta in self.collectives:
@@ -219,10 +236,14 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"cluster needs gpus >= 1 and gpus_per_node >= 1, got {self.gpus}, "
-                             f"{self.gpus_per_node}")
+            raise ValueError(
+                f"cluster needs gpus >= 1 and gpus_per_node >= 1, got {self.gpus}, "
+                f"{self.gpus_per_node}"
+            )
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(f"{self.gpus} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes")
+            raise ValueError(
+                f"{self.gpus} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes"
+            )
 
     @property
     def node_size(self) -> int:
@@ -230,9 +251,16 @@ class Cluster:
         return min(self.gpus, self.gpus_per_node)
 
     @classmethod
-    def from_profile(cls, gpu: str | GPUProfile, gpus: int, gpus_per_node: int = 8,
-                     ib_gbit_per_gpu: float | None = None, nvlink_gbps_per_dir: float | None = None,
-                     nvlink_alpha_s: float = NVLINK_ALPHA_S, ib_alpha_s: float = IB_ALPHA_S) -> Cluster:
+    def from_profile(
+        cls,
+        gpu: str | GPUProfile,
+        gpus: int,
+        gpus_per_node: int = 8,
+        ib_gbit_per_gpu: float | None = None,
+        nvlink_gbps_per_dir: float | None = None,
+        nvlink_alpha_s: float = NVLINK_ALPHA_S,
+        ib_alpha_s: float = IB_ALPHA_S,
+    ) -> Cluster:
         """A cluster whose links come from the datasheet (overridable).
 
         When a node holds more GPUs than one NVLink domain (H100 PCIe: bridged pairs), the

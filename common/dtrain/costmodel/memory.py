@@ -29,6 +29,7 @@ from dtrain.core.checks import one_of
 from .shapes import RECOMPUTE, Layout, ModelShape, end_stage_layers, last_stage_layers, stage_layers
 from .stack import Stack
 
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes per GPU. ``buffers``: ZeRO-3 gathered-layer working set; ``total`` is the sum."""
@@ -49,8 +50,9 @@ class MemoryBreakdown:
         return self.total <= capacity_bytes * (1.0 - headroom)
 
 
-def model_state_bytes(psi: float, zero_stage: int, dp: int, grad_bytes: int = 4,
-                      optimizer_states: str = "fp32") -> tuple[float, float, float]:
+def model_state_bytes(
+    psi: float, zero_stage: int, dp: int, grad_bytes: int = 4, optimizer_states: str = "fp32"
+) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard, N = ``dp``.
 
     Mixed-precision AdamW as the stacks that use each stage hold it:
@@ -72,14 +74,16 @@ def model_state_bytes(psi: float, zero_stage: int, dp: int, grad_bytes: int = 4,
     """
     nd, g = dp, grad_bytes
     fp32 = optimizer_states == "fp32"
-    master, moments = (4, 8) if fp32 else (0, 4)   # fp32 master copy + Adam's m and v
+    master, moments = (4, 8) if fp32 else (0, 4)  # fp32 master copy + Adam's m and v
     if zero_stage == 0:
         return 2 * psi, g * psi, (master + moments) * psi
     if zero_stage == 1:
         return 2 * psi, g * psi, (master + moments) * psi / nd
     if zero_stage == 2:
         return 2 * psi, g * psi / nd, (master + moments) * psi / nd
-    if zero_stage == 3:  # the sharded parameters are the master copy, their gradients in the same dtype
+    if (
+        zero_stage == 3
+    ):  # the sharded parameters are the master copy, their gradients in the same dtype
         shard = 4 if fp32 else 2
         return shard * psi / nd, shard * psi / nd, moments * psi / nd
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
@@ -102,9 +106,21 @@ def fsdp2_state_bytes(psi: float, zero_stage: int, dp: int) -> tuple[float, floa
     raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", flash_attention: bool = False, *, ffn_mult: float = 4.0,
-                               gated_mlp: bool = False, kv_ratio: float = 1.0, dropout: bool = True) -> float:
+def activation_bytes_per_layer(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    flash_attention: bool = False,
+    *,
+    ffn_mult: float = 4.0,
+    gated_mlp: bool = False,
+    kv_ratio: float = 1.0,
+    dropout: bool = True,
+) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
     s sequence length, b micro-batch, h hidden size, a heads, t TP degree; 16-bit activations,
@@ -141,8 +157,9 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
     if recompute == "op":
-        return op_checkpoint_bytes(s, b, h, t, sequence_parallel, ffn_mult=ffn_mult, gated_mlp=gated_mlp,
-                                   kv_ratio=kv_ratio)
+        return op_checkpoint_bytes(
+            s, b, h, t, sequence_parallel, ffn_mult=ffn_mult, gated_mlp=gated_mlp, kv_ratio=kv_ratio
+        )
     attn = 0.0 if recompute == "selective" or flash_attention else (5 if dropout else 2) * a * s / h
     sharded = 4 + 4 * kv_ratio + 2 * ffn_mult * (3 if gated_mlp else 2) + attn
     replicated = 10 if dropout else 8
@@ -151,8 +168,17 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     return sbh * (replicated + sharded / t)
 
 
-def op_checkpoint_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: bool = False, *,
-                        ffn_mult: float = 4.0, gated_mlp: bool = False, kv_ratio: float = 1.0) -> float:
+def op_checkpoint_bytes(
+    s: int,
+    b: int,
+    h: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    *,
+    ffn_mult: float = 4.0,
+    gated_mlp: bool = False,
+    kv_ratio: float = 1.0,
+) -> float:
     """Bytes one layer keeps under torchtitan's selective op AC (``recompute="op"``).
 
     torchtitan ``apply_ac`` (``selective_ac_option="op"``): inside a checkpointed block, SDPA's output
@@ -166,18 +192,32 @@ def op_checkpoint_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: b
     No dropout masks (torchtitan's models have no dropout). Attention is taken to be SDPA (its output
     saved, its scores never stored), as in torchtitan and dtrain's model."""
     x = 2 * h / (t if sequence_parallel else 1)
-    per_token = x + (2 * h + 2 * h * kv_ratio + 2 * h + 2 * ffn_mult * h) / t + (2 * h if gated_mlp else 0.0)
+    per_token = (
+        x
+        + (2 * h + 2 * h * kv_ratio + 2 * h + 2 * ffn_mult * h) / t
+        + (2 * h if gated_mlp else 0.0)
+    )
     return s * b * per_token
 
 
-def layer_activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = True,
-                           recompute: str | None = None) -> float:
+def layer_activation_bytes(
+    shape: ModelShape, layout: Layout, flash_attention: bool = True, recompute: str | None = None
+) -> float:
     """``activation_bytes_per_layer`` for one layer of ``shape`` under ``layout`` (its rank's s/cp tokens)."""
-    return activation_bytes_per_layer(shape.seq_len // layout.cp, layout.micro_batch, shape.d_model, shape.n_head,
-                                      layout.tp, layout.sequence_parallel, recompute or layout.recompute,
-                                      flash_attention,
-                                      ffn_mult=shape.ffn_hidden / shape.d_model, gated_mlp=shape.gated_mlp,
-                                      kv_ratio=shape.n_kv_head / shape.n_head, dropout=shape.dropout)
+    return activation_bytes_per_layer(
+        shape.seq_len // layout.cp,
+        layout.micro_batch,
+        shape.d_model,
+        shape.n_head,
+        layout.tp,
+        layout.sequence_parallel,
+        recompute or layout.recompute,
+        flash_attention,
+        ffn_mult=shape.ffn_hidden / shape.d_model,
+        gated_mlp=shape.gated_mlp,
+        kv_ratio=shape.n_kv_head / shape.n_head,
+        dropout=shape.dropout,
+    )
 
 
 @lru_cache(maxsize=1 << 12)
@@ -234,7 +274,9 @@ def held_layer_microbatches(shape: ModelShape, layout: Layout) -> float:
     fewer (``shapes.end_stage_layers``)."""
     first, first_chunk = end_stage_layers(shape, layout)
     n = in_flight(layout)
-    if layout.virtual_stages == 1 or layout.pp_schedule != "1f1b" or layout.pp == 1:   # GPipe, ZB-V: whole stages
+    if (
+        layout.virtual_stages == 1 or layout.pp_schedule != "1f1b" or layout.pp == 1
+    ):  # GPipe, ZB-V: whole stages
         return n * first
     full = float(min(layout.pp, layout.grad_accum))
     return full * first + (n - full) * layout.virtual_stages * first_chunk
@@ -248,8 +290,13 @@ def held_layer_microbatches(shape: ModelShape, layout: Layout) -> float:
 LOSS_BYTES_PER_LOGIT = {"fused": 4, "eager": 14}
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
-                     flash_attention: bool = True, fused_loss: bool = True) -> float:
+def activation_bytes(
+    shape: ModelShape,
+    layout: Layout,
+    activation_bytes_factor: float = 1.0,
+    flash_attention: bool = True,
+    fused_loss: bool = True,
+) -> float:
     """Peak activation bytes on the most loaded pipeline stage.
 
     The first stage holds ``held_layer_microbatches`` (``in_flight`` micro-batches, each through its layers) plus their
@@ -267,14 +314,23 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
     tokens, plus the attention's communication buffers (``cp_buffer_bytes``).
     """
     lay = layout
-    s, b, h = shape.seq_len // lay.cp, lay.micro_batch, shape.d_model   # a rank's tokens: s/cp of each sequence
+    s, b, h = (
+        shape.seq_len // lay.cp,
+        lay.micro_batch,
+        shape.d_model,
+    )  # a rank's tokens: s/cp of each sequence
     per_layer = layer_activation_bytes(shape, lay, flash_attention) * activation_bytes_factor
     working = 0.0
     if lay.recompute in ("full", "op"):
-        working = layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
+        working = (
+            layer_activation_bytes(shape, lay, flash_attention, "none") * activation_bytes_factor
+        )
     working += cp_buffer_bytes(shape, lay)
     last_layers = last_stage_layers(shape, lay)
-    output = (4 * s * b * h + LOSS_BYTES_PER_LOGIT["fused" if fused_loss else "eager"] * s * b * shape.vocab) / lay.tp
+    output = (
+        4 * s * b * h
+        + LOSS_BYTES_PER_LOGIT["fused" if fused_loss else "eager"] * s * b * shape.vocab
+    ) / lay.tp
     n = in_flight(lay)
     embed = n * (8 * s * b + (s * b * h if shape.dropout else 0)) / lay.tp
     first = per_layer * held_layer_microbatches(shape, lay) + working + embed
@@ -285,11 +341,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, activation_bytes_factor:
 
 def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
     """The working buffers of one layer's context-parallel attention (16-bit), on one TP rank:
-      ring  the K and V chunk being received while the local one is used (double buffering), and in backward
-            their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
-      ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp
-      torch     PyTorch's all-gathered K and V, repeated to the query heads, 2·2·b·s·q, and in backward the fp32
-                dK, dV chunk accumulated and the one in flight, 2·2·4·b·(s/cp)·q"""
+    ring  the K and V chunk being received while the local one is used (double buffering), and in backward
+          their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
+    ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp
+    torch     PyTorch's all-gathered K and V, repeated to the query heads, 2·2·b·s·q, and in backward the fp32
+              dK, dV chunk accumulated and the one in flight, 2·2·4·b·(s/cp)·q"""
     if layout.cp <= 1:
         return 0.0
     b, s, t, cp = layout.micro_batch, shape.seq_len, layout.tp, layout.cp
@@ -303,9 +359,15 @@ def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
     return 2 * 2 * 2 * b * (s / cp) * kv
 
 
-def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: float = 1.0,
-                   flash_attention: bool = True, fused_loss: bool = True, grad_bytes: int = 4,
-                   optimizer_states: str = "fp32") -> MemoryBreakdown:
+def memory_per_gpu(
+    shape: ModelShape,
+    layout: Layout,
+    activation_bytes_factor: float = 1.0,
+    flash_attention: bool = True,
+    fused_loss: bool = True,
+    grad_bytes: int = 4,
+    optimizer_states: str = "fp32",
+) -> MemoryBreakdown:
     """Model states (ZeRO over dp, Ψ already divided by TP and PP) plus activations.
 
     ``flash_attention`` (default on, as in every current training stack) drops the stored
@@ -324,17 +386,31 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, activation_bytes_factor: f
     ``grad_bytes`` and ``optimizer_states``: the gradient and optimizer-state dtypes (``model_state_bytes``).
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp, layout.pp_split)
-    p, g, o = model_state_bytes(psi, layout.zero_stage, layout.shard_group, grad_bytes, optimizer_states)
+    p, g, o = model_state_bytes(
+        psi, layout.zero_stage, layout.shard_group, grad_bytes, optimizer_states
+    )
     buffers = 0.0
     if layout.zero_stage == 3 and layout.shard_group > 1:
-        buffers = (2 + grad_bytes) * psi if layout.pp > 1 else 3 * 2 * shape.params_per_layer() / layout.tp
+        buffers = (
+            (2 + grad_bytes) * psi
+            if layout.pp > 1
+            else 3 * 2 * shape.params_per_layer() / layout.tp
+        )
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)
 
 
-def memory_for(shape: ModelShape, layout: Layout, stack: Stack,
-               activation_bytes_factor: float = 1.0) -> MemoryBreakdown:
+def memory_for(
+    shape: ModelShape, layout: Layout, stack: Stack, activation_bytes_factor: float = 1.0
+) -> MemoryBreakdown:
     """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory (the attention
     kernel, the loss, the gradient and optimizer-state dtypes)."""
-    return memory_per_gpu(shape, layout, activation_bytes_factor, stack.flash, stack.fused_loss, stack.grad_bytes,
-                          stack.optimizer_states)
+    return memory_per_gpu(
+        shape,
+        layout,
+        activation_bytes_factor,
+        stack.flash,
+        stack.fused_loss,
+        stack.grad_bytes,
+        stack.optimizer_states,
+    )

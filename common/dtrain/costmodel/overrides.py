@@ -18,6 +18,7 @@ selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a g
 balanced pipeline split, and ZeRO-1/2 under pp, whose gradient reduction the trainer runs after the last backward
 (not hidden as priced). `dtrain plan --software dtrain` searches only layouts that need none of these notes.
 """
+
 from __future__ import annotations
 
 from dtrain.core.layout import checkpointing_of
@@ -25,38 +26,61 @@ from dtrain.core.layout import checkpointing_of
 from .shapes import Layout, ModelShape
 
 
-def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precision: str = "bf16",
-                    preset: str = "small") -> tuple[list[str], list[str]]:
+def train_overrides(
+    layout: Layout,
+    model: ModelShape,
+    global_batch: int,
+    precision: str = "bf16",
+    preset: str = "small",
+) -> tuple[list[str], list[str]]:
     """(overrides, notes) for `layout` of `model`; the overrides run as is with fsdp-scaling."""
     world, replicas = layout.gpus, layout.hsdp_replicate
     schedule = layout.trainer_schedule
     if schedule == "1f1b" and layout.grad_accum < layout.pp:  # 1f1b needs a micro-batch per stage
         schedule = "gpipe"
-    out = [f"world_size={world}", f"train.strategy={layout.strategy}", f"train.tp={layout.tp}",
-           f"train.pp={layout.pp}",
-           *([f"train.cp={layout.cp}", f"train.cp_impl={layout.cp_impl}"] if layout.cp > 1 else []),
-           *([f"train.hsdp_replicate={replicas}"] if replicas > 1 else []),
-           f"train.pp_schedule={schedule}", f"train.pp_virtual={layout.pp_virtual}",
-           f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
-           f"train.activation_checkpointing={checkpointing_of(layout.recompute)}",
-           f"train.precision={'fp32' if precision == 'fp32' else 'bf16'}",
-           f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
-           f"model.preset={preset}", f"model.n_layer={model.n_layer}", f"model.d_model={model.d_model}",
-           f"model.n_head={model.n_head}", f"model.n_kv_head={model.n_kv_head}", f"model.seq_len={model.seq_len}"]
+    out = [
+        f"world_size={world}",
+        f"train.strategy={layout.strategy}",
+        f"train.tp={layout.tp}",
+        f"train.pp={layout.pp}",
+        *([f"train.cp={layout.cp}", f"train.cp_impl={layout.cp_impl}"] if layout.cp > 1 else []),
+        *([f"train.hsdp_replicate={replicas}"] if replicas > 1 else []),
+        f"train.pp_schedule={schedule}",
+        f"train.pp_virtual={layout.pp_virtual}",
+        f"train.micro_batch={layout.micro_batch}",
+        f"train.global_batch={global_batch}",
+        f"train.activation_checkpointing={checkpointing_of(layout.recompute)}",
+        f"train.precision={'fp32' if precision == 'fp32' else 'bf16'}",
+        f"train.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
+        f"model.preset={preset}",
+        f"model.n_layer={model.n_layer}",
+        f"model.d_model={model.d_model}",
+        f"model.n_head={model.n_head}",
+        f"model.n_kv_head={model.n_kv_head}",
+        f"model.seq_len={model.seq_len}",
+    ]
     notes = []
     if layout.pp_split != "layers" and layout.pp > 1:
-        notes.append(f"split={layout.pp_split} runs as the trainer's own split (blocks spread evenly over the stages, "
-                     "the embedding on the first and the loss on the last)")
+        notes.append(
+            f"split={layout.pp_split} runs as the trainer's own split (blocks spread evenly over the stages, "
+            "the embedding on the first and the loss on the last)"
+        )
     if layout.cp > 1 and layout.pp > 1:
-        notes.append("the trainer refuses cp with pp > 1: run cp·dp data-parallel ranks or pp without cp")
+        notes.append(
+            "the trainer refuses cp with pp > 1: run cp·dp data-parallel ranks or pp without cp"
+        )
     if layout.zero_stage == 1:
         notes.append("ZeRO-1 runs as zero2 (gradients sharded too)")
     if layout.zero_stage in (1, 2) and layout.pp > 1:
-        notes.append("under pp the trainer's zero2 reduces its gradients after the stage's last backward "
-                     "(torch.distributed.pipelining), which the plan's ZeRO-1/2 step hides behind it: the run exposes "
-                     "that reduce-scatter, as the plan prices zero=3 with pp")
+        notes.append(
+            "under pp the trainer's zero2 reduces its gradients after the stage's last backward "
+            "(torch.distributed.pipelining), which the plan's ZeRO-1/2 step hides behind it: the run exposes "
+            "that reduce-scatter, as the plan prices zero=3 with pp"
+        )
     if replicas > 1 and layout.zero_stage == 2:
-        notes.append("HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in each group)")
+        notes.append(
+            "HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in each group)"
+        )
     if layout.recompute == "selective":
         notes.append("selective recompute runs as whole-block checkpointing")
     if precision == "fp8":
@@ -66,5 +90,7 @@ def train_overrides(layout: Layout, model: ModelShape, global_batch: int, precis
     from dtrain.model.args import PRESETS
 
     if PRESETS[preset].vocab_size != model.vocab:
-        notes.append(f"vocabulary: the {preset} preset's {PRESETS[preset].vocab_size}, not {model.vocab}")
+        notes.append(
+            f"vocabulary: the {preset} preset's {PRESETS[preset].vocab_size}, not {model.vocab}"
+        )
     return out, notes

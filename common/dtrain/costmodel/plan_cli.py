@@ -12,6 +12,7 @@ Units are the ones printed on datasheets, converted here once:
   --ib-gbps      Gbit/s (bits) per GPU, the NIC line rate (NDR 400, HDR 200); ÷8 gives GB/s.
 Exit codes: 0 a plan was found, 1 nothing fits in memory, 2 bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,26 @@ from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES, published
 from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, FP8_SCALINGS, STATE_DTYPES, Stack
-from .shapes import (CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, ModelShape, parallel_refusal,
-                     params_text)
-from .plan_report import (calibration_notes, framework_gap, framework_text, layout_json, layout_text, plan_dict,
-                          res_usable, text_report, to_json)
+from .shapes import (
+    CP_IMPLS,
+    PP_SCHEDULES,
+    PP_SPLITS,
+    RECOMPUTE,
+    ModelShape,
+    parallel_refusal,
+    params_text,
+)
+from .plan_report import (
+    calibration_notes,
+    framework_gap,
+    framework_text,
+    layout_json,
+    layout_text,
+    plan_dict,
+    res_usable,
+    text_report,
+    to_json,
+)
 from .search import SearchResult, search
 
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
@@ -42,33 +59,47 @@ exit codes: 0 plan found, 1 does not fit in memory, 2 bad input."""
 
 def _number(kind, low: float, strict: bool):
     """An argparse type: a finite number above `low` (`--params nan`, `--seq 0` are one error line)."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
         if not math.isfinite(value) or value < low or (strict and value == low):
             what = "an integer" if kind is int else "a finite number"
-            raise argparse.ArgumentTypeError(f"{text} must be {what} {'>' if strict else '>='} {low:g}")
+            raise argparse.ArgumentTypeError(
+                f"{text} must be {what} {'>' if strict else '>='} {low:g}"
+            )
         return value
+
     parse.__name__ = f"{kind.__name__}{' > ' if strict else ' >= '}{low:g}"
     return parse
 
 
-POS_INT, POS_FLOAT, NONNEG_INT, NONNEG_FLOAT = _number(int, 0, True), _number(float, 0, True), \
-    _number(int, 0, False), _number(float, 0, False)
+POS_INT, POS_FLOAT, NONNEG_INT, NONNEG_FLOAT = (
+    _number(int, 0, True),
+    _number(float, 0, True),
+    _number(int, 0, False),
+    _number(float, 0, False),
+)
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
 def param_count(text: str) -> float:
     """--params: a positive number, plain (70e9) or with the suffix people write sizes in (70B, 1.3b, 350M, 1T)."""
-    number, unit = (text[:-1], _SUFFIX.get(text[-1].lower())) if text[-1:].isalpha() else (text, 1.0)
+    number, unit = (
+        (text[:-1], _SUFFIX.get(text[-1].lower())) if text[-1:].isalpha() else (text, 1.0)
+    )
     try:
         value = float(number) * unit
     except (ValueError, TypeError):  # not a number, or an unknown suffix (unit None)
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive parameter count (70e9, 70B, 350M, 1T)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive parameter count (70e9, 70B, 350M, 1T)"
+        )
     return value
 
 
@@ -77,91 +108,190 @@ param_count.__name__ = "parameter count"
 
 def add_parser(sub) -> None:
     gpus = sorted(load_profiles())
-    p = sub.add_parser("plan", help="choose DP x TP x PP, ZeRO stage, recompute and micro-batch for a model",
-                       description=__doc__.split("\n")[0], epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="choose DP x TP x PP, ZeRO stage, recompute and micro-batch for a model",
+        description=__doc__.split("\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     m = p.add_argument_group("model (either --params or --layers/--hidden/--heads)")
-    m.add_argument("--params", type=param_count,
-                   help="parameter count, e.g. 70e9 or 70B (a published shape of that size)")
+    m.add_argument(
+        "--params",
+        type=param_count,
+        help="parameter count, e.g. 70e9 or 70B (a published shape of that size)",
+    )
     m.add_argument("--layers", type=POS_INT, help="transformer layers")
     m.add_argument("--hidden", type=POS_INT, help="d_model")
     m.add_argument("--heads", type=POS_INT, help="attention heads")
-    m.add_argument("--kv-heads", type=POS_INT, help="KV heads (grouped-query attention; default = --heads)")
-    m.add_argument("--ffn-hidden", type=POS_INT, help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)")
+    m.add_argument(
+        "--kv-heads", type=POS_INT, help="KV heads (grouped-query attention; default = --heads)"
+    )
+    m.add_argument(
+        "--ffn-hidden",
+        type=POS_INT,
+        help="MLP hidden size (default 4 x hidden, or 8/3 x with --gated-mlp)",
+    )
     m.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (3 matrices), as in Llama")
     m.add_argument("--vocab", type=POS_INT, default=32000, help="vocabulary size (default 32000)")
-    m.add_argument("--seq", type=POS_INT, default=4096, help="sequence length in tokens (default 4096)")
-    m.add_argument("--dropout", action="store_true",
-                   help="GPT-3-style dropout (attention probabilities and residuals): masks stored, passes priced")
-    m.add_argument("--no-rope", action="store_true",
-                   help="no rotary embeddings (learned or ALiBi positions, as GPT-3, BLOOM): no RoPE pass priced")
+    m.add_argument(
+        "--seq", type=POS_INT, default=4096, help="sequence length in tokens (default 4096)"
+    )
+    m.add_argument(
+        "--dropout",
+        action="store_true",
+        help="GPT-3-style dropout (attention probabilities and residuals): masks stored, passes priced",
+    )
+    m.add_argument(
+        "--no-rope",
+        action="store_true",
+        help="no rotary embeddings (learned or ALiBi positions, as GPT-3, BLOOM): no RoPE pass priced",
+    )
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=POS_INT, required=True, help="GPUs in the job")
     c.add_argument("--gpus-per-node", type=POS_INT, default=8, help="GPUs per node (default 8)")
     c.add_argument("--gpu", default="h100-sxm", choices=gpus, help="GPU type (default h100-sxm)")
-    c.add_argument("--nvlink-gbps", type=POS_FLOAT, help="intra-node GB/s per GPU, both directions added "
-                   "(default: the GPU's datasheet NVLink figure)")
-    c.add_argument("--ib-gbps", type=POS_FLOAT, help="inter-node Gbit/s per GPU, NIC line rate "
-                   "(default: the GPU's reference system)")
-    c.add_argument("--hbm-gib", type=POS_FLOAT, help="HBM per GPU in GiB, for a variant of --gpu (e.g. 96 for "
-                   "the 96 GB H100 SXM; default: the profile's)")
-    c.add_argument("--hbm-tbps", type=POS_FLOAT, help="HBM bandwidth in TB/s, for a variant of --gpu")
-    c.add_argument("--power-w", type=POS_FLOAT, help="board power cap in W, for a variant of --gpu (a lower cap "
-                   "slows tensor-core work as ((profile - idle)/(cap - idle))^(1/3), kernels.yaml)")
+    c.add_argument(
+        "--nvlink-gbps",
+        type=POS_FLOAT,
+        help="intra-node GB/s per GPU, both directions added "
+        "(default: the GPU's datasheet NVLink figure)",
+    )
+    c.add_argument(
+        "--ib-gbps",
+        type=POS_FLOAT,
+        help="inter-node Gbit/s per GPU, NIC line rate (default: the GPU's reference system)",
+    )
+    c.add_argument(
+        "--hbm-gib",
+        type=POS_FLOAT,
+        help="HBM per GPU in GiB, for a variant of --gpu (e.g. 96 for "
+        "the 96 GB H100 SXM; default: the profile's)",
+    )
+    c.add_argument(
+        "--hbm-tbps", type=POS_FLOAT, help="HBM bandwidth in TB/s, for a variant of --gpu"
+    )
+    c.add_argument(
+        "--power-w",
+        type=POS_FLOAT,
+        help="board power cap in W, for a variant of --gpu (a lower cap "
+        "slows tensor-core work as ((profile - idle)/(cap - idle))^(1/3), kernels.yaml)",
+    )
     r = p.add_argument_group("training")
-    r.add_argument("--global-batch", type=POS_INT, default=1024, help="sequences per optimizer step (default 1024)")
-    r.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="compute precision (default bf16)")
-    r.add_argument("--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)")
-    r.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
-                   help="flash (default): the GPU's best fused attention (FlashAttention-2 on A100; cuDNN / "
-                        "FlashAttention-3 class on H100, PyTorch SDPA's default there); flash2: FlashAttention-2 "
-                        "(PyTorch's flash backend, flash-attn 2) on any GPU; eager: scores stored (5*a*s/h per "
-                        "layer) and the softmax run over them, selective recompute then pays")
-    r.add_argument("--kernels", choices=("fused", "eager"), default="fused",
-                   help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); eager: "
-                        "PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES)
-    r.add_argument("--loss", choices=("fused", "eager"), default=None,
-                   help="the cross-entropy: fused (vocab-parallel, in place on fp32 logits, 4 B/logit) or eager "
-                        "(PyTorch's F.cross_entropy, 14 B/logit; torchtitan compiles its blocks but not its loss); "
-                        "default: as --kernels")
-    r.add_argument("--tp-overlap", action="store_true",
-                   help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, TransformerEngine)")
-    r.add_argument("--async-tp", action="store_true",
-                   help="torchtitan's AsyncTP: hides the share of TP traffic its published with/without pairs show")
-    r.add_argument("--fp8-all-gather", choices=FP8_ALL_GATHERS, default="tp",
-                   help="with --precision fp8, which all-gathers move FP8: tp (default; the sequence-parallel "
-                        "gathers, as TransformerEngine and torchao's Float8 TP do), tp+fsdp (also FSDP/ZeRO weight "
-                        "gathers: torchao enable_fsdp_float8_all_gather, Megatron --fp8-param-gather), none")
-    r.add_argument("--fp8-scaling", choices=FP8_SCALINGS, default=None,
-                   help="with --precision fp8, how the casts are scaled, which sets their cost: dynamic (torchao's "
-                        "float8 training: a global amax per tensor before its cast) or delayed (TransformerEngine: "
-                        "amax history, casts fused into the producing kernels); default: the --software's own "
-                        "(dynamic for torchtitan and dtrain, else delayed)")
-    r.add_argument("--grad-reduce", choices=STATE_DTYPES, default="fp32",
-                   help="the dtype gradients accumulate and reduce in over DP: fp32 (default; Megatron's for bf16, "
-                        "torchtitan's) or bf16 (apex DistributedFusedAdam grad_sync_dtype, torchtitan "
-                        "mixed_precision_reduce=bfloat16): half the gradient bytes and traffic")
-    r.add_argument("--optimizer-states", choices=STATE_DTYPES, default="fp32",
-                   help="fp32 (default): fp32 master weights and Adam moments, 12 B/param; bf16: Adam moments in "
-                        "bf16 and no master copy (apex DistributedFusedAdam dtype=bf16, as NeMo runs it), 4 B/param")
-    r.add_argument("--dp-sync", choices=DP_SYNCS, default="overlap",
-                   help="when the once-per-step DP collectives run: overlap (default; Megatron's --overlap-grad-reduce "
-                        "and --overlap-param-gather: behind the last backward and the first forward) or flush "
-                        "(DeepSpeed's pipeline engine: after the pipeline's last step, nothing hidden)")
-    r.add_argument("--software", choices=tuple(SOFTWARE), default="any",
-                   help="the framework the run uses: the best layout is the best one it runs (any, default: every "
-                        "layout; megatron-core; megatron-2021: no SP, selective recompute or distributed optimizer; "
-                        "megatron-deepspeed: DeepSpeed's pipeline engine, no interleaving, ZeRO-0/1 with PP; "
-                        "torchtitan: DDP or FSDP, SP with TP, PyTorch's context_parallel; dtrain: this project's "
-                        "trainer, whose overrides the plan prints); costmodel/software.py")
-    p.add_argument("--layout", metavar="FIELDS",
-                   help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv split=layers|balanced '
-                        'zero= hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
-                        "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups; "
-                        "split=balanced: the embedding and the loss take one layer's slot each in the pipeline split "
-                        "(Megatron's --account-for-embedding/loss-in-pipeline-split)")
-    p.add_argument("--results", metavar="DIR", action="append",
-                   help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)")
+    r.add_argument(
+        "--global-batch",
+        type=POS_INT,
+        default=1024,
+        help="sequences per optimizer step (default 1024)",
+    )
+    r.add_argument(
+        "--precision",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="compute precision (default bf16)",
+    )
+    r.add_argument(
+        "--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)"
+    )
+    r.add_argument(
+        "--attention",
+        choices=ATTENTION_KERNELS,
+        default="flash",
+        help="flash (default): the GPU's best fused attention (FlashAttention-2 on A100; cuDNN / "
+        "FlashAttention-3 class on H100, PyTorch SDPA's default there); flash2: FlashAttention-2 "
+        "(PyTorch's flash backend, flash-attn 2) on any GPU; eager: scores stored (5*a*s/h per "
+        "layer) and the softmax run over them, selective recompute then pays",
+    )
+    r.add_argument(
+        "--kernels",
+        choices=("fused", "eager"),
+        default="fused",
+        help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); eager: "
+        "PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES,
+    )
+    r.add_argument(
+        "--loss",
+        choices=("fused", "eager"),
+        default=None,
+        help="the cross-entropy: fused (vocab-parallel, in place on fp32 logits, 4 B/logit) or eager "
+        "(PyTorch's F.cross_entropy, 14 B/logit; torchtitan compiles its blocks but not its loss); "
+        "default: as --kernels",
+    )
+    r.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, TransformerEngine)",
+    )
+    r.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="torchtitan's AsyncTP: hides the share of TP traffic its published with/without pairs show",
+    )
+    r.add_argument(
+        "--fp8-all-gather",
+        choices=FP8_ALL_GATHERS,
+        default="tp",
+        help="with --precision fp8, which all-gathers move FP8: tp (default; the sequence-parallel "
+        "gathers, as TransformerEngine and torchao's Float8 TP do), tp+fsdp (also FSDP/ZeRO weight "
+        "gathers: torchao enable_fsdp_float8_all_gather, Megatron --fp8-param-gather), none",
+    )
+    r.add_argument(
+        "--fp8-scaling",
+        choices=FP8_SCALINGS,
+        default=None,
+        help="with --precision fp8, how the casts are scaled, which sets their cost: dynamic (torchao's "
+        "float8 training: a global amax per tensor before its cast) or delayed (TransformerEngine: "
+        "amax history, casts fused into the producing kernels); default: the --software's own "
+        "(dynamic for torchtitan and dtrain, else delayed)",
+    )
+    r.add_argument(
+        "--grad-reduce",
+        choices=STATE_DTYPES,
+        default="fp32",
+        help="the dtype gradients accumulate and reduce in over DP: fp32 (default; Megatron's for bf16, "
+        "torchtitan's) or bf16 (apex DistributedFusedAdam grad_sync_dtype, torchtitan "
+        "mixed_precision_reduce=bfloat16): half the gradient bytes and traffic",
+    )
+    r.add_argument(
+        "--optimizer-states",
+        choices=STATE_DTYPES,
+        default="fp32",
+        help="fp32 (default): fp32 master weights and Adam moments, 12 B/param; bf16: Adam moments in "
+        "bf16 and no master copy (apex DistributedFusedAdam dtype=bf16, as NeMo runs it), 4 B/param",
+    )
+    r.add_argument(
+        "--dp-sync",
+        choices=DP_SYNCS,
+        default="overlap",
+        help="when the once-per-step DP collectives run: overlap (default; Megatron's --overlap-grad-reduce "
+        "and --overlap-param-gather: behind the last backward and the first forward) or flush "
+        "(DeepSpeed's pipeline engine: after the pipeline's last step, nothing hidden)",
+    )
+    r.add_argument(
+        "--software",
+        choices=tuple(SOFTWARE),
+        default="any",
+        help="the framework the run uses: the best layout is the best one it runs (any, default: every "
+        "layout; megatron-core; megatron-2021: no SP, selective recompute or distributed optimizer; "
+        "megatron-deepspeed: DeepSpeed's pipeline engine, no interleaving, ZeRO-0/1 with PP; "
+        "torchtitan: DDP or FSDP, SP with TP, PyTorch's context_parallel; dtrain: this project's "
+        "trainer, whose overrides the plan prints); costmodel/software.py",
+    )
+    p.add_argument(
+        "--layout",
+        metavar="FIELDS",
+        help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv split=layers|balanced '
+        'zero= hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
+        "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups; "
+        "split=balanced: the embedding and the loss take one layer's slot each in the pipeline split "
+        "(Megatron's --account-for-embedding/loss-in-pipeline-split)",
+    )
+    p.add_argument(
+        "--results",
+        metavar="DIR",
+        action="append",
+        help="calibrate from run dirs under DIR (only CUDA runs describe a GPU cluster)",
+    )
     p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
@@ -169,10 +299,23 @@ def add_parser(sub) -> None:
 
 def stack_of(a) -> Stack:
     if a.tp_overlap and a.async_tp:
-        raise UserError("--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
-                        "give the one the run used")
-    return Stack(a.attention, a.kernels, a.loss, a.tp_overlap, a.async_tp, a.fp8_all_gather, a.grad_reduce,
-                 a.optimizer_states, a.dp_sync, a.software, a.fp8_scaling)
+        raise UserError(
+            "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
+            "give the one the run used"
+        )
+    return Stack(
+        a.attention,
+        a.kernels,
+        a.loss,
+        a.tp_overlap,
+        a.async_tp,
+        a.fp8_all_gather,
+        a.grad_reduce,
+        a.optimizer_states,
+        a.dp_sync,
+        a.software,
+        a.fp8_scaling,
+    )
 
 
 def shape_from_args(a) -> ModelShape:
@@ -183,14 +326,27 @@ def shape_from_args(a) -> ModelShape:
         if a.params <= 0:
             raise UserError(f"--params {a.params:g} must be positive, e.g. --params 70e9")
         check_params(a.params)
-        return replace(ModelShape.from_params(a.params, seq_len=a.seq), dropout=a.dropout, rotary=not a.no_rope)
+        return replace(
+            ModelShape.from_params(a.params, seq_len=a.seq), dropout=a.dropout, rotary=not a.no_rope
+        )
     if any(x is None for x in shape_flags):
         raise UserError("the model needs --params, or all of --layers, --hidden and --heads")
     check_heads(a.hidden, a.heads, a.kv_heads)
     ffn = a.ffn_hidden or (int(8 * a.hidden / 3) if a.gated_mlp else 4 * a.hidden)
     try:
-        return ModelShape(a.layers, a.hidden, a.heads, a.kv_heads or a.heads, a.vocab, a.seq, ffn / a.hidden,
-                          a.gated_mlp, name=f"{a.layers} x {a.hidden}", dropout=a.dropout, rotary=not a.no_rope)
+        return ModelShape(
+            a.layers,
+            a.hidden,
+            a.heads,
+            a.kv_heads or a.heads,
+            a.vocab,
+            a.seq,
+            ffn / a.hidden,
+            a.gated_mlp,
+            name=f"{a.layers} x {a.hidden}",
+            dropout=a.dropout,
+            rotary=not a.no_rope,
+        )
     except ValueError as e:
         raise UserError(f"bad model shape: {e}") from None
 
@@ -204,47 +360,85 @@ def check_params(params: float) -> None:
         raise UserError(
             f"--params {params_text(params)} is below {least}, the smallest model --params builds "
             f"({low.n_layer} layer x {low.d_model}, {low.n_head} heads, a {low.vocab}-token "
-            f"vocabulary): give --params {least} or more, or the shape (--layers --hidden --heads)")
+            f"vocabulary): give --params {least} or more, or the shape (--layers --hidden --heads)"
+        )
 
 
 def check_heads(hidden: int, heads: int, kv_heads: int | None) -> None:
     """The attention heads a shape can have, named by the flags that give them."""
     if hidden % heads:
-        raise UserError(f"--hidden {hidden} is not divisible by --heads {heads} (head dim must be "
-                        "a whole number): pick heads that divide hidden")
+        raise UserError(
+            f"--hidden {hidden} is not divisible by --heads {heads} (head dim must be "
+            "a whole number): pick heads that divide hidden"
+        )
     if kv_heads is not None and heads % kv_heads:
-        raise UserError(f"--heads {heads} is not divisible by --kv-heads {kv_heads} (each k/v head "
-                        "serves a whole group of query heads): pick kv-heads that divide heads")
+        raise UserError(
+            f"--heads {heads} is not divisible by --kv-heads {kv_heads} (each k/v head "
+            "serves a whole group of query heads): pick kv-heads that divide heads"
+        )
 
 
 def cluster_from_args(a) -> Cluster:
-    for flag, value in (("--gpus", a.gpus), ("--gpus-per-node", a.gpus_per_node), ("--nvlink-gbps", a.nvlink_gbps),
-                        ("--ib-gbps", a.ib_gbps), ("--global-batch", a.global_batch), ("--seq", a.seq)):
+    for flag, value in (
+        ("--gpus", a.gpus),
+        ("--gpus-per-node", a.gpus_per_node),
+        ("--nvlink-gbps", a.nvlink_gbps),
+        ("--ib-gbps", a.ib_gbps),
+        ("--global-batch", a.global_batch),
+        ("--seq", a.seq),
+    ):
         if value is not None and value <= 0:
             raise UserError(f"{flag} {value:g} must be positive")
     if a.gpus > a.gpus_per_node and a.gpus % a.gpus_per_node:
-        raise UserError(f"--gpus {a.gpus} is not a whole number of {a.gpus_per_node}-GPU nodes: "
-                        "pass a multiple of --gpus-per-node")
+        raise UserError(
+            f"--gpus {a.gpus} is not a whole number of {a.gpus_per_node}-GPU nodes: "
+            "pass a multiple of --gpus-per-node"
+        )
     if not 0 <= a.headroom < 1:
         raise UserError(f"--headroom {a.headroom} must be in [0, 1)")
     if a.power_w is not None:
         table = published(a.gpu)
         idle = table.idle_w if table else 0.0
         if a.power_w <= idle:
-            raise UserError(f"--power-w {a.power_w:g} is at or below {a.gpu}'s idle draw ({idle:g} W): "
-                            "give the board's power limit in W")
-    per_dir = None if a.nvlink_gbps is None else a.nvlink_gbps / 2  # datasheet bidirectional -> per direction
-    variant = {k: v for k, v in (("hbm_gib", a.hbm_gib), ("hbm_tbps", a.hbm_tbps), ("power_w", a.power_w))
-               if v is not None}
+            raise UserError(
+                f"--power-w {a.power_w:g} is at or below {a.gpu}'s idle draw ({idle:g} W): "
+                "give the board's power limit in W"
+            )
+    per_dir = (
+        None if a.nvlink_gbps is None else a.nvlink_gbps / 2
+    )  # datasheet bidirectional -> per direction
+    variant = {
+        k: v
+        for k, v in (("hbm_gib", a.hbm_gib), ("hbm_tbps", a.hbm_tbps), ("power_w", a.power_w))
+        if v is not None
+    }
     gpu = replace(get_profile(a.gpu), **variant) if variant else a.gpu
-    return Cluster.from_profile(gpu, a.gpus, a.gpus_per_node, ib_gbit_per_gpu=a.ib_gbps, nvlink_gbps_per_dir=per_dir)
+    return Cluster.from_profile(
+        gpu, a.gpus, a.gpus_per_node, ib_gbit_per_gpu=a.ib_gbps, nvlink_gbps_per_dir=per_dir
+    )
 
 
-LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "zero": "zero_stage",
-               "recompute": "recompute", "mb": "micro_batch", "sp": "sequence_parallel", "schedule": "pp_schedule",
-               "cp": "cp", "cp_impl": "cp_impl", "hsdp": "dp_replicate", "split": "pp_split"}
-LAYOUT_CHOICES = {"recompute": RECOMPUTE, "cp_impl": CP_IMPLS, "pp_split": PP_SPLITS,
-                  "pp_schedule": PP_SCHEDULES}
+LAYOUT_KEYS = {
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "v": "virtual_stages",
+    "zero": "zero_stage",
+    "recompute": "recompute",
+    "mb": "micro_batch",
+    "sp": "sequence_parallel",
+    "schedule": "pp_schedule",
+    "cp": "cp",
+    "cp_impl": "cp_impl",
+    "hsdp": "dp_replicate",
+    "split": "pp_split",
+}
+LAYOUT_CHOICES = {
+    "recompute": RECOMPUTE,
+    "cp_impl": CP_IMPLS,
+    "pp_split": PP_SPLITS,
+    "pp_schedule": PP_SCHEDULES,
+}
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
@@ -254,8 +448,10 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
     for item in text.replace(",", " ").split():
         key, eq, value = item.partition("=")
         if not eq or key not in LAYOUT_KEYS:
-            raise UserError(f"--layout: {item!r} is not one of {', '.join(k + '=' for k in LAYOUT_KEYS)} "
-                            '(e.g. --layout "tp=8 pp=16 v=8 zero=1 recompute=selective mb=1")')
+            raise UserError(
+                f"--layout: {item!r} is not one of {', '.join(k + '=' for k in LAYOUT_KEYS)} "
+                '(e.g. --layout "tp=8 pp=16 v=8 zero=1 recompute=selective mb=1")'
+            )
         field = LAYOUT_KEYS[key]
         if field in fixed:
             raise UserError(f"--layout: {key}= is given twice: give each field once")
@@ -271,35 +467,55 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
                 fixed[field] = int(value)
             except ValueError:
                 raise UserError(f"--layout: {key}={value} must be an integer") from None
-            if fixed[field] < (0 if field == "zero_stage" else 1) or (field == "zero_stage" and fixed[field] > 3):
-                raise UserError(f"--layout: {key}={value} is out of range (zero 0..3, the others >= 1)")
+            if fixed[field] < (0 if field == "zero_stage" else 1) or (
+                field == "zero_stage" and fixed[field] > 3
+            ):
+                raise UserError(
+                    f"--layout: {key}={value} is out of range (zero 0..3, the others >= 1)"
+                )
     if not fixed:
-        raise UserError(f'--layout {text!r} is empty: give fields like "tp=8 pp=2 zero=1 mb=1" '
-                        "or leave --layout out")
+        raise UserError(
+            f'--layout {text!r} is empty: give fields like "tp=8 pp=2 zero=1 mb=1" '
+            "or leave --layout out"
+        )
     if fixed.get("virtual_stages", 1) > 1 and fixed.get("pp", 2) < 2:
-        raise UserError(f"--layout: v={fixed['virtual_stages']} interleaves pipeline stages but pp=1: "
-                        "drop v= or give pp >= 2")
+        raise UserError(
+            f"--layout: v={fixed['virtual_stages']} interleaves pipeline stages but pp=1: "
+            "drop v= or give pp >= 2"
+        )
     dims = {k: fixed[k] for k in ("dp", "cp", "tp", "pp") if k in fixed}
     product = math.prod(dims.values())
-    whole = len(dims) == 4  # with cp left free, dp·tp·pp need only divide the GPUs (cp takes the rest)
+    whole = (
+        len(dims) == 4
+    )  # with cp left free, dp·tp·pp need only divide the GPUs (cp takes the rest)
     if gpus is not None and (gpus % product or (whole and product != gpus)):
         given = "·".join(f"{k}={v}" for k, v in dims.items())
-        raise UserError(f"--layout: {given} = {product} {'does not divide' if gpus % product else 'is not'} "
-                        f"--gpus {gpus}: dp·cp·tp·pp must equal the GPUs")
+        raise UserError(
+            f"--layout: {given} = {product} {'does not divide' if gpus % product else 'is not'} "
+            f"--gpus {gpus}: dp·cp·tp·pp must equal the GPUs"
+        )
     if fixed.get("pp_split", "layers") != "layers" and fixed.get("pp", 2) < 2:
-        raise UserError(f"--layout: split={fixed['pp_split']} splits layers over pipeline stages but pp=1: "
-                        "drop split= or give pp >= 2")
+        raise UserError(
+            f"--layout: split={fixed['pp_split']} splits layers over pipeline stages but pp=1: "
+            "drop split= or give pp >= 2"
+        )
     if fixed.get("cp_impl") and fixed.get("cp", 2) < 2:
         raise UserError(f"--layout: cp_impl={fixed['cp_impl']} needs cp >= 2")
     replicas = fixed.get("dp_replicate", 1)
     if replicas > 1:
         if fixed.setdefault("zero_stage", 3) < 2:
-            raise UserError(f"--layout: hsdp={replicas} shards with FSDP inside each replica group: "
-                            f"give zero=3 (or 2), not zero={fixed['zero_stage']}")
-        dp = fixed.get("dp", 0)  # dp = dp_replicate x dp_shard (dtrain.core.layout), as the trainer splits it
+            raise UserError(
+                f"--layout: hsdp={replicas} shards with FSDP inside each replica group: "
+                f"give zero=3 (or 2), not zero={fixed['zero_stage']}"
+            )
+        dp = fixed.get(
+            "dp", 0
+        )  # dp = dp_replicate x dp_shard (dtrain.core.layout), as the trainer splits it
         if dp and dp % replicas:
-            raise UserError(f"--layout: hsdp={replicas} replica groups do not divide dp = {dp}: "
-                            "give a divisor of dp")
+            raise UserError(
+                f"--layout: hsdp={replicas} replica groups do not divide dp = {dp}: "
+                "give a divisor of dp"
+            )
     return fixed
 
 
@@ -314,8 +530,10 @@ def pinned_layout(a, gpus: int, shape) -> dict | None:
         raise UserError(f"--layout {a.layout!r}: {why}")
     lacks = unsupported(software(a.software), fixed, shape.n_layer, shape.n_kv_head)
     if lacks:
-        raise UserError(f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
-                        "that runs it (--software any scores every layout)")
+        raise UserError(
+            f"--layout: {a.software} does not run {lacks}: change --layout, or pass the --software "
+            "that runs it (--software any scores every layout)"
+        )
     return fixed
 
 
@@ -331,13 +549,17 @@ def check_batch_splits(result: SearchResult) -> None:
     batch, gpus = result.global_batch, result.cluster.gpus
     least = min(lay.dp for lay, _ in rejected)
     replicas = f"replica{'s' * (batch > 1)}"
-    fits = (f"a global batch of {batch} feeds at most {batch} data-parallel {replicas}"
-            if batch < least else f"{batch} is not a multiple of any of their dp")
+    fits = (
+        f"a global batch of {batch} feeds at most {batch} data-parallel {replicas}"
+        if batch < least
+        else f"{batch} is not a multiple of any of their dp"
+    )
     raise UserError(
         f"--global-batch {batch} cannot be split over {gpus} GPUs: every layout of this model has "
         f"at least dp={least} data-parallel replicas (tp, cp and pp are bounded by its heads, "
         f"sequence and layers) and {fits}: give a --global-batch that is a multiple of {least}, "
-        "or fewer --gpus")
+        "or fewer --gpus"
+    )
 
 
 def layout_refusal(shape: ModelShape, fixed: dict) -> str | None:
@@ -380,7 +602,9 @@ def run(a) -> int:
     calib = None
     cluster = default_links().apply(datasheet)
     if a.results:
-        from .calibrate import calibrate_naming_skips  # reads run directories: pandas, only when asked
+        from .calibrate import (
+            calibrate_naming_skips,
+        )  # reads run directories: pandas, only when asked
 
         report, skipped = calibrate_naming_skips(a.results, gpu=datasheet.gpu.name)
         for message in skipped:
@@ -388,16 +612,37 @@ def run(a) -> int:
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
     stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus, shape)
-    result = search(shape, cluster, a.global_batch, calib, precision=a.precision, headroom=a.headroom, stack=stack)
+    result = search(
+        shape,
+        cluster,
+        a.global_batch,
+        calib,
+        precision=a.precision,
+        headroom=a.headroom,
+        stack=stack,
+    )
     check_batch_splits(result)
     mine, gap, tight = layout_result(shape, cluster, a, calib, result, fixed)
-    free = None if stack.software == "any" else search(shape, cluster, a.global_batch, calib, precision=a.precision,
-                                                       headroom=a.headroom, stack=replace(stack, software="any"))
+    free = (
+        None
+        if stack.software == "any"
+        else search(
+            shape,
+            cluster,
+            a.global_batch,
+            calib,
+            precision=a.precision,
+            headroom=a.headroom,
+            stack=replace(stack, software="any"),
+        )
+    )
     if a.json:
         out = to_json(result, a.top, notes)
         if free is not None:
-            out["any_framework"] = {"choice": plan_dict(free.best) if free.best else None,
-                                    "faster_pct": framework_gap(result, free)}
+            out["any_framework"] = {
+                "choice": plan_dict(free.best) if free.best else None,
+                "faster_pct": framework_gap(result, free),
+            }
         if mine is not None:
             out["layout"] = layout_json(mine, gap, a.layout, tight)
         print(json.dumps(out, indent=2, sort_keys=True))
@@ -409,11 +654,17 @@ def run(a) -> int:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(mine), tight)
         print("\n".join(lines))
     if mine is not None and mine.best is None:
-        print(f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the report above '
-              "shows the best layout)", file=sys.stderr)
+        print(
+            f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the report above '
+            "shows the best layout)",
+            file=sys.stderr,
+        )
         return 2
     if result.best is None:
         if not a.json:
-            print("hint: more GPUs, a GPU with more memory (--gpu), or a shorter --seq", file=sys.stderr)
+            print(
+                "hint: more GPUs, a GPU with more memory (--gpu), or a shorter --seq",
+                file=sys.stderr,
+            )
         return 1
     return 0

@@ -1,5 +1,6 @@
 """What `dtrain plan` prints: a search result as text (the choice, its step term by term, why the runners-up
 lost, a given layout against it) and as one JSON object (every term, the trainer overrides)."""
+
 from __future__ import annotations
 
 from .calibration import calibration_inputs
@@ -13,9 +14,13 @@ from .shapes import ModelShape, params_text
 def calibration_notes(report) -> list[str]:
     gpu = [c for c in report.candidates if c.source.on_gpu]
     cpu = [c for c in report.candidates if not c.source.on_gpu]
-    notes = [f"calibration: {len(report.runs)} complete run(s); {len(gpu)} value(s) measured on CUDA used"]
+    notes = [
+        f"calibration: {len(report.runs)} complete run(s); {len(gpu)} value(s) measured on CUDA used"
+    ]
     if cpu:
-        notes.append(f"  {len(cpu)} value(s) measured on CPU ignored: a CPU/gloo run does not describe a GPU cluster")
+        notes.append(
+            f"  {len(cpu)} value(s) measured on CPU ignored: a CPU/gloo run does not describe a GPU cluster"
+        )
     if not gpu:
         notes.append("  no GPU measurements: datasheet/published values are used")
     return notes
@@ -24,9 +29,11 @@ def calibration_notes(report) -> list[str]:
 def describe_cluster(c: Cluster) -> str:
     """The links as the model uses them: the bus bandwidth collectives reach (datasheet rate x link efficiency,
     or allreduce-bench's measurement)."""
-    return (f"{c.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; intra-node {c.nvlink.name} "
-            f"{c.nvlink.beta_Bps / 1e9:.4g} GB/s per direction achieved, inter-node "
-            f"{c.ib.beta_Bps / 1e9:.4g} GB/s per GPU achieved ({c.ib.beta_Bps * 8 / 1e9:.4g} Gbit/s)")
+    return (
+        f"{c.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; intra-node {c.nvlink.name} "
+        f"{c.nvlink.beta_Bps / 1e9:.4g} GB/s per direction achieved, inter-node "
+        f"{c.ib.beta_Bps / 1e9:.4g} GB/s per GPU achieved ({c.ib.beta_Bps * 8 / 1e9:.4g} Gbit/s)"
+    )
 
 
 def describe_power(c: Cluster) -> str | None:
@@ -36,14 +43,18 @@ def describe_power(c: Cluster) -> str | None:
     scale = table.power_scale(c.gpu.power_w) if table else 1.0
     if scale == 1.0:
         return None
-    return (f"{c.gpu.power_w:g} W cap of the {table.power_w:g} W the kernel rates were measured at: tensor-core "
-            f"work x{scale:.3f} the time (the clock's cube root of the power above the {table.idle_w:g} W idle "
-            "draw; kernels.yaml)")
+    return (
+        f"{c.gpu.power_w:g} W cap of the {table.power_w:g} W the kernel rates were measured at: tensor-core "
+        f"work x{scale:.3f} the time (the clock's cube root of the power above the {table.idle_w:g} W idle "
+        "draw; kernels.yaml)"
+    )
 
 
 def describe_model(s: ModelShape) -> str:
-    return (f"{s.name or 'custom'}: {s.n_layer} layers, d_model {s.d_model}, {s.n_head} heads "
-            f"({s.n_kv_head} KV), seq {s.seq_len}, {params_size(s.num_params())} params")
+    return (
+        f"{s.name or 'custom'}: {s.n_layer} layers, d_model {s.d_model}, {s.n_head} heads "
+        f"({s.n_kv_head} KV), seq {s.seq_len}, {params_size(s.num_params())} params"
+    )
 
 
 def params_size(n: int) -> str:
@@ -53,15 +64,18 @@ def params_size(n: int) -> str:
 
 def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
     tokens = res.global_batch * res.model.seq_len
-    out = [f"model:    {describe_model(res.model)}",
-           f"cluster:  {describe_cluster(res.cluster)}",
-           *([f"power:    {power}"] if (power := describe_power(res.cluster)) else []),
-           f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
-           f"{res.precision}",
-           f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
-           "--fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's software moves the cost; "
-           "--software: the layouts it runs)",
-           *notes, ""]
+    out = [
+        f"model:    {describe_model(res.model)}",
+        f"cluster:  {describe_cluster(res.cluster)}",
+        *([f"power:    {power}"] if (power := describe_power(res.cluster)) else []),
+        f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
+        f"{res.precision}",
+        f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
+        "--fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's software moves the cost; "
+        "--software: the layouts it runs)",
+        *notes,
+        "",
+    ]
     if res.best is None:
         return out + [res.reason]
     out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
@@ -77,34 +91,48 @@ def plan_lines(p, usable_gib: float) -> list[str]:
     """The step breakdown, throughput and memory of one plan."""
     t, m = p.time, p.memory
     c = t.terms
-    return [f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
-            f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
-            f"(of {t.dp_comm:.3f}" + (f"; {t.dp_contention:.3f} of it the SMs and HBM the overlapped part takes"
-                                       if t.dp_contention else "") + ")"
-            + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
-            f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + memory-bound "
-            f"{c.memory:.3f} + output layer & loss {c.head:.3f} + recompute {c.recompute:.3f} + optimizer "
-            f"{c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
-            f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), "
-            f"MFU {t.mfu:.1%}",
-            f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params {m.params / GiB:.1f}, "
-            f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
-            f"ZeRO-3 buffers {m.buffers / GiB:.1f}"]
+    return [
+        f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
+        f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
+        f"(of {t.dp_comm:.3f}"
+        + (
+            f"; {t.dp_contention:.3f} of it the SMs and HBM the overlapped part takes"
+            if t.dp_contention
+            else ""
+        )
+        + ")"
+        + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
+        f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + memory-bound "
+        f"{c.memory:.3f} + output layer & loss {c.head:.3f} + recompute {c.recompute:.3f} + optimizer "
+        f"{c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
+        f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), "
+        f"MFU {t.mfu:.1%}",
+        f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params {m.params / GiB:.1f}, "
+        f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
+        f"ZeRO-3 buffers {m.buffers / GiB:.1f}",
+    ]
 
 
-def layout_text(res: SearchResult, gap: float | None, spec: str, usable_gib: float, tight: bool = False) -> list[str]:
+def layout_text(
+    res: SearchResult, gap: float | None, spec: str, usable_gib: float, tight: bool = False
+) -> list[str]:
     head = f'your layout "{spec}"'
     if res.best is None:
         return [f"{head}: {res.reason}"]
     out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib)]
     if tight:
-        out.append("  caution     fits only in the HBM that --headroom keeps free when choosing: it runs by this count, "
-                   "with little margin for allocator fragmentation")
+        out.append(
+            "  caution     fits only in the HBM that --headroom keeps free when choosing: it runs by this count, "
+            "with little margin for allocator fragmentation"
+        )
     if gap is not None:
         sw = res.stack.software
         best = "the unconstrained best" if sw == "any" else f"the best layout {sw} runs"
-        out.append(f"  vs best     {gap:.1f}% slower than {best}" if gap > 0.05
-                   else f"  vs best     this is {best} (within 0.05%)")
+        out.append(
+            f"  vs best     {gap:.1f}% slower than {best}"
+            if gap > 0.05
+            else f"  vs best     this is {best} (within 0.05%)"
+        )
     return out
 
 
@@ -119,17 +147,30 @@ def framework_text(res: SearchResult, free: SearchResult) -> list[str]:
     """One line: what the framework's restriction costs against the unrestricted search (``--software``)."""
     gap, sw = framework_gap(res, free), res.stack.software
     if gap is None:
-        return [] if free.best is None else [f"framework: no layout {sw} runs fits; the best of any framework is "
-                                             f"{free.best.describe()}"]
+        return (
+            []
+            if free.best is None
+            else [
+                f"framework: no layout {sw} runs fits; the best of any framework is "
+                f"{free.best.describe()}"
+            ]
+        )
     if gap <= 0.05:
         return [f"framework: {sw}'s best is the best of any framework (within 0.05%)"]
-    return [f"framework: the best layout of any framework, {free.best.describe()}, is {gap:.1f}% faster than "
-            f"{sw}'s best ({len(res.ranked)} of its layouts fit)"]
+    return [
+        f"framework: the best layout of any framework, {free.best.describe()}, is {gap:.1f}% faster than "
+        f"{sw}'s best ({len(res.ranked)} of its layouts fit)"
+    ]
 
 
 def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = False) -> dict:
-    d = {"spec": spec, "fits": res.best is not None, "tight": tight, "reason": res.reason,
-         "hbm_usable_bytes": res.cluster.gpu.hbm_bytes * (1 - res.headroom)}
+    d = {
+        "spec": spec,
+        "fits": res.best is not None,
+        "tight": tight,
+        "reason": res.reason,
+        "hbm_usable_bytes": res.cluster.gpu.hbm_bytes * (1 - res.headroom),
+    }
     if res.best is not None:
         d.update(plan_dict(res.best), slower_than_best_pct=gap)
     return d
@@ -137,41 +178,97 @@ def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = F
 
 def plan_dict(p) -> dict:
     t, m = p.time, p.memory
-    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage,
-            "recompute": p.recompute, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum,
-            "sequence_parallel": p.sequence_parallel, "describe": p.describe(),
-            "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-                             "activations": m.activations, "buffers": m.buffers, "total": m.total},
-            "pp_schedule": p.pp_schedule, "pp_split": p.pp_split, "cp": p.cp, "cp_impl": p.cp_impl, "hsdp_replicate": p.dp_replicate,
-            "step_time_s": {"total": t.total, "compute": t.compute, "tp_comm": t.tp_comm, "cp_comm": t.cp_comm,
-                            "pp_comm": t.pp_comm,
-                            "bubble": t.bubble, "dp_comm": t.dp_comm, "dp_comm_exposed": t.dp_comm_exposed,
-                            "dp_contention": t.dp_contention, "overhead": t.overhead, "compute_terms": t.terms.as_dict()},
-            "tokens_per_s": t.tokens_per_s, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu}
+    return {
+        "dp": p.dp,
+        "tp": p.tp,
+        "pp": p.pp,
+        "virtual_stages": p.virtual_stages,
+        "zero_stage": p.zero_stage,
+        "recompute": p.recompute,
+        "micro_batch": p.micro_batch,
+        "grad_accum": p.grad_accum,
+        "sequence_parallel": p.sequence_parallel,
+        "describe": p.describe(),
+        "memory_bytes": {
+            "params": m.params,
+            "grads": m.grads,
+            "optimizer": m.optimizer,
+            "activations": m.activations,
+            "buffers": m.buffers,
+            "total": m.total,
+        },
+        "pp_schedule": p.pp_schedule,
+        "pp_split": p.pp_split,
+        "cp": p.cp,
+        "cp_impl": p.cp_impl,
+        "hsdp_replicate": p.dp_replicate,
+        "step_time_s": {
+            "total": t.total,
+            "compute": t.compute,
+            "tp_comm": t.tp_comm,
+            "cp_comm": t.cp_comm,
+            "pp_comm": t.pp_comm,
+            "bubble": t.bubble,
+            "dp_comm": t.dp_comm,
+            "dp_comm_exposed": t.dp_comm_exposed,
+            "dp_contention": t.dp_contention,
+            "overhead": t.overhead,
+            "compute_terms": t.terms.as_dict(),
+        },
+        "tokens_per_s": t.tokens_per_s,
+        "tflops_per_gpu": t.tflops_per_gpu,
+        "mfu": t.mfu,
+    }
 
 
 def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
     s, c = res.model, res.cluster
-    calib = {k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
-             for k in calibration_inputs()}
-    return {"model": {"name": s.name, "layers": s.n_layer, "hidden": s.d_model, "heads": s.n_head,
-                      "kv_heads": s.n_kv_head, "seq": s.seq_len, "vocab": s.vocab, "params": s.num_params()},
-            "cluster": {"gpu": c.gpu.name, "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,
-                        "intra_node_GBps_per_direction": c.nvlink.beta_Bps / 1e9,
-                        "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
-                        "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom), "power_w": c.gpu.power_w,
-                        "power_note": describe_power(c)},
-            "global_batch": res.global_batch, "precision": res.precision, "calibration": calib, "notes": notes,
-            "attention": res.stack.attention, "kernels": res.stack.kernels, "loss": res.stack.loss or res.stack.kernels,
-            "tp_overlap": res.stack.tp_overlap, "async_tp": res.stack.async_tp,
-            "fp8_all_gather": res.stack.fp8_all_gather, "fp8_scaling": res.stack.fp8_casts,
-            "grad_reduce": res.stack.grad_reduce,
-            "optimizer_states": res.stack.optimizer_states, "dp_sync": res.stack.dp_sync,
-            "software": res.stack.software,
-            "fits": res.best is not None, "reason": res.reason,
-            "choice": plan_dict(res.best) if res.best else None,
-            **_overrides_json(res),
-            "explanation": explain(res, top)}
+    calib = {
+        k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
+        for k in calibration_inputs()
+    }
+    return {
+        "model": {
+            "name": s.name,
+            "layers": s.n_layer,
+            "hidden": s.d_model,
+            "heads": s.n_head,
+            "kv_heads": s.n_kv_head,
+            "seq": s.seq_len,
+            "vocab": s.vocab,
+            "params": s.num_params(),
+        },
+        "cluster": {
+            "gpu": c.gpu.name,
+            "gpus": c.gpus,
+            "gpus_per_node": c.gpus_per_node,
+            "intra_node_GBps_per_direction": c.nvlink.beta_Bps / 1e9,
+            "inter_node_Gbps_per_gpu": c.ib.beta_Bps * 8 / 1e9,
+            "hbm_usable_bytes": c.gpu.hbm_bytes * (1 - res.headroom),
+            "power_w": c.gpu.power_w,
+            "power_note": describe_power(c),
+        },
+        "global_batch": res.global_batch,
+        "precision": res.precision,
+        "calibration": calib,
+        "notes": notes,
+        "attention": res.stack.attention,
+        "kernels": res.stack.kernels,
+        "loss": res.stack.loss or res.stack.kernels,
+        "tp_overlap": res.stack.tp_overlap,
+        "async_tp": res.stack.async_tp,
+        "fp8_all_gather": res.stack.fp8_all_gather,
+        "fp8_scaling": res.stack.fp8_casts,
+        "grad_reduce": res.stack.grad_reduce,
+        "optimizer_states": res.stack.optimizer_states,
+        "dp_sync": res.stack.dp_sync,
+        "software": res.stack.software,
+        "fits": res.best is not None,
+        "reason": res.reason,
+        "choice": plan_dict(res.best) if res.best else None,
+        **_overrides_json(res),
+        "explanation": explain(res, top),
+    }
 
 
 def _overrides_json(res: SearchResult) -> dict:

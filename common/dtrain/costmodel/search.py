@@ -42,8 +42,21 @@ VIRTUAL_STAGES = (1, 2, 4, 8)
 # A pruned search skips a layout whose compute alone is this many times the best step: it can be
 # neither the best nor one of the runners-up ``explain`` names.
 PRUNE_BOUND = 1.5
-LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero_stage", "recompute", "micro_batch",
-                 "sequence_parallel", "pp_schedule", "cp", "cp_impl", "dp_replicate", "pp_split")
+LAYOUT_FIELDS = (
+    "dp",
+    "tp",
+    "pp",
+    "virtual_stages",
+    "zero_stage",
+    "recompute",
+    "micro_batch",
+    "sequence_parallel",
+    "pp_schedule",
+    "cp",
+    "cp_impl",
+    "dp_replicate",
+    "pp_split",
+)
 # The shortest sequence chunk a context-parallel rank computes on (half its share: the load-balanced
 # split gives it two): fused attention reaches about half its long-sequence rate at ~1K tokens
 # (kernels.yaml's s_half) and ~60% at 2K, so the search does not split sequences finer (at 4K
@@ -86,8 +99,10 @@ def describe_layout(lay: Layout) -> str:
     sp = " sp" if lay.sequence_parallel else ""
     hsdp = f" hsdp={lay.hsdp_replicate}" if lay.hsdp_replicate > 1 else ""
     split = f" split={lay.pp_split}" if lay.pp_split != "layers" else ""
-    return (f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched}{split} zero={lay.zero_stage}{hsdp} "
-            f"recompute={lay.recompute} mb={lay.micro_batch} ga={lay.grad_accum}{sp}")
+    return (
+        f"dp={lay.dp}{cp} tp={lay.tp} pp={lay.pp}{v}{sched}{split} zero={lay.zero_stage}{hsdp} "
+        f"recompute={lay.recompute} mb={lay.micro_batch} ga={lay.grad_accum}{sp}"
+    )
 
 
 def _pow2_up_to(limit: int) -> list[int]:
@@ -102,25 +117,67 @@ def context_parallel_degrees(model: ModelShape, limit: int) -> list[int]:
     """cp degrees a sequence can be split over: powers of two with 2·cp chunks of at least
     MIN_CP_CHUNK tokens (the ring's load-balanced causal split gives each rank chunks r and
     2cp−1−r)."""
-    return [1] + [c for c in _pow2_up_to(limit)[1:]
-                  if not parallel_refusal(model, 1, c) and model.seq_len // (2 * c) >= MIN_CP_CHUNK]
+    return [1] + [
+        c
+        for c in _pow2_up_to(limit)[1:]
+        if not parallel_refusal(model, 1, c) and model.seq_len // (2 * c) >= MIN_CP_CHUNK
+    ]
 
 
-def _layouts(model: ModelShape, cluster: Cluster, global_batch: int, micro_batches, recompute,
-             prune=False, fixed: dict | None = None, context_parallel: bool = True,
-             runs: Software = SOFTWARE["any"]) -> tuple:
+def _layouts(
+    model: ModelShape,
+    cluster: Cluster,
+    global_batch: int,
+    micro_batches,
+    recompute,
+    prune=False,
+    fixed: dict | None = None,
+    context_parallel: bool = True,
+    runs: Software = SOFTWARE["any"],
+) -> tuple:
     """``_enumerate``'s layouts, kept per what they depend on (the GPU count and node size, not the
     links: the decision matrix searches each (model, GPUs) for eight link settings)."""
-    return _enumerated(model, cluster.gpus, cluster.node_size, global_batch, tuple(micro_batches),
-                       tuple(recompute), prune, tuple(sorted((fixed or {}).items())),
-                       context_parallel, runs)
+    return _enumerated(
+        model,
+        cluster.gpus,
+        cluster.node_size,
+        global_batch,
+        tuple(micro_batches),
+        tuple(recompute),
+        prune,
+        tuple(sorted((fixed or {}).items())),
+        context_parallel,
+        runs,
+    )
 
 
 @lru_cache(maxsize=64)
-def _enumerated(model, gpus, node_size, global_batch, micro_batches, recompute, prune, fixed,
-                context_parallel, runs):
-    return tuple(_enumerate(model, gpus, node_size, global_batch, micro_batches, recompute, prune,
-                            dict(fixed), context_parallel, runs))
+def _enumerated(
+    model,
+    gpus,
+    node_size,
+    global_batch,
+    micro_batches,
+    recompute,
+    prune,
+    fixed,
+    context_parallel,
+    runs,
+):
+    return tuple(
+        _enumerate(
+            model,
+            gpus,
+            node_size,
+            global_batch,
+            micro_batches,
+            recompute,
+            prune,
+            dict(fixed),
+            context_parallel,
+            runs,
+        )
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,8 +200,9 @@ class Space:
     replicas: int
     memo: dict = field(default_factory=dict)
 
-    def refusal(self, tp: int = 1, cp: int = 1, cp_impl: str = "ring",
-                sp: bool = False) -> str | None:
+    def refusal(
+        self, tp: int = 1, cp: int = 1, cp_impl: str = "ring", sp: bool = False
+    ) -> str | None:
         key = (tp, cp, cp_impl, sp)
         if key not in self.memo:  # the module's parallel_refusal, looked up now (tests patch it)
             self.memo[key] = parallel_refusal(self.model, tp, cp, cp_impl, sp)
@@ -233,7 +291,8 @@ def _pp_split(s: Space, c: dict):
 def _batch_rejection(s: Space, c: dict) -> tuple[Layout, str]:
     dp, mb = c["dp"], c["micro_batch"]
     return Layout(dp_shard=dp, tp=c["tp"], pp=c["pp"], micro_batch=mb), (
-        f"global batch {s.global_batch} is not a multiple of dp·micro_batch = {dp * mb}")
+        f"global batch {s.global_batch} is not a multiple of dp·micro_batch = {dp * mb}"
+    )
 
 
 def _interleaving_fits(s: Space, c: dict) -> bool:
@@ -245,8 +304,10 @@ def _interleaving_fits(s: Space, c: dict) -> bool:
 def _interleaving_runs(s: Space, c: dict) -> bool:
     """The software splits the layers into pp·v chunks (and micro-batches in groups of pp)."""
     v, pp = c["virtual_stages"], c["pp"]
-    return v == 1 or (s.runs.splits(s.model.n_layer, pp, v)
-                      and (c["grad_accum"] % pp == 0 or not s.runs.interleaved_groups))
+    return v == 1 or (
+        s.runs.splits(s.model.n_layer, pp, v)
+        and (c["grad_accum"] % pp == 0 or not s.runs.interleaved_groups)
+    )
 
 
 # The layouts searched, outermost first: their order is the order the layouts are tried in (ties in
@@ -278,29 +339,53 @@ AXES = (
 # (``software.py``) and the batch's.
 FILTERS = (
     Filter("tp divides the GPUs", "tp", lambda s, c: s.n % c["tp"] == 0),
-    Filter("the software shards whole KV heads over tp", "tp",
-           lambda s, c: not (s.runs.kv_shards and s.model.n_kv_head % c["tp"])),
-    Filter("the trainer splits the heads and the MLP over tp", "tp",
-           lambda s, c: not s.refusal(c["tp"])),
+    Filter(
+        "the software shards whole KV heads over tp",
+        "tp",
+        lambda s, c: not (s.runs.kv_shards and s.model.n_kv_head % c["tp"]),
+    ),
+    Filter(
+        "the trainer splits the heads and the MLP over tp",
+        "tp",
+        lambda s, c: not s.refusal(c["tp"]),
+    ),
     Filter("cp divides the GPUs tp leaves", "cp", lambda s, c: (s.n // c["tp"]) % c["cp"] == 0),
-    Filter("the trainer splits the sequence into 2·cp chunks", "cp",
-           lambda s, c: not s.refusal(1, c["cp"])),
-    Filter("the software runs cp with pp", "pp",
-           lambda s, c: s.runs.cp_with_pp or c["cp"] == 1 or c["pp"] == 1),
-    Filter("the software splits the layers over pp", "pp",
-           lambda s, c: s.runs.splits(s.model.n_layer, c["pp"])),
+    Filter(
+        "the trainer splits the sequence into 2·cp chunks",
+        "cp",
+        lambda s, c: not s.refusal(1, c["cp"]),
+    ),
+    Filter(
+        "the software runs cp with pp",
+        "pp",
+        lambda s, c: s.runs.cp_with_pp or c["cp"] == 1 or c["pp"] == 1,
+    ),
+    Filter(
+        "the software splits the layers over pp",
+        "pp",
+        lambda s, c: s.runs.splits(s.model.n_layer, c["pp"]),
+    ),
     Filter("HSDP's replica groups divide dp", "dp", lambda s, c: c["dp"] % s.replicas == 0),
-    Filter("dp·micro_batch divides the global batch", "micro_batch",
-           lambda s, c: s.global_batch % (c["dp"] * c["micro_batch"]) == 0, _batch_rejection),
+    Filter(
+        "dp·micro_batch divides the global batch",
+        "micro_batch",
+        lambda s, c: s.global_batch % (c["dp"] * c["micro_batch"]) == 0,
+        _batch_rejection,
+    ),
     Filter("interleaving fits the layers and micro-batches", "virtual_stages", _interleaving_fits),
     Filter("the software interleaves these stages", "virtual_stages", _interleaving_runs),
     # all-to-all swaps sequence shards for head shards: tp's heads must split over cp
-    Filter("Ulysses splits tp's heads over cp", "cp_impl",
-           lambda s, c: c["cp_impl"] != "ulysses" or not s.refusal(c["tp"], c["cp"], "ulysses")),
-    Filter("HSDP shards the states (ZeRO >= 2)", "zero_stage",
-           lambda s, c: s.replicas == 1 or c["zero_stage"] >= 2),
+    Filter(
+        "Ulysses splits tp's heads over cp",
+        "cp_impl",
+        lambda s, c: c["cp_impl"] != "ulysses" or not s.refusal(c["tp"], c["cp"], "ulysses"),
+    ),
+    Filter(
+        "HSDP shards the states (ZeRO >= 2)",
+        "zero_stage",
+        lambda s, c: s.replicas == 1 or c["zero_stage"] >= 2,
+    ),
 )
-
 
 
 def _checks_per_axis(axes: tuple[Axis, ...], filters: tuple[Filter, ...]) -> tuple:
@@ -330,16 +415,36 @@ def _verdict(space: Space, chosen: dict, depth: int, value, pinned):
 
 def _layout(c: dict) -> Layout:
     """The layout of one full choice of every axis."""
-    return Layout(dp_replicate=c["dp_replicate"], dp_shard=c["dp"] // c["dp_replicate"], cp=c["cp"],
-                  tp=c["tp"], pp=c["pp"], zero_stage=c["zero_stage"], recompute=c["recompute"],
-                  micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],
-                  sequence_parallel=c["sequence_parallel"], pp_schedule=c["pp_schedule"],
-                  pp_virtual=c["virtual_stages"], cp_impl=c["cp_impl"], pp_split=c["pp_split"])
+    return Layout(
+        dp_replicate=c["dp_replicate"],
+        dp_shard=c["dp"] // c["dp_replicate"],
+        cp=c["cp"],
+        tp=c["tp"],
+        pp=c["pp"],
+        zero_stage=c["zero_stage"],
+        recompute=c["recompute"],
+        micro_batch=c["micro_batch"],
+        grad_accum=c["grad_accum"],
+        sequence_parallel=c["sequence_parallel"],
+        pp_schedule=c["pp_schedule"],
+        pp_virtual=c["virtual_stages"],
+        cp_impl=c["cp_impl"],
+        pp_split=c["pp_split"],
+    )
 
 
-def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, micro_batches,
-               recompute, prune=False, fixed: dict | None = None, context_parallel: bool = True,
-               runs: Software = SOFTWARE["any"]):
+def _enumerate(
+    model: ModelShape,
+    n: int,
+    node_size: int,
+    global_batch: int,
+    micro_batches,
+    recompute,
+    prune=False,
+    fixed: dict | None = None,
+    context_parallel: bool = True,
+    runs: Software = SOFTWARE["any"],
+):
     """Yield (layout, None) for candidates and (layout, reason) for batch-shape rejections: the
     product of ``AXES`` that passes ``FILTERS``, depth first (each filter right after its axis).
     ``prune`` leaves out ZeRO-0 when dp > 1 and SP off when tp > 1 where ``runs`` has ZeRO >= 1 / SP
@@ -347,9 +452,19 @@ def _enumerate(model: ModelShape, n: int, node_size: int, global_batch: int, mic
     layouts with those values; ``runs``: only the ZeRO stages, CP implementations, SP settings and
     interleaving that software runs."""
     fixed = fixed or {}
-    space = Space(model, n, node_size, global_batch, tuple(micro_batches), tuple(recompute), prune,
-                  fixed, context_parallel and bool(runs.cp_impls), runs,
-                  fixed.get("dp_replicate", 1))  # HSDP is scored when asked for, never searched
+    space = Space(
+        model,
+        n,
+        node_size,
+        global_batch,
+        tuple(micro_batches),
+        tuple(recompute),
+        prune,
+        fixed,
+        context_parallel and bool(runs.cp_impls),
+        runs,
+        fixed.get("dp_replicate", 1),
+    )  # HSDP is scored when asked for, never searched
     pinned = tuple(fixed.get(name, _FREE) for name in _AXIS_NAMES)
     others = {k: v for k, v in fixed.items() if k not in _AXIS_NAMES}  # pinned but not an axis
     inner, chosen = len(AXES) - 1, {}
@@ -394,8 +509,20 @@ def layout_fields(lay: Layout) -> dict:
 
 def _design(lay: Layout) -> tuple:
     """A layout but for its ZeRO stage."""
-    return (lay.dp, lay.cp, lay.cp_impl, lay.tp, lay.pp, lay.micro_batch, lay.virtual_stages,
-            lay.pp_schedule, lay.recompute, lay.sequence_parallel, lay.dp_replicate, lay.pp_split)
+    return (
+        lay.dp,
+        lay.cp,
+        lay.cp_impl,
+        lay.tp,
+        lay.pp,
+        lay.micro_batch,
+        lay.virtual_stages,
+        lay.pp_schedule,
+        lay.recompute,
+        lay.sequence_parallel,
+        lay.dp_replicate,
+        lay.pp_split,
+    )
 
 
 def _schedules(pp: int, v: int, fixed: dict) -> tuple[str, ...]:
@@ -412,11 +539,20 @@ def _schedules(pp: int, v: int, fixed: dict) -> tuple[str, ...]:
     return ("1f1b",)
 
 
-def search(model: ModelShape, cluster: Cluster, global_batch: int,
-           calib: Calibration | None = None, *, precision: str = "bf16", headroom: float = 0.1,
-           stack: Stack = Stack(), micro_batches: tuple[int, ...] = MICRO_BATCHES,
-           prune: bool = False, fixed: dict | None = None,
-           keep_within: float = PRUNE_BOUND) -> SearchResult:
+def search(
+    model: ModelShape,
+    cluster: Cluster,
+    global_batch: int,
+    calib: Calibration | None = None,
+    *,
+    precision: str = "bf16",
+    headroom: float = 0.1,
+    stack: Stack = Stack(),
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    prune: bool = False,
+    fixed: dict | None = None,
+    keep_within: float = PRUNE_BOUND,
+) -> SearchResult:
     """Rank every fitting layout by predicted tokens/s; ``global_batch`` is in sequences.
 
     ``prune`` skips layouts that cannot be the best (same ``best``, ~10x faster; the decision
@@ -442,8 +578,9 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int,
     smallest: tuple[float, Layout] | None = None
     flash_attention = stack.flash
     runs = stack.runs
-    levels = tuple(r for r in RECOMPUTE
-                   if r in runs.recompute and not (flash_attention and r == "selective"))
+    levels = tuple(
+        r for r in RECOMPUTE if r in runs.recompute and not (flash_attention and r == "selective")
+    )
     if fixed and "recompute" in fixed:
         levels = (fixed["recompute"],)
     if fixed and "micro_batch" in fixed:
@@ -452,19 +589,26 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int,
     step_time(model, Layout(), cluster, calib, precision, stack=stack)  # precision vs the GPU
     # The least model-state bytes any layout keeps: ZeRO-3 (FSDP) sharding every state over every
     # GPU (16/N per parameter with fp32 states); a layout's busiest GPU holds at least that share.
-    floor = sum(model_state_bytes(model.num_params(), 3, cluster.gpus, stack.grad_bytes,
-                                  stack.optimizer_states))
+    floor = sum(
+        model_state_bytes(
+            model.num_params(), 3, cluster.gpus, stack.grad_bytes, stack.optimizer_states
+        )
+    )
     if prune and floor > usable:  # nothing fits: skip timing thousands (the matrix's small cells)
-        reason = (f"does not fit: even sharded over all {cluster.gpus} GPUs (ZeRO-3) the weights, "
-                  f"gradients and Adam states need {floor / GiB:.1f} GiB per GPU > "
-                  f"{usable / GiB:.1f} GiB usable on {cluster.gpus}x {cluster.gpu.name}")
-        return SearchResult(None, [], [], reason, model, cluster, global_batch, calib, precision,
-                            headroom, stack)
+        reason = (
+            f"does not fit: even sharded over all {cluster.gpus} GPUs (ZeRO-3) the weights, "
+            f"gradients and Adam states need {floor / GiB:.1f} GiB per GPU > "
+            f"{usable / GiB:.1f} GiB usable on {cluster.gpus}x {cluster.gpu.name}"
+        )
+        return SearchResult(
+            None, [], [], reason, model, cluster, global_batch, calib, precision, headroom, stack
+        )
     steps = step_model(model, cluster, calib, precision, 2, stack)
     candidates = []
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO stage: once per design
-    for lay, why in _layouts(model, cluster, global_batch, micro_batches, levels, prune, fixed,
-                             flash_attention, runs):
+    for lay, why in _layouts(
+        model, cluster, global_batch, micro_batches, levels, prune, fixed, flash_attention, runs
+    ):
         if why:
             rejected.append((lay, why))
         elif prune:  # ordered by a lower bound of their step below
@@ -500,21 +644,38 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int,
     if ranked:
         reason = f"best of {len(ranked)} fitting plans ({len(rejected)} rejected)"
     elif smallest is not None:
-        reason = (f"does not fit: even the smallest plan ({describe_layout(smallest[1])}) needs "
-                  f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
-                  f"{cluster.gpus}x {cluster.gpu.name}")
+        reason = (
+            f"does not fit: even the smallest plan ({describe_layout(smallest[1])}) needs "
+            f"{smallest[0] / GiB:.1f} GiB per GPU > {usable / GiB:.1f} GiB usable on "
+            f"{cluster.gpus}x {cluster.gpu.name}"
+        )
     elif fixed:
         groups = f" (a multiple of pp under {runs.name})" if runs.interleaved_groups else ""
-        reason = (f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·cp·tp·pp must equal the "
-                  f"GPUs (a cp left out is searched over powers of two that leave 2·cp chunks of "
-                  f">= {MIN_CP_CHUNK} tokens), tp divide the {model.n_head} heads, v ≤ "
-                  f"ceil(layers/pp) with at least pp micro-batches{groups}, and dp·mb divide the "
-                  f"global batch {global_batch}")
+        reason = (
+            f"no layout of {cluster.gpus} GPUs matches {fixed}: dp·cp·tp·pp must equal the "
+            f"GPUs (a cp left out is searched over powers of two that leave 2·cp chunks of "
+            f">= {MIN_CP_CHUNK} tokens), tp divide the {model.n_head} heads, v ≤ "
+            f"ceil(layers/pp) with at least pp micro-batches{groups}, and dp·mb divide the "
+            f"global batch {global_batch}"
+        )
     else:
-        reason = (f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
-                  f"(micro-batches {micro_batches})")
-    return SearchResult(ranked[0] if ranked else None, ranked, rejected, reason, model, cluster,
-                        global_batch, calib, precision, headroom, stack)
+        reason = (
+            f"no layout of {cluster.gpus} GPUs divides global batch {global_batch} "
+            f"(micro-batches {micro_batches})"
+        )
+    return SearchResult(
+        ranked[0] if ranked else None,
+        ranked,
+        rejected,
+        reason,
+        model,
+        cluster,
+        global_batch,
+        calib,
+        precision,
+        headroom,
+        stack,
+    )
 
 
 @dataclass(frozen=True)
@@ -528,8 +689,10 @@ class NoFit:
     headroom: float
 
     def __str__(self) -> str:
-        return (f"does not fit: needs {self.need / GiB:.1f} GiB > {self.usable / GiB:.1f} GiB "
-                f"usable ({self.hbm_gib:g} GiB HBM, {self.headroom:.0%} headroom)")
+        return (
+            f"does not fit: needs {self.need / GiB:.1f} GiB > {self.usable / GiB:.1f} GiB "
+            f"usable ({self.hbm_gib:g} GiB HBM, {self.headroom:.0%} headroom)"
+        )
 
     def startswith(self, prefix: str) -> bool:
         return str(self).startswith(prefix)

@@ -49,7 +49,7 @@ class ModelShape:
     tied_embeddings: bool = False
     name: str = ""
     dropout: bool = False
-    rotary: bool = True         # RoPE on q and k (GPT-3-style models add learned positions to the input)
+    rotary: bool = True  # RoPE on q and k (GPT-3-style models add learned positions to the input)
 
     def __post_init__(self) -> None:
         sizes = ("n_layer", "d_model", "n_head", "n_kv_head", "vocab", "seq_len")
@@ -57,11 +57,15 @@ class ModelShape:
             bad = next(k for k in sizes if getattr(self, k) < 1)
             raise ValueError(f"{bad}={getattr(self, bad)} must be a positive integer")
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head} "
-                             "(the head dim must be a whole number)")
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_head={self.n_head} "
+                "(the head dim must be a whole number)"
+            )
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} "
-                             "(each k/v head serves a whole group of query heads)")
+            raise ValueError(
+                f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} "
+                "(each k/v head serves a whole group of query heads)"
+            )
 
     @property
     def ffn_hidden(self) -> int:
@@ -71,9 +75,16 @@ class ModelShape:
     def param_count(self) -> ParamCount:
         """dtrain.model.args.transformer_params of this shape: RMSNorm, no biases, no learned
         positions (a non-rotary model's are too few to count). Cached: the search asks per layout."""
-        return transformer_params(self.n_layer, self.d_model, self.n_head, self.n_kv_head,
-                                  self.ffn_hidden, self.vocab, gated_mlp=self.gated_mlp,
-                                  tied_embeddings=self.tied_embeddings)
+        return transformer_params(
+            self.n_layer,
+            self.d_model,
+            self.n_head,
+            self.n_kv_head,
+            self.ffn_hidden,
+            self.vocab,
+            gated_mlp=self.gated_mlp,
+            tied_embeddings=self.tied_embeddings,
+        )
 
     def params_per_layer(self) -> int:
         """Attention q,k,v,o + MLP (2 matrices, 3 if gated) + 2 norms; no biases.
@@ -86,7 +97,10 @@ class ModelShape:
         """One layer's parameters on one of ``tp`` ranks: everything split tp ways except K and V, of which each
         rank keeps whole heads (replicated when tp > n_kv_head, as Megatron and dtrain do)."""
         hd = self.d_model // self.n_head
-        kv, kv_local = 2 * self.d_model * self.n_kv_head * hd, 2 * self.d_model * hd * max(self.n_kv_head // tp, 1)
+        kv, kv_local = (
+            2 * self.d_model * self.n_kv_head * hd,
+            2 * self.d_model * hd * max(self.n_kv_head // tp, 1),
+        )
         return (self.params_per_layer() - kv) / tp + kv_local
 
     def embedding_params(self) -> int:
@@ -126,8 +140,16 @@ class ModelShape:
         # the MLP width a real config would pick: a multiple of 256 (Llama's multiple_of), so
         # that every tp the heads allow also splits the MLP (the trainer and Megatron refuse less)
         ffn = max(256, 256 * round(style.ffn_mult * d_model / 256))
-        probe = replace(style, n_layer=1, d_model=d_model, n_head=n_head, n_kv_head=n_kv,
-                        ffn_mult=ffn / d_model, seq_len=seq_len, name="")
+        probe = replace(
+            style,
+            n_layer=1,
+            d_model=d_model,
+            n_head=n_head,
+            n_kv_head=n_kv,
+            ffn_mult=ffn / d_model,
+            seq_len=seq_len,
+            name="",
+        )
         rest = params - probe.embedding_params() - probe.d_model
         n_layer = max(1, round(rest / probe.params_per_layer()))
         return replace(probe, n_layer=n_layer, name=f"~{params_text(params)} (interpolated)")
@@ -158,7 +180,15 @@ class ModelShape:
 # Sources: Touvron et al. 2023 (Llama 2), Rozière et al. 2023 (Code Llama), Brown et al. 2020
 # (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of Models" (Table 3), Meta's Llama 3.2
 # model card; ffn sizes as in the released config.json files.
-_GPT3 = dict(vocab=50257, seq_len=2048, ffn_mult=4.0, gated_mlp=False, tied_embeddings=True, dropout=True, rotary=False)
+_GPT3 = dict(
+    vocab=50257,
+    seq_len=2048,
+    ffn_mult=4.0,
+    gated_mlp=False,
+    tied_embeddings=True,
+    dropout=True,
+    rotary=False,
+)
 KNOWN_SHAPES = {  # nominal size -> shape
     125e6: ModelShape(12, 768, 12, 12, name="GPT-3-Small", **_GPT3),
     350e6: ModelShape(24, 1024, 16, 16, name="GPT-3-Medium", **_GPT3),
@@ -169,7 +199,9 @@ KNOWN_SHAPES = {  # nominal size -> shape
     34e9: ModelShape(48, 8192, 64, 8, 32000, 4096, 22016 / 8192, True, False, "CodeLlama-34B"),
     70e9: ModelShape(80, 8192, 64, 8, 32000, 4096, 28672 / 8192, True, False, "Llama-2-70B"),
     175e9: ModelShape(96, 12288, 96, 96, name="GPT-3-175B", **_GPT3),
-    405e9: ModelShape(126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"),
+    405e9: ModelShape(
+        126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"
+    ),
 }
 
 
@@ -221,17 +253,32 @@ class _TrainerModel:
 
 
 # The trainer's config names as ``dtrain plan`` spells them ("model.n_head" before "n_head").
-_PLAN_NAMES = (("train.sequence_parallel=true", "sp=on"), ("train.sequence_parallel", "sp=on"),
-               ("model.seq_len=", "--seq "), ("model.seq_len", "--seq"),
-               ("pick seq_len", "pick --seq"), ("model.n_head", "--heads"),
-               ("n_kv_head=", "--kv-heads "), ("n_kv_head", "--kv-heads"), ("n_head=", "--heads "),
-               ("train.cp_impl=", "cp_impl="), ("train.tp=", "tp="), ("train.tp", "tp"),
-               ("train.cp=", "cp="), ("train.cp", "cp"))
+_PLAN_NAMES = (
+    ("train.sequence_parallel=true", "sp=on"),
+    ("train.sequence_parallel", "sp=on"),
+    ("model.seq_len=", "--seq "),
+    ("model.seq_len", "--seq"),
+    ("pick seq_len", "pick --seq"),
+    ("model.n_head", "--heads"),
+    ("n_kv_head=", "--kv-heads "),
+    ("n_kv_head", "--kv-heads"),
+    ("n_head=", "--heads "),
+    ("train.cp_impl=", "cp_impl="),
+    ("train.tp=", "tp="),
+    ("train.tp", "tp"),
+    ("train.cp=", "cp="),
+    ("train.cp", "cp"),
+)
 
 
 @lru_cache(maxsize=4096)
-def parallel_refusal(shape: ModelShape, tp: int = 1, cp: int = 1, cp_impl: str = "ring",
-                     sequence_parallel: bool = False) -> str | None:
+def parallel_refusal(
+    shape: ModelShape,
+    tp: int = 1,
+    cp: int = 1,
+    cp_impl: str = "ring",
+    sequence_parallel: bool = False,
+) -> str | None:
     """Why the trainer refuses to split ``shape`` over ``tp`` and ``cp`` (None when it does not),
     in the plan's words. The rules are the trainer's own (``dtrain.parallel.feasibility``: heads, k/v
     heads and the MLP width over tp; the sequence over 2·cp zigzag chunks, and over tp with

@@ -6,6 +6,7 @@ parallelism nor selective recompute, and DeepSpeed's pipeline engine refuses ZeR
 layout" then means the best one the user's framework runs (``dtrain plan --software``), and the published layout
 of a run is compared with the best its own software could have run (``dtrain backtest``). Each entry names the
 code it was read from."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,40 +60,102 @@ class Software:
         return not even or n_layer % (pp * v) == 0
 
 
-SOFTWARE = {s.name: s for s in (
-    # "any" searches this project's own CP implementations; PyTorch's (CUDA only) when pinned
-    Software("any", (0, 1, 2, 3), (0, 1, 2, 3), OWN_CP_IMPLS, (False, True), ("none", "op", "selective", "full"),
-             True, "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)",
-             hsdp=True, cp_pinned=("torch",)),
-    Software("megatron-core", (0, 1), (0, 1), ("ring", "ulysses"), (False, True), ("none", "selective", "full"), True,
-             "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
-             "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
-             "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses); its arguments.py asserts "
-             "num_layers % pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages only "
-             "without interleaving, through --decoder-first/last-pipeline-num-layers); its interleaved schedule runs "
-             "the micro-batches in groups of the pipeline size (pipeline_parallel/schedules.py)",
-             even_split="interleaved", interleaved_groups=True, kv_shards=True),
-    Software("megatron-2021", (0,), (0,), (), (False,), ("none", "full"), True,
-             "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
-             "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
-             "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
-             "recompute and the distributed optimizer came in 2022; its schedules.py asserts the micro-batches divisible by "
-             "the pipeline size when interleaved", even_split="always", interleaved_groups=True, kv_shards=True),
-    Software("megatron-deepspeed", (0, 1, 2, 3), (0, 1), (), (False,), ("none", "full"), False,
-             "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
-             "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing",
-             kv_shards=True),
-    Software("torchtitan", (0, 2, 3), (0, 3), ("torch",), (True,), ("none", "op", "full"), True,
-             "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
-             "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
-             "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
-             "context_parallel, HSDP (data_parallel_replicate_degree)", hsdp=True, zero2_regathers=True, kv_shards=True),
-    Software("dtrain", (0, 2, 3), (0, 3), CP_IMPLS, (False, True), ("none", "op", "full"), True,
-             "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
-             "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
-             "cp_impl ring|ulysses|torch, interleaved 1F1B, hsdp; it refuses cp together with pp", cp_with_pp=False,
-             hsdp=True, zero2_regathers=True),
-)}
+SOFTWARE = {
+    s.name: s
+    for s in (
+        # "any" searches this project's own CP implementations; PyTorch's (CUDA only) when pinned
+        Software(
+            "any",
+            (0, 1, 2, 3),
+            (0, 1, 2, 3),
+            OWN_CP_IMPLS,
+            (False, True),
+            ("none", "op", "selective", "full"),
+            True,
+            "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)",
+            hsdp=True,
+            cp_pinned=("torch",),
+        ),
+        Software(
+            "megatron-core",
+            (0, 1),
+            (0, 1),
+            ("ring", "ulysses"),
+            (False, True),
+            ("none", "selective", "full"),
+            True,
+            "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
+            "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
+            "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses); its arguments.py asserts "
+            "num_layers % pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages only "
+            "without interleaving, through --decoder-first/last-pipeline-num-layers); its interleaved schedule runs "
+            "the micro-batches in groups of the pipeline size (pipeline_parallel/schedules.py)",
+            even_split="interleaved",
+            interleaved_groups=True,
+            kv_shards=True,
+        ),
+        Software(
+            "megatron-2021",
+            (0,),
+            (0,),
+            (),
+            (False,),
+            ("none", "full"),
+            True,
+            "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
+            "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
+            "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
+            "recompute and the distributed optimizer came in 2022; its schedules.py asserts the micro-batches divisible by "
+            "the pipeline size when interleaved",
+            even_split="always",
+            interleaved_groups=True,
+            kv_shards=True,
+        ),
+        Software(
+            "megatron-deepspeed",
+            (0, 1, 2, 3),
+            (0, 1),
+            (),
+            (False,),
+            ("none", "full"),
+            False,
+            "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
+            "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing",
+            kv_shards=True,
+        ),
+        Software(
+            "torchtitan",
+            (0, 2, 3),
+            (0, 3),
+            ("torch",),
+            (True,),
+            ("none", "op", "full"),
+            True,
+            "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
+            "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
+            "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
+            "context_parallel, HSDP (data_parallel_replicate_degree)",
+            hsdp=True,
+            zero2_regathers=True,
+            kv_shards=True,
+        ),
+        Software(
+            "dtrain",
+            (0, 2, 3),
+            (0, 3),
+            CP_IMPLS,
+            (False, True),
+            ("none", "op", "full"),
+            True,
+            "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
+            "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
+            "cp_impl ring|ulysses|torch, interleaved 1F1B, hsdp; it refuses cp together with pp",
+            cp_with_pp=False,
+            hsdp=True,
+            zero2_regathers=True,
+        ),
+    )
+}
 
 
 def software(name: str) -> Software:
@@ -100,7 +163,9 @@ def software(name: str) -> Software:
     return SOFTWARE[name]
 
 
-def unsupported(sw: Software, fields: dict, n_layer: int | None = None, kv_heads: int | None = None) -> str | None:
+def unsupported(
+    sw: Software, fields: dict, n_layer: int | None = None, kv_heads: int | None = None
+) -> str | None:
     """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones ``dtrain plan
     --layout`` pins) for a model of ``n_layer`` layers and ``kv_heads`` KV heads, naming the first field it lacks;
     None when it runs them ("any" runs every layout)."""
@@ -116,8 +181,11 @@ def unsupported(sw: Software, fields: dict, n_layer: int | None = None, kv_heads
     impl = fields.get("cp_impl")
     if impl is not None and fields.get("cp", 2) > 1 and impl not in sw.cp_impls + sw.cp_pinned:
         return f"cp_impl={impl} (it runs cp_impl={', '.join(sw.cp_impls)})"
-    if fields.get("tp", 2) > 1 and fields.get("sequence_parallel") is not None \
-            and fields["sequence_parallel"] not in sw.sp:
+    if (
+        fields.get("tp", 2) > 1
+        and fields.get("sequence_parallel") is not None
+        and fields["sequence_parallel"] not in sw.sp
+    ):
         return f"sp={'on' if fields['sequence_parallel'] else 'off'} with tp > 1"
     if fields.get("recompute") is not None and fields["recompute"] not in sw.recompute:
         return f"recompute={fields['recompute']} (it runs {', '.join(sw.recompute)})"
@@ -131,6 +199,8 @@ def unsupported(sw: Software, fields: dict, n_layer: int | None = None, kv_heads
     v = fields.get("virtual_stages", 1)
     if pp and n_layer and not sw.splits(n_layer, pp, v):
         how = "its interleaved schedule splits" if sw.even_split == "interleaved" else "it splits"
-        return (f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers ({how} the layers into whole, "
-                f"equal chunks: pp·v must divide them)")
+        return (
+            f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers ({how} the layers into whole, "
+            f"equal chunks: pp·v must divide them)"
+        )
     return None

@@ -1,6 +1,7 @@
 """The software a layout runs on, as far as it moves the cost (``Stack``): the attention kernel, fused or eager
 kernels and loss, how TP traffic overlaps, which all-gathers an FP8 run moves in FP8, and the dtypes of the
 gradients and the optimizer states. A published run states it; ``dtrain plan`` takes it as flags."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +14,10 @@ from .software import Software, software
 # the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on Hopper), the
 # FlashAttention-2 class on any GPU, and eager attention over stored scores
 ATTENTION_KERNELS = ("flash", "flash2", "eager")
-FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")   # see Stack.fp8_all_gather
-STATE_DTYPES = ("fp32", "bf16")                 # see Stack.grad_reduce, Stack.optimizer_states
-DP_SYNCS = ("overlap", "flush")                 # see Stack.dp_sync
-FP8_SCALINGS = ("delayed", "dynamic")           # see Stack.fp8_scaling
+FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")  # see Stack.fp8_all_gather
+STATE_DTYPES = ("fp32", "bf16")  # see Stack.grad_reduce, Stack.optimizer_states
+DP_SYNCS = ("overlap", "flush")  # see Stack.dp_sync
+FP8_SCALINGS = ("delayed", "dynamic")  # see Stack.fp8_scaling
 DYNAMIC_FP8_SOFTWARE = ("torchtitan", "dtrain")  # torchao's float8 training: dynamic scales only
 
 
@@ -77,7 +78,9 @@ class Stack:
         one_of("kernels", self.kernels, ("fused", "eager"), error=ValueError)
         one_of("loss", self.loss, ("fused", "eager", None), error=ValueError)  # None: as kernels
         if self.tp_overlap and self.async_tp:
-            raise ValueError("tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: give one")
+            raise ValueError(
+                "tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: give one"
+            )
 
     @property
     def fused(self) -> bool:
@@ -90,7 +93,9 @@ class Stack:
     @property
     def fp8_casts(self) -> str:
         """The FP8 scaling this stack's casts run (FP8_SCALINGS): the one given, else the software's."""
-        return self.fp8_scaling or ("dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed")
+        return self.fp8_scaling or (
+            "dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed"
+        )
 
     @property
     def runs(self) -> Software:
@@ -105,9 +110,14 @@ class Stack:
         loss = f", {self.loss} loss" if self.loss and self.loss != self.kernels else ""
         tp = ", TP overlapped" if self.tp_overlap else ", AsyncTP" if self.async_tp else ""
         gathers = f", FP8 all-gathers: {self.fp8_all_gather}" if self.fp8_all_gather != "tp" else ""
-        states = "".join(f", {what} {dtype}" for what, dtype in (("gradients", self.grad_reduce),
-                                                                   ("optimizer states", self.optimizer_states))
-                         if dtype != "fp32")
+        states = "".join(
+            f", {what} {dtype}"
+            for what, dtype in (
+                ("gradients", self.grad_reduce),
+                ("optimizer states", self.optimizer_states),
+            )
+            if dtype != "fp32"
+        )
         flush = ", DP sync at the pipeline flush" if self.dp_sync == "flush" else ""
         flush += f", FP8 {self.fp8_scaling} scaling" if self.fp8_scaling else ""
         sw = f"{self.software}: " if self.software != "any" else ""

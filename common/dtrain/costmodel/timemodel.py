@@ -40,8 +40,16 @@ from .hardware import Cluster, GPUProfile
 from dtrain.model.flops import transformer_flops_per_token
 
 from .calibration import Calibration, Param
-from .collectives import (COPY_ENGINE_HBM_PASSES, RING_HBM_PASSES, all_gather_time, all_to_all_time,
-                          allreduce_time, group_link, overlap_cost, p2p_time)
+from .collectives import (
+    COPY_ENGINE_HBM_PASSES,
+    RING_HBM_PASSES,
+    all_gather_time,
+    all_to_all_time,
+    allreduce_time,
+    group_link,
+    overlap_cost,
+    p2p_time,
+)
 from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
 from .stack import Stack
 from .efficiency import GemmCurve
@@ -50,8 +58,16 @@ from .memory import params_per_gpu
 from .comm_time import dp_comm_time, dp_link, tp_comm_time
 from dtrain.parallel import traffic as volume
 
-__all__ = ["StepTime", "StepModel", "bubble_fraction", "model_flops_per_token", "step_time",
-           "step_model", "device_of"]
+__all__ = [
+    "StepTime",
+    "StepModel",
+    "bubble_fraction",
+    "model_flops_per_token",
+    "step_time",
+    "step_model",
+    "device_of",
+]
+
 
 def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> float:
     """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2).
@@ -84,8 +100,12 @@ class StepTime:
     peak_flops: float
     overhead: float = 0.0
     terms: ComputeTerms = field(default_factory=ComputeTerms)
-    cp_comm: float = 0.0        # context-parallel attention traffic left exposed (ring: behind the attention)
-    dp_contention: float = 0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
+    cp_comm: float = (
+        0.0  # context-parallel attention traffic left exposed (ring: behind the attention)
+    )
+    dp_contention: float = (
+        0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
+    )
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,8 +125,16 @@ class StepTime:
 @lru_cache(maxsize=1 << 10)
 def model_flops_per_token(shape: ModelShape) -> float:
     """``dtrain.model.flops.transformer_flops_per_token`` of ``shape`` (lm_head kept when tied)."""
-    return transformer_flops_per_token(shape.n_layer, shape.d_model, shape.n_head, shape.n_kv_head,
-                                       shape.ffn_hidden, shape.vocab, shape.seq_len, shape.gated_mlp)
+    return transformer_flops_per_token(
+        shape.n_layer,
+        shape.d_model,
+        shape.n_head,
+        shape.n_kv_head,
+        shape.ffn_hidden,
+        shape.vocab,
+        shape.seq_len,
+        shape.gated_mlp,
+    )
 
 
 def device_of(cluster: Cluster, calib: Calibration, stack: Stack = Stack()) -> Device:
@@ -126,12 +154,28 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
     elif calib.mfu.measured:
         kernels = kernels.with_gemm("bf16", curve, calib.mfu.provenance)
     scale = kernels.power_scale(gpu.power_w) / kernels.sustained
-    return Device(gpu.peak_bf16_flops, gpu.peak_fp8_flops, gpu.hbm_tbps * 1e12, kernels, scale, stack.fused,
-                  stack.fused_loss, stack.fp8_casts, stack.fp8_gathers("fp8")[1])
+    return Device(
+        gpu.peak_bf16_flops,
+        gpu.peak_fp8_flops,
+        gpu.hbm_tbps * 1e12,
+        kernels,
+        scale,
+        stack.fused,
+        stack.fused_loss,
+        stack.fp8_casts,
+        stack.fp8_gathers("fp8")[1],
+    )
 
 
-def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibration | None = None,
-              precision: str = "bf16", value_bytes: int = 2, stack: Stack = Stack()) -> StepTime:
+def step_time(
+    shape: ModelShape,
+    layout: Layout,
+    cluster: Cluster,
+    calib: Calibration | None = None,
+    precision: str = "bf16",
+    value_bytes: int = 2,
+    stack: Stack = Stack(),
+) -> StepTime:
     """Predicted time of one step for ``layout`` (see module docstring for every term).
 
     compute   ``StepModel.compute`` (``compute._micro_terms`` x m + ``compute.optimizer_s``): GEMMs,
@@ -178,7 +222,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
         raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     if precision == "fp8" and cluster.gpu.fp8_tflops is None:
         raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores; use precision='bf16'")
-    return step_model(shape, cluster, calib or Calibration(), precision, value_bytes, stack).time(layout)
+    return step_model(shape, cluster, calib or Calibration(), precision, value_bytes, stack).time(
+        layout
+    )
 
 
 # The cost model's one cache of step times: a StepModel per (model, cluster, calibration,
@@ -186,8 +232,14 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, calib: Calibr
 # layout's whole StepTime is not cached: a search times each layout once, and the backtest asks
 # 9,006 times for 8,957 distinct ones.
 @lru_cache(maxsize=64)
-def step_model(shape: ModelShape, cluster: Cluster, calib: Calibration, precision: str = "bf16",
-               value_bytes: int = 2, stack: Stack = Stack()) -> StepModel:
+def step_model(
+    shape: ModelShape,
+    cluster: Cluster,
+    calib: Calibration,
+    precision: str = "bf16",
+    value_bytes: int = 2,
+    stack: Stack = Stack(),
+) -> StepModel:
     """``StepModel`` for one (model, cluster, calibration, precision, stack): a search times thousands of layouts
     on it, sharing the pieces that depend on a few of their fields."""
     return StepModel(shape, cluster, calib, precision, value_bytes, stack)
@@ -196,14 +248,31 @@ def step_model(shape: ModelShape, cluster: Cluster, calib: Calibration, precisio
 class StepModel:
     """``step_time`` for one model on one cluster; each piece is kept per the layout fields it depends on."""
 
-    def __init__(self, shape: ModelShape, cluster: Cluster, calib: Calibration, precision: str, value_bytes: int,
-                 stack: Stack):
-        self.shape, self.cluster, self.calib, self.precision, self.vb, self.stack = \
-            shape, cluster, calib, precision, value_bytes, stack
+    def __init__(
+        self,
+        shape: ModelShape,
+        cluster: Cluster,
+        calib: Calibration,
+        precision: str,
+        value_bytes: int,
+        stack: Stack,
+    ):
+        self.shape, self.cluster, self.calib, self.precision, self.vb, self.stack = (
+            shape,
+            cluster,
+            calib,
+            precision,
+            value_bytes,
+            stack,
+        )
         self.dev = device_of(cluster, calib, stack)
         self.fp8_gemms = precision == "fp8" and "fp8" in self.dev.kernels.gemm
-        self.fp8_factor = calib.fp8_speedup.value if precision == "fp8" and not self.fp8_gemms else 1.0
-        self.gpu_table = published(cluster.gpu.name) is not None   # a GPU priced term by term (kernels.yaml)
+        self.fp8_factor = (
+            calib.fp8_speedup.value if precision == "fp8" and not self.fp8_gemms else 1.0
+        )
+        self.gpu_table = (
+            published(cluster.gpu.name) is not None
+        )  # a GPU priced term by term (kernels.yaml)
         self.overhead = calib.step_overhead_s.value / (1.0 if self.gpu_table else self.fp8_factor)
         self.flops_per_token = model_flops_per_token(shape)
         self.fp8_tp_gather, self.fp8_fsdp_gather = stack.fp8_gathers(precision)
@@ -215,15 +284,34 @@ class StepModel:
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.cp_impl,
-               lay.pp_split)
+        key = (
+            lay.tp,
+            lay.pp,
+            lay.micro_batch,
+            lay.recompute,
+            lay.sequence_parallel,
+            lay.cp,
+            lay.cp_impl,
+            lay.pp_split,
+        )
         t = self._micro.get(key)
         if t is None:
-            one = Layout(tp=lay.tp, pp=lay.pp, recompute=lay.recompute, micro_batch=lay.micro_batch,
-                         sequence_parallel=lay.sequence_parallel, cp=lay.cp, cp_impl=lay.cp_impl,
-                         pp_split=lay.pp_split)
-            t = _micro_terms(self.shape, one, self.dev, self.precision if self.fp8_gemms else "bf16", self.vb)
-            if self.fp8_factor != 1.0:  # no FP8 kernel table (local check): the measured whole-step factor
+            one = Layout(
+                tp=lay.tp,
+                pp=lay.pp,
+                recompute=lay.recompute,
+                micro_batch=lay.micro_batch,
+                sequence_parallel=lay.sequence_parallel,
+                cp=lay.cp,
+                cp_impl=lay.cp_impl,
+                pp_split=lay.pp_split,
+            )
+            t = _micro_terms(
+                self.shape, one, self.dev, self.precision if self.fp8_gemms else "bf16", self.vb
+            )
+            if (
+                self.fp8_factor != 1.0
+            ):  # no FP8 kernel table (local check): the measured whole-step factor
                 t = t.scaled(1 / self.fp8_factor)
             self._micro[key] = t
         return t
@@ -238,19 +326,39 @@ class StepModel:
     def tp_comm(self, lay: Layout, gemm_s: float) -> float:
         if lay.tp <= 1:
             return 0.0
-        key = (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.sequence_parallel, lay.cp, lay.pp_split)
+        key = (
+            lay.tp,
+            lay.pp,
+            lay.micro_batch,
+            lay.recompute,
+            lay.sequence_parallel,
+            lay.cp,
+            lay.pp_split,
+        )
         cached = self._tp.get(key)
         if cached is None:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
-            one = Layout(tp=lay.tp, pp=lay.pp, recompute=lay.recompute, micro_batch=lay.micro_batch,
-                         sequence_parallel=lay.sequence_parallel, pp_split=lay.pp_split)
-            local = self.shape if lay.cp == 1 else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
+            one = Layout(
+                tp=lay.tp,
+                pp=lay.pp,
+                recompute=lay.recompute,
+                micro_batch=lay.micro_batch,
+                sequence_parallel=lay.sequence_parallel,
+                pp_split=lay.pp_split,
+            )
+            local = (
+                self.shape
+                if lay.cp == 1
+                else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
+            )
             gather = 1 if self.fp8_tp_gather else None
             # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy engines behind the GEMMs
             # (its ring-exchange overlaps: no SMs held), paying the HBM those copies take; its pipelined and bulk
             # overlaps also hold ~16 SMs, left out
-            cached = self._tp[key] = (tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value,
-                                      self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES))
+            cached = self._tp[key] = (
+                tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value,
+                self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES),
+            )
         per_micro, copy_cost = cached
         t = per_micro * lay.grad_accum
         if self.stack.tp_overlap:
@@ -277,18 +385,26 @@ class StepModel:
             return 0.0
         b, s, cp, t = lay.micro_batch, self.shape.seq_len, lay.cp, lay.tp
         hd = self.shape.d_model // self.shape.n_head
-        kv = volume.tp_kv_heads(self.shape.n_kv_head, t)   # heads on a TP rank
+        kv = volume.tp_kv_heads(self.shape.n_kv_head, t)  # heads on a TP rank
         q = max(self.shape.n_head // t, 1)
         link = group_link(self.cluster, cp, t, multi_rail=False)
-        recompute = 1 if lay.recompute == "full" else 0   # full recompute runs the forward's traffic again
+        recompute = (
+            1 if lay.recompute == "full" else 0
+        )  # full recompute runs the forward's traffic again
         layers = stage_layers(self.shape, lay.pp, lay.pp_split)
-        if lay.cp_impl == "torch":  # exposure per kernel call: fwd 1/3.5 of the attention, bwd 2.5/3.5 (its count)
+        if (
+            lay.cp_impl == "torch"
+        ):  # exposure per kernel call: fwd 1/3.5 of the attention, bwd 2.5/3.5 (its count)
             call = attention_s / (layers * lay.grad_accum * cp * 3.5)
-            kv_all = volume.cp_all_gather_kv_bytes(b, s, cp, q, hd, self.vb)   # repeated to q heads
+            kv_all = volume.cp_all_gather_kv_bytes(b, s, cp, q, hd, self.vb)  # repeated to q heads
             gather = all_gather_time(kv_all, cp, link)
-            dkv = p2p_time(volume.ring_kv_block_bytes(b, s, cp, q, hd, 4), link)   # fp32 dK, dV
-            per_layer = ((1 + recompute) * max(gather - call, 0.0) + max(gather - 2.5 * call, 0.0)
-                         + (cp - 1) * max(dkv - 2.5 * call, 0.0) + dkv)
+            dkv = p2p_time(volume.ring_kv_block_bytes(b, s, cp, q, hd, 4), link)  # fp32 dK, dV
+            per_layer = (
+                (1 + recompute) * max(gather - call, 0.0)
+                + max(gather - 2.5 * call, 0.0)
+                + (cp - 1) * max(dkv - 2.5 * call, 0.0)
+                + dkv
+            )
             return per_layer * layers * lay.grad_accum
         if lay.cp_impl == "ulysses":
             # a pass's four all-to-alls priced as one of their bytes: α once per pass, as the plan's
@@ -296,10 +412,12 @@ class StepModel:
             pieces = volume.ulysses_all_to_all_payloads(b, s, cp, q, kv, hd, self.vb)
             per_pass = all_to_all_time(sum(pieces), cp, link)
             return volume.ulysses_passes(lay.recompute) * per_pass * layers * lay.grad_accum
-        chunk = volume.ring_kv_block_bytes(b, s, cp, kv, hd, self.vb)   # the ring: the rank's K, V
+        chunk = volume.ring_kv_block_bytes(b, s, cp, kv, hd, self.vb)  # the ring: the rank's K, V
         sends = volume.ring_sends_per_layer(cp, lay.recompute)
         total = sends * p2p_time(chunk, link) * layers * lay.grad_accum
-        return total - (1 - self.overlap_cost(link, self.calib.cp_overlap)) * min(total, attention_s)
+        return total - (1 - self.overlap_cost(link, self.calib.cp_overlap)) * min(
+            total, attention_s
+        )
 
     def overlap_cost(self, link, overlap: Param | None, passes: int = RING_HBM_PASSES) -> float:
         """Share of a transfer's time over ``link`` still paid while it runs behind compute
@@ -316,26 +434,48 @@ class StepModel:
         t = self._p2p.get(key)
         if t is None:
             shape = self.shape
-            act = volume.pp_activation_bytes(lay.micro_batch, shape.seq_len, shape.d_model, self.vb,
-                                             lay.cp, lay.tp)
+            act = volume.pp_activation_bytes(
+                lay.micro_batch, shape.seq_len, shape.d_model, self.vb, lay.cp, lay.tp
+            )
             t = self._p2p[key] = p2p_time(act, self.cluster.nvlink if intra else self.cluster.ib)
         return t
 
     def dp(self, lay: Layout) -> tuple[float, float, float, float]:
         """(gradient traffic, weight traffic, the loss all-reduce) per step over DP, and the overlap cost of that
         traffic on its link (``overlap_cost``)."""
-        n = lay.data_shards  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
+        n = (
+            lay.data_shards
+        )  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
         key = (n, lay.tp, lay.pp, lay.zero_stage, lay.grad_accum, lay.dp_replicate, lay.pp_split)
         t = self._dp.get(key)
         if t is None:
             r = lay.hsdp_replicate  # the group: n data shards, cp folded in
-            group = Layout(dp_replicate=r, dp_shard=n // r, tp=lay.tp, pp=lay.pp, zero_stage=lay.zero_stage,
-                           grad_accum=lay.grad_accum, pp_split=lay.pp_split)
-            g, w = dp_comm_time(self.shape, group, self.cluster, self.vb, self.fp8_fsdp_gather,
-                                max(self.vb, self.stack.grad_bytes), self.stack.runs.zero2_regathers)
+            group = Layout(
+                dp_replicate=r,
+                dp_shard=n // r,
+                tp=lay.tp,
+                pp=lay.pp,
+                zero_stage=lay.zero_stage,
+                grad_accum=lay.grad_accum,
+                pp_split=lay.pp_split,
+            )
+            g, w = dp_comm_time(
+                self.shape,
+                group,
+                self.cluster,
+                self.vb,
+                self.fp8_fsdp_gather,
+                max(self.vb, self.stack.grad_bytes),
+                self.stack.runs.zero2_regathers,
+            )
             loss_link = group_link(self.cluster, n, lay.tp, multi_rail=True)
             loss = allreduce_time(volume.LOSS_BYTES, n, loss_link) if n > 1 else 0.0
-            t = self._dp[key] = (g, w, loss, self.overlap_cost(dp_link(self.cluster, group), self.calib.dp_overlap))
+            t = self._dp[key] = (
+                g,
+                w,
+                loss,
+                self.overlap_cost(dp_link(self.cluster, group), self.calib.dp_overlap),
+            )
         return t
 
     def lower_bound(self, lay: Layout) -> float:
@@ -378,13 +518,31 @@ class StepModel:
             # behind on the first stage, which finishes last
             window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
             # DeepSpeed's pipeline engine (dp_sync "flush") runs both after the pipeline's flush: behind nothing
-            hidden = 0.0 if self.stack.dp_sync == "flush" else min(grad_comm, window) + min(param_comm, micro / 3)
-        contention = hidden * cost   # what the overlapped traffic still takes from compute
-        exposed = dp_comm - hidden + contention + loss  # + the step's loss averaged over DP for the log (latency)
+            hidden = (
+                0.0
+                if self.stack.dp_sync == "flush"
+                else min(grad_comm, window) + min(param_comm, micro / 3)
+            )
+        contention = hidden * cost  # what the overlapped traffic still takes from compute
+        exposed = (
+            dp_comm - hidden + contention + loss
+        )  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
-        return StepTime(compute=compute, dp_comm=dp_comm, dp_comm_exposed=exposed, tp_comm=tp_comm,
-                        pp_comm=pp_comm, bubble=bubble, total=total, tokens=tokens,
-                        model_flops=tokens * self.flops_per_token, gpus=lay.gpus,
-                        peak_flops=self.cluster.gpu.peak_bf16_flops, overhead=self.overhead, terms=terms,
-                        cp_comm=cp_comm, dp_contention=contention)
+        return StepTime(
+            compute=compute,
+            dp_comm=dp_comm,
+            dp_comm_exposed=exposed,
+            tp_comm=tp_comm,
+            pp_comm=pp_comm,
+            bubble=bubble,
+            total=total,
+            tokens=tokens,
+            model_flops=tokens * self.flops_per_token,
+            gpus=lay.gpus,
+            peak_flops=self.cluster.gpu.peak_bf16_flops,
+            overhead=self.overhead,
+            terms=terms,
+            cp_comm=cp_comm,
+            dp_contention=contention,
+        )

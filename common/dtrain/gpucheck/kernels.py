@@ -20,6 +20,7 @@ Conventions (those of the published kernel benchmarks, so the numbers compare):
 - Memory-bound kernels: bytes = what the op must read and write once (inputs, outputs, saved
   tensors; fp32 optimizer states), over the median time, against the measured copy bandwidth.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,6 @@ def _device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-
-
 def gemm_sweep(small: bool = False) -> dict:
     """bf16 (and FP8 where the GPU has it) TFLOP/s over the GEMM shapes LLM training runs: m = tokens
     of a micro-batch, n and k from the model's hidden and FFN widths (TP shards included)."""
@@ -52,19 +51,32 @@ def gemm_sweep(small: bool = False) -> dict:
     for m in ms:
         for n in nks:
             for k in nks:
-                if 2 * m * n * k > 2**45:  # > 35 TFLOP: as efficient as the next size down, and slow to time
+                if (
+                    2 * m * n * k > 2**45
+                ):  # > 35 TFLOP: as efficient as the next size down, and slow to time
                     continue
                 a = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
                 b = torch.randn(k, n, device=dev, dtype=dtype, generator=g)
                 flops = 2 * m * n * k
-                row = {"m": m, "n": n, "k": k, "flops": flops,
-                       "bf16_tflops": flops / queued_s(lambda: a @ b, dev) / 1e12}
+                row = {
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "flops": flops,
+                    "bf16_tflops": flops / queued_s(lambda: a @ b, dev) / 1e12,
+                }
                 if fp8:
                     a8 = a.to(torch.float8_e4m3fn)
-                    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt takes B
+                    b8 = (
+                        b.t().contiguous().to(torch.float8_e4m3fn).t()
+                    )  # column-major, as cuBLASLt takes B
                     for fast in (False, True):
-                        s = queued_s(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
-                                                               use_fast_accum=fast), dev)
+                        s = queued_s(
+                            lambda: torch._scaled_mm(
+                                a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast
+                            ),
+                            dev,
+                        )
                         row["fp8_fast_tflops" if fast else "fp8_tflops"] = flops / s / 1e12
                 points.append(row)
                 del a, b
@@ -77,9 +89,18 @@ ATTN_BACKENDS = ("flash", "cudnn", "default")
 def _backend_ctx(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return nullcontext() if name == "default" else sdpa_kernel({
-        "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name])
+    return (
+        nullcontext()
+        if name == "default"
+        else sdpa_kernel(
+            {
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[name]
+        )
+    )
 
 
 def attention_sweep(small: bool = False) -> dict:
@@ -92,39 +113,69 @@ def attention_sweep(small: bool = False) -> dict:
     seqs = (64, 128) if small else (512, 1024, 2048, 4096, 8192, 16384, 32768)
     backends = ("math",) if dev.type != "cuda" else ATTN_BACKENDS
     points = []
-    for head_dim, kv_div in (((32, 1),) if small else ((64, 1), (128, 1), (128, 8))):
+    for head_dim, kv_div in ((32, 1),) if small else ((64, 1), (128, 1), (128, 8)):
         h = hidden // head_dim
         for s in seqs:
             b = max(1, tokens // s)
             q = torch.randn(b, h, s, head_dim, device=dev, dtype=dtype, requires_grad=True)
-            k, v = (torch.randn(b, h // kv_div, s, head_dim, device=dev, dtype=dtype, requires_grad=True)
-                    for _ in range(2))
+            k, v = (
+                torch.randn(
+                    b, h // kv_div, s, head_dim, device=dev, dtype=dtype, requires_grad=True
+                )
+                for _ in range(2)
+            )
             dout = torch.randn(b, h, s, head_dim, device=dev, dtype=dtype)
             # GPT-3-style attention dropout inside the fused kernel (Megatron's default 0.1): causal, hd 128 only
             drop = (0.1,) if small or (head_dim == 128 and kv_div == 1) else ()
             for causal, dropout_p in ((True, 0.0), (False, 0.0), *((True, p) for p in drop)):
                 fwd_flops = 4 * b * h * s * s * head_dim / (2 if causal else 1)
                 for backend in backends:
-                    row = {"backend": backend, "head_dim": head_dim, "heads": h, "kv_heads": h // kv_div, "batch": b,
-                           "seq": s, "causal": causal, "dropout_p": dropout_p, "fwd_flops": fwd_flops}
+                    row = {
+                        "backend": backend,
+                        "head_dim": head_dim,
+                        "heads": h,
+                        "kv_heads": h // kv_div,
+                        "batch": b,
+                        "seq": s,
+                        "causal": causal,
+                        "dropout_p": dropout_p,
+                        "fwd_flops": fwd_flops,
+                    }
                     try:
                         with _backend_ctx(backend):
                             fwd = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                                q, k, v, is_causal=causal, dropout_p=dropout_p, enable_gqa=kv_div > 1)
+                                q,
+                                k,
+                                v,
+                                is_causal=causal,
+                                dropout_p=dropout_p,
+                                enable_gqa=kv_div > 1,
+                            )
 
                             def fwd_bwd():
                                 out = fwd()
                                 torch.autograd.grad(out, (q, k, v), dout)
+
                             tf = queued_s(fwd, dev)
                             tfb = queued_s(fwd_bwd, dev)
-                        row |= {"fwd_tflops": fwd_flops / tf / 1e12, "fwd_bwd_tflops": 3.5 * fwd_flops / tfb / 1e12,
-                                "fwd_s": tf, "fwd_bwd_s": tfb}
+                        row |= {
+                            "fwd_tflops": fwd_flops / tf / 1e12,
+                            "fwd_bwd_tflops": 3.5 * fwd_flops / tfb / 1e12,
+                            "fwd_s": tf,
+                            "fwd_bwd_s": tfb,
+                        }
                     except RuntimeError as e:  # a backend that does not take this shape or GPU
                         row["error"] = str(e).splitlines()[0][:160]
                     points.append(row)
             del q, k, v, dout
-    return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "hidden": hidden,
-            "points": points, "eager": eager_attention(small)}
+    return {
+        "device": _name(dev),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tokens": tokens,
+        "hidden": hidden,
+        "points": points,
+        "eager": eager_attention(small),
+    }
 
 
 def eager_attention(small: bool = False) -> list[dict]:
@@ -136,21 +187,36 @@ def eager_attention(small: bool = False) -> list[dict]:
     tokens, hidden, hd = (256, 64, 32) if small else (16384, 2048, 128)
     h = hidden // hd
     out = []
-    for s in ((64, 128) if small else (512, 1024, 2048, 4096, 8192)):
+    for s in (64, 128) if small else (512, 1024, 2048, 4096, 8192):
         b = max(1, tokens // s)
-        q, k, v = (torch.randn(b * h, s, hd, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+        q, k, v = (
+            torch.randn(b * h, s, hd, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
         mask = torch.ones(s, s, device=dev, dtype=torch.bool).triu(1)
         scores = torch.randn(b * h, s, s, device=dev, dtype=dtype, requires_grad=True)
         dout = torch.randn(b * h, s, hd, device=dev, dtype=dtype)
 
         def fwd():
-            return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)).masked_fill_(mask, float("-inf")), -1), v)
-        row = {"seq": s, "batch": b, "heads": h, "head_dim": hd, "score_elements": b * h * s * s,
-               "bmm_qk_s": queued_s(lambda: torch.bmm(q.detach(), k.detach().transpose(1, 2)), dev),
-               "softmax_fwd_bwd_s": queued_s(lambda: torch.autograd.grad(torch.softmax(scores, -1), scores,
-                                                                           scores.detach()), dev),
-               "fwd_s": queued_s(fwd, dev),
-               "fwd_bwd_s": queued_s(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), dev)}
+            return torch.bmm(
+                torch.softmax(
+                    torch.bmm(q, k.transpose(1, 2)).masked_fill_(mask, float("-inf")), -1
+                ),
+                v,
+            )
+
+        row = {
+            "seq": s,
+            "batch": b,
+            "heads": h,
+            "head_dim": hd,
+            "score_elements": b * h * s * s,
+            "bmm_qk_s": queued_s(lambda: torch.bmm(q.detach(), k.detach().transpose(1, 2)), dev),
+            "softmax_fwd_bwd_s": queued_s(
+                lambda: torch.autograd.grad(torch.softmax(scores, -1), scores, scores.detach()), dev
+            ),
+            "fwd_s": queued_s(fwd, dev),
+            "fwd_bwd_s": queued_s(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), dev),
+        }
         out.append(row)
         del q, k, v, scores, dout, mask
     return out
@@ -170,7 +236,7 @@ def membound(small: bool = False) -> dict:
         s = queued_s(fn, dev)
         rows.append({"op": name, "bytes": nbytes, "seconds": s, "GBps": nbytes / s / 1e9, **facts})
 
-    for d in ((64,) if small else (768, 2048, 4096, 8192)):
+    for d in (64,) if small else (768, 2048, 4096, 8192):
         x = torch.randn(tokens, d, device=dev, dtype=dtype, generator=g, requires_grad=True)
         w = torch.ones(d, device=dev, dtype=dtype, requires_grad=True)
         dy = torch.randn(tokens, d, device=dev, dtype=dtype, generator=g)
@@ -178,10 +244,26 @@ def membound(small: bool = False) -> dict:
         add("copy", 2 * n, lambda: x.detach().clone(), d=d)
         add("rms_norm_fwd", 2 * n, lambda: F.rms_norm(x.detach(), (d,), w.detach()), d=d)
         # backward reads x, dy and writes dx (weight grad is a reduction): 3 passes, plus the forward's 2
-        add("rms_norm_fwd_bwd", 5 * n, lambda: torch.autograd.grad(F.rms_norm(x, (d,), w), (x, w), dy), d=d)
-        add("layer_norm_fwd_bwd", 5 * n, lambda: torch.autograd.grad(F.layer_norm(x, (d,), w), (x, w), dy), d=d)
-        a = torch.randn(tokens, 4 * d if not small else 2 * d, device=dev, dtype=dtype, generator=g,
-                        requires_grad=True)
+        add(
+            "rms_norm_fwd_bwd",
+            5 * n,
+            lambda: torch.autograd.grad(F.rms_norm(x, (d,), w), (x, w), dy),
+            d=d,
+        )
+        add(
+            "layer_norm_fwd_bwd",
+            5 * n,
+            lambda: torch.autograd.grad(F.layer_norm(x, (d,), w), (x, w), dy),
+            d=d,
+        )
+        a = torch.randn(
+            tokens,
+            4 * d if not small else 2 * d,
+            device=dev,
+            dtype=dtype,
+            generator=g,
+            requires_grad=True,
+        )
         b = torch.randn_like(a, requires_grad=True)
         dh = torch.randn_like(a)
         na = a.numel() * vb
@@ -189,35 +271,56 @@ def membound(small: bool = False) -> dict:
         add("swiglu_fwd_bwd", 8 * na, lambda: torch.autograd.grad(F.silu(a) * b, (a, b), dh), d=d)
         add("residual_add", 3 * n, lambda: x.detach() + dy, d=d)
         # GELU (MLP width 4d): fwd reads a writes h (2), bwd reads a, dh writes da (3)
-        add("gelu_fwd_bwd", 5 * na, lambda: torch.autograd.grad(F.gelu(a, approximate="tanh"), a, dh), d=d)
+        add(
+            "gelu_fwd_bwd",
+            5 * na,
+            lambda: torch.autograd.grad(F.gelu(a, approximate="tanh"), a, dh),
+            d=d,
+        )
         add("dropout_fwd", 2 * n + tokens * d, lambda: F.dropout(x.detach(), 0.1, True), d=d)
         del x, w, dy, a, b, dh
-    for vocab in ((128,) if small else (32768, 128256)):
-        logits = torch.randn(tokens // 4, vocab, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    for vocab in (128,) if small else (32768, 128256):
+        logits = torch.randn(
+            tokens // 4, vocab, device=dev, dtype=dtype, generator=g, requires_grad=True
+        )
         tgt = torch.randint(0, vocab, (tokens // 4,), device=dev, generator=g)
         n = logits.numel() * vb
         # fp32 upcast of bf16 logits, log-softmax and its gradient: read logits twice, write dlogits once
-        add("cross_entropy_fwd_bwd", 3 * n, lambda: torch.autograd.grad(F.cross_entropy(logits.float(), tgt),
-                                                                        logits), vocab=vocab)
+        add(
+            "cross_entropy_fwd_bwd",
+            3 * n,
+            lambda: torch.autograd.grad(F.cross_entropy(logits.float(), tgt), logits),
+            vocab=vocab,
+        )
         del logits
     numel = 1 << 16 if small else 1 << 27  # 134M fp32 parameters
     p = torch.zeros(numel, device=dev, requires_grad=True)
     p.grad = torch.randn(numel, device=dev, generator=g)
-    for fused in ((False,) if dev.type != "cuda" else (False, True)):
+    for fused in (False,) if dev.type != "cuda" else (False, True):
         opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=None if fused else True)
         opt.step()
         # AdamW reads param, grad, m, v and writes param, m, v: 7 x 4 bytes per parameter
         add("adamw_fused" if fused else "adamw_foreach", 7 * 4 * numel, opt.step, params=numel)
-    launch = queued_s(lambda: torch.add(p[:1], 1.0), dev)  # eager dispatch per op: the CPU-bound floor
-    return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "ops": rows,
-            "tiny_kernel_s": launch}
+    launch = queued_s(
+        lambda: torch.add(p[:1], 1.0), dev
+    )  # eager dispatch per op: the CPU-bound floor
+    return {
+        "device": _name(dev),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tokens": tokens,
+        "ops": rows,
+        "tiny_kernel_s": launch,
+    }
 
 
 # Kernel name -> category of the cost model's compute terms (first match wins; names of cuBLAS/CUTLASS,
 # FlashAttention/cuDNN, PyTorch's elementwise/reduction and optimizer kernels).
 KERNEL_CATEGORIES = (
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm", ("gemm", "sm90_xmma", "sm80_xmma", "cutlass", "ampere_", "hopper_", "nvjet", "splitk")),
+    (
+        "gemm",
+        ("gemm", "sm90_xmma", "sm80_xmma", "cutlass", "ampere_", "hopper_", "nvjet", "splitk"),
+    ),
     ("optimizer", ("multi_tensor", "adam", "fused_adam")),
     ("loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
     ("memcpy", ("memcpy", "memset")),
@@ -226,7 +329,9 @@ KERNEL_CATEGORIES = (
 
 def _category(name: str) -> str:
     low = name.lower()
-    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise")
+    return next(
+        (cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise"
+    )
 
 
 def gpu_time_by_category(events) -> tuple[dict[str, float], dict[str, int]]:
@@ -253,8 +358,16 @@ def step_profile(small: bool = False) -> dict:
     from dtrain.model.gpt import GPT, GPTConfig
 
     dev = _device()
-    cases = ([("tiny", {}, 2)] if small else
-             [("125m", {}, 8), ("1b", {"n_layer": 8}, 8), ("7b", {"n_layer": 4}, 2), ("7b", {"n_layer": 4}, 1)])
+    cases = (
+        [("tiny", {}, 2)]
+        if small
+        else [
+            ("125m", {}, 8),
+            ("1b", {"n_layer": 8}, 8),
+            ("7b", {"n_layer": 4}, 2),
+            ("7b", {"n_layer": 4}, 1),
+        ]
+    )
     out = []
     for preset, over, mb in cases:
         torch.manual_seed(0)
@@ -272,6 +385,7 @@ def step_profile(small: bool = False) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             loss.item()
+
         for _ in range(3):
             step()
         wall = time_fn(step, warmup=0, iters=5, device=dev).median
@@ -279,10 +393,22 @@ def step_profile(small: bool = False) -> dict:
         with profile(activities=acts) as prof:
             step()
         per, launches = gpu_time_by_category(prof.key_averages() if dev.type == "cuda" else [])
-        out.append({"preset": preset, "overrides": over, "micro_batch": mb, "seq_len": cfg.seq_len,
-                    "d_model": cfg.d_model, "n_layer": cfg.n_layer, "params": sum(p.numel() for p in model.parameters()),
-                    "step_s": wall, "gpu_s_by_category": per, "gpu_busy_s": sum(per.values()),
-                    "kernels_by_category": launches, "kernels": sum(launches.values())})
+        out.append(
+            {
+                "preset": preset,
+                "overrides": over,
+                "micro_batch": mb,
+                "seq_len": cfg.seq_len,
+                "d_model": cfg.d_model,
+                "n_layer": cfg.n_layer,
+                "params": sum(p.numel() for p in model.parameters()),
+                "step_s": wall,
+                "gpu_s_by_category": per,
+                "gpu_busy_s": sum(per.values()),
+                "kernels_by_category": launches,
+                "kernels": sum(launches.values()),
+            }
+        )
         del model, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -293,8 +419,12 @@ def _name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
-SWEEPS = {"gemm_sweep": gemm_sweep, "attention_sweep": attention_sweep, "membound": membound,
-          "step_profile": step_profile}
+SWEEPS = {
+    "gemm_sweep": gemm_sweep,
+    "attention_sweep": attention_sweep,
+    "membound": membound,
+    "step_profile": step_profile,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

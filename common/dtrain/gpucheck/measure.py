@@ -7,6 +7,7 @@ median over the timed calls. A copy moves its bytes twice (read + write), so its
 2 x bytes, as the ~3 TB/s figures quoted for H100 copies do. GEMM FLOPs = 2 n^3. On CPU the same
 code runs at small sizes (tests); only GPU numbers go into a report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,14 @@ def device() -> torch.device:
 
 def env() -> dict:
     dev = device()
-    facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": envinfo.nccl_version(),
-             "python": sys.version.split()[0], "device": str(dev), "gpus": envinfo.gpu_facts()}
+    facts = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": envinfo.nccl_version(),
+        "python": sys.version.split()[0],
+        "device": str(dev),
+        "gpus": envinfo.gpu_facts(),
+    }
     if dev.type == "cuda":
         facts["gpu_name"] = torch.cuda.get_device_name(dev)
         facts["profile"] = hardware.gpu_profile_name(facts["gpu_name"])
@@ -41,8 +48,13 @@ def copy_bandwidth(nbytes: int = 1 << 30, warmup: int = 3, iters: int = 20) -> d
     dst = torch.empty_like(src)
     stats = time_fn(lambda: dst.copy_(src), warmup=warmup, iters=iters, device=dev)
     assert torch.equal(dst[:4096], src[:4096])
-    return {"bytes": nbytes, "median_s": stats.median, "min_s": stats.min,
-            "GBps_read_plus_write": 2 * nbytes / stats.median / 1e9, "iters": iters}
+    return {
+        "bytes": nbytes,
+        "median_s": stats.median,
+        "min_s": stats.min,
+        "GBps_read_plus_write": 2 * nbytes / stats.median / 1e9,
+        "iters": iters,
+    }
 
 
 def _peak(dtype: str) -> tuple[float | None, str | None]:
@@ -61,8 +73,14 @@ def gemm_bf16(n: int = 8192, warmup: int = 5, iters: int = 20) -> dict:
     stats = time_fn(lambda: torch.mm(a, b, out=out), warmup=warmup, iters=iters, device=dev)
     tflops = 2 * n**3 / stats.median / 1e12
     peak, source = _peak("bf16")
-    return {"n": n, "median_s": stats.median, "tflops": tflops, "peak_tflops": peak and peak / 1e12,
-            "share_of_peak": peak and tflops * 1e12 / peak, "peak_source": source}
+    return {
+        "n": n,
+        "median_s": stats.median,
+        "tflops": tflops,
+        "peak_tflops": peak and peak / 1e12,
+        "share_of_peak": peak and tflops * 1e12 / peak,
+        "peak_source": source,
+    }
 
 
 def gemm_fp8(n: int = 8192, warmup: int = 5, iters: int = 20) -> dict:
@@ -81,12 +99,21 @@ def gemm_fp8(n: int = 8192, warmup: int = 5, iters: int = 20) -> dict:
         stats = time_fn(fn, warmup=warmup, iters=iters, device=dev)
         out["tflops_fast_accum" if fast else "tflops"] = 2 * n**3 / stats.median / 1e12
         out["median_s_fast_accum" if fast else "median_s"] = stats.median
-    ref = a[:64].float() @ b[:, :64].float()  # a corner, against an fp32 matmul of the same FP8 values
-    got = torch._scaled_mm(a[:64].contiguous(), b[:, :64], one, one, out_dtype=torch.bfloat16).float()
+    ref = (
+        a[:64].float() @ b[:, :64].float()
+    )  # a corner, against an fp32 matmul of the same FP8 values
+    got = torch._scaled_mm(
+        a[:64].contiguous(), b[:, :64], one, one, out_dtype=torch.bfloat16
+    ).float()
     peak, source = _peak("fp8")
-    return {"n": n, **out, "max_rel_err_vs_fp32": float((got - ref).abs().max() / ref.abs().max()),
-            "peak_tflops": peak and peak / 1e12, "share_of_peak": peak and out["tflops_fast_accum"] * 1e12 / peak,
-            "peak_source": source}
+    return {
+        "n": n,
+        **out,
+        "max_rel_err_vs_fp32": float((got - ref).abs().max() / ref.abs().max()),
+        "peak_tflops": peak and peak / 1e12,
+        "share_of_peak": peak and out["tflops_fast_accum"] * 1e12 / peak,
+        "peak_source": source,
+    }
 
 
 MEASUREMENTS = {"env": env, "copy": copy_bandwidth, "gemm_bf16": gemm_bf16, "gemm_fp8": gemm_fp8}
@@ -98,7 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, default=None, help="bytes (copy) or n (gemm_*)")
     args = p.parse_args(argv)
     fn = MEASUREMENTS[args.name]
-    kwargs = {} if args.size is None else ({"nbytes": args.size} if args.name == "copy" else {"n": args.size})
+    kwargs = (
+        {}
+        if args.size is None
+        else ({"nbytes": args.size} if args.name == "copy" else {"n": args.size})
+    )
     print(json.dumps(fn(**kwargs)), flush=True)
 
 

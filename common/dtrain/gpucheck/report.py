@@ -1,5 +1,6 @@
 """One step of `make gpu-check` (a command with a time limit), what it measured, and the markdown
 report of all steps. Numbers come from each run's own summary.json (or a measurement's JSON line)."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ class Step:
     what: str
     command: list[str]
     limit_s: float
-    kind: str = "measure"      # measure | fsdp | fp8 | tp | allreduce | pytest
+    kind: str = "measure"  # measure | fsdp | fp8 | tp | allreduce | pytest
     status: str = "not run"
     seconds: float = 0.0
     note: str = ""
@@ -46,59 +47,122 @@ def _summary(folder: Path) -> dict:
 
 def _fsdp(stdout: str, folder: Path) -> dict:
     g = _summary(folder)
-    return {k: g.get(k) for k in ("mfu", "tokens_per_s", "tflops_per_rank", "peak_mem_bytes", "peak_flops_source",
-                                  "model_params", "step_time_s")}
+    return {
+        k: g.get(k)
+        for k in (
+            "mfu",
+            "tokens_per_s",
+            "tflops_per_rank",
+            "peak_mem_bytes",
+            "peak_flops_source",
+            "model_params",
+            "step_time_s",
+        )
+    }
 
 
 def _fp8(stdout: str, folder: Path) -> dict:
     s = _summary(folder)
     run = Path(s["run_dir"])
     losses = [r.get("loss") for r in read_jsonl(run / "records.jsonl") if r.get("kind") == "step"]
-    return {"tokens_per_s": s.get("tokens_per_s"), "mfu": s.get("mfu"), "final_loss": s.get("final_loss"),
-            "first_loss": losses[0] if losses else None, "precision": s.get("precision"),
-            "peak_mem_bytes": s.get("peak_mem_bytes"), "notes": s.get("notes")}
+    return {
+        "tokens_per_s": s.get("tokens_per_s"),
+        "mfu": s.get("mfu"),
+        "final_loss": s.get("final_loss"),
+        "first_loss": losses[0] if losses else None,
+        "precision": s.get("precision"),
+        "peak_mem_bytes": s.get("peak_mem_bytes"),
+        "notes": s.get("notes"),
+    }
 
 
 def _tp(stdout: str, folder: Path) -> dict:
     e = _summary(folder)["entries"][0]
-    return {k: e.get(k) for k in ("tp", "tokens", "single_s", "handrolled_s", "handrolled_async_s", "dtensor_s")}
+    return {
+        k: e.get(k)
+        for k in ("tp", "tokens", "single_s", "handrolled_s", "handrolled_async_s", "dtensor_s")
+    }
 
 
 def _allreduce(stdout: str, folder: Path) -> dict:
     s = _summary(folder)
-    return {"backend": s["backend"], "cases": s["cases"], "wrong_total": s["wrong_total"], "skipped": len(s["skipped"])}
+    return {
+        "backend": s["backend"],
+        "cases": s["cases"],
+        "wrong_total": s["wrong_total"],
+        "skipped": len(s["skipped"]),
+    }
 
 
 def _probe(stdout: str, folder: Path) -> dict:
     from dtrain.results import contract
 
-    [summary] = list(folder.parent.glob("gemm-probe/summary.json"))  # the probe's derived run, beside the steps
-    [g] = [r for r in contract.read(json.loads(summary.read_text())) if isinstance(r, contract.GemmProbe)]
-    return {"run": str(summary.parent), "dtype": g.dtype, "e_max": g.e_max, "w_half": g.w_half,
-            "points": len(g.points), "overheads": [(o.config.get("d_model"), o.step_s, o.overhead_s) for o in g.overheads]}
+    [summary] = list(
+        folder.parent.glob("gemm-probe/summary.json")
+    )  # the probe's derived run, beside the steps
+    [g] = [
+        r
+        for r in contract.read(json.loads(summary.read_text()))
+        if isinstance(r, contract.GemmProbe)
+    ]
+    return {
+        "run": str(summary.parent),
+        "dtype": g.dtype,
+        "e_max": g.e_max,
+        "w_half": g.w_half,
+        "points": len(g.points),
+        "overheads": [(o.config.get("d_model"), o.step_s, o.overhead_s) for o in g.overheads],
+    }
 
 
 def _pytest(stdout: str, folder: Path) -> dict:
-    last = [line for line in stdout.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)][-1]
+    last = [
+        line
+        for line in stdout.splitlines()
+        if re.search(r"\d+ (passed|failed|error|skipped)", line)
+    ][-1]
     return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last)}
 
 
-COLLECT = {"measure": _json_line, "probe": _probe, "fsdp": _fsdp, "fp8": _fp8, "tp": _tp, "allreduce": _allreduce, "pytest": _pytest}
+COLLECT = {
+    "measure": _json_line,
+    "probe": _probe,
+    "fsdp": _fsdp,
+    "fp8": _fp8,
+    "tp": _tp,
+    "allreduce": _allreduce,
+    "pytest": _pytest,
+}
 
 
-TRAINING_SEQS = (1024, 16384)  # the sequence lengths dropout-trained models run at, for the dropout median
+TRAINING_SEQS = (
+    1024,
+    16384,
+)  # the sequence lengths dropout-trained models run at, for the dropout median
 
 
 def dropout_slowdown(points: list[dict]) -> dict[str, tuple[tuple[int, ...], float]]:
     """Per backend: (sequences, median of fwd+bwd time with dropout_p > 0 / without) over the causal sequences
     of TRAINING_SEQS measured both ways with the same heads: kernels.yaml's attention ``dropout``."""
-    def key(p: dict) -> tuple:  # the KV heads too: a GQA point of the same head dim is another kernel
+
+    def key(
+        p: dict,
+    ) -> tuple:  # the KV heads too: a GQA point of the same head dim is another kernel
         return p["backend"], p["head_dim"], p.get("kv_heads"), p["seq"]
-    base = {key(p): p["fwd_bwd_s"] for p in points if p["causal"] and not p.get("dropout_p") and "fwd_bwd_s" in p}
+
+    base = {
+        key(p): p["fwd_bwd_s"]
+        for p in points
+        if p["causal"] and not p.get("dropout_p") and "fwd_bwd_s" in p
+    }
     ratios: dict[str, dict[int, float]] = {}
     for p in points:
-        if p.get("dropout_p") and "fwd_bwd_s" in p and key(p) in base and \
-                TRAINING_SEQS[0] <= p["seq"] <= TRAINING_SEQS[1]:
+        if (
+            p.get("dropout_p")
+            and "fwd_bwd_s" in p
+            and key(p) in base
+            and TRAINING_SEQS[0] <= p["seq"] <= TRAINING_SEQS[1]
+        ):
             ratios.setdefault(p["backend"], {})[p["seq"]] = p["fwd_bwd_s"] / base[key(p)]
     return {b: (tuple(sorted(r)), statistics.median(r.values())) for b, r in ratios.items()}
 
@@ -119,9 +183,11 @@ def summarize(step: Step) -> str:
     if step.name == "gemm_fp8":
         if "skipped" in d:
             return d["skipped"]
-        return (f"{_f(d['tflops_fast_accum'], '.0f')} TFLOP/s fast accum, {_f(d['tflops'], '.0f')} without "
-                f"({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')}); max rel err vs fp32 "
-                f"{d['max_rel_err_vs_fp32']:.1e}")
+        return (
+            f"{_f(d['tflops_fast_accum'], '.0f')} TFLOP/s fast accum, {_f(d['tflops'], '.0f')} without "
+            f"({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')}); max rel err vs fp32 "
+            f"{d['max_rel_err_vs_fp32']:.1e}"
+        )
     if step.name == "gemm_sweep":
         best = max(d["points"], key=lambda p: p["bf16_tflops"])
         out = f"bf16 up to {best['bf16_tflops']:.0f} TFLOP/s ({best['m']}x{best['n']}x{best['k']})"
@@ -130,50 +196,90 @@ def summarize(step: Step) -> str:
             out += f", FP8 fast accum up to {b8['fp8_fast_tflops']:.0f} ({b8['m']}x{b8['n']}x{b8['k']})"
         return out + f"; {len(d['points'])} shapes in report.json"
     if step.name == "attention_sweep":
-        ok = [p for p in d["points"] if "fwd_bwd_tflops" in p and p["causal"] and p["head_dim"] == 128
-              and not p.get("dropout_p")]
+        ok = [
+            p
+            for p in d["points"]
+            if "fwd_bwd_tflops" in p
+            and p["causal"]
+            and p["head_dim"] == 128
+            and not p.get("dropout_p")
+        ]
         best = {}
         for p in ok:
             if p["fwd_bwd_tflops"] > best.get(p["backend"], {}).get("fwd_bwd_tflops", 0):
                 best[p["backend"]] = p
-        out = "; ".join(f"{b} causal hd128 fwd+bwd up to {p['fwd_bwd_tflops']:.0f} TFLOP/s (s {p['seq']})"
-                        for b, p in best.items()) or "-"
+        out = (
+            "; ".join(
+                f"{b} causal hd128 fwd+bwd up to {p['fwd_bwd_tflops']:.0f} TFLOP/s (s {p['seq']})"
+                for b, p in best.items()
+            )
+            or "-"
+        )
         slow = dropout_slowdown(d["points"])
-        return out + "".join(f"; {b} dropout 0.1 x{r:.2f} time (median over s {s[0]}-{s[-1]})"
-                             for b, (s, r) in slow.items())
+        return out + "".join(
+            f"; {b} dropout 0.1 x{r:.2f} time (median over s {s[0]}-{s[-1]})"
+            for b, (s, r) in slow.items()
+        )
     if step.name == "membound":
-        by = {(o["op"], o.get("d") or o.get("vocab") or o.get("params")): o["GBps"] for o in d["ops"]}
-        return ", ".join(f"{op} {v / 1e3:.2f} TB/s" for (op, size), v in by.items()
-                         if size in (4096, 128256, 1 << 27)) + f"; tiny kernel {d['tiny_kernel_s'] * 1e6:.1f} us"
+        by = {
+            (o["op"], o.get("d") or o.get("vocab") or o.get("params")): o["GBps"] for o in d["ops"]
+        }
+        return (
+            ", ".join(
+                f"{op} {v / 1e3:.2f} TB/s"
+                for (op, size), v in by.items()
+                if size in (4096, 128256, 1 << 27)
+            )
+            + f"; tiny kernel {d['tiny_kernel_s'] * 1e6:.1f} us"
+        )
     if step.name == "step_profile":
         return "; ".join(
             f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c['overrides'] else ''} mb {c['micro_batch']}: step "
             f"{c['step_s'] * 1e3:.1f} ms, GPU busy {c['gpu_busy_s'] / c['step_s']:.0%}"
-            + (f", {c['kernels']:,} kernels" if "kernels" in c else "") + " ("
-            + ", ".join(f"{k} {v / c['step_s']:.0%}" for k, v in sorted(c["gpu_s_by_category"].items(),
-                                                                      key=lambda kv: -kv[1])) + ")"
-            for c in d["cases"])
+            + (f", {c['kernels']:,} kernels" if "kernels" in c else "")
+            + " ("
+            + ", ".join(
+                f"{k} {v / c['step_s']:.0%}"
+                for k, v in sorted(c["gpu_s_by_category"].items(), key=lambda kv: -kv[1])
+            )
+            + ")"
+            for c in d["cases"]
+        )
     if step.name == "layer_probe":
         return "; ".join(layer_line(c) for c in d["cases"])
     if step.name == "contention":
         if "skipped" in d:
             return d["skipped"]
-        return "; ".join(f"{r['victim']} with {r['aggressor']} ({r['sm_share']:.0%} of SMs, {r['hbm_share']:.0%} of "
-                         f"HBM): {r['cost']:.2f} of the transfer not hidden" for r in d["rows"])
+        return "; ".join(
+            f"{r['victim']} with {r['aggressor']} ({r['sm_share']:.0%} of SMs, {r['hbm_share']:.0%} of "
+            f"HBM): {r['cost']:.2f} of the transfer not hidden"
+            for r in d["rows"]
+        )
     if step.kind == "probe":
-        return (f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} FLOP, "
-                f"{d['points']} GEMM shapes; overheads " + ", ".join(f"d{o[0]}: step {o[1] * 1e3:.1f} ms, fixed "
-                                                                      f"{o[2] * 1e3:.1f} ms" for o in d["overheads"]))
+        return (
+            f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} FLOP, "
+            f"{d['points']} GEMM shapes; overheads "
+            + ", ".join(
+                f"d{o[0]}: step {o[1] * 1e3:.1f} ms, fixed {o[2] * 1e3:.1f} ms"
+                for o in d["overheads"]
+            )
+        )
     if step.kind == "fsdp":
-        return (f"MFU {_f(d['mfu'], '.1%')}, {_f(d['tokens_per_s'], ',.0f')} tok/s, "
-                f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem {_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB")
+        return (
+            f"MFU {_f(d['mfu'], '.1%')}, {_f(d['tokens_per_s'], ',.0f')} tok/s, "
+            f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem {_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB"
+        )
     if step.kind == "fp8":
-        return (f"{_f(d['tokens_per_s'], ',.0f')} tok/s, loss {_f(d['first_loss'], '.3f')} -> "
-                f"{_f(d['final_loss'], '.3f')}, peak mem {_f((d['peak_mem_bytes'] or 0) / 2**30, '.1f')} GiB")
+        return (
+            f"{_f(d['tokens_per_s'], ',.0f')} tok/s, loss {_f(d['first_loss'], '.3f')} -> "
+            f"{_f(d['final_loss'], '.3f')}, peak mem {_f((d['peak_mem_bytes'] or 0) / 2**30, '.1f')} GiB"
+        )
     if step.kind == "tp":
-        return (f"single {_f(d['single_s'] and d['single_s'] * 1e3, '.2f')} ms, hand-rolled "
-                f"{_f(d['handrolled_s'] and d['handrolled_s'] * 1e3, '.2f')} ms, DTensor "
-                f"{_f(d['dtensor_s'] and d['dtensor_s'] * 1e3, '.2f')} ms per step")
+        return (
+            f"single {_f(d['single_s'] and d['single_s'] * 1e3, '.2f')} ms, hand-rolled "
+            f"{_f(d['handrolled_s'] and d['handrolled_s'] * 1e3, '.2f')} ms, DTensor "
+            f"{_f(d['dtensor_s'] and d['dtensor_s'] * 1e3, '.2f')} ms per step"
+        )
     if step.kind == "allreduce":
         return f"{d['cases']} cases over {d['backend']}, {d['wrong_total']} wrong elements, {d['skipped']} skipped"
     if step.kind == "pytest":
@@ -188,10 +294,18 @@ def layer_line(c: dict) -> str:
     model = c.get("model") or {}
     out = f"{c['case']} {c['precision']} mb {c['micro_batch']}: {c['step_s'] * 1e3:.1f} ms"
     if "total" in model:
-        out += f", model {model['total'] * 1e3:.1f} ms (measured {c['step_s'] / model['total']:.2f}x)"
+        out += (
+            f", model {model['total'] * 1e3:.1f} ms (measured {c['step_s'] / model['total']:.2f}x)"
+        )
     busy = c.get("gpu_s_by_category") or {}
     if busy:
-        out += " (" + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])) + " ms)"
+        out += (
+            " ("
+            + ", ".join(
+                f"{k} {v * 1e3:.1f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])
+            )
+            + " ms)"
+        )
     return out
 
 
@@ -201,16 +315,20 @@ def speedups(done: list[Step]) -> list[str]:
     for c in ("false", "true"):
         bf16, fp8 = by.get(f"fp8_bf16_compile_{c}"), by.get(f"fp8_torchao_tensorwise_compile_{c}")
         if bf16 and fp8:
-            lines.append(f"- torchao tensorwise FP8 vs bf16 at d_model 4096, compile={c}: **{fp8 / bf16:.2f}x** "
-                         f"tokens/s ({fp8:,.0f} vs {bf16:,.0f})")
+            lines.append(
+                f"- torchao tensorwise FP8 vs bf16 at d_model 4096, compile={c}: **{fp8 / bf16:.2f}x** "
+                f"tokens/s ({fp8:,.0f} vs {bf16:,.0f})"
+            )
     return lines
 
 
 def render(done: list[Step], run_dir: Path) -> str:
     env = next((s.data for s in done if s.name == "env"), {})
-    head = (f"# gpu-check: {env.get('gpu_name', 'unknown GPU')} (profile {env.get('profile')})\n\n"
-            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}; "
-            f"run directory `{run_dir}`; reproduce with `make gpu-check`.\n\n")
+    head = (
+        f"# gpu-check: {env.get('gpu_name', 'unknown GPU')} (profile {env.get('profile')})\n\n"
+        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}; "
+        f"run directory `{run_dir}`; reproduce with `make gpu-check`.\n\n"
+    )
     rows = ["| step | what | result | status | time |", "|---|---|---|---|---|"]
     for s in done:
         if s.name == "env":

@@ -5,6 +5,7 @@ each plot it wrote there with its sha256. A file of a plot's name that is not li
 changed since (the user's own), is refused before any work (``check_plots_dir``), and a stale plot
 is removed only when listed and unchanged.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,7 @@ def _save(fig, path: Path) -> Path:
 def model_styles() -> tuple[list, tuple[str, ...]]:
     """(colour, marker) per model of MODELS, every pair different."""
     assert len(MODELS) <= len(MODEL_MARKERS), "add markers for the new models"
-    return plots.sns.color_palette(MODEL_PALETTE, len(MODELS)), MODEL_MARKERS[:len(MODELS)]
+    return plots.sns.color_palette(MODEL_PALETTE, len(MODELS)), MODEL_MARKERS[: len(MODELS)]
 
 
 def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, title: str) -> Path:
@@ -49,8 +50,11 @@ def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, 
     styles = (("NVLink", "-"), ("PCIe", "--"))
     for color, marker, p in zip(palette, markers, MODELS):
         for topo, style in styles:
-            pts = sorted((getattr(c, x), c.mfu) for c in cells if c.params == p and c.topology == topo
-                         and keep(c) and c.fits)
+            pts = sorted(
+                (getattr(c, x), c.mfu)
+                for c in cells
+                if c.params == p and c.topology == topo and keep(c) and c.fits
+            )
             if pts:
                 ax.plot(*zip(*pts), style, marker=marker, markersize=5, color=color)
     ax.set_xscale("log", base=2)
@@ -59,24 +63,54 @@ def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, 
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set(xlabel=xlabel, ylabel="predicted MFU (% of peak)", title=title)
     handles = [Line2D([], [], color=c, marker=m, markersize=5) for c, m in zip(palette, markers)]
-    models = ax.legend(handles,
-                       [model_label(p) for p in MODELS], title="model", loc="upper left",
-                       bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, title_fontsize=8, frameon=False)
+    models = ax.legend(
+        handles,
+        [model_label(p) for p in MODELS],
+        title="model",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+        fontsize=8,
+        title_fontsize=8,
+        frameon=False,
+    )
     ax.add_artist(models)
-    ax.legend([Line2D([], [], color="0.3", ls=st) for _, st in styles], [t for t, _ in styles], title="node",
-              loc="lower left", bbox_to_anchor=(1.01, 0.0), borderaxespad=0.0, fontsize=8, title_fontsize=8,
-              frameon=False)
+    ax.legend(
+        [Line2D([], [], color="0.3", ls=st) for _, st in styles],
+        [t for t, _ in styles],
+        title="node",
+        loc="lower left",
+        bbox_to_anchor=(1.01, 0.0),
+        borderaxespad=0.0,
+        fontsize=8,
+        title_fontsize=8,
+        frameon=False,
+    )
     return _save(fig, path)
 
 
 def mfu_vs_gpus(cells: list[Cell], path: Path) -> Path:
-    return _mfu_lines(cells, path, "gpus", lambda c: c.ib_gbit == REF_IB, GPU_COUNTS, "GPUs",
-                      f"Best layout's MFU (IB {REF_IB} Gbit/s per GPU)")
+    return _mfu_lines(
+        cells,
+        path,
+        "gpus",
+        lambda c: c.ib_gbit == REF_IB,
+        GPU_COUNTS,
+        "GPUs",
+        f"Best layout's MFU (IB {REF_IB} Gbit/s per GPU)",
+    )
 
 
 def mfu_vs_ib(cells: list[Cell], path: Path) -> Path:
-    return _mfu_lines(cells, path, "ib_gbit", lambda c: c.gpus == REF_GPUS, IB_GBITS, "InfiniBand per GPU (Gbit/s)",
-                      f"{REF_GPUS} GPUs: MFU vs inter-node bandwidth")
+    return _mfu_lines(
+        cells,
+        path,
+        "ib_gbit",
+        lambda c: c.gpus == REF_GPUS,
+        IB_GBITS,
+        "InfiniBand per GPU (Gbit/s)",
+        f"{REF_GPUS} GPUs: MFU vs inter-node bandwidth",
+    )
 
 
 def step_breakdown(cells: list[Cell], path: Path) -> Path:
@@ -85,8 +119,16 @@ def step_breakdown(cells: list[Cell], path: Path) -> Path:
 
     fig, axes = plots.figure(width=7.0, height=3.8)
     ax = axes[0][0]
-    chosen = [c for p in MODELS for c in cells if c.params == p and c.gpus == REF_GPUS and c.topology == "NVLink"
-              and c.ib_gbit == REF_IB and c.fits]
+    chosen = [
+        c
+        for p in MODELS
+        for c in cells
+        if c.params == p
+        and c.gpus == REF_GPUS
+        and c.topology == "NVLink"
+        and c.ib_gbit == REF_IB
+        and c.fits
+    ]
     labels = [f"{c.model}  {c.layout}" for c in chosen]
     left = [0.0] * len(chosen)
     for i, name in enumerate(PARTS):
@@ -95,8 +137,11 @@ def step_breakdown(cells: list[Cell], path: Path) -> Path:
         left = [b + v for b, v in zip(left, vals)]
     ax.invert_yaxis()  # smallest model on top, as the matrix lists them
     ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-    ax.set(xlabel="share of predicted step time", ylabel="model, layout (dp×tp×pp)",
-           title=f"Where the step goes ({REF_GPUS} GPUs, NVLink, IB {REF_IB} Gbit/s)")
+    ax.set(
+        xlabel="share of predicted step time",
+        ylabel="model, layout (dp×tp×pp)",
+        title=f"Where the step goes ({REF_GPUS} GPUs, NVLink, IB {REF_IB} Gbit/s)",
+    )
     plots.legend_outside(ax, "part of the step")
     return _save(fig, path)
 
@@ -117,19 +162,34 @@ def predicted_vs_measured(checks: list[Check], path: Path) -> Path | None:
     lo = min(min(c.measured_s, (c.predicted_range or (c.predicted_s,))[0]) for c in checks) * 0.7
     hi = max(max(c.measured_s, (c.predicted_range or (0, c.predicted_s))[1]) for c in checks) * 1.4
     ax.plot([lo, hi], [lo, hi], "k-", lw=1)
-    ax.fill_between([lo, hi], [lo * (1 - GOAL), hi * (1 - GOAL)], [lo * (1 + GOAL), hi * (1 + GOAL)],
-                    color="grey", alpha=0.2, label=f"±{GOAL:.0%} (goal)")
+    ax.fill_between(
+        [lo, hi],
+        [lo * (1 - GOAL), hi * (1 - GOAL)],
+        [lo * (1 + GOAL), hi * (1 + GOAL)],
+        color="grey",
+        alpha=0.2,
+        label=f"±{GOAL:.0%} (goal)",
+    )
     for axis in ("x", "y"):
         plots.log_axis_plain(ax, axis, scale=1e3)
-    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (ms)", ylabel="predicted step time (ms)",
-           title="Cost model vs local runs")
+    ax.set(
+        xlim=(lo, hi),
+        ylim=(lo, hi),
+        xlabel="measured step time (ms)",
+        ylabel="predicted step time (ms)",
+        title="Cost model vs local runs",
+    )
     ax.set_aspect("equal")
     plots.legend_outside(ax, "bars: 10th-90th pct. of load")
     return _save(fig, path)
 
 
-FIGURES = {"mfu_vs_gpus": mfu_vs_gpus, "mfu_vs_ib": mfu_vs_ib, "step_breakdown": step_breakdown,
-           "predicted_vs_measured": predicted_vs_measured}
+FIGURES = {
+    "mfu_vs_gpus": mfu_vs_gpus,
+    "mfu_vs_ib": mfu_vs_ib,
+    "step_breakdown": step_breakdown,
+    "predicted_vs_measured": predicted_vs_measured,
+}
 
 
 def _draw(task: tuple) -> Path | None:
@@ -172,8 +232,9 @@ def check_plots_dir(out_dir: Path, with_local: bool, shown: str) -> None:
     fix = "move it or pass another --plots-dir"
     manifest = read_manifest(out_dir)
     if manifest is None:
-        raise UserError(f"{shown} holds {out_dir / MANIFEST} that dtrain guide did not write: "
-                        f"{fix}")
+        raise UserError(
+            f"{shown} holds {out_dir / MANIFEST} that dtrain guide did not write: {fix}"
+        )
     names = [n for n in FIGURES if with_local or n not in LOCAL_ONLY]
     for path in (out_dir / f"{n}.png" for n in names):
         if path.is_symlink() or path.is_dir() or (path.exists() and not _ours(path, manifest)):
@@ -197,8 +258,10 @@ def _record(out_dir: Path, made: list[Path | None]) -> None:
 def draw_all(cells: list[Cell], checks: list[Check], out_dir: Path, pool=None) -> list[Path]:
     """Every figure (``pool``: side by side in its workers, which forked with matplotlib imported)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tasks = [(name, checks if name == "predicted_vs_measured" else cells, out_dir / f"{name}.png")
-             for name in FIGURES]
+    tasks = [
+        (name, checks if name == "predicted_vs_measured" else cells, out_dir / f"{name}.png")
+        for name in FIGURES
+    ]
     made = pool.map(_draw, tasks, chunksize=1) if pool is not None else [_draw(t) for t in tasks]
     _record(out_dir, made)
     return [p for p in made if p is not None]

@@ -5,6 +5,7 @@ default what the latest `dtrain capstone` read, dtrain.guide.inputs, so both giv
 computes the decision matrix, derives its rules, checks the model against the local runs, draws
 the plots (into docs/guide/ beside the guide by default) and writes the markdown atomically.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -24,17 +25,34 @@ from .inputs import default_inputs
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("guide", help="regenerate PARALLELISM_GUIDE.md from measured results",
-                       description=__doc__.split("\n")[0])
-    p.add_argument("--results", action="append", metavar="DIR",
-                   help="run dirs or folders above them (repeatable; default: what the latest "
-                        "capstone under results/capstone read, its runs and measured/; without "
-                        "one results/ and measured/)")
-    p.add_argument("--no-results", action="store_true", help="datasheet/published values only, no runs read")
-    p.add_argument("--out", default="PARALLELISM_GUIDE.md", help="markdown file to write (default PARALLELISM_GUIDE.md)")
+    p = sub.add_parser(
+        "guide",
+        help="regenerate PARALLELISM_GUIDE.md from measured results",
+        description=__doc__.split("\n")[0],
+    )
+    p.add_argument(
+        "--results",
+        action="append",
+        metavar="DIR",
+        help="run dirs or folders above them (repeatable; default: what the latest "
+        "capstone under results/capstone read, its runs and measured/; without "
+        "one results/ and measured/)",
+    )
+    p.add_argument(
+        "--no-results", action="store_true", help="datasheet/published values only, no runs read"
+    )
+    p.add_argument(
+        "--out",
+        default="PARALLELISM_GUIDE.md",
+        help="markdown file to write (default PARALLELISM_GUIDE.md)",
+    )
     p.add_argument("--plots-dir", help="where the PNGs go (default: docs/guide/ beside --out)")
-    p.add_argument("--gpu", default="h100-sxm", choices=sorted(load_profiles()),
-                   help="GPU of the decision matrix (default h100-sxm)")
+    p.add_argument(
+        "--gpu",
+        default="h100-sxm",
+        choices=sorted(load_profiles()),
+        help="GPU of the decision matrix (default h100-sxm)",
+    )
     p.set_defaults(func=run)
 
 
@@ -44,12 +62,14 @@ def _progress():
 
     from dtrain.core.terminal import rich_progress
 
-    return rich_progress(TextColumn("decision matrix"), BarColumn(), MofNCompleteColumn(),
-                         TimeElapsedColumn())
+    return rich_progress(
+        TextColumn("decision matrix"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    )
 
 
-def check_outputs(out: str | Path, plots_dir: str | Path | None,
-                  with_local: bool) -> tuple[Path, Path]:
+def check_outputs(
+    out: str | Path, plots_dir: str | Path | None, with_local: bool
+) -> tuple[Path, Path]:
     """Before any work (also `dtrain capstone`'s, before its experiments): the guide file can be
     written, and the plots folder holds no file of a plot's name that the guide did not write
     (``with_local``: runs are read, so the plot of the local runs may be drawn).
@@ -66,8 +86,13 @@ def check_outputs(out: str | Path, plots_dir: str | Path | None,
     return out, folder
 
 
-def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path | None = None,
-             gpu: str = "h100-sxm", quiet: bool = False) -> tuple[Path, list[Path]]:
+def generate(
+    results: list[str] | None,
+    out: str | Path,
+    plots_dir: str | Path | None = None,
+    gpu: str = "h100-sxm",
+    quiet: bool = False,
+) -> tuple[Path, list[Path]]:
     """Write the guide and its plots; returns (guide path, plot paths)."""
     from dtrain.costmodel.backtest import backtest
 
@@ -82,8 +107,10 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
     out, plots_dir = check_outputs(out, plots_dir, with_local=bool(results))
     for r in results:
         if not Path(r).exists():
-            raise UserError(f"no such results path: {r}: run `dtrain capstone` first, pass --results DIR, "
-                            "or --no-results for a datasheet-only guide")
+            raise UserError(
+                f"no such results path: {r}: run `dtrain capstone` first, pass --results DIR, "
+                "or --no-results for a datasheet-only guide"
+            )
     base = Path.cwd()
     runs = find_runs(results) if results else []
     report, messages = calibrate_naming_skips(results, base=base, gpu=gpu)
@@ -97,17 +124,34 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
     # first), so every core stays busy until both are done (fork: the workers start with the model imported)
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
     try:
-        long_async = pool.map_async(long_search, long_tasks(report.cluster, report.cluster_links, gpu),
-                                    chunksize=1) if pool else None
+        long_async = (
+            pool.map_async(
+                long_search, long_tasks(report.cluster, report.cluster_links, gpu), chunksize=1
+            )
+            if pool
+            else None
+        )
         with bar:
             task = bar.add_task("matrix", total=None)
-            cells = compute_matrix(report.cluster, report.cluster_links, gpu, pool=pool,
-                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
-        backtest_async = pool.apply_async(backtest, kwds={"rank": False}) if pool else None  # beside the last searches
-        long_cells = (lc.long_cells(long_async.get()) if long_async
-                      else lc.compute_long(report.cluster, report.cluster_links, gpu))
+            cells = compute_matrix(
+                report.cluster,
+                report.cluster_links,
+                gpu,
+                pool=pool,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+        backtest_async = (
+            pool.apply_async(backtest, kwds={"rank": False}) if pool else None
+        )  # beside the last searches
+        long_cells = (
+            lc.long_cells(long_async.get())
+            if long_async
+            else lc.compute_long(report.cluster, report.cluster_links, gpu)
+        )
         checks = []
-        if report.runs:  # the local checks read runs with dtrain's model (torch): only when there are runs
+        if (
+            report.runs
+        ):  # the local checks read runs with dtrain's model (torch): only when there are runs
             from .local_check import local_checks
 
             checks = local_checks(report, base)
@@ -118,14 +162,27 @@ def generate(results: list[str] | None, out: str | Path, plots_dir: str | Path |
             pool.close()
             pool.join()
     label = ", ".join(display_path(Path(r), base) for r in results) or "(none: --no-results)"
-    text = render(report, cells, derive_rules(cells), checks, plot_paths, out, label, skipped, gpu, long_cells,
-                  backtest_rows)
+    text = render(
+        report,
+        cells,
+        derive_rules(cells),
+        checks,
+        plot_paths,
+        out,
+        label,
+        skipped,
+        gpu,
+        long_cells,
+        backtest_rows,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text)
     if not quiet:
         for p in plot_paths:
             print(f"wrote plot {p}")
-        print(f"wrote {out} ({len(cells)} matrix cells, {len(checks)} local checks, {len(report.runs)} runs read)")
+        print(
+            f"wrote {out} ({len(cells)} matrix cells, {len(checks)} local checks, {len(report.runs)} runs read)"
+        )
     return out, plot_paths
 
 
@@ -136,8 +193,10 @@ def run(args) -> int:
         results = [] if args.no_results else args.results
     else:  # what `dtrain capstone` gives its guide (dtrain.guide.inputs): one guide, either way
         results, said = default_inputs()
-        print(textwrap.fill(said, WIDTH, break_on_hyphens=False, break_long_words=False),
-              file=sys.stderr)
+        print(
+            textwrap.fill(said, WIDTH, break_on_hyphens=False, break_long_words=False),
+            file=sys.stderr,
+        )
     generate(results, args.out, args.plots_dir, args.gpu)
     return 0
 

@@ -7,6 +7,7 @@ results/capstone/ with what it recorded, so `make guide` after `make capstone` g
 cells. Without any capstone it reads results/ plus measured/. Light: no torch, no cost model (the
 capstone checks its --measured before any step starts).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ from pathlib import Path
 
 from dtrain.core.errors import UserError
 
-MEASURED = "measured"              # the committed GPU measurements (`make gpu-check` reports)
+MEASURED = "measured"  # the committed GPU measurements (`make gpu-check` reports)
 RESULTS = Path("results")
-CAPSTONES = RESULTS / "capstone"   # dtrain.cli.capstone.results_folder's default parent
+CAPSTONES = RESULTS / "capstone"  # dtrain.cli.capstone.results_folder's default parent
 INPUTS_FILE = "guide-inputs.json"  # in a capstone's folder: {"measured": [paths relative to it]}
 CHOOSE = "(--results DIR to choose)"
 
@@ -32,8 +33,10 @@ def gpu_measurements(measured: str = MEASURED) -> list[str]:
         return [measured]
     if measured == MEASURED:
         return []
-    raise UserError(f"--measured {measured}: no such folder: give the folder `make gpu-check` "
-                    "reports were copied to, or --measured none")
+    raise UserError(
+        f"--measured {measured}: no such folder: give the folder `make gpu-check` "
+        "reports were copied to, or --measured none"
+    )
 
 
 def record(folder: Path, measured: list[str]) -> list[str]:
@@ -75,7 +78,9 @@ def default_inputs() -> tuple[list[str], str]:
     if capstone is not None:
         inputs = recorded(capstone)
         extra = f" and {', '.join(inputs[1:])}" if inputs[1:] else ""
-        return inputs, (f"guide: reading the latest capstone, {capstone}{extra}, as `dtrain "
-                        f"capstone` did {CHOOSE}")
+        return inputs, (
+            f"guide: reading the latest capstone, {capstone}{extra}, as `dtrain "
+            f"capstone` did {CHOOSE}"
+        )
     inputs = [str(RESULTS), *gpu_measurements()]
     return inputs, f"guide: no capstone under {CAPSTONES}: reading {' and '.join(inputs)} {CHOOSE}"

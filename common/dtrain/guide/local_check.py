@@ -30,6 +30,7 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
                        over the window gives the prediction's spread (``Check.predicted_range``)
 Rows say which inputs were in-sample or left out. Goal: |error| <= 15%.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,27 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from dtrain.costmodel import (Calibration, Cluster, GPUProfile, Layout, LinkModel, ModelShape,
-                              Param, StepTime, step_time)
+from dtrain.costmodel import (
+    Calibration,
+    Cluster,
+    GPUProfile,
+    Layout,
+    LinkModel,
+    ModelShape,
+    Param,
+    StepTime,
+    step_time,
+)
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
 from dtrain.results import contract
-from dtrain.costmodel.calibration_records import (Candidate, RunInputs, leave_one_out,
-                                                  tp_modelled_comm_s, tp_rows, training_entries)
+from dtrain.costmodel.calibration_records import (
+    Candidate,
+    RunInputs,
+    leave_one_out,
+    tp_modelled_comm_s,
+    tp_rows,
+    training_entries,
+)
 from dtrain.costmodel.efficiency import GemmCurve, gemm_time, layer_gemms
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.stack import Stack
@@ -63,8 +79,20 @@ BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
 def host_cluster(peak_flops: float, world: int, link: LinkModel) -> Cluster:
     """This host as the cost model's cluster: one 'GPU' per rank at the measured peak, one link."""
     gbps = link.beta_Bps / 1e9
-    prof = GPUProfile("host", peak_flops / 1e12, peak_flops / 1e12, 1e6, 0.0, gbps, 2 * gbps, world, 0, gbps,
-                      gbps * 8, "measured")
+    prof = GPUProfile(
+        "host",
+        peak_flops / 1e12,
+        peak_flops / 1e12,
+        1e6,
+        0.0,
+        gbps,
+        2 * gbps,
+        world,
+        0,
+        gbps,
+        gbps * 8,
+        "measured",
+    )
     return Cluster(world, world, prof, link, link)
 
 
@@ -103,7 +131,7 @@ class _Fsdp:
     shape: ModelShape
     value_bytes: int
     efficiency: float  # compute-only, cost-model FLOP convention
-    experiment: str    # the run's subproject, as the checks label it
+    experiment: str  # the run's subproject, as the checks label it
     oversub: float = 1.0
     free_cores: float = 1.0  # free_core_share: scales the DP overlap
 
@@ -125,9 +153,19 @@ def _fsdp_runs(report: CalibrationReport, base) -> list[_Fsdp]:
             compute_s = step - (m.exposed_comm_s or 0.0)
             eff = tokens_per_rank * model_flops_per_token(shape) / (compute_s * peak)
             vb = 4 if m.precision == "fp32" else 2
-            out.append(_Fsdp(display_path(ri.run.path, base), ri.source.on_gpu, m, shape, vb, eff,
-                             ri.run.subproject, oversubscription(ri.run.env, world),
-                             free_core_share(ri.run.env, world)))
+            out.append(
+                _Fsdp(
+                    display_path(ri.run.path, base),
+                    ri.source.on_gpu,
+                    m,
+                    shape,
+                    vb,
+                    eff,
+                    ri.run.subproject,
+                    oversubscription(ri.run.env, world),
+                    free_core_share(ri.run.env, world),
+                )
+            )
     return out
 
 
@@ -141,22 +179,32 @@ class _Probe:
     peak: float  # the probe's own 512^3 matmul rate (with load factors: the idle host's)
     loads: dict = field(default_factory=dict)  # run (display path) -> contract.RunLoad fields
 
-    def speed(self, run: str, run_peak: float) -> tuple[float, float, tuple[float, float] | None, str]:
+    def speed(
+        self, run: str, run_peak: float
+    ) -> tuple[float, float, tuple[float, float] | None, str]:
         """(peak to predict the run at, its load factor, (10th, 90th percentile) factors, basis note). With
         the run's load measured: the probe's idle rate and that factor; else the run's own matmul probe."""
         load = self.loads.get(run)
         if load is None:
             return run_peak, 1.0, None, ""
         lf, lo, hi = load["load_factor"], load["low"], load["high"]
-        return self.peak, lf, (lo, hi), f"; load x{lf:.2f} measured during the run ({lo:.2f}-{hi:.2f})"
+        return (
+            self.peak,
+            lf,
+            (lo, hi),
+            f"; load x{lf:.2f} measured during the run ({lo:.2f}-{hi:.2f})",
+        )
 
     def overhead(self, kind: str, match: dict, micro_batch: int, run_peak: float) -> float | None:
         """The measured overhead of this model, scaled by probe peak / run peak: on shared cores the
         run's own matmul probe says how much slower everything ran at the time (load)."""
         for o in self.overheads:
             c = o["config"]
-            if (o["kind"] == kind and o["micro_batch"] == micro_batch
-                    and all(c.get(k) == v for k, v in match.items())):
+            if (
+                o["kind"] == kind
+                and o["micro_batch"] == micro_batch
+                and all(c.get(k) == v for k, v in match.items())
+            ):
                 return float(o["overhead_s"]) * self.peak / run_peak
         return None
 
@@ -168,26 +216,48 @@ def _probe(report: CalibrationReport, base) -> _Probe | None:
     src, g = found
     results = ((Path(base) if base else Path.cwd()) / src.run).parent  # the folder the probe read
     loads = {display_path(results / ld["run"], base): ld for ld in g.get("loads") or []}
-    return _Probe(GemmCurve(g["e_max"], g.get("w_half") or 0.0), g.get("overheads") or [], src.run,
-                  float(g.get("peak_flops") or 1.0), loads)
+    return _Probe(
+        GemmCurve(g["e_max"], g.get("w_half") or 0.0),
+        g.get("overheads") or [],
+        src.run,
+        float(g.get("peak_flops") or 1.0),
+        loads,
+    )
 
 
 def _gpt_match(shape: ModelShape) -> dict:
-    return {"n_layer": shape.n_layer, "d_model": shape.d_model, "n_head": shape.n_head, "seq_len": shape.seq_len,
-            "vocab_size": shape.vocab}
+    return {
+        "n_layer": shape.n_layer,
+        "d_model": shape.d_model,
+        "n_head": shape.n_head,
+        "seq_len": shape.seq_len,
+        "vocab_size": shape.vocab,
+    }
 
 
-def _calib(eff: float, eff_basis: str, overlap: float | None, probe: _Probe | None = None,
-           overhead: float | None = None, factors: tuple[Candidate | None, ...] = ()) -> Calibration:
-    c = replace(Calibration(), mfu=Param(eff, "measured here: " + eff_basis),
-                tp_overhead=Param(1.0, "datasheet/published: raw alpha-beta"))
+def _calib(
+    eff: float,
+    eff_basis: str,
+    overlap: float | None,
+    probe: _Probe | None = None,
+    overhead: float | None = None,
+    factors: tuple[Candidate | None, ...] = (),
+) -> Calibration:
+    c = replace(
+        Calibration(),
+        mfu=Param(eff, "measured here: " + eff_basis),
+        tp_overhead=Param(1.0, "datasheet/published: raw alpha-beta"),
+    )
     for f in factors:  # leave-one-out tp_overhead / pp_overhead
         if f is not None:
             c = replace(c, **{f.name: f.param()})
     if probe is not None and overhead is not None:
-        c = replace(c, mfu=Param(probe.curve.e_max, "measured here: " + probe.label),
-                    gemm_half_flops=Param(probe.curve.w_half, "measured here: " + probe.label),
-                    step_overhead_s=Param(overhead, "measured here: " + probe.label))
+        c = replace(
+            c,
+            mfu=Param(probe.curve.e_max, "measured here: " + probe.label),
+            gemm_half_flops=Param(probe.curve.w_half, "measured here: " + probe.label),
+            step_overhead_s=Param(overhead, "measured here: " + probe.label),
+        )
     if overlap is not None:
         c = replace(c, dp_overlap=Param(overlap, "measured here: fsdp-scaling"))
     return c
@@ -202,38 +272,80 @@ def _factor_basis(f: Candidate | None, what: str, raw: str) -> str:
     return f"; {what} x{f.value:.2f} from {len(f.pooled)} other run(s), leave-one-out"
 
 
-def host_step(shape: ModelShape, layout: Layout, calib: Calibration, *, peak: float, world: int,
-              link: LinkModel | None, value_bytes: int, overhead_s: float | None = None,
-              precision: str = "bf16") -> StepTime:
+def host_step(
+    shape: ModelShape,
+    layout: Layout,
+    calib: Calibration,
+    *,
+    peak: float,
+    world: int,
+    link: LinkModel | None,
+    value_bytes: int,
+    overhead_s: float | None = None,
+    precision: str = "bf16",
+) -> StepTime:
     """The cost model's step on this host (``host_cluster``: ``world`` ranks at ``peak`` each, the
     local link; none measured: a free one). ``overhead_s``: the probe's fixed step overhead as
     slowed on these cores, in place of ``calib``'s."""
     if overhead_s is not None:
         calib = replace(calib, step_overhead_s=Param(overhead_s, calib.step_overhead_s.provenance))
     cluster = host_cluster(peak, world, link or LinkModel(0, 1e30))
-    return step_time(shape, layout, cluster, calib, precision=precision, value_bytes=value_bytes,
-                     stack=TRAINER)
+    return step_time(
+        shape, layout, cluster, calib, precision=precision, value_bytes=value_bytes, stack=TRAINER
+    )
 
 
-def fsdp_step(r: _Fsdp, calib: Calibration, *, peak: float, load: float, link: LinkModel | None,
-              overhead_s: float | None) -> StepTime:
+def fsdp_step(
+    r: _Fsdp,
+    calib: Calibration,
+    *,
+    peak: float,
+    load: float,
+    link: LinkModel | None,
+    overhead_s: float | None,
+) -> StepTime:
     """Run ``r``'s predicted step under ``load`` (other processes' load factor): its busy threads
     per core times the load make its compute that much slower, the probe's overhead that much
     longer."""
     k = r.oversub * load
     world = r.layout.dp * r.layout.tp * r.layout.pp
-    return host_step(r.shape, r.layout, calib, peak=peak / k, world=world, link=link,
-                     value_bytes=r.value_bytes,
-                     overhead_s=None if overhead_s is None else overhead_s * k)
+    return host_step(
+        r.shape,
+        r.layout,
+        calib,
+        peak=peak / k,
+        world=world,
+        link=link,
+        value_bytes=r.value_bytes,
+        overhead_s=None if overhead_s is None else overhead_s * k,
+    )
 
 
-def recipe_step(shape: ModelShape, layout: Layout, calib: Calibration, *, peak: float,
-                oversub: float, load: float, link: LinkModel | None, value_bytes: int,
-                overhead_s: float | None, precision: str) -> StepTime:
+def recipe_step(
+    shape: ModelShape,
+    layout: Layout,
+    calib: Calibration,
+    *,
+    peak: float,
+    oversub: float,
+    load: float,
+    link: LinkModel | None,
+    value_bytes: int,
+    overhead_s: float | None,
+    precision: str,
+) -> StepTime:
     """A numerics-recipe run's predicted step under ``load``, as ``fsdp_step``."""
-    return host_step(shape, layout, calib, peak=peak / (oversub * load), world=layout.world_size,
-                     link=link, value_bytes=value_bytes, precision=precision,
-                     overhead_s=None if overhead_s is None else overhead_s * oversub * load)
+    return host_step(
+        shape,
+        layout,
+        calib,
+        peak=peak / (oversub * load),
+        world=layout.world_size,
+        link=link,
+        value_bytes=value_bytes,
+        precision=precision,
+        overhead_s=None if overhead_s is None else overhead_s * oversub * load,
+    )
 
 
 def _spread(step, spread: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -242,15 +354,25 @@ def _spread(step, spread: tuple[float, float] | None) -> tuple[float, float] | N
     return spread and (step(load=spread[0]).total, step(load=spread[1]).total)
 
 
-def fsdp_checks(runs: list[_Fsdp], link: LinkModel | None, probe: _Probe | None = None,
-                cands: list[Candidate] = ()) -> list[Check]:
-    checks = (fsdp_check(r, runs[:i] + runs[i + 1:], link, probe, cands)
-              for i, r in enumerate(runs))
+def fsdp_checks(
+    runs: list[_Fsdp],
+    link: LinkModel | None,
+    probe: _Probe | None = None,
+    cands: list[Candidate] = (),
+) -> list[Check]:
+    checks = (
+        fsdp_check(r, runs[:i] + runs[i + 1 :], link, probe, cands) for i, r in enumerate(runs)
+    )
     return [c for c in checks if c is not None]
 
 
-def fsdp_check(r: _Fsdp, rest: list[_Fsdp], link: LinkModel | None, probe: _Probe | None,
-               cands: list[Candidate]) -> Check | None:
+def fsdp_check(
+    r: _Fsdp,
+    rest: list[_Fsdp],
+    link: LinkModel | None,
+    probe: _Probe | None,
+    cands: list[Candidate],
+) -> Check | None:
     """Run ``r`` predicted from the other runs (``rest``) wherever they measured the input."""
     m, lay = r.record, r.layout
     if link is None and lay.dp * lay.tp * lay.pp > 1:
@@ -262,18 +384,25 @@ def fsdp_check(r: _Fsdp, rest: list[_Fsdp], link: LinkModel | None, probe: _Prob
     overlaps = [o.record.overlap_fraction for o in others if o.record.overlap_fraction is not None]
     overlap = _median(overlaps) if overlaps else m.overlap_fraction
     overlap = None if overlap is None else overlap * r.free_cores
-    basis = (f"efficiency from {len(others)} other fsdp run(s)" if others else
-             "in-sample: compute efficiency from this run, only communication predicted")
-    peak, load, spread, load_note = probe.speed(r.run, m.peak_flops) if probe else \
-        (m.peak_flops, 1.0, None, "")
+    basis = (
+        f"efficiency from {len(others)} other fsdp run(s)"
+        if others
+        else "in-sample: compute efficiency from this run, only communication predicted"
+    )
+    peak, load, spread, load_note = (
+        probe.speed(r.run, m.peak_flops) if probe else (m.peak_flops, 1.0, None, "")
+    )
     over = probe.overhead("gpt", _gpt_match(r.shape), lay.micro_batch, peak) if probe else None
     if over is None:
         peak, load, spread, load_note = m.peak_flops, 1.0, None, ""
     else:
-        basis = PROBE_BASIS + (f"; DP overlap from {len(others)} other fsdp run(s)"
-                               if others else "")
-    factors = (leave_one_out(list(cands), "tp_overhead", r.run) if lay.tp > 1 else None,
-               leave_one_out(list(cands), "pp_overhead", r.run) if lay.pp > 1 else None)
+        basis = PROBE_BASIS + (
+            f"; DP overlap from {len(others)} other fsdp run(s)" if others else ""
+        )
+    factors = (
+        leave_one_out(list(cands), "tp_overhead", r.run) if lay.tp > 1 else None,
+        leave_one_out(list(cands), "pp_overhead", r.run) if lay.pp > 1 else None,
+    )
     if lay.tp > 1:
         basis += _factor_basis(factors[0], "TP comm", "raw alpha-beta TP comm")
     if lay.pp > 1:
@@ -283,11 +412,25 @@ def fsdp_check(r: _Fsdp, rest: list[_Fsdp], link: LinkModel | None, probe: _Prob
     if r.oversub > 1:
         basis += f"; {r.oversub:g} busy threads per core"
     basis += load_note
-    step = partial(fsdp_step, r, _calib(eff, basis, overlap, probe, over, factors), peak=peak,
-                   link=link, overhead_s=over)
+    step = partial(
+        fsdp_step,
+        r,
+        _calib(eff, basis, overlap, probe, over, factors),
+        peak=peak,
+        link=link,
+        overhead_s=over,
+    )
     t = step(load=load)
-    return Check(r.experiment, r.run, _fsdp_what(m), m.step_time_s, t.total, basis,
-                 _fsdp_detail(m, t), _spread(step, spread))
+    return Check(
+        r.experiment,
+        r.run,
+        _fsdp_what(m),
+        m.step_time_s,
+        t.total,
+        basis,
+        _fsdp_detail(m, t),
+        _spread(step, spread),
+    )
 
 
 def _fsdp_what(m: contract.TrainingMeasurement) -> str:
@@ -301,21 +444,30 @@ def _fsdp_detail(m: contract.TrainingMeasurement, t: StepTime) -> str:
     """The parts of the step the run measured against their predictions."""
     b, lay = m.breakdown, m.layout
     if lay.tp * lay.pp > 1 and b:  # the parts a layout run measured (CPU profile)
-        return (f"TP comm measured {b.tp_comm_s * 1e3:.0f} ms vs predicted "
-                f"{t.tp_comm * 1e3:.0f} ms; PP p2p + idle measured "
-                f"{(b.pp_p2p_s + b.idle_s) * 1e3:.0f} ms vs predicted bubble + p2p "
-                f"{(t.bubble + t.pp_comm) * 1e3:.0f} ms")
+        return (
+            f"TP comm measured {b.tp_comm_s * 1e3:.0f} ms vs predicted "
+            f"{t.tp_comm * 1e3:.0f} ms; PP p2p + idle measured "
+            f"{(b.pp_p2p_s + b.idle_s) * 1e3:.0f} ms vs predicted bubble + p2p "
+            f"{(t.bubble + t.pp_comm) * 1e3:.0f} ms"
+        )
     exposed = m.exposed_comm_s
     if exposed is None:
         return ""
-    return (f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted "
-            f"{t.dp_comm_exposed * 1e3:.0f} ms; rest measured "
-            f"{(m.step_time_s - exposed) * 1e3:.0f} ms vs predicted "
-            f"{(t.total - t.dp_comm_exposed) * 1e3:.0f} ms")
+    return (
+        f"exposed comm measured {exposed * 1e3:.0f} ms (profile) vs predicted "
+        f"{t.dp_comm_exposed * 1e3:.0f} ms; rest measured "
+        f"{(m.step_time_s - exposed) * 1e3:.0f} ms vs predicted "
+        f"{(t.total - t.dp_comm_exposed) * 1e3:.0f} ms"
+    )
 
 
-def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | None, base,
-               probe: _Probe | None = None) -> list[Check]:
+def fp8_checks(
+    report: CalibrationReport,
+    runs: list[_Fsdp],
+    link: LinkModel | None,
+    base,
+    probe: _Probe | None = None,
+) -> list[Check]:
     cpu = [r for r in runs if not r.on_gpu]
     if not cpu:
         return []
@@ -328,12 +480,23 @@ def fp8_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | N
         for m in training_entries(ri, recipe=True):
             if ri.source.on_gpu or (link is None and m.layout.world_size > 1):
                 continue
-            out.append(fp8_check(ri, m, calib, eff=eff, peak=peak, link=link, base=base, probe=probe))
+            out.append(
+                fp8_check(ri, m, calib, eff=eff, peak=peak, link=link, base=base, probe=probe)
+            )
     return out
 
 
-def fp8_check(ri: RunInputs, m: contract.TrainingMeasurement, calib: Calibration, *, eff: float,
-              peak: float, link: LinkModel | None, base, probe: _Probe | None) -> Check:
+def fp8_check(
+    ri: RunInputs,
+    m: contract.TrainingMeasurement,
+    calib: Calibration,
+    *,
+    eff: float,
+    peak: float,
+    link: LinkModel | None,
+    base,
+    probe: _Probe | None,
+) -> Check:
     """One numerics-recipe run (fp8-train's) predicted with the fsdp runs' efficiency (or the
     probe's curve) and, for an FP8 recipe, fp8-train compare's speed factor."""
     lay, world = m.layout, m.layout.world_size
@@ -344,44 +507,79 @@ def fp8_check(ri: RunInputs, m: contract.TrainingMeasurement, calib: Calibration
     free = free_core_share(ri.run.env, world)
     run = display_path(ri.run.path, base)
     run_peak = float(m.peak_flops or peak)  # the run's own matmul probe
-    run_peak, load, spread, load_note = (probe.speed(run, run_peak) if probe
-                                         else (run_peak, 1.0, None, ""))
+    run_peak, load, spread, load_note = (
+        probe.speed(run, run_peak) if probe else (run_peak, 1.0, None, "")
+    )
     over = probe.overhead("gpt", _gpt_match(shape), lay.micro_batch, run_peak) if probe else None
     if over is None:
         load, spread, load_note = 1.0, None, ""
     else:
-        calib = replace(_calib(eff, "", calib.dp_overlap.value, probe, over),
-                        fp8_speedup=calib.fp8_speedup)
+        calib = replace(
+            _calib(eff, "", calib.dp_overlap.value, probe, over), fp8_speedup=calib.fp8_speedup
+        )
     shared = calib.dp_overlap  # hidden DP traffic needs a free core (free_core_share)
     calib = replace(calib, dp_overlap=Param(shared.value * free, shared.provenance))
-    step = partial(recipe_step, shape, lay, calib, peak=run_peak if over is not None else peak,
-                   oversub=k, link=link, value_bytes=4 if m.precision != "bf16" else 2,
-                   overhead_s=over, precision="fp8" if fp8 else "bf16")
+    step = partial(
+        recipe_step,
+        shape,
+        lay,
+        calib,
+        peak=run_peak if over is not None else peak,
+        oversub=k,
+        link=link,
+        value_bytes=4 if m.precision != "bf16" else 2,
+        overhead_s=over,
+        precision="fp8" if fp8 else "bf16",
+    )
     t = step(load=load)
-    basis = ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS) + (
-        "; in-sample FP8 factor from fp8-train compare" if fp8 else "") + (
-        f"; DP overlap x{free:.2g} (cores free of compute)"
-        if free < 1 and world > 1 else "") + load_note
+    basis = (
+        ("efficiency from fsdp-scaling" if over is None else PROBE_BASIS)
+        + ("; in-sample FP8 factor from fp8-train compare" if fp8 else "")
+        + (f"; DP overlap x{free:.2g} (cores free of compute)" if free < 1 and world > 1 else "")
+        + load_note
+    )
     note = f"{CALLBACKS_NOTE}: {', '.join(m.step_callbacks)}" if m.step_callbacks else ""
-    return Check(ri.run.subproject, run, f"{m.recipe} x{world} step", measured, t.total, basis,
-                 note, _spread(step, spread))
+    return Check(
+        ri.run.subproject,
+        run,
+        f"{m.recipe} x{world} step",
+        measured,
+        t.total,
+        basis,
+        note,
+        _spread(step, spread),
+    )
 
 
 def _tp_probe_time(row: dict, kind: str, tp: int, peak: float, probe: _Probe) -> float | None:
     """Forward + backward of one layer (or its TP shard) from the probe curve, plus its overhead."""
-    over = probe.overhead(kind, {"d_model": row["d_model"], "n_head": row["n_head"], "seq_len": row["seq"]},
-                          row["batch"], peak)
+    over = probe.overhead(
+        kind,
+        {"d_model": row["d_model"], "n_head": row["n_head"], "seq_len": row["seq"]},
+        row["batch"],
+        peak,
+    )
     if over is None:
         return None
     ffn = 4.0 if kind == "block" else 1e-9
-    shape = ModelShape(1, row["d_model"], row["n_head"], row["n_kv_head"] or row["n_head"], 1, row["seq"], ffn)
-    gemms = [g for g in layer_gemms(shape, Layout(tp=tp, micro_batch=row["batch"]))
-             if kind == "block" or g.name not in ("fc1", "fc2")]
+    shape = ModelShape(
+        1, row["d_model"], row["n_head"], row["n_kv_head"] or row["n_head"], 1, row["seq"], ffn
+    )
+    gemms = [
+        g
+        for g in layer_gemms(shape, Layout(tp=tp, micro_batch=row["batch"]))
+        if kind == "block" or g.name not in ("fc1", "fc2")
+    ]
     return 3 * sum(gemm_time(g, peak, 0.0, probe.curve, 4) for g in gemms) + over
 
 
-def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | None, base,
-              probe: _Probe | None = None) -> list[Check]:
+def tp_checks(
+    report: CalibrationReport,
+    runs: list[_Fsdp],
+    link: LinkModel | None,
+    base,
+    probe: _Probe | None = None,
+) -> list[Check]:
     out = []
     cpu = [r for r in runs if not r.on_gpu]
     if not cpu or link is None:
@@ -397,35 +595,70 @@ def tp_checks(report: CalibrationReport, runs: list[_Fsdp], link: LinkModel | No
         factor = leave_one_out(report.candidates, "tp_overhead", here)
         scale = factor.value if factor else 1.0
         comm_basis = _factor_basis(factor, "alpha-beta TP comm", "raw alpha-beta TP comm")
-        run_peak, load, spread, load_note = probe.speed(here, peak) if probe else (peak, 1.0, None, "")
-        for row, regions in sorted(rows, key=lambda rr: (rr[0]["tp"], bool(rr[0]["sequence_parallel"]))):
-            b, s, h, heads, kv = row["batch"], row["seq"], row["d_model"], row["n_head"], row["n_kv_head"]
+        run_peak, load, spread, load_note = (
+            probe.speed(here, peak) if probe else (peak, 1.0, None, "")
+        )
+        for row, regions in sorted(
+            rows, key=lambda rr: (rr[0]["tp"], bool(rr[0]["sequence_parallel"]))
+        ):
+            b, s, h, heads, kv = (
+                row["batch"],
+                row["seq"],
+                row["d_model"],
+                row["n_head"],
+                row["n_kv_head"],
+            )
             ffn = int(row["mlp_ratio"]) * h if regions == 2 else 0
-            flops = b * s * transformer_flops_per_token(1, h, heads, kv, ffn, 0, s)  # one layer, no lm_head
+            flops = (
+                b * s * transformer_flops_per_token(1, h, heads, kv, ffn, 0, s)
+            )  # one layer, no lm_head
             single = flops / (peak * eff)
             kind = "block" if regions == 2 else "attention"
             p1 = _tp_probe_time(row, kind, 1, run_peak / load, probe) if probe else None
             eff_basis = "efficiency from fsdp-scaling" if p1 is None else PROBE_BASIS + load_note
             row_spread = spread if p1 is not None else None
 
-            def at(lf: float, tp: int, row=row, kind=kind) -> float:  # the probe's prediction at load factor lf
+            def at(
+                lf: float, tp: int, row=row, kind=kind
+            ) -> float:  # the probe's prediction at load factor lf
                 return _tp_probe_time(row, kind, tp, run_peak / lf, probe)
+
             if not shown_single and row.get("single_rank_step_time_s"):
-                out.append(Check(run.subproject, here, "one layer, single rank",
-                                 row["single_rank_step_time_s"], single if p1 is None else p1, eff_basis, "",
-                                 row_spread and (at(row_spread[0], 1), at(row_spread[1], 1))))
+                out.append(
+                    Check(
+                        run.subproject,
+                        here,
+                        "one layer, single rank",
+                        row["single_rank_step_time_s"],
+                        single if p1 is None else p1,
+                        eff_basis,
+                        "",
+                        row_spread and (at(row_spread[0], 1), at(row_spread[1], 1)),
+                    )
+                )
                 shown_single = True
             if row["tp"] < 2:
                 continue
             comm = tp_modelled_comm_s(row, link, regions) * scale
             sp = " sp" if row["sequence_parallel"] else ""
-            detail = (f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms (profile) vs "
-                      f"predicted {comm * 1e3:.0f} ms")
+            detail = (
+                f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms (profile) vs "
+                f"predicted {comm * 1e3:.0f} ms"
+            )
             shard = at(load, row["tp"]) if p1 is not None else None
-            out.append(Check(run.subproject, here, f"one layer, tp={row['tp']}{sp}",
-                             row["step_time_s"], (single / row["tp"] if shard is None else shard) + comm,
-                             eff_basis + comm_basis, detail,
-                             row_spread and (at(row_spread[0], row["tp"]) + comm, at(row_spread[1], row["tp"]) + comm)))
+            out.append(
+                Check(
+                    run.subproject,
+                    here,
+                    f"one layer, tp={row['tp']}{sp}",
+                    row["step_time_s"],
+                    (single / row["tp"] if shard is None else shard) + comm,
+                    eff_basis + comm_basis,
+                    detail,
+                    row_spread
+                    and (at(row_spread[0], row["tp"]) + comm, at(row_spread[1], row["tp"]) + comm),
+                )
+            )
     return out
 
 
@@ -451,10 +684,14 @@ def distinct_runs(report: CalibrationReport, base=None) -> tuple[CalibrationRepo
     if not copies:
         return report, {}
     dropped = {ri.source.run for runs in copies.values() for ri in runs}
-    distinct = replace(report, inputs=list(kept.values()),
-                       candidates=[c for c in report.candidates if c.source.run not in dropped])
-    return distinct, {run: tuple(display_path(ri.run.path, base) for ri in runs)
-                      for run, runs in copies.items()}
+    distinct = replace(
+        report,
+        inputs=list(kept.values()),
+        candidates=[c for c in report.candidates if c.source.run not in dropped],
+    )
+    return distinct, {
+        run: tuple(display_path(ri.run.path, base) for ri in runs) for run, runs in copies.items()
+    }
 
 
 def local_checks(report: CalibrationReport, base=None) -> list[Check]:
@@ -466,7 +703,10 @@ def local_checks(report: CalibrationReport, base=None) -> list[Check]:
         link = None  # a GPU link does not describe CPU ranks
     runs = [r for r in _fsdp_runs(report, base) if not r.on_gpu]
     probe = _probe(report, base)
-    checks = (fsdp_checks(runs, link, probe, report.candidates) + fp8_checks(report, runs, link, base, probe)
-              + tp_checks(report, runs, link, base, probe))
+    checks = (
+        fsdp_checks(runs, link, probe, report.candidates)
+        + fp8_checks(report, runs, link, base, probe)
+        + tp_checks(report, runs, link, base, probe)
+    )
     checks = [replace(c, copies=copies.get(c.run, ())) for c in checks]
     return sorted(checks, key=lambda c: (c.experiment, c.run, c.what))

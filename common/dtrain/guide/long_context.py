@@ -5,6 +5,7 @@ Grid: Llama 3 8B, 70B, 405B shapes x sequence 4K, 32K, 128K x 64 and 512 GPUs (8
 per GPU), a batch of about 4M tokens per step (4M / seq sequences; at least one per DP rank), BF16. Each cell
 is searched twice: freely (CP allowed) and with cp = 1.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -18,9 +19,13 @@ from dtrain.costmodel.search import MIN_CP_CHUNK
 
 from .matrix import cluster_for
 
-SHAPES = {"8B": ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True, name="Llama-3-8B"),
-          "70B": ModelShape(80, 8192, 64, 8, 128256, 4096, 28672 / 8192, True, name="Llama-3-70B"),
-          "405B": ModelShape(126, 16384, 128, 8, 128256, 4096, 53248 / 16384, True, name="Llama-3.1-405B")}
+SHAPES = {
+    "8B": ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True, name="Llama-3-8B"),
+    "70B": ModelShape(80, 8192, 64, 8, 128256, 4096, 28672 / 8192, True, name="Llama-3-70B"),
+    "405B": ModelShape(
+        126, 16384, 128, 8, 128256, 4096, 53248 / 16384, True, name="Llama-3.1-405B"
+    ),
+}
 SEQS = (4096, 32768, 131072)
 GPUS = (64, 512)
 TOKENS_PER_STEP = 4 * 1024 * 1024
@@ -31,12 +36,12 @@ class LongCell:
     model: str
     seq: int
     gpus: int
-    best: str = ""          # "" when nothing fits
+    best: str = ""  # "" when nothing fits
     cp: int = 1
     mfu: float = 0.0
     mem_gib: float = 0.0
     tokens_per_s: float = 0.0
-    plain: str = ""         # the best layout with cp = 1 ("" when nothing fits without CP)
+    plain: str = ""  # the best layout with cp = 1 ("" when nothing fits without CP)
     plain_tokens_per_s: float = 0.0
     plain_mem_gib: float = 0.0  # with cp = 1: the smallest memory need when nothing fits
 
@@ -48,8 +53,12 @@ class LongCell:
 
 def _layout(p) -> str:
     cp = f" cp{p.cp}{' ulysses' if p.cp_impl == 'ulysses' else ''}" if p.cp > 1 else ""
-    return f"dp{p.dp}{cp} tp{p.tp} pp{p.pp}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "") + \
-        f" Z{p.zero_stage}" + (f" {p.recompute} rc" if p.recompute != "none" else "")
+    return (
+        f"dp{p.dp}{cp} tp{p.tp} pp{p.pp}"
+        + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+        + f" Z{p.zero_stage}"
+        + (f" {p.recompute} rc" if p.recompute != "none" else "")
+    )
 
 
 def long_search(args) -> tuple:
@@ -58,17 +67,34 @@ def long_search(args) -> tuple:
     shape = replace(SHAPES[name], seq_len=seq)
     cluster = cluster_for(gpu, gpus, "NVLink", 400, links)
     batch = max(TOKENS_PER_STEP // seq, 1)
-    res = search(shape, cluster, batch, calib, prune=True, keep_within=1.0, fixed=None if free else {"cp": 1})
+    res = search(
+        shape, cluster, batch, calib, prune=True, keep_within=1.0, fixed=None if free else {"cp": 1}
+    )
     if res.best is None:
         needs = [w.need for _, w in res.rejected_with_reasons if hasattr(w, "need")]
         return (name, seq, gpus, free, None, min(needs) / GiB if needs else 0.0)
     b = res.best
-    return (name, seq, gpus, free, (_layout(b), b.cp, b.time.mfu, b.time.tokens_per_s), b.memory.total / GiB)
+    return (
+        name,
+        seq,
+        gpus,
+        free,
+        (_layout(b), b.cp, b.time.mfu, b.time.tokens_per_s),
+        b.memory.total / GiB,
+    )
 
 
-def long_tasks(calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm") -> list[tuple]:
+def long_tasks(
+    calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm"
+) -> list[tuple]:
     """Every search of the grid, the longest first (405B, 128K tokens, 512 GPUs), so two workers finish together."""
-    grid = [(m, s, g, free, calib, links, gpu) for m in SHAPES for s in SEQS for g in GPUS for free in (True, False)]
+    grid = [
+        (m, s, g, free, calib, links, gpu)
+        for m in SHAPES
+        for s in SEQS
+        for g in GPUS
+        for free in (True, False)
+    ]
     return sorted(grid, key=lambda a: -(SHAPES[a[0]].n_layer * a[1] * a[2]))
 
 
@@ -86,15 +112,18 @@ def long_cells(found: list[tuple]) -> list[LongCell]:
                     cell = replace(cell, best=layout, cp=cp, mfu=mfu, mem_gib=mem, tokens_per_s=tps)
                 _, _, _, _, plain, mem = by[name, seq, gpus, False]
                 if plain is not None:
-                    cell = replace(cell, plain=plain[0], plain_tokens_per_s=plain[3], plain_mem_gib=mem)
+                    cell = replace(
+                        cell, plain=plain[0], plain_tokens_per_s=plain[3], plain_mem_gib=mem
+                    )
                 else:
                     cell = replace(cell, plain_mem_gib=mem)
                 out.append(cell)
     return out
 
 
-def compute_long(calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm",
-                 pool=None) -> list[LongCell]:
+def compute_long(
+    calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm", pool=None
+) -> list[LongCell]:
     """Every cell; the searches run on ``pool`` (a multiprocessing pool) when given, else on the usable cores."""
     tasks = long_tasks(calib, links, gpu)
     if pool is not None:
@@ -117,18 +146,29 @@ def cp_rule(cells: list[LongCell]) -> str:
         by_seq[s] = (len(use), len(mine), len(only), gains)
     parts = []
     for s, (use, n, only, gains) in by_seq.items():
-        g = f", {min(gains):.0%} to {max(gains):.0%} faster than the best plan without it" if gains else ""
+        g = (
+            f", {min(gains):.0%} to {max(gains):.0%} faster than the best plan without it"
+            if gains
+            else ""
+        )
         o = f"; in {only} of them nothing fits without it" if only else ""
         parts.append(f"at {s // 1024}K tokens CP is chosen in {use} of {n} cells that fit{g}{o}")
     short = min(SEQS)
-    why_short = (f" At {short // 1024}K tokens each rank's chunks would be under {MIN_CP_CHUNK:,} tokens, where "
-                 "fused attention runs far below its rate, so the search does not split them." if by_seq[short][0] == 0
-                 else "")
-    return ("**Context parallelism is for long sequences.** " + _sentence("; ".join(parts)) + ". CP splits "
-            "every sequence, so activations per GPU fall by cp while each rank sends its K and V chunk around the "
-            "ring (2·s·kv bytes per layer, hidden behind the attention, which grows with s²) or swaps sequence for "
-            "heads with all-to-alls; more TP instead adds per-layer all-reduces of s·h on the critical path and "
-            "more PP a bubble, and neither divides the attention's work." + why_short)
+    why_short = (
+        f" At {short // 1024}K tokens each rank's chunks would be under {MIN_CP_CHUNK:,} tokens, where "
+        "fused attention runs far below its rate, so the search does not split them."
+        if by_seq[short][0] == 0
+        else ""
+    )
+    return (
+        "**Context parallelism is for long sequences.** "
+        + _sentence("; ".join(parts))
+        + ". CP splits "
+        "every sequence, so activations per GPU fall by cp while each rank sends its K and V chunk around the "
+        "ring (2·s·kv bytes per layer, hidden behind the attention, which grows with s²) or swaps sequence for "
+        "heads with all-to-alls; more TP instead adds per-layer all-reduces of s·h on the critical path and "
+        "more PP a bubble, and neither divides the attention's work." + why_short
+    )
 
 
 def _sentence(text: str) -> str:
@@ -136,20 +176,28 @@ def _sentence(text: str) -> str:
 
 
 def long_context_section(cells: list[LongCell]) -> list[str]:
-    out = ["## Long context: sequence length and context parallelism", "",
-           f"The layout the cost model picks for Llama 3 shapes at 4K, 32K and 128K tokens per sequence on H100 "
-           f"(8 per node, NVLink, 400 Gbit/s per GPU), about {TOKENS_PER_STEP // 2**20}M tokens per step, BF16, "
-           "with context parallelism allowed (`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: "
-           "dp×cp×tp×pp, ZeRO stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "
-           "Megatron do, so at 128K tokens it runs high.", "", cp_rule(cells), "",
-           "| model | seq | GPUs | best layout | MFU | memory/GPU | best without CP | CP's gain |",
-           "|---|---:|---:|---|---:|---:|---|---:|"]
+    out = [
+        "## Long context: sequence length and context parallelism",
+        "",
+        f"The layout the cost model picks for Llama 3 shapes at 4K, 32K and 128K tokens per sequence on H100 "
+        f"(8 per node, NVLink, 400 Gbit/s per GPU), about {TOKENS_PER_STEP // 2**20}M tokens per step, BF16, "
+        "with context parallelism allowed (`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: "
+        "dp×cp×tp×pp, ZeRO stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "
+        "Megatron do, so at 128K tokens it runs high.",
+        "",
+        cp_rule(cells),
+        "",
+        "| model | seq | GPUs | best layout | MFU | memory/GPU | best without CP | CP's gain |",
+        "|---|---:|---:|---|---:|---:|---|---:|",
+    ]
     for c in cells:
         if not c.best:
             out.append(f"| {c.model} | {c.seq:,} | {c.gpus} | does not fit | | | | |")
             continue
         plain = c.plain or f"does not fit (needs ≥ {c.plain_mem_gib:.0f} GiB)"
         gain = "—" if c.cp == 1 else ("only fit" if c.cp_gain is None else f"{c.cp_gain:+.0%}")
-        out.append(f"| {c.model} | {c.seq:,} | {c.gpus} | {c.best} | {c.mfu:.0%} | {c.mem_gib:.0f} GiB | {plain} | "
-                   f"{gain} |")
+        out.append(
+            f"| {c.model} | {c.seq:,} | {c.gpus} | {c.best} | {c.mfu:.0%} | {c.mem_gib:.0f} GiB | {plain} | "
+            f"{gain} |"
+        )
     return out + [""]

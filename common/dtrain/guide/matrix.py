@@ -7,6 +7,7 @@ order of Llama-scale pre-training batches), BF16. The PCIe node has the same GPU
 traffic over its PCIe x16 link instead of NVLink, so the two topologies differ only in the link.
 ``search(prune=True)`` keeps it to seconds.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -30,10 +31,10 @@ RECOMPUTE_LABEL = {"op": "op rc", "selective": "sel rc", "full": "full rc"}  # m
 
 @dataclass(frozen=True)
 class Cell:
-    model: str          # "70B"
-    params: float       # nominal
+    model: str  # "70B"
+    params: float  # nominal
     gpus: int
-    topology: str       # NVLink | PCIe
+    topology: str  # NVLink | PCIe
     ib_gbit: int
     fits: bool
     dp: int = 0
@@ -48,7 +49,7 @@ class Cell:
     mem_gib: float = 0.0
     step_s: float = 0.0
     tokens_per_s: float = 0.0
-    parts: tuple = ()   # (compute, tp_comm, pp_comm, bubble, dp exposed) seconds
+    parts: tuple = ()  # (compute, tp_comm, pp_comm, bubble, dp exposed) seconds
     mem_parts: tuple = ()  # (params, grads, optimizer, activations, buffers) GiB
 
     @property
@@ -60,7 +61,9 @@ def model_label(params: float) -> str:
     return f"{params / 1e9:g}B"
 
 
-def cluster_for(gpu: str, gpus: int, topology: str, ib_gbit: float, links: LinkCalibration | None) -> Cluster:
+def cluster_for(
+    gpu: str, gpus: int, topology: str, ib_gbit: float, links: LinkCalibration | None
+) -> Cluster:
     c = Cluster.from_profile(gpu, gpus, GPUS_PER_NODE, ib_gbit_per_gpu=ib_gbit)
     if topology == "PCIe":
         c = replace(c, nvlink=LinkModel(c.nvlink.alpha_s, c.gpu.pcie_gbps_per_dir * 1e9, "PCIe"))
@@ -69,36 +72,78 @@ def cluster_for(gpu: str, gpus: int, topology: str, ib_gbit: float, links: LinkC
     return links.apply(c) if links else c
 
 
-def cell(params: float, gpus: int, topology: str, ib: int, gpu: str, calib: Calibration,
-         links: LinkCalibration | None) -> Cell:
+def cell(
+    params: float,
+    gpus: int,
+    topology: str,
+    ib: int,
+    gpu: str,
+    calib: Calibration,
+    links: LinkCalibration | None,
+) -> Cell:
     shape = ModelShape.from_params(params, seq_len=SEQ_LEN)
-    res = search(shape, cluster_for(gpu, gpus, topology, ib, links), GLOBAL_BATCH, calib, prune=True, keep_within=1.0)
+    res = search(
+        shape,
+        cluster_for(gpu, gpus, topology, ib, links),
+        GLOBAL_BATCH,
+        calib,
+        prune=True,
+        keep_within=1.0,
+    )
     key = dict(model=model_label(params), params=params, gpus=gpus, topology=topology, ib_gbit=ib)
     b = res.best
     if b is None:
         return Cell(**key, fits=False)
     t, m = b.time, b.memory
-    return Cell(**key, fits=True, dp=b.dp, tp=b.tp, pp=b.pp, virtual_stages=b.virtual_stages, zero=b.zero_stage,
-                recompute=b.recompute, micro_batch=b.micro_batch, sequence_parallel=b.sequence_parallel,
-                mfu=t.mfu, mem_gib=m.total / GiB, step_s=t.total, tokens_per_s=t.tokens_per_s,
-                parts=(t.compute, t.tp_comm, t.pp_comm, t.bubble, t.dp_comm_exposed),
-                mem_parts=tuple(x / GiB for x in (m.params, m.grads, m.optimizer, m.activations, m.buffers)))
+    return Cell(
+        **key,
+        fits=True,
+        dp=b.dp,
+        tp=b.tp,
+        pp=b.pp,
+        virtual_stages=b.virtual_stages,
+        zero=b.zero_stage,
+        recompute=b.recompute,
+        micro_batch=b.micro_batch,
+        sequence_parallel=b.sequence_parallel,
+        mfu=t.mfu,
+        mem_gib=m.total / GiB,
+        step_s=t.total,
+        tokens_per_s=t.tokens_per_s,
+        parts=(t.compute, t.tp_comm, t.pp_comm, t.bubble, t.dp_comm_exposed),
+        mem_parts=tuple(
+            x / GiB for x in (m.params, m.grads, m.optimizer, m.activations, m.buffers)
+        ),
+    )
 
 
 def _cell(args) -> Cell:
     return cell(*args)
 
 
-def compute_matrix(calib: Calibration, links: LinkCalibration | None = None, gpu: str = "h100-sxm",
-                   progress=None, workers: int | None = None, pool=None) -> list[Cell]:
+def compute_matrix(
+    calib: Calibration,
+    links: LinkCalibration | None = None,
+    gpu: str = "h100-sxm",
+    progress=None,
+    workers: int | None = None,
+    pool=None,
+) -> list[Cell]:
     """Every cell in a fixed order (model, GPUs, topology, IB). ``progress(n_done, n_total)``. The searches are
     independent: ``workers`` processes (default: the usable cores, at most 8) run them side by side, or the
     caller's ``pool`` (kept open)."""
-    grid = [(p, g, t, ib, gpu, calib, links) for p in MODELS for g in GPU_COUNTS for t in TOPOLOGIES
-            for ib in IB_GBITS]
+    grid = [
+        (p, g, t, ib, gpu, calib, links)
+        for p in MODELS
+        for g in GPU_COUNTS
+        for t in TOPOLOGIES
+        for ib in IB_GBITS
+    ]
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     cells = []
-    chunk = len(TOPOLOGIES) * len(IB_GBITS)  # one (model, GPUs) per task: its layouts are enumerated once
+    chunk = len(TOPOLOGIES) * len(
+        IB_GBITS
+    )  # one (model, GPUs) per task: its layouts are enumerated once
     own = pool is None
     if not own:
         it = pool.imap(_cell, grid, chunksize=chunk)

@@ -4,6 +4,7 @@
 Without torch, so the command-line checks and the cost model can size and check a 7B model without
 importing the framework that builds it (``dtrain.model.gpt`` builds it, and re-exports these names).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -28,7 +29,15 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio"):
+        for key in (
+            "vocab_size",
+            "seq_len",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "d_model",
+            "mlp_ratio",
+        ):
             integer_at_least(key, getattr(self, key), 1, error=ValueError)
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
@@ -58,9 +67,15 @@ class GPTConfig:
         preset = PRESETS[name]
         unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown model key {unknown[0]!r}: known keys are {', '.join(f.name for f in fields(cls))}")
+            raise ValueError(
+                f"unknown model key {unknown[0]!r}: known keys are {', '.join(f.name for f in fields(cls))}"
+            )
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        if "n_head" in overrides and "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
+        if (
+            "n_head" in overrides
+            and "n_kv_head" not in overrides
+            and preset.n_kv_head == preset.n_head
+        ):
             overrides["n_kv_head"] = None
         return replace(preset, **overrides)
 
@@ -72,10 +87,26 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64),
     "small": GPTConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=8, d_model=256),
-    "125m": GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768,
-                      norm="layernorm", bias=True, tie_embeddings=True),
-    "350m": GPTConfig(vocab_size=50304, seq_len=1024, n_layer=24, n_head=16, d_model=1024,
-                      norm="layernorm", bias=True, tie_embeddings=True),
+    "125m": GPTConfig(
+        vocab_size=50304,
+        seq_len=1024,
+        n_layer=12,
+        n_head=12,
+        d_model=768,
+        norm="layernorm",
+        bias=True,
+        tie_embeddings=True,
+    ),
+    "350m": GPTConfig(
+        vocab_size=50304,
+        seq_len=1024,
+        n_layer=24,
+        n_head=16,
+        d_model=1024,
+        norm="layernorm",
+        bias=True,
+        tie_embeddings=True,
+    ),
     "1b": GPTConfig(vocab_size=32000, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
     "7b": GPTConfig(vocab_size=32000, seq_len=4096, n_layer=32, n_head=32, d_model=4096),
 }
@@ -86,13 +117,13 @@ class ParamCount:
     """A decoder-only transformer's parameters by part (``transformer_params``)."""
 
     n_layer: int
-    per_layer: int          # one block: its linear layers, norms and biases
-    matmul_per_layer: int   # one block's linear-layer weights
-    token_embedding: int    # vocab x d_model
-    lm_head: int            # d_model x vocab: its matmul runs even when tied to the token embedding
-    positions: int          # learned position embeddings (0 with RoPE)
+    per_layer: int  # one block: its linear layers, norms and biases
+    matmul_per_layer: int  # one block's linear-layer weights
+    token_embedding: int  # vocab x d_model
+    lm_head: int  # d_model x vocab: its matmul runs even when tied to the token embedding
+    positions: int  # learned position embeddings (0 with RoPE)
     final_norm: int
-    tied: bool              # the lm_head is the token embedding's matrix (counted once)
+    tied: bool  # the lm_head is the token embedding's matrix (counted once)
 
     @property
     def total(self) -> int:
@@ -106,10 +137,21 @@ class ParamCount:
         return self.n_layer * self.matmul_per_layer + self.lm_head
 
 
-def transformer_params(n_layer: int, d_model: int, n_head: int, n_kv_head: int, ffn_hidden: int,
-                       vocab: int, *, gated_mlp: bool = False, tied_embeddings: bool = False,
-                       head_dim: int | None = None, norm_vectors: int = 1, bias: bool = False,
-                       positions: int = 0) -> ParamCount:
+def transformer_params(
+    n_layer: int,
+    d_model: int,
+    n_head: int,
+    n_kv_head: int,
+    ffn_hidden: int,
+    vocab: int,
+    *,
+    gated_mlp: bool = False,
+    tied_embeddings: bool = False,
+    head_dim: int | None = None,
+    norm_vectors: int = 1,
+    bias: bool = False,
+    positions: int = 0,
+) -> ParamCount:
     """The project's one parameter count (the GPT here, the cost model's ModelShape and the FLOP
     formula all take theirs from it), as torchtitan's models/utils counts its models'.
 
@@ -123,19 +165,34 @@ def transformer_params(n_layer: int, d_model: int, n_head: int, n_kv_head: int, 
     matmul = 2 * d_model * q + 2 * d_model * kv + (mlp_in + ffn_hidden) * d_model
     biases = (q + 2 * kv + d_model + mlp_in + d_model) if bias else 0
     norm = norm_vectors * d_model
-    return ParamCount(n_layer=n_layer, per_layer=matmul + 2 * norm + biases,
-                      matmul_per_layer=matmul, token_embedding=vocab * d_model,
-                      lm_head=d_model * vocab, positions=positions * d_model, final_norm=norm,
-                      tied=tied_embeddings)
+    return ParamCount(
+        n_layer=n_layer,
+        per_layer=matmul + 2 * norm + biases,
+        matmul_per_layer=matmul,
+        token_embedding=vocab * d_model,
+        lm_head=d_model * vocab,
+        positions=positions * d_model,
+        final_norm=norm,
+        tied=tied_embeddings,
+    )
 
 
 def param_count(cfg: GPTConfig) -> ParamCount:
     """GPT(cfg)'s parameters by part: GELU MLP, learned positions, LayerNorm's bias with bias."""
     norm_vectors = 2 if cfg.norm == "layernorm" and cfg.bias else 1
-    return transformer_params(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.mlp_hidden,
-                              cfg.vocab_size, tied_embeddings=cfg.tie_embeddings,
-                              head_dim=cfg.head_dim, norm_vectors=norm_vectors, bias=cfg.bias,
-                              positions=cfg.seq_len)
+    return transformer_params(
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.n_head,
+        cfg.n_kv_head,
+        cfg.mlp_hidden,
+        cfg.vocab_size,
+        tied_embeddings=cfg.tie_embeddings,
+        head_dim=cfg.head_dim,
+        norm_vectors=norm_vectors,
+        bias=cfg.bias,
+        positions=cfg.seq_len,
+    )
 
 
 def num_params(cfg: GPTConfig, *, exclude_embeddings: bool = False) -> int:

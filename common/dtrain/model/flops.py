@@ -1,12 +1,22 @@
 """Model FLOPs of a transformer training step: one formula for the model, the cost model, the
 guide and the backtest (no torch import, so the cost model stays light)."""
+
 from __future__ import annotations
 
 from dtrain.model.args import GPTConfig, transformer_params
 
 
-def transformer_flops_per_token(n_layer: int, d_model: int, n_head: int, n_kv_head: int, ffn_hidden: int,
-                                vocab: int, seq_len: int, gated_mlp: bool = False, head_dim: int | None = None) -> int:
+def transformer_flops_per_token(
+    n_layer: int,
+    d_model: int,
+    n_head: int,
+    n_kv_head: int,
+    ffn_hidden: int,
+    vocab: int,
+    seq_len: int,
+    gated_mlp: bool = False,
+    head_dim: int | None = None,
+) -> int:
     """Training model FLOPs per token of a decoder-only transformer: the ONE FLOP formula of the
     project (GPT here, the cost model, the guide's local checks and the backtest all call it).
 
@@ -27,8 +37,9 @@ def transformer_flops_per_token(n_layer: int, d_model: int, n_head: int, n_kv_he
     Megatron-LM and torchtitan do, so MFU and TFLOP/s are comparable with theirs.
     """
     hd = head_dim or d_model // n_head
-    matmul = transformer_params(n_layer, d_model, n_head, n_kv_head, ffn_hidden, vocab,
-                                gated_mlp=gated_mlp, head_dim=hd).matmul
+    matmul = transformer_params(
+        n_layer, d_model, n_head, n_kv_head, ffn_hidden, vocab, gated_mlp=gated_mlp, head_dim=hd
+    ).matmul
     return 6 * matmul + 12 * n_layer * n_head * hd * seq_len
 
 
@@ -36,6 +47,14 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
     12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
     ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``."""
-    return transformer_flops_per_token(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head,
-                                       cfg.mlp_hidden, cfg.vocab_size, seq_len or cfg.seq_len, False,
-                                       cfg.head_dim)
+    return transformer_flops_per_token(
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.n_head,
+        cfg.n_kv_head,
+        cfg.mlp_hidden,
+        cfg.vocab_size,
+        seq_len or cfg.seq_len,
+        False,
+        cfg.head_dim,
+    )

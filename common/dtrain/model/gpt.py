@@ -15,6 +15,7 @@ The config (`GPTConfig`, `PRESETS`) and the parameter accounting (`num_params`,
 dtrain/model/flops.py, both without torch, so cost models and command-line checks can size a 7B model
 without building it; this module re-exports them.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtrain.model.flops import flops_per_token  # noqa: F401 (re-exported)
-from dtrain.model.args import (PRESETS, GPTConfig, num_matmul_params,  # noqa: F401 (re-exported)
-                               num_params)
+from dtrain.model.args import (
+    PRESETS,
+    GPTConfig,
+    num_matmul_params,  # noqa: F401 (re-exported)
+    num_params,
+)
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
@@ -53,7 +58,9 @@ class Attention(nn.Module):
         return self.wo(self.core(self.wq(x), self.wk(x), self.wv(x), self.head_dim))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int
+) -> torch.Tensor:
     """Causal SDPA on projections (B, T, n_q*hd), (B, T, n_kv*hd) x2 -> (B, T, n_q*hd).
 
     Head counts come from the shapes, not the config, so a tensor-parallel shard holding fewer
@@ -112,7 +119,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, f"blocks.{i}", make_linear) for i in range(cfg.n_layer))
+            Block(cfg, f"blocks.{i}", make_linear) for i in range(cfg.n_layer)
+        )
         self.norm = _make_norm(cfg)
         self.lm_head = make_linear("lm_head", cfg.d_model, cfg.vocab_size, False)
         if cfg.tie_embeddings:
@@ -152,12 +160,18 @@ class GPT(nn.Module):
             if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()  # weight 1, bias 0
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device) if positions is None else positions)
+        x = self.tok_emb(idx) + self.pos_emb(
+            torch.arange(T, device=idx.device) if positions is None else positions
+        )
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.norm(x))

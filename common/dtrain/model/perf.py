@@ -9,6 +9,7 @@ here: a square fp32 matmul on this rank's threads. fp32 training on a GPU runs i
     MFU = achieved model FLOP/s per device / peak FLOP/s per device
         = flops_per_token * tokens_per_s / (world_size * peak_flops)
 """
+
 from __future__ import annotations
 
 import time
@@ -17,6 +18,7 @@ from functools import lru_cache
 import torch
 
 CPU_PROBE_SOURCE = "measured cpu matmul probe"
+
 
 def enable_tf32(device: torch.device) -> bool:
     """Let fp32 matmuls and convolutions on a GPU run as TF32 on tensor cores (PyTorch's default is
@@ -45,7 +47,9 @@ def cpu_matmul_probe(n: int = 512, iters: int = 8, dtype: torch.dtype = torch.fl
     return 2 * n**3 / best
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, world_size: int, peak_flops_per_device: float) -> float:
+def mfu(
+    flops_per_token: float, tokens_per_s: float, world_size: int, peak_flops_per_device: float
+) -> float:
     """Model FLOPs utilisation: achieved FLOP/s per device over its peak."""
     return flops_per_token * tokens_per_s / world_size / peak_flops_per_device
 

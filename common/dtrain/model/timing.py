@@ -4,6 +4,7 @@ GPU: CUDA events around each iteration (device time, no host-launch noise).
 CPU: a barrier across ranks (when distributed) then the wall clock, so every rank measures the
 same interval. Warmup iterations are run and discarded; statistics are over the rest.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -40,8 +41,14 @@ class TimingStats:
         return statistics.pstdev(self.samples_s)
 
     def to_dict(self) -> dict:
-        return {"median_s": self.median, "mean_s": self.mean, "min_s": self.min, "max_s": self.max,
-                "std_s": self.std, "iters": len(self.samples_s)}
+        return {
+            "median_s": self.median,
+            "mean_s": self.mean,
+            "min_s": self.min,
+            "max_s": self.max,
+            "std_s": self.std,
+            "iters": len(self.samples_s),
+        }
 
 
 def synchronize(device: torch.device | str | None) -> None:
@@ -59,13 +66,18 @@ class Stopwatch:
         self.cuda = device is not None and torch.device(device).type == "cuda"
         self.device = device
         self.group = None if isinstance(barrier, bool) else barrier
-        self.barrier = (barrier if isinstance(barrier, bool) else barrier is not None) and dist.is_initialized()
+        self.barrier = (
+            barrier if isinstance(barrier, bool) else barrier is not None
+        ) and dist.is_initialized()
 
     def start(self) -> None:
         if self.barrier:
             dist.barrier(group=self.group)
         if self.cuda:
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start, self._end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             self._start.record()
         else:
             self._t0 = time.perf_counter()
@@ -78,8 +90,14 @@ class Stopwatch:
         return time.perf_counter() - self._t0
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10,
-            device: torch.device | str | None = None, barrier=False) -> TimingStats:
+def time_fn(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    iters: int = 10,
+    device: torch.device | str | None = None,
+    barrier=False,
+) -> TimingStats:
     """Time `fn` per call: `warmup` discarded calls, then `iters` timed ones."""
     for _ in range(warmup):
         fn()
@@ -93,7 +111,9 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10,
     return TimingStats(samples)
 
 
-def queued_s(fn: Callable[[], object], device: torch.device | str, target_s: float = 5e-3, repeats: int = 3) -> float:
+def queued_s(
+    fn: Callable[[], object], device: torch.device | str, target_s: float = 5e-3, repeats: int = 3
+) -> float:
     """Seconds per call of ``fn`` launched back to back: CUDA events around R calls (R chosen so a timing lasts
     ~``target_s``), the median of ``repeats`` such timings over R. The time a kernel costs inside a training step,
     where the CPU has already queued the next one (timing each call alone adds the launch gap, 10-30 us)."""
@@ -101,5 +121,11 @@ def queued_s(fn: Callable[[], object], device: torch.device | str, target_s: flo
         fn()
     one = time_fn(fn, warmup=0, iters=1, device=device).median
     reps = int(min(max(target_s / max(one, 1e-7), 3), 400))
-    return statistics.median(time_fn(lambda: [fn() for _ in range(reps)], warmup=0, iters=repeats,
-                                     device=device).samples_s) / reps
+    return (
+        statistics.median(
+            time_fn(
+                lambda: [fn() for _ in range(reps)], warmup=0, iters=repeats, device=device
+            ).samples_s
+        )
+        / reps
+    )

@@ -7,6 +7,7 @@ benchmarks take the communication share of a step from those ranges).
 Volume convention (`wire_bytes`) and every per-layer byte formula: dtrain.parallel.traffic, the
 one home both these counters' checks and the cost model read.
 """
+
 from __future__ import annotations
 
 from collections import Counter

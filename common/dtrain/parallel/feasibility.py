@@ -5,6 +5,7 @@ any process starts (and before torch is imported); the modules that apply each p
     check_cp_layout / check_cp_device / check_cp_model   context parallelism's degree, device and sequence
     check_pipeline                      the layers, schedules and micro-batches a pipeline needs
 """
+
 from __future__ import annotations
 
 from dtrain.core.checks import integer_at_least, one_of
@@ -14,36 +15,53 @@ from dtrain.core.layout import CP_IMPLS
 # dtrain.core.layout.CP_IMPLS is the one list of context-parallel implementations: ring and all-to-all
 # (Ulysses) are dtrain.parallel.cp's own and run anywhere, gloo on CPU included; torch is PyTorch's
 # context_parallel, which needs CUDA's fused SDPA.
-OWN_CP_IMPLS = tuple(i for i in CP_IMPLS if i != "torch")   # this project's, runnable on CPU
-IMPLS = ("auto", *CP_IMPLS)   # train.cp_impl: auto picks torch on CUDA + NCCL, else ring
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")   # train.pp_schedule
+OWN_CP_IMPLS = tuple(i for i in CP_IMPLS if i != "torch")  # this project's, runnable on CPU
+IMPLS = ("auto", *CP_IMPLS)  # train.cp_impl: auto picks torch on CUDA + NCCL, else ring
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # train.pp_schedule
 SINGLE_STAGE = ("gpipe", "1f1b")
 
 
 def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
     """The head layouts TP can split; a UserError that says what to change otherwise."""
     if n_head % tp:
-        raise UserError(f"n_head={n_head} is not divisible by tp={tp}: pick a tp that divides the head count")
+        raise UserError(
+            f"n_head={n_head} is not divisible by tp={tp}: pick a tp that divides the head count"
+        )
     if n_head % n_kv_head:
-        raise UserError(f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: pick n_kv_head dividing n_head")
+        raise UserError(
+            f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: pick n_kv_head dividing n_head"
+        )
     if n_kv_head >= tp and n_kv_head % tp:
-        raise UserError(f"n_kv_head={n_kv_head} is not divisible by tp={tp}: pick a tp that divides the k/v heads")
+        raise UserError(
+            f"n_kv_head={n_kv_head} is not divisible by tp={tp}: pick a tp that divides the k/v heads"
+        )
     if n_kv_head < tp and tp % n_kv_head:
-        raise UserError(f"tp={tp} is not a multiple of n_kv_head={n_kv_head}: k/v heads can only be "
-                        "replicated evenly; pick n_kv_head dividing tp")
+        raise UserError(
+            f"tp={tp} is not a multiple of n_kv_head={n_kv_head}: k/v heads can only be "
+            "replicated evenly; pick n_kv_head dividing tp"
+        )
 
 
-def check_tp_model(cfg, tp: int, sequence_parallel: bool = False,
-                   async_grad_allreduce: bool = False, impl: str = "handrolled") -> None:
+def check_tp_model(
+    cfg,
+    tp: int,
+    sequence_parallel: bool = False,
+    async_grad_allreduce: bool = False,
+    impl: str = "handrolled",
+) -> None:
     """The model shapes the trainer's TP (`impl`: handrolled | dtensor) can split; a one-line
     UserError otherwise."""
     if async_grad_allreduce and tp == 1:
-        raise UserError("train.async_grad_allreduce=true needs train.tp > 1 (it overlaps the tensor-parallel "
-                        "input-gradient collective)")
+        raise UserError(
+            "train.async_grad_allreduce=true needs train.tp > 1 (it overlaps the tensor-parallel "
+            "input-gradient collective)"
+        )
     if sequence_parallel and tp == 1:
         raise UserError("train.sequence_parallel=true needs train.tp > 1")
     if sequence_parallel and cfg.seq_len % tp:
-        raise UserError(f"train.sequence_parallel: model.seq_len={cfg.seq_len} is not divisible by train.tp={tp}")
+        raise UserError(
+            f"train.sequence_parallel: model.seq_len={cfg.seq_len} is not divisible by train.tp={tp}"
+        )
     if tp == 1:
         return
     try:
@@ -51,13 +69,19 @@ def check_tp_model(cfg, tp: int, sequence_parallel: bool = False,
     except UserError as e:
         raise UserError(f"train.tp={tp}: {e}") from None
     if cfg.mlp_hidden % tp:
-        raise UserError(f"train.tp={tp} does not divide the MLP width {cfg.mlp_hidden}: pick another tp")
+        raise UserError(
+            f"train.tp={tp} does not divide the MLP width {cfg.mlp_hidden}: pick another tp"
+        )
     if impl == "dtensor" and cfg.n_kv_head % tp:
-        raise UserError(f"train.tp_impl=dtensor cannot split model.n_kv_head={cfg.n_kv_head} k/v heads over "
-                        f"train.tp={tp} (DTensor does not replicate heads): use train.tp_impl=handrolled")
+        raise UserError(
+            f"train.tp_impl=dtensor cannot split model.n_kv_head={cfg.n_kv_head} k/v heads over "
+            f"train.tp={tp} (DTensor does not replicate heads): use train.tp_impl=handrolled"
+        )
     if impl == "dtensor" and async_grad_allreduce:
-        raise UserError("train.async_grad_allreduce=true is the hand-rolled layers' overlap: use "
-                        "train.tp_impl=handrolled")
+        raise UserError(
+            "train.async_grad_allreduce=true is the hand-rolled layers' overlap: use "
+            "train.tp_impl=handrolled"
+        )
 
 
 def check_cp_layout(cp, impl: str, pp: int) -> None:
@@ -65,15 +89,19 @@ def check_cp_layout(cp, impl: str, pp: int) -> None:
     integer_at_least("train.cp", cp, 1)
     one_of("train.cp_impl", impl, IMPLS)
     if cp > 1 and pp > 1:  # the pipeline schedules pass stages only the tokens, not their positions
-        raise UserError(f"train.cp={cp} with train.pp={pp} is not supported (a pipeline stage gets only the "
-                        "tokens, not their positions): use train.pp=1, or train.cp=1 with pipelining")
+        raise UserError(
+            f"train.cp={cp} with train.pp={pp} is not supported (a pipeline stage gets only the "
+            "tokens, not their positions): use train.pp=1, or train.cp=1 with pipelining"
+        )
 
 
 def check_cp_device(cp: int, impl: str, device_type: str) -> None:
     if cp > 1 and impl == "torch" and device_type != "cuda":
-        raise UserError(f"train.cp_impl=torch needs CUDA (PyTorch's context_parallel runs on the fused SDPA kernels) "
-                        f"but the device is {device_type}: "
-                        f"use train.cp_impl={', '.join(OWN_CP_IMPLS)} or auto")
+        raise UserError(
+            f"train.cp_impl=torch needs CUDA (PyTorch's context_parallel runs on the fused SDPA kernels) "
+            f"but the device is {device_type}: "
+            f"use train.cp_impl={', '.join(OWN_CP_IMPLS)} or auto"
+        )
 
 
 def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bool = False) -> None:
@@ -81,14 +109,20 @@ def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bo
     if cp == 1:
         return
     if model.seq_len % (2 * cp):
-        raise UserError(f"train.cp={cp}: model.seq_len={model.seq_len} is not divisible by 2 x cp = {2 * cp} (each "
-                        f"rank holds 2 of 2·cp equal chunks): pick seq_len a multiple of {2 * cp}")
+        raise UserError(
+            f"train.cp={cp}: model.seq_len={model.seq_len} is not divisible by 2 x cp = {2 * cp} (each "
+            f"rank holds 2 of 2·cp equal chunks): pick seq_len a multiple of {2 * cp}"
+        )
     if sequence_parallel and (model.seq_len // cp) % tp:
-        raise UserError(f"train.sequence_parallel: a cp rank's {model.seq_len // cp} tokens (model.seq_len / "
-                        f"train.cp) are not divisible by train.tp={tp}: pick seq_len a multiple of {cp * tp}")
+        raise UserError(
+            f"train.sequence_parallel: a cp rank's {model.seq_len // cp} tokens (model.seq_len / "
+            f"train.cp) are not divisible by train.tp={tp}: pick seq_len a multiple of {cp * tp}"
+        )
     if impl == "ulysses" and (model.n_head // tp) % cp:
-        raise UserError(f"train.cp_impl=ulysses spreads a rank's {model.n_head // tp} query heads (model.n_head / "
-                        f"train.tp) over train.cp={cp} ranks, which does not divide them: use train.cp_impl=ring")
+        raise UserError(
+            f"train.cp_impl=ulysses spreads a rank's {model.n_head // tp} query heads (model.n_head / "
+            f"train.tp) over train.cp={cp} ranks, which does not divide them: use train.cp_impl=ring"
+        )
 
 
 def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int) -> None:
@@ -97,25 +131,37 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
     if pp == 1:
         return
     if schedule in SINGLE_STAGE and virtual != 1:
-        raise UserError(f"train.pp_schedule={schedule} runs one stage per rank but train.pp_virtual={virtual}: "
-                        "set pp_virtual=1 or pick interleaved_1f1b / interleaved_zb / zbv")
+        raise UserError(
+            f"train.pp_schedule={schedule} runs one stage per rank but train.pp_virtual={virtual}: "
+            "set pp_virtual=1 or pick interleaved_1f1b / interleaved_zb / zbv"
+        )
     if schedule in ("interleaved_1f1b", "interleaved_zb") and virtual < 2:
         raise UserError(f"train.pp_schedule={schedule} needs train.pp_virtual >= 2 stages per rank")
     if schedule == "zbv" and virtual != 2:
-        raise UserError(f"train.pp_schedule=zbv needs exactly train.pp_virtual=2 stages per rank (got {virtual})")
+        raise UserError(
+            f"train.pp_schedule=zbv needs exactly train.pp_virtual=2 stages per rank (got {virtual})"
+        )
     stages = pp * virtual
     if cfg.n_layer < stages:
-        raise UserError(f"model.n_layer={cfg.n_layer} < pipeline stages = train.pp x train.pp_virtual = "
-                        f"{pp} x {virtual} = {stages}: lower pp or pp_virtual, or add layers")
+        raise UserError(
+            f"model.n_layer={cfg.n_layer} < pipeline stages = train.pp x train.pp_virtual = "
+            f"{pp} x {virtual} = {stages}: lower pp or pp_virtual, or add layers"
+        )
     if micro_batches < pp and schedule != "gpipe":
-        raise UserError(f"pipeline micro-batches (train.grad_accum={micro_batches}) < train.pp={pp}: raise "
-                        "train.global_batch (or grad_accum) so each step has at least pp micro-batches, "
-                        "or use train.pp_schedule=gpipe")
+        raise UserError(
+            f"pipeline micro-batches (train.grad_accum={micro_batches}) < train.pp={pp}: raise "
+            "train.global_batch (or grad_accum) so each step has at least pp micro-batches, "
+            "or use train.pp_schedule=gpipe"
+        )
     if schedule not in SINGLE_STAGE:
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
-            raise UserError(f"train.pp_schedule={schedule} needs micro-batches (train.grad_accum={micro_batches}) "
-                            f"divisible by their rounds ({rounds} = grad_accum // pp): use a multiple of pp={pp}")
+            raise UserError(
+                f"train.pp_schedule={schedule} needs micro-batches (train.grad_accum={micro_batches}) "
+                f"divisible by their rounds ({rounds} = grad_accum // pp): use a multiple of pp={pp}"
+            )
     if cfg.tie_embeddings:
-        raise UserError("train.pp > 1 needs model.tie_embeddings=false: the embedding and lm_head live on "
-                        "different stages")
+        raise UserError(
+            "train.pp > 1 needs model.tie_embeddings=false: the embedding and lm_head live on "
+            "different stages"
+        )

@@ -20,6 +20,7 @@ different tokens, like data-parallel ranks (FSDP2 shards over shard x cp, as tor
 
 Torch-free at import: the cost model uses `ParallelDims.of` for the dp and shard degrees.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,7 +29,10 @@ from dtrain.core.errors import UserError
 from dtrain.core.layout import Layout, split_dp, zero_stage_of
 
 ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
-MODEL_DIMS = ("pp", "tp")  # dimensions that split the model; the rest split the batch (cp: its sequences)
+MODEL_DIMS = (
+    "pp",
+    "tp",
+)  # dimensions that split the model; the rest split the batch (cp: its sequences)
 
 
 @dataclass
@@ -37,43 +41,68 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1  # data-parallel replicas (ddp: dp; hsdp: its replica groups)
-    dp_shard: int = -1     # ranks one replica is sharded over (FSDP2); -1 = the rest of dp
-    cp: int = 1            # context parallelism: ranks that share each sequence
+    dp_shard: int = -1  # ranks one replica is sharded over (FSDP2); -1 = the rest of dp
+    cp: int = 1  # context parallelism: ranks that share each sequence
     _mesh: object = field(default=None, repr=False, compare=False)
-    _flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes, by name
+    _flat: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # flattened meshes, by name
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "cp", "dp_replicate"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be >= 1")
-        cp_key, cp_name, cp_value = (" x train.cp", " x cp", f" x {self.cp}") if self.cp > 1 else ("", "", "")
+        cp_key, cp_name, cp_value = (
+            (" x train.cp", " x cp", f" x {self.cp}") if self.cp > 1 else ("", "", "")
+        )
         if self.world_size % (self.tp * self.pp * self.cp):
-            raise UserError(f"world_size={self.world_size} is not divisible by train.tp x train.pp{cp_key} = "
-                            f"{self.tp} x {self.pp}{cp_value}: pick degrees whose product divides world_size")
+            raise UserError(
+                f"world_size={self.world_size} is not divisible by train.tp x train.pp{cp_key} = "
+                f"{self.tp} x {self.pp}{cp_value}: pick degrees whose product divides world_size"
+            )
         if self.dp % self.dp_replicate:  # the one HSDP check
-            raise UserError(f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not "
-                            f"factor into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
-                            "multiple of it or another hsdp_replicate")
+            raise UserError(
+                f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not "
+                f"factor into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
+                "multiple of it or another hsdp_replicate"
+            )
         if self.dp_shard == -1:
             self.dp_shard = self.dp // self.dp_replicate
         if self.dp_replicate * self.dp_shard != self.dp:
-            raise UserError(f"dp_replicate x dp_shard = {self.dp_replicate} x {self.dp_shard} != dp = {self.dp}")
+            raise UserError(
+                f"dp_replicate x dp_shard = {self.dp_replicate} x {self.dp_shard} != dp = {self.dp}"
+            )
 
     @classmethod
-    def of(cls, world_size: int, tp: int = 1, pp: int = 1, strategy: str = "zero3",
-           hsdp_replicate: int = 1, cp: int = 1) -> "ParallelDims":
+    def of(
+        cls,
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        strategy: str = "zero3",
+        hsdp_replicate: int = 1,
+        cp: int = 1,
+    ) -> "ParallelDims":
         """The layout a data-parallel strategy gives: the one place dp is split into replicas and shards."""
         dp = cls(world_size, tp=tp, pp=pp, cp=cp).dp
         if strategy == "hsdp":  # the one HSDP check (__post_init__) before the split
             cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=hsdp_replicate)
-        replicate, shard = split_dp(strategy, dp, hsdp_replicate)  # dtrain.core.layout: the one rule
+        replicate, shard = split_dp(
+            strategy, dp, hsdp_replicate
+        )  # dtrain.core.layout: the one rule
         return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=replicate, dp_shard=shard)
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
         """The mesh of a layout (dtrain.core.layout.Layout: the degrees; this class adds the mesh)."""
-        return cls(layout.gpus, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                   dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard)
+        return cls(
+            layout.gpus,
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            dp_replicate=layout.dp_replicate,
+            dp_shard=layout.dp_shard,
+        )
 
     @property
     def dp(self) -> int:
@@ -81,8 +110,13 @@ class ParallelDims:
         return self.world_size // (self.tp * self.pp * self.cp)
 
     def degree(self, name: str) -> int:
-        return {"pp": self.pp, "replicate": self.dp_replicate, "shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp}[name]
+        return {
+            "pp": self.pp,
+            "replicate": self.dp_replicate,
+            "shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }[name]
 
     @property
     def model_parallel(self) -> bool:

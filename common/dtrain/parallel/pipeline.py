@@ -18,6 +18,7 @@ One optimizer step is one schedule step over the rank's whole local batch, cut i
 grad_accum micro-batches; with scale_grads the gradients are the mean over micro-batches, which
 is what gradient accumulation computes (loss / grad_accum per micro-step).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,6 @@ import torch.nn.functional as F
 
 from dtrain.model.gpt import GPT
 from dtrain.parallel.feasibility import SINGLE_STAGE
-
-
-
 
 
 def split_layers(n_layer: int, stages: int) -> list[range]:
@@ -69,12 +67,16 @@ class PipelineStageModule(nn.Module):
         return self.lm_head(self.norm(x)) if self.last else x
 
 
-def split_model(gpt: GPT, pp: int, pp_rank: int, schedule: str, virtual: int) -> list[tuple[int, PipelineStageModule]]:
+def split_model(
+    gpt: GPT, pp: int, pp_rank: int, schedule: str, virtual: int
+) -> list[tuple[int, PipelineStageModule]]:
     """(stage index, stage module) for each stage this rank holds."""
     stages = pp * virtual  # check_pipeline: zbv has virtual = 2
     ranges = split_layers(gpt.cfg.n_layer, stages)
-    return [(s, PipelineStageModule(gpt, ranges[s], s == 0, s == stages - 1))
-            for s in stages_of_rank(pp_rank, pp, schedule, virtual)]
+    return [
+        (s, PipelineStageModule(gpt, ranges[s], s == 0, s == stages - 1))
+        for s in stages_of_rank(pp_rank, pp, schedule, virtual)
+    ]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -82,14 +84,28 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def build_schedule(parts: list[tuple[int, nn.Module]], num_stages: int, schedule: str, micro_batches: int,
-                   pp_group, device: torch.device):
+def build_schedule(
+    parts: list[tuple[int, nn.Module]],
+    num_stages: int,
+    schedule: str,
+    micro_batches: int,
+    pp_group,
+    device: torch.device,
+):
     """The pipelining schedule driving this rank's stages."""
     from torch.distributed import pipelining as pl
 
-    stages = [pl.PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in parts]
-    cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
-           "interleaved_zb": pl.ScheduleInterleavedZeroBubble, "zbv": pl.ScheduleZBVZeroBubble}[schedule]
+    stages = [
+        pl.PipelineStage(module, index, num_stages, device, group=pp_group)
+        for index, module in parts
+    ]
+    cls = {
+        "gpipe": pl.ScheduleGPipe,
+        "1f1b": pl.Schedule1F1B,
+        "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+        "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
+        "zbv": pl.ScheduleZBVZeroBubble,
+    }[schedule]
     if schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)

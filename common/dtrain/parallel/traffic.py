@@ -111,9 +111,17 @@ def tp_layer_wire_bytes(
         one = wire_bytes("all_gather", act, tp) + wire_bytes("reduce_scatter", act, tp)
     else:
         one = wire_bytes("all_reduce", act, tp)
-    grads = tp_grad_sync_bytes(d_model=d_model, n_head=n_head, n_kv_head=n_kv_head, tp=tp,
-                               sequence_parallel=sequence_parallel, module=module, norm=norm,
-                               bias=bias, elem_bytes=elem_bytes)
+    grads = tp_grad_sync_bytes(
+        d_model=d_model,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        module=module,
+        norm=norm,
+        bias=bias,
+        elem_bytes=elem_bytes,
+    )
     return {ACTIVATION: n * one, GRAD_SYNC: wire_bytes("all_reduce", grads, tp)}
 
 
@@ -180,8 +188,9 @@ def cp_layer_wire_bytes(
         block = ring_kv_block_bytes(batch, seq, cp, n_kv_head, head_dim, elem_bytes)
         return ring_sends_per_layer(cp) * wire_bytes("send", block, cp)
     if impl == "ulysses":
-        pieces = ulysses_all_to_all_payloads(batch, seq, cp, n_head, n_kv_head, head_dim,
-                                             elem_bytes)
+        pieces = ulysses_all_to_all_payloads(
+            batch, seq, cp, n_head, n_kv_head, head_dim, elem_bytes
+        )
         return ulysses_passes() * sum(wire_bytes("all_to_all", p, cp) for p in pieces)
     raise ValueError(f"unknown cp impl {impl!r}")
 
@@ -194,9 +203,7 @@ def dp_grad_bytes(params: float, grad_bytes: int) -> float:
     return grad_bytes * params
 
 
-def zero_gather_bytes(
-    params: float, value_bytes: int, kept_params: float | None = None
-) -> float:
+def zero_gather_bytes(params: float, value_bytes: int, kept_params: float | None = None) -> float:
     """Weight bytes ZeRO / FSDP all-gathers (the gathered output). FP8 weight gathers: give
     `kept_params`, those still moved at `value_bytes` (the embedding matrices); the rest (the
     block linears) move 1 byte each."""

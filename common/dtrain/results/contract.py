@@ -26,6 +26,7 @@ Runs made from other runs (a study report, an FP8 comparison, the GEMM probe) ar
 ``summary["derived_from"]``; they publish only what they derived, never copies of their sources'
 records, so every measurement reaches calibration exactly once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,8 @@ class ContractError(ValueError):
 class Where:
     """Where a measurement ran: every record has it (the calibration's provenance)."""
 
-    device: str                 # "cpu" | "cuda" (no index)
-    backend: str                # gloo | nccl | none (no collective)
+    device: str  # "cpu" | "cuda" (no index)
+    backend: str  # gloo | nccl | none (no collective)
     gpu_name: str | None = None
 
 
@@ -61,15 +62,15 @@ class CollectiveFit:
     """t(S) = α + S·c/β of one collective over one link class (β is a bus bandwidth)."""
 
     kind: ClassVar[str] = "collective_fit"
-    collective: str             # all_reduce | all_gather | reduce_scatter | ...
-    link_class: str             # intra_node | inter_node
+    collective: str  # all_reduce | all_gather | reduce_scatter | ...
+    link_class: str  # intra_node | inter_node
     dtype: str
-    world_size: int             # ranks per group of the fit
-    alpha_us: float             # latency of the whole collective
+    world_size: int  # ranks per group of the fit
+    alpha_us: float  # latency of the whole collective
     beta_GBps: float
     r2: float
     n_points: int
-    algo_factor: float          # c: bus bytes per message byte
+    algo_factor: float  # c: bus bytes per message byte
     theoretical_GBps: float | None
     beta_pct_of_theoretical: float | None
     where: Where
@@ -88,11 +89,11 @@ class _TrainLayoutV1:
     micro_batch: int
     grad_accum: int
     seq_len: int
-    recompute: str = "none"     # train.activation_checkpointing: none | op | block
+    recompute: str = "none"  # train.activation_checkpointing: none | op | block
     sequence_parallel: bool = False
     pp_schedule: str | None = None  # train.pp_schedule (None without a pipeline)
     pp_virtual: int = 1
-    cp: int = 1                 # 1 in records written before context parallelism
+    cp: int = 1  # 1 in records written before context parallelism
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,20 @@ class StepBreakdown:
     dp_comm_s: float
     dp_comm_exposed_s: float
     idle_s: float
-    cp_comm_s: float = 0.0      # context parallelism's ring sends / all-to-alls, exposed (0 in records before it)
+    cp_comm_s: float = (
+        0.0  # context parallelism's ring sends / all-to-alls, exposed (0 in records before it)
+    )
 
 
-MODEL_SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio")  # GPTConfig's
+MODEL_SHAPE = (
+    "vocab_size",
+    "seq_len",
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "d_model",
+    "mlp_ratio",
+)  # GPTConfig's
 
 
 @dataclass(frozen=True)
@@ -121,13 +132,13 @@ class TrainingMeasurement:
     names its recipe and is only predicted, not used to calibrate compute efficiency."""
 
     kind: ClassVar[str] = "training"
-    model: dict                 # dtrain.model.args.GPTConfig fields as trained (seq_len included)
-    layout: Layout              # as the run laid it out (world_size = layout.gpus)
-    strategy: str               # train.strategy as the run named it (the layout has its ZeRO stage)
-    precision: str              # fp32 | bf16 | fp16: what is not an FP8 GEMM runs in
+    model: dict  # dtrain.model.args.GPTConfig fields as trained (seq_len included)
+    layout: Layout  # as the run laid it out (world_size = layout.gpus)
+    strategy: str  # train.strategy as the run named it (the layout has its ZeRO stage)
+    precision: str  # fp32 | bf16 | fp16: what is not an FP8 GEMM runs in
     step_time_s: float
     tokens_per_s: float
-    peak_mem_bytes: int         # per rank (CPU: process RSS)
+    peak_mem_bytes: int  # per rank (CPU: process RSS)
     where: Where
     recipe: str | None = None
     mfu: float | None = None
@@ -135,8 +146,8 @@ class TrainingMeasurement:
     peak_flops_source: str | None = None
     model_params: int | None = None
     flops_per_token: float | None = None
-    comm_s: float | None = None             # DP communication per step (profile)
-    exposed_comm_s: float | None = None     # of it, not hidden behind compute
+    comm_s: float | None = None  # DP communication per step (profile)
+    exposed_comm_s: float | None = None  # of it, not hidden behind compute
     overlap_fraction: float | None = None
     breakdown: StepBreakdown | None = None
     # per-step tooling the run had on beyond training (fp8-train: guard, health, fp8_debug), which
@@ -144,10 +155,14 @@ class TrainingMeasurement:
     step_callbacks: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        bad = [k for k in MODEL_SHAPE if not isinstance(self.model.get(k), int) or self.model[k] < 1]
+        bad = [
+            k for k in MODEL_SHAPE if not isinstance(self.model.get(k), int) or self.model[k] < 1
+        ]
         if bad:  # checked here without importing torch (dtrain.model.gpt); GPTConfig(**model) checks the rest
-            raise ContractError(f"training: model is not a GPTConfig: {bad[0]}={self.model.get(bad[0])!r} "
-                                "must be an integer >= 1")
+            raise ContractError(
+                f"training: model is not a GPTConfig: {bad[0]}={self.model.get(bad[0])!r} "
+                "must be an integer >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -155,7 +170,7 @@ class TpMeasurement:
     """One tensor-parallel layer (attention or block), forward + backward, at one TP degree."""
 
     kind: ClassVar[str] = "tp_layer"
-    module: str                 # block | attention
+    module: str  # block | attention
     tp: int
     sequence_parallel: bool
     micro_batch: int
@@ -165,11 +180,11 @@ class TpMeasurement:
     n_kv_head: int
     mlp_ratio: int
     precision: str
-    step_time_s: float          # one layer at this tp
+    step_time_s: float  # one layer at this tp
     single_rank_step_time_s: float
-    comm_share: float           # of step_time_s, TP communication (profile)
-    comm_bytes_per_layer: int   # bus bytes, forward + backward
-    overhead_factor: float      # step_time_s * tp / single_rank_step_time_s
+    comm_share: float  # of step_time_s, TP communication (profile)
+    comm_bytes_per_layer: int  # bus bytes, forward + backward
+    overhead_factor: float  # step_time_s * tp / single_rank_step_time_s
     where: Where
     dtensor_step_time_s: float | None = None
 
@@ -181,22 +196,28 @@ class CpMeasurement:
     analytic, ``dtrain.parallel.cp.exchange``)."""
 
     kind: ClassVar[str] = "cp_layer"
-    impl: str                   # ring | ulysses
+    impl: str  # ring | ulysses
     cp: int
-    seq_len: int                # the whole sequence; each rank holds seq_len / cp tokens
+    seq_len: int  # the whole sequence; each rank holds seq_len / cp tokens
     micro_batch: int
     d_model: int
     n_head: int
     n_kv_head: int
     precision: str
-    step_time_s: float          # one layer at this cp (the ring with its sends overlapped)
+    step_time_s: float  # one layer at this cp (the ring with its sends overlapped)
     single_device_step_time_s: float  # the whole sequence on one rank
     comm_bytes_per_layer: int
-    saved_bytes: int            # activations autograd keeps for backward, per rank
+    saved_bytes: int  # activations autograd keeps for backward, per rank
     where: Where
-    serial_step_time_s: float | None = None  # ring: each send waited before the compute it could hide behind
-    overlap_fraction: float | None = None    # ring: (serial - overlapped) / send time alone, in [0, 1]
-    tp_sp_step_time_s: float | None = None   # TP with sequence parallelism at tp = cp (the alternative)
+    serial_step_time_s: float | None = (
+        None  # ring: each send waited before the compute it could hide behind
+    )
+    overlap_fraction: float | None = (
+        None  # ring: (serial - overlapped) / send time alone, in [0, 1]
+    )
+    tp_sp_step_time_s: float | None = (
+        None  # TP with sequence parallelism at tp = cp (the alternative)
+    )
 
 
 @dataclass(frozen=True)
@@ -206,10 +227,10 @@ class Fp8Comparison:
     kind: ClassVar[str] = "fp8_comparison"
     recipe: str
     baseline: str
-    speedup: float              # tokens/s recipe / baseline
-    memory_factor: float        # peak memory recipe / baseline
-    within_noise: bool          # final loss inside the baseline's seed band
-    emulated: bool              # no FP8 hardware: the speed-up is emulation overhead
+    speedup: float  # tokens/s recipe / baseline
+    memory_factor: float  # peak memory recipe / baseline
+    within_noise: bool  # final loss inside the baseline's seed band
+    emulated: bool  # no FP8 hardware: the speed-up is emulation overhead
     final_loss_mean: float
     final_loss_std: float
     seeds: int
@@ -224,8 +245,8 @@ class GemmPoint:
     k: int
     count: int
     flops: float
-    seconds: float              # flops / (fraction x peak_flops): the GEMM on the idle host
-    fraction: float             # of the peak (CPU: median ratio to the reference matmul timed around it)
+    seconds: float  # flops / (fraction x peak_flops): the GEMM on the idle host
+    fraction: float  # of the peak (CPU: median ratio to the reference matmul timed around it)
 
 
 @dataclass(frozen=True)
@@ -233,13 +254,13 @@ class StepOverhead:
     """The fixed per-step cost of one model, seconds: one training step at the model's real size
     minus the time the fitted GEMM curve gives its GEMMs (``dtrain.costmodel.gemm_probe``)."""
 
-    model_kind: str             # gpt | block | attention
+    model_kind: str  # gpt | block | attention
     config: dict
     micro_batch: int
     tp: int
-    overhead_s: float           # max(step_s - gemm_s, 0)
-    step_s: float | None = None     # the measured step (None in records written before it was kept)
-    gemm_s: float | None = None     # the curve's time for its GEMMs
+    overhead_s: float  # max(step_s - gemm_s, 0)
+    step_s: float | None = None  # the measured step (None in records written before it was kept)
+    gemm_s: float | None = None  # the curve's time for its GEMMs
 
 
 @dataclass(frozen=True)
@@ -255,35 +276,53 @@ class GemmProbe:
     e_max: float | None
     w_half: float | None
     where: Where
-    rejected: list[GemmPoint] = dataclasses.field(default_factory=list)  # above the roofline: measurement errors
-    probe_load: float | None = None  # load factor while the probe ran (dtrain.run.hostload); CPU only
-    loads: list[RunLoad] = dataclasses.field(default_factory=list)  # each probed run's, from the capstone
+    rejected: list[GemmPoint] = dataclasses.field(
+        default_factory=list
+    )  # above the roofline: measurement errors
+    probe_load: float | None = (
+        None  # load factor while the probe ran (dtrain.run.hostload); CPU only
+    )
+    loads: list[RunLoad] = dataclasses.field(
+        default_factory=list
+    )  # each probed run's, from the capstone
 
 
 @dataclass(frozen=True)
 class RunLoad:
     """How much foreign load slowed one run's timed steps (``dtrain.run.hostload.load_factor``)."""
 
-    run: str                    # relative to the results folder the probe read
-    busy_threads: int           # ranks x threads per rank
-    load_factor: float          # median over the window; 1 = as on an idle host
-    low: float                  # 10th percentile
-    high: float                 # 90th percentile
+    run: str  # relative to the results folder the probe read
+    busy_threads: int  # ranks x threads per rank
+    load_factor: float  # median over the window; 1 = as on an idle host
+    low: float  # 10th percentile
+    high: float  # 90th percentile
     samples: int
 
 
-RECORDS = {c.kind: c for c in (CollectiveFit, TrainingMeasurement, TpMeasurement, CpMeasurement, Fp8Comparison,
-                                GemmProbe)}
+RECORDS = {
+    c.kind: c
+    for c in (
+        CollectiveFit,
+        TrainingMeasurement,
+        TpMeasurement,
+        CpMeasurement,
+        Fp8Comparison,
+        GemmProbe,
+    )
+}
 
 
 # ---------------------------------------------------------------- encoding
+
 
 def encode(records) -> dict:
     """The summary.json value for ``records`` (what ``write_summary`` stores under ``KEY``)."""
     out = []
     for r in records:
         if type(r) not in RECORDS.values():
-            raise ContractError(f"{type(r).__name__} is not a guide-input record ({', '.join(RECORDS)})")
+            raise ContractError(
+                f"{type(r).__name__} is not a guide-input record ({', '.join(RECORDS)})"
+            )
         out.append({"kind": r.kind, **dataclasses.asdict(r)})
     return {"schema_version": SCHEMA_VERSION, "records": out}
 
@@ -298,7 +337,11 @@ def _check_scalar(value, hint, where: str):
             raise ContractError(f"{where} is null but must be {getattr(hint, '__name__', hint)}")
         return None
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+    base = (
+        args[0]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
+        else hint
+    )
     if dataclasses.is_dataclass(base):
         return _build(base, value, where)
     origin = typing.get_origin(base)
@@ -350,26 +393,40 @@ def _training_v1(rec: dict, where: str) -> dict:
     it was priced then); activation checkpointing ``block`` becomes recompute ``full``."""
     old = _build(_TrainLayoutV1, rec.get("layout"), f"{where}.layout")
     if old.strategy not in STRATEGIES:
-        raise ContractError(f"{where}.layout.strategy={old.strategy!r} must be one of "
-                            f"{', '.join(STRATEGIES)}")
+        raise ContractError(
+            f"{where}.layout.strategy={old.strategy!r} must be one of {', '.join(STRATEGIES)}"
+        )
     if old.dp * old.cp * old.tp * old.pp != old.world_size:
-        raise ContractError(f"{where}.layout: world_size={old.world_size} is not dp x cp x tp x pp "
-                            f"= {old.dp} x {old.cp} x {old.tp} x {old.pp}")
+        raise ContractError(
+            f"{where}.layout: world_size={old.world_size} is not dp x cp x tp x pp "
+            f"= {old.dp} x {old.cp} x {old.tp} x {old.pp}"
+        )
     model = rec.get("model")
     if isinstance(model, dict) and model.get("seq_len") != old.seq_len:
-        raise ContractError(f"{where}.layout.seq_len={old.seq_len} is not the model's "
-                            f"seq_len={model.get('seq_len')!r}")
+        raise ContractError(
+            f"{where}.layout.seq_len={old.seq_len} is not the model's "
+            f"seq_len={model.get('seq_len')!r}"
+        )
     piped = old.pp > 1
     schedule = old.pp_schedule if piped and old.pp_schedule else "1f1b"
     try:
         layout = Layout.from_strategy(
-            old.strategy, dp=old.dp, cp=old.cp, tp=old.tp, pp=old.pp,
-            recompute=recompute_of(old.recompute, default="none"), micro_batch=old.micro_batch,
-            grad_accum=old.grad_accum, sequence_parallel=old.sequence_parallel and old.tp > 1,
-            pp_schedule=schedule_of(schedule), pp_virtual=old.pp_virtual if piped else 1)
+            old.strategy,
+            dp=old.dp,
+            cp=old.cp,
+            tp=old.tp,
+            pp=old.pp,
+            recompute=recompute_of(old.recompute, default="none"),
+            micro_batch=old.micro_batch,
+            grad_accum=old.grad_accum,
+            sequence_parallel=old.sequence_parallel and old.tp > 1,
+            pp_schedule=schedule_of(schedule),
+            pp_virtual=old.pp_virtual if piped else 1,
+        )
     except KeyError:
-        raise ContractError(f"{where}.layout.pp_schedule={old.pp_schedule!r} is not a schedule "
-                            "of the trainer") from None
+        raise ContractError(
+            f"{where}.layout.pp_schedule={old.pp_schedule!r} is not a schedule of the trainer"
+        ) from None
     except ValueError as e:
         raise ContractError(f"{where}.layout: {e}") from None
     return {**rec, "layout": dataclasses.asdict(layout), "strategy": old.strategy}
@@ -381,12 +438,16 @@ def decode(value) -> list:
         raise ContractError(f"{KEY} must be {{'schema_version': int, 'records': [...]}}")
     version = value.get("schema_version")
     if not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
-        raise ContractError(f"{KEY}.schema_version={version!r}: this dtrain reads schema 1..{SCHEMA_VERSION}")
+        raise ContractError(
+            f"{KEY}.schema_version={version!r}: this dtrain reads schema 1..{SCHEMA_VERSION}"
+        )
     out = []
     for i, rec in enumerate(value["records"]):
         kind = rec.get("kind") if isinstance(rec, dict) else None
         if kind not in RECORDS:
-            raise ContractError(f"{KEY}.records[{i}]: unknown kind {kind!r} (known: {', '.join(RECORDS)})")
+            raise ContractError(
+                f"{KEY}.records[{i}]: unknown kind {kind!r} (known: {', '.join(RECORDS)})"
+            )
         where = f"{KEY}.records[{i}] ({kind})"
         if version == 1 and kind == TrainingMeasurement.kind:
             rec = _training_v1(rec, where)
@@ -409,34 +470,60 @@ def where_of(device, backend, gpu_name=None) -> Where:
     return Where(str(device).split(":")[0], str(backend), gpu_name)
 
 
-def training_inputs(result: dict, model: dict, layout: Layout, where: Where,
-                    precision: str | None = None, recipe: str | None = None,
-                    overlap: dict | None = None, breakdown: dict | None = None,
-                    step_callbacks=()) -> list[TrainingMeasurement]:
+def training_inputs(
+    result: dict,
+    model: dict,
+    layout: Layout,
+    where: Where,
+    precision: str | None = None,
+    recipe: str | None = None,
+    overlap: dict | None = None,
+    breakdown: dict | None = None,
+    step_callbacks=(),
+) -> list[TrainingMeasurement]:
     """The record of one ``dtrain.train.Trainer`` run from its ``run()`` result (every trainer user
     publishes through this): ``model`` is the GPTConfig as a dict, ``layout`` the run's
     (``TrainConfig.layout`` of the config it ran), ``overlap``/``breakdown`` a profile window's
     results when one ran, ``step_callbacks`` the per-step tools the run had on beyond training.
     [] when the run timed no step (all steps were warmup): there is no measurement to publish."""
-    if not all(isinstance(result.get(k), (int, float)) and math.isfinite(result[k])
-               for k in ("step_time_s", "tokens_per_s")):
+    if not all(
+        isinstance(result.get(k), (int, float)) and math.isfinite(result[k])
+        for k in ("step_time_s", "tokens_per_s")
+    ):
         return []
     ov = overlap or {}
-    return [TrainingMeasurement(
-        model=dict(model), layout=layout, strategy=str(result["strategy"]),
-        precision=str(precision or result["mixed_precision"]),
-        step_time_s=float(result["step_time_s"]), tokens_per_s=float(result["tokens_per_s"]),
-        peak_mem_bytes=int(result["peak_mem_bytes"]), where=where, recipe=recipe,
-        mfu=result.get("mfu"), peak_flops=result.get("peak_flops"),
-        peak_flops_source=result.get("peak_flops_source"), model_params=result.get("model_params"),
-        flops_per_token=result.get("flops_per_token"), comm_s=ov.get("comm_s"),
-        exposed_comm_s=ov.get("exposed_comm_s"), overlap_fraction=ov.get("overlap_fraction"),
-        breakdown=_breakdown(breakdown), step_callbacks=list(step_callbacks))]
+    return [
+        TrainingMeasurement(
+            model=dict(model),
+            layout=layout,
+            strategy=str(result["strategy"]),
+            precision=str(precision or result["mixed_precision"]),
+            step_time_s=float(result["step_time_s"]),
+            tokens_per_s=float(result["tokens_per_s"]),
+            peak_mem_bytes=int(result["peak_mem_bytes"]),
+            where=where,
+            recipe=recipe,
+            mfu=result.get("mfu"),
+            peak_flops=result.get("peak_flops"),
+            peak_flops_source=result.get("peak_flops_source"),
+            model_params=result.get("model_params"),
+            flops_per_token=result.get("flops_per_token"),
+            comm_s=ov.get("comm_s"),
+            exposed_comm_s=ov.get("exposed_comm_s"),
+            overlap_fraction=ov.get("overlap_fraction"),
+            breakdown=_breakdown(breakdown),
+            step_callbacks=list(step_callbacks),
+        )
+    ]
 
 
 def _breakdown(values: dict | None) -> StepBreakdown | None:
     """A profile window's step breakdown as the record's (absent parts at their defaults)."""
     if not values:
         return None
-    return StepBreakdown(**{f.name: float(values[f.name] if f.name in values else f.default)
-                            for f in dataclasses.fields(StepBreakdown)})
+    return StepBreakdown(
+        **{
+            f.name: float(values[f.name] if f.name in values else f.default)
+            for f in dataclasses.fields(StepBreakdown)
+        }
+    )

@@ -17,6 +17,7 @@ anything, a file or an unwritable path (one UserError), and claims the folder wi
 ``write_derived_run`` claims ``out`` itself when this process has not, so no writer of a derived
 run can skip the check.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,11 @@ def _listing(entries: list[str]) -> str:
 
 
 def _taken(out: Path, key: str, fix: str | None) -> RunDirTaken:
-    return RunDirTaken(f"{key} {out} already holds a run ({owner_text(out / OWNER)}): "
-                       f"{fix or f'pass a new {key}'}; a derived run never writes into another "
-                       "run's folder")
+    return RunDirTaken(
+        f"{key} {out} already holds a run ({owner_text(out / OWNER)}): "
+        f"{fix or f'pass a new {key}'}; a derived run never writes into another "
+        "run's folder"
+    )
 
 
 def check_output(out: str | Path, key: str = "--out", fix: str | None = None) -> Path:
@@ -57,14 +60,17 @@ def check_output(out: str | Path, key: str = "--out", fix: str | None = None) ->
     check_outside_runs(f"{key} {out}", out, key, include_self=False)
     entries = sorted(os.listdir(out)) if out.is_dir() else []
     if entries:
-        raise UserError(f"{key} {out} is not empty (it holds {_listing(entries)}): "
-                        f"{fix or f'pass a new or empty {key}'}; a derived run writes only into "
-                        "a folder it creates")
+        raise UserError(
+            f"{key} {out} is not empty (it holds {_listing(entries)}): "
+            f"{fix or f'pass a new or empty {key}'}; a derived run writes only into "
+            "a folder it creates"
+        )
     return out
 
 
-def claim_output(out: str | Path, key: str = "--out", holds_runs: bool = False,
-                 fix: str | None = None) -> Path:
+def claim_output(
+    out: str | Path, key: str = "--out", holds_runs: bool = False, fix: str | None = None
+) -> Path:
     """Make ``out`` this process's derived run before any work (see the module's doc); returns it.
     ``holds_runs``: the runs it is made from are started inside it (an FP8 comparison's
     ``runs/``), so it is claimed as a folder for runs (``rundir.claim_folder``, no run_dir)."""
@@ -84,8 +90,9 @@ def claim_output(out: str | Path, key: str = "--out", holds_runs: bool = False,
     return out
 
 
-def claim_fresh(parent: str | Path, prefix: str, key: str = "--out",
-                holds_runs: bool = False) -> Path:
+def claim_fresh(
+    parent: str | Path, prefix: str, key: str = "--out", holds_runs: bool = False
+) -> Path:
     """A new folder ``<parent>/<prefix><time with µs>``, created exclusively and claimed: two
     commands started in the same second (or microsecond) get two folders."""
     checks.check_path(key, str(parent))
@@ -99,20 +106,40 @@ def claim_fresh(parent: str | Path, prefix: str, key: str = "--out",
         return claim_output(out, key, holds_runs)
 
 
-def write_derived_run(out: str | Path, subproject: str, sources, config: dict, summary: dict,
-                      guide_inputs=(), env: dict | None = None) -> Path:
+def write_derived_run(
+    out: str | Path,
+    subproject: str,
+    sources,
+    config: dict,
+    summary: dict,
+    guide_inputs=(),
+    env: dict | None = None,
+) -> Path:
     """``env`` defaults to the first source's env.json (where the measurements ran). ``out`` is
     claimed here unless this process claimed it before its work (``claim_output``,
     ``claim_fresh``)."""
     out = claim_output(out, "derived run folder")
     sources = [Path(s) for s in sources]
     names = [os.path.relpath(s.resolve(), out.resolve()) for s in sources]
-    write_text_atomic(out / CONFIG, yaml.safe_dump({"subproject": subproject, **config,
-                                                    contract.DERIVED_FROM: names}, sort_keys=True))
+    write_text_atomic(
+        out / CONFIG,
+        yaml.safe_dump(
+            {"subproject": subproject, **config, contract.DERIVED_FROM: names}, sort_keys=True
+        ),
+    )
     if env is None and sources and (sources[0] / ENV).exists():
         env = json.loads((sources[0] / ENV).read_text())
     if env is not None:
         write_json_atomic(out / ENV, env)
-    write_summary(out, {"subproject": subproject, "run_dir": str(out), "status": "complete", **summary,
-                        contract.DERIVED_FROM: names, contract.KEY: list(guide_inputs)})
+    write_summary(
+        out,
+        {
+            "subproject": subproject,
+            "run_dir": str(out),
+            "status": "complete",
+            **summary,
+            contract.DERIVED_FROM: names,
+            contract.KEY: list(guide_inputs),
+        },
+    )
     return out

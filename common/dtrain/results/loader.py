@@ -5,6 +5,7 @@ holding our `config.yaml` (Hydra's own `.hydra/` copies are ignored). A run with
 `summary.json` is incomplete; one whose files do not parse is corrupt; both are skipped with a
 warning that names them, never silently mixed in.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,9 @@ def read_jsonl(path: Path) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path.name} line {n}: {e.msg}") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path.name} line {n}: {type(row).__name__} {line.strip()[:40]!r}, not an object")
+                    raise ValueError(
+                        f"{path.name} line {n}: {type(row).__name__} {line.strip()[:40]!r}, not an object"
+                    )
                 rows.append(row)
     return rows
 
@@ -103,7 +106,9 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such results path: {p}")
-        candidates = [p / CONFIG] if (p / CONFIG).exists() else files_named(p, CONFIG)  # runs may be writing
+        candidates = (
+            [p / CONFIG] if (p / CONFIG).exists() else files_named(p, CONFIG)
+        )  # runs may be writing
         dirs.update(c.parent for c in candidates if ".hydra" not in c.parts)
     return [read_run(d) for d in sorted(dirs)]
 
@@ -130,7 +135,9 @@ def require_complete(paths: Iterable[str | Path], what: str = "this command") ->
     if good:
         return good
     if not runs:
-        raise UserError(f"no run directory (with config.yaml) under {', '.join(paths)}: pass a run directory")
+        raise UserError(
+            f"no run directory (with config.yaml) under {', '.join(paths)}: pass a run directory"
+        )
     r = runs[0]
     more = f" (and {len(runs) - 1} more, none complete)" if len(runs) > 1 else ""
     raise UserError(f"cannot use run {r.path} for {what}: it is {r.status} ({r.reason}){more}")
@@ -169,7 +176,9 @@ def load(paths: Iterable[str | Path], kind: str | None = None, warn: bool = True
     return _frame(complete_runs(paths, warn), RECORDS, kind, warn)
 
 
-def load_events(paths: Iterable[str | Path], kind: str | None = None, warn: bool = True) -> pd.DataFrame:
+def load_events(
+    paths: Iterable[str | Path], kind: str | None = None, warn: bool = True
+) -> pd.DataFrame:
     return _frame(complete_runs(paths, warn), EVENTS, kind, warn)
 
 

@@ -1,14 +1,15 @@
 """Writers for the run-directory contract (docs/ARCHITECTURE.md):
 
-    config.yaml    resolved config                 (rank 0)
-    env.json       host, versions, devices         (rank 0)
-    records.jsonl  one JSON object per measurement (rank 0; other ranks to records.rank<N>.jsonl when asked)
-    events.jsonl   discrete events                 (rank 0; other ranks to events.rank<N>.jsonl)
-    summary.json   written last and atomically: its presence means the run completed
-    tb/<name>/     TensorBoard event files of the numbers a run plots (rank 0, `RunWriter.scalar`);
-                   <name> is the run's overrides (`run_name`), so `tensorboard --logdir results`
-                   tells sweep points apart
+config.yaml    resolved config                 (rank 0)
+env.json       host, versions, devices         (rank 0)
+records.jsonl  one JSON object per measurement (rank 0; other ranks to records.rank<N>.jsonl when asked)
+events.jsonl   discrete events                 (rank 0; other ranks to events.rank<N>.jsonl)
+summary.json   written last and atomically: its presence means the run completed
+tb/<name>/     TensorBoard event files of the numbers a run plots (rank 0, `RunWriter.scalar`);
+               <name> is the run's overrides (`run_name`), so `tensorboard --logdir results`
+               tells sweep points apart
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,7 +69,9 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     """tmp + rename, so a reader never sees half a file (and a crash leaves none). Mode 0666 less the
     umask, like every other file of the run (mkstemp's 0600 would hide it from other users)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # unique: ranks share the dir
+    tmp = path.with_name(
+        f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    )  # unique: ranks share the dir
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
@@ -106,7 +109,9 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     if isinstance(summary.get(contract.KEY), (list, tuple)):
         summary = {**summary, contract.KEY: contract.encode(summary[contract.KEY])}
     if contract.KEY in summary:
-        contract.decode(strict(summary[contract.KEY]))  # what a reader will get back, or ContractError now
+        contract.decode(
+            strict(summary[contract.KEY])
+        )  # what a reader will get back, or ContractError now
     return write_json_atomic(Path(run_dir) / SUMMARY, summary)
 
 
@@ -136,7 +141,7 @@ def run_name(run_dir: str | Path) -> str:
         return name
     import hashlib  # the same long command line, the same name: a requeued run continues its own
 
-    return f"{name[:NAME_LIMIT - 11]}...{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return f"{name[: NAME_LIMIT - 11]}...{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 class RunWriter:
@@ -205,8 +210,11 @@ class RunWriter:
                 self._tb = False
                 self.event("tensorboard_unavailable", reason=f"{e}: pip install -e '.[dashboard]'")
                 return None
-            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD / run_name(self.run_dir)),
-                                     purge_step=first_step, flush_secs=10)
+            self._tb = SummaryWriter(
+                str(self.run_dir / TENSORBOARD / run_name(self.run_dir)),
+                purge_step=first_step,
+                flush_secs=10,
+            )
             self._tb.add_text("overrides", " ".join(run_overrides(self.run_dir)) or "(none)")
         return self._tb or None
 

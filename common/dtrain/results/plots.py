@@ -1,4 +1,5 @@
 """One seaborn look for every plot of the project, and one way to save them (path printed)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,13 +21,20 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4
     return plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
 
 
-def save(fig, path: str | Path, quiet: bool = False, dpi: int = 120, reproducible: bool = False) -> Path:
+def save(
+    fig, path: str | Path, quiet: bool = False, dpi: int = 120, reproducible: bool = False
+) -> Path:
     """Lay out, write and close ``fig`` (a legend outside the axes is kept in the picture). ``reproducible``:
     no version string in the PNG, so the same figure gives the same bytes on every machine (the committed
     guide plots)."""
     path = Path(path)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi, bbox_inches="tight", **({"metadata": {"Software": None}} if reproducible else {}))
+    fig.savefig(
+        path,
+        dpi=dpi,
+        bbox_inches="tight",
+        **({"metadata": {"Software": None}} if reproducible else {}),
+    )
     plt.close(fig)
     if not quiet:
         print(f"wrote plot {path}", flush=True)
@@ -38,8 +46,18 @@ def legend_outside(ax, title: str | None = None, **kw):
     handles, labels = kw.pop("handles", None), kw.pop("labels", None)
     if handles is None:
         handles, labels = ax.get_legend_handles_labels()
-    return ax.legend(handles, labels, title=title, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
-                     fontsize=8, title_fontsize=8, frameon=False, **kw)
+    return ax.legend(
+        handles,
+        labels,
+        title=title,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+        fontsize=8,
+        title_fontsize=8,
+        frameon=False,
+        **kw,
+    )
 
 
 def integer_axis(ax, axis: str = "x") -> None:

@@ -13,6 +13,7 @@ SIGTERM) with one `error: interrupted ...` line. The launching process claims it
 (dtrain.run.rundir), so two runs never write into one; overrides and, in a sweep, every point are
 checked before Hydra starts (dtrain.run.precheck).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +45,15 @@ def check_base(cfg: DictConfig, devices: bool = True) -> None:
     for a local run (the one check that imports torch: the command-line check runs it last)."""
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
-    if not isinstance(cfg.world_size, int) or isinstance(cfg.world_size, bool) or cfg.world_size < 1:
+    if (
+        not isinstance(cfg.world_size, int)
+        or isinstance(cfg.world_size, bool)
+        or cfg.world_size < 1
+    ):
         raise UserError(f"world_size={cfg.world_size!r} must be an integer >= 1")
-    checks.check_base_values(cfg)  # results_dir, timeouts, seed, threads: right type, impossible value
+    checks.check_base_values(
+        cfg
+    )  # results_dir, timeouts, seed, threads: right type, impossible value
     rundir.check_results_folder(cfg)  # <results_dir>/<subproject> a file: not Hydra's traceback
     if cfg.backend not in ddist.BACKENDS:
         raise UserError(f"backend={cfg.backend!r} is not one of {', '.join(ddist.BACKENDS)}")
@@ -82,18 +89,24 @@ SLURM_SIGNAL_EARLY_S = 60
 
 def check_signal_delay(s: DictConfig) -> None:
     """USR2 may come signal_delay_s + 60 s before the limit: even then the tasks must be ready."""
-    delay, minutes = s.signal_delay_s, s.time_min  # the defaults live in dtrain.core.nodes.SlurmConfig
+    delay, minutes = (
+        s.signal_delay_s,
+        s.time_min,
+    )  # the defaults live in dtrain.core.nodes.SlurmConfig
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
         raise UserError(f"slurm.signal_delay_s={delay!r} must be an integer number of seconds >= 1")
     need_s = delay + SLURM_SIGNAL_EARLY_S + MIN_SECONDS_BEFORE_USR2
     if not isinstance(minutes, int) or isinstance(minutes, bool) or minutes * 60 < need_s:
         least = -(-need_s // 60)
-        why = (f"Slurm sends USR2 slurm.signal_delay_s={delay} s before the limit and up to "
-               f"{SLURM_SIGNAL_EARLY_S} s earlier (sbatch --signal), and the tasks need "
-               f"{MIN_SECONDS_BEFORE_USR2} s for submitit's handler")
+        why = (
+            f"Slurm sends USR2 slurm.signal_delay_s={delay} s before the limit and up to "
+            f"{SLURM_SIGNAL_EARLY_S} s earlier (sbatch --signal), and the tasks need "
+            f"{MIN_SECONDS_BEFORE_USR2} s for submitit's handler"
+        )
         lower = minutes * 60 - (need_s - delay) if isinstance(minutes, int) else 0
         fix = f"pass slurm.time_min={least} or more" + (
-            f", or lower slurm.signal_delay_s to <= {lower}" if lower >= 1 else "")
+            f", or lower slurm.signal_delay_s to <= {lower}" if lower >= 1 else ""
+        )
         raise UserError(f"slurm.time_min={minutes!r} must be >= {least} minutes: {why}: {fix}")
 
 
@@ -113,8 +126,10 @@ def check_writable(path: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"results path {str(path)!r} is not writable ({e.strerror}): "
-                        "pass results_dir=<a writable folder>") from None
+        raise UserError(
+            f"results path {str(path)!r} is not writable ({e.strerror}): "
+            "pass results_dir=<a writable folder>"
+        ) from None
 
 
 DISK_FULL = diskfull.ERRNOS  # ENOSPC, EDQUOT, EFBIG
@@ -144,24 +159,35 @@ def _check_ownership(cfg: DictConfig, run_dir: Path, ckpt: Path | None) -> None:
     from omegaconf import OmegaConf
 
     rundir.check_outside_runs(f"run directory {run_dir}", run_dir, "hydra.run.dir", False)
-    rundir.check_outside_runs(f"results_dir={cfg.results_dir}", cfg.results_dir, "results_dir",
-                              own=run_dir)
+    rundir.check_outside_runs(
+        f"results_dir={cfg.results_dir}", cfg.results_dir, "results_dir", own=run_dir
+    )
     if ckpt is not None:
         value = OmegaConf.select(cfg, "train.checkpoint_dir")
         if os.path.realpath(ckpt) == os.path.realpath(run_dir):
-            raise UserError(f"train.checkpoint_dir={value} is the run directory itself: leave it "
-                            f"unset (checkpoints go to {value}/checkpoints) or pass another folder")
-        rundir.check_outside_runs(f"train.checkpoint_dir={value}", ckpt, "train.checkpoint_dir",
-                                  False, run_dir)  # the folder itself: claim_folder names its run
+            raise UserError(
+                f"train.checkpoint_dir={value} is the run directory itself: leave it "
+                f"unset (checkpoints go to {value}/checkpoints) or pass another folder"
+            )
+        rundir.check_outside_runs(
+            f"train.checkpoint_dir={value}", ckpt, "train.checkpoint_dir", False, run_dir
+        )  # the folder itself: claim_folder names its run
         checks.check_path("train.checkpoint_dir", str(ckpt))  # a file, a symlink loop: one line
     resume = OmegaConf.select(cfg, "train.resume_from", default=None)
     if resume:
         rundir.check_not_running("train.resume_from", resume)
 
 
-def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] | None = None,
-            finalize: Finalize | None = None) -> dict | None:
-    run_dir = run_dir_for(cfg)  # under Hydra it exists already; on bad input only what this run made is removed
+def run_app(
+    cfg: DictConfig,
+    *,
+    rank_fn,
+    validate: Callable[[DictConfig], None] | None = None,
+    finalize: Finalize | None = None,
+) -> dict | None:
+    run_dir = run_dir_for(
+        cfg
+    )  # under Hydra it exists already; on bad input only what this run made is removed
     requeue.exit_if_complete(run_dir)  # `scontrol requeue` of a finished job: nothing touched
     rundir.remember(run_dir)  # a no-op when Hydra's callback already saw it before creating it
     job = ddist.detect_job(cfg.launcher)
@@ -181,14 +207,20 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
         if is_launcher:  # in a job, rank 0's directory is the run's (the others' are dropped)
             claimed = bool(claim(run_dir))
             if ckpt is not None and ckpt != run_dir / "checkpoints":
-                ckpt_created = rundir.claim_folder(ckpt, "train.checkpoint_dir", run_dir,
-                                                   " (train.resume_from may still read it)")
+                ckpt_created = rundir.claim_folder(
+                    ckpt, "train.checkpoint_dir", run_dir, " (train.resume_from may still read it)"
+                )
         result, run_dir = launch(rank_fn, cfg, run_dir)
         if job is not None and job.rank != 0:
             return None  # rank 0 of the job finalizes
         finalizing = True
         summary = finalize(run_dir, cfg, result) if finalize else dict(result or {})
-        summary = {"subproject": cfg.subproject, "run_dir": str(run_dir), "status": "complete", **summary}
+        summary = {
+            "subproject": cfg.subproject,
+            "run_dir": str(run_dir),
+            "status": "complete",
+            **summary,
+        }
         write_summary(run_dir, summary)
     except RunDirTaken as e:
         fail(str(e), 2)  # another run's directory: leave it as it is
@@ -196,7 +228,9 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
         if is_launcher and not finalizing:
             if ckpt_created is not None:  # claimed by this run: undo it
                 rundir.release_folder(ckpt, ckpt_created)
-            rundir.discard(run_dir, claimed)  # bad input leaves no results behind, and nothing else touched
+            rundir.discard(
+                run_dir, claimed
+            )  # bad input leaves no results behind, and nothing else touched
         if finalizing:
             _record_failure(run_dir, f"finalize: {e}")
         fail(str(e), 2)
@@ -222,7 +256,10 @@ def run_app(cfg: DictConfig, *, rank_fn, validate: Callable[[DictConfig], None] 
     except Interrupted as e:
         with contextlib.suppress(OSError), RunWriter(run_dir) as w:
             w.event("run_failed", error=str(e))
-        fail(f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)", e.exit_code)
+        fail(
+            f"{e}: ranks stopped, run_failed recorded in {run_dir}/events.jsonl (no summary.json)",
+            e.exit_code,
+        )
     except Exception as e:
         full = diskfull.find(e, run_dir)  # wrapped: a plotting library's error, torch's short write
         if full is not None:
@@ -249,10 +286,15 @@ def _finalize_crashed(run_dir: Path) -> None:
     error = f"finalize: {error_line(text)}"
     _record_failure(run_dir, error)
     print(text, file=sys.stderr, end="", flush=True)
-    fail(f"run failed after training ({error}); incomplete run left (no summary.json) in {run_dir}", 1)
+    fail(
+        f"run failed after training ({error}); incomplete run left (no summary.json) in {run_dir}",
+        1,
+    )
 
 
-def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"):
+def hydra_main(
+    config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"
+):
     """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`; ``rank_fn``,
     ``validate`` and ``finalize`` are callables or "module:attribute" references (``resolve``)."""
     import importlib
@@ -272,7 +314,12 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
     @hydra.main(config_path=f"pkg://{config_module}", config_name=config_name, version_base="1.3")
     def _hydra_entry(cfg: DictConfig) -> None:
         with local_sweep.point():  # in a local sweep a failed point is noted and the next one runs
-            run_app(cfg, rank_fn=resolve(rank_fn), validate=resolve(validate), finalize=resolve(finalize))
+            run_app(
+                cfg,
+                rank_fn=resolve(rank_fn),
+                validate=resolve(validate),
+                finalize=resolve(finalize),
+            )
 
     def main() -> None:
         argv = sys.argv[1:]
@@ -288,11 +335,15 @@ def hydra_main(config_module: str, *, rank_fn, validate=None, finalize=None, con
         except KeyboardInterrupt:  # before Hydra: nothing was written yet
             fail("interrupted before the run started; nothing written", 130)
         precheck.note_job_environment(argv, job)
-        submitit_sweep.install(sys.argv[1:])  # a submitit sweep: one line when sbatch refuses, run dirs when done
+        submitit_sweep.install(
+            sys.argv[1:]
+        )  # a submitit sweep: one line when sbatch refuses, run dirs when done
         _hydra_entry()
         local_sweep.finish()
 
-    def check(argv: list[str]) -> None:  # the checks main() runs before Hydra starts, for tests and tools
+    def check(
+        argv: list[str],
+    ) -> None:  # the checks main() runs before Hydra starts, for tests and tools
         precheck.check_overrides(config_module, config_name, argv, validate_point)
 
     main.check = check

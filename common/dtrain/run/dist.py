@@ -4,6 +4,7 @@ torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADD
 are the single convention inside a rank: Slurm tasks and locally spawned ranks are translated
 into them before `init_process_group`.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,11 @@ class DistEnv:
 
     def export(self) -> None:
         os.environ.update(
-            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-            LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=self.master_addr,
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
         )
 
@@ -62,8 +66,14 @@ def env_from_torchrun() -> DistEnv | None:
     if not all(k in e for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
     world = int(e["WORLD_SIZE"])
-    return DistEnv(int(e["RANK"]), world, int(e.get("LOCAL_RANK", 0)),
-                   int(e.get("LOCAL_WORLD_SIZE", world)), e["MASTER_ADDR"], int(e["MASTER_PORT"]))
+    return DistEnv(
+        int(e["RANK"]),
+        world,
+        int(e.get("LOCAL_RANK", 0)),
+        int(e.get("LOCAL_WORLD_SIZE", world)),
+        e["MASTER_ADDR"],
+        int(e["MASTER_PORT"]),
+    )
 
 
 def env_from_slurm() -> DistEnv | None:
@@ -75,7 +85,9 @@ def env_from_slurm() -> DistEnv | None:
 
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # plain `srun python -m ...` too
     t = TorchDistributedEnvironment()
-    return DistEnv(t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_addr, t.master_port)
+    return DistEnv(
+        t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_addr, t.master_port
+    )
 
 
 def detect_job(launcher: str | None = None) -> DistEnv | None:
@@ -118,8 +130,10 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
         return torch.device("cpu")
     gpus = cuda_count()
     if local_rank >= gpus:
-        raise UserError(f"local rank {local_rank} has no GPU of its own (this node has {gpus}; one rank per GPU): "
-                        f"start at most {gpus} ranks per node, or pass device=cpu")
+        raise UserError(
+            f"local rank {local_rank} has no GPU of its own (this node has {gpus}; one rank per GPU): "
+            f"start at most {gpus} ranks per node, or pass device=cpu"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -129,8 +143,10 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
     one_of("backend", requested, BACKENDS)
     if requested == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
-        raise UserError("backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
-                        "use backend=gloo (or auto)")
+        raise UserError(
+            "backend=nccl needs a CUDA GPU on every rank and an NCCL build of torch: "
+            "use backend=gloo (or auto)"
+        )
     if requested == "auto":
         return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     return requested
@@ -144,8 +160,13 @@ def init(env: DistEnv, backend: str, device: torch.device, timeout_s: float) -> 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
 
 
 def set_cpu_threads(threads_per_rank: int | None, local_world_size: int) -> int:
@@ -164,7 +185,9 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_flat(tensors: list[torch.Tensor], group=None, collective=None, divisor: int = 1) -> None:
+def all_reduce_flat(
+    tensors: list[torch.Tensor], group=None, collective=None, divisor: int = 1
+) -> None:
     """Sum `tensors` in place over `group` with one collective on one flat bucket (as DDP does),
     then divide by `divisor` (gloo has no average). `collective(flat, group)` replaces
     torch.distributed.all_reduce (the TP layers pass their counted, profiled one)."""
@@ -179,5 +202,5 @@ def all_reduce_flat(tensors: list[torch.Tensor], group=None, collective=None, di
         flat /= divisor
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()

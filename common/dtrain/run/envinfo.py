@@ -1,4 +1,5 @@
 """What ran where: the facts that go into env.json, so every number can be traced to a machine."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,15 @@ def gpu_facts() -> list[dict]:
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 2),
-                    "capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count})
+        out.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 2),
+                "capability": f"{p.major}.{p.minor}",
+                "sm_count": p.multi_processor_count,
+            }
+        )
     return out
 
 
@@ -42,15 +50,31 @@ def slurm_facts() -> dict:
     job = f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}" if array else e["SLURM_JOB_ID"]
     logs = e.get("SUBMITIT_FOLDER")
     if logs:
-        logs = str(Path(logs).absolute())  # submitit's placeholders: %j job, %A array job, %a array task
-        logs = logs.replace("%j", job).replace("%A", e.get("SLURM_ARRAY_JOB_ID", job)).replace(
-            "%a", e.get("SLURM_ARRAY_TASK_ID", ""))
-    return {"slurm_job": job, "slurm_nodelist": e.get("SLURM_JOB_NODELIST"), "slurm_logs": logs,
-            "slurm_restart_count": int(e.get("SLURM_RESTART_COUNT", "0") or 0)}
+        logs = str(
+            Path(logs).absolute()
+        )  # submitit's placeholders: %j job, %A array job, %a array task
+        logs = (
+            logs.replace("%j", job)
+            .replace("%A", e.get("SLURM_ARRAY_JOB_ID", job))
+            .replace("%a", e.get("SLURM_ARRAY_TASK_ID", ""))
+        )
+    return {
+        "slurm_job": job,
+        "slurm_nodelist": e.get("SLURM_JOB_NODELIST"),
+        "slurm_logs": logs,
+        "slurm_restart_count": int(e.get("SLURM_RESTART_COUNT", "0") or 0),
+    }
 
 
-def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts: list[str] | None = None,
-            threads_per_rank: int | None = None) -> dict:
+def collect(
+    *,
+    backend: str,
+    world_size: int,
+    device: str,
+    launcher: str,
+    hosts: list[str] | None = None,
+    threads_per_rank: int | None = None,
+) -> dict:
     import torch
 
     hosts = hosts or [socket.gethostname()]
@@ -74,6 +98,8 @@ def collect(*, backend: str, world_size: int, device: str, launcher: str, hosts:
         "launcher": launcher,
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         **slurm_facts(),
-        "topology": {"gpus_per_node": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                     "nodes": len(set(hosts))},
+        "topology": {
+            "gpus_per_node": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "nodes": len(set(hosts)),
+        },
     }

@@ -17,6 +17,7 @@ Both sum over the busy threads only (ready to run for a quarter of the interval,
   out the oversubscription a run causes itself (more busy threads than cores), which the local
   checks count on their own. Nothing is spun or timed to learn it: sampling adds no load.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,17 +31,17 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Sample:
-    t: float      # end of the interval, time.time()
-    dt: float     # interval, s
-    cpu: float    # s our threads ran
-    wait: float   # s our threads were ready but waited for a CPU
+    t: float  # end of the interval, time.time()
+    dt: float  # interval, s
+    cpu: float  # s our threads ran
+    wait: float  # s our threads were ready but waited for a CPU
 
 
 @dataclass(frozen=True)
 class LoadFactor:
-    median: float   # over the window: (cpu + wait) / cpu of all samples together, / oversubscription
-    low: float      # 10th percentile of the samples' factors
-    high: float     # 90th percentile
+    median: float  # over the window: (cpu + wait) / cpu of all samples together, / oversubscription
+    low: float  # 10th percentile of the samples' factors
+    high: float  # 90th percentile
     samples: int
 
 
@@ -117,7 +118,9 @@ def tree(root: int) -> list[int]:
                     stat = f.read()
             except OSError:
                 continue
-            parent[int(name)] = int(stat[stat.rfind(")") + 2:].split()[1])  # after "pid (comm) state"
+            parent[int(name)] = int(
+                stat[stat.rfind(")") + 2 :].split()[1]
+            )  # after "pid (comm) state"
     out = []
     for pid in parent:
         p, hops = pid, 0
@@ -157,8 +160,17 @@ class Sampler:
                 now, t2 = self._read(), time.time()
                 # a thread born in this interval counts from zero; one that ended loses its last interval
                 cpu, wait = delta(before, now, (t2 - t) * 1e9)
-                out.write(json.dumps({"t": round(t2, 3), "dt": round(t2 - t, 3), "cpu": round(cpu / 1e9, 4),
-                                      "wait": round(wait / 1e9, 4)}) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "t": round(t2, 3),
+                            "dt": round(t2 - t, 3),
+                            "cpu": round(cpu / 1e9, 4),
+                            "wait": round(wait / 1e9, 4),
+                        }
+                    )
+                    + "\n"
+                )
                 out.flush()
                 before, t = now, t2
 
@@ -179,8 +191,9 @@ def read(path: str | Path) -> list[Sample]:
     return out
 
 
-def load_factor(samples: list[Sample], start: float, end: float, busy: float = 1.0,
-                cores: int | None = None) -> LoadFactor | None:
+def load_factor(
+    samples: list[Sample], start: float, end: float, busy: float = 1.0, cores: int | None = None
+) -> LoadFactor | None:
     """The contention factor over [start, end] of a job of `busy` CPU-bound threads on `cores` cores, its
     own oversubscription (busy / cores, at least 1) divided out; None when no sample with CPU work overlaps
     the window. When the job waited for CPUs (median above 1.05), the spread's top also allows for ranks

@@ -12,6 +12,7 @@ rank's traceback, before any peer's "connection closed". A rank whose heartbeat 
 is named within `heartbeat_timeout_s`; local ranks exit when their launcher dies; SIGINT/SIGTERM
 on the launcher stop every rank (or cancel the Slurm job). See dtrain.run.liveness.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +58,9 @@ class RankContext:
     backend: str
     run_dir: Path
     writer: RunWriter
-    hosts: list[str] = dataclasses.field(default_factory=list)  # every rank's hostname, in rank order
+    hosts: list[str] = dataclasses.field(
+        default_factory=list
+    )  # every rank's hostname, in rank order
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
@@ -98,15 +101,21 @@ def check_local(cfg: DictConfig) -> str:
     device = ddist.device_type(cfg.device)
     gpus = ddist.cuda_count()
     if device == "cuda" and n > gpus:
-        raise UserError(f"world_size={n} asks for {n} CUDA ranks but this host has {gpus} GPU(s) (one rank per GPU): "
-                        f"set world_size={gpus}, or device=cpu for {n} CPU ranks, or use launcher=slurm")
+        raise UserError(
+            f"world_size={n} asks for {n} CUDA ranks but this host has {gpus} GPU(s) (one rank per GPU): "
+            f"set world_size={gpus}, or device=cpu for {n} CPU ranks, or use launcher=slurm"
+        )
     if device == "cpu" and n > max_local_cpu_ranks():
-        raise UserError(f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU ranks): "
-                        "lower world_size or use launcher=slurm")
+        raise UserError(
+            f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU ranks): "
+            "lower world_size or use launcher=slurm"
+        )
     return device
 
 
-def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path) -> tuple[Any, Path]:
+def launch(
+    rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path
+) -> tuple[Any, Path]:
     mode = mode_of(cfg)
     if mode == "job":
         return run_rank(rank_fn, cfg, run_dir, ddist.detect_job(), launcher="job")
@@ -118,15 +127,26 @@ def launch(rank_fn: Callable[[RankContext], Any], cfg: DictConfig, run_dir: Path
 
 # ---------------------------------------------------------------- inside a rank
 
-def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launcher: str,
-             device_type: str | None = None) -> tuple[Any, Path]:
+
+def run_rank(
+    rank_fn,
+    cfg: DictConfig,
+    run_dir: Path,
+    env: ddist.DistEnv,
+    launcher: str,
+    device_type: str | None = None,
+) -> tuple[Any, Path]:
     """`device_type`: decided by the local launcher for every rank (None: this rank decides from
     cfg.device). cfg stays as composed: config.yaml records what was asked, env.json what was used."""
     import torch.distributed as dist
 
     device = ddist.pick_device(device_type or cfg.device, env.local_rank)
     backend = ddist.pick_backend(cfg.backend, device)
-    threads = ddist.set_cpu_threads(cfg.threads_per_rank, env.local_world_size) if device.type == "cpu" else None
+    threads = (
+        ddist.set_cpu_threads(cfg.threads_per_rank, env.local_world_size)
+        if device.type == "cpu"
+        else None
+    )
     ddist.init(env, backend, device, cfg.dist_timeout_s)
     # On an exception we deliberately skip destroy(): peers may be blocked in a collective,
     # and the launcher (or the collective timeout) stops them.
@@ -138,9 +158,17 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
         cfg.world_size = env.world_size  # in a job, the job's size is the truth
     if env.rank == 0:
         write_config(run_dir, cfg)
-        write_json_atomic(run_dir / ENV, envinfo.collect(
-            backend=backend, world_size=env.world_size, device=str(device), launcher=launcher,
-            hosts=hosts, threads_per_rank=threads))
+        write_json_atomic(
+            run_dir / ENV,
+            envinfo.collect(
+                backend=backend,
+                world_size=env.world_size,
+                device=str(device),
+                launcher=launcher,
+                hosts=hosts,
+                threads_per_rank=threads,
+            ),
+        )
     if launcher == "job":  # the Slurm launcher and the local one watch heartbeats themselves
         liveness.watch_job(env.rank, env.world_size, run_dir, cfg.get("heartbeat_timeout_s"))
     with RunWriter(run_dir, env.rank) as writer:
@@ -154,9 +182,14 @@ def run_rank(rank_fn, cfg: DictConfig, run_dir: Path, env: ddist.DistEnv, launch
                 # Hydra keeps a sweep point's exception in its JobReturn (sacct says COMPLETED):
                 # the job's own log must show it, for `dtrain runs` and for whoever reads the log
                 traceback.print_exc()
-            root = None if isinstance(e, UserError) else liveness.job_root_cause(run_dir, env.rank,
-                                                                                  traceback.format_exc())
-            if root:  # what the job's launcher shows (task 0) is then the root cause, not the symptom
+            root = (
+                None
+                if isinstance(e, UserError)
+                else liveness.job_root_cause(run_dir, env.rank, traceback.format_exc())
+            )
+            if (
+                root
+            ):  # what the job's launcher shows (task 0) is then the root cause, not the symptom
                 raise RuntimeError(root) from e
             raise
     if env.world_size > 1:
@@ -182,21 +215,35 @@ def _agree_on_run_dir(run_dir: Path, env: ddist.DistEnv) -> Path:
 
 # ---------------------------------------------------------------- local
 
-def _local_worker(local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir, launcher_pid,
-                  device_type) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher decides
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the launcher held them to spawn
-    liveness.watch_rank(local_rank, Path(run_dir), Path(side_dir), cfg.get("heartbeat_timeout_s"), launcher_pid)
+
+def _local_worker(
+    local_rank: int, rank_fn, cfg, run_dir, world_size, port, side_dir, launcher_pid, device_type
+) -> None:
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the whole process group; the launcher decides
+    signal.pthread_sigmask(
+        signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM}
+    )  # the launcher held them to spawn
+    liveness.watch_rank(
+        local_rank, Path(run_dir), Path(side_dir), cfg.get("heartbeat_timeout_s"), launcher_pid
+    )
     env = ddist.DistEnv(local_rank, world_size, local_rank, world_size, "127.0.0.1", port)
     try:
-        result, _ = run_rank(rank_fn, cfg, Path(run_dir), env, launcher="local", device_type=device_type)
+        result, _ = run_rank(
+            rank_fn, cfg, Path(run_dir), env, launcher="local", device_type=device_type
+        )
     except UserError as e:
         Path(side_dir, f"usererror.{local_rank}").write_text(str(e))
         sys.exit(2)
     except BaseException:
-        if os.getppid() != launcher_pid:  # a peer died with the launcher: say why, not "connection closed"
+        if (
+            os.getppid() != launcher_pid
+        ):  # a peer died with the launcher: say why, not "connection closed"
             liveness.orphaned(local_rank, Path(run_dir), launcher_pid, Path(side_dir))
-        Path(side_dir, f"error.{local_rank}").write_text(traceback.format_exc())  # its mtime orders failures
+        Path(side_dir, f"error.{local_rank}").write_text(
+            traceback.format_exc()
+        )  # its mtime orders failures
         _leave(1)
     if local_rank == 0:
         with open(Path(side_dir, "result.pkl"), "wb") as f:
@@ -230,22 +277,40 @@ def _launch_local(rank_fn, cfg, run_dir: Path, device_type: str) -> Any:
     side_dir = tempfile.mkdtemp(prefix="dtrain-launch-")
     try:
         try:
-            ctx = mp.start_processes(_local_worker, args=(rank_fn, cfg, str(run_dir), cfg.world_size, ddist.free_port(),
-                                                          side_dir, os.getpid(), device_type),
-                                     nprocs=cfg.world_size, join=False, start_method="spawn")
+            ctx = mp.start_processes(
+                _local_worker,
+                args=(
+                    rank_fn,
+                    cfg,
+                    str(run_dir),
+                    cfg.world_size,
+                    ddist.free_port(),
+                    side_dir,
+                    os.getpid(),
+                    device_type,
+                ),
+                nprocs=cfg.world_size,
+                join=False,
+                start_method="spawn",
+            )
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         liveness.supervise_local(ctx, Path(side_dir), cfg.get("heartbeat_timeout_s"))
         with open(Path(side_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
     finally:
-        with liveness.deferred_interrupts():  # a second Ctrl-C must not leave ranks or the temp folder behind
+        with (
+            liveness.deferred_interrupts()
+        ):  # a second Ctrl-C must not leave ranks or the temp folder behind
             if ctx is not None:
-                liveness.kill_all(ctx.processes)  # no-op when they finished; on Interrupted they must not outlive us
+                liveness.kill_all(
+                    ctx.processes
+                )  # no-op when they finished; on Interrupted they must not outlive us
             shutil.rmtree(side_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- slurm
+
 
 class SlurmTask:
     """What every Slurm task runs: become the rank submitit describes.
@@ -259,10 +324,16 @@ class SlurmTask:
         self.rank_fn, self.cfg, self.run_dir = rank_fn, cfg, run_dir
 
     def __call__(self):
-        requeue.exit_if_complete(Path(self.run_dir), check_owner=False)  # requeued after it finished
+        requeue.exit_if_complete(
+            Path(self.run_dir), check_owner=False
+        )  # requeued after it finished
         env = ddist.env_from_slurm() or ddist.DistEnv(0, 1, 0, 1, "127.0.0.1", ddist.free_port())
-        liveness.watch_rank(env.rank, Path(self.run_dir), Path(self.run_dir, "slurm"),
-                            self.cfg.get("heartbeat_timeout_s"))
+        liveness.watch_rank(
+            env.rank,
+            Path(self.run_dir),
+            Path(self.run_dir, "slurm"),
+            self.cfg.get("heartbeat_timeout_s"),
+        )
         return run_rank(self.rank_fn, self.cfg, Path(self.run_dir), env, launcher="slurm")[0]
 
     def checkpoint(self, *args, **kwargs):
@@ -281,20 +352,32 @@ def requeue_options(s: DictConfig) -> tuple[int, dict]:
 
 def slurm_executor(cfg: DictConfig, folder: Path):
     if shutil.which("sbatch") is None:
-        raise UserError("launcher=slurm needs Slurm's sbatch on PATH: run on a login node, or start the local "
-                        "cluster (scripts/slurm-cluster start; eval \"$(scripts/slurm-cluster env)\")")
+        raise UserError(
+            "launcher=slurm needs Slurm's sbatch on PATH: run on a login node, or start the local "
+            'cluster (scripts/slurm-cluster start; eval "$(scripts/slurm-cluster env)")'
+        )
     import submitit
 
     s = cfg.slurm
     tasks = s.tasks_per_node or math.ceil(cfg.world_size / s.nodes)
     if s.nodes * tasks != cfg.world_size:
-        raise UserError(f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}")
+        raise UserError(
+            f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}"
+        )
     max_timeouts, requeue_flag = requeue_options(s)
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=max_timeouts)
-    params = dict(name=f"dtrain-{cfg.subproject}", nodes=s.nodes, tasks_per_node=tasks, cpus_per_task=s.cpus_per_task,
-                  timeout_min=s.time_min, slurm_srun_args=["--kill-on-bad-exit=1"],
-                  slurm_signal_delay_s=int(s.get("signal_delay_s", 60)),  # USR2 this long before the limit
-                  slurm_additional_parameters={**requeue_flag, **OmegaConf.to_container(s.additional)})
+    ex = submitit.AutoExecutor(
+        folder=str(folder), cluster="slurm", slurm_max_num_timeout=max_timeouts
+    )
+    params = dict(
+        name=f"dtrain-{cfg.subproject}",
+        nodes=s.nodes,
+        tasks_per_node=tasks,
+        cpus_per_task=s.cpus_per_task,
+        timeout_min=s.time_min,
+        slurm_srun_args=["--kill-on-bad-exit=1"],
+        slurm_signal_delay_s=int(s.get("signal_delay_s", 60)),  # USR2 this long before the limit
+        slurm_additional_parameters={**requeue_flag, **OmegaConf.to_container(s.additional)},
+    )
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     if s.mem_gb:
@@ -312,18 +395,33 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
 
     ex = slurm_executor(cfg, run_dir / "slurm")
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal; we say it once
+        with contextlib.redirect_stderr(
+            io.StringIO()
+        ):  # submitit prints sbatch's refusal; we say it once
             job = ex.submit(SlurmTask(rank_fn, cfg, str(run_dir)))
-    except FailedJobError as e:  # sbatch said no: an option the cluster does not know or allow, or no cluster
-        raise queue.refused(str(e), "job", "check slurm.partition, slurm.constraint, slurm.account, "
-                                  "slurm.qos and slurm.additional") from None
-    watch = liveness.start_client_watch(job.job_id, run_dir)  # cancels the job if this process is killed
-    print(f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}", flush=True)
+    except (
+        FailedJobError
+    ) as e:  # sbatch said no: an option the cluster does not know or allow, or no cluster
+        raise queue.refused(
+            str(e),
+            "job",
+            "check slurm.partition, slurm.constraint, slurm.account, "
+            "slurm.qos and slurm.additional",
+        ) from None
+    watch = liveness.start_client_watch(
+        job.job_id, run_dir
+    )  # cancels the job if this process is killed
+    print(
+        f"submitted Slurm job {job.job_id} ({cfg.world_size} tasks); logs in {run_dir / 'slurm'}",
+        flush=True,
+    )
     try:
         _wait_slurm(job, cfg, run_dir)
     except liveness.JobEnded:  # cancelled from outside: nothing left to cancel
         raise
-    except BaseException:  # Interrupted, a hung rank, a job that can never start: it must not run on
+    except (
+        BaseException
+    ):  # Interrupted, a hung rank, a job that can never start: it must not run on
         job.cancel(check=False)
         print(f"cancelled Slurm job {job.job_id}", flush=True)
         raise
@@ -334,7 +432,9 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
         try:
             results.append(job.task(i).result())
         except (FailedJobError, UncompletedJobError) as e:
-            failures.append((liveness.is_peer_symptom(str(e)), "Traceback" not in str(e), i, str(e)))
+            failures.append(
+                (liveness.is_peer_symptom(str(e)), "Traceback" not in str(e), i, str(e))
+            )
     if not failures:
         return results[0]
     _raise_if_cancelled(job.job_id, queue.state(job.job_id))  # submitit saw it first
@@ -344,8 +444,10 @@ def _launch_slurm(rank_fn, cfg, run_dir: Path) -> Any:
     if "UserError: " in text:
         raise UserError(text.split("UserError: ", 1)[1].splitlines()[0]) from None
     _, _, first, first_text = failures[0]
-    raise RankFailed(f"Slurm job {job.job_id} failed:\n{text}",
-                     error=f"task {first}: {liveness.error_line(first_text)}") from None
+    raise RankFailed(
+        f"Slurm job {job.job_id} failed:\n{text}",
+        error=f"task {first}: {liveness.error_line(first_text)}",
+    ) from None
 
 
 # what a task's outcome says when the job ran out of time for good: submitit's handler after the
@@ -366,12 +468,16 @@ def _raise_if_timed_out(job_id: str, s: DictConfig, texts: list[str]) -> None:
     if not any(marker in t for t in texts for marker in _TIMED_OUT):
         return
     requeues, _ = requeue_options(s)
-    how = (f"after slurm.max_requeues={requeues} requeue(s)" if s.get("requeue", True)
-           else "(slurm.requeue=false)")
-    raise liveness.JobEnded(f"Slurm job {job_id} reached its time limit "
-                            f"(slurm.time_min={s.time_min}) {how}",
-                            reason="time_limit",
-                            fix="raise slurm.time_min or slurm.max_requeues")
+    how = (
+        f"after slurm.max_requeues={requeues} requeue(s)"
+        if s.get("requeue", True)
+        else "(slurm.requeue=false)"
+    )
+    raise liveness.JobEnded(
+        f"Slurm job {job_id} reached its time limit (slurm.time_min={s.time_min}) {how}",
+        reason="time_limit",
+        fix="raise slurm.time_min or slurm.max_requeues",
+    )
 
 
 def _wait_slurm(job, cfg, run_dir: Path) -> None:
@@ -380,15 +486,19 @@ def _wait_slurm(job, cfg, run_dir: Path) -> None:
     a queue check, where submitit's own poll of sacct takes ~40 s and ends in every task's log).
     Heartbeats count only while squeue says RUNNING: a requeued job's ranks are rightly silent."""
     timeout = cfg.get("heartbeat_timeout_s")
-    monitor = liveness.HeartbeatMonitor(run_dir / "slurm", cfg.world_size, timeout) if timeout else None
+    monitor = (
+        liveness.HeartbeatMonitor(run_dir / "slurm", cfg.world_size, timeout) if timeout else None
+    )
     running, next_queue_check, said = False, 0.0, None
     while not job.done():
         if time.monotonic() > next_queue_check:
             job_state = queue.state(job.job_id)
             reason = queue.never_starts(job_state)
             if reason:
-                raise UserError(f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), cancelled: "
-                                "ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition")
+                raise UserError(
+                    f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), cancelled: "
+                    "ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition"
+                )
             said = _say_pending(job.job_id, job_state, said, cfg.slurm.get("partition"))
             _raise_if_cancelled(job.job_id, job_state)
             if running and job_state and job_state[0] != "RUNNING" and monitor:
@@ -397,12 +507,15 @@ def _wait_slurm(job, cfg, run_dir: Path) -> None:
             next_queue_check = time.monotonic() + 2
         hung = monitor.stale() if monitor and running else None
         if hung:
-            raise RankFailed(f"Slurm job {job.job_id}: " + monitor.describe(*hung), error=monitor.describe(*hung))
+            raise RankFailed(
+                f"Slurm job {job.job_id}: " + monitor.describe(*hung), error=monitor.describe(*hung)
+            )
         time.sleep(1)
 
 
-def _say_pending(job_id: str, job_state: tuple[str, str] | None, said: str | None,
-                 partition: str | None) -> str | None:
+def _say_pending(
+    job_id: str, job_state: tuple[str, str] | None, said: str | None, partition: str | None
+) -> str | None:
     """Print why the job waits, once and whenever the reason changes; returns what was said last."""
     if not job_state or job_state[0] != "PENDING" or job_state[1] in ("None", ""):
         return said

@@ -12,6 +12,7 @@
 
 No torch import here: the Slurm client watcher is a bare `python -m dtrain.run.liveness` process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +33,19 @@ from dtrain.results.metrics import RunWriter
 
 HEARTBEAT = "heartbeat.rank{rank}"
 # Errors a rank gets *because* a peer died or stopped: never the root cause when another rank has one.
-PEER_SYMPTOMS = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe",
-                 "DistNetworkError", "DistBackendError", "timed out", "Timeout")
-_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failed)\b(?::.*)?$")
+PEER_SYMPTOMS = (
+    "Connection closed",
+    "Connection reset",
+    "Connection refused",
+    "Broken pipe",
+    "DistNetworkError",
+    "DistBackendError",
+    "timed out",
+    "Timeout",
+)
+_EXC_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failed)\b(?::.*)?$"
+)
 
 
 class RankFailed(RuntimeError):
@@ -75,8 +86,11 @@ def _interrupt_handler(handler):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)
-           if signal.getsignal(s) is not signal.SIG_IGN}
+    old = {
+        s: signal.signal(s, handler)
+        for s in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(s) is not signal.SIG_IGN
+    }
     try:
         yield
     finally:
@@ -86,8 +100,10 @@ def _interrupt_handler(handler):
 
 def catch_interrupts():
     """SIGINT/SIGTERM raise `Interrupted` in the main thread while inside (launching process only)."""
+
     def handler(signum, _frame):
         raise Interrupted(signum)
+
     return _interrupt_handler(handler)
 
 
@@ -137,8 +153,10 @@ def job_root_cause(run_dir: Path, rank: int, text: str, wait_s: float = 10.0) ->
         for path in sorted(folder.glob("rank*.txt")):
             other = path.read_text(errors="replace")
             if path.stem != f"rank{rank}" and not is_peer_symptom(other):
-                return f"{path.stem.replace('rank', 'rank ')} failed first: {error_line(other)} " \
-                       f"(rank {rank} then lost its peer: {error_line(text)})"
+                return (
+                    f"{path.stem.replace('rank', 'rank ')} failed first: {error_line(other)} "
+                    f"(rank {rank} then lost its peer: {error_line(text)})"
+                )
         if time.monotonic() > deadline:
             return None
         time.sleep(0.2)
@@ -148,11 +166,18 @@ def heartbeat_interval(timeout_s: float) -> float:
     return min(5.0, max(0.1, timeout_s / 5))
 
 
-def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: float | None,
-               launcher_pid: int | None = None) -> threading.Thread:
+def watch_rank(
+    rank: int,
+    run_dir: Path,
+    heartbeat_dir: Path | None,
+    timeout_s: float | None,
+    launcher_pid: int | None = None,
+) -> threading.Thread:
     """Beat `heartbeat_dir/heartbeat.rank<N>`; with `launcher_pid`, exit when that process is gone."""
     beat = Path(heartbeat_dir, HEARTBEAT.format(rank=rank)) if heartbeat_dir and timeout_s else None
-    tmp = beat.with_name(f".{beat.name}") if beat else None  # a dot name: globs of heartbeat.rank* skip it
+    tmp = (
+        beat.with_name(f".{beat.name}") if beat else None
+    )  # a dot name: globs of heartbeat.rank* skip it
     interval = heartbeat_interval(timeout_s or 1.0)
 
     def loop():
@@ -161,7 +186,9 @@ def watch_rank(rank: int, run_dir: Path, heartbeat_dir: Path | None, timeout_s: 
             if launcher_pid is not None and os.getppid() != launcher_pid:
                 orphaned(rank, run_dir, launcher_pid, heartbeat_dir)
             if beat is not None and time.monotonic() - last_beat >= interval:
-                with contextlib.suppress(OSError):  # a vanished dir means the launcher is cleaning up
+                with contextlib.suppress(
+                    OSError
+                ):  # a vanished dir means the launcher is cleaning up
                     # written aside and renamed: a reader never sees a half-written beat (beat_source)
                     tmp.write_text(f"{time.time():.3f} {socket.gethostname()} {os.getpid()}\n")
                     os.replace(tmp, beat)
@@ -222,7 +249,9 @@ def orphaned(rank: int, run_dir: Path, launcher_pid: int, launcher_tmp: Path | N
     with contextlib.suppress(OSError):
         with RunWriter(run_dir, rank) as w:
             w.event("run_failed", error=f"launcher (pid {launcher_pid}) died; rank {rank} stopped")
-    print(f"error: launcher (pid {launcher_pid}) died; rank {rank} stops", file=sys.stderr, flush=True)
+    print(
+        f"error: launcher (pid {launcher_pid}) died; rank {rank} stops", file=sys.stderr, flush=True
+    )
     if rank == 0 and launcher_tmp is not None:
         shutil.rmtree(launcher_tmp, ignore_errors=True)
     os._exit(1)  # from this thread: the main one may be blocked in a collective
@@ -230,24 +259,41 @@ def orphaned(rank: int, run_dir: Path, launcher_pid: int, launcher_tmp: Path | N
 
 # ---------------------------------------------------------------- launcher side
 
+
 class HeartbeatMonitor:
     """Which rank's heartbeat file has not changed for `timeout_s`, timed by this process's clock
     (so clock skew between hosts does not matter). A rank that never beat is judged from the
     moment the first rank beat, with at least `startup_grace_s` for ranks that import torch slower
     on a loaded host: one stopped before its first beat is hung too."""
 
-    def __init__(self, heartbeat_dir: Path, world_size: int, timeout_s: float, pids: list[int] | None = None,
-                 startup_grace_s: float = 60.0, count_earlier_beats: bool = False):
-        self.dir, self.world_size, self.timeout_s, self.pids = Path(heartbeat_dir), world_size, timeout_s, pids
+    def __init__(
+        self,
+        heartbeat_dir: Path,
+        world_size: int,
+        timeout_s: float,
+        pids: list[int] | None = None,
+        startup_grace_s: float = 60.0,
+        count_earlier_beats: bool = False,
+    ):
+        self.dir, self.world_size, self.timeout_s, self.pids = (
+            Path(heartbeat_dir),
+            world_size,
+            timeout_s,
+            pids,
+        )
         self.startup_grace_s = startup_grace_s
         self.reset()
-        if count_earlier_beats:  # the ranks started before this monitor (rank 0 of a job watching its peers)
+        if (
+            count_earlier_beats
+        ):  # the ranks started before this monitor (rank 0 of a job watching its peers)
             self._baseline = {}
 
     def reset(self) -> None:
         """Forget what was seen (a Slurm job left RUNNING, e.g. requeued): older beats do not count."""
         self._baseline = {r: m for r in range(self.world_size) if (m := self._mtime(r)) is not None}
-        self._seen: dict[int, tuple[float, float]] = {}  # rank -> (mtime, monotonic when first seen)
+        self._seen: dict[
+            int, tuple[float, float]
+        ] = {}  # rank -> (mtime, monotonic when first seen)
         self._first_beat: float | None = None
 
     def _mtime(self, rank: int) -> float | None:
@@ -288,10 +334,14 @@ class HeartbeatMonitor:
         if self.pids and rank < len(self.pids):
             state = process_state(self.pids[rank])
             where = f" (pid {self.pids[rank]}{', ' + state if state else ''})"
-        elif source := self.beat_source(rank):  # a Slurm task or a torchrun rank: its heartbeat says where
+        elif source := self.beat_source(
+            rank
+        ):  # a Slurm task or a torchrun rank: its heartbeat says where
             where = f" (pid {source[1]} on {source[0]})"
-        return (f"rank {rank}{where} stopped responding: no heartbeat for {age:.0f} s "
-                f"(heartbeat_timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), swapped out or hung")
+        return (
+            f"rank {rank}{where} stopped responding: no heartbeat for {age:.0f} s "
+            f"(heartbeat_timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), swapped out or hung"
+        )
 
 
 def process_state(pid: int) -> str:
@@ -300,8 +350,12 @@ def process_state(pid: int) -> str:
     except OSError:
         return ""
     code = stat.rsplit(")", 1)[1].split()[0]
-    return {"T": "state T: stopped", "t": "state t: traced", "D": "state D: uninterruptible wait",
-            "Z": "state Z: zombie"}.get(code, f"state {code}")
+    return {
+        "T": "state T: stopped",
+        "t": "state t: traced",
+        "D": "state D: uninterruptible wait",
+        "Z": "state Z: zombie",
+    }.get(code, f"state {code}")
 
 
 # ---------------------------------------------------------------- local ranks
@@ -313,7 +367,11 @@ def supervise_local(ctx, side_dir: Path, heartbeat_timeout_s: float | None) -> N
     """Wait for torch.multiprocessing's ranks; on a failure or a hang kill them all and raise the
     root cause (RankFailed, or the UserError a rank raised). The caller kills them on Interrupted."""
     procs = ctx.processes
-    monitor = HeartbeatMonitor(side_dir, len(procs), heartbeat_timeout_s, ctx.pids()) if heartbeat_timeout_s else None
+    monitor = (
+        HeartbeatMonitor(side_dir, len(procs), heartbeat_timeout_s, ctx.pids())
+        if heartbeat_timeout_s
+        else None
+    )
     while not any(p.exitcode not in (None, 0) for p in procs):
         if all(p.exitcode == 0 for p in procs):
             return
@@ -322,11 +380,19 @@ def supervise_local(ctx, side_dir: Path, heartbeat_timeout_s: float | None) -> N
             message = monitor.describe(*hung)  # before the kill: it reads the process's state
             kill_all(procs)
             raise RankFailed(message, error=message)
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
+        multiprocessing.connection.wait(
+            [p.sentinel for p in procs if p.exitcode is None], timeout=0.5
+        )
     deadline = time.monotonic() + PEER_GRACE_S
     while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
-    stopped = [i for i, p in enumerate(procs) if p.exitcode is None and process_state(p.pid).startswith("state T")]
+        multiprocessing.connection.wait(
+            [p.sentinel for p in procs if p.exitcode is None], timeout=0.1
+        )
+    stopped = [
+        i
+        for i, p in enumerate(procs)
+        if p.exitcode is None and process_state(p.pid).startswith("state T")
+    ]
     survivors = {i for i, p in enumerate(procs) if p.exitcode is None}
     kill_all(procs)
     raise _root_cause(procs, side_dir, survivors, stopped)
@@ -353,28 +419,52 @@ def _root_cause(procs, side_dir: Path, survivors: set[int], stopped: list[int]) 
         path = Path(side_dir, f"error.{i}")  # the rank's traceback, written as it failed
         if path.exists():
             text = path.read_text()
-            failures.append((is_peer_symptom(text), path.stat().st_mtime, i, f"rank {i} failed:\n{text}",
-                             f"rank {i}: {error_line(text)}"))
+            failures.append(
+                (
+                    is_peer_symptom(text),
+                    path.stat().st_mtime,
+                    i,
+                    f"rank {i} failed:\n{text}",
+                    f"rank {i}: {error_line(text)}",
+                )
+            )
         else:
-            how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-            hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if p.exitcode == -signal.SIGKILL else ""
+            how = (
+                f"killed by {signal.Signals(-p.exitcode).name}"
+                if p.exitcode < 0
+                else f"exit code {p.exitcode}"
+            )
+            hint = (
+                " (out of memory? the kernel's OOM killer sends SIGKILL)"
+                if p.exitcode == -signal.SIGKILL
+                else ""
+            )
             line = f"rank {i} exited with code {p.exitcode} ({how}){hint}"
             failures.append((False, 0.0, i, line, line))
     failures.sort()
-    if stopped and (not failures or failures[0][0]):  # the peers only timed out or lost the connection
+    if stopped and (
+        not failures or failures[0][0]
+    ):  # the peers only timed out or lost the connection
         first = f"rank {stopped[0]} is stopped (SIGSTOP); its peers failed waiting for it"
-        return RankFailed(first + "".join(f"\n(rank {f[2]} then failed: {f[4]})" for f in failures), error=first)
+        return RankFailed(
+            first + "".join(f"\n(rank {f[2]} then failed: {f[4]})" for f in failures), error=first
+        )
     others = "".join(f"\n(after it, {f[4]})" for f in failures[1:])
     return RankFailed(failures[0][3] + others, error=failures[0][4])
 
 
 # ---------------------------------------------------------------- Slurm client death
 
+
 def start_client_watch(job_id: str, run_dir: Path) -> subprocess.Popen:
     """A detached process that cancels `job_id` if this process dies before calling `client_done`."""
-    return subprocess.Popen([sys.executable, "-m", "dtrain.run.liveness", str(os.getpid()), str(job_id), str(run_dir)],
-                            stdin=subprocess.PIPE, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain.run.liveness", str(os.getpid()), str(job_id), str(run_dir)],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def client_done(watch: subprocess.Popen) -> None:
@@ -392,8 +482,9 @@ def _watch_client(client_pid: int, job_id: str, run_dir: str) -> None:
         return
     subprocess.run(["scancel", job_id], check=False)
     with contextlib.suppress(OSError):
-        RunWriter(Path(run_dir)).event("run_failed", error=f"Slurm client (pid {client_pid}) died; "
-                                                           f"job {job_id} cancelled")
+        RunWriter(Path(run_dir)).event(
+            "run_failed", error=f"Slurm client (pid {client_pid}) died; job {job_id} cancelled"
+        )
 
 
 if __name__ == "__main__":

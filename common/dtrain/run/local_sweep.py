@@ -7,6 +7,7 @@ exit code 1 (2 when every failure was bad input). An interrupt (exit 128+signal)
 Sweeps on Slurm (hydra/launcher=submitit_slurm) are left as they are: each point is its own job,
 and `dtrain runs` lists the failed ones.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,9 @@ def in_local_sweep() -> bool:
     if not HydraConfig.initialized():
         return False
     hc = HydraConfig.get()
-    return hc.mode == RunMode.MULTIRUN and str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
+    return hc.mode == RunMode.MULTIRUN and str(hc.launcher.get("_target_", "")).endswith(
+        "BasicLauncher"
+    )
 
 
 def _this_point() -> str:
@@ -59,6 +62,10 @@ def finish() -> None:
         return
     codes = {code for _, code in _failed}
     names = "; ".join(f"{where} exit {code}" for where, code in _failed)
-    print(f"error: {len(_failed)} of {_ran[0]} sweep points failed ({names}); the others ran: see each point's "
-          "error above and `dtrain runs --all`", file=sys.stderr, flush=True)
+    print(
+        f"error: {len(_failed)} of {_ran[0]} sweep points failed ({names}); the others ran: see each point's "
+        "error above and `dtrain runs --all`",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.exit(2 if codes == {2} else 1)

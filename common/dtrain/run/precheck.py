@@ -16,6 +16,7 @@ MAX_SWEEP_POINTS points is refused from the sizes of its values before any point
 points are checked under a progress bar, and one error shared by many points is one line.
 Every user value an error line quotes is clipped (dtrain.core.errors.clip).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,21 @@ from dtrain.run import requeue, rundir
 from dtrain.run.rundir import OWNER, foreign_entries, owner_text
 
 # command-line flags after which Hydra does not run the app (help, config printing, completion)
-_NO_RUN = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion", "-sc",
-           "--resolve", "-p", "--package", "--experimental-rerun")
+_NO_RUN = (
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-c",
+    "--cfg",
+    "-i",
+    "--info",
+    "--shell-completion",
+    "-sc",
+    "--resolve",
+    "-p",
+    "--package",
+    "--experimental-rerun",
+)
 _WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 # A local sweep runs its points one after the other, each a whole run of seconds to hours, and
@@ -43,9 +57,9 @@ _WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "
 # and Slurm's default MaxArraySize (1001) takes at most 1,000 tasks. More points is a typo in a
 # range (`range(1e-3,1,1e-7)`), refused from the sizes of its values before anything is expanded.
 MAX_SWEEP_POINTS = 1000
-PROGRESS_EVERY = 250     # off a terminal, one `checked N of M sweep points` line this often
-SHOWN_POINTS = 3         # point numbers named in a line shared by many points, then a count
-SHOWN_KINDS = 5          # lines for different errors of a sweep, then one line for the rest
+PROGRESS_EVERY = 250  # off a terminal, one `checked N of M sweep points` line this often
+SHOWN_POINTS = 3  # point numbers named in a line shared by many points, then a count
+SHOWN_KINDS = 5  # lines for different errors of a sweep, then one line for the rest
 
 
 def _one_line(e: BaseException) -> str:
@@ -89,7 +103,12 @@ def check_renamed(overrides: list[str], renamed: dict[str, str]) -> None:
             raise UserError(f"{clip(o.split('=', 1)[0].lstrip('+~'))} was renamed: use {new}")
 
 
-_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+_WORDS = {
+    "Integer": "an integer",
+    "Float": "a number",
+    "Boolean": "true or false",
+    "String": "a string",
+}
 
 
 def _typed_message(e: BaseException) -> str | None:
@@ -102,7 +121,9 @@ def _typed_message(e: BaseException) -> str | None:
     from omegaconf.errors import ConfigAttributeError, ValidationError
 
     cause = e if isinstance(e, (ValidationError, ConfigAttributeError)) else e.__cause__
-    if isinstance(cause, ConfigAttributeError) and dataclasses.is_dataclass(getattr(cause, "object_type", None)):
+    if isinstance(cause, ConfigAttributeError) and dataclasses.is_dataclass(
+        getattr(cause, "object_type", None)
+    ):
         key = str(cause.full_key)
         parent = key.rsplit(".", 1)[0] + "'s" if "." in key else "the top-level"
         known = [f.name for f in dataclasses.fields(cause.object_type)]
@@ -199,9 +220,11 @@ def check_sweep_size(parsed: list) -> None:
     if total <= MAX_SWEEP_POINTS:
         return
     parts = " x ".join(f"{clip(k)}: {n:,} values" for k, n in sizes.items() if n > 1)
-    raise UserError(f"the sweep has {total:,} points ({parts}); at most "
-                    f"{MAX_SWEEP_POINTS:,} points are run in one sweep: narrow the ranges or split "
-                    "the sweep")
+    raise UserError(
+        f"the sweep has {total:,} points ({parts}); at most "
+        f"{MAX_SWEEP_POINTS:,} points are run in one sweep: narrow the ranges or split "
+        "the sweep"
+    )
 
 
 def sweep_points(overrides: list[str], parsed: list | None = None) -> list[list[str]]:
@@ -229,8 +252,9 @@ class _Progress:
         if self.bar is not None:
             self.bar.update()
         elif self.done % PROGRESS_EVERY == 0 and self.done < self.total:
-            print(f"checked {self.done:,} of {self.total:,} sweep points", file=sys.stderr,
-                  flush=True)
+            print(
+                f"checked {self.done:,} of {self.total:,} sweep points", file=sys.stderr, flush=True
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -249,6 +273,7 @@ def _shape(message: str) -> str:
 def _common(messages: list[str]) -> str:
     """Messages of one shape as one: a value they all share is kept, one that differs is `...`."""
     parts = [_VALUE.split(m) for m in messages]
+
     def part(i: int, p: str) -> str:
         if i % 2 == 0 or all(q[i] == p for q in parts):
             return p
@@ -282,8 +307,12 @@ def group_errors(errors: list[tuple[int, str, str]], n_points: int) -> list[str]
     return lines
 
 
-def check_overrides(config_module: str, config_name: str, argv: list[str],
-                    validate: Callable[[DictConfig], None] | None) -> None:
+def check_overrides(
+    config_module: str,
+    config_name: str,
+    argv: list[str],
+    validate: Callable[[DictConfig], None] | None,
+) -> None:
     """Raise UserError on a renamed key (the conf module's `RENAMED`), a key given twice or an
     override Hydra would reject; in a sweep, on too many points or any invalid point."""
     from hydra.errors import HydraException
@@ -292,7 +321,9 @@ def check_overrides(config_module: str, config_name: str, argv: list[str],
     overrides, multirun, checkable = split_argv(argv)
     if not checkable:
         return
-    conf = importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
+    conf = importlib.import_module(
+        config_module
+    )  # registers its typed config in Hydra's ConfigStore
     check_long_keys(overrides)
     check_renamed(overrides, getattr(conf, "RENAMED", {}))
     try:
@@ -318,9 +349,13 @@ def _remote(overrides: list[str]) -> bool:
     return any(o.startswith("hydra/launcher=") and o != "hydra/launcher=basic" for o in overrides)
 
 
-def _check_points(config_module: str, config_name: str, points: list[list[str]],
-                  validate: Callable[[DictConfig], None] | None,
-                  remote: bool) -> list[tuple[int, str, str]]:
+def _check_points(
+    config_module: str,
+    config_name: str,
+    points: list[list[str]],
+    validate: Callable[[DictConfig], None] | None,
+    remote: bool,
+) -> list[tuple[int, str, str]]:
     """(point number, its overrides, error) of every point that does not compose or validate."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
@@ -332,8 +367,14 @@ def _check_points(config_module: str, config_name: str, points: list[list[str]],
             for n, point in enumerate(points):
                 # Hydra's own keys are Hydra's to check
                 job = [o for o in point if not o.lstrip("+~").startswith("hydra")]
-                error = _check_point(compose, config_name, job, validate, remote,
-                                     (HydraException, OmegaConfBaseException))
+                error = _check_point(
+                    compose,
+                    config_name,
+                    job,
+                    validate,
+                    remote,
+                    (HydraException, OmegaConfBaseException),
+                )
                 if error is not None:
                     errors.append((n, " ".join(job), error))
                 progress.step()
@@ -342,8 +383,9 @@ def _check_points(config_module: str, config_name: str, points: list[list[str]],
     return errors
 
 
-def _check_point(compose, config_name: str, job: list[str], validate, remote: bool,
-                 hydra_errors) -> str | None:
+def _check_point(
+    compose, config_name: str, job: list[str], validate, remote: bool, hydra_errors
+) -> str | None:
     """One point's error, or None."""
     try:
         cfg = compose(config_name=config_name, overrides=job)
@@ -366,7 +408,12 @@ def check_run_dirs(argv: list[str]) -> None:
         return  # Hydra prints help or config and runs nothing
     for arg in split_argv(argv)[0]:
         key, _, value = arg.lstrip("+").partition("=")
-        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "$" in value or "," in value:
+        if (
+            key not in ("hydra.run.dir", "hydra.sweep.dir")
+            or not value
+            or "$" in value
+            or "," in value
+        ):
             continue
         path = Path(value)
         if key == "hydra.run.dir" and rundir.same_job_restarted(path / OWNER):
@@ -374,13 +421,17 @@ def check_run_dirs(argv: list[str]) -> None:
         owned = [path / OWNER] if key == "hydra.run.dir" else sorted(path.glob(f"*/{OWNER}"))
         owned = [o for o in owned if o.exists()]
         if owned:
-            raise UserError(f"{key}={clip(value)} already holds a run ({owner_text(owned[0])}): "
-                            "pass a new directory (or delete the old run); a run directory is never reused")
+            raise UserError(
+                f"{key}={clip(value)} already holds a run ({owner_text(owned[0])}): "
+                "pass a new directory (or delete the old run); a run directory is never reused"
+            )
         others = foreign_entries(path)
         if others:
-            raise UserError(f"{key}={clip(value)} is not empty (it holds {', '.join(others[:3])}"
-                            f"{', ...' if len(others) > 3 else ''}): pass a new or empty directory; a run writes "
-                            "only into a folder it creates, never among files it did not make")
+            raise UserError(
+                f"{key}={clip(value)} is not empty (it holds {', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}): pass a new or empty directory; a run writes "
+                "only into a folder it creates, never among files it did not make"
+            )
 
 
 def literal_override(argv: list[str], key: str) -> str | None:
@@ -407,7 +458,9 @@ def check_literal_paths(argv: list[str]) -> None:
         if value is not None:
             check_path(key, value)
     run = literal_override(argv, "hydra.run.dir")
-    if run is not None:  # a requeued job whose run is complete exits 0, before Hydra rewrites its .hydra/
+    if (
+        run is not None
+    ):  # a requeued job whose run is complete exits 0, before Hydra rewrites its .hydra/
         requeue.exit_if_complete(Path(run))
     rundir.check_command_line(lambda key: literal_override(argv, key))  # nesting, chdir, ...
 
@@ -416,14 +469,20 @@ def check_job_size(argv: list[str], job) -> None:
     """Inside a job (RANK/WORLD_SIZE set: torchrun, srun, or left over in the shell) the job's size is the
     run's; an explicit world_size= that disagrees is refused instead of silently running another size."""
     asked = literal_override(argv, "world_size")
-    if job is None or asked is None or not asked.isdigit() or \
-            asked.lstrip("0") == str(job.world_size):  # not int(): a 100 kB number is refused
+    if (
+        job is None
+        or asked is None
+        or not asked.isdigit()
+        or asked.lstrip("0") == str(job.world_size)
+    ):  # not int(): a 100 kB number is refused
         return
     asked = clip(asked)
-    raise UserError(f"world_size={asked} but this process is rank {job.rank} of a {job.world_size}-rank job "
-                    "(RANK and WORLD_SIZE are set: torchrun, srun, or left over in this shell): drop world_size= "
-                    f"to run as that rank, pass launcher=local to start {asked} ranks here, or unset RANK "
-                    "WORLD_SIZE MASTER_ADDR MASTER_PORT")
+    raise UserError(
+        f"world_size={asked} but this process is rank {job.rank} of a {job.world_size}-rank job "
+        "(RANK and WORLD_SIZE are set: torchrun, srun, or left over in this shell): drop world_size= "
+        f"to run as that rank, pass launcher=local to start {asked} ranks here, or unset RANK "
+        "WORLD_SIZE MASTER_ADDR MASTER_PORT"
+    )
 
 
 def note_job_environment(argv: list[str], job) -> None:
@@ -435,9 +494,16 @@ def note_job_environment(argv: list[str], job) -> None:
     if not all(n in os.environ for n in names) or "TORCHELASTIC_RUN_ID" in os.environ:
         return
     if job is None:
-        print("note: launcher=local: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment are "
-              "ignored; ranks are started here", file=sys.stderr, flush=True)
+        print(
+            "note: launcher=local: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment are "
+            "ignored; ranks are started here",
+            file=sys.stderr,
+            flush=True,
+        )
     elif "SLURM_STEP_ID" not in os.environ:
-        print(f"note: RANK={job.rank} WORLD_SIZE={job.world_size} are set without torchrun: running as that rank "
-              f"(it waits up to dist_timeout_s for its peers); pass launcher=local to start ranks here instead",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: RANK={job.rank} WORLD_SIZE={job.world_size} are set without torchrun: running as that rank "
+            f"(it waits up to dist_timeout_s for its peers); pass launcher=local to start ranks here instead",
+            file=sys.stderr,
+            flush=True,
+        )

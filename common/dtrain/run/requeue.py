@@ -21,6 +21,7 @@ requeued attempt starts. A requeue of a job that already finished (`scontrol req
 job) finds `summary.json`: the attempt says so in the job's log and exits 0 before writing anything
 (`exit_if_complete`), so a complete run is never trained again under its own summary.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ from pathlib import Path
 from dtrain.results.metrics import RECORDS, SUMMARY, write_json_atomic
 from dtrain.run import rundir
 
-OFFSETS = ".records-offsets.rank{rank}.json"  # {step: bytes of this rank's records file at that step}
+OFFSETS = (
+    ".records-offsets.rank{rank}.json"  # {step: bytes of this rank's records file at that step}
+)
 
 
 def restart_count() -> int:
@@ -70,7 +73,9 @@ def preempt_signal() -> signal.Signals:
 
 
 def records_file(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / (RECORDS if rank == 0 else RECORDS.replace(".jsonl", f".rank{rank}.jsonl"))
+    return Path(run_dir) / (
+        RECORDS if rank == 0 else RECORDS.replace(".jsonl", f".rank{rank}.jsonl")
+    )
 
 
 def _offsets_path(run_dir: Path, rank: int) -> Path:

@@ -17,6 +17,7 @@ A run never writes into a folder that is, or is inside, another run's (`check_ou
 folder above is looked at for a `.run-owner`), so `dtrain runs` never finds a run inside a run; a
 sweep's folder has no owner (its points do), and a capstone's claimed folder holds its runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,10 @@ from hydra.experimental.callback import Callback
 from dtrain.core.errors import UserError, clip
 
 OWNER = ".run-owner"
-HYDRA_BOOKKEEPING = (".hydra", "multirun.yaml")  # what Hydra writes into a run / sweep folder (and <job>.log)
+HYDRA_BOOKKEEPING = (
+    ".hydra",
+    "multirun.yaml",
+)  # what Hydra writes into a run / sweep folder (and <job>.log)
 
 
 class RunDirTaken(UserError):
@@ -65,8 +69,14 @@ def same_job_restarted(path: Path) -> bool:
 
 
 def _owner_record(**extra) -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv, "slurm_job": slurm_job(),
-            "started": datetime.now().isoformat(timespec="seconds"), **extra}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "argv": sys.argv,
+        "slurm_job": slurm_job(),
+        "started": datetime.now().isoformat(timespec="seconds"),
+        **extra,
+    }
 
 
 def claim(run_dir: Path) -> Path:
@@ -77,8 +87,10 @@ def claim(run_dir: Path) -> Path:
     except FileExistsError:
         if same_job_restarted(path):
             return path
-        raise RunDirTaken(f"run directory {run_dir} already holds a run ({owner_text(path)}): pass a new "
-                          "hydra.run.dir (or delete the old run); a run directory is never reused") from None
+        raise RunDirTaken(
+            f"run directory {run_dir} already holds a run ({owner_text(path)}): pass a new "
+            "hydra.run.dir (or delete the old run); a run directory is never reused"
+        ) from None
     with os.fdopen(fd, "w") as f:
         json.dump(_owner_record(), f)
     return path
@@ -125,8 +137,9 @@ def owning_run(path, include_self: bool = True, own: Path | None = None):
     return None
 
 
-def check_outside_runs(what: str, path, key: str, include_self: bool = True,
-                       own: Path | None = None) -> None:
+def check_outside_runs(
+    what: str, path, key: str, include_self: bool = True, own: Path | None = None
+) -> None:
     """Refuse `path` (`what`: "key=value" as the user wrote it) when it is, or is inside, another
     run's folder: a run never writes there (`dtrain runs` would list a run inside a run)."""
     found = owning_run(path, include_self, own)
@@ -140,18 +153,25 @@ def check_outside_runs(what: str, path, key: str, include_self: bool = True,
         where = f"is inside run {run}"
     else:
         where = f"is inside {folder}, which belongs to run {run}"
-    raise UserError(f"{clip(what)} {where} ({owner_text(owner)}): pass a {key} outside any run's "
-                    "folder; a run never writes into another run's folder")
+    raise UserError(
+        f"{clip(what)} {where} ({owner_text(owner)}): pass a {key} outside any run's "
+        "folder; a run never writes into another run's folder"
+    )
 
 
 def check_results_folder(cfg) -> None:
     """<results_dir>/<subproject>/, where Hydra makes the run folders: a folder, if it exists."""
     sub = Path(cfg.results_dir) / cfg.get("subproject", "")
     if os.path.lexists(sub) and not os.path.isdir(sub):
-        what = (f"a dangling symlink (to {os.readlink(sub)})" if os.path.islink(sub)
-                else "a file, not a folder")
-        raise UserError(f"results_dir={clip(cfg.results_dir)} cannot hold runs: {clip(sub)} is {what}: "
-                        "move it or pass another results_dir")
+        what = (
+            f"a dangling symlink (to {os.readlink(sub)})"
+            if os.path.islink(sub)
+            else "a file, not a folder"
+        )
+        raise UserError(
+            f"results_dir={clip(cfg.results_dir)} cannot hold runs: {clip(sub)} is {what}: "
+            "move it or pass another results_dir"
+        )
 
 
 def check_command_line(literal) -> None:
@@ -165,15 +185,19 @@ def check_command_line(literal) -> None:
     run, ckpt = literal("hydra.run.dir"), literal("train.checkpoint_dir")
     chdir = literal("hydra.job.chdir")
     if chdir is not None and chdir.lower() == "true":  # relative paths would name other folders
-        raise UserError("hydra.job.chdir=true is not supported: dtrain resolves results_dir and "
-                        "paths from the launch folder; drop it")
+        raise UserError(
+            "hydra.job.chdir=true is not supported: dtrain resolves results_dir and "
+            "paths from the launch folder; drop it"
+        )
     for key, itself in (("hydra.run.dir", False), ("hydra.sweep.dir", True), ("results_dir", True)):
         if (value := literal(key)) is not None:
             check_outside_runs(f"{key}={value}", value, key, itself)
     if ckpt:
         if run is not None and _same(run, ckpt):
-            raise UserError(f"train.checkpoint_dir={clip(ckpt)} is the run directory itself: leave it "
-                            f"unset (checkpoints go to {clip(ckpt)}/checkpoints) or pass another folder")
+            raise UserError(
+                f"train.checkpoint_dir={clip(ckpt)} is the run directory itself: leave it "
+                f"unset (checkpoints go to {clip(ckpt)}/checkpoints) or pass another folder"
+            )
         # the folder itself: claim_folder says whose it is (train.resume_from may read it)
         check_outside_runs(f"train.checkpoint_dir={ckpt}", ckpt, "train.checkpoint_dir", False)
         check_path("train.checkpoint_dir", ckpt)
@@ -192,7 +216,7 @@ def _pid_runs(rec: dict) -> bool:
     except OSError:
         return False
     argv = [os.fsencode(a) for a in rec.get("argv") or []][1:]
-    return cmdline[-1 - len(argv):-1] == argv if argv else True
+    return cmdline[-1 - len(argv) : -1] == argv if argv else True
 
 
 def check_not_running(key: str, path) -> None:
@@ -205,9 +229,11 @@ def check_not_running(key: str, path) -> None:
         rec = _record(owner) or {}
         run = Path(rec.get("run_dir") or folder)
         if _pid_runs(rec) and not (run / "summary.json").exists():
-            raise UserError(f"{key}={clip(path)}: checkpoint folder belongs to run {run}, which is "
-                            f"still running (pid {rec['pid']} on {rec['host']}): wait for it to "
-                            "finish or pass a finished checkpoint")
+            raise UserError(
+                f"{key}={clip(path)}: checkpoint folder belongs to run {run}, which is "
+                f"still running (pid {rec['pid']} on {rec['host']}): wait for it to "
+                "finish or pass a finished checkpoint"
+            )
         return
 
 
@@ -229,30 +255,39 @@ def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -
     owner = folder / OWNER
     created = not folder.exists()
     if os.path.lexists(folder) and not folder.is_dir():  # mkdir: "exists", not another run's
-        raise UserError(f"{key}={clip(folder)} is a file, not a folder: pass a new or empty folder "
-                        f"as {key}")
+        raise UserError(
+            f"{key}={clip(folder)} is a file, not a folder: pass a new or empty folder as {key}"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         try:
-            mine = run_dir is not None and json.loads(owner.read_text()).get("run_dir") == str(run_dir)
+            mine = run_dir is not None and json.loads(owner.read_text()).get("run_dir") == str(
+                run_dir
+            )
         except (OSError, ValueError, AttributeError):
             mine = False
         if mine:  # the same run again (a requeued job)
             return False
-        raise UserError(f"{key}={folder} belongs to another run ({owner_text(owner)}): pass a new {key}{hint}; "
-                        "a run never writes into another run's folder") from None
+        raise UserError(
+            f"{key}={folder} belongs to another run ({owner_text(owner)}): pass a new {key}{hint}; "
+            "a run never writes into another run's folder"
+        ) from None
     except OSError as e:
-        raise UserError(f"{key}={folder} cannot be created ({e.strerror}): pass a writable {key}") from None
+        raise UserError(
+            f"{key}={folder} cannot be created ({e.strerror}): pass a writable {key}"
+        ) from None
     with os.fdopen(fd, "w") as f:
         json.dump(_owner_record(run_dir=str(run_dir) if run_dir else None), f)
     others = [n for n in foreign_entries(folder) if n != OWNER]
     if others:
         owner.unlink(missing_ok=True)
-        raise UserError(f"{key}={folder} is not empty (it holds {', '.join(others[:3])}"
-                        f"{', ...' if len(others) > 3 else ''}): pass a new or empty {key}{hint}; a run writes "
-                        "only into folders it creates")
+        raise UserError(
+            f"{key}={folder} is not empty (it holds {', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}): pass a new or empty {key}{hint}; a run writes "
+            "only into folders it creates"
+        )
     return created
 
 
@@ -267,8 +302,8 @@ def release_folder(folder: Path, created: bool) -> None:
 
 # ---------------------------------------------------------------- what existed before this process
 
-_MISSING: set[Path] = set()                 # paths that did not exist when first looked at
-_LISTED: dict[Path, frozenset[str]] = {}    # an existing folder's entries when first looked at
+_MISSING: set[Path] = set()  # paths that did not exist when first looked at
+_LISTED: dict[Path, frozenset[str]] = {}  # an existing folder's entries when first looked at
 
 
 def _abs(path) -> Path:
@@ -307,7 +342,9 @@ def discard(run_dir: Path, claimed: bool) -> None:
         return
     if created_here(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
-        for parent in run_dir.parents:  # <results_dir>/<subproject>/ made for this run, if still empty
+        for (
+            parent
+        ) in run_dir.parents:  # <results_dir>/<subproject>/ made for this run, if still empty
             if not created_here(parent):
                 break
             try:

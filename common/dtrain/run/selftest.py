@@ -7,6 +7,7 @@ ends with a `selftest passed: ...` line. `work_s=S` keeps
 the ranks all-reducing for about S seconds (rounds of all_reduce + 0.1 s sleep), so there is time to
 interrupt, stop or kill something (tests/test_liveness.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,9 @@ def validate(cfg) -> None:
     rank, n = cfg.fail_rank, cfg.world_size
     if rank is not None and not 0 <= rank < n:
         bound = f"< world_size={n}" if rank >= n else ">= 0"
-        raise UserError(f"fail_rank={rank} must be {bound} (a rank, 0 to {n - 1}; or null: no rank "
-                        "fails)")
+        raise UserError(
+            f"fail_rank={rank} must be {bound} (a rank, 0 to {n - 1}; or null: no rank fails)"
+        )
     if cfg.numel < 1:
         raise UserError(f"numel={cfg.numel} must be an integer >= 1")
     if not 0 <= cfg.work_s < float("inf"):
@@ -35,7 +37,9 @@ def validate(cfg) -> None:
 
 def rank_fn(ctx: RankContext) -> dict:
     if ctx.cfg.fail_rank is not None and ctx.rank == ctx.cfg.fail_rank:
-        raise RuntimeError(f"selftest: rank {ctx.rank} fails on purpose (fail_rank={ctx.cfg.fail_rank})")
+        raise RuntimeError(
+            f"selftest: rank {ctx.rank} fails on purpose (fail_rank={ctx.cfg.fail_rank})"
+        )
     for _ in range(int(ctx.cfg.work_s / 0.1)):
         dist.all_reduce(torch.ones(1, device=ctx.device))
         time.sleep(0.1)
@@ -43,21 +47,32 @@ def rank_fn(ctx: RankContext) -> dict:
     dist.all_reduce(x)
     expected = ctx.world_size * (ctx.world_size + 1) / 2
     wrong = int((x != expected).sum())
-    ctx.writer.record("allreduce_check", numel=ctx.cfg.numel, value=float(x[0]), expected=expected, wrong=wrong)
+    ctx.writer.record(
+        "allreduce_check", numel=ctx.cfg.numel, value=float(x[0]), expected=expected, wrong=wrong
+    )
     if wrong:
         raise RuntimeError(f"all_reduce wrong on rank {ctx.rank}: {wrong} of {x.numel()} elements")
-    return {"allreduce_sum": float(x[0]), "expected": expected, "backend": ctx.backend, "world_size": ctx.world_size}
+    return {
+        "allreduce_sum": float(x[0]),
+        "expected": expected,
+        "backend": ctx.backend,
+        "world_size": ctx.world_size,
+    }
 
 
 def finalize(run_dir, cfg, result: dict) -> dict:
     """The verdict, one line (a wrong sum or a failed rank never gets here: the run fails first)."""
-    print(f"selftest passed: all_reduce over {result['world_size']} rank(s) ({result['backend']}) summed to "
-          f"{result['allreduce_sum']:g} as expected: launcher, rendezvous and backend work here", flush=True)
+    print(
+        f"selftest passed: all_reduce over {result['world_size']} rank(s) ({result['backend']}) summed to "
+        f"{result['allreduce_sum']:g} as expected: launcher, rendezvous and backend work here",
+        flush=True,
+    )
     return dict(result)
 
 
-main = hydra_main("dtrain.conf", rank_fn=rank_fn, validate=validate, config_name="selftest",
-                  finalize=finalize)
+main = hydra_main(
+    "dtrain.conf", rank_fn=rank_fn, validate=validate, config_name="selftest", finalize=finalize
+)
 
 if __name__ == "__main__":
     main()

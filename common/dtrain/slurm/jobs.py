@@ -6,6 +6,7 @@ input removes it, a crash leaves it without a summary) is found through submitit
 `<sweep>/.submitit/<job>/` (hydra-submitit-launcher) or `<run>/slurm/` (launcher=slurm), each
 holding `<job>_<task>_log.err`.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,11 +23,11 @@ _LOG = re.compile(r"^(?P<job>\d+(?:_\d+)?)_(?P<task>\d+)_log\.err$")
 
 @dataclass
 class SlurmJob:
-    job: str                 # as sacct and submitit name it: 123, or 120_3 for an array task
-    logs: Path               # the folder with its submitit logs
-    state: str = "?"         # sacct State (COMPLETED, FAILED, CANCELLED, PENDING, ...), "?" without sacct
+    job: str  # as sacct and submitit name it: 123, or 120_3 for an array task
+    logs: Path  # the folder with its submitit logs
+    state: str = "?"  # sacct State (COMPLETED, FAILED, CANCELLED, PENDING, ...), "?" without sacct
     nodes: str = ""
-    error_tail: str = ""     # last lines of task 0's stderr (the first task whose log says error)
+    error_tail: str = ""  # last lines of task 0's stderr (the first task whose log says error)
 
     @property
     def sweep_point(self) -> str | None:
@@ -48,8 +49,12 @@ def sacct_problem() -> str | None:
     if shutil.which("sacct") is None:
         return "sacct is not on PATH: " + CLUSTER_HINT
     try:
-        out = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True,
-                             timeout=20)
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-j", "1", "-o", "JobID"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"sacct did not answer ({e})"
     if out.returncode:
@@ -63,15 +68,22 @@ def sacct(jobs: Iterable[str]) -> dict[str, tuple[str, str]]:
     if not jobs or shutil.which("sacct") is None:
         return {}
     try:
-        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(jobs), "-o", "JobID,State,NodeList"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["sacct", "-n", "-P", "-X", "-j", ",".join(jobs), "-o", "JobID,State,NodeList"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {}
     found = {}
     for line in out.stdout.splitlines():
         parts = line.split("|")
         if len(parts) == 3:
-            found[parts[0]] = (parts[1].split()[0] if parts[1] else "?", parts[2])  # "CANCELLED by 0" -> CANCELLED
+            found[parts[0]] = (
+                parts[1].split()[0] if parts[1] else "?",
+                parts[2],
+            )  # "CANCELLED by 0" -> CANCELLED
     return found
 
 
@@ -81,7 +93,9 @@ def error_tail(log: Path, n: int = 3) -> str:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    keep = [ln for ln in lines if ln.strip() and "submitit INFO" not in ln and not ln.startswith("[W")]
+    keep = [
+        ln for ln in lines if ln.strip() and "submitit INFO" not in ln and not ln.startswith("[W")
+    ]
     return "\n".join(keep[-n:])
 
 
@@ -114,4 +128,8 @@ def jobs_in(paths: Iterable[str | Path]) -> list[SlurmJob]:
 
 def unfinished(jobs: list[SlurmJob], complete_jobs: set[str]) -> list[SlurmJob]:
     """Jobs that produced no complete run: failed sweep points, crashed or cancelled runs."""
-    return [j for j in jobs if j.job not in complete_jobs and j.state not in ("PENDING", "RUNNING", "REQUEUED")]
+    return [
+        j
+        for j in jobs
+        if j.job not in complete_jobs and j.state not in ("PENDING", "RUNNING", "REQUEUED")
+    ]

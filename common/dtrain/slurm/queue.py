@@ -5,6 +5,7 @@ than any node has, more nodes than the partition has) with a reason such as `Par
 and waits forever. We refuse such a request up front, and cancel a pending job whose reason
 says it can never start.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,17 @@ import subprocess
 from dtrain.core.errors import UserError
 
 # what Slurm's client tools say when they have no configuration or no controller to talk to
-NO_CLUSTER = ("configuration source", "configuration file", "slurm.conf", "Unable to contact slurm controller",
-              "Unable to establish controller machine")
-CLUSTER_HINT = ('for the local cluster run eval "$(scripts/slurm-cluster env)" (start it first: make slurm-up); '
-                "on a real cluster set SLURM_CONF to its slurm.conf or log in to a node that has one")
+NO_CLUSTER = (
+    "configuration source",
+    "configuration file",
+    "slurm.conf",
+    "Unable to contact slurm controller",
+    "Unable to establish controller machine",
+)
+CLUSTER_HINT = (
+    'for the local cluster run eval "$(scripts/slurm-cluster env)" (start it first: make slurm-up); '
+    "on a real cluster set SLURM_CONF to its slurm.conf or log in to a node that has one"
+)
 
 
 def no_cluster(text: str) -> str | None:
@@ -28,8 +36,10 @@ def no_cluster(text: str) -> str | None:
     from dtrain.run.liveness import error_line
 
     conf = os.environ.get("SLURM_CONF")
-    return (f"Slurm cannot be reached ({error_line(text)}; "
-            f"{f'SLURM_CONF={conf}' if conf else 'SLURM_CONF is not set'}): {CLUSTER_HINT}")
+    return (
+        f"Slurm cannot be reached ({error_line(text)}; "
+        f"{f'SLURM_CONF={conf}' if conf else 'SLURM_CONF is not set'}): {CLUSTER_HINT}"
+    )
 
 
 def refused(text: str, what: str, fix: str) -> UserError:
@@ -38,9 +48,19 @@ def refused(text: str, what: str, fix: str) -> UserError:
 
     return UserError(no_cluster(text) or f"Slurm refused the {what} ({error_line(text)}): {fix}")
 
+
 # squeue reasons that do not go away by waiting (other jobs finishing); see `man squeue`, JOB REASON CODES.
-NEVER_REASONS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
-                 "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied"}
+NEVER_REASONS = {
+    "PartitionConfig",
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSNotAllowed",
+    "DependencyNeverSatisfied",
+}
 _PER_JOB_LIMIT = re.compile(r"^(Assoc|QOS)\w*PerJob\w*Limit$")
 
 
@@ -70,7 +90,10 @@ def check_fits(s, tasks_per_node: int) -> None:
     no cluster to ask (no SLURM_CONF, no controller). `s` = cfg.slurm. Silent when sinfo cannot answer
     otherwise: the pending-reason watch is the backstop."""
     part = s.get("partition")
-    out = _run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"] + (["-p", part] if part else []), need_cluster=True)
+    out = _run(
+        ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"] + (["-p", part] if part else []),
+        need_cluster=True,
+    )
     if out is None:
         return
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4]
@@ -83,21 +106,31 @@ def check_fits(s, tasks_per_node: int) -> None:
         with_digits = re.sub(r"\D", "", cpus), re.sub(r"\D", "", mem_mb)
         nodes[name] = (int(with_digits[0] or 0), int(with_digits[1] or 0), _gpus(gres))
     if not nodes:
-        raise UserError(f"Slurm partition {part!r} has no nodes (sinfo): set slurm.partition to one that "
-                        "`sinfo` lists")
+        raise UserError(
+            f"Slurm partition {part!r} has no nodes (sinfo): set slurm.partition to one that "
+            "`sinfo` lists"
+        )
     need_cpus = tasks_per_node * (s.cpus_per_task or 1)
     need_mem = (s.mem_gb or 0) * 1024
     need_gpus = s.gpus_per_node or 0
-    fit = [n for n, (c, m, g) in nodes.items() if c >= need_cpus and m >= need_mem and g >= need_gpus]
+    fit = [
+        n for n, (c, m, g) in nodes.items() if c >= need_cpus and m >= need_mem and g >= need_gpus
+    ]
     if len(fit) >= s.nodes:
         return
     big = max(nodes.values())
-    asked = f"{s.nodes} node(s) with {need_cpus} CPUs" + (f", {s.mem_gb} GB" if need_mem else "") + \
-        (f", {need_gpus} GPUs" if need_gpus else "") + " each"
-    raise UserError(f"Slurm can never run this job: it asks for {asked} ({tasks_per_node} tasks x "
-                    f"{s.cpus_per_task or 1} CPUs), and partition {part!r} has {len(fit)} such node(s) of "
-                    f"{len(nodes)} (largest: {big[0]} CPUs, {big[1] // 1024} GB, {big[2]} GPUs): lower world_size "
-                    "or slurm.cpus_per_task, add slurm.nodes, or pick another slurm.partition")
+    asked = (
+        f"{s.nodes} node(s) with {need_cpus} CPUs"
+        + (f", {s.mem_gb} GB" if need_mem else "")
+        + (f", {need_gpus} GPUs" if need_gpus else "")
+        + " each"
+    )
+    raise UserError(
+        f"Slurm can never run this job: it asks for {asked} ({tasks_per_node} tasks x "
+        f"{s.cpus_per_task or 1} CPUs), and partition {part!r} has {len(fit)} such node(s) of "
+        f"{len(nodes)} (largest: {big[0]} CPUs, {big[1] // 1024} GB, {big[2]} GPUs): lower world_size "
+        "or slurm.cpus_per_task, add slurm.nodes, or pick another slurm.partition"
+    )
 
 
 def state(job_id: str) -> tuple[str, str] | None:
@@ -118,12 +151,24 @@ def never_starts(job_state: tuple[str, str] | None) -> str | None:
 
 
 # squeue states of a job that still runs or will run again
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
-          "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED"}
+ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "SUSPENDED",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "RESV_DEL_HOLD",
+    "STOPPED",
+}
 
 
 def cancelled(job_id: str, job_state: tuple[str, str] | None) -> str | None:
-    """"by <user> at <time>" (what sacct knows) when the job was cancelled, else None. Asked only
+    """ "by <user> at <time>" (what sacct knows) when the job was cancelled, else None. Asked only
     when squeue no longer shows it active: a cancelled job is COMPLETING for a while, then gone."""
     if job_state and job_state[0] in ACTIVE:
         return None
@@ -146,8 +191,12 @@ def cancelled(job_id: str, job_state: tuple[str, str] | None) -> str | None:
 
 def _points_to_nodes(reason: str) -> bool:
     """Whether a pending reason may come from nodes that are drained or down."""
-    return (reason == "Resources" or reason.startswith("ReqNodeNotAvail") or "DOWN" in reason
-            or "DRAIN" in reason)
+    return (
+        reason == "Resources"
+        or reason.startswith("ReqNodeNotAvail")
+        or "DOWN" in reason
+        or "DRAIN" in reason
+    )
 
 
 def pending_reason(reason: str, partition: str | None = None) -> str:

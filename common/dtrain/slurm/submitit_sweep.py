@@ -15,6 +15,7 @@ Two things it does not do our way, which `install` adds around its `launch`:
   point has finished), as `launcher=slurm` prints its own.
 * the sweep succeeds: each point's run directory is printed, as a local run prints its own.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,10 @@ def wanted(argv: list[str]) -> bool:
 
 
 # keys of cfg.slurm in check_fits' messages -> the launcher's keys a sweep sets instead
-_LAUNCHER_KEYS = {f"slurm.{k}": f"hydra.launcher.{k}" for k in
-                  ("partition", "nodes", "cpus_per_task", "mem_gb", "gpus_per_node",
-                   "tasks_per_node")}
+_LAUNCHER_KEYS = {
+    f"slurm.{k}": f"hydra.launcher.{k}"
+    for k in ("partition", "nodes", "cpus_per_task", "mem_gb", "gpus_per_node", "tasks_per_node")
+}
 _LAUNCHER_KEYS["world_size"] = "hydra.launcher.tasks_per_node"
 
 
@@ -52,10 +54,15 @@ def check_fits(launcher) -> None:
     from dtrain.slurm import queue
 
     gpus = launcher.get("gpus_per_node") or queue._gpus(str(launcher.get("gres") or ""))
-    request = OmegaConf.create({"partition": launcher.get("partition"),
-                                "nodes": launcher.get("nodes") or 1,
-                                "cpus_per_task": launcher.get("cpus_per_task") or 1,
-                                "mem_gb": launcher.get("mem_gb"), "gpus_per_node": gpus})
+    request = OmegaConf.create(
+        {
+            "partition": launcher.get("partition"),
+            "nodes": launcher.get("nodes") or 1,
+            "cpus_per_task": launcher.get("cpus_per_task") or 1,
+            "mem_gb": launcher.get("mem_gb"),
+            "gpus_per_node": gpus,
+        }
+    )
     try:
         queue.check_fits(request, launcher.get("tasks_per_node") or 1)
     except UserError as e:
@@ -66,8 +73,10 @@ def check_fits(launcher) -> None:
 
 def submitted_line(job_id: str, points: int, folder: str) -> str:
     """What `launcher=slurm` prints after sbatch; each point's logs are in `<id>_<point>` (%j)."""
-    return (f"submitted Slurm job array {job_id} ({points} point(s)); logs in "
-            f"{folder.replace('%j', f'{job_id}_*')}")
+    return (
+        f"submitted Slurm job array {job_id} ({points} point(s)); logs in "
+        f"{folder.replace('%j', f'{job_id}_*')}"
+    )
 
 
 @contextlib.contextmanager
@@ -98,8 +107,16 @@ def _refusals(on_submit=None):
 
 def record_refusal(sweep_dir: Path, error: str, argv: list[str]) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / SUBMISSION_FAILED).write_text(json.dumps(
-        {"error": error, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "argv": argv}, indent=1))
+    (sweep_dir / SUBMISSION_FAILED).write_text(
+        json.dumps(
+            {
+                "error": error,
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "argv": argv,
+            },
+            indent=1,
+        )
+    )
 
 
 def run_dir_of(r) -> str | None:
@@ -116,8 +133,12 @@ def report(returns) -> None:
     for r in returns:
         where = run_dir_of(r)
         done = where and (Path(where) / "summary.json").exists()
-        print(f"run complete: {where}  (summary.json written)" if done else
-              f"run without summary.json: {where or '?'} (see dtrain runs --all)", flush=True)
+        print(
+            f"run complete: {where}  (summary.json written)"
+            if done
+            else f"run without summary.json: {where or '?'} (see dtrain runs --all)",
+            flush=True,
+        )
 
 
 def install(argv: list[str]) -> None:
@@ -154,8 +175,14 @@ def install(argv: list[str]) -> None:
             with _refusals(announce):
                 returns = original(self, job_overrides, initial_job_idx)
         except SubmissionRefused as e:
-            message = str(refused(str(e), "sweep", "check the hydra.launcher.* keys (gres, partition, account, "
-                                                   "constraint, qos, gpus_per_node)"))
+            message = str(
+                refused(
+                    str(e),
+                    "sweep",
+                    "check the hydra.launcher.* keys (gres, partition, account, "
+                    "constraint, qos, gpus_per_node)",
+                )
+            )
             record_refusal(sweep_dir, message, list(argv))
             fail(f"{message}; nothing ran (noted in {sweep_dir / SUBMISSION_FAILED})", 2)
         print(f"sweep complete: {len(returns)} point(s) in {sweep_dir}", flush=True)

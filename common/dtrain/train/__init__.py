@@ -5,6 +5,7 @@
 ``Trainer`` (and torch with it) is imported on first use: the typed config is read by every entry point's
 command-line check, which must not wait for torch.
 """
+
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import STRATEGIES, TrainConfig
 

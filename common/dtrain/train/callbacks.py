@@ -12,6 +12,7 @@
 loss and grad_norm are the same on every rank, so a callback deciding from them decides the same
 everywhere (it must: a skipped update on one rank only would desynchronise the replicas).
 """
+
 from __future__ import annotations
 
 

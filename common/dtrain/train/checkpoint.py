@@ -18,6 +18,7 @@ flipped bit, an overwritten block); a checkpoint saved before manifests existed 
 checked for presence and length only. `prune` keeps the newest `train.keep_checkpoints` of a run's
 own checkpoint folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,15 +60,21 @@ def resolve(path: str | Path) -> Path:
     path = Path(path)
     if is_complete(path):
         return path
-    steps = sorted((int(m.group(1)), p) for p in path.glob("step-*") if (m := _STEP_DIR.match(p.name)) and is_complete(p))
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in path.glob("step-*")
+        if (m := _STEP_DIR.match(p.name)) and is_complete(p)
+    )
     if not steps:
-        raise UserError(f"train.resume_from={str(path)!r} holds no complete checkpoint (no .metadata): "
-                        "pass a step-N folder written by a finished save")
+        raise UserError(
+            f"train.resume_from={str(path)!r} holds no complete checkpoint (no .metadata): "
+            "pass a step-N folder written by a finished save"
+        )
     return steps[-1][1]
 
 
 ALGORITHM = "sha256"
-MANIFEST = ".checksums.json"               # rank 0's, after .metadata: the digest of .metadata
+MANIFEST = ".checksums.json"  # rank 0's, after .metadata: the digest of .metadata
 RANK_MANIFEST = ".checksums.rank{rank}.json"  # each rank's, before .metadata: its shards' digests
 
 
@@ -82,8 +89,9 @@ def digest(path: Path, algorithm: str = ALGORITHM) -> str:
 
 def write_manifest(path: Path, names, manifest: str) -> None:
     """Size and digest of `names` (files in the step folder `path`) into `path/manifest`."""
-    files = {n: {"size": os.path.getsize(path / n), ALGORITHM: digest(path / n)}
-             for n in sorted(names)}
+    files = {
+        n: {"size": os.path.getsize(path / n), ALGORITHM: digest(path / n)} for n in sorted(names)
+    }
     write_json_atomic(path / manifest, {"algorithm": ALGORITHM, "files": files})
 
 
@@ -125,8 +133,9 @@ class _ChecksummedWriter(dcp.FileSystemWriter):
         write_manifest(Path(self.path), [".metadata"], MANIFEST)
 
 
-def _checksum_problem(path: Path, name: str, saved: dict | None, have: int,
-                      checksums: bool) -> str | None:
+def _checksum_problem(
+    path: Path, name: str, saved: dict | None, have: int, checksums: bool
+) -> str | None:
     if saved is None:
         return f"{name} is in no checksum manifest"
     if saved.get("size") != have:
@@ -173,7 +182,9 @@ def _damage(path: Path, checksums: bool) -> str | None:
             return problem
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a torn pickle, an unreadable file: whatever it is, the checkpoint cannot load
+    except (
+        Exception
+    ) as e:  # a torn pickle, an unreadable file: whatever it is, the checkpoint cannot load
         return f".metadata cannot be read: {type(e).__name__}: {e}"[:300]
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
@@ -194,16 +205,22 @@ def _damage(path: Path, checksums: bool) -> str | None:
 def previous_intact(path: Path) -> Path | None:
     """The newest undamaged step folder before `path` in the same checkpoint folder."""
     done = step_of(path)
-    earlier = sorted((s, p) for p in Path(path).parent.glob("step-*")
-                     if (s := step_of(p)) is not None and (done is None or s < done) and is_complete(p))
+    earlier = sorted(
+        (s, p)
+        for p in Path(path).parent.glob("step-*")
+        if (s := step_of(p)) is not None and (done is None or s < done) and is_complete(p)
+    )
     return next((p for _, p in reversed(earlier) if damage(p) is None), None)
 
 
 def damaged(path: Path, problem: str) -> UserError:
     """The line for a damaged checkpoint: what is wrong, the checkpoint to resume from instead."""
     previous = previous_intact(path)
-    offer = (f"pass train.resume_from={previous}" if previous
-             else "no earlier complete checkpoint is next to it")
+    offer = (
+        f"pass train.resume_from={previous}"
+        if previous
+        else "no earlier complete checkpoint is next to it"
+    )
     return UserError(f"checkpoint {path} is damaged ({problem}): {offer}")
 
 
@@ -241,8 +258,11 @@ def _load_failed(path: Path, e: BaseException) -> BaseException:
 def latest_intact(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete, undamaged step folder of a checkpoint folder (None when there is none),
     and the newer damaged ones passed over, each with what is wrong with it."""
-    steps = sorted((s, p) for p in Path(root).glob("step-*")
-                   if (s := step_of(p)) is not None and is_complete(p))
+    steps = sorted(
+        (s, p)
+        for p in Path(root).glob("step-*")
+        if (s := step_of(p)) is not None and is_complete(p)
+    )
     skipped = []
     for _, p in reversed(steps):
         problem = damage(p)
@@ -258,8 +278,11 @@ def prune(checkpoint_dir: str | Path, keep: int | None, pinned=()) -> list[Path]
     if not keep:
         return []
     pinned = {Path(p).resolve() for p in pinned if p}
-    steps = sorted((s, p) for p in Path(checkpoint_dir).glob("step-*")
-                   if (s := step_of(p)) is not None and is_complete(p))
+    steps = sorted(
+        (s, p)
+        for p in Path(checkpoint_dir).glob("step-*")
+        if (s := step_of(p)) is not None and is_complete(p)
+    )
     gone = [p for _, p in steps[:-keep] if p.resolve() not in pinned]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
@@ -296,24 +319,35 @@ def check_compatible(path: Path, model, steps: int) -> None:
     `model` is a module or a list of pipeline stages; a stage's names are a subset of the model's."""
     done = step_of(path)
     if done is not None and steps < done:
-        raise UserError(f"train.steps={steps} is below the checkpoint's step {done} ({path}): "
-                        f"pass train.steps >= {done} to continue training")
-    stored = {k.removeprefix("model."): tuple(v.size)
-              for k, v in read_metadata(path).state_dict_metadata.items()
-              if k.startswith("model.") and hasattr(v, "size")}
+        raise UserError(
+            f"train.steps={steps} is below the checkpoint's step {done} ({path}): "
+            f"pass train.steps >= {done} to continue training"
+        )
+    stored = {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in read_metadata(path).state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     wanted = {k: tuple(v.shape) for part in parts for k, v in get_model_state_dict(part).items()}
     stage = len(parts) > 1 or getattr(parts[0], "is_pipeline_stage", False)
     if (stored if not stage else {k: stored.get(k) for k in wanted}) != wanted:
-        diff = (sorted(set(stored) ^ set(wanted)) if not stage else []) or \
-            sorted(k for k in wanted if stored.get(k) != wanted[k])
+        diff = (sorted(set(stored) ^ set(wanted)) if not stage else []) or sorted(
+            k for k in wanted if stored.get(k) != wanted[k]
+        )
         k = diff[0]
         what = f"({k}: checkpoint {stored.get(k, 'absent')}, this run {wanted.get(k, 'absent')})"
-        if not re.search(r"\.(weight|bias)$", k):  # not a GPT parameter: an FP8 recipe's scales or history
-            raise UserError(f"cannot resume from {path}: it was saved with another recipe's state {what}: "
-                            "resume with the recipe (and fp8.* keys) it was trained with")
-        raise UserError(f"cannot resume from {path}: it holds another model {what}: "
-                        "pass the model overrides the checkpoint was trained with")
+        if not re.search(
+            r"\.(weight|bias)$", k
+        ):  # not a GPT parameter: an FP8 recipe's scales or history
+            raise UserError(
+                f"cannot resume from {path}: it was saved with another recipe's state {what}: "
+                "resume with the recipe (and fp8.* keys) it was trained with"
+            )
+        raise UserError(
+            f"cannot resume from {path}: it holds another model {what}: "
+            "pass the model overrides the checkpoint was trained with"
+        )
 
 
 def save(path: str | Path, model, optimizer, trainer_state: dict) -> Path:
@@ -322,8 +356,11 @@ def save(path: str | Path, model, optimizer, trainer_state: dict) -> Path:
     model_sd, optim_sd = _state_dicts(model, optimizer)
     fresh = not Path(path).exists()
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer_state},
-                 checkpoint_id=str(path), storage_writer=_ChecksummedWriter(str(path)))
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd, "trainer": trainer_state},
+            checkpoint_id=str(path),
+            storage_writer=_ChecksummedWriter(str(path)),
+        )
     except (Exception, CheckpointException) as e:  # DCP wraps each rank's error, a BaseException
         full = diskfull.find(e, path)
         if full is None:
@@ -367,5 +404,7 @@ def check_resume(train, checksums: bool = True) -> None:
         raise damaged(path, problem)
     done = step_of(path)
     if done is not None and train.steps <= done:
-        raise UserError(f"train.steps={train.steps} leaves nothing to train after the checkpoint's step {done} "
-                        f"({path}): pass train.steps > {done}")
+        raise UserError(
+            f"train.steps={train.steps} leaves nothing to train after the checkpoint's step {done} "
+            f"({path}): pass train.steps > {done}"
+        )

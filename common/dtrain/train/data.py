@@ -4,6 +4,7 @@ and a batcher whose batches do not depend on the world size.
 Why the Markov corpus: a sparse random chain has structure a model can learn and a known loss
 floor (`markov_entropy_rate`), so a loss curve on it means something without any dataset.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ _MAX_CONTEXTS = 1 << 20
 
 
 # --- synthetic corpus ------------------------------------------------------------------------
+
 
 def _de_bruijn(k: int, n: int) -> list[int]:
     """A cyclic sequence over k symbols that contains every length-n word exactly once (FKM)."""
@@ -68,8 +70,9 @@ def _markov_chain(vocab_size: int, seed: int, order: int, branching: int):
     return succ, probs
 
 
-def markov_corpus(num_tokens: int, vocab_size: int = 256, seed: int = 0, *, order: int = 1,
-                  branching: int = 4) -> np.ndarray:
+def markov_corpus(
+    num_tokens: int, vocab_size: int = 256, seed: int = 0, *, order: int = 1, branching: int = 4
+) -> np.ndarray:
     """`num_tokens` uint16 tokens from a sparse random Markov chain fixed by `seed`: each context
     (last `order` tokens) is followed by one of `branching` tokens with Dirichlet(1) weights.
 
@@ -93,8 +96,9 @@ def markov_corpus(num_tokens: int, vocab_size: int = 256, seed: int = 0, *, orde
     return out.reshape(-1)[:num_tokens]
 
 
-def markov_entropy_rate(vocab_size: int = 256, seed: int = 0, *, order: int = 1,
-                        branching: int = 4) -> float:
+def markov_entropy_rate(
+    vocab_size: int = 256, seed: int = 0, *, order: int = 1, branching: int = 4
+) -> float:
     """Entropy rate of the chain behind `markov_corpus(..., vocab_size, seed, order=, branching=)`
     in nats per token: the cross-entropy loss a perfect model reaches on it."""
     succ, probs = _markov_chain(vocab_size, seed, order, branching)
@@ -115,6 +119,7 @@ def markov_entropy_rate(vocab_size: int = 256, seed: int = 0, *, order: int = 1,
 
 # --- files -----------------------------------------------------------------------------------
 
+
 def byte_tokens(path: str | os.PathLike) -> np.ndarray:
     """Byte-level tokens (vocab 256) of any file, as uint16."""
     return np.fromfile(path, dtype=np.uint8).astype(np.uint16)
@@ -132,8 +137,9 @@ def write_token_file(path: str | os.PathLike, tokens) -> None:
     """Write tokens in nanoGPT .bin format (atomically: a reader never sees half a file)."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
-        raise ValueError(f"token ids must be in [0, 65535] to fit uint16, "
-                         f"got [{tokens.min()}, {tokens.max()}]")
+        raise ValueError(
+            f"token ids must be in [0, 65535] to fit uint16, got [{tokens.min()}, {tokens.max()}]"
+        )
     tmp = Path(f"{path}.tmp")
     tokens.astype("<u2").tofile(tmp)
     os.replace(tmp, path)
@@ -144,8 +150,9 @@ class Dataset(NamedTuple):
     vocab_size: int
 
 
-def make_dataset(source: str, *, num_tokens: int = 1_000_000, vocab_size: int | None = None,
-                 seed: int = 0) -> Dataset:
+def make_dataset(
+    source: str, *, num_tokens: int = 1_000_000, vocab_size: int | None = None, seed: int = 0
+) -> Dataset:
     """``"synthetic"`` -> markov_corpus(num_tokens, vocab_size or 256, seed);
     ``*.bin`` -> memmapped uint16 tokens (vocab_size, if not given, is max token + 1: one scan);
     any other file -> its bytes (vocab 256). `num_tokens` and `seed` apply to "synthetic" only."""
@@ -153,7 +160,9 @@ def make_dataset(source: str, *, num_tokens: int = 1_000_000, vocab_size: int | 
         vocab_size = vocab_size or 256
         return Dataset(markov_corpus(num_tokens, vocab_size, seed), vocab_size)
     if not os.path.isfile(source):
-        raise FileNotFoundError(f"data source {source!r} is neither 'synthetic' nor an existing file")
+        raise FileNotFoundError(
+            f"data source {source!r} is neither 'synthetic' nor an existing file"
+        )
     if source.endswith(".bin"):
         tokens = load_token_file(source)
         return Dataset(tokens, vocab_size or int(tokens.max()) + 1)
@@ -161,6 +170,7 @@ def make_dataset(source: str, *, num_tokens: int = 1_000_000, vocab_size: int | 
 
 
 # --- batches ---------------------------------------------------------------------------------
+
 
 class TokenBatcher:
     """Random windows of `seq_len + 1` tokens, sharded across ranks so that the data seen at each
@@ -172,15 +182,25 @@ class TokenBatcher:
     trains on the same samples at every step. Windows are drawn with replacement (no epochs).
     """
 
-    def __init__(self, tokens, seq_len: int, micro_batch: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, grad_accum: int = 1):
+    def __init__(
+        self,
+        tokens,
+        seq_len: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        grad_accum: int = 1,
+    ):
         if min(seq_len, micro_batch, world_size, grad_accum) < 1:
             raise ValueError("seq_len, micro_batch, world_size and grad_accum must all be >= 1")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"corpus has {len(tokens)} tokens; need at least seq_len + 1 = "
-                             f"{seq_len + 1} for one (input, target) window")
+            raise ValueError(
+                f"corpus has {len(tokens)} tokens; need at least seq_len + 1 = "
+                f"{seq_len + 1} for one (input, target) window"
+            )
         self.tokens, self.seq_len, self.micro_batch = tokens, seq_len, micro_batch
         self.rank, self.world_size, self.seed, self.grad_accum = rank, world_size, seed, grad_accum
         self.step = 0
@@ -194,7 +214,9 @@ class TokenBatcher:
     def get(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (x, y) at a data position, int64 (micro_batch, seq_len), y = x shifted by one."""
         if not 0 <= micro_step < self.grad_accum:
-            raise ValueError(f"micro_step={micro_step} is outside [0, grad_accum={self.grad_accum})")
+            raise ValueError(
+                f"micro_step={micro_step} is outside [0, grad_accum={self.grad_accum})"
+            )
         rng = np.random.default_rng((self.seed, step))
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
         first = (micro_step * self.world_size + self.rank) * self.micro_batch
@@ -212,16 +234,24 @@ class TokenBatcher:
         return batch
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "micro_step": self.micro_step, "seed": self.seed,
-                "global_batch": self.global_batch}
+        return {
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the position. Seed and global batch, if present, must match: otherwise the
         resumed run would silently see other data (drop those keys to change them on purpose)."""
         for key in ("seed", "global_batch"):
             if key in state and state[key] != getattr(self, key):
-                fix = {"seed": f"pass seed={state[key]}",  # fewer ranks: keep the batch, grad_accum grows
-                       "global_batch": f"pass train.global_batch={state[key]} to keep the checkpoint's batch"}[key]
-                raise ValueError(f"data state has {key}={state[key]} but this batcher has "
-                                 f"{key}={getattr(self, key)}; resuming would change the data: {fix}")
+                fix = {
+                    "seed": f"pass seed={state[key]}",  # fewer ranks: keep the batch, grad_accum grows
+                    "global_batch": f"pass train.global_batch={state[key]} to keep the checkpoint's batch",
+                }[key]
+                raise ValueError(
+                    f"data state has {key}={state[key]} but this batcher has "
+                    f"{key}={getattr(self, key)}; resuming would change the data: {fix}"
+                )
         self.step, self.micro_step = int(state["step"]), int(state["micro_step"])

@@ -19,6 +19,7 @@ through the step (zero2, as dtrain.train.parallelize does; `dtrain.core.layout.z
 of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
 v of the one head each rank computes with.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,17 +39,21 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Need:
-    per_rank: float      # bytes one rank holds at its peak
-    states: float        # of which weights + grads + optimizer
-    activations: float   # of which activations + logits (+ ZeRO-3 gathered layers)
-    init: float          # a rank builds the whole fp32 model before sharding it
+    per_rank: float  # bytes one rank holds at its peak
+    states: float  # of which weights + grads + optimizer
+    activations: float  # of which activations + logits (+ ZeRO-3 gathered layers)
+    init: float  # a rank builds the whole fp32 model before sharding it
 
 
-def params_per_rank(model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = "1f1b", virtual: int = 1) -> int:
+def params_per_rank(
+    model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = "1f1b", virtual: int = 1
+) -> int:
     """Parameters the busiest rank of the trainer's tp x pp layout holds (num_params(model) on one rank)."""
     d, hidden, kv = model.d_model, model.mlp_hidden, model.kv_dim
     norm = d * (2 if model.norm == "layernorm" and model.bias else 1)
-    kv_split = tp if model.n_kv_head >= tp else 1  # fewer k/v heads than ranks: wk, wv whole everywhere
+    kv_split = (
+        tp if model.n_kv_head >= tp else 1
+    )  # fewer k/v heads than ranks: wk, wv whole everywhere
     block = 2 * norm + 2 * d * (d // tp) + 2 * d * (hidden // tp) + 2 * d * (kv // kv_split)
     if model.bias:  # column-parallel biases are split; row-parallel ones (wo, w2) are whole
         block += d // tp + 2 * (kv // kv_split) + hidden // tp + 2 * d
@@ -59,8 +64,10 @@ def params_per_rank(model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = 
 
     def held(pp_rank: int) -> int:
         indices = stages_of_rank(pp_rank, pp, schedule, virtual) if pp > 1 else [0]
-        return sum(block * len(ranges[s]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
-                   for s in indices)
+        return sum(
+            block * len(ranges[s]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+            for s in indices
+        )
 
     return max(held(r) for r in range(pp))
 
@@ -81,10 +88,16 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
     # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
     # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
-    shape = replace(shape_of(model), vocab=model.vocab_size * tp, n_kv_head=max(model.n_kv_head, tp),
-                    seq_len=model.seq_len // run.cp)
+    shape = replace(
+        shape_of(model),
+        vocab=model.vocab_size * tp,
+        n_kv_head=max(model.n_kv_head, tp),
+        seq_len=model.seq_len // run.cp,
+    )
     # dtrain's GPT: SDPA attention, its loss PyTorch's unfused F.cross_entropy
-    m = memory_per_gpu(shape, layout, activation_bytes_factor=factor, flash_attention=True, fused_loss=False)
+    m = memory_per_gpu(
+        shape, layout, activation_bytes_factor=factor, flash_attention=True, fused_loss=False
+    )
     psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)
     states = sum(fsdp2_state_bytes(psi, layout.zero_stage, shards))
     m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's
@@ -101,7 +114,9 @@ def available_host_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def check_fits(model: GPTConfig, train, world_size: int, device: torch.device, what: str = "the model") -> None:
+def check_fits(
+    model: GPTConfig, train, world_size: int, device: torch.device, what: str = "the model"
+) -> None:
     """UserError with the numbers when the run cannot fit on this host."""
     need = training_need(model, train, world_size)
     if device.type == "cuda":
@@ -118,4 +133,5 @@ def check_fits(model: GPTConfig, train, world_size: int, device: torch.device, w
         f"{what} cannot fit: it needs about {total / GiB:.1f} GiB {where} but {have / GiB:.1f} GiB is available "
         f"(per rank{layout}: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "
         f"whole fp32 model at build {need.init / GiB:.1f} GiB; dtrain.costmodel.memory): pick a smaller "
-        "model.preset, lower train.micro_batch or model.seq_len, fewer ranks, or launcher=slurm on bigger nodes")
+        "model.preset, lower train.micro_batch or model.seq_len, fewer ranks, or launcher=slurm on bigger nodes"
+    )

@@ -11,6 +11,7 @@ the one whole model), built by dtrain.train.parallelize.
 
 One optimizer per part (`OptimizerParts`), driven as one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,13 @@ def _groups_by_mesh(part: nn.Module) -> list[dict]:
 
 
 @torch.no_grad()
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None, world_size: int, pp: int,
-                   device: torch.device) -> float:
+def clip_grad_norm(
+    grads: list[torch.Tensor],
+    max_norm: float | None,
+    world_size: int,
+    pp: int,
+    device: torch.device,
+) -> float:
     """Global L2 norm of `grads` across every rank, then clip (torch's clip_grad_norm_ rule).
 
     Each rank sums the squares of its local gradient pieces, weighted by 1 / (number of ranks
@@ -76,36 +82,52 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None, world_size
     for g in grads:
         shards = 1
         for dim, placement in enumerate(getattr(g, "placements", ())):
-            if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (not a Shard subclass)
+            if (
+                not placement.is_replicate()
+            ):  # Shard, or FSDP's _StridedShard (not a Shard subclass)
                 shards *= g.device_mesh.size(dim)
         by_copies.setdefault(world_size // (pp * shards), []).append(local_shard(g))
     reduce = world_size > 1 and set(by_copies) != {world_size}
     total = torch.zeros((), dtype=torch.float64, device=device)
     for copies, local in by_copies.items():
-        total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum() / (copies if reduce else 1)
+        total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum() / (
+            copies if reduce else 1
+        )
     if reduce:
         dist.all_reduce(total)
     norm = float(total.sqrt())
     if max_norm is not None and max_norm / (norm + 1e-6) < 1:
-        torch._foreach_mul_([t for local in by_copies.values() for t in local], max_norm / (norm + 1e-6))
+        torch._foreach_mul_(
+            [t for local in by_copies.values() for t in local], max_norm / (norm + 1e-6)
+        )
     return norm
 
 
 class ParallelModel:
-    def __init__(self, staged: list[tuple[int, nn.Module]], partial_grads: list[dict], train: TrainConfig,
-                 dims: ParallelDims, device: torch.device, *, fsdp: bool, all_reduce_grads: bool,
-                 cp_impl: str | None = None, seq_len: int | None = None):
+    def __init__(
+        self,
+        staged: list[tuple[int, nn.Module]],
+        partial_grads: list[dict],
+        train: TrainConfig,
+        dims: ParallelDims,
+        device: torch.device,
+        *,
+        fsdp: bool,
+        all_reduce_grads: bool,
+        cp_impl: str | None = None,
+        seq_len: int | None = None,
+    ):
         self.train, self.dims, self.device = train, dims, device
-        self.cp_impl = cp_impl                     # ring | ulysses | torch; None without cp
+        self.cp_impl = cp_impl  # ring | ulysses | torch; None without cp
         self.cp = None
         if cp_impl is not None:
             from dtrain.parallel.cp.trainer_cp import ContextParallel
 
             self.cp = ContextParallel(cp_impl, dims.submesh("cp"), seq_len, device)
-        self.fsdp = fsdp                           # FSDP2 shards the parts over dp
-        self.all_reduce_grads = all_reduce_grads   # replicas the loop all-reduces (no DDP wrapper)
+        self.fsdp = fsdp  # FSDP2 shards the parts over dp
+        self.all_reduce_grads = all_reduce_grads  # replicas the loop all-reduces (no DDP wrapper)
         self.parts = [part for _, part in staged]
-        self.partial_grads = partial_grads         # per part: name -> (group, rows), summed over tp
+        self.partial_grads = partial_grads  # per part: name -> (group, rows), summed over tp
         self.num_stages = dims.pp * train.pp_virtual if dims.pp > 1 else 1
         self.holds_last = any(index == self.num_stages - 1 for index, _ in staged)
         self.holds_first = any(index == 0 for index, _ in staged)
@@ -113,8 +135,14 @@ class ParallelModel:
         if dims.pp > 1:
             from dtrain.parallel import pipeline
 
-            self.schedule = pipeline.build_schedule(staged, self.num_stages, train.pp_schedule, train.grad_accum,
-                                                    dims.submesh("pp").get_group(), device)
+            self.schedule = pipeline.build_schedule(
+                staged,
+                self.num_stages,
+                train.pp_schedule,
+                train.grad_accum,
+                dims.submesh("pp").get_group(),
+                device,
+            )
 
     @property
     def shard_degree(self) -> int:
@@ -124,25 +152,41 @@ class ParallelModel:
     @property
     def shard_index(self) -> int:
         """This rank's shard among them (the flattened (shard, cp) coordinate)."""
-        return self.dims.coordinate("shard") * self.dims.cp + self.dims.coordinate("cp") if self.fsdp else 0
+        return (
+            self.dims.coordinate("shard") * self.dims.cp + self.dims.coordinate("cp")
+            if self.fsdp
+            else 0
+        )
 
     @property
     def module(self) -> nn.Module:
         """One module whose parameters() are this rank's (the single part, or all parts in a list)."""
         return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], autocast,
-                         scale=None) -> torch.Tensor | None:
+    def forward_backward(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], autocast, scale=None
+    ) -> torch.Tensor | None:
         """`scale(loss)`: a grad scaler's (fp16), applied before backward."""
-        batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
+        batches = [
+            (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            for x, y in batches
+        ]
         if self.schedule is None:
             losses, model = [], self.parts[0]
             for i, (x, y) in enumerate(batches):
                 last = i == len(batches) - 1  # DDP: all-reduce only after the last micro-batch
-                with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()), \
-                        self._tokens(x, y) as (x, y, positions):
+                with (
+                    (
+                        model.no_sync()
+                        if hasattr(model, "no_sync") and not last
+                        else contextlib.nullcontext()
+                    ),
+                    self._tokens(x, y) as (x, y, positions),
+                ):
                     with autocast():
-                        loss = model(x, y) if positions is None else model(x, y, positions=positions)
+                        loss = (
+                            model(x, y) if positions is None else model(x, y, positions=positions)
+                        )
                     scaled = loss / len(batches)
                     (scale(scaled) if scale else scaled).backward()
                 losses.append(loss.detach())
@@ -152,8 +196,12 @@ class ParallelModel:
             losses = [] if self.holds_last else None
             args = (x,) if self.holds_first else ()
             with autocast():
-                self.schedule.step(*args, target=y if self.holds_last else None, losses=losses,
-                                   return_outputs=False)
+                self.schedule.step(
+                    *args,
+                    target=y if self.holds_last else None,
+                    losses=losses,
+                    return_outputs=False,
+                )
             losses = [t.detach() for t in losses] if losses is not None else None
         self._sync_grads()
         return torch.stack(losses).float().mean() if losses else None
@@ -177,17 +225,25 @@ class ParallelModel:
             if specs:
                 allreduce_partial_grads(part, specs)
         for p in self.parameters():
-            if p.grad is not None and any(pl.is_partial() for pl in getattr(p.grad, "placements", ())):
+            if p.grad is not None and any(
+                pl.is_partial() for pl in getattr(p.grad, "placements", ())
+            ):
                 p.grad = p.grad.redistribute(placements=p.placements)
         if self.all_reduce_grads:
             grads = [local_shard(p.grad) for p in self.parameters() if p.grad is not None]
-            ddist.all_reduce_flat(grads, self.dims.replica_group(), divisor=self.dims.dp_replicate * self.dims.cp)
+            ddist.all_reduce_flat(
+                grads, self.dims.replica_group(), divisor=self.dims.dp_replicate * self.dims.cp
+            )
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for part in self.parts for p in part.parameters()]
 
     def global_loss(self, local: torch.Tensor | None) -> float:
-        total = (local if local is not None else torch.zeros(())).to(self.device, torch.float32).reshape(())
+        total = (
+            (local if local is not None else torch.zeros(()))
+            .to(self.device, torch.float32)
+            .reshape(())
+        )
         if self.dims.world_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total) / (self.dims.world_size // self.dims.pp)

@@ -17,6 +17,7 @@ Data-parallel strategies:
 
 The model must arrive on CPU; FSDP2 moves only each rank's shard to the mesh's device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,9 +38,12 @@ def _op_policy_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
-    keep = {aten.mm.default, aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
+    keep = {
+        aten.mm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
     if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
         keep.add(aten._scaled_dot_product_cudnn_attention.default)
     counts = {False: 0, True: 0}  # matmuls seen, forward / recompute
@@ -60,7 +64,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "block") -> Non
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     extra = {"context_fn": _op_policy_context} if mode == "op" else {}
-    for name, block in list(model.blocks.named_children()):  # a GPT's ModuleList or a stage's ModuleDict
+    for name, block in list(
+        model.blocks.named_children()
+    ):  # a GPT's ModuleList or a stage's ModuleDict
         # no dropout: no RNG to replay
         setattr(model.blocks, name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
 
@@ -90,7 +96,12 @@ def apply_fsdp(model: nn.Module, train: TrainConfig, mesh, device: torch.device)
     blocks = list(model.blocks.children())  # a GPT's ModuleList or a pipeline stage's ModuleDict
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first thing in backward: keep them (torchtitan).
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and i < len(blocks) - 1)
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard and i < len(blocks) - 1,
+        )
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     if train.prefetch:
         set_explicit_prefetch(model, blocks)
@@ -121,11 +132,16 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.
     from torch.nn.parallel import DistributedDataParallel
 
     group = dims.replica_group()
-    return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
-                                   process_group=group)
+    return DistributedDataParallel(
+        model.to(device),
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+    )
 
 
-def apply_tp(part: nn.Module, train: TrainConfig, dims: ParallelDims, n_layer: int) -> dict[str, tuple]:
+def apply_tp(
+    part: nn.Module, train: TrainConfig, dims: ParallelDims, n_layer: int
+) -> dict[str, tuple]:
     """Tensor parallelism on one part, hand-rolled or DTensor (`train.tp_impl`); returns the
     parameters whose gradients are partial sums over tp (name -> (group, rows))."""
     if dims.tp == 1:
@@ -136,10 +152,14 @@ def apply_tp(part: nn.Module, train: TrainConfig, dims: ParallelDims, n_layer: i
         return apply_dtensor_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer)
     from dtrain.parallel.tp.megatron import apply_megatron_tp
 
-    return apply_megatron_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce)
+    return apply_megatron_tp(
+        part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce
+    )
 
 
-def apply_cp(part: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device) -> str | None:
+def apply_cp(
+    part: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device
+) -> str | None:
     """Context parallelism on one part: the implementation this run uses (None without cp)."""
     if dims.cp == 1:
         return None
@@ -169,8 +189,11 @@ def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: 
     replicate = not fsdp and dims.dp_replicate * dims.cp > 1
     dims.build_mesh(device.type, one_rank=fsdp)
     pp_rank = dims.coordinate("pp")
-    staged = pipeline.split_model(gpt, dims.pp, pp_rank, train.pp_schedule, train.pp_virtual) if dims.pp > 1 \
+    staged = (
+        pipeline.split_model(gpt, dims.pp, pp_rank, train.pp_schedule, train.pp_virtual)
+        if dims.pp > 1
         else [(0, gpt)]
+    )
     # With pp, parameters stay gathered from forward to backward (torchtitan's default): a stage
     # runs many micro-batches per step, and the zero-bubble schedules' weight-gradient pass runs
     # outside FSDP's backward hooks, so it needs them still unsharded.
@@ -191,9 +214,17 @@ def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: 
             part.to(device)
         parts.append(part)
     staged = [(index, part) for (index, _), part in zip(staged, parts)]
-    return ParallelModel(staged, partial, train, dims, device, fsdp=fsdp,
-                         all_reduce_grads=replicate and dims.model_parallel, cp_impl=cp_impl,
-                         seq_len=gpt.cfg.seq_len)
+    return ParallelModel(
+        staged,
+        partial,
+        train,
+        dims,
+        device,
+        fsdp=fsdp,
+        all_reduce_grads=replicate and dims.model_parallel,
+        cp_impl=cp_impl,
+        seq_len=gpt.cfg.seq_len,
+    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:

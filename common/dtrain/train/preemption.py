@@ -7,6 +7,7 @@ completed steps, write `preempted`, and leave: on USR2, rank 0 hands over to sub
 the job. `resume(trainer)` is the other side: the latest complete checkpoint of this run when
 the job was requeued.
 """
+
 from __future__ import annotations
 
 import signal
@@ -22,7 +23,7 @@ from dtrain.run import requeue
 from dtrain.train import checkpoint
 from dtrain.train.callbacks import Callback
 
-NONE, TERM, PREEMPT = 0, 1, 2   # agreed as a max over ranks: USR2 (requeue ourselves) wins over TERM
+NONE, TERM, PREEMPT = 0, 1, 2  # agreed as a max over ranks: USR2 (requeue ourselves) wins over TERM
 
 
 class StopOnSignal(Callback):
@@ -62,14 +63,21 @@ class StopOnSignal(Callback):
         submitit_handler = self.previous.get(requeue.preempt_signal())
         self.restore()
         saved = trainer.last_checkpoint
-        if trainer.step > 0 and not (saved and Path(saved).name == checkpoint.step_dir("", trainer.step).name):
+        if trainer.step > 0 and not (
+            saved and Path(saved).name == checkpoint.step_dir("", trainer.step).name
+        ):
             saved = trainer.save_checkpoint()
         reason = "terminated"  # TERM: a requeue, a preemption or a cancel, decided by Slurm
         if agreed == PREEMPT:
             timed_out = getattr(getattr(submitit_handler, "__self__", None), "has_timed_out", None)
             reason = "time_limit" if timed_out and timed_out() else "preempted"
-        trainer.ctx.writer.event("preempted", step=trainer.step, reason=reason, checkpoint=saved,
-                                 signal="USR2" if agreed == PREEMPT else "TERM")
+        trainer.ctx.writer.event(
+            "preempted",
+            step=trainer.step,
+            reason=reason,
+            checkpoint=saved,
+            signal="USR2" if agreed == PREEMPT else "TERM",
+        )
         trainer.ctx.writer.close()  # flush before leaving
         if trainer.world_size > 1:
             dist.barrier()
@@ -77,7 +85,9 @@ class StopOnSignal(Callback):
             # rank 0: pickles checkpoint(), `scontrol requeue`, exits; other ranks: returns at once.
             # Raises UncompletedJobError when the time-outs are used up (the job then fails).
             submitit_handler(requeue.preempt_signal(), None)
-        raise SystemExit(0)  # not an Exception: Hydra and submitit let it through, no result is written
+        raise SystemExit(
+            0
+        )  # not an Exception: Hydra and submitit let it through, no result is written
 
 
 def resume(trainer) -> str | None:
@@ -91,14 +101,23 @@ def resume(trainer) -> str | None:
         return None
     path, skipped = _agreed(trainer, lambda: checkpoint.latest_intact(root))
     for bad, problem in skipped if trainer.ctx.is_main else ():
-        trainer.ctx.writer.event("checkpoint_damaged", path=str(bad), problem=problem,
-                                 resumed_from=str(path) if path else None)
-        print(f"warning: checkpoint {bad} is damaged ({problem}): resuming from {path}",
-              file=sys.stderr, flush=True)
+        trainer.ctx.writer.event(
+            "checkpoint_damaged",
+            path=str(bad),
+            problem=problem,
+            resumed_from=str(path) if path else None,
+        )
+        print(
+            f"warning: checkpoint {bad} is damaged ({problem}): resuming from {path}",
+            file=sys.stderr,
+            flush=True,
+        )
     if path is None and skipped:
         bad, problem = skipped[0]
-        raise UserError(f"checkpoint {bad} is damaged ({problem}) and no earlier checkpoint of "
-                        f"this run is intact: remove the damaged ones from {root} to start again")
+        raise UserError(
+            f"checkpoint {bad} is damaged ({problem}) and no earlier checkpoint of "
+            f"this run is intact: remove the damaged ones from {root} to start again"
+        )
     return str(path) if path else None
 
 
@@ -114,5 +133,9 @@ def _agreed(trainer, decide):
 def last_step_record(run_dir: Path, step: int) -> dict:
     """The kept `step` record of `step` (a resumed run that had already finished every step)."""
     f = requeue.records_file(run_dir, 0)
-    rows = [r for r in read_jsonl(f) if r.get("kind") == "step" and r.get("step") == step] if f.exists() else []
+    rows = (
+        [r for r in read_jsonl(f) if r.get("kind") == "step" and r.get("step") == step]
+        if f.exists()
+        else []
+    )
     return rows[-1] if rows else {}

@@ -5,6 +5,7 @@ needs torch: the device a local run gets (precision `auto`, a CUDA-only context 
 model fits this host's memory, and a resume's checkpoint. A wrong value is refused in a fraction of a
 second, before torch is imported.
 """
+
 from __future__ import annotations
 
 from dtrain.core import checks

@@ -15,6 +15,7 @@ micro-batches run as gradient accumulation (pp = 1) or as one pipeline-schedule 
 Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
 around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,16 @@ from dtrain.train.parallelize import parallelize
 
 
 # the per-step numbers shown in TensorBoard too, as `train/<name>` (records.jsonl holds them all)
-SCALARS = ("loss", "step_time_s", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "grad_norm",
-           "lr")
+SCALARS = (
+    "loss",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_bytes",
+    "grad_norm",
+    "lr",
+)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -60,53 +69,92 @@ class NonFiniteLoss(RuntimeError):
 def require_finite_end(last: dict) -> None:
     """A run is complete only when its last step's loss is finite (records store NaN/Inf as null)."""
     if last and last.get("loss") is None:
-        raise NonFiniteLoss(f"the loss is non-finite at the last step ({last.get('step')}): the run diverged; "
-                            "lower train.lr, set train.grad_clip, or check the data and model.init_std")
+        raise NonFiniteLoss(
+            f"the loss is non-finite at the last step ({last.get('step')}): the run diverged; "
+            "lower train.lr, set train.grad_clip, or check the data and model.init_std"
+        )
 
 
 class Trainer:
-    def __init__(self, ctx, train: TrainConfig, model_cfg: GPTConfig, *, linear_factory=None,
-                 autocast: Callable[[], ContextManager] | None = None, grad_scaler=None,
-                 callbacks: Sequence[Callback] = (), peak_flops: tuple[float, str] | None = None):
+    def __init__(
+        self,
+        ctx,
+        train: TrainConfig,
+        model_cfg: GPTConfig,
+        *,
+        linear_factory=None,
+        autocast: Callable[[], ContextManager] | None = None,
+        grad_scaler=None,
+        callbacks: Sequence[Callback] = (),
+        peak_flops: tuple[float, str] | None = None,
+    ):
         self.ctx, self.model_cfg = ctx, model_cfg
-        self.train = train.resolved(ctx.world_size, ctx.device.type)  # the caller's config is left as asked
+        self.train = train.resolved(
+            ctx.world_size, ctx.device.type
+        )  # the caller's config is left as asked
         self.train.validate_model(model_cfg)
         train = self.train
         self.device, self.world_size = ctx.device, ctx.world_size
         self.dims = train.dims(ctx.world_size)
         if self.dims.model_parallel and grad_scaler is not None:
-            raise UserError("a grad scaler (fp16) is not supported with train.tp / train.pp > 1: use bf16 or fp32")
+            raise UserError(
+                "a grad scaler (fp16) is not supported with train.tp / train.pp > 1: use bf16 or fp32"
+            )
         self.callbacks = list(callbacks)
-        self.requeue = requeue.enabled(ctx.cfg)  # inside a Slurm job: stop, checkpoint and requeue on a signal
+        self.requeue = requeue.enabled(
+            ctx.cfg
+        )  # inside a Slurm job: stop, checkpoint and requeue on a signal
         if self.requeue:  # first, so a stop happens before any other callback acts on the step
             self.callbacks.insert(0, preemption.StopOnSignal())
         self.grad_scaler = grad_scaler
-        self.step = 0          # optimizer steps completed
-        self.lr_scale = 1.0    # multiplier on the scheduled LR (a callback may cut it)
+        self.step = 0  # optimizer steps completed
+        self.lr_scale = 1.0  # multiplier on the scheduled LR (a callback may cut it)
         self.last_checkpoint = None
-        self.pinned: set[str] = set()  # checkpoints `prune` must keep (the NaN guard's rollback target)
+        self.pinned: set[str] = (
+            set()
+        )  # checkpoints `prune` must keep (the NaN guard's rollback target)
         self.step_times: list[float] = []
-        self._recorded = 0          # last step whose record is written
-        self._offset_due = None     # step of a checkpoint whose records offset is still to note
+        self._recorded = 0  # last step whose record is written
+        self._offset_due = None  # step of a checkpoint whose records offset is still to note
 
-        data = make_dataset(train.dataset, num_tokens=train.dataset_tokens, vocab_size=model_cfg.vocab_size,
-                            seed=ctx.cfg.seed)
+        data = make_dataset(
+            train.dataset,
+            num_tokens=train.dataset_tokens,
+            vocab_size=model_cfg.vocab_size,
+            seed=ctx.cfg.seed,
+        )
         if data.vocab_size > model_cfg.vocab_size:
-            raise UserError(f"dataset {train.dataset!r} has vocab {data.vocab_size} > model vocab_size="
-                            f"{model_cfg.vocab_size}: raise model.vocab_size")
+            raise UserError(
+                f"dataset {train.dataset!r} has vocab {data.vocab_size} > model vocab_size="
+                f"{model_cfg.vocab_size}: raise model.vocab_size"
+            )
         torch.manual_seed(ctx.cfg.seed)  # same initial weights on every rank and every layout
         self.parallel = parallelize(GPT(model_cfg, linear_factory), train, self.dims, self.device)
         self.model, self.model_parts = self.parallel.module, self.parallel.parts
         # ranks of one tp x pp x cp replica read the same batch
-        self.batcher = TokenBatcher(data.tokens, model_cfg.seq_len, train.micro_batch, rank=self.dims.dp_rank,
-                                    world_size=self.dims.dp, seed=ctx.cfg.seed, grad_accum=train.grad_accum)
-        self.optimizer = OptimizerParts(self.model_parts, lr=train.lr, betas=(train.beta1, train.beta2),
-                                        weight_decay=train.weight_decay, foreach=True)
+        self.batcher = TokenBatcher(
+            data.tokens,
+            model_cfg.seq_len,
+            train.micro_batch,
+            rank=self.dims.dp_rank,
+            world_size=self.dims.dp,
+            seed=ctx.cfg.seed,
+            grad_accum=train.grad_accum,
+        )
+        self.optimizer = OptimizerParts(
+            self.model_parts,
+            lr=train.lr,
+            betas=(train.beta1, train.beta2),
+            weight_decay=train.weight_decay,
+            foreach=True,
+        )
         self.autocast = autocast or self._default_autocast()
         self.flops_per_token = flops_per_token(model_cfg)
         self.model_params = num_params(model_cfg)
         self.tokens_per_step = self.batcher.global_batch * model_cfg.seq_len
-        self.tf32 = train.precision == "fp32" and perf.enable_tf32(self.device)  # in the summary: matmul_tf32
+        self.tf32 = train.precision == "fp32" and perf.enable_tf32(
+            self.device
+        )  # in the summary: matmul_tf32
         self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -118,8 +166,12 @@ class Trainer:
         return contextlib.nullcontext
 
     def _peak_flops(self) -> tuple[float, str]:
-        peak, source = hardware.peak_flops(self.device, "fp32" if self.train.precision == "fp32" else "bf16")
-        if source == perf.CPU_PROBE_SOURCE:  # every rank probed its own cores at once; agree on the mean
+        peak, source = hardware.peak_flops(
+            self.device, "fp32" if self.train.precision == "fp32" else "bf16"
+        )
+        if (
+            source == perf.CPU_PROBE_SOURCE
+        ):  # every rank probed its own cores at once; agree on the mean
             peak = self._all_mean(peak)
         return peak, source
 
@@ -176,15 +228,21 @@ class Trainer:
         watch = Stopwatch(self.device)
         watch.start()
         loss, grad_norm = self._forward_backward(step)
-        take = all(r is not False for r in self._call("before_optimizer_step", step, loss, grad_norm))
+        take = all(
+            r is not False for r in self._call("before_optimizer_step", step, loss, grad_norm)
+        )
         if take:
             if self.grad_scaler is not None:
                 self.grad_scaler.step(self.optimizer)
             else:
                 self.optimizer.step()
         else:
-            self.ctx.writer.event("skipped_step", step=step, loss=finite_or_none(loss),
-                                  grad_norm=finite_or_none(grad_norm))
+            self.ctx.writer.event(
+                "skipped_step",
+                step=step,
+                loss=finite_or_none(loss),
+                grad_norm=finite_or_none(grad_norm),
+            )
         if self.grad_scaler is not None:
             self.grad_scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -209,11 +267,20 @@ class Trainer:
     def _step_metrics(self, step, loss, grad_norm, lr, step_time, took) -> dict:
         warmup = step <= self.train.timing_warmup
         tokens_per_s = self.tokens_per_step / step_time
-        m = {"step": step, "loss": finite_or_none(loss), "grad_norm": finite_or_none(grad_norm), "lr": lr,
-             "lr_scale": self.lr_scale, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
-             "tflops": perf.tflops_per_device(self.flops_per_token, tokens_per_s, self.world_size),
-             "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
-             "peak_mem_bytes": peak_memory_bytes(self.device), "warmup_step": warmup, "skipped": not took}
+        m = {
+            "step": step,
+            "loss": finite_or_none(loss),
+            "grad_norm": finite_or_none(grad_norm),
+            "lr": lr,
+            "lr_scale": self.lr_scale,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tflops": perf.tflops_per_device(self.flops_per_token, tokens_per_s, self.world_size),
+            "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "warmup_step": warmup,
+            "skipped": not took,
+        }
         if self.grad_scaler is not None:
             m["grad_scale"] = float(self.grad_scaler.get_scale())
         return m
@@ -229,16 +296,24 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         root = self.train.checkpoint_dir or str(self.ctx.run_dir / "checkpoints")
-        if self.requeue:  # a resume from here keeps the records up to this step's (see _note_offset)
+        if (
+            self.requeue
+        ):  # a resume from here keeps the records up to this step's (see _note_offset)
             self._offset_due = self.step
             if self._recorded == self.step:
                 self._note_offset()
-        path = checkpoint.save(checkpoint.step_dir(root, self.step), self.model_parts, self.optimizer,
-                               self._trainer_state())
+        path = checkpoint.save(
+            checkpoint.step_dir(root, self.step),
+            self.model_parts,
+            self.optimizer,
+            self._trainer_state(),
+        )
         self.last_checkpoint = str(path)
         self.ctx.writer.event("checkpoint_saved", step=self.step, path=str(path))
         if self.ctx.is_main:  # every rank has finished its shards when dcp.save returns
-            checkpoint.prune(root, self.train.keep_checkpoints, {*self.pinned, self.last_checkpoint})
+            checkpoint.prune(
+                root, self.train.keep_checkpoints, {*self.pinned, self.last_checkpoint}
+            )
         return self.last_checkpoint
 
     def load_checkpoint(self, path) -> None:
@@ -256,16 +331,22 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict:
-        requeued_from = preemption.resume(self) if self.requeue else None  # a requeued job continues its own
+        requeued_from = (
+            preemption.resume(self) if self.requeue else None
+        )  # a requeued job continues its own
         if requeued_from or self.train.resume_from:
             self.load_checkpoint(requeued_from or self.train.resume_from)
         self._recorded = self.step
         self._call("on_train_start")
         last: dict = {}
-        if self.requeue and requeue.restart_count():  # drop what this attempt repeated and the last one wrote after
+        if (
+            self.requeue and requeue.restart_count()
+        ):  # drop what this attempt repeated and the last one wrote after
             requeue.rewind_records(self.ctx.run_dir, self.ctx.rank, self.step)
             self.ctx.writer.event("resumed", step=self.step, checkpoint=requeued_from)
-            last = preemption.last_step_record(self.ctx.run_dir, self.step) if self.ctx.is_main else {}
+            last = (
+                preemption.last_step_record(self.ctx.run_dir, self.step) if self.ctx.is_main else {}
+            )
         if self.requeue:
             self._note_offset()
         progress = self._progress()
@@ -274,8 +355,10 @@ class Trainer:
             progress.update(1)
             if self.train.log_every and self.ctx.is_main and self.step % self.train.log_every == 0:
                 loss = "nan" if last["loss"] is None else f"{last['loss']:.4f}"
-                progress.write(f"step {self.step:5d}  loss {loss}  {last['tokens_per_s']:.0f} tok/s  "
-                               f"mfu {last['mfu']:.3f}")
+                progress.write(
+                    f"step {self.step:5d}  loss {loss}  {last['tokens_per_s']:.0f} tok/s  "
+                    f"mfu {last['mfu']:.3f}"
+                )
             if self.train.checkpoint_every and self.step % self.train.checkpoint_every == 0:
                 self.save_checkpoint()
         progress.close()
@@ -287,24 +370,45 @@ class Trainer:
         from dtrain.core.terminal import bar
 
         # on a terminal only (rank 0); in a pipe the periodic step lines show progress
-        return bar(total=self.train.steps, initial=self.step, desc=f"train {self.train.strategy}",
-                   show=self.ctx.is_main, leave=True)
+        return bar(
+            total=self.train.steps,
+            initial=self.step,
+            desc=f"train {self.train.strategy}",
+            show=self.ctx.is_main,
+            leave=True,
+        )
 
     def final_metrics(self, last: dict | None = None) -> dict:
         """Run-level numbers: step time is the median over steps after timing_warmup."""
         times = self.step_times or ([last["step_time_s"]] if last else [])
         step_time = statistics.median(times) if times else float("nan")
         tokens_per_s = self.tokens_per_step / step_time
-        return {"steps": self.step, "final_loss": (last or {}).get("loss"), "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s, "tokens_per_step": self.tokens_per_step,
-                "tflops_per_rank": perf.tflops_per_device(self.flops_per_token, tokens_per_s, self.world_size),
-                "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
-                "peak_flops": self.peak_flops, "peak_flops_source": self.peak_flops_source,
-                "flops_per_token": self.flops_per_token, "model_params": self.model_params,
-                "peak_mem_bytes": peak_memory_bytes(self.device), "global_batch": self.batcher.global_batch,
-                "grad_accum": self.train.grad_accum, "strategy": self.train.strategy,
-                "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp,
-                "cp_impl": self.parallel.cp_impl,
-                "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
-                "mixed_precision": self.train.precision, "matmul_tf32": self.tf32, "world_size": self.world_size,
-                "last_checkpoint": self.last_checkpoint}
+        return {
+            "steps": self.step,
+            "final_loss": (last or {}).get("loss"),
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_step": self.tokens_per_step,
+            "tflops_per_rank": perf.tflops_per_device(
+                self.flops_per_token, tokens_per_s, self.world_size
+            ),
+            "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
+            "peak_flops": self.peak_flops,
+            "peak_flops_source": self.peak_flops_source,
+            "flops_per_token": self.flops_per_token,
+            "model_params": self.model_params,
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "global_batch": self.batcher.global_batch,
+            "grad_accum": self.train.grad_accum,
+            "strategy": self.train.strategy,
+            "tp": self.dims.tp,
+            "pp": self.dims.pp,
+            "dp": self.dims.dp,
+            "cp": self.dims.cp,
+            "cp_impl": self.parallel.cp_impl,
+            "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
+            "mixed_precision": self.train.precision,
+            "matmul_tf32": self.tf32,
+            "world_size": self.world_size,
+            "last_checkpoint": self.last_checkpoint,
+        }

@@ -13,6 +13,7 @@ checked against one device (parity.check_case: output and every gradient within 
 bytes = analytic), so a timing is never published for a wrong layer. Memory: the bytes autograd
 saves for backward (activations, parameters left out), per rank; on CUDA also the peak allocated.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,7 +45,11 @@ def model_at(cfg, seq_len: int):
     """The GPTConfig of the model node at one of its sequence lengths."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
+    node = (
+        OmegaConf.to_container(cfg.model, resolve=True)
+        if OmegaConf.is_config(cfg.model)
+        else dict(cfg.model)
+    )
     return dtrain_config.model_config({**node, "seq_len": seq_len})
 
 
@@ -81,20 +86,29 @@ def make_step(module, x, g):
         for p in module.parameters():
             p.grad = None
         module(x.detach().requires_grad_()).backward(g)
+
     return step
 
 
 def measure(name: str, step, module, cfg, device, group) -> dict:
-    stats = time_fn(step, warmup=cfg.timing_warmup, iters=cfg.iters, device=device, barrier=group).to_dict()
-    return {"impl": name, **stats, "saved_bytes": saved_bytes(step, list(module.parameters())),
-            "peak_bytes": peak_bytes(step, device)}
+    stats = time_fn(
+        step, warmup=cfg.timing_warmup, iters=cfg.iters, device=device, barrier=group
+    ).to_dict()
+    return {
+        "impl": name,
+        **stats,
+        "saved_bytes": saved_bytes(step, list(module.parameters())),
+        "peak_bytes": peak_bytes(step, device),
+    }
 
 
 def sends_alone(block: torch.Tensor, count: int, group):
     """The ring's sends without its compute: `count` exchanges of one k/v block, one after another."""
+
     def step():
         for _ in range(count):
             exchange.ring_exchange(block, group, exchange.KV).wait()
+
     return step
 
 
@@ -104,29 +118,48 @@ def measure_cp(cfg, seq_len: int, cp: int, groups, ref, x, g, device) -> list[di
     m = model_at(cfg, seq_len)
     xl, gl = sharding.shard(x, cp, rank), sharding.shard(g, cp, rank)
     for impl in as_list(cfg.train.cp_impl):
-        case = dict(impl=impl, cp=cp, n_head=m.n_head, n_kv_head=m.n_kv_head, head_dim=m.head_dim,
-                    batch=cfg.train.micro_batch, seq=seq_len, bias=m.bias)
+        case = dict(
+            impl=impl,
+            cp=cp,
+            n_head=m.n_head,
+            n_kv_head=m.n_kv_head,
+            head_dim=m.head_dim,
+            batch=cfg.train.micro_batch,
+            seq=seq_len,
+            bias=m.bias,
+        )
         errs, volume = check_case(case, group, cfg.seed, device, ref=ref)
         bad = failures(_worst(errs, group, device), volume, cfg.rtol)
         if bad:
-            raise RuntimeError(f"cp={cp} {impl} seq_len={seq_len}: not equal to one device: {', '.join(bad)}")
+            raise RuntimeError(
+                f"cp={cp} {impl} seq_len={seq_len}: not equal to one device: {', '.join(bad)}"
+            )
         layer = copy.deepcopy(ref)
         layer.core = ContextParallelCore(impl, group)
-        row = {**measure(impl, make_step(layer, xl, gl), layer, cfg, device, group),
-               "comm_bytes_per_layer": volume["analytic"], "max_rel_err": max(errs.values())}
+        row = {
+            **measure(impl, make_step(layer, xl, gl), layer, cfg, device, group),
+            "comm_bytes_per_layer": volume["analytic"],
+            "max_rel_err": max(errs.values()),
+        }
         if impl == "ring":
             layer.core = ContextParallelCore(impl, group, overlap=False)
             timed = dict(warmup=cfg.timing_warmup, iters=cfg.iters, device=device, barrier=group)
             row["serial_s"] = time_fn(make_step(layer, xl, gl), **timed).median
-            kv = xl.new_empty(2, x.shape[0], m.n_kv_head, seq_len // cp, m.head_dim)  # one k/v block
+            kv = xl.new_empty(
+                2, x.shape[0], m.n_kv_head, seq_len // cp, m.head_dim
+            )  # one k/v block
             row["sends_s"] = time_fn(sends_alone(kv, 3 * (cp - 1), group), **timed).median
-            hidden = (row["serial_s"] - row["median_s"]) / row["sends_s"] if row["sends_s"] > 0 else 0.0
+            hidden = (
+                (row["serial_s"] - row["median_s"]) / row["sends_s"] if row["sends_s"] > 0 else 0.0
+            )
             row["overlap_fraction"] = min(1.0, max(0.0, hidden))
         out.append(row)
     if cfg.tp_sp and _tp_can_split(m, cp):
         tp_layer = TensorParallelAttention.from_full(ref, groups, sequence_parallel=True)
-        chunk = (lambda t: t.chunk(cp, 1)[rank].contiguous())  # SP: contiguous sequence slices
-        row = measure("tp_sp", make_step(tp_layer, chunk(x), chunk(g)), tp_layer, cfg, device, group)
+        chunk = lambda t: t.chunk(cp, 1)[rank].contiguous()  # SP: contiguous sequence slices
+        row = measure(
+            "tp_sp", make_step(tp_layer, chunk(x), chunk(g)), tp_layer, cfg, device, group
+        )
         out.append(row)
     return out
 
@@ -157,17 +190,38 @@ def rank_fn(ctx: RankContext) -> dict:
     singles: dict[int, dict] = {}
     for seq_len, cp in progress(combos, ctx.is_main, "seq_len x cp"):
         m = model_at(cfg, seq_len)
-        ref = build_reference({"n_head": m.n_head, "n_kv_head": m.n_kv_head, "head_dim": m.head_dim,
-                               "bias": m.bias, "seq": seq_len}, cfg.seed, device, dtype)
+        ref = build_reference(
+            {
+                "n_head": m.n_head,
+                "n_kv_head": m.n_kv_head,
+                "head_dim": m.head_dim,
+                "bias": m.bias,
+                "seq": seq_len,
+            },
+            cfg.seed,
+            device,
+            dtype,
+        )
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         x = torch.randn(cfg.train.micro_batch, seq_len, m.d_model, generator=gen).to(device, dtype)
         g = torch.randn(cfg.train.micro_batch, seq_len, m.d_model, generator=gen).to(device, dtype)
-        groups = make_tp_groups(cp)  # collective: consecutive blocks of cp ranks; the first one measures
-        measured = turns.take(groups is not None and ctx.rank < cp, ctx.is_main,
-                              lambda: measure_cp(cfg, seq_len, cp, groups, ref, x, g, device))
+        groups = make_tp_groups(
+            cp
+        )  # collective: consecutive blocks of cp ranks; the first one measures
+        measured = turns.take(
+            groups is not None and ctx.rank < cp,
+            ctx.is_main,
+            lambda: measure_cp(cfg, seq_len, cp, groups, ref, x, g, device),
+        )
         if seq_len not in singles:
-            singles[seq_len] = turns.take(ctx.is_main, ctx.is_main, lambda: measure(
-                "single", make_step(ref, x, g), ref, cfg, device, None)) or {}
+            singles[seq_len] = (
+                turns.take(
+                    ctx.is_main,
+                    ctx.is_main,
+                    lambda: measure("single", make_step(ref, x, g), ref, cfg, device, None),
+                )
+                or {}
+            )
         for row in measured or []:
             if ctx.is_main:
                 row = {**row, "seq_len": seq_len, "cp": cp}
@@ -179,5 +233,10 @@ def rank_fn(ctx: RankContext) -> dict:
                 ctx.writer.record("cp_step", **single)
                 rows.append(single)
         dist.barrier()
-    return {"rows": rows, "device": device.type, "backend": ctx.backend, "gpu_name": ctx.gpu_name,
-            "threads_per_rank": torch.get_num_threads()}
+    return {
+        "rows": rows,
+        "device": device.type,
+        "backend": ctx.backend,
+        "gpu_name": ctx.gpu_name,
+        "threads_per_rank": torch.get_num_threads(),
+    }

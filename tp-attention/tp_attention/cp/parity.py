@@ -7,6 +7,7 @@ the output shard, the input-gradient shard and every weight gradient (each cp ra
 weights whole and computes the gradient of its own tokens: summed over the cp group it is the
 full one). The collectives counted during the step must equal `cp.comm.expected_wire_bytes`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,19 +30,40 @@ def draw_case(rng: random.Random, cp: int, impl: str) -> dict:
     n_head = n_kv * rng.choice([1, 2, 4])
     if impl == "ulysses" and n_head % cp:
         n_head *= cp
-    return dict(impl=impl, cp=cp, n_head=n_head, n_kv_head=n_kv, head_dim=rng.choice([4, 8, 16]),
-                batch=rng.randint(1, 2), seq=2 * cp * rng.randint(1, 4), bias=rng.random() < 0.5)
+    return dict(
+        impl=impl,
+        cp=cp,
+        n_head=n_head,
+        n_kv_head=n_kv,
+        head_dim=rng.choice([4, 8, 16]),
+        batch=rng.randint(1, 2),
+        seq=2 * cp * rng.randint(1, 4),
+        bias=rng.random() < 0.5,
+    )
 
 
 def build_reference(case: dict, seed: int, device, dtype=torch.float32) -> torch.nn.Module:
-    cfg = GPTConfig(d_model=case["n_head"] * case["head_dim"], n_head=case["n_head"], n_kv_head=case["n_kv_head"],
-                    bias=case["bias"], seq_len=case["seq"])
+    cfg = GPTConfig(
+        d_model=case["n_head"] * case["head_dim"],
+        n_head=case["n_head"],
+        n_kv_head=case["n_kv_head"],
+        bias=case["bias"],
+        seq_len=case["seq"],
+    )
     torch.manual_seed(seed)
-    return Block(cfg, "blocks.0", lambda name, i, o, b: torch.nn.Linear(i, o, bias=b)).attn.to(device, dtype)
+    return Block(cfg, "blocks.0", lambda name, i, o, b: torch.nn.Linear(i, o, bias=b)).attn.to(
+        device, dtype
+    )
 
 
-def check_case(case: dict, group, seed: int, device, core: ContextParallelCore | None = None,
-               ref: torch.nn.Module | None = None) -> tuple[dict[str, float], dict[str, int]]:
+def check_case(
+    case: dict,
+    group,
+    seed: int,
+    device,
+    core: ContextParallelCore | None = None,
+    ref: torch.nn.Module | None = None,
+) -> tuple[dict[str, float], dict[str, int]]:
     """Errors per tensor and {analytic, counted} bytes of one case on this rank of `group`.
     `core`: the context-parallel core to test (default: case["impl"]'s); `ref`: a prebuilt reference."""
     cp, rank = case["cp"], exchange.rank_in(group)
@@ -61,15 +83,24 @@ def check_case(case: dict, group, seed: int, device, core: ContextParallelCore |
         out = model(xc)
         out.backward(sharding.shard(g, cp, rank))
     floor = ZERO_GRAD_FLOOR * max(float(p.grad.abs().max()) for p in ref.parameters())
-    errs = {"out": rel_err(out, sharding.shard(ref_out, cp, rank)),
-            "input_grad": rel_err(xc.grad, sharding.shard(xr.grad, cp, rank))}
+    errs = {
+        "out": rel_err(out, sharding.shard(ref_out, cp, rank)),
+        "input_grad": rel_err(xc.grad, sharding.shard(xr.grad, cp, rank)),
+    }
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if cp > 1:
             dist.all_reduce(p.grad, group=group)
         errs[f"grad.{name}"] = rel_err(p.grad, q.grad, floor)
-    analytic = exchange.expected_wire_bytes(case["impl"], batch=case["batch"], seq=case["seq"], n_head=case["n_head"],
-                                           n_kv_head=case["n_kv_head"], head_dim=case["head_dim"], cp=cp,
-                                           elem_bytes=torch.empty(0, dtype=dtype).element_size())
+    analytic = exchange.expected_wire_bytes(
+        case["impl"],
+        batch=case["batch"],
+        seq=case["seq"],
+        n_head=case["n_head"],
+        n_kv_head=case["n_kv_head"],
+        head_dim=case["head_dim"],
+        cp=cp,
+        elem_bytes=torch.empty(0, dtype=dtype).element_size(),
+    )
     return errs, {"analytic": analytic, "counted": counter.wire_bytes()}
 
 

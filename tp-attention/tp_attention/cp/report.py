@@ -1,7 +1,8 @@
 """After the CP study's ranks finished: the table, the CSV, the plot and the summary (guide inputs).
 
-    overhead = step_time * cp / single_device_step_time    (1.0 = perfect: cp ranks, 1/cp of the work each)
+overhead = step_time * cp / single_device_step_time    (1.0 = perfect: cp ranks, 1/cp of the work each)
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,12 @@ from dtrain.results import contract, plots
 from dtrain.results.plots import human_bytes
 from tp_attention.cp.bench import model_at
 
-LABELS = {"single": "one device", "ring": "ring", "ulysses": "all-to-all (Ulysses)", "tp_sp": "TP + SP"}
+LABELS = {
+    "single": "one device",
+    "ring": "ring",
+    "ulysses": "all-to-all (Ulysses)",
+    "tp_sp": "TP + SP",
+}
 
 
 def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.CpMeasurement]:
@@ -26,12 +32,26 @@ def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.CpMeasure
         if r["impl"] not in OWN_CP_IMPLS:  # not the baselines (single, tp_sp)
             continue
         m = model_at(cfg, r["seq_len"])
-        out.append(contract.CpMeasurement(
-            impl=r["impl"], cp=r["cp"], seq_len=r["seq_len"], micro_batch=cfg.train.micro_batch, d_model=m.d_model,
-            n_head=m.n_head, n_kv_head=m.n_kv_head, precision=str(cfg.train.precision), step_time_s=r["median_s"],
-            single_device_step_time_s=single[r["seq_len"]], comm_bytes_per_layer=int(r["comm_bytes_per_layer"]),
-            saved_bytes=int(r["saved_bytes"]), where=where, serial_step_time_s=r.get("serial_s"),
-            overlap_fraction=r.get("overlap_fraction"), tp_sp_step_time_s=tp_sp.get((r["seq_len"], r["cp"]))))
+        out.append(
+            contract.CpMeasurement(
+                impl=r["impl"],
+                cp=r["cp"],
+                seq_len=r["seq_len"],
+                micro_batch=cfg.train.micro_batch,
+                d_model=m.d_model,
+                n_head=m.n_head,
+                n_kv_head=m.n_kv_head,
+                precision=str(cfg.train.precision),
+                step_time_s=r["median_s"],
+                single_device_step_time_s=single[r["seq_len"]],
+                comm_bytes_per_layer=int(r["comm_bytes_per_layer"]),
+                saved_bytes=int(r["saved_bytes"]),
+                where=where,
+                serial_step_time_s=r.get("serial_s"),
+                overlap_fraction=r.get("overlap_fraction"),
+                tp_sp_step_time_s=tp_sp.get((r["seq_len"], r["cp"])),
+            )
+        )
     return out
 
 
@@ -44,10 +64,18 @@ def frame(rows: list[dict]) -> pd.DataFrame:
 
 # (header, what it means): short headers keep the table within dtrain.core.terminal.WIDTH columns; the
 # legend printed under it spells them out
-COLUMNS = (("seq", "sequence length"), ("cp", ""), ("impl", ""), ("ms", "step time per layer"),
-           ("overhead", "ms x cp / one device"), ("serial", "ring ms, sends not overlapped"),
-           ("sends", "ms of the ring's sends alone"), ("overlap", "share of sends hidden by compute"),
-           ("KiB", "comm per layer"), ("saved", "bytes kept for backward per rank"))
+COLUMNS = (
+    ("seq", "sequence length"),
+    ("cp", ""),
+    ("impl", ""),
+    ("ms", "step time per layer"),
+    ("overhead", "ms x cp / one device"),
+    ("serial", "ring ms, sends not overlapped"),
+    ("sends", "ms of the ring's sends alone"),
+    ("overlap", "share of sends hidden by compute"),
+    ("KiB", "comm per layer"),
+    ("saved", "bytes kept for backward per rank"),
+)
 
 
 def legend() -> str:
@@ -60,17 +88,30 @@ def print_table(df: pd.DataFrame, title: str) -> None:
 
     from dtrain.core.terminal import console
 
-    t = Table(title=title, caption=legend(), caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-              collapse_padding=True)
+    t = Table(
+        title=title,
+        caption=legend(),
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for col, _ in COLUMNS:
         t.add_column(col, justify="left" if col == "impl" else "right")
     opt = lambda v, f: "-" if v is None or v != v else format(v, f)  # noqa: E731  (None / NaN)
     for _, r in df.iterrows():
-        t.add_row(str(r.seq_len), str(r.cp), LABELS[r.impl], f"{r.median_s * 1e3:.1f}", f"{r.overhead:.2f}",
-                  opt(_ms(r.get("serial_s")), ".1f"),
-                  opt(_ms(r.get("sends_s")), ".1f"), opt(r.get("overlap_fraction"), ".0%"),
-                  opt(_kib(r.get("comm_bytes_per_layer")), ".0f"),
-                  human_bytes(r.saved_bytes))
+        t.add_row(
+            str(r.seq_len),
+            str(r.cp),
+            LABELS[r.impl],
+            f"{r.median_s * 1e3:.1f}",
+            f"{r.overhead:.2f}",
+            opt(_ms(r.get("serial_s")), ".1f"),
+            opt(_ms(r.get("sends_s")), ".1f"),
+            opt(r.get("overlap_fraction"), ".0%"),
+            opt(_kib(r.get("comm_bytes_per_layer")), ".0f"),
+            human_bytes(r.saved_bytes),
+        )
     console().print(t)
 
 
@@ -85,14 +126,25 @@ def _kib(n):
 def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
     import seaborn as sns
 
-    long = df.assign(ms=df.median_s * 1e3, MiB=df.saved_bytes / 2**20,
-                     layout=[LABELS[i] + ("" if i == "single" else f", {c} ranks") for i, c in zip(df.impl, df.cp)])
+    long = df.assign(
+        ms=df.median_s * 1e3,
+        MiB=df.saved_bytes / 2**20,
+        layout=[
+            LABELS[i] + ("" if i == "single" else f", {c} ranks") for i, c in zip(df.impl, df.cp)
+        ],
+    )
     fig, axes = plots.figure(ncols=2, width=5.2)
     time_ax, mem_ax = axes[0]
     sns.lineplot(long, x="seq_len", y="ms", hue="layout", marker="o", ax=time_ax, legend=False)
-    time_ax.set(title="forward+backward of one attention layer", xlabel="sequence length", ylabel="ms (median)")
+    time_ax.set(
+        title="forward+backward of one attention layer",
+        xlabel="sequence length",
+        ylabel="ms (median)",
+    )
     sns.lineplot(long, x="seq_len", y="MiB", hue="layout", marker="o", ax=mem_ax)
-    mem_ax.set(title="activations kept for backward, per rank", xlabel="sequence length", ylabel="MiB")
+    mem_ax.set(
+        title="activations kept for backward, per rank", xlabel="sequence length", ylabel="MiB"
+    )
     for ax in (time_ax, mem_ax):
         plots.log_axis_plain(ax, "x")
         plots.log_axis_plain(ax, "y")
@@ -104,11 +156,18 @@ def plot(df: pd.DataFrame, path: Path, title: str) -> Path:
 def finalize(run_dir: Path, cfg, result: dict) -> dict:
     df = frame(result["rows"])
     m = model_at(cfg, int(df.seq_len.iloc[0]))
-    title = (f"tp-attention cp: b={cfg.train.micro_batch} d={m.d_model} heads={m.n_head}/{m.n_kv_head} "
-             f"{cfg.train.precision} on {result['device']} ({result['backend']})")
+    title = (
+        f"tp-attention cp: b={cfg.train.micro_batch} d={m.d_model} heads={m.n_head}/{m.n_kv_head} "
+        f"{cfg.train.precision} on {result['device']} ({result['backend']})"
+    )
     print_table(df, title)
     df.to_csv(Path(run_dir) / "cp_scaling.csv", index=False)
     plot(df, Path(run_dir) / "cp_scaling.png", title)
-    return {"device": result["device"], "backend": result["backend"], "gpu_name": result.get("gpu_name"),
-            "threads_per_rank": result["threads_per_rank"], "guide_inputs": guide_inputs(cfg, result["rows"], result),
-            "rows": result["rows"]}
+    return {
+        "device": result["device"],
+        "backend": result["backend"],
+        "gpu_name": result.get("gpu_name"),
+        "threads_per_rank": result["threads_per_rank"],
+        "guide_inputs": guide_inputs(cfg, result["rows"], result),
+        "rows": result["rows"],
+    }

@@ -9,6 +9,7 @@ and the volume it must add up to.
                                           the cost model prices too; ulysses_kv_heads: GQA's k/v
                                           heads repeated for Ulysses, from there too)
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,11 @@ from dtrain.parallel.comm_counter import ProfiledWork, group_size, note
 from dtrain.parallel.traffic import cp_layer_wire_bytes as expected_wire_bytes  # noqa: F401
 from dtrain.parallel.traffic import ulysses_kv_heads  # noqa: F401
 
-KV, KV_GRAD, HEADS = "kv", "kv_grad", "heads"  # ring: k/v blocks and their gradients; ulysses: all-to-alls
+KV, KV_GRAD, HEADS = (
+    "kv",
+    "kv_grad",
+    "heads",
+)  # ring: k/v blocks and their gradients; ulysses: all-to-alls
 _P2P_TAGS = {KV: 11, KV_GRAD: 12}  # a k/v block and a gradient block may be in flight at once
 
 
@@ -48,8 +53,10 @@ def ring_exchange(t: torch.Tensor, group, tag: str) -> Exchange:
     note("send", tag, t, n)
     peer = (lambda i: dist.get_global_rank(group, i)) if group is not None else (lambda i: i)
     with record_function("cp_comm:send_recv"):
-        ops = [dist.P2POp(dist.isend, t, peer((r + 1) % n), group, tag=_P2P_TAGS[tag]),
-               dist.P2POp(dist.irecv, received, peer((r - 1) % n), group, tag=_P2P_TAGS[tag])]
+        ops = [
+            dist.P2POp(dist.isend, t, peer((r + 1) % n), group, tag=_P2P_TAGS[tag]),
+            dist.P2POp(dist.irecv, received, peer((r - 1) % n), group, tag=_P2P_TAGS[tag]),
+        ]
         works = dist.batch_isend_irecv(ops)
     return Exchange(ProfiledWork(works, "cp_comm:wait"), t, received)
 
@@ -61,7 +68,9 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> to
     note("all_to_all", HEADS, send, n)
     with record_function("cp_comm:all_to_all"):
         dist.all_to_all_single(received, send, group=group)
-    return torch.cat(list(received.unbind(0)), gather_dim)  # rank j's piece for this rank, j = 0, 1, ...
+    return torch.cat(
+        list(received.unbind(0)), gather_dim
+    )  # rank j's piece for this rank, j = 0, 1, ...
 
 
 class _AllToAll(torch.autograd.Function):

@@ -20,6 +20,7 @@ explicit math of `block_attention_math` / `block_grads_math`, or on CPU PyTorch'
 flash-attention kernel, which returns the lse too. GQA: k/v carry fewer heads on the wire; each
 query head reads k/v head h // (n_head / n_kv).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,9 @@ from dtrain.parallel.cp import exchange
 def merge_partials(out, lse, block_out, block_lse):
     """Online softmax: two partial attentions over disjoint keys -> the attention over both."""
     new = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
+    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(
+        block_lse - new
+    ).unsqueeze(-1), new
 
 
 def block_plan(rank: int, src: int, length: int) -> tuple[slice, slice, bool]:
@@ -42,7 +45,11 @@ def block_plan(rank: int, src: int, length: int) -> tuple[slice, slice, bool]:
         return slice(None), slice(None), True
     if src < rank:  # its early chunk precedes both local chunks; its late chunk follows them
         return slice(None), slice(0, half), False
-    return slice(half, None), slice(None), False  # both its chunks lie between ours: our late chunk sees them
+    return (
+        slice(half, None),
+        slice(None),
+        False,
+    )  # both its chunks lie between ours: our late chunk sees them
 
 
 def _expand(t: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -76,8 +83,11 @@ def block_grads_math(q, k, v, out, lse, dout, causal: bool, scale: float):
     """dq, dk, dv of one block, given the final out and lse of its queries."""
     p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
-    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale,
-            torch.matmul(p.transpose(-2, -1), dout))
+    return (
+        torch.matmul(ds, k) * scale,
+        torch.matmul(ds.transpose(-2, -1), q) * scale,
+        torch.matmul(p.transpose(-2, -1), dout),
+    )
 
 
 # On CPU PyTorch's fused flash-attention kernel returns the lse too, and its backward takes any
@@ -85,14 +95,17 @@ def block_grads_math(q, k, v, out, lse, dout, causal: bool, scale: float):
 def block_attention(q, k, v, causal: bool, scale: float):
     if q.device.type != "cpu":
         return block_attention_math(q, k, v, causal, scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )[:2]
 
 
 def block_grads(q, k, v, out, lse, dout, causal: bool, scale: float):
     if q.device.type != "cpu":
         return block_grads_math(q, k, v, out, lse, dout, causal, scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale
+    )
 
 
 def _walk_ring(k, v, group, overlap: bool, n_rep: int, length: int):
@@ -116,12 +129,16 @@ class _RingAttention(torch.autograd.Function):
         n_rep, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         with torch.autocast(q.device.type, enabled=False):
             q32, out, lse = q.float(), None, None
-            for step, rows, keys, causal, k_blk, v_blk in _walk_ring(k, v, group, overlap, n_rep, q.shape[2]):
+            for step, rows, keys, causal, k_blk, v_blk in _walk_ring(
+                k, v, group, overlap, n_rep, q.shape[2]
+            ):
                 block_out, block_lse = block_attention(q32[:, :, rows], k_blk, v_blk, causal, scale)
                 if out is None:
                     out, lse = block_out, block_lse
                 else:
-                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                    out[:, :, rows], lse[:, :, rows] = merge(
+                        out[:, :, rows], lse[:, :, rows], block_out, block_lse
+                    )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.overlap = group, overlap
         return out.to(q.dtype)
@@ -133,10 +150,22 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             q32, dout = q.float(), dout.float()
             dq = torch.zeros_like(q32)
-            home = travelling = None  # this rank's own block's gradient; the gradient exchange in flight
-            for step, rows, keys, causal, k_blk, v_blk in _walk_ring(k, v, ctx.group, ctx.overlap, n_rep, q.shape[2]):
-                dq_b, dk_b, dv_b = block_grads(q32[:, :, rows], k_blk, v_blk, out[:, :, rows], lse[:, :, rows],
-                                               dout[:, :, rows], causal, scale)
+            home = travelling = (
+                None  # this rank's own block's gradient; the gradient exchange in flight
+            )
+            for step, rows, keys, causal, k_blk, v_blk in _walk_ring(
+                k, v, ctx.group, ctx.overlap, n_rep, q.shape[2]
+            ):
+                dq_b, dk_b, dv_b = block_grads(
+                    q32[:, :, rows],
+                    k_blk,
+                    v_blk,
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    dout[:, :, rows],
+                    causal,
+                    scale,
+                )
                 dq[:, :, rows] += dq_b
                 dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
                 dkv[0][:, :, keys], dkv[1][:, :, keys] = _fold(dk_b, n_rep), _fold(dv_b, n_rep)
@@ -153,8 +182,15 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, overlap: bool = True,
-                   merge=merge_partials) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    *,
+    overlap: bool = True,
+    merge=merge_partials,
+) -> torch.Tensor:
     """Causal attention of this rank's zigzag shard: q (B, n_head, s/cp, hd), k and v
     (B, n_kv, s/cp, hd) -> (B, n_head, s/cp, hd). `overlap=False` waits for each send before the
     compute it could hide behind (the study's serial baseline); `merge` is swappable so a test

@@ -8,6 +8,7 @@ Under a causal mask the early chunks attend to little and the late ones to much,
 with its mirror gives every rank the same work (ring.py counts it). PyTorch's context_parallel
 (`_HeadTailLoadBalancer`) uses this same layout, so the trainer's batches are the same either way.
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ and shards the batch itself; it needs the fused CUDA SDPA kernels, so CUDA + NCC
 `ulysses` are this package's, which run anywhere (gloo on CPU included). `auto` takes torch where
 it runs, else ring; the run records which (`cp_impl` in its summary).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,6 @@ import torch
 
 from dtrain.core.errors import UserError
 from dtrain.parallel.cp import sharding
-
 
 
 def select_impl(requested: str, device_type: str, backend: str) -> str:
@@ -63,8 +63,14 @@ def swap_attention_cores(part: torch.nn.Module, impl: str, mesh) -> int:
     attentions = [(name, m) for name, m in part.named_modules() if hasattr(m, "core")]
     other = [(name, m.core) for name, m in attentions if m.core is not causal_attention]
     if other or not attentions:
-        where = f"{other[0][0]} runs {other[0][1]!r}" if other else "the model has no dtrain.model.gpt attention"
-        raise UserError(f"train.cp needs dtrain.model.gpt's SDPA attention in every block, but {where}: use train.cp=1")
+        where = (
+            f"{other[0][0]} runs {other[0][1]!r}"
+            if other
+            else "the model has no dtrain.model.gpt attention"
+        )
+        raise UserError(
+            f"train.cp needs dtrain.model.gpt's SDPA attention in every block, but {where}: use train.cp=1"
+        )
     if impl != "torch":
         for _, m in attentions:
             m.core = ContextParallelCore(impl, mesh.get_group())
@@ -84,11 +90,17 @@ class ContextParallel:
         """(x, y, positions) of this rank; forward and backward run inside (torch's context_parallel
         patches SDPA only while it is open)."""
         if self.impl != "torch":
-            yield sharding.shard(x, self.cp, self.rank), sharding.shard(y, self.cp, self.rank), self.positions
+            yield (
+                sharding.shard(x, self.cp, self.rank),
+                sharding.shard(y, self.cp, self.rank),
+                self.positions,
+            )
             return
         from torch.distributed.tensor.experimental import context_parallel
 
         positions = torch.arange(x.shape[1], device=x.device)
         buffers = [x, y, positions]  # sharded in place, with the same head-tail (zigzag) layout
-        with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)):
+        with context_parallel(
+            self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)
+        ):
             yield x, y, positions

@@ -9,6 +9,7 @@ The gathered sequence arrives in shard order (rank 0's zigzag chunks, then rank 
 it is put in position order for the causal mask and back. GQA: k/v heads are repeated up to a
 multiple of cp when cp does not divide them (`exchange.ulysses_kv_heads`).
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ With one k/v head this is exactly Megatron-LM's replicated layout; with 1 < kv_h
 keeps kv_heads - 1 heads it does not compute with (2·(kv_heads-1)·head_dim·d_model weights per
 layer, counted by dtrain.train.memory_fit).
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,7 +30,11 @@ import torch.nn.functional as F
 from dtrain.core.errors import UserError
 from dtrain.model.gpt import Attention, Block, MLP, causal_attention
 from dtrain.parallel.feasibility import check_tp_heads
-from dtrain.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, linears_async_grad_reduce
+from dtrain.parallel.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    linears_async_grad_reduce,
+)
 
 
 @dataclass
@@ -80,9 +85,20 @@ def kv_heads_of(rank: int, tp: int, n_kv_head: int) -> range:
 
 
 class TensorParallelAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, n_kv_head: int, *, bias: bool, groups: TPGroups,
-                 sequence_parallel: bool = False, fused_qkv: bool = False, async_grad_allreduce: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        n_kv_head: int,
+        *,
+        bias: bool,
+        groups: TPGroups,
+        sequence_parallel: bool = False,
+        fused_qkv: bool = False,
+        async_grad_allreduce: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         check_tp_heads(n_head, n_kv_head, groups.tp)
         tp, self.groups = groups.tp, groups
@@ -92,13 +108,27 @@ class TensorParallelAttention(nn.Module):
         self.kv_out = len(heads) * self.head_dim  # k/v rows this rank computes with
         self.replicated_kv = n_kv_head < tp  # wk, wv whole on every rank (module docstring)
         self.kv_held = kv_held = n_kv_head * self.head_dim if self.replicated_kv else self.kv_out
-        self.kv_rows = slice(heads.start * self.head_dim, heads.stop * self.head_dim) if self.replicated_kv else None
+        self.kv_rows = (
+            slice(heads.start * self.head_dim, heads.stop * self.head_dim)
+            if self.replicated_kv
+            else None
+        )
         self.fused_qkv, self.async_grad_allreduce = fused_qkv, async_grad_allreduce
-        col = dict(bias=bias, group=groups.group, tp=tp, sequence_parallel=sequence_parallel,
-                   device=device, dtype=dtype)
+        col = dict(
+            bias=bias,
+            group=groups.group,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            device=device,
+            dtype=dtype,
+        )
         if fused_qkv:  # one GEMM: local rows [q | k | v]
-            self.qkv = ColumnParallelLinear(d_model, tp * (self.q_out + 2 * kv_held),
-                                            async_grad_allreduce=async_grad_allreduce, **col)
+            self.qkv = ColumnParallelLinear(
+                d_model,
+                tp * (self.q_out + 2 * kv_held),
+                async_grad_allreduce=async_grad_allreduce,
+                **col,
+            )
             kv_layers = [(self.qkv, slice(self.q_out, None))]
         else:
             self.wq = ColumnParallelLinear(d_model, tp * self.q_out, **col)
@@ -106,9 +136,19 @@ class TensorParallelAttention(nn.Module):
             self.wv = ColumnParallelLinear(d_model, tp * kv_held, **col)
             self.wk.rows = self.wv.rows = self.kv_rows
             kv_layers = [(self.wk, None), (self.wv, None)]
-        self.wo = RowParallelLinear(d_model, d_model, bias=bias, group=groups.group, tp=tp,
-                                    sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.core = causal_attention  # the attention math on the local heads; dtrain.parallel.cp swaps it
+        self.wo = RowParallelLinear(
+            d_model,
+            d_model,
+            bias=bias,
+            group=groups.group,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            device=device,
+            dtype=dtype,
+        )
+        self.core = (
+            causal_attention  # the attention math on the local heads; dtrain.parallel.cp swaps it
+        )
         if self.replicated_kv:  # partial k/v gradients, summed over the tp group
             for layer, rows in kv_layers:
                 for p in layer.parameters():
@@ -121,8 +161,16 @@ class TensorParallelAttention(nn.Module):
         d = attn.wq.weight.shape[1]
         n_head, n_kv = attn.wq.weight.shape[0] // hd, attn.wk.weight.shape[0] // hd
         w = attn.wq.weight
-        tp_attn = cls(d, n_head, n_kv, bias=attn.wq.bias is not None, groups=groups,
-                      device=w.device, dtype=w.dtype, **options)
+        tp_attn = cls(
+            d,
+            n_head,
+            n_kv,
+            bias=attn.wq.bias is not None,
+            groups=groups,
+            device=w.device,
+            dtype=w.dtype,
+            **options,
+        )
         heads = kv_heads_of(groups.rank, groups.tp, n_kv)
         kv_rows = slice(None) if tp_attn.replicated_kv else slice(heads.start * hd, heads.stop * hd)
         q_rows = slice(groups.rank * tp_attn.q_out, (groups.rank + 1) * tp_attn.q_out)
@@ -132,8 +180,10 @@ class TensorParallelAttention(nn.Module):
 
         parts = [rows(attn.wq, q_rows), rows(attn.wk, kv_rows), rows(attn.wv, kv_rows)]
         if tp_attn.fused_qkv:
-            tp_attn.qkv.load_shard(torch.cat([p[0] for p in parts]),
-                                   None if parts[0][1] is None else torch.cat([p[1] for p in parts]))
+            tp_attn.qkv.load_shard(
+                torch.cat([p[0] for p in parts]),
+                None if parts[0][1] is None else torch.cat([p[1] for p in parts]),
+            )
         else:
             for layer, (weight, bias) in zip((tp_attn.wq, tp_attn.wk, tp_attn.wv), parts):
                 layer.load_shard(weight, bias)
@@ -162,10 +212,19 @@ class TensorParallelMLP(nn.Module):
         self.w1, self.w2 = w1, w2
 
     @classmethod
-    def from_full(cls, mlp: MLP, groups: TPGroups, sequence_parallel: bool = False,
-                  async_grad_allreduce: bool = False) -> "TensorParallelMLP":
-        g = dict(rank=groups.rank, tp=groups.tp, group=groups.group, sequence_parallel=sequence_parallel)
-        w1 = ColumnParallelLinear.from_full(mlp.w1.weight, mlp.w1.bias, async_grad_allreduce=async_grad_allreduce, **g)
+    def from_full(
+        cls,
+        mlp: MLP,
+        groups: TPGroups,
+        sequence_parallel: bool = False,
+        async_grad_allreduce: bool = False,
+    ) -> "TensorParallelMLP":
+        g = dict(
+            rank=groups.rank, tp=groups.tp, group=groups.group, sequence_parallel=sequence_parallel
+        )
+        w1 = ColumnParallelLinear.from_full(
+            mlp.w1.weight, mlp.w1.bias, async_grad_allreduce=async_grad_allreduce, **g
+        )
         w2 = RowParallelLinear.from_full(mlp.w2.weight, mlp.w2.bias, **g)
         return cls(w1, w2)
 
@@ -177,20 +236,39 @@ class TensorParallelBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With sequence parallelism x is
     this rank's slice of the sequence, and the norms run on it alone."""
 
-    def __init__(self, attn_norm: nn.Module, attn: TensorParallelAttention, mlp_norm: nn.Module, mlp: TensorParallelMLP):
+    def __init__(
+        self,
+        attn_norm: nn.Module,
+        attn: TensorParallelAttention,
+        mlp_norm: nn.Module,
+        mlp: TensorParallelMLP,
+    ):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
     @classmethod
-    def from_full(cls, block: Block, groups: TPGroups, sequence_parallel: bool = False,
-                  fused_qkv: bool = False, async_grad_allreduce: bool = False) -> "TensorParallelBlock":
+    def from_full(
+        cls,
+        block: Block,
+        groups: TPGroups,
+        sequence_parallel: bool = False,
+        fused_qkv: bool = False,
+        async_grad_allreduce: bool = False,
+    ) -> "TensorParallelBlock":
         norms = copy.deepcopy(block.attn_norm), copy.deepcopy(block.mlp_norm)  # replicated
         if sequence_parallel:  # each rank normalised only its tokens: grads are partial sums
             for p in (*norms[0].parameters(), *norms[1].parameters()):
                 p.grad_allreduce = (groups.group, None)
-        attn = TensorParallelAttention.from_full(block.attn, groups, sequence_parallel=sequence_parallel,
-                                                 fused_qkv=fused_qkv, async_grad_allreduce=async_grad_allreduce)
-        mlp = TensorParallelMLP.from_full(block.mlp, groups, sequence_parallel, async_grad_allreduce)
+        attn = TensorParallelAttention.from_full(
+            block.attn,
+            groups,
+            sequence_parallel=sequence_parallel,
+            fused_qkv=fused_qkv,
+            async_grad_allreduce=async_grad_allreduce,
+        )
+        mlp = TensorParallelMLP.from_full(
+            block.mlp, groups, sequence_parallel, async_grad_allreduce
+        )
         return cls(norms[0], attn, norms[1], mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

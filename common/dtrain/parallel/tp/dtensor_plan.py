@@ -19,6 +19,7 @@ DTensor leaves the gradients of the SequenceParallel norms Partial (a sum still 
 FSDP2 redistributes them to the parameter's placement, and without it the trainer's ParallelModel
 does, after backward; nothing is marked for the hand-rolled reducer.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -39,12 +40,20 @@ def tp_mesh(groups):
 
 def _region_plan(prefix: str, col: list[str], row: str, sequence_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
 
     plan = {f"{prefix}{name}": ColwiseParallel() for name in col}
-    plan[f"{prefix}{row}"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    plan[f"{prefix}{row}"] = (
+        RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    )
     if sequence_parallel and prefix:
-        plan[prefix.rstrip(".")] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan[prefix.rstrip(".")] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
     return plan
 
 
@@ -53,32 +62,65 @@ def parallelize_block(module: nn.Module, mesh, sequence_parallel: bool) -> nn.Mo
     hold the same full weights). With SP the module takes and returns this rank's sequence slice,
     like the hand-rolled one."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     if hasattr(module, "mlp"):  # a Block
-        plan = {**_region_plan("attn.", ["wq", "wk", "wv"], "wo", sequence_parallel),
-                **_region_plan("mlp.", ["w1"], "w2", sequence_parallel)}
+        plan = {
+            **_region_plan("attn.", ["wq", "wk", "wv"], "wo", sequence_parallel),
+            **_region_plan("mlp.", ["w1"], "w2", sequence_parallel),
+        }
         if sequence_parallel:
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         return parallelize_module(module, mesh, plan)
     if sequence_parallel:  # an Attention: the root itself gathers its sequence-sharded input
-        parallelize_module(module, mesh, PrepareModuleInput(input_layouts=(Shard(1),),
-                                                            desired_input_layouts=(Replicate(),)))
-    return parallelize_module(module, mesh, _region_plan("", ["wq", "wk", "wv"], "wo", sequence_parallel))
+        parallelize_module(
+            module,
+            mesh,
+            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        )
+    return parallelize_module(
+        module, mesh, _region_plan("", ["wq", "wk", "wv"], "wo", sequence_parallel)
+    )
 
 
-def apply_dtensor_tp(model: nn.Module, mesh, sequence_parallel: bool, n_layer: int) -> dict[str, tuple]:
+def apply_dtensor_tp(
+    model: nn.Module, mesh, sequence_parallel: bool, n_layer: int
+) -> dict[str, tuple]:
     """Every block of `model` (a GPT or a pipeline stage, blocks keyed by their global index)
     sharded in place; returns the marked partial gradients: none (see module docstring)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        parallelize_module,
+    )
 
     for name, block in model.blocks.named_children():
         parallelize_block(block, mesh, sequence_parallel)
-        if sequence_parallel and name == "0":  # replicated embeddings -> this rank's tokens (no communication)
-            parallelize_module(block, mesh, PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
-        if sequence_parallel and name == str(n_layer - 1):  # all tokens again for the replicated head
-            parallelize_module(block, mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
-                                                                desired_output_layouts=(Replicate(),)))
+        if (
+            sequence_parallel and name == "0"
+        ):  # replicated embeddings -> this rank's tokens (no communication)
+            parallelize_module(
+                block,
+                mesh,
+                PrepareModuleInput(
+                    input_layouts=(Replicate(),),
+                    desired_input_layouts=(Shard(1),),
+                    use_local_output=True,
+                ),
+            )
+        if sequence_parallel and name == str(
+            n_layer - 1
+        ):  # all tokens again for the replicated head
+            parallelize_module(
+                block,
+                mesh,
+                PrepareModuleOutput(
+                    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)
+                ),
+            )
     return {}

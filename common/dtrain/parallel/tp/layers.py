@@ -22,6 +22,7 @@ Parameters whose gradients are partial sums across ranks carry `param.grad_allre
 rows)`; `allreduce_partial_grads(module)` sums them after backward (one bucket per group), the
 one reducer of partial gradients (tp-attention and the trainer).
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,7 +61,9 @@ class _LinearsAsyncGradReduce(torch.autograd.Function):
         for grad, weight in zip(grads_out[1:], weights[1:]):
             grad_in = grad_in + grad.matmul(weight)
         work = None
-        if n > 1 and ctx.sp:  # reduce-scatter along seq: seq-major so each rank's slice is contiguous
+        if (
+            n > 1 and ctx.sp
+        ):  # reduce-scatter along seq: seq-major so each rank's slice is contiguous
             grad_in = grad_in.transpose(0, 1).contiguous()
             grad_in_shard = grad_in.new_empty((grad_in.shape[0] // n, *grad_in.shape[1:]))
             work = tp_collectives.reduce_scatter(grad_in_shard, grad_in, group, async_op=True)
@@ -79,7 +82,9 @@ class _LinearsAsyncGradReduce(torch.autograd.Function):
         return grad_in, None, None, *param_grads
 
 
-def linears_async_grad_reduce(layers: list["ColumnParallelLinear"], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def linears_async_grad_reduce(
+    layers: list["ColumnParallelLinear"], x: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """Enter the TP region once and apply every layer (same group and SP setting) to `x`, with the
     input-grad collective overlapped with the weight-grad GEMMs. Under autocast the inputs are cast
     here, outside the autograd function, so its backward sees one dtype."""
@@ -92,14 +97,27 @@ def linears_async_grad_reduce(layers: list["ColumnParallelLinear"], x: torch.Ten
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, group, tp: int,
-                 sequence_parallel: bool = False, gather_output: bool = False,
-                 async_grad_allreduce: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        group,
+        tp: int,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        async_grad_allreduce: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if out_features % tp:
             raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
         if gather_output and (sequence_parallel or async_grad_allreduce):
-            raise ValueError("gather_output works only without sequence_parallel and async_grad_allreduce")
+            raise ValueError(
+                "gather_output works only without sequence_parallel and async_grad_allreduce"
+            )
         self.group, self.tp = group, tp
         self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
         self.async_grad_allreduce = async_grad_allreduce
@@ -111,15 +129,33 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp, **kw)) if bias else None
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, rank: int, tp: int, group=None, **options):
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rank: int,
+        tp: int,
+        group=None,
+        **options,
+    ):
         """Rank `rank`'s shard of a full (out, in) weight: rows [rank*out/tp, (rank+1)*out/tp)."""
-        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, group=group, tp=tp,
-                    device=weight.device, dtype=weight.dtype, **options)
+        layer = cls(
+            weight.shape[1],
+            weight.shape[0],
+            bias=bias is not None,
+            group=group,
+            tp=tp,
+            device=weight.device,
+            dtype=weight.dtype,
+            **options,
+        )
         shard = lambda t: t.chunk(tp, dim=0)[rank]  # noqa: E731
         return layer.load_shard(shard(weight), None if bias is None else shard(bias))
 
     @torch.no_grad()
-    def load_shard(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "ColumnParallelLinear":
+    def load_shard(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> "ColumnParallelLinear":
         """Set this rank's rows directly (fused or replicated layouts build their own)."""
         self.weight.copy_(weight)
         if self.bias is not None:
@@ -150,8 +186,19 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, group, tp: int,
-                 sequence_parallel: bool = False, input_is_parallel: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        group,
+        tp: int,
+        sequence_parallel: bool = False,
+        input_is_parallel: bool = True,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if in_features % tp:
             raise ValueError(f"in_features={in_features} is not divisible by tp={tp}")
@@ -166,10 +213,26 @@ class RowParallelLinear(nn.Module):
             self.bias.grad_allreduce = (group, None)
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, rank: int, tp: int, group=None, **options):
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rank: int,
+        tp: int,
+        group=None,
+        **options,
+    ):
         """Rank `rank`'s shard of a full (out, in) weight: columns [rank*in/tp, (rank+1)*in/tp); full bias."""
-        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, group=group, tp=tp,
-                    device=weight.device, dtype=weight.dtype, **options)
+        layer = cls(
+            weight.shape[1],
+            weight.shape[0],
+            bias=bias is not None,
+            group=group,
+            tp=tp,
+            device=weight.device,
+            dtype=weight.dtype,
+            **options,
+        )
         with torch.no_grad():
             layer.weight.copy_(weight.chunk(tp, dim=1)[rank])
             if bias is not None:
@@ -179,7 +242,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = ops.scatter_to_hidden(x, self.group)
-        y = F.linear(x, local_shard(self.weight))  # partial sums: the bias must wait for the reduction
+        y = F.linear(
+            x, local_shard(self.weight)
+        )  # partial sums: the bias must wait for the reduction
         if self.sequence_parallel:
             y = ops.reduce_scatter_to_sequence(y, self.group)
         else:
@@ -190,7 +255,11 @@ class RowParallelLinear(nn.Module):
 def partial_grads(module: nn.Module, prefix: str = "") -> dict[str, tuple]:
     """name -> (group, rows) of the parameters marked `grad_allreduce`: take it before anything
     replaces the parameters (FSDP2, DTensor conversion), which drops the mark."""
-    return {prefix + n: p.grad_allreduce for n, p in module.named_parameters() if hasattr(p, "grad_allreduce")}
+    return {
+        prefix + n: p.grad_allreduce
+        for n, p in module.named_parameters()
+        if hasattr(p, "grad_allreduce")
+    }
 
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")

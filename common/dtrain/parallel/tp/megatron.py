@@ -15,6 +15,7 @@ need nothing special).
 async_grad_allreduce: the column-parallel layers' input-grad collective overlaps their weight-grad
 GEMMs (q, k, v share one collective: `linears_async_grad_reduce`), parameters unchanged.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -23,26 +24,39 @@ from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups
 from dtrain.parallel.tp.layers import partial_grads
 
 
-
-
 def _as_replicated(layer: nn.Module, mesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     for name, p in list(layer.named_parameters(recurse=False)):
-        setattr(layer, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)))
+        setattr(
+            layer,
+            name,
+            nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)),
+        )
 
 
 def _as_dtensor(layer: nn.Module, mesh, weight_dim: int) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    layer.weight = nn.Parameter(DTensor.from_local(layer.weight.data, mesh, [Shard(weight_dim)], run_check=False))
-    if layer.bias is not None:  # column bias is sharded with the rows; row bias is added after the sum
+    layer.weight = nn.Parameter(
+        DTensor.from_local(layer.weight.data, mesh, [Shard(weight_dim)], run_check=False)
+    )
+    if (
+        layer.bias is not None
+    ):  # column bias is sharded with the rows; row bias is added after the sum
         placement = Shard(0) if weight_dim == 0 else Replicate()
-        layer.bias = nn.Parameter(DTensor.from_local(layer.bias.data, mesh, [placement], run_check=False))
+        layer.bias = nn.Parameter(
+            DTensor.from_local(layer.bias.data, mesh, [placement], run_check=False)
+        )
 
 
-def apply_megatron_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False, n_layer: int | None = None,
-             async_grad_allreduce: bool = False) -> dict[str, tuple]:
+def apply_megatron_tp(
+    model: nn.Module,
+    tp_mesh,
+    sequence_parallel: bool = False,
+    n_layer: int | None = None,
+    async_grad_allreduce: bool = False,
+) -> dict[str, tuple]:
     """Replace every block of `model` (a GPT or a pipeline stage) in place by its tp shard.
 
     With sequence parallelism the residual stream between blocks is this rank's slice of the
@@ -55,13 +69,23 @@ def apply_megatron_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False
     groups = TPGroups(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size())
     partial = {}
     for name, block in list(model.blocks.named_children()):
-        tp_block = TensorParallelBlock.from_full(block, groups, sequence_parallel=sequence_parallel,
-                                                 async_grad_allreduce=async_grad_allreduce)
-        partial.update(partial_grads(tp_block, prefix=f"blocks.{name}."))  # before the DTensor swap drops the marks
+        tp_block = TensorParallelBlock.from_full(
+            block,
+            groups,
+            sequence_parallel=sequence_parallel,
+            async_grad_allreduce=async_grad_allreduce,
+        )
+        partial.update(
+            partial_grads(tp_block, prefix=f"blocks.{name}.")
+        )  # before the DTensor swap drops the marks
         if sequence_parallel and name == "0":
-            tp_block.register_forward_pre_hook(lambda m, args: (ops.scatter_to_sequence(args[0], groups.group),))
+            tp_block.register_forward_pre_hook(
+                lambda m, args: (ops.scatter_to_sequence(args[0], groups.group),)
+            )
         if sequence_parallel and n_layer is not None and name == str(n_layer - 1):
-            tp_block.register_forward_hook(lambda m, args, out: ops.gather_sequence_to_replicated(out, groups.group))
+            tp_block.register_forward_hook(
+                lambda m, args, out: ops.gather_sequence_to_replicated(out, groups.group)
+            )
         attn = tp_block.attn
         kv = (attn.wk, attn.wv)
         for layer in (attn.wq, tp_block.mlp.w1) + (() if attn.replicated_kv else kv):

@@ -17,6 +17,7 @@ leaving SP keeps a slice of it instead of summing tp copies.
 
 Activations are (batch, seq, hidden). With one rank in the group every operator is the identity.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,13 +6,21 @@ ops.py and layers.py reach torch.distributed only through the wrappers below, so
 each call is a `tp_comm:<op>` profiler range (bench.py takes the communication share of a step
 from those ranges).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from dtrain.parallel.comm_counter import Collective, CommCounter, ProfiledWork, group_size, note, wire_bytes  # noqa: F401
+from dtrain.parallel.comm_counter import (
+    Collective,
+    CommCounter,
+    ProfiledWork,
+    group_size,
+    note,
+    wire_bytes,
+)  # noqa: F401
 from dtrain.parallel.traffic import ACTIVATION, GRAD_SYNC  # per micro-batch traffic vs grad sums
 from dtrain.parallel.traffic import tp_layer_wire_bytes as expected_wire_bytes  # noqa: F401
 from dtrain.run import dist as ddist
@@ -35,7 +43,9 @@ def all_reduce_flat(tensors: list[torch.Tensor], group, tag: str) -> None:
     ddist.all_reduce_flat(tensors, group, lambda flat, g: all_reduce(flat, g, tag=tag))
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = False):
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = False
+):
     """`out` (n * inp.numel() elements) = every rank's `inp`, rank order, concatenated flat."""
     n = group_size(group)
     note("all_gather", tag, out, n)
@@ -44,7 +54,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATIO
     return ProfiledWork(work) if async_op else None
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = False):
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, group, tag: str = ACTIVATION, async_op: bool = False
+):
     """`out` = this rank's 1/n slice (along dim 0) of the sum over ranks of `inp`."""
     n = group_size(group)
     note("reduce_scatter", tag, inp, n)
