@@ -1,4 +1,5 @@
-"""Shared fixtures: run a project command in a subprocess, find the local Slurm cluster, seed every test."""
+"""Shared fixtures: run a project command in a subprocess, find the local Slurm cluster, seed
+every test."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ TEST_SEED = int(os.environ.get("DTRAIN_TEST_SEED", "0"))
 
 @pytest.fixture(autouse=True)
 def seeded_randomness():
-    """Every test starts from the same random state (random, numpy, torch), seed printed so a failure
-    shows it; tests that need their own seed set it after this. DTRAIN_TEST_SEED=N picks another."""
+    """Every test starts from the same random state (random, numpy, torch), seed printed so a
+    failure shows it; tests that need their own seed set it after this. DTRAIN_TEST_SEED=N picks
+    another."""
     import random
 
     import numpy

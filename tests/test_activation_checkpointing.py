@@ -1,6 +1,6 @@
 """Activation checkpointing levels of the shared trainer (train.activation_checkpointing): the same
-gradients as no checkpointing, and saved bytes that order none > op > block, matching the cost model's
-op count (memory.op_checkpoint_bytes) for the tensors the policy saves."""
+gradients as no checkpointing, and saved bytes that order none > op > block, matching the cost
+model's op count (memory.op_checkpoint_bytes) for the tensors the policy saves."""
 
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def test_op_caches_what_the_cost_model_counts():
     )
     lse = b * heads * s * 4
     print(
-        f"cached {cached} bytes, modelled {CFG.n_layer * per_block} + log-sum-exp {CFG.n_layer * lse}"
+        f"cached {cached} bytes, modelled {CFG.n_layer * per_block} + log-sum-exp "
+        f"{CFG.n_layer * lse}"
     )
     assert cached == CFG.n_layer * (per_block + lse)
 
@@ -112,7 +113,8 @@ def test_op_policy_saves_every_other_matmul_and_sdpa():
 
 
 def test_op_checkpoint_bytes_by_hand():
-    # s=32, b=2, h=64, t=1, GELU 4h, GQA r=1/2: x 2h + q 2h + v 2h·r + attn 2h + w1 2·4h = 2s·b·h·(1+1+0.5+1+4)
+    # s=32, b=2, h=64, t=1, GELU 4h, GQA r=1/2: x 2h + q 2h + v 2h·r + attn 2h + w1 2·4h =
+    # 2s·b·h·(1+1+0.5+1+4)
     assert op_checkpoint_bytes(32, 2, 64, kv_ratio=0.5) == 32 * 2 * 64 * 2 * 7.5
     # SwiGLU adds w2's unreduced output 2h; TP 2 with SP shards everything but that
     assert op_checkpoint_bytes(

@@ -87,8 +87,8 @@ def test_tp_overhead_is_measured_over_alpha_beta_comm_time():
 def test_gpu_runs_win_for_the_matrix_and_cpu_values_stay_local():
     rep = calibrate([CPU, GPU], base=FIXTURES, warn=False)
     assert rep.measured_on_gpu
-    # on a GPU a training run's MFU is what the term-by-term model predicts, not an input: the GEMM curve stays
-    # published until a CUDA gemm-probe measures it
+    # on a GPU a training run's MFU is what the term-by-term model predicts, not an input: the GEMM
+    # curve stays published until a CUDA gemm-probe measures it
     assert rep.cluster.mfu.provenance.startswith("datasheet/published:")
     assert rep.cluster.dp_overlap.provenance.startswith("measured here: gpu/fsdp-scaling/")
     assert "NVIDIA H100 80GB HBM3 (nccl, 8 ranks)" in rep.cluster.dp_overlap.provenance
@@ -133,7 +133,8 @@ def test_latest_run_wins_and_derived_runs_add_no_copies(tmp_path):
     env["created"] = "2025-03-05T00:00:00+00:00"
     (newer / "env.json").write_text(json.dumps(env))
     _set(newer, overlap_fraction=0.7)
-    # a study report over both zero3 runs: a derived run that names them and publishes nothing of theirs
+    # a study report over both zero3 runs: a derived run that names them and publishes nothing of
+    # theirs
     report = write_derived_run(
         tmp_path / "cpu/fsdp-scaling/report",
         "fsdp-scaling",
@@ -266,9 +267,10 @@ def test_gemm_probe_overheads_give_the_local_step_overhead(tmp_path):
 
 
 def test_a_cuda_gemm_probe_measures_the_plateau_under_the_kernel_tables_w_half():
-    """On a GPU with a kernel table, e_max = median over the single GEMMs of >= 100 us of f·(W + W_half)/W with
-    W_half the table's (4.8 GFLOP on h100-sxm): the runs' GEMMs sit on the plateau and do not pin W_half. Shorter
-    and batched GEMMs are left out; a GPU without a table keeps the two-parameter fit."""
+    """On a GPU with a kernel table, e_max = median over the single GEMMs of >= 100 us of f·(W +
+    W_half)/W with W_half the table's (4.8 GFLOP on h100-sxm): the runs' GEMMs sit on the plateau
+    and do not pin W_half. Shorter and batched GEMMs are left out; a GPU without a table keeps
+    the two-parameter fit."""
     from dtrain.costmodel.calibration_records import Source, from_probe
 
     pts = [

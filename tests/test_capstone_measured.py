@@ -1,4 +1,5 @@
-"""`dtrain capstone --measured`: the committed GPU measurements the guide reads besides the capstone's runs."""
+"""`dtrain capstone --measured`: the committed GPU measurements the guide reads besides the
+capstone's runs."""
 
 from __future__ import annotations
 
@@ -23,15 +24,16 @@ def test_measured_folder_is_read_when_present_and_refused_when_named_but_missing
     assert main(["capstone", "--measured", "nope", "--results-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "error: --measured nope: no such folder: give the folder `make gpu-check` reports were copied to, "
-        "or --measured none"
+        "error: --measured nope: no such folder: give the folder `make gpu-check` reports were "
+        "copied to, or --measured none"
     ]
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
 def test_each_gpu_is_calibrated_from_its_own_report_and_this_machine_from_its_own_runs():
-    """measured/ holds an H100 report and a later H200 one: planning for either GPU reads its own probe
-    (the later H200 one must not stand in for the H100), and with no such GPU the newest GPU report."""
+    """measured/ holds an H100 report and a later H200 one: planning for either GPU reads its own
+    probe (the later H200 one must not stand in for the H100), and with no such GPU the newest
+    GPU report."""
     from pathlib import Path
 
     from dtrain.costmodel.calibrate import calibrate

@@ -106,8 +106,9 @@ def test_gpt_param_count_and_tp_pp_division():
     assert memory_per_gpu(gpt2, layout).params == pytest.approx(
         4 * psi / 8
     )  # FSDP2: fp32 sharded master weights
-    # under PP the stage keeps its bf16 weights gathered (2 psi) and FSDP2 accumulates its unsharded gradients
-    # in the fp32 reduce dtype until the last micro-batch syncs them (FSDPParam.to_accumulated_grad_if_needed)
+    # under PP the stage keeps its bf16 weights gathered (2 psi) and FSDP2 accumulates its unsharded
+    # gradients in the fp32 reduce dtype until the last micro-batch syncs them
+    # (FSDPParam.to_accumulated_grad_if_needed)
     assert memory_per_gpu(gpt2, layout).buffers == pytest.approx(2 * psi + 4 * psi)
 
 
@@ -122,8 +123,8 @@ def test_from_params_uses_known_shapes_and_interpolates():
     assert llama70.num_params() == pytest.approx(69e9, rel=0.01)
     for target in (3e9, 20e9, 120e9, 250e9, 60e6, 200e6, 500e6):
         assert ModelShape.from_params(target).num_params() == pytest.approx(target, rel=0.05)
-    # below 1B: GPT-3's small models (Brown et al. 2020, Table 2.1), not a Llama-vocabulary shape whose embedding
-    # would leave 125M parameters one layer
+    # below 1B: GPT-3's small models (Brown et al. 2020, Table 2.1), not a Llama-vocabulary shape
+    # whose embedding would leave 125M parameters one layer
     small = ModelShape.from_params(125e6, seq_len=2048)
     assert (small.n_layer, small.d_model, small.n_head, small.vocab, small.rotary) == (
         12,
@@ -179,7 +180,8 @@ def test_pipeline_first_stage_holds_pp_microbatches():
     temporaries = 1.05  # without SP (Megatron's precise count)
     assert one == pytest.approx((8 * per_layer + ids + output) * temporaries)
     four = memory_per_gpu(shape, Layout(pp=4, grad_accum=8)).activations
-    # first stage: 2 layers, 4 micro-batches in flight (its last stage holds one and the logits: less)
+    # first stage: 2 layers, 4 micro-batches in flight (its last stage holds one and the logits:
+    # less)
     assert four == pytest.approx((2 * per_layer * 4 + 4 * ids) * temporaries)
     gpipe = memory_per_gpu(shape, Layout(pp=4, grad_accum=8, pp_schedule="gpipe")).activations
     assert gpipe == pytest.approx((2 * per_layer * 8 + 8 * ids) * temporaries)  # GPipe holds all 8
@@ -255,8 +257,8 @@ def test_dp_volumes_fp32_grads_bf16_weights():
 
 
 def test_recompute_costs_extra_forward():
-    """Full recompute re-runs every layer's forward (GEMMs, attention forward, the forward's memory-bound
-    passes); selective the attention forward alone; no recompute none of it."""
+    """Full recompute re-runs every layer's forward (GEMMs, attention forward, the forward's
+    memory-bound passes); selective the attention forward alone; no recompute none of it."""
     from dtrain.costmodel.compute import _FORWARD_SHARE, _KIND, attention_s, memory_bytes
     from dtrain.costmodel.efficiency import layer_gemms
     from dtrain.costmodel.stack import Stack
@@ -271,9 +273,11 @@ def test_recompute_costs_extra_forward():
         for k, b in memory_bytes(shape, lay, "bf16", True).items()
     )
     L = shape.n_layer
-    t = lambda rc: (
-        step_time(shape, Layout(dp_shard=64, recompute=rc), cluster, stack=Stack("eager")).terms
-    )  # noqa: E731
+
+    def t(rc):
+        layout = Layout(dp_shard=64, recompute=rc)
+        return step_time(shape, layout, cluster, stack=Stack("eager")).terms
+
     base = t("none")
     assert base.recompute == 0 and base.gemm == pytest.approx(
         L * 3 * fwd
@@ -394,8 +398,10 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-for block in model:  # as a pipeline stage under torchtitan and dtrain: gathered across micro-batches, no sync
-    fully_shard(block, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy, reshard_after_forward=False)
+# as a pipeline stage under torchtitan and dtrain: gathered across micro-batches, no sync
+for block in model:
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 model[0].set_requires_gradient_sync(False)
 for _ in range(2):
     model(torch.randn(4, 64)).sum().backward()
@@ -416,8 +422,9 @@ def test_fsdp2_accumulates_unsharded_grads_in_the_reduce_dtype():
 
 
 def test_in_flight_micro_batches_by_schedule():
-    """The first stage's peak: 1F1B min(pp, m); interleaved x (1 + (pp-1)/(pp v)) but never more than the m
-    micro-batches there are (pp=8, v=2, m=8: the warm-up's 2*7 + 8 = 22 chunk forwards cover all 16); GPipe m."""
+    """The first stage's peak: 1F1B min(pp, m); interleaved x (1 + (pp-1)/(pp v)) but never more
+    than the m micro-batches there are (pp=8, v=2, m=8: the warm-up's 2*7 + 8 = 22 chunk forwards
+    cover all 16); GPipe m."""
     from dtrain.costmodel.memory import in_flight
 
     assert in_flight(Layout(pp=8, grad_accum=32)) == 8

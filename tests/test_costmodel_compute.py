@@ -1,8 +1,10 @@
-"""The compute terms (costmodel/compute.py) against hand-computed values, and against one measured GPU.
+"""The compute terms (costmodel/compute.py) against hand-computed values, and against one measured
+GPU.
 
 Each hand value below is written from the module docstring's formulas with the H100 numbers of
-hardware.yaml (989.4 TFLOP/s bf16, 1978.9 fp8, 3.35 TB/s) and kernels.yaml (shares), not by calling the code under
-test; the last tests reproduce steps profiled on an H100 and on an H200 (measured/, make gpu-check)."""
+hardware.yaml (989.4 TFLOP/s bf16, 1978.9 fp8, 3.35 TB/s) and kernels.yaml (shares), not by
+calling the code under test; the last tests reproduce steps profiled on an H100 and on an H200
+(measured/, make gpu-check)."""
 
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ def test_h100_rates_are_the_datasheet_ones():
 
 @pytest.mark.parametrize("cp, impl", [(1, "ring"), (2, "ring"), (4, "ring"), (4, "ulysses")])
 def test_fused_attention_is_causal_flops_over_the_benchmark_rate(cp, impl):
-    """forward 2·2·b·heads·s²·hd / 2 (causal), backward 2.5x: 3.5x in all; 1/cp per rank; the ring's kernels
-    run over s/cp tokens, Ulysses' over the whole sequence (flash: e(s) = 0.59·s/(s + 1300), hd 128)."""
+    """forward 2·2·b·heads·s²·hd / 2 (causal), backward 2.5x: 3.5x in all; 1/cp per rank; the
+    ring's kernels run over s/cp tokens, Ulysses' over the whole sequence (flash: e(s) =
+    0.59·s/(s + 1300), hd 128)."""
     s, b, heads, hd = 8192, 2, 32, 128
     work = 3.5 * 2 * 2 * b * heads * s * s * hd / 2 / cp
     call = s // cp if impl == "ring" else s
@@ -70,8 +73,9 @@ def test_fused_attention_forward_alone_is_two_sevenths():
 
 
 def test_attention_dropout_in_a_fused_kernel_costs_its_measured_multiplier():
-    """kernels.yaml's attention ``dropout`` (a gpu-check measurement) multiplies the fused kernel's time of a
-    model trained with dropout, and nothing else; where no GPU measured it (the A100's curves), it is 1."""
+    """kernels.yaml's attention ``dropout`` (a gpu-check measurement) multiplies the fused
+    kernel's time of a model trained with dropout, and nothing else; where no GPU measured it
+    (the A100's curves), it is 1."""
     from dataclasses import replace
 
     d, lay = dev(), Layout(tp=2, micro_batch=1)
@@ -86,8 +90,9 @@ def test_attention_dropout_in_a_fused_kernel_costs_its_measured_multiplier():
 
 
 def test_the_dropout_multipliers_are_the_h200_attention_sweep_medians():
-    """kernels.yaml's numbers are what gpu-check's report reads from the committed H200 sweep: the median time
-    ratio over s = 1024 ... 16384, cuDNN's for the Hopper `flash` curve, FlashAttention-2's for `flash2`."""
+    """kernels.yaml's numbers are what gpu-check's report reads from the committed H200 sweep:
+    the median time ratio over s = 1024 ... 16384, cuDNN's for the Hopper `flash` curve,
+    FlashAttention-2's for `flash2`."""
     from dtrain.gpucheck.report import dropout_slowdown
 
     steps = {s["name"]: s for s in json.loads((ROOT / H200_PROFILE / "report.json").read_text())}
@@ -134,8 +139,8 @@ def test_gpu_check_reads_the_dropout_multiplier_as_the_median_over_training_leng
 
 
 def test_memory_bound_bytes_per_layer_by_hand():
-    """Llama-3-8B layer, tp 2 with SP, b=1, s=8192: per token norm 20·h/t, add 24·h/t, SwiGLU 16·F/t,
-    RoPE 8·(q + kv heads)·hd on the rank (16 + 4 heads of 128)."""
+    """Llama-3-8B layer, tp 2 with SP, b=1, s=8192: per token norm 20·h/t, add 24·h/t, SwiGLU
+    16·F/t, RoPE 8·(q + kv heads)·hd on the rank (16 + 4 heads of 128)."""
     lay = Layout(tp=2, micro_batch=1, sequence_parallel=True)
     tokens, h_r, f = 8192, 4096 / 2, 3.5 * 4096 / 2
     want = {
@@ -151,9 +156,9 @@ def test_memory_bound_bytes_per_layer_by_hand():
 
 
 def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
-    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F + h), at 11.5 B per
-    element with dynamic scaling (torchao), 3 with delayed (TransformerEngine), fused or eager alike (the casts'
-    own count: not scaled again by EAGER_BYTES)."""
+    """elements per token: qkv (in h, out-grad q+2kv) + proj (q + h) + fc1 (h + 2F) + fc2 (F +
+    h), at 11.5 B per element with dynamic scaling (torchao), 3 with delayed (TransformerEngine),
+    fused or eager alike (the casts' own count: not scaled again by EAGER_BYTES)."""
     lay = Layout(micro_batch=1)
     q, kv, h, f = 32 * 128, 8 * 128, 4096, 3.5 * 4096
     elems = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
@@ -167,8 +172,9 @@ def test_fp8_casts_count_each_block_linears_input_and_output_gradient():
 
 
 def test_fp8_scaling_follows_the_software_unless_given():
-    """torchtitan and dtrain run torchao's dynamic scaling, Megatron (TransformerEngine) and "any" delayed; a given
-    scaling wins; the device the step is priced on carries it; an unknown one is refused."""
+    """torchtitan and dtrain run torchao's dynamic scaling, Megatron (TransformerEngine) and
+    "any" delayed; a given scaling wins; the device the step is priced on carries it; an unknown
+    one is refused."""
     assert [
         Stack(software=s).fp8_casts for s in ("torchtitan", "dtrain", "megatron-core", "any")
     ] == ["dynamic", "dynamic", "delayed", "delayed"]
@@ -195,17 +201,19 @@ PROBE = (
 
 
 def _probe_pairs():
-    """(case, micro-batch, bf16 record, fp8 record) of the H200 layer probe the FP8 constants come from."""
+    """(case, micro-batch, bf16 record, fp8 record) of the H200 layer probe the FP8 constants
+    come from."""
     cases = json.loads(PROBE.read_text())["cases"]
     by = {(c["case"], c["precision"], c["micro_batch"]): c for c in cases}
     return [(n, mb, by[(n, "bf16", mb)], by[(n, "fp8", mb)]) for (n, p, mb) in by if p == "bf16"]
 
 
 def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
-    """FP8_CAST_BYTES["dynamic"] re-derived from the committed probe: per case, the FP8 block's elementwise GPU time
-    minus the bf16 block's, less the weights' casts (13 B per weight with full AC: FP8_WEIGHT_CAST_BYTES 8 plus the
-    recompute's forward 5), over the model's cast time per byte (cast elements x tokens x 1.5 for the full-AC
-    recompute of the forward's half), both at the H200's add rate; then the geometric mean of the six."""
+    """FP8_CAST_BYTES["dynamic"] re-derived from the committed probe: per case, the FP8 block's
+    elementwise GPU time minus the bf16 block's, less the weights' casts (13 B per weight with
+    full AC: FP8_WEIGHT_CAST_BYTES 8 plus the recompute's forward 5), over the model's cast time
+    per byte (cast elements x tokens x 1.5 for the full-AC recompute of the forward's half), both
+    at the H200's add rate; then the geometric mean of the six."""
     from dtrain.costmodel.compute import FP8_CAST_BYTES, FP8_WEIGHT_CAST_BYTES, published
 
     bw = 4.8e12 * published("h200").memory["add"]
@@ -232,9 +240,10 @@ def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
 
 
 def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them_in_fp8():
-    """Llama-3-8B, one layer, tp=1, full recompute, on an H100: dynamic scaling (torchtitan) adds 8 B per block
-    weight (forward 5, backward 3) at the add rate, and the recompute's forward 5 again; FSDP gathering the
-    weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer, and delayed scaling (TransformerEngine) has none."""
+    """Llama-3-8B, one layer, tp=1, full recompute, on an H100: dynamic scaling (torchtitan) adds
+    8 B per block weight (forward 5, backward 3) at the add rate, and the recompute's forward 5
+    again; FSDP gathering the weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer, and
+    delayed scaling (TransformerEngine) has none."""
     from dataclasses import replace as dc_replace
 
     from dtrain.costmodel.compute import layer_terms
@@ -280,8 +289,9 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
 
 
 def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():
-    """kernels.yaml's Hopper gemm_fp8 e_max = the bf16 e_max x the median over the probe's six blocks of the
-    FP8 GEMMs' share of their (doubled) peak against the bf16 GEMMs': (bf16 GEMM time / FP8 GEMM time) / 2."""
+    """kernels.yaml's Hopper gemm_fp8 e_max = the bf16 e_max x the median over the probe's six
+    blocks of the FP8 GEMMs' share of their (doubled) peak against the bf16 GEMMs': (bf16 GEMM
+    time / FP8 GEMM time) / 2."""
     from dtrain.costmodel.compute import published
 
     ratio = statistics.median(
@@ -295,11 +305,13 @@ def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():
 
 
 def test_torch_cp_merges_count_the_ring_steps_eager_ops():
-    """PyTorch's context_parallel, cp=4, Llama-3-8B (32 heads of 128 = 4096 per token as SDPA gets them), s=32768:
-    per local token forward (3 later steps x 40.5 + 12) x 4096 = 133.5 x 4096, backward (3 x 58.5 + 76) x 4096 =
-    251.5 x 4096, over the 8192 local tokens; the same count fused or eager; none for the ring and all-to-all
-    implementations (their kernels merge in place) or without CP. Full recompute re-runs the forward merges,
-    selective recompute too (the attention core with them), op AC none (SDPA's output is saved)."""
+    """PyTorch's context_parallel, cp=4, Llama-3-8B (32 heads of 128 = 4096 per token as SDPA gets
+    them), s=32768:
+    per local token forward (3 later steps x 40.5 + 12) x 4096 = 133.5 x 4096, backward (3 x 58.5
+    + 76) x 4096 = 251.5 x 4096, over the 8192 local tokens; the same count fused or eager; none
+    for the ring and all-to-all implementations (their kernels merge in place) or without CP.
+    Full recompute re-runs the forward merges, selective recompute too (the attention core with
+    them), op AC none (SDPA's output is saved)."""
     from dataclasses import replace
     from dtrain.costmodel.compute import layer_terms
 
@@ -335,8 +347,8 @@ def test_torch_cp_merges_count_the_ring_steps_eager_ops():
 
 
 def test_optimizer_is_bytes_over_the_measured_adamw_bandwidth():
-    """fused AdamW at 0.74 of HBM, PyTorch's foreach default (eager stacks) at 0.27; 28 B per parameter of
-    the rank's optimizer shard, 12 B of clipping per local parameter."""
+    """fused AdamW at 0.74 of HBM, PyTorch's foreach default (eager stacks) at 0.27; 28 B per
+    parameter of the rank's optimizer shard, 12 B of clipping per local parameter."""
     sharded, local = 1e9 / 8, 1e9
     nbytes = OPTIMIZER_BYTES * sharded + CLIP_BYTES * local
     assert OPTIMIZER_BYTES == 28 and CLIP_BYTES == 12
@@ -347,8 +359,8 @@ def test_optimizer_is_bytes_over_the_measured_adamw_bandwidth():
 
 
 def test_fp8_gemm_runs_at_the_fp8_peak_on_its_own_curve():
-    """A 8192³ GEMM: 2mnk FLOPs at e_max·W/(W + W_half) of the dtype's peak (bf16 0.82, 4.8 GFLOP; fp8
-    0.80, 9.6 GFLOP), over the sustained-clock share (0.885)."""
+    """A 8192³ GEMM: 2mnk FLOPs at e_max·W/(W + W_half) of the dtype's peak (bf16 0.82, 4.8
+    GFLOP; fp8 0.80, 9.6 GFLOP), over the sustained-clock share (0.885)."""
     g, d = Gemm(8192, 8192, 8192), dev()
     w = 2 * 8192**3
     assert d.gemm_s(g, "bf16") == pytest.approx(w / (PEAK * 0.82 * w / (w + 4.8e9)) * d.power_scale)
@@ -359,9 +371,10 @@ def test_fp8_gemm_runs_at_the_fp8_peak_on_its_own_curve():
 
 
 def test_a_lower_power_cap_slows_compute_by_the_cube_root_of_the_power_above_idle():
-    """h100-pcie's 350 W against the 700 W its kernel table assumes... has its own table at 350 W: no scale;
-    an H100 SXM profile capped to 350 W runs ((700 - 78)/(350 - 78))^(1/3) = 1.32x slower on compute-bound
-    kernels: the clock's cube root follows the power above the 78 W the board draws idle."""
+    """h100-pcie's 350 W against the 700 W its kernel table assumes... has its own table at 350
+    W: no scale; an H100 SXM profile capped to 350 W runs ((700 - 78)/(350 - 78))^(1/3) = 1.32x
+    slower on compute-bound kernels: the clock's cube root follows the power above the 78 W the
+    board draws idle."""
     from dataclasses import replace
 
     capped = replace(H100, gpu=replace(H100.gpu, power_w=350))
@@ -376,8 +389,8 @@ def test_a_lower_power_cap_slows_compute_by_the_cube_root_of_the_power_above_idl
 
 
 def test_the_idle_draw_is_the_h200_clock_traces_median():
-    """kernels.yaml's idle_w is the median power.draw of the committed nvidia-smi trace while the SMs idled
-    (clock <= 400 MHz): a measurement, not a fitted number."""
+    """kernels.yaml's idle_w is the median power.draw of the committed nvidia-smi trace while the
+    SMs idled (clock <= 400 MHz): a measurement, not a fitted number."""
     import csv
     import statistics
 
@@ -412,17 +425,19 @@ def _predicted_step(c: dict, gpu: str) -> float:
         stack=Stack("flash", "eager"),
     ).total
     print(
-        f"{gpu} {c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured {c['step_s'] * 1e3:.1f} ms "
-        f"(GPU busy {c['gpu_busy_s'] * 1e3:.1f}), predicted {pred * 1e3:.1f} ms ({pred / c['step_s'] - 1:+.0%})"
+        f"{gpu} {c['preset']} L{c['n_layer']} mb{c['micro_batch']}: measured "
+        f"{c['step_s'] * 1e3:.1f} ms (GPU busy {c['gpu_busy_s'] * 1e3:.1f}), predicted "
+        f"{pred * 1e3:.1f} ms ({pred / c['step_s'] - 1:+.0%})"
     )
     return pred
 
 
 def test_single_gpu_steps_measured_on_an_h100_are_predicted_within_15pct():
-    """dtrain's GPT (SDPA attention, no compile, foreach AdamW) profiled on one H100 80GB HBM3: 125M at
-    mb 8, a 1B model cut to 8 layers, a 7B model cut to 4 layers at mb 1 and 2. The eager stack prices
-    the unfused elementwise kernels, the unfused loss and foreach AdamW; the step is the compute alone
-    (one GPU). Measured in measured/h100-sxm/gpu-check-20261125-105450 (step_profile)."""
+    """dtrain's GPT (SDPA attention, no compile, foreach AdamW) profiled on one H100 80GB HBM3:
+    125M at mb 8, a 1B model cut to 8 layers, a 7B model cut to 4 layers at mb 1 and 2. The eager
+    stack prices the unfused elementwise kernels, the unfused loss and foreach AdamW; the step is
+    the compute alone (one GPU). Measured in measured/h100-sxm/gpu-check-20261125-105450
+    (step_profile)."""
     cases = _profiled_steps()
     assert len(cases) == 4
     for c in cases:
@@ -431,12 +446,13 @@ def test_single_gpu_steps_measured_on_an_h100_are_predicted_within_15pct():
 
 
 def test_steps_measured_on_an_h200_the_model_was_not_built_from_are_predicted_within_10pct():
-    """The same four steps on one H200 (measured/h200/gpu-check-20261126-021500), a GPU no compute share was
-    fitted to (its GEMM and attention shares are the H100's; its memory-bound shares are its own kernel
-    benchmarks, no training step). The three GPU-bound steps land within 10%. The 125M step is not GPU-bound:
-    the GPU idles 9% of it (busy 33.7 of 37.0 ms, the same 37 ms as on the H100 with a third less HBM
-    bandwidth): eager PyTorch's per-op dispatch (12.4 us for a tiny op there, `membound`) sets its pace, a
-    term the model does not price."""
+    """The same four steps on one H200 (measured/h200/gpu-check-20261126-021500), a GPU no compute
+    share was fitted to (its GEMM and attention shares are the H100's; its memory-bound shares are
+    its own kernel benchmarks, no training step). The three GPU-bound steps land within 10%. The
+    125M step is not GPU-bound:
+    the GPU idles 9% of it (busy 33.7 of 37.0 ms, the same 37 ms as on the H100 with a third less
+    HBM bandwidth): eager PyTorch's per-op dispatch (12.4 us for a tiny op there, `membound`)
+    sets its pace, a term the model does not price."""
     cases = {(c["preset"], c["micro_batch"]): c for c in _profiled_steps(H200_PROFILE)}
     assert len(cases) == 4
     small = cases.pop(("125m", 8))
@@ -448,9 +464,9 @@ def test_steps_measured_on_an_h200_the_model_was_not_built_from_are_predicted_wi
 
 
 def test_a_model_whose_sharded_states_exceed_hbm_is_refused_without_timing_a_layout():
-    """16 B per parameter over all GPUs (ZeRO-3 of every state) is the least any layout keeps: 405B on 64 H100s
-    needs 16·405e9/64 = 94 GiB > 72 usable. The pruned search (the matrix's) says so at once; the exhaustive
-    one finds no fitting layout either."""
+    """16 B per parameter over all GPUs (ZeRO-3 of every state) is the least any layout keeps:
+    405B on 64 H100s needs 16·405e9/64 = 94 GiB > 72 usable. The pruned search (the matrix's)
+    says so at once; the exhaustive one finds no fitting layout either."""
     from dtrain.costmodel.search import search
 
     shape = ModelShape.from_params(405e9)

@@ -1,6 +1,7 @@
-"""Context parallelism in the cost model (issue 21 long context, issue 24's vocabulary): the degrees a
-sequence can be split over, the ring's and Ulysses' traffic against hand-computed values, the memory it
-frees, the search choosing it for long sequences and saying why, and the plan as trainer overrides."""
+"""Context parallelism in the cost model (issue 21 long context, issue 24's vocabulary): the
+degrees a sequence can be split over, the ring's and Ulysses' traffic against hand-computed
+values, the memory it frees, the search choosing it for long sequences and saying why, and the
+plan as trainer overrides."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ H100x64 = Cluster.from_profile("h100-sxm", 64, 8)
 
 
 def test_cp_degrees_leave_chunks_of_at_least_2048_tokens_and_always_include_1():
-    """2·cp load-balanced chunks of >= 2048 tokens: 131072 -> up to 32; 4096 -> 1 only (cp=2: 1024 each)."""
+    """2·cp load-balanced chunks of >= 2048 tokens: 131072 -> up to 32; 4096 -> 1 only (cp=2:
+    1024 each)."""
     assert context_parallel_degrees(LLAMA8B_128K, 64) == [1, 2, 4, 8, 16, 32]
     short = ModelShape(32, 4096, 32, 8, 128256, 4096, 3.5, True)
     assert context_parallel_degrees(short, 64) == [1]
@@ -34,8 +36,9 @@ def _no_overlap():
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_ring_traffic_is_three_passes_of_the_kv_chunk_per_layer(cp):
-    """Per layer and micro-batch: (cp−1) sends of the rank's K and V (2·b·s/cp·kv_heads·hd·2 B) forward,
-    twice that backward, each α + B/β over NVLink (cp ≤ 8 ranks in one node); nothing hidden here."""
+    """Per layer and micro-batch: (cp−1) sends of the rank's K and V (2·b·s/cp·kv_heads·hd·2 B)
+    forward, twice that backward, each α + B/β over NVLink (cp ≤ 8 ranks in one node); nothing
+    hidden here."""
     m = step_model(LLAMA8B_128K, H100x64, _no_overlap())
     lay = Layout(
         dp_shard=64 // cp, cp=cp, zero_stage=3, recompute="none", micro_batch=1, grad_accum=2
@@ -51,9 +54,9 @@ def test_ring_traffic_is_three_passes_of_the_kv_chunk_per_layer(cp):
 
 
 def test_ring_sends_hide_behind_attention_at_the_overlap_cost():
-    """The sends overlap up to the attention they run behind; the overlapped part still costs the share a measured
-    cp_overlap leaves (1 − 0.5 here), or by default the NCCL kernel's SMs (1 − cp_overlap) plus its ring's HBM
-    traffic, 3 x β(NVLink) / HBM (collectives.overlap_cost)."""
+    """The sends overlap up to the attention they run behind; the overlapped part still costs the
+    share a measured cp_overlap leaves (1 − 0.5 here), or by default the NCCL kernel's SMs (1 −
+    cp_overlap) plus its ring's HBM traffic, 3 x β(NVLink) / HBM (collectives.overlap_cost)."""
     lay = Layout(dp_shard=8, cp=8, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1)
     sends = step_model(LLAMA8B_128K, H100x64, _no_overlap()).cp_comm(lay, 0.0)
     half = step_model(
@@ -73,7 +76,8 @@ def test_ring_sends_hide_behind_attention_at_the_overlap_cost():
 
 
 def test_ulysses_all_to_alls_are_never_hidden():
-    """2 all-to-alls' worth per layer (forward, backward): (cp−1) pieces of tokens·(2q + 2kv)·2 B / cp each."""
+    """2 all-to-alls' worth per layer (forward, backward): (cp−1) pieces of tokens·(2q + 2kv)·2 B
+    / cp each."""
     cp = 4
     m = step_model(LLAMA8B_128K, H100x64, Calibration(cp_overlap=Param(1.0, "measured here: test")))
     lay = Layout(
@@ -94,8 +98,8 @@ def test_ulysses_all_to_alls_are_never_hidden():
 
 
 def test_cp_divides_activations_by_cp_plus_the_rings_buffers():
-    """A rank keeps the activations of its s/cp tokens; the ring adds its K/V send and receive buffers and
-    their gradients: 2·2·2·b·(s/cp)·kv_heads·hd bytes."""
+    """A rank keeps the activations of its s/cp tokens; the ring adds its K/V send and receive
+    buffers and their gradients: 2·2·2·b·(s/cp)·kv_heads·hd bytes."""
     one = Layout(dp_shard=8, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1)
     four = Layout(dp_shard=2, cp=4, zero_stage=3, recompute="none", micro_batch=1, grad_accum=1)
     assert cp_buffer_bytes(LLAMA8B_128K, one) == 0
@@ -194,9 +198,10 @@ def test_a_cp_plan_runs_in_the_trainer_as_train_cp():
 
 
 def test_torch_cp_all_gathers_the_repeated_kv_once_per_pass():
-    """PyTorch's context_parallel (torchtitan's default rotate method, dtrain's train.cp_impl=torch): per layer and
-    pass one all-gather of K and V repeated to the rank's 32/8 query heads, behind the pass's first kernel call;
-    backward sends the fp32 dK, dV chunk cp times, the last exposed. tp=8 puts the cp ranks on 4 nodes (one NIC)."""
+    """PyTorch's context_parallel (torchtitan's default rotate method, dtrain's
+    train.cp_impl=torch): per layer and pass one all-gather of K and V repeated to the rank's
+    32/8 query heads, behind the pass's first kernel call; backward sends the fp32 dK, dV chunk
+    cp times, the last exposed. tp=8 puts the cp ranks on 4 nodes (one NIC)."""
     from dtrain.costmodel.collectives import all_gather_time, group_link, p2p_time
 
     cp, m = 4, step_model(LLAMA8B_128K, H100x64, Calibration())
@@ -229,7 +234,8 @@ def test_torch_cp_all_gathers_the_repeated_kv_once_per_pass():
         cp_impl="torch",
     )  # the recompute gathers again
     assert m.cp_comm(full, 0.0) == pytest.approx(32 * (3 * gather + cp * dkv), rel=1e-12)
-    # a forward call of a/(32·4·3.5) hides the gathers and backward sends whenever it outlasts them: the last send is left
+    # a forward call of a/(32·4·3.5) hides the gathers and backward sends whenever it outlasts them:
+    # the last send is left
     assert m.cp_comm(lay, attention_s=1e3) == pytest.approx(32 * dkv, rel=1e-12)
     assert cp_buffer_bytes(LLAMA8B_128K, lay) == 2 * 2 * 131072 * q  # the gathered K and V, 16-bit
 

@@ -87,8 +87,8 @@ def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
         4096, 1, 8192, 64, 2, True, "none", True, **kw, dropout=False
     )
     assert stored == 2 * 4096 * 8192 / 2
-    # first stage: 10 layers x 8 micro-batches in flight of layer inputs + one layer's full working set + the
-    # embedding's token ids of each micro-batch in flight (8 bytes each, Megatron's count)
+    # first stage: 10 layers x 8 micro-batches in flight of layer inputs + one layer's full working
+    # set + the embedding's token ids of each micro-batch in flight (8 bytes each, Megatron's count)
     assert full.activations == pytest.approx(10 * 8 * stored + working + 8 * 8 * 4096 / 2)
 
 
@@ -105,13 +105,14 @@ def test_backtest_rows_cite_sources_and_report_goals():
     assert all(r.reported_tps > 0 for r in rows if not r.expect_oom)
     s = summary(rows)
     assert s["rows"] == sum(not r.expect_oom for r in rows) and 0 <= s["median_abs_error"] < 1
-    # a TFLOP/s row is converted with its source's FLOP count: SC'21 eq. (3) counts the recompute forward
+    # a TFLOP/s row is converted with its source's FLOP count: SC'21 eq. (3) counts the recompute
+    # forward
     from dtrain.costmodel.backtest import load_rows, reported_tps, row_setup
 
     [row] = [r for r in load_rows() if r["name"].startswith("Megatron SC'21 1.7B")]
-    l, h, s_, v = 24, 2304, 2048, 51200
+    n_layer, h, s_, v = 24, 2304, 2048, 51200
     assert reported_tps(row, row_setup(row).shape) == pytest.approx(
-        137e12 / (96 * l * h * h * (1 + s_ / (6 * h) + v / (16 * l * h)))
+        137e12 / (96 * n_layer * h * h * (1 + s_ / (6 * h) + v / (16 * n_layer * h)))
     )
     # a source's reported peak memory (torchtitan's table) is read and compared with the prediction
     [tt] = [r for r in rows if r.name == "torchtitan Llama 3.1 8B, FSDP, 8 H100"]
@@ -154,7 +155,8 @@ def test_plan_bad_layout_is_a_user_error():
 
 
 def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
-    """The probe writes a run dir that calibrate reads; the local check then uses its curve + overhead."""
+    """The probe writes a run dir that calibrate reads; the local check then uses its curve +
+    overhead."""
     import shutil
 
     from dtrain.costmodel.calibrate import calibrate
@@ -174,7 +176,8 @@ def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
         p.seconds > 0 and p.fraction == pytest.approx(p.flops / p.seconds / g.peak_flops)
         for p in g.points
     )
-    # a derived run: it names the runs whose models it probed (those that publish training / TP records)
+    # a derived run: it names the runs whose models it probed (those that publish training / TP
+    # records)
     assert sorted(p.name for p in contract.derived_from(summary, out)) == [
         "20250301-100100-000000",
         "20250301-100100-000001",
@@ -200,7 +203,8 @@ def test_activations_without_dropout_by_hand():
     assert activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == sbh * (
         8 + (24 + 2 * a * s / h) / 4
     )
-    # Llama-2-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 / 8
+    # Llama-2-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 /
+    # 8
     got = activation_bytes_per_layer(
         4096,
         1,
@@ -226,7 +230,8 @@ def test_model_shape_dropout_reaches_memory():
     lay = Layout(tp=8, sequence_parallel=True)
     with_dropout = memory_per_gpu(replace(llama, dropout=True), lay).activations
     no_dropout = memory_per_gpu(llama, lay).activations
-    # one layer's difference is 2·s·b·h/t bytes (the two masks), and the embedding's dropout mask s·b·h/t
+    # one layer's difference is 2·s·b·h/t bytes (the two masks), and the embedding's dropout mask
+    # s·b·h/t
     assert with_dropout - no_dropout == pytest.approx(80 * 2 * 4096 * 8192 / 8 + 4096 * 8192 / 8)
 
 
@@ -273,11 +278,13 @@ def test_zero3_pays_latency_per_fsdp_unit_by_hand():
 
 
 def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
-    """Once-per-step DP traffic under PP (4 stages of a 6-layer model, 2 micro-batches): ZeRO-1 (Megatron's
-    --overlap-grad-reduce) overlaps its gradient reduce-scatter with the last micro-batch's backward (2/3 of one
-    micro-batch) and half the bubble; ZeRO-3, which torch.distributed.pipelining runs as FSDP's post-backward after
-    the stage's last backward, overlaps none of it. Both overlap the weight all-gather with the first forward (1/3
-    of a micro-batch). What overlaps still costs 1 − dp_overlap of its time (no kernel table: no HBM term)."""
+    """Once-per-step DP traffic under PP (4 stages of a 6-layer model, 2 micro-batches): ZeRO-1
+    (Megatron's --overlap-grad-reduce) overlaps its gradient reduce-scatter with the last
+    micro-batch's backward (2/3 of one micro-batch) and half the bubble; ZeRO-3, which
+    torch.distributed.pipelining runs as FSDP's post-backward after the stage's last backward,
+    overlaps none of it. Both overlap the weight all-gather with the first forward (1/3 of a
+    micro-batch). What overlaps still costs 1 − dp_overlap of its time (no kernel table: no HBM
+    term)."""
     from dtrain.costmodel import LinkModel, step_time
     from dtrain.costmodel.calibration import Calibration
     from dtrain.guide.local_check import host_cluster
@@ -307,9 +314,10 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
 
 
 def test_overlapped_dp_traffic_costs_its_sms_and_its_rings_hbm_by_hand():
-    """FSDP (ZeRO-3, no PP) behind a longer compute: the exposed DP time is the overlap cost x the traffic, the SM
-    share 1 − dp_overlap plus 3 x β / HBM of the group's link (collectives.overlap_cost). A ring over NVLink
-    (8 ranks in a node) pays far more of its time than one over a NIC (16 ranks a node apart, TP 8 inside)."""
+    """FSDP (ZeRO-3, no PP) behind a longer compute: the exposed DP time is the overlap cost x
+    the traffic, the SM share 1 − dp_overlap plus 3 x β / HBM of the group's link
+    (collectives.overlap_cost). A ring over NVLink (8 ranks in a node) pays far more of its time
+    than one over a NIC (16 ranks a node apart, TP 8 inside)."""
     from dtrain.costmodel import step_time
     from dtrain.costmodel.calibration import Calibration
     from dtrain.costmodel.collectives import group_link
@@ -345,9 +353,9 @@ def test_overlapped_dp_traffic_costs_its_sms_and_its_rings_hbm_by_hand():
 
 
 def test_megatron_tp_overlap_pays_only_its_copy_engines_hbm_by_hand():
-    """Megatron's --tp-comm-overlap (Stack.tp_overlap): TE's userbuffers copy the TP chunks with the copy engines
-    behind the GEMMs, so the overlapped TP time costs 2 x β(NVLink) / HBM of itself (a read and a write per byte)
-    and no SM share."""
+    """Megatron's --tp-comm-overlap (Stack.tp_overlap): TE's userbuffers copy the TP chunks with
+    the copy engines behind the GEMMs, so the overlapped TP time costs 2 x β(NVLink) / HBM of
+    itself (a read and a write per byte) and no SM share."""
     from dtrain.costmodel import step_time
     from dtrain.costmodel.hardware import Cluster
     from dtrain.costmodel.stack import Stack
@@ -362,9 +370,10 @@ def test_megatron_tp_overlap_pays_only_its_copy_engines_hbm_by_hand():
 
 
 def test_dp_sync_at_the_flush_hides_nothing(capsys):
-    """DeepSpeed's pipeline engine (Stack.dp_sync "flush") reduces the gradients after the pipeline's last step and
-    all-gathers ZeRO-1's weights in the optimizer step: the whole once-per-step DP traffic is exposed; the default
-    ("overlap", Megatron's) hides part of it. The flag reaches `dtrain plan`; an unknown value is refused."""
+    """DeepSpeed's pipeline engine (Stack.dp_sync "flush") reduces the gradients after the
+    pipeline's last step and all-gathers ZeRO-1's weights in the optimizer step: the whole
+    once-per-step DP traffic is exposed; the default ("overlap", Megatron's) hides part of it.
+    The flag reaches `dtrain plan`; an unknown value is refused."""
     import json
 
     from dtrain.cli.main import main
@@ -413,8 +422,10 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
 
 
 def test_neox_tflops_read_with_the_count_gpt_neox_logged_in_2022():
-    """GPT-NeoX-20B's 117 TFLOP/s becomes tokens/s with megatron/logging.py get_flops as of 2022 (a42805b4):
-    6 x every parameter + 60·s·h·L per token, by hand for the 20B shape (44 x 6144, s 2048, V 50432)."""
+    """GPT-NeoX-20B's 117 TFLOP/s becomes tokens/s with megatron/logging.py get_flops as of 2022
+    (a42805b4):
+    6 x every parameter + 60·s·h·L per token, by hand for the 20B shape (44 x 6144, s 2048, V
+    50432)."""
     from dtrain.costmodel.backtest import load_rows, reported_tps, row_setup
 
     row = next(r for r in load_rows() if r["name"].startswith("GPT-NeoX-20B"))
@@ -426,8 +437,8 @@ def test_neox_tflops_read_with_the_count_gpt_neox_logged_in_2022():
 
 
 def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
-    # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM runs at
-    # the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)
+    # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM
+    # runs at the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)
     from dtrain.costmodel.gemm_probe import gemm_step_s
 
     cfg = GPTConfig.from_preset("tiny")
@@ -439,8 +450,8 @@ def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
 
 
 def test_fitted_defaults_are_the_fit_to_every_development_row():
-    """GPU_DP_OVERLAP, LINK_EFFICIENCY and ASYNC_TP_HIDDEN are not hand-picked: they are the backtest's fit to all
-    its rows and AsyncTP pairs (re-fit them when a row or a term changes)."""
+    """GPU_DP_OVERLAP, LINK_EFFICIENCY and ASYNC_TP_HIDDEN are not hand-picked: they are the
+    backtest's fit to all its rows and AsyncTP pairs (re-fit them when a row or a term changes)."""
     from dtrain.costmodel.backtest import fit, load_rows
     from dtrain.costmodel.calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP
     from dtrain.costmodel.hardware import LINK_EFFICIENCY
@@ -453,9 +464,9 @@ def test_fitted_defaults_are_the_fit_to_every_development_row():
 
 
 def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
-    """A pair (the row with AsyncTP, its `without` twin) measures the share of TP traffic AsyncTP hides: the
-    reported step time it saved over the TP traffic the model prices, by hand; a source's rows are predicted with
-    the other sources' pairs only."""
+    """A pair (the row with AsyncTP, its `without` twin) measures the share of TP traffic AsyncTP
+    hides: the reported step time it saved over the TP traffic the model prices, by hand; a
+    source's rows are predicted with the other sources' pairs only."""
     from dtrain.costmodel.backtest import async_tp_shares, load_rows, loso_fits, predict, row_setup
 
     rows = load_rows()
@@ -474,7 +485,8 @@ def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
     assert fits["torchtitan-2024-12"]["async_tp_hidden"] == round(
         async_tp_shares(rows, {"link_efficiency": eff})[other], 2
     )  # 2024-12 rows: the 2024-08 pair alone
-    # the stack runs it: AsyncTP hides that share of the TP traffic (no more than the GEMMs it overlaps)
+    # the stack runs it: AsyncTP hides that share of the TP traffic (no more than the GEMMs it
+    # overlaps)
     with_it = row_setup(by_name[name])
     t0, t1 = (
         predict(base, {"async_tp_hidden": 0.2})[0],

@@ -1,7 +1,8 @@
-"""FP8 all-gathers in the cost model (``Stack.fp8_all_gather``): an FP8 run's sequence-parallel all-gathers move
-1-byte values while its reduce-scatters stay bf16 (torchao's Float8 TP styles, TransformerEngine), and with
-"tp+fsdp" FSDP's weight all-gathers move the block linears in FP8 (torchao enable_fsdp_float8_all_gather). Traffic
-by hand, bf16 runs untouched, the vocabulary's errors, and the plan flag end to end."""
+"""FP8 all-gathers in the cost model (``Stack.fp8_all_gather``): an FP8 run's sequence-parallel
+all-gathers move 1-byte values while its reduce-scatters stay bf16 (torchao's Float8 TP styles,
+TransformerEngine), and with "tp+fsdp" FSDP's weight all-gathers move the block linears in FP8
+(torchao enable_fsdp_float8_all_gather). Traffic by hand, bf16 runs untouched, the vocabulary's
+errors, and the plan flag end to end."""
 
 import json
 
@@ -33,8 +34,8 @@ TP_SP = Layout(
 
 
 def test_fp8_tp_all_gathers_move_one_byte_and_the_reduce_scatters_two():
-    """Per layer and micro-batch, no recompute: 4 all-gather + reduce-scatter pairs of b·s·h values over the node's
-    8 ranks; FP8 halves the gathers' bytes only."""
+    """Per layer and micro-batch, no recompute: 4 all-gather + reduce-scatter pairs of b·s·h
+    values over the node's 8 ranks; FP8 halves the gathers' bytes only."""
     link = group_link(CLUSTER, 8, 1, multi_rail=False)
     values = 2 * SHAPE.seq_len * SHAPE.d_model
     pair_fp8 = all_gather_time(values * 1, 8, link) + reduce_scatter_time(values * 2, 8, link)
@@ -64,8 +65,9 @@ def test_tp_without_sequence_parallel_all_reduces_in_bf16():
 
 
 def test_fsdp_fp8_all_gather_gathers_the_linears_in_one_byte():
-    """ZeRO-3, per micro-batch: two all-gathers of the stage's weights, the block linears at 1 byte and the
-    embedding and output matrices at 2, one fp32 reduce-scatter; plus the per-unit latency."""
+    """ZeRO-3, per micro-batch: two all-gathers of the stage's weights, the block linears at 1
+    byte and the embedding and output matrices at 2, one fp32 reduce-scatter; plus the per-unit
+    latency."""
     psi, emb = params_per_gpu(SHAPE, 8, 1), embedding_params_per_gpu(SHAPE, 8, 1)
     assert emb == pytest.approx(2 * SHAPE.vocab * SHAPE.d_model / 8)
     link = group_link(CLUSTER, 8, 8, multi_rail=True)
@@ -133,8 +135,9 @@ def test_plan_refuses_an_unknown_fp8_all_gather(capsys):
 
 
 def test_plan_prices_fp8_casts_by_the_softwares_scaling(capsys):
-    """`dtrain plan --precision fp8`: torchtitan's dynamic scaling pays 13.8 B per cast element, Megatron's delayed
-    3 (FP8_CAST_BYTES); the JSON names the scaling; --fp8-scaling overrides the software's, a wrong one is refused."""
+    """`dtrain plan --precision fp8`: torchtitan's dynamic scaling pays 13.8 B per cast element,
+    Megatron's delayed 3 (FP8_CAST_BYTES); the JSON names the scaling; --fp8-scaling overrides
+    the software's, a wrong one is refused."""
     import json
 
     from dtrain.cli.main import main

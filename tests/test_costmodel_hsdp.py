@@ -1,6 +1,7 @@
-"""HSDP (FSDP2 hybrid sharding, the trainer's train.strategy=hsdp) in the cost model: ZeRO shards inside each
-of R replica groups, and the replica groups all-reduce the gradient shards. Memory and traffic by hand, the
-`--layout hsdp=` vocabulary, its errors, and the trainer overrides it becomes."""
+"""HSDP (FSDP2 hybrid sharding, the trainer's train.strategy=hsdp) in the cost model: ZeRO shards
+inside each of R replica groups, and the replica groups all-reduce the gradient shards. Memory
+and traffic by hand, the `--layout hsdp=` vocabulary, its errors, and the trainer overrides it
+becomes."""
 
 import json
 
@@ -36,9 +37,9 @@ def test_hsdp_shards_the_states_inside_a_replica_group():
 
 
 def test_hsdp_traffic_by_hand():
-    """Per micro-batch: two bf16 all-gathers and one fp32 reduce-scatter inside the node's 8-rank group (NVLink),
-    then an all-reduce of the 1/8 gradient shard over the 4 replica groups, one rank per node (one NIC each);
-    plus the per-FSDP-unit latency of the 33 units."""
+    """Per micro-batch: two bf16 all-gathers and one fp32 reduce-scatter inside the node's 8-rank
+    group (NVLink), then an all-reduce of the 1/8 gradient shard over the 4 replica groups, one
+    rank per node (one NIC each); plus the per-FSDP-unit latency of the 33 units."""
     psi = params_per_gpu(SHAPE, 1, 1)
     lay = Layout(dp_replicate=4, dp_shard=8, zero_stage=3, grad_accum=2)
     node, across = group_link(CLUSTER, 8, 1), group_link(CLUSTER, 4, 8)

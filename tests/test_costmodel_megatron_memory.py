@@ -1,7 +1,8 @@
-"""The memory model against Megatron-LM's own count (``megatron/training/theoretical_memory_usage.py``):
-for Megatron-style layouts (GPT with a 4h GELU MLP, dropout, multi-head attention; distributed optimizer or
-not; TP with and without sequence parallelism; 1F1B and interleaved pipelines) the weight + optimizer
-bytes and the activation bytes each agree within 3% (issue 21).
+"""The memory model against Megatron-LM's own count
+(``megatron/training/theoretical_memory_usage.py``):
+for Megatron-style layouts (GPT with a 4h GELU MLP, dropout, multi-head attention; distributed
+optimizer or not; TP with and without sequence parallelism; 1F1B and interleaved pipelines) the
+weight + optimizer bytes and the activation bytes each agree within 3% (issue 21).
 
 ``megatron_reference`` is an independent transcription of that file's formulas (compute_weight_and_
 optimizer_memory, compute_activation_memory for SP + selective recompute, compute_activation_memory_
@@ -16,16 +17,17 @@ from dtrain.costmodel.shapes import Layout, ModelShape
 
 
 def megatron_reference(L, h, a, V, s, b, tp, pp, dp, m, v=None, dist_opt=True, sp=True):
-    """(weight + optimizer bytes, activation bytes) per GPU by Megatron-LM's formulas (LayerNorm, no GQA,
-    GELU MLP of 4h, untied embeddings)."""
+    """(weight + optimizer bytes, activation bytes) per GPU by Megatron-LM's formulas (LayerNorm,
+    no GQA, GELU MLP of 4h, untied embeddings)."""
     ffn = 4 * h
     layer = 2 * h * (ffn + 2) + 2 * h * h * 2  # MLP + 2 LayerNorms (weight, bias) + q, k, v, o
     emb = h * V
     block = layer * L + 2 * h  # + final LayerNorm
     shard = (block / pp + emb) / tp + (emb / tp if pp == 1 else 0)
     weights = shard * (6 + 12 / dp if dist_opt else 18)
-    # compute_activation_memory (SP + selective recompute) / compute_activation_memory_without_sp: the layers'
-    # activations plus the embedding's inputs, scaled alike for the pipeline's in-flight micro-batches
+    # compute_activation_memory (SP + selective recompute) / compute_activation_memory_without_sp:
+    # the layers' activations plus the embedding's inputs, scaled alike for the pipeline's in-flight
+    # micro-batches
     per_layer = (18 + 4 * ffn / h) if sp else (10 + 24 / tp)
     act = s * b * h * per_layer * L + 8 * s * b * pp + s * b * h * pp
     if v:
@@ -94,9 +96,10 @@ def test_breakdown_agrees_with_megatron_theoretical_memory_within_3pct(case):
 
 
 def test_output_layer_counts_fp32_logits_as_megatrons_sp_count_does():
-    """Megatron's two activation counts disagree on the logits: 4 bytes per logit (and 4 per hidden value)
-    with SP, 2 bytes without. The model keeps fp32 logits for the loss in both; this pins the difference
-    to exactly that term, so a small model with a large batch (where logits weigh) is explained."""
+    """Megatron's two activation counts disagree on the logits: 4 bytes per logit (and 4 per
+    hidden value) with SP, 2 bytes without. The model keeps fp32 logits for the loss in both;
+    this pins the difference to exactly that term, so a small model with a large batch (where
+    logits weigh) is explained."""
     L, h, a, V, s, b = 24, 2304, 24, 51200, 2048, 8
     shape = ModelShape(L, h, a, a, V, s, 4.0, False, dropout=True, rotary=False)
     mem = memory_per_gpu(

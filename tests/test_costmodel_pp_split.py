@@ -1,6 +1,7 @@
-"""The "balanced" pipeline split (``Layout.pp_split``: the embedding and the loss take one layer's slot each, Megatron's
---account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split, Llama 3 §3.3.2) and the first stage's
-activations counted chunk by chunk: layer counts by hand, the interleaved warm-up against a simulation of Megatron's
+"""The "balanced" pipeline split (``Layout.pp_split``: the embedding and the loss take one
+layer's slot each, Megatron's --account-for-embedding-in-pipeline-split /
+--account-for-loss-in-pipeline-split, Llama 3 §3.3.2) and the first stage's activations counted
+chunk by chunk: layer counts by hand, the interleaved warm-up against a simulation of Megatron's
 schedule, the Llama 3 405B rows' memory by hand, the CLI's field and its errors."""
 
 import json
@@ -43,7 +44,8 @@ def test_layer_counts_by_hand():
     even = Layout(
         dp_shard=64, tp=8, pp=16, zero_stage=3, grad_accum=32, sequence_parallel=True, pp_virtual=8
     )
-    # 126 + 2 slots on 16 stages: 8 each; the ends give one to the embedding / the loss; 8 chunks of 1 slot each
+    # 126 + 2 slots on 16 stages: 8 each; the ends give one to the embedding / the loss; 8 chunks of
+    # 1 slot each
     assert (pipeline_slots(LLAMA3_405B, bal), stage_layers(LLAMA3_405B, 16, "balanced")) == (128, 8)
     assert end_stage_layers(LLAMA3_405B, bal) == (7, 0) and last_stage_layers(LLAMA3_405B, bal) == 7
     # the default: ceil(126/16) = 8 per stage, the last keeps 126 - 15·8 = 6, the chunk 8/8
@@ -63,9 +65,9 @@ def test_layer_counts_by_hand():
 
 
 def megatron_first_rank_peak(pp: int, v: int, m: int, chunk_layers: list[float]) -> float:
-    """Reference: Megatron's interleaved schedule on pipeline rank 0 runs (v−1)·pp + 2(pp−1) warm-up forwards
-    (at most m·v) and one more before its first backward; forward k is of chunk (k // pp) % v. The layer
-    activations it then holds, one per layer per micro-batch in flight."""
+    """Reference: Megatron's interleaved schedule on pipeline rank 0 runs (v−1)·pp + 2(pp−1)
+    warm-up forwards (at most m·v) and one more before its first backward; forward k is of chunk
+    (k // pp) % v. The layer activations it then holds, one per layer per micro-batch in flight."""
     held = min((v - 1) * pp + 2 * (pp - 1) + 1, m * v)
     return sum(chunk_layers[(k // pp) % v] for k in range(held))
 
@@ -129,7 +131,8 @@ def test_llama3_rows_memory_by_hand(name):
     )  # ZeRO-3 under PP: bf16 weights gathered + fp32 gradients
     assert mem.activations >= held * per_layer
     assert mem.total < 80 * GiB, f"{name}: {mem.total / GiB:.1f} GiB"
-    # the default split with 2 chunks a stage (the row's assumption before the paper's §3.3.2 was read) does not fit
+    # the default split with 2 chunks a stage (the row's assumption before the paper's §3.3.2 was
+    # read) does not fit
     even = Layout(
         dp_shard=lay.dp,
         cp=lay.cp,

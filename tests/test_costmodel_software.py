@@ -1,6 +1,7 @@
-"""``Stack.software``: the layouts a framework runs (costmodel/software.py). The search returns only those, the
-published layout of every backtest row is one its own software runs, "any" is the search as before, and
-``dtrain plan --software`` refuses a pinned field the framework lacks with a one-line error."""
+"""``Stack.software``: the layouts a framework runs (costmodel/software.py). The search returns
+only those, the published layout of every backtest row is one its own software runs, "any" is the
+search as before, and ``dtrain plan --software`` refuses a pinned field the framework lacks with
+a one-line error."""
 
 import json
 
@@ -13,7 +14,8 @@ from dtrain.costmodel.search import layout_fields
 from dtrain.costmodel.software import SOFTWARE, unsupported
 from dtrain.costmodel.stack import Stack
 
-# a 7B-class model on 64 H100 at 32K tokens: TP, PP, CP, every ZeRO stage and recompute level fit somewhere
+# a 7B-class model on 64 H100 at 32K tokens: TP, PP, CP, every ZeRO stage and recompute level fit
+# somewhere
 SHAPE = ModelShape(32, 4096, 32, 8, 128256, 32768, 14336 / 4096, True)
 CLUSTER = Cluster.from_profile("h100-sxm", 64, 8)
 
@@ -36,7 +38,8 @@ def test_search_returns_only_what_the_software_runs(searches, name):
         assert p.cp == 1 or p.cp_impl in sw.cp_impls
         assert p.tp == 1 or p.sequence_parallel in sw.sp
         assert p.recompute in sw.recompute and (p.virtual_stages == 1 or sw.interleaved)
-    # the restricted best is one of the unrestricted layouts, never faster than the unrestricted best
+    # the restricted best is one of the unrestricted layouts, never faster than the unrestricted
+    # best
     assert res.best.time.tokens_per_s <= searches["any"].best.time.tokens_per_s * (1 + 1e-12)
 
 
@@ -70,8 +73,8 @@ def test_each_restriction_bites(searches):
 
 
 def test_2021_megatron_splits_the_layers_evenly():
-    """30 layers on 64 GPUs: the unrestricted search ranks pipelines of uneven stages or chunks (pp=4, pp=8,
-    v=4 ...), 2021's Megatron only those whose pp·v divides the 30 layers."""
+    """30 layers on 64 GPUs: the unrestricted search ranks pipelines of uneven stages or chunks
+    (pp=4, pp=8, v=4 ...), 2021's Megatron only those whose pp·v divides the 30 layers."""
     shape = ModelShape(30, 8192, 64, 8, 32000, 4096, 3.5, True)
     ranked = {
         n: search(shape, CLUSTER, 256, stack=Stack(software=n)).ranked
@@ -85,9 +88,9 @@ def test_2021_megatron_splits_the_layers_evenly():
 
 
 def test_megatron_core_interleaves_only_whole_equal_chunks():
-    """40 layers on 64 GPUs: Megatron-core runs uneven stages without interleaving (pp=16, pp=32) but its
-    interleaved schedule only where pp·v divides the layers (pp=4 v=2 ranks; pp=4 v=4, pp=8 v=2 do not, though
-    the unrestricted search ranks them)."""
+    """40 layers on 64 GPUs: Megatron-core runs uneven stages without interleaving (pp=16, pp=32)
+    but its interleaved schedule only where pp·v divides the layers (pp=4 v=2 ranks; pp=4 v=4,
+    pp=8 v=2 do not, though the unrestricted search ranks them)."""
     shape = ModelShape(40, 8192, 64, 8, 32000, 4096, 3.5, True)
     chunks = {
         n: {
@@ -103,9 +106,10 @@ def test_megatron_core_interleaves_only_whole_equal_chunks():
 
 
 def test_megatron_interleaves_a_multiple_of_pp_micro_batches():
-    """Megatron's interleaved schedule runs the micro-batches in groups of pp (schedules.py): with 40 layers on
-    pp=4 (dp=2, tp=8) a global batch of 10 leaves 5 micro-batches, enough for torch's schedule (>= pp) but not
-    a multiple of 4: Megatron-core scores it only without interleaving, and a pinned v=2 says why."""
+    """Megatron's interleaved schedule runs the micro-batches in groups of pp (schedules.py):
+    with 40 layers on pp=4 (dp=2, tp=8) a global batch of 10 leaves 5 micro-batches, enough for
+    torch's schedule (>= pp) but not a multiple of 4: Megatron-core scores it only without
+    interleaving, and a pinned v=2 says why."""
     shape = ModelShape(40, 8192, 64, 8, 32000, 4096, 3.5, True)
     pinned = {"tp": 8, "pp": 4, "micro_batch": 1}
     by = {
@@ -166,19 +170,22 @@ def test_unsupported_names_the_field_by_hand():
         unsupported(SOFTWARE["dtrain"], {"cp": 2, "pp": 4})
         == "cp > 1 with pp > 1 (it runs one or the other)"
     )
-    # 2021's Megatron builds whole, equal chunks: 105 layers on pp=35 run v=1 or 3, not 2; 30 layers not on pp=4
+    # 2021's Megatron builds whole, equal chunks: 105 layers on pp=35 run v=1 or 3, not 2; 30 layers
+    # not on pp=4
     assert unsupported(m21, {"pp": 35, "virtual_stages": 2}, 105) == (
-        "pp=35 v=2 for 105 layers (it splits the layers into whole, equal chunks: pp·v must divide them)"
+        "pp=35 v=2 for 105 layers (it splits the layers into whole, equal chunks: pp·v must "
+        "divide them)"
     )
     assert unsupported(m21, {"pp": 35, "virtual_stages": 3}, 105) is None
     assert unsupported(m21, {"pp": 4}, 30) == (
         "pp=4 for 30 layers (it splits the layers into whole, equal chunks: pp·v must divide them)"
     )
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 4}, 30) is None  # uneven first/last stages
-    # ... but its interleaved schedule builds whole, equal chunks (arguments.py): 80 layers on pp=8 run v=2, not v=4
+    # ... but its interleaved schedule builds whole, equal chunks (arguments.py): 80 layers on pp=8
+    # run v=2, not v=4
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 4}, 80) == (
-        "pp=8 v=4 for 80 layers (its interleaved schedule splits the layers into whole, equal chunks: pp·v must "
-        "divide them)"
+        "pp=8 v=4 for 80 layers (its interleaved schedule splits the layers into whole, equal "
+        "chunks: pp·v must divide them)"
     )
     assert unsupported(SOFTWARE["megatron-core"], {"pp": 8, "virtual_stages": 2}, 80) is None
     # Megatron and torchtitan shard whole KV heads; dtrain replicates them above tp
@@ -258,8 +265,9 @@ def test_plan_flag_and_its_error(capsys):
 
 
 def test_dtrain_software_choices_run_on_the_trainer_as_priced():
-    """Every layout the search returns for --software dtrain maps to trainer overrides with no note of a feature the
-    trainer lacks or runs otherwise than priced (only the model's own vocabulary / MLP notes remain)."""
+    """Every layout the search returns for --software dtrain maps to trainer overrides with no
+    note of a feature the trainer lacks or runs otherwise than priced (only the model's own
+    vocabulary / MLP notes remain)."""
     from dtrain.costmodel.overrides import train_overrides
 
     res = search(SHAPE, CLUSTER, 64, stack=Stack(software="dtrain"))
@@ -272,8 +280,8 @@ def test_dtrain_software_choices_run_on_the_trainer_as_priced():
 
 
 def test_plan_says_what_the_framework_costs(capsys):
-    """--software X also searches every layout and says how much faster the unrestricted best is (JSON and text);
-    the gap is the two searches' tokens/s ratio, and never negative."""
+    """--software X also searches every layout and says how much faster the unrestricted best is
+    (JSON and text); the gap is the two searches' tokens/s ratio, and never negative."""
     rc, out = _plan(capsys, "--software", "megatron-2021", "--json", "--top", "0")
     d = json.loads(out.out)
     restricted, free = d["choice"], d["any_framework"]["choice"]
@@ -294,8 +302,9 @@ def test_plan_says_what_the_framework_costs(capsys):
 
 
 def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
-    """torchtitan's and dtrain's ZeRO-2 is FSDP2 without resharding after forward: it reshards after each backward,
-    so the weights are gathered m times a step (DeepSpeed's ZeRO-2, "any": once); the gradients m times either way."""
+    """torchtitan's and dtrain's ZeRO-2 is FSDP2 without resharding after forward: it reshards
+    after each backward, so the weights are gathered m times a step (DeepSpeed's ZeRO-2, "any":
+    once); the gradients m times either way."""
     from dtrain.costmodel import Layout, step_time
     from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
     from dtrain.costmodel.comm_time import dp_comm_time

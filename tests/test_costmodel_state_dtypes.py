@@ -1,7 +1,8 @@
-"""Gradient and optimizer-state dtypes in the cost model (``Stack.grad_reduce``, ``Stack.optimizer_states``): bf16
-gradients halve the gradient buffers and the DP reduction's bytes; bf16 Adam moments without an fp32 master copy
-(apex DistributedFusedAdam with dtype bf16, as NeMo runs it) keep 4 bytes of optimizer state per parameter. Bytes by
-hand, traffic by hand, the fp32 defaults untouched, the Nemotron-4 row as its recipe runs, errors, and the plan flags
+"""Gradient and optimizer-state dtypes in the cost model (``Stack.grad_reduce``,
+``Stack.optimizer_states``): bf16 gradients halve the gradient buffers and the DP reduction's
+bytes; bf16 Adam moments without an fp32 master copy (apex DistributedFusedAdam with dtype bf16,
+as NeMo runs it) keep 4 bytes of optimizer state per parameter. Bytes by hand, traffic by hand,
+the fp32 defaults untouched, the Nemotron-4 row as its recipe runs, errors, and the plan flags
 end to end."""
 
 import json
@@ -43,7 +44,8 @@ def test_bf16_states_bytes_by_hand(stage, want):
 def test_bf16_gradients_alone_and_the_fp32_defaults():
     psi, n = 1e9, 16
     assert model_state_bytes(psi, 1, n, 2) == pytest.approx((2 * psi, 2 * psi, 12 * psi / n))
-    # FSDP2's reduced shard takes its fp32 parameter's dtype: stage 3 keeps 16 B/param with bf16 reduction
+    # FSDP2's reduced shard takes its fp32 parameter's dtype: stage 3 keeps 16 B/param with bf16
+    # reduction
     assert model_state_bytes(psi, 3, n, 2) == pytest.approx((4 * psi / n, 4 * psi / n, 8 * psi / n))
     assert model_state_bytes(psi, 1, n) == pytest.approx(
         (2 * psi, 4 * psi, 12 * psi / n)
@@ -51,7 +53,8 @@ def test_bf16_gradients_alone_and_the_fp32_defaults():
 
 
 def test_zero3_under_pp_accumulates_in_the_reduce_dtype():
-    """A pipeline stage keeps its bf16 weights and its unsharded gradient accumulator: (2 + 4)Ψ, (2 + 2)Ψ in bf16."""
+    """A pipeline stage keeps its bf16 weights and its unsharded gradient accumulator: (2 + 4)Ψ,
+    (2 + 2)Ψ in bf16."""
     lay = Layout(
         dp_shard=4,
         tp=2,
@@ -68,8 +71,9 @@ def test_zero3_under_pp_accumulates_in_the_reduce_dtype():
 
 
 def test_bf16_reduction_halves_the_gradient_traffic():
-    """ZeRO-1 over 8 nodes (tp 8 fills a node): one reduce-scatter of the gradients and one all-gather of the bf16
-    weights per step; bf16 gradients move 2Ψ bytes instead of 4Ψ, the weights 2Ψ either way."""
+    """ZeRO-1 over 8 nodes (tp 8 fills a node): one reduce-scatter of the gradients and one
+    all-gather of the bf16 weights per step; bf16 gradients move 2Ψ bytes instead of 4Ψ, the
+    weights 2Ψ either way."""
     lay = Layout(
         dp_shard=8,
         tp=8,
@@ -96,8 +100,9 @@ def test_stack_refuses_an_unknown_dtype():
 
 
 def test_nemotron_row_holds_what_its_recipe_allocates():
-    """NeMo 24.09's distributed_fused_adam with dtype and grad_sync_dtype bf16 (store_params False): 2 + 2 bytes of
-    replicated weights and gradients and 4/dp of moments per parameter, 6 B at dp 2, not Megatron's 6 + 12/2."""
+    """NeMo 24.09's distributed_fused_adam with dtype and grad_sync_dtype bf16 (store_params
+    False): 2 + 2 bytes of replicated weights and gradients and 4/dp of moments per parameter, 6
+    B at dp 2, not Megatron's 6 + 12/2."""
     row = next(r for r in load_rows() if r["name"].startswith("NVIDIA DGXC Nemotron-4 340B"))
     s = row_setup(row)
     assert (s.stack.grad_reduce, s.stack.optimizer_states, s.layout.zero_stage, s.layout.dp) == (

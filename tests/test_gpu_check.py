@@ -15,7 +15,10 @@ from dtrain.gpucheck import measure
 from dtrain.gpucheck.__main__ import run_step, steps
 from dtrain.gpucheck.report import Step, render
 
-NO_GPU = "error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() is False)"
+NO_GPU = (
+    "error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() "
+    "is False)"
+)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
@@ -33,8 +36,8 @@ def test_gpu_check_without_a_gpu_is_one_line(tmp_path):
 def test_only_runs_the_steps_in_the_order_asked_and_refuses_an_unknown_one(
     tmp_path, monkeypatch, capsys
 ):
-    """A short GPU lease measures what matters most first: --only's order is the run order; a misspelt
-    step is one line and exit 2 before the GPU is asked for or a folder made."""
+    """A short GPU lease measures what matters most first: --only's order is the run order; a
+    misspelt step is one line and exit 2 before the GPU is asked for or a folder made."""
     import torch
 
     from dtrain.gpucheck import __main__ as gc
@@ -72,7 +75,8 @@ def test_bundle_size_guard(tmp_path):
     assert big.returncode == 2
     assert (
         big.stderr.strip()
-        == f"error: the bundle in {tmp_path} is 64.0 MiB, over the 64 MiB limit: drop or pin smaller wheels"
+        == f"error: the bundle in {tmp_path} is 64.0 MiB, over the 64 MiB limit: drop or pin "
+        "smaller wheels"
     )
 
 
@@ -286,8 +290,8 @@ def test_every_experiment_step_composes_with_its_typed_config(tmp_path):
 
 
 def test_step_profile_sums_gpu_time_and_launches_per_category():
-    """The profiler's per-name rows: CUDA kernels summed by category (seconds from microseconds, launches from
-    the row's count); CPU rows and kernels that took no device time are left out."""
+    """The profiler's per-name rows: CUDA kernels summed by category (seconds from microseconds,
+    launches from the row's count); CPU rows and kernels that took no device time are left out."""
     from types import SimpleNamespace as NS
 
     from dtrain.gpucheck.kernels import gpu_time_by_category
@@ -311,10 +315,11 @@ def test_step_profile_sums_gpu_time_and_launches_per_category():
 
 
 def test_layer_probe_shard_counts_and_its_plan_price_on_cpu():
-    """The probe's block holds one TP rank's shard: Llama 3.1 405B at TP8 has 16 query heads of 128, one KV head
-    and 6656 FFN columns, 16384·128·(2·16 + 2·1) + 3·16384·6656 = 398,458,880 weights, 6 FLOPs per weight and
-    token; the small CPU case runs forward+backward and carries the cost model's price of the same block (its
-    `dtrain plan` command's compute terms less the head and the optimizer)."""
+    """The probe's block holds one TP rank's shard: Llama 3.1 405B at TP8 has 16 query heads of
+    128, one KV head and 6656 FFN columns, 16384·128·(2·16 + 2·1) + 3·16384·6656 = 398,458,880
+    weights, 6 FLOPs per weight and token; the small CPU case runs forward+backward and carries
+    the cost model's price of the same block (its `dtrain plan` command's compute terms less the
+    head and the optimizer)."""
     import json as _json
 
     from dtrain.gpucheck.probes import (
@@ -366,7 +371,8 @@ def test_probe_report_lines_and_contention_without_a_gpu():
     }
     assert (
         layer_line(c)
-        == "llama3_8b fp8 mb 2: 45.8 ms, model 41.6 ms (measured 1.10x) (gemm 19.4, elementwise 7.2 ms)"
+        == "llama3_8b fp8 mb 2: 45.8 ms, model 41.6 ms (measured 1.10x) (gemm 19.4, elementwise "
+        "7.2 ms)"
     )
     assert (
         layer_line({"case": "x", "precision": "bf16", "error": "OutOfMemoryError: ..."})
@@ -400,11 +406,12 @@ def test_probes_refuse_without_a_gpu_and_a_bad_micro_batch_list_in_one_line():
     cmd = [sys.executable, "-m", "dtrain.gpucheck.probes"]
     no_gpu = run_cmd([*cmd, "layer_probe", "--micro-batches", "1,2"])
     assert no_gpu.returncode == 2 and no_gpu.stderr.strip() == (
-        "error: layer_probe needs a CUDA GPU (torch here sees none): run it on one, or pass --small for the CPU test "
-        "sizes"
+        "error: layer_probe needs a CUDA GPU (torch here sees none): run it on one, or pass "
+        "--small for the CPU test sizes"
     )
     bad = run_cmd([*cmd, "layer_probe", "--small", "--micro-batches", "1,x"])
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
-        "argument --micro-batches: '1,x' is not a comma-separated list of positive micro-batches (1,2,3)"
+        "argument --micro-batches: '1,x' is not a comma-separated list of positive micro-batches "
+        "(1,2,3)"
     )
     assert bad.stdout == ""

@@ -1,5 +1,6 @@
-"""GPU peak lookup by real `torch.cuda.get_device_name` strings, TF32 for fp32 runs, and the one-line
-error for a GPU that hardware.yaml does not know (CUDA faked: names are all the lookup needs)."""
+"""GPU peak lookup by real `torch.cuda.get_device_name` strings, TF32 for fp32 runs, and the
+one-line error for a GPU that hardware.yaml does not know (CUDA faked: names are all the lookup
+needs)."""
 
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ def test_guide_sections_provenance_and_plots(cpu_guides):
     assert len(rows) == 7 * 6 and all(line.count(" | ") == 8 for line in rows)
     # the GEMM curve is the H100's kernel benchmark until a CUDA gemm-probe measures it
     assert (
-        "| GEMM achieved fraction of the roofline bound, large GEMMs (e_max) | 82.0% | datasheet/published:"
-        in text
+        "| GEMM achieved fraction of the roofline bound, large GEMMs (e_max) | 82.0% | "
+        "datasheet/published:" in text
     )
     assert "measured here: " in text and ", cpu (gloo, 2 ranks)" in text
     for p in plots:
@@ -76,7 +76,8 @@ def test_gpu_results_calibrate_the_matrix(tmp_path):
     )
     text = guide.read_text()
     assert "uses values measured on CUDA GPUs where they exist" in text
-    # GPU training runs calibrate the DP overlap (their MFU checks the model; only a CUDA gemm-probe sets the curve)
+    # GPU training runs calibrate the DP overlap (their MFU checks the model; only a CUDA gemm-probe
+    # sets the curve)
     row = next(
         line
         for line in text.splitlines()
@@ -176,7 +177,8 @@ def test_capstone_reports_a_failing_experiment_with_its_log(monkeypatch, tmp_pat
 def test_capstone_piped_prints_a_line_per_step_with_elapsed_time_and_eta(
     monkeypatch, tmp_path, capsys
 ):
-    """Not on a terminal (CI, `| tee`): each step's start and end is a line, the probe and guide included."""
+    """Not on a terminal (CI, `| tee`): each step's start and end is a line, the probe and guide
+    included."""
     from dtrain.costmodel import gemm_probe
     from dtrain.guide import guide_cli
 
@@ -233,7 +235,8 @@ def test_capstone_commands_pass_results_dir_and_launcher(tmp_path):
 
 @pytest.mark.slow
 def test_capstone_end_to_end(tmp_path):
-    """The main job: all four experiments at small size on local ranks, then the guide (~4-5 min)."""
+    """The main job: all four experiments at small size on local ranks, then the guide (~4-5
+    min)."""
     out = tmp_path / "GUIDE.md"
     r = py(
         "-m",
@@ -250,7 +253,8 @@ def test_capstone_end_to_end(tmp_path):
     for sub in ("allreduce-bench", "fsdp-scaling", "tp-attention", "fp8-train"):
         assert f"/{sub}/" in text, sub
     assert "guide  " in r.stdout and "run    " in r.stdout
-    # the README's guide command, as written, finds this capstone as the latest under results/capstone/
+    # the README's guide command, as written, finds this capstone as the latest under
+    # results/capstone/
     from test_readme import bare_shell, commands
 
     [cmd] = [c for c in commands() if c.startswith("dtrain guide") and "results/capstone" in c]
@@ -278,8 +282,9 @@ def _table_widths(lines: list[str]) -> list[set[int]]:
 
 
 def test_backtest_table_has_one_header_per_row_width():
-    """The backtest section's table is a table: its header, delimiter and every row have the same cells (the header
-    was once printed twice in one line, 16 cells over 8, which no Markdown renderer shows as a table)."""
+    """The backtest section's table is a table: its header, delimiter and every row have the same
+    cells (the header was once printed twice in one line, 16 cells over 8, which no Markdown
+    renderer shows as a table)."""
     from dtrain.costmodel.backtest import backtest
     from dtrain.guide.render import backtest_section
 

@@ -62,7 +62,8 @@ def test_layout_run_gets_its_own_row_and_does_not_calibrate(tmp_path):
 
 
 def _layout_fixture(tmp_path, pp: int = 1):
-    """The fixture's small-GPT ddp run turned into a dp1 x tp2 (or dp1 x pp2) run with a profiled breakdown."""
+    """The fixture's small-GPT ddp run turned into a dp1 x tp2 (or dp1 x pp2) run with a profiled
+    breakdown."""
     shutil.copytree(CPU, tmp_path / "cpu")
     fsdp = tmp_path / "cpu" / "fsdp-scaling"
     run = fsdp / "20250301-100100-000009"
@@ -70,7 +71,8 @@ def _layout_fixture(tmp_path, pp: int = 1):
     summary = json.loads((run / "summary.json").read_text())
     [m] = contract.read(summary)
     tp = 1 if pp > 1 else 2
-    # 2048 tokens per step (2381.4 / 5 tokens/s x 4.3 s) = 2 micro-batches of 4 x 256 on the one DP rank
+    # 2048 tokens per step (2381.4 / 5 tokens/s x 4.3 s) = 2 micro-batches of 4 x 256 on the one DP
+    # rank
     m = dataclasses.replace(
         m,
         layout=dataclasses.replace(m.layout, tp=tp, pp=pp, dp_replicate=1, grad_accum=2),
@@ -98,7 +100,8 @@ def test_layout_runs_calibrate_tp_and_pp_factors_by_hand(tmp_path):
     mine = [
         c for c in rep.candidates if c.name == "tp_overhead" and c.source.run.endswith("000009")
     ]
-    # tp_comm_time: 4 layers x 2 micro-batches x 4 all-reduces of 4·256·256 fp32 values (1 MiB) over 2 ranks,
+    # tp_comm_time: 4 layers x 2 micro-batches x 4 all-reduces of 4·256·256 fp32 values (1 MiB) over
+    # 2 ranks,
     # α = 31.25 µs per hop, β = 1.6 GB/s: 2·(1/2)·2^20/1.6e9 + 2·31.25e-6 each
     modelled = 4 * 2 * 4 * (2**20 / 1.6e9 + 2 * 31.25e-6)
     assert len(mine) == 1 and mine[0].value == pytest.approx(1.5 / modelled)
@@ -123,7 +126,8 @@ def test_pp_factor_is_measured_share_over_the_bubble_formula(tmp_path):
     root, run = _layout_fixture(tmp_path, pp=2)
     rep = calibrate([root], base=tmp_path, warn=False)
     (pp,) = [c for c in rep.candidates if c.name == "pp_overhead"]
-    # sends: 2·v·m = 4 of b·s·h/tp = 4·256·256 fp32 values (1 MiB) at β + α; bubble formula (p−1)/(v·m) = 1/2
+    # sends: 2·v·m = 4 of b·s·h/tp = 4·256·256 fp32 values (1 MiB) at β + α; bubble formula
+    # (p−1)/(v·m) = 1/2
     sends = 4 * (2**20 / 1.6e9 + 31.25e-6)
     assert pp.value == pytest.approx((0.9 + 0.1 - sends) / 2.0 / 0.5)
     # the only PP run: its own row gets the formula as is, not its own factor

@@ -288,8 +288,9 @@ except SystemExit as e:
 
 @pytest.mark.parametrize("module", ["allreduce_bench", "fsdp_scaling", "fp8_train", "tp_attention"])
 def test_a_wrong_key_is_refused_before_torch_is_imported(tmp_path, module):
-    """The command-line check needs the typed config, not torch or the rank code (named as 'module:attr' and
-    imported when the run starts): a wrong key is one line and exit 2 without importing torch."""
+    """The command-line check needs the typed config, not torch or the rank code (named as
+    'module:attr' and imported when the run starts): a wrong key is one line and exit 2 without
+    importing torch."""
     out = py("-c", NO_TORCH, module, "no_such_key=1", f"results_dir={tmp_path}", timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "exit 2 no torch", out.stdout + out.stderr
     one_error_line(out.stderr, "unknown key no_such_key")

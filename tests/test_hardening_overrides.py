@@ -63,9 +63,10 @@ def test_many_points_failing_one_way_are_one_line(capsys):
         _selftest(["-m", "world_size=2", "fail_rank=range(-2,40)"])
     lines = str(e.value).split("\nerror: ")
     assert lines == [
-        "sweep points #0, #1 (2 points): fail_rank=... must be >= 0 (a rank, 0 to 1; or null: no rank fails)",
-        "sweep points #4, #5, #6, ... (38 points): fail_rank=... must be < world_size=2 (a rank, 0 to 1; "
-        "or null: no rank fails)",
+        "sweep points #0, #1 (2 points): fail_rank=... must be >= 0 (a rank, 0 to 1; or null: no "
+        "rank fails)",
+        "sweep points #4, #5, #6, ... (38 points): fail_rank=... must be < world_size=2 (a rank, "
+        "0 to 1; or null: no rank fails)",
         "40 of 42 sweep points are invalid; none was run",
     ]
     assert capsys.readouterr().err == ""  # 42 points, off a terminal: no progress line yet
@@ -135,7 +136,8 @@ def test_1000_bad_points_on_the_command_line_are_one_grouped_line(tmp_path):
         (["~train.lr", "train.lr=1"], "train.lr is given twice (~train.lr, train.lr=1): keep one"),
         (
             ["hydra/launcher=basic", "hydra/launcher=submitit_slurm"],
-            "hydra/launcher is given twice (hydra/launcher=basic, hydra/launcher=submitit_slurm): keep one",
+            "hydra/launcher is given twice (hydra/launcher=basic, hydra/launcher=submitit_slurm): "
+            "keep one",
         ),
         (
             ["-m", "train.lr=1,2", "train.lr=3"],
@@ -174,7 +176,8 @@ def test_clip_keeps_a_value_short():
         ),
         (
             ["model.preset=" + "x" * 100_000],
-            f"error: model: unknown model preset '{'x' * 199}... (100,003 characters) choose one of",
+            f"error: model: unknown model preset '{'x' * 199}... (100,003 characters) choose one "
+            "of",
         ),
         (
             ["foo" + "x" * 100_000 + "=1"],

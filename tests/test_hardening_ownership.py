@@ -1,6 +1,7 @@
 """Issue 20, a run owns only what it created (docs/HARDENING.md, "Ownership"): a folder the user
 points at survives bad input, a checkpoint dir belongs to one run and keeps its newest few, results
-files are readable by others, capstones get their own folders, a double Ctrl-C leaves no temp folder.
+files are readable by others, capstones get their own folders, a double Ctrl-C leaves no temp
+folder.
 
 In process wherever the code path allows (rundir, run_app with a stubbed launcher, the Trainer on
 the tiny model); one subprocess holds the headline command line (`hydra.run.dir=precious`).
@@ -141,7 +142,8 @@ def test_a_checkpoint_dir_belongs_to_one_run(tmp_path, monkeypatch, capsys):
     for p in procs:
         p.join(30)
     assert sorted(out.get(timeout=5) for _ in procs) == ["refused"] * 3 + ["won"]
-    # through run_app: the second run is refused, its own run dir removed, the first run's files untouched
+    # through run_app: the second run is refused, its own run dir removed, the first run's files
+    # untouched
     before = _tree(ck)
     run_dir = tmp_path / "second"
     monkeypatch.setattr(app, "run_dir_for", lambda cfg: run_dir)

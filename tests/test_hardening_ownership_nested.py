@@ -203,8 +203,8 @@ def test_misleading_path_messages_are_one_true_line(tmp_path):
         (
             [f"results_dir={tmp_path}/d"],
             {},
-            f"results_dir={tmp_path}/d cannot hold runs: {tmp_path}/d/fsdp-scaling is a file, not a "
-            "folder: move it or pass another results_dir",
+            f"results_dir={tmp_path}/d cannot hold runs: {tmp_path}/d/fsdp-scaling is a file, not "
+            "a folder: move it or pass another results_dir",
         ),
         (
             [f"results_dir={tmp_path}/dangling"],

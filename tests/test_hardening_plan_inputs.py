@@ -172,8 +172,8 @@ def test_small_models_print_their_size_in_millions(capsys):
         (
             ["--params", "7e9", "--seq", "8192"],
             "cp=8 cp_impl=ulysses tp=8",
-            "cp_impl=ulysses spreads a rank's 4 query heads (--heads / tp) over cp=8 ranks, which does "
-            "not divide them: use cp_impl=ring",
+            "cp_impl=ulysses spreads a rank's 4 query heads (--heads / tp) over cp=8 ranks, which "
+            "does not divide them: use cp_impl=ring",
         ),
     ],
 )

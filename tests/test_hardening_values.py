@@ -31,7 +31,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "results" / "cpu"
 
 
 def _check(*overrides: str) -> None:
-    """What `python -m fsdp_scaling <overrides>` checks before Hydra starts (no rank, no run dir)."""
+    """What `python -m fsdp_scaling <overrides>` checks before Hydra starts (no rank, no run
+    dir)."""
     from fsdp_scaling.checks import validate
 
     def point(cfg):
@@ -87,7 +88,8 @@ def test_datasets_a_rank_could_not_read_are_refused(tmp_path, monkeypatch):
         (str(empty), "is 0 bytes: a nanoGPT .bin holds 2-byte (uint16) tokens, so it is empty"),
         (
             str(odd),
-            "is 3 bytes: a nanoGPT .bin holds 2-byte (uint16) tokens, so it is truncated (odd length)",
+            "is 3 bytes: a nanoGPT .bin holds 2-byte (uint16) tokens, so it is truncated (odd "
+            "length)",
         ),
         (
             _bin(tmp_path / "short.bin", [1] * 10),
@@ -323,7 +325,8 @@ def test_plan_and_calibration_name_every_skipped_run(tmp_path, capsys):
     [
         (
             "dp=3 tp=2 pp=2",
-            "--layout: dp=3·tp=2·pp=2 = 12 does not divide --gpus 8: dp·cp·tp·pp must equal the GPUs",
+            "--layout: dp=3·tp=2·pp=2 = 12 does not divide --gpus 8: dp·cp·tp·pp must equal the "
+            "GPUs",
         ),
         (
             "dp=2 cp=1 tp=2 pp=1",
@@ -331,8 +334,8 @@ def test_plan_and_calibration_name_every_skipped_run(tmp_path, capsys):
         ),
         (
             "dp=2 tp=2 pp=1",
-            "matches {'dp': 2, 'tp': 2, 'pp': 1}: dp·cp·tp·pp must equal the GPUs (a cp left out is "
-            "searched over powers of two that leave 2·cp chunks of >= 2048 tokens)",
+            "matches {'dp': 2, 'tp': 2, 'pp': 1}: dp·cp·tp·pp must equal the GPUs (a cp left out "
+            "is searched over powers of two that leave 2·cp chunks of >= 2048 tokens)",
         ),
         ("v=3 pp=1", "--layout: v=3 interleaves pipeline stages but pp=1: drop v= or give pp >= 2"),
         ("tp=2 tp=4", "--layout: tp= is given twice: give each field once"),

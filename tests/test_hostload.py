@@ -35,13 +35,15 @@ def test_load_factor_by_hand():
     assert lf.low == pytest.approx(1.2) and lf.high == pytest.approx(
         2.8
     )  # 10th / 90th pct of 1, 2, 3
-    # two ranks that wait on each other, which got half a core between them: the top of the spread allows for
-    # the cores they did not get, 2 cores x 1 s / 0.5 s of CPU (their own wait says only 2)
+    # two ranks that wait on each other, which got half a core between them: the top of the spread
+    # allows for the cores they did not get, 2 cores x 1 s / 0.5 s of CPU (their own wait says only
+    # 2)
     starved = [hostload.Sample(t=10.0, dt=1.0, cpu=0.5, wait=0.5)]
     assert hostload.load_factor(starved, 9.5, 10, busy=2, cores=2) == hostload.LoadFactor(
         2.0, 2.0, 4.0, 1
     )
-    # a run with twice as many busy threads as cores waits that much on itself: not other processes' load
+    # a run with twice as many busy threads as cores waits that much on itself: not other processes'
+    # load
     assert hostload.load_factor(s, 9.2, 9.8, busy=4, cores=2).median == 1.0  # the first sample only
     assert hostload.load_factor(s, 30, 40) is None
     # samples with no CPU work (the run had not started) say nothing about its load
@@ -50,12 +52,14 @@ def test_load_factor_by_hand():
 
 @needs_schedstat
 def test_a_cpu_bound_child_ran_or_waited_all_the_time(tmp_path):
-    """Whatever the load, a CPU-bound process is either on a CPU or waiting for one: cpu + wait = wall."""
+    """Whatever the load, a CPU-bound process is either on a CPU or waiting for one: cpu + wait =
+    wall."""
     out = tmp_path / "load.jsonl"
     with hostload.Sampler(out, interval=0.1):
         time.sleep(0.2)
         t0 = time.perf_counter()
-        # busy 1 s, then asleep 1 s: a process's last interval is lost when it exits, the busy one is not
+        # busy 1 s, then asleep 1 s: a process's last interval is lost when it exits, the busy one
+        # is not
         subprocess.run(
             [
                 sys.executable,
@@ -101,7 +105,8 @@ def test_fit_caps_e_max_above_the_roofline():
 
 
 def test_a_gemm_above_the_roofline_is_left_out(tmp_path, monkeypatch):
-    """A point faster than the reference matmul is timed again, then left out of the fit and listed."""
+    """A point faster than the reference matmul is timed again, then left out of the fit and
+    listed."""
     from dtrain.costmodel import gemm_probe
 
     shutil.copytree(CPU, tmp_path / "r")
@@ -130,9 +135,9 @@ def test_a_gemm_above_the_roofline_is_left_out(tmp_path, monkeypatch):
 
 
 def test_local_check_scales_each_run_by_its_measured_load(tmp_path, monkeypatch):
-    """The same probe with and without a load timeline: a run whose threads waited twice as long as they ran
-    (factor 3 over its window) gets a prediction whose compute and fixed overhead take 3x as long, and the
-    samples' 10th-90th percentile (factors 2 and 4) as its spread."""
+    """The same probe with and without a load timeline: a run whose threads waited twice as long
+    as they ran (factor 3 over its window) gets a prediction whose compute and fixed overhead
+    take 3x as long, and the samples' 10th-90th percentile (factors 2 and 4) as its spread."""
     from dtrain.costmodel import gemm_probe
     from dtrain.costmodel.calibrate import calibrate
     from dtrain.guide.local_check import local_checks
@@ -143,8 +148,8 @@ def test_local_check_scales_each_run_by_its_measured_load(tmp_path, monkeypatch)
         gemm_probe, "gemm_seconds", lambda g, d, dt, timer: g.flops * g.count / 5e10
     )
     monkeypatch.setattr(gemm_probe, "step_s", lambda t, dev, timer: 0.05)
-    # the reference matmul at one fixed rate: the two probes then differ only by the load timeline (a live
-    # reference on a busy CI host made the second probe's curve differ from the first's)
+    # the reference matmul at one fixed rate: the two probes then differ only by the load timeline
+    # (a live reference on a busy CI host made the second probe's curve differ from the first's)
     monkeypatch.setattr(
         gemm_probe.Reference, "now", lambda self: (self.rates.append(1e11), 1e11)[1]
     )

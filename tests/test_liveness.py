@@ -46,7 +46,8 @@ def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
 
 
 def _interruptible() -> None:
-    """In the child: Ctrl-C as in a terminal, even when pytest runs in the background (SIGINT ignored)."""
+    """In the child: Ctrl-C as in a terminal, even when pytest runs in the background (SIGINT
+    ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -150,7 +151,8 @@ def test_kill9_launcher_ends_every_rank_and_records_run_failed(tmp_path, launche
     ],
 )
 def test_interrupt_stops_ranks_one_error_line(tmp_path, launcher_session, sig, to_group, code):
-    """SIGINT to the whole process group, as Ctrl-C in a terminal does; SIGTERM to the launcher only."""
+    """SIGINT to the whole process group, as Ctrl-C in a terminal does; SIGTERM to the launcher
+    only."""
     proc = _start(tmp_path)
     launcher_session(proc)
     run, ranks = _wait_running(proc, tmp_path)
@@ -218,7 +220,10 @@ CLOSED = (
     'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
     "torch.distributed.DistBackendError: [pair.cc:534] Connection closed by peer [127.0.0.1]:1234\n"
 )
-REAL = 'Traceback (most recent call last):\n  File "y.py", line 2, in g\nValueError: loss is nan at step 3\n'
+REAL = (
+    'Traceback (most recent call last):\n  File "y.py", line 2, in g\nValueError: loss is nan at '
+    "step 3\n"
+)
 
 
 def test_root_cause_is_the_real_error_not_the_peer_symptom(tmp_path):
@@ -252,8 +257,9 @@ def test_error_line_finds_the_exception_in_a_submitit_message():
     text = (
         "Job (task=1) failed during processing with trace:\n----------------------\n"
         + REAL
-        + "----------------------\nYou can check full logs with 'job.stderr(1)' and 'job.stdout(1)'or at paths:\n"
-        "  - /tmp/x/slurm/12_1_log.err\n  - /tmp/x/slurm/12_1_log.out\n"
+        + "----------------------\nYou can check full logs with 'job.stderr(1)' and "
+        "'job.stdout(1)'or at paths:\n  - /tmp/x/slurm/12_1_log.err\n  - "
+        "/tmp/x/slurm/12_1_log.out\n"
     )
     assert liveness.error_line(text) == "ValueError: loss is nan at step 3"
     assert (
@@ -310,9 +316,16 @@ def test_heartbeat_monitor_reset_ignores_older_beats(tmp_path):
 
 
 def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp_path):
-    """Slurm tasks / torchrun ranks: task 0's "connection closed" names rank 1's own error instead."""
-    own = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad batch on purpose\n'
-    symptom = "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1\n"
+    """Slurm tasks / torchrun ranks: task 0's "connection closed" names rank 1's own error
+    instead."""
+    own = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad batch on '
+        "purpose\n"
+    )
+    symptom = (
+        "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by "
+        "peer [10.0.0.2]:1\n"
+    )
     assert liveness.job_root_cause(tmp_path, 1, own) is None  # a rank's own error stays as it is
     line = liveness.job_root_cause(tmp_path, 0, symptom, wait_s=0)
     assert line == (
@@ -330,7 +343,8 @@ def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp
 
 
 def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_session):
-    """Under torchrun no process of ours supervises: rank 0 watches the others' heartbeats in the run dir."""
+    """Under torchrun no process of ours supervises: rank 0 watches the others' heartbeats in the
+    run dir."""
     timeout_s = 3
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

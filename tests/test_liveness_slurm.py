@@ -1,6 +1,7 @@
 """launcher=slurm under fault injection, on the local cluster: Ctrl-C or kill -9 of the client
 cancels its job, a stopped task is named by its heartbeat, a request no node can hold is refused
-and a job pending for a reason that never clears is detected. Every test cancels what it submitted."""
+and a job pending for a reason that never clears is detected. Every test cancels what it
+submitted."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.slurm
 
 
 def _interruptible() -> None:
-    """In the child: Ctrl-C as in a terminal, even when pytest runs in the background (SIGINT ignored)."""
+    """In the child: Ctrl-C as in a terminal, even when pytest runs in the background (SIGINT
+    ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

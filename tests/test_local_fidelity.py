@@ -1,5 +1,6 @@
-"""The local check's physics: per-collective α–β, cores shared by compute and gloo, FP8 as a whole-step
-factor. Hand-computed values (see common/dtrain/guide/local_check.py and costmodel/timemodel.py)."""
+"""The local check's physics: per-collective α–β, cores shared by compute and gloo, FP8 as a
+whole-step factor. Hand-computed values (see common/dtrain/guide/local_check.py and
+costmodel/timemodel.py)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,8 @@ def test_allreduce_bench_fits_become_the_local_links_per_collective():
     rep = calibrate([CPU], warn=False)
     link = rep.local_links["intra"]
     ag = link.of("all_gather")
-    # the fixture's all_gather fit: 48 µs for a whole 2-rank all_gather = 1 ring hop, 1.9 GB/s bus bandwidth
+    # the fixture's all_gather fit: 48 µs for a whole 2-rank all_gather = 1 ring hop, 1.9 GB/s bus
+    # bandwidth
     assert (ag.alpha_s, ag.beta_Bps) == (pytest.approx(48e-6), pytest.approx(1.9e9))
     assert link.of("reduce_scatter") is link  # not fitted in the fixture: the all-reduce α–β
     assert (link.alpha_s, link.beta_Bps) == (pytest.approx(31.25e-6), pytest.approx(1.6e9))
@@ -63,6 +65,7 @@ def test_fp8_factor_divides_the_whole_step_it_was_measured_on():
     )
     base = step_time(shape, lay, cluster, calib, precision="bf16")
     fp8 = step_time(shape, lay, cluster, calib, precision="fp8")
-    # a 0.5x tokens/s ratio doubles compute and the fixed overhead alike (no communication on one rank)
+    # a 0.5x tokens/s ratio doubles compute and the fixed overhead alike (no communication on one
+    # rank)
     assert fp8.total == pytest.approx(2 * base.total)
     assert fp8.overhead == pytest.approx(0.02)

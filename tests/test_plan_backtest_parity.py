@@ -1,7 +1,8 @@
-"""`dtrain plan --layout` and `dtrain backtest` are one model: every development row, given to the CLI with its
-shape, cluster, software stack and whole layout as flags, gets the backtest's own prediction (with the default
-calibration, `backtest(loo=False)`) and its fit verdict. A published layout scored from the command line (how
-the held-out runs are scored) is the number the backtest reports."""
+"""`dtrain plan --layout` and `dtrain backtest` are one model: every development row, given to
+the CLI with its shape, cluster, software stack and whole layout as flags, gets the backtest's
+own prediction (with the default calibration, `backtest(loo=False)`) and its fit verdict. A
+published layout scored from the command line (how the held-out runs are scored) is the number
+the backtest reports."""
 
 import contextlib
 import io
@@ -13,8 +14,9 @@ from dtrain.cli.main import main
 from dtrain.costmodel.backtest import backtest, load_rows
 
 ROWS = [r for r in load_rows() if not r.get("expect_oom")]
-# The fast path scores each source's first row (dropout and learned positions, a GPU variant, FP8, layouts over
-# HBM) plus a CP x TP x PP row and an interleaved one; the slow path every row (each runs a whole search: 0.6 s).
+# The fast path scores each source's first row (dropout and learned positions, a GPU variant, FP8,
+# layouts over HBM) plus a CP x TP x PP row and an interleaved one; the slow path every row (each
+# runs a whole search: 0.6 s).
 FIRST = {next(r["name"] for r in ROWS if r["group"] == g) for g in {r["group"] for r in ROWS}} | {
     r["name"] for r in ROWS if "CP4 x TP8 x PP8" in r["name"] or "PP8 interleaved" in r["name"]
 }

@@ -143,11 +143,13 @@ def test_does_not_fit_is_exit_1_with_a_clear_line(capsys):
         ),
         (
             ["--params", "7e9", "--gpus", "8", "--power-w", "60"],
-            "--power-w 60 is at or below h100-sxm's idle draw (78 W): give the board's power limit in W",
+            "--power-w 60 is at or below h100-sxm's idle draw (78 W): give the board's power "
+            "limit in W",
         ),
         (
             ["--params", "7e9", "--gpus", "8", "--tp-overlap", "--async-tp"],
-            "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks",
+            "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two "
+            "stacks",
         ),
     ],
 )
@@ -163,8 +165,8 @@ def test_results_calibrate_from_gpu_runs_only(capsys):
     assert any("measured on CPU ignored" in n for n in ans["notes"])
     code, out, _ = plan(capsys, *BASE, "--results", str(FIXTURES / "gpu"), "--json")
     ans = json.loads(out)
-    # a GPU training run calibrates the DP overlap and the links; its MFU checks the GEMM curve, it does not set
-    # it (only a CUDA gemm-probe does: test_gpu_probe_sets_the_gemm_curve)
+    # a GPU training run calibrates the DP overlap and the links; its MFU checks the GEMM curve, it
+    # does not set it (only a CUDA gemm-probe does: test_gpu_probe_sets_the_gemm_curve)
     assert ans["calibration"]["dp_overlap"]["provenance"].startswith("measured here:")
     assert ans["calibration"]["mfu"]["provenance"].startswith("datasheet/published:")
     assert ans["cluster"]["intra_node_GBps_per_direction"] == pytest.approx(0.8 * 450)
@@ -197,7 +199,8 @@ def test_pruned_search_finds_the_same_best(params, gpus, gpu, link):
         assert len(pruned.ranked) < len(full.ranked)
 
 
-# A 32B Llama-style model with FSDP on one node at 8K tokens: its states alone are 16 B/param / 8 = 60 GiB.
+# A 32B Llama-style model with FSDP on one node at 8K tokens: its states alone are 16 B/param / 8 =
+# 60 GiB.
 FSDP_32B = [
     "plan",
     "--layers",
@@ -221,7 +224,8 @@ FSDP_32B = [
 
 
 def test_a_given_layout_is_judged_against_the_whole_hbm(capsys):
-    """--headroom is for choosing; a layout the user gives (a published one that ran) fits if it fits the HBM:
+    """--headroom is for choosing; a layout the user gives (a published one that ran) fits if it
+    fits the HBM:
     between 72 and 80 GiB it is scored and marked tight, over 80 it is one error line and exit 2."""
     code, out, _ = plan(capsys, *FSDP_32B, "--layout", "dp=8 zero=3 recompute=full mb=1", "--json")
     mine = json.loads(out)["layout"]
@@ -261,8 +265,9 @@ def _bench_module():
 
 
 def test_bench_refuses_to_time_a_command_that_failed(tmp_path, monkeypatch, capsys):
-    """A command that exits non-zero (an interpreter without dtrain's dependencies answers in 40 ms) is an
-    error line and exit 2, not a time; the bench's own folder is removed, nothing else is touched."""
+    """A command that exits non-zero (an interpreter without dtrain's dependencies answers in 40
+    ms) is an error line and exit 2, not a time; the bench's own folder is removed, nothing else
+    is touched."""
     import sys
 
     bench = _bench_module()
@@ -306,8 +311,9 @@ def test_an_interpolated_trillion_parameter_shape_is_named_in_t():
 
 
 def test_a_power_cap_is_shown_as_its_term(capsys):
-    """--power-w below the table's board power prints the term it costs: ((700 - 78)/(500 - 78))^(1/3) = 1.138
-    for an H100 SXM capped to 500 W (the 78 W idle draw is kernels.yaml's); without a cap, no such line."""
+    """--power-w below the table's board power prints the term it costs: ((700 - 78)/(500 -
+    78))^(1/3) = 1.138 for an H100 SXM capped to 500 W (the 78 W idle draw is kernels.yaml's);
+    without a cap, no such line."""
     code, out, _ = plan(
         capsys, "plan", "--params", "8e9", "--gpus", "8", "--power-w", "500", "--hbm-gib", "96"
     )

@@ -59,7 +59,8 @@ def test_overrides_of_a_tp_pp_layout_validate_in_the_trainer():
     ]
     assert "train.activation_checkpointing=block" in overrides and "model.n_layer=8" in overrides
     assert "train.sequence_parallel=true" in overrides and any("ZeRO-1" in n for n in notes)
-    # under pp the trainer's zero2 reduces after the last backward (torch.distributed.pipelining): said, not hidden
+    # under pp the trainer's zero2 reduces after the last backward (torch.distributed.pipelining):
+    # said, not hidden
     assert any(
         n.startswith(
             "under pp the trainer's zero2 reduces its gradients after the stage's last backward"
@@ -123,7 +124,8 @@ def test_plan_json_for_a_four_gpu_cluster_runs_in_fsdp_scaling(tmp_path):
 
 
 def test_overrides_of_an_hsdp_layout_validate_in_the_trainer():
-    """hsdp=R in a plan is the trainer's train.strategy=hsdp with R replica groups: the same mesh."""
+    """hsdp=R in a plan is the trainer's train.strategy=hsdp with R replica groups: the same
+    mesh."""
     shape = ModelShape(8, 128, 8, 8, 256, 64)
     layout = Layout(dp_replicate=2, dp_shard=4, zero_stage=3, micro_batch=1, grad_accum=2)
     overrides, _ = train_overrides(layout, shape, global_batch=16)

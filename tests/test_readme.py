@@ -36,7 +36,8 @@ SMALL = {
 
 
 def commands(text: str | None = None) -> list[str]:
-    """The commands of every ```bash block, in order: comments dropped, `\\` continuations joined."""
+    """The commands of every ```bash block, in order: comments dropped, `\\` continuations
+    joined."""
     text = README.read_text() if text is None else text
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -154,7 +155,8 @@ def test_activation_puts_the_venv_first_in_a_new_shell():
 
 @pytest.mark.slow
 def test_readme_local_commands_run_in_a_new_shell(tmp_path):
-    """Each local command, small, in a scratch folder whose .venv is the repo's (~1.5 min on 2 cores)."""
+    """Each local command, small, in a scratch folder whose .venv is the repo's (~1.5 min on 2
+    cores)."""
     if not (REPO / ".venv" / "bin" / "activate").exists():
         pytest.skip(".venv is made by make test / make capstone (scripts/setup-venv)")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
@@ -167,7 +169,8 @@ def test_readme_local_commands_run_in_a_new_shell(tmp_path):
             continue
         found = module_and_args(cmd)
         if cmd.startswith("torchrun") and not (REPO / ".venv" / "bin" / "torchrun").exists():
-            continue  # a venv sharing another's site-packages has no torchrun script (a fresh one has)
+            # a venv sharing another's site-packages has no torchrun script (a fresh one has)
+            continue
         small = " ".join(SMALL.get(found[0] if found else cmd.split()[0], []))
         out = bare_shell("\n".join(_state_lines(i) + [f"{cmd} {small}"]), tmp_path, 240)
         assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"

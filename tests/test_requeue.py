@@ -1,5 +1,6 @@
 """Stop on a signal, checkpoint, resume as a requeued attempt: in process, one rank, no Slurm
-(the environment variables Slurm sets are set by hand; tests/test_slurm_requeue.py does it for real)."""
+(the environment variables Slurm sets are set by hand; tests/test_slurm_requeue.py does it for
+real)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def test_term_mid_run_checkpoints_and_requeued_attempt_matches_uninterrupted(
 
 
 def test_usr2_hands_over_to_the_previous_handler(tmp_path, in_slurm_job):
-    """USR2: after the checkpoint, submitit's handler (here a stand-in) is called, then the rank exits."""
+    """USR2: after the checkpoint, submitit's handler (here a stand-in) is called, then the rank
+    exits."""
     calls = []
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))
     try:
@@ -156,7 +158,8 @@ def test_outside_slurm_nothing_changes(tmp_path, monkeypatch):
 @pytest.mark.slurm
 @pytest.mark.parametrize("requeue_on", [True, False])
 def test_slurm_keys_reach_sbatch(requeue_on, slurm_cluster):
-    """The executor asks the cluster for its limits (sinfo): it needs one up, not only Slurm installed."""
+    """The executor asks the cluster for its limits (sinfo): it needs one up, not only Slurm
+    installed."""
     from pathlib import Path
 
     from dtrain.core.nodes import BaseConfig, defaults

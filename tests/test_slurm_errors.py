@@ -17,7 +17,8 @@ from dtrain.core.errors import UserError
 from dtrain.slurm import queue, submitit_sweep
 
 NO_CONF = (
-    'sbatch: error: s_p_parse_file: unable to read "/etc/slurm/slurm.conf": No such file or directory\n'
+    'sbatch: error: s_p_parse_file: unable to read "/etc/slurm/slurm.conf": No such file or '
+    "directory\n"
     "sbatch: fatal: Could not establish a configuration source"
 )
 GRES = "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification"
@@ -128,7 +129,9 @@ def test_a_finished_sweep_prints_its_run_dirs(tmp_path, capsys):
 
     def job(
         out,
-    ):  # Hydra's JobReturn: working_dir is where the sweep was submitted from (hydra.job.chdir false)
+        # Hydra's JobReturn: working_dir is where the sweep was submitted from (hydra.job.chdir
+        # false)
+    ):
         return JobReturn(
             working_dir=str(tmp_path),
             hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(out)}}}),

@@ -95,7 +95,8 @@ def test_sweep_with_one_failing_point_runs_the_others_and_lists_it(tmp_path, slu
         timeout=300,
     )
     assert out.returncode != 0  # the multirun reports the failed point
-    # with the root cause (rank 1's own error), not task 0's "connection closed" that submitit returns first
+    # with the root cause (rank 1's own error), not task 0's "connection closed" that submitit
+    # returns first
     assert "rank 1 failed first: RuntimeError: selftest: rank 1 fails on purpose" in out.stderr, (
         out.stderr[-3000:]
     )

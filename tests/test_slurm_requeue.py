@@ -155,7 +155,8 @@ def finish_and_check(
     return ev
 
 
-@pytest.mark.slow  # ~60 s: a 2-point sweep, requeued mid-run (the USR2 test covers the same resume path)
+# ~60 s: a 2-point sweep, requeued mid-run (the USR2 test covers the same resume path)
+@pytest.mark.slow
 def test_scontrol_requeue_of_a_sweep_point_resumes_exactly(tmp_path, slurm_cluster):
     """Slurm requeues a Hydra sweep point (TERM): the ranks checkpoint at the next step boundary and
     exit; the requeued point resumes in the same sweep subfolder."""

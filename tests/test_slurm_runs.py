@@ -1,4 +1,5 @@
-"""`dtrain runs` on Slurm logs, without a cluster: submitit log folders read back, error tails kept."""
+"""`dtrain runs` on Slurm logs, without a cluster: submitit log folders read back, error tails
+kept."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def test_sacct_absent_gives_unknown_state(tmp_path, monkeypatch):
 
 
 def test_dtrain_runs_fits_100_columns_and_wide_shows_everything(tmp_path, monkeypatch, capsys):
-    """Long sweep paths on Slurm, sacct unreachable: the default listing keeps to 100 columns, cutting a path
-    in its middle (the end tells runs apart), says once why the state is unknown; --wide has the full path."""
+    """Long sweep paths on Slurm, sacct unreachable: the default listing keeps to 100 columns,
+    cutting a path in its middle (the end tells runs apart), says once why the state is unknown;
+    --wide has the full path."""
     from omegaconf import OmegaConf
 
     from dtrain.cli.main import main

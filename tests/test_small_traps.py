@@ -73,7 +73,8 @@ def test_a_negative_count_names_its_own_key():
     [
         (
             "train.timing_warmpu=3",
-            "unknown key train.timing_warmpu: did you mean train.timing_warmup? (all keys: --cfg job)",
+            "unknown key train.timing_warmpu: did you mean train.timing_warmup? (all keys: --cfg "
+            "job)",
         ),
         (
             "timing_warmup=3",  # a key of a node given at the top level
@@ -89,15 +90,18 @@ def test_a_negative_count_names_its_own_key():
         ),
         (
             "+train.timing_warmpu=3",  # added with +: refused by the typed train node, the same way
-            "unknown key train.timing_warmpu: did you mean train.timing_warmup? (all keys: --cfg job)",
+            "unknown key train.timing_warmpu: did you mean train.timing_warmup? (all keys: --cfg "
+            "job)",
         ),
         (
             "model.foo=1",  # nothing close: a few of the node's keys, never all of them
-            "unknown key model.foo: model's keys are preset, seq_len, n_layer, ... (all keys: --cfg job)",
+            "unknown key model.foo: model's keys are preset, seq_len, n_layer, ... (all keys: "
+            "--cfg job)",
         ),
         (
             "foo=1",
-            "unknown key foo: the top-level keys are subproject, launcher, ... (all keys: --cfg job)",
+            "unknown key foo: the top-level keys are subproject, launcher, ... (all keys: --cfg "
+            "job)",
         ),
     ],
 )

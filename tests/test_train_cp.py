@@ -15,7 +15,11 @@ from dtrain.model.gpt import GPTConfig
 from dtrain.parallel.cp.trainer_cp import select_impl
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.train import TrainConfig
-from test_train_layouts import assert_matches, references, reference, run_specs  # noqa: F401  (fixtures)
+import test_train_layouts
+from test_train_layouts import assert_matches, run_specs
+
+# pytest fixtures, named as the tests' arguments
+reference, references = test_train_layouts.reference, test_train_layouts.references
 
 
 def test_two_rank_cp_matches_single_and_resumes_across_a_change_of_cp(tmp_path, reference):

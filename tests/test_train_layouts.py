@@ -242,13 +242,15 @@ def single_run(tmp_path_factory, n_kv_head: int) -> dict:
 
 @pytest.fixture(scope="module")
 def gqa_reference(references) -> dict:
-    """Single-process losses and grad norms of the one-k/v-head model the kv_heads < tp layouts train."""
+    """Single-process losses and grad norms of the one-k/v-head model the kv_heads < tp layouts
+    train."""
     return references["single_kv1"]
 
 
 def test_kv_heads_below_tp_with_async_grad_allreduce_matches_single(tmp_path, gqa_reference):
     """One k/v head on tp2 (replicated wk/wv, gradients summed over tp) with the async input-grad
-    overlap: the single-process losses and grad norms (the slow test also runs the synchronous path)."""
+    overlap: the single-process losses and grad norms (the slow test also runs the synchronous
+    path)."""
     got = run_specs(
         tmp_path, 2, {"tp2_kv1_async": {"tp": 2, "async_grad_allreduce": True, "model": GQA}}
     )
@@ -426,8 +428,8 @@ def test_layout_dimensions_and_stage_split():
 
 
 def test_strategies_split_dp_into_replicas_and_shards():
-    """ParallelDims.of, the one home of the dp / shard degrees (fit, local_check, fsdp-scaling's state
-    bytes and the trainer read them from it), and the ZeRO stage the trainer runs."""
+    """ParallelDims.of, the one home of the dp / shard degrees (fit, local_check, fsdp-scaling's
+    state bytes and the trainer read them from it), and the ZeRO stage the trainer runs."""
     from dtrain.parallel.mesh import ParallelDims, zero_stage
 
     degrees = lambda d: (d.dp, d.dp_replicate, d.dp_shard, [n for n, _ in d.dims()])  # noqa: E731
@@ -479,7 +481,8 @@ def test_memory_need_counts_the_layout_by_hand():
     model = GPTConfig.from_preset("tiny", n_layer=4, n_kv_head=1)
     assert params_per_rank(model) == num_params(model) == 209_472
     assert params_per_rank(model, tp=2, pp=2) == 65_792
-    # tp4, one stage: wq, wo 64*16 each, w1, w2 64*64 each, wk, wv still whole; embeddings, norm, lm_head
+    # tp4, one stage: wq, wo 64*16 each, w1, w2 64*64 each, wk, wv still whole; embeddings, norm,
+    # lm_head
     assert params_per_rank(model, tp=4) == 4 * (128 + 2048 + 8192 + 2048) + 20480 + 64 + 16384
     train = train_of(tp=2, pp=2, global_batch=8).resolved(
         8, "cpu"
@@ -488,14 +491,16 @@ def test_memory_need_counts_the_layout_by_hand():
     assert need.states == 65_792 * (
         4 + 12 / 2
     )  # zero2 over dp=2: 4 + (4 + 8) / 2 bytes per parameter
-    # Activations (Korthikanti, fp32 = 2 x the 16-bit count), per layer per tp rank, s*b*h = 64*1*64,
-    # k and v of one head of 4 on each of the 2 ranks (r/tp = 1/4, as r = 2/4 split over 2), no dropout
-    # masks (dtrain's GPT has no dropout: ModelShape.dropout False, replicated term 8, not 10):
+    # Activations (Korthikanti, fp32 = 2 x the 16-bit count), per layer per tp rank, s*b*h =
+    # 64*1*64, k and v of one head of 4 on each of the 2 ranks (r/tp = 1/4, as r = 2/4 split over
+    # 2), no dropout masks (dtrain's GPT has no dropout: ModelShape.dropout False, replicated term
+    # 8, not 10):
     # 4096 * (8 + (4 + 4 * 2/4 + 2 * 4 * 2) / 2) * 2 = 155648 bytes. Stage 0 holds min(pp, 4) = 2
-    # micro-batches of its 2 layers, 622592, plus their token ids (8 bytes each, / tp): 2 * 8 * 64 / 2 = 512;
-    # the last stage 2 layers + the output layer's input and the unfused loss's 14 bytes per logit, / tp:
-    # 311296 + (4*64*64 + 14*64*256) / 2 = 434176. The busiest is stage 0; without sequence parallelism
-    # Megatron's 5% of temporaries on top.
+    # micro-batches of its 2 layers, 622592, plus their token ids (8 bytes each, / tp): 2 * 8 * 64 /
+    # 2 = 512; the last stage 2 layers + the output layer's input and the unfused loss's 14 bytes
+    # per logit, / tp:
+    # 311296 + (4*64*64 + 14*64*256) / 2 = 434176. The busiest is stage 0; without sequence
+    # parallelism Megatron's 5% of temporaries on top.
     assert need.activations == pytest.approx((155_648 * 2 * 2 + 512) * 1.05)
     assert need.init == 4 * 209_472 and need.per_rank == need.states + need.activations
     one = training_need(

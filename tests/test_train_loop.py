@@ -1,5 +1,5 @@
-"""dtrain.train on one rank, in process: schedule, accumulation, callbacks, checkpoints, config errors.
-(Multi-rank strategy equality and cross-world-size resume are in fsdp-scaling/tests.)"""
+"""dtrain.train on one rank, in process: schedule, accumulation, callbacks, checkpoints, config
+errors. (Multi-rank strategy equality and cross-world-size resume are in fsdp-scaling/tests.)"""
 
 from __future__ import annotations
 

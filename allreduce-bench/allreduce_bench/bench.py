@@ -34,7 +34,8 @@ GUIDE_FIT_KEYS = (
 
 
 def rank_fn(ctx: RankContext) -> dict:
-    """The sweep's result; on rank 0 also the node's topology facts (TOPOLOGY.md is written here)."""
+    """The sweep's result; on rank 0 also the node's topology facts (TOPOLOGY.md is written
+    here)."""
     s = spec.parse(ctx.cfg)
     facts = None
     if ctx.is_main:

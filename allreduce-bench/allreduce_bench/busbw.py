@@ -3,15 +3,15 @@
     algbw = S / t            S: the bytes nccl-tests counts for the collective (below)
     busbw = algbw * c(n)     c: the bus factor, so busbw is comparable to the link's speed
 
-| collective     | S (bytes counted)                | c(n)      | per-rank buffers (elements)          |
-|----------------|----------------------------------|-----------|--------------------------------------|
-| all_reduce     | the per-rank buffer              | 2(n-1)/n  | in = out = S/w                       |
-| all_gather     | the whole output                 | (n-1)/n   | in = S/(n w), out = S/w              |
-| reduce_scatter | the whole input                  | (n-1)/n   | in = S/w, out = S/(n w)              |
-| all_to_all     | the per-rank send buffer         | (n-1)/n   | in = out = S/w, n chunks of S/(n w)  |
-| broadcast      | the buffer                       | 1         | S/w                                  |
-| reduce         | the buffer                       | 1         | S/w                                  |
-| sendrecv       | the buffer sent to the next rank | 1         | S/w                                  |
+| collective     | S (bytes counted)                | c(n)     | per-rank buffers (elements)
+|----------------|----------------------------------|----------|-----------------------------------
+| all_reduce     | the per-rank buffer              | 2(n-1)/n | in = out = S/w
+| all_gather     | the whole output                 | (n-1)/n  | in = S/(n w), out = S/w
+| reduce_scatter | the whole input                  | (n-1)/n  | in = S/w, out = S/(n w)
+| all_to_all     | the per-rank send buffer         | (n-1)/n  | in = out = S/w, n chunks of S/(n w)
+| broadcast      | the buffer                       | 1        | S/w
+| reduce         | the buffer                       | 1        | S/w
+| sendrecv       | the buffer sent to the next rank | 1        | S/w
 
 (w: bytes per element.) The derivation is in the README: a ring all-reduce sends and receives
 2(n-1)/n * S per rank, all-gather/reduce-scatter/all-to-all (n-1)/n * S, so t >= S*c/B_link and
@@ -60,7 +60,8 @@ def bus_factor(collective: str, n: int) -> float:
 
 @dataclass(frozen=True)
 class Layout:
-    """Buffer sizes of one case. `nbytes` is S, the bytes counted (a multiple of n*w for chunked ops)."""
+    """Buffer sizes of one case. `nbytes` is S, the bytes counted (a multiple of n*w for chunked
+    ops)."""
 
     collective: str
     n: int

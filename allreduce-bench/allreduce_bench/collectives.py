@@ -152,9 +152,10 @@ def build(
 
     if collective == "reduce_scatter":
         out = send[r * m : (r + 1) * m] if in_place else new(lay.recv_numel)
-        expected = lambda: reduce_expected(
-            lambda j: vals(j, n * m)[r * m : (r + 1) * m], n, redop, dtype
-        )  # noqa: E731
+
+        def expected():
+            return reduce_expected(lambda j: vals(j, n * m)[r * m : (r + 1) * m], n, redop, dtype)
+
         return Case(
             collective,
             in_place,
@@ -166,9 +167,10 @@ def build(
 
     recv = new(lay.recv_numel)
     if collective == "all_to_all":
-        expected = lambda: torch.cat([vals(j, n * m)[r * m : (r + 1) * m] for j in range(n)]).to(
-            dtype
-        )  # noqa: E731
+
+        def expected():
+            return torch.cat([vals(j, n * m)[r * m : (r + 1) * m] for j in range(n)]).to(dtype)
+
         return Case(
             collective,
             False,

@@ -27,7 +27,8 @@ def load_records(run_dir: Path) -> pd.DataFrame:
 
 
 def fit_mode(df: pd.DataFrame, collective: str) -> str:
-    """The mode a collective is fitted and plotted in: out-of-place (nccl-tests' headline) when measured."""
+    """The mode a collective is fitted and plotted in: out-of-place (nccl-tests' headline) when
+    measured."""
     modes = set(df.loc[df.collective == collective, "mode"])
     return "out_of_place" if "out_of_place" in modes else "in_place"
 
@@ -92,7 +93,8 @@ def nccl_table(df: pd.DataFrame) -> str:
             )
         main = block[block["mode"] == fit_mode(df, collective)]
         out += [
-            f"# Avg bus bandwidth    : {main['busbw_GBps'].mean():.4g} GB/s ({fit_mode(df, collective)})",
+            f"# Avg bus bandwidth    : {main['busbw_GBps'].mean():.4g} GB/s "
+            f"({fit_mode(df, collective)})",
             "",
         ]
     return "\n".join(out)

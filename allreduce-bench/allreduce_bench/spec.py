@@ -16,7 +16,8 @@ from allreduce_bench.busbw import COLLECTIVES, supports
 from dtrain.core.checks import integer_at_least, one_of
 from dtrain.core.errors import UserError
 
-# torch's dtype names (torch is imported only by the ranks and by `torch_dtype`: the command line is checked first)
+# torch's dtype names (torch is imported only by the ranks and by `torch_dtype`: the command line is
+# checked first)
 DTYPES = (
     "float32",
     "float16",
@@ -158,7 +159,8 @@ def parse(cfg: DictConfig) -> BenchSpec:
     lo, hi = parse_bytes(cfg.min_bytes, "min_bytes"), parse_bytes(cfg.max_bytes, "max_bytes")
     if hi > MAX_BYTES:
         raise UserError(
-            f"max_bytes={cfg.max_bytes} is larger than {MAX_BYTES // 2**30}G per buffer: lower max_bytes"
+            f"max_bytes={cfg.max_bytes} is larger than {MAX_BYTES // 2**30}G per buffer: lower "
+            "max_bytes"
         )
     if lo > hi:
         raise UserError(
@@ -170,7 +172,8 @@ def parse(cfg: DictConfig) -> BenchSpec:
         or not 1 < cfg.step_factor < math.inf
     ):
         raise UserError(
-            f"step_factor={cfg.step_factor!r} must be a number > 1 (nccl-tests -f), e.g. step_factor=2"
+            f"step_factor={cfg.step_factor!r} must be a number > 1 (nccl-tests -f), e.g. "
+            "step_factor=2"
         )
     one_of("redop", cfg.redop, REDOPS)
     modes = _as_list(cfg.modes)
@@ -191,12 +194,14 @@ def parse(cfg: DictConfig) -> BenchSpec:
         integer_at_least(key, cfg[key], 1 if key == "iters" else 0)
     if cfg.root >= cfg.world_size:
         raise UserError(
-            f"root={cfg.root} is not a rank of world_size={cfg.world_size}: use 0..{cfg.world_size - 1}"
+            f"root={cfg.root} is not a rank of world_size={cfg.world_size}: use "
+            f"0..{cfg.world_size - 1}"
         )
     nodes = cfg.debug.simulate_nodes
     if nodes is not None and (not isinstance(nodes, int) or nodes < 2 or cfg.world_size % nodes):
         raise UserError(
-            f"debug.simulate_nodes={nodes!r} must be an integer >= 2 dividing world_size={cfg.world_size}"
+            f"debug.simulate_nodes={nodes!r} must be an integer >= 2 dividing "
+            f"world_size={cfg.world_size}"
         )
     inject = cfg.debug.inject_wrong
     if inject is not None:  # one of the benchmarked collectives, or all of them
@@ -223,7 +228,10 @@ def known_unsupported(backend: str, dtype: str, redop: str, collectives) -> str 
     """Combinations we know fail (checked in torch 2.13), caught before any rank starts; the ranks
     still catch anything else at the first size."""
     if backend == "gloo" and dtype.startswith("float8"):
-        return f'backend=gloo cannot move {dtype} tensors ("Invalid scalar type"): use dtypes=[float32] or run on GPUs with NCCL'
+        return (
+            f'backend=gloo cannot move {dtype} tensors ("Invalid scalar type"): use '
+            "dtypes=[float32] or run on GPUs with NCCL"
+        )
     reduces = any(c in ("all_reduce", "reduce_scatter", "reduce") for c in collectives)
     if backend == "gloo" and reduces and redop == "avg" and dtype not in FLOATING:
         return (

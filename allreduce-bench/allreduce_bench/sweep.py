@@ -47,7 +47,8 @@ def unsupported_as_user_error(collective: str, dtype: str, redop: str, backend: 
 
 
 def time_per_op(case: collectives.Case | None, warmup: int, iters: int, device) -> float:
-    """Seconds per op on this rank; a rank outside the measured groups (case None) only joins the barrier."""
+    """Seconds per op on this rank; a rank outside the measured groups (case None) only joins the
+    barrier."""
     if case is not None:
         for _ in range(warmup):
             case.run()
@@ -162,7 +163,8 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                     avg, lo, hi, wrong = over_ranks(seconds, member, wrong, ctx.device)
                     if wrong:
                         wrong_cases.append(
-                            f"{collective} {lg.link_class} {dtype_name} {lay.nbytes} B {mode}: {wrong} wrong"
+                            f"{collective} {lg.link_class} {dtype_name} {lay.nbytes} B {mode}: "
+                            f"{wrong} wrong"
                         )
                     rooted = collective in busbw.ROOTED
                     bus_GBps = busbw.busbw_GBps(collective, lay.nbytes, avg, lg.size)

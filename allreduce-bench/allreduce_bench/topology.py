@@ -172,7 +172,8 @@ def parse_ibstat(text: str) -> list[dict]:
 
 
 def parse_pcie_query(text: str) -> dict[int, dict]:
-    """`index, name, pcie.link.gen.max, pcie.link.width.max` CSV rows -> {index: {name, gen, width}}."""
+    """`index, name, pcie.link.gen.max, pcie.link.width.max` CSV rows -> {index: {name, gen,
+    width}}."""
     out = {}
     for line in text.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]

@@ -126,7 +126,10 @@ def analyse(raw: dict[str, str | None], gpu_name: str | None = None) -> dict:
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
-    fmt = lambda cells: "| " + " | ".join("" if c is None else str(c) for c in cells) + " |"  # noqa: E731
+
+    def fmt(cells):
+        return "| " + " | ".join("" if c is None else str(c) for c in cells) + " |"
+
     return [fmt(header), "|" + "---|" * len(header)] + [fmt(r) for r in rows]
 
 
@@ -135,16 +138,16 @@ def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
     lines = [f"# Topology of {host}", ""]
     if len(set(hosts)) > 1:
         lines += [
-            f"Job hosts: {', '.join(sorted(set(hosts)))}. Shown: {host} (rank 0); the others are assumed "
-            "to be built the same.",
+            f"Job hosts: {', '.join(sorted(set(hosts)))}. Shown: {host} (rank 0); the others are "
+            "assumed to be built the same.",
             "",
         ]
     cpu = facts["host_cpu"]
     if facts["source"] == "none":
         lines += [
-            "No NVIDIA GPU topology here (`nvidia-smi` absent or it failed): the collectives ran on CPU over "
-            "gloo (shared memory / loopback TCP on one host), so there is no NVLink, PCIe peer or NIC path "
-            "to describe, and no datasheet bandwidth to compare with.",
+            "No NVIDIA GPU topology here (`nvidia-smi` absent or it failed): the collectives ran "
+            "on CPU over gloo (shared memory / loopback TCP on one host), so there is no NVLink, "
+            "PCIe peer or NIC path to describe, and no datasheet bandwidth to compare with.",
             "",
         ]
     else:
@@ -159,9 +162,9 @@ def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
         )
         lines += [
             "",
-            "NV# = # bonded NVLinks; PIX = at most one PCIe bridge; PXB = several bridges; PHB = through a "
-            "PCIe host bridge (CPU); NODE = between host bridges of one NUMA node; SYS = across the CPU "
-            "interconnect (QPI/UPI/xGMI).",
+            "NV# = # bonded NVLinks; PIX = at most one PCIe bridge; PXB = several bridges; PHB = "
+            "through a PCIe host bridge (CPU); NODE = between host bridges of one NUMA node; SYS "
+            "= across the CPU interconnect (QPI/UPI/xGMI).",
             "",
             "## CPU / NUMA affinity",
             "",
@@ -239,7 +242,8 @@ def render(facts: dict, raw: dict[str, str | None], hosts: list[str]) -> str:
 
 
 def write(run_dir: Path, hosts: list[str], gpu_name: str | None) -> dict:
-    """TOPOLOGY.md; returns the facts (the rank function hands them to finalize: summary.json "topology")."""
+    """TOPOLOGY.md; returns the facts (the rank function hands them to finalize: summary.json
+    "topology")."""
     raw = collect_raw()
     facts = analyse(raw, gpu_name)
     write_text_atomic(Path(run_dir) / REPORT, render(facts, raw, hosts))

@@ -2,8 +2,8 @@
 collective that moves data through this device's memory (a one-rank NCCL all_gather or broadcast
 is such a copy; NVLink busbw above it would be a measuring error).
 
-    python allreduce-bench/benchmarks/copy_ceiling.py --device cuda    # device-to-device, CUDA events
-    python allreduce-bench/benchmarks/copy_ceiling.py                  # host memcpy, wall clock
+    python allreduce-bench/benchmarks/copy_ceiling.py --device cuda  # device-to-device, CUDA events
+    python allreduce-bench/benchmarks/copy_ceiling.py                # host memcpy, wall clock
 
 Prints bytes/s of the copy (S/t, the busbw convention) and the memory traffic it implies (2S/t:
 every byte is read once and written once, which is what CUDA's bandwidthTest reports for D2D).

@@ -117,12 +117,13 @@ def worker(rank: int, args, port: int) -> None:
         )
     if rank == 0:
         print(
-            f"# all_reduce {args.dtype}, {n} ranks ({device.type}), iters={args.iters} warmup={args.warmup}, "
-            f"median of {args.rounds} interleaved rounds"
+            f"# all_reduce {args.dtype}, {n} ranks ({device.type}), iters={args.iters} "
+            f"warmup={args.warmup}, median of {args.rounds} interleaved rounds"
         )
         print(
-            "# busbw (GB/s) from each side's median time; ratio = tool busbw / raw busbw, the median over rounds "
-            "of the paired ratio (both sides of a round ran back to back), with its interquartile range"
+            "# busbw (GB/s) from each side's median time; ratio = tool busbw / raw busbw, the "
+            "median over rounds of the paired ratio (both sides of a round ran back to back), "
+            "with its interquartile range"
         )
         print(
             f"#{'size (B)':>11}  {'tool busbw':>10}  {'raw busbw':>10}  {'ratio':>6}  {'IQR':>13}"
@@ -142,8 +143,9 @@ def worker(rank: int, args, port: int) -> None:
             extra, fastest = closure_overhead_ns(), min(t for _, t in big)
             print(
                 f"# the only code the tool adds inside the timed loop costs {extra:.0f} ns per op "
-                f"= {100 * extra * 1e-9 / fastest:.4f}% of the fastest op >= 1 MiB here ({fastest * 1e6:.0f} us); "
-                f"ratio bound from it: {1 / (1 + extra * 1e-9 / fastest):.5f}"
+                f"= {100 * extra * 1e-9 / fastest:.4f}% of the fastest op >= 1 MiB here "
+                f"({fastest * 1e6:.0f} us); ratio bound from it: "
+                f"{1 / (1 + extra * 1e-9 / fastest):.5f}"
             )
     dist.destroy_process_group()
 

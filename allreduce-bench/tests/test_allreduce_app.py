@@ -69,7 +69,8 @@ def test_summary_guide_inputs_contract(full_run):
     )  # the typed records calibration reads: one per intra/inter-node fit
     assert fits and all(isinstance(f, contract.CollectiveFit) for f in fits)
     assert {f.where for f in fits} == {contract.Where("cpu", "gloo", None)}
-    # every collective is fitted, or listed with the reason (3 noisy CPU sizes may not define a line)
+    # every collective is fitted, or listed with the reason (3 noisy CPU sizes may not define a
+    # line)
     unfitted = {u["collective"] for u in run.summary["unfitted"]}
     assert {f.collective for f in fits} | unfitted == set(busbw.COLLECTIVES)
     assert all(u["reason"] for u in run.summary["unfitted"])
@@ -142,8 +143,8 @@ def test_corrupted_result_fails_the_run_after_writing_records(tmp_path):
     )
     assert out.returncode == 1, out.stdout + out.stderr
     assert (
-        "correctness check failed in 6 case(s): all_gather intra_node float32 1024 B out_of_place: 1 wrong"
-        in out.stderr
+        "correctness check failed in 6 case(s): all_gather intra_node float32 1024 B "
+        "out_of_place: 1 wrong" in out.stderr
     )
     [run] = loader.find_runs([tmp_path])
     assert run.status == "incomplete"  # no summary.json: loaders skip it
@@ -153,7 +154,8 @@ def test_corrupted_result_fails_the_run_after_writing_records(tmp_path):
     } == {"all_reduce": 0, "all_gather": 1}
 
 
-@pytest.mark.slow  # 4 ranks; tests/test_slurm_multinode.py measures a real inter-node link when a cluster is up
+# 4 ranks; tests/test_slurm_multinode.py measures a real inter-node link when a cluster is up
+@pytest.mark.slow
 def test_simulated_two_nodes_measure_intra_inter_and_world(tmp_path):
     out = py(
         "-m",

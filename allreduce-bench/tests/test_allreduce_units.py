@@ -43,11 +43,13 @@ def test_sizes_and_aliases():
         ),
         (
             {"modes": ["out_of_place"], "collectives": ["all_reduce"]},
-            "collective all_reduce has no out_of_place form in torch.distributed: add in_place to modes",
+            "collective all_reduce has no out_of_place form in torch.distributed: add in_place to "
+            "modes",
         ),
         (
             {"modes": ["in_place"], "collectives": ["all_gather", "all_to_all"]},
-            "collective all_to_all has no in_place form in torch.distributed: add out_of_place to modes",
+            "collective all_to_all has no in_place form in torch.distributed: add out_of_place to "
+            "modes",
         ),
         ({"modes": []}, "modes=\\[\\] is empty"),
     ],
@@ -97,7 +99,11 @@ def test_link_class_plan():
     "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 )
 def test_expected_results_by_hand(dtype):
-    n, vals = 2, lambda j, redop: collectives.input_values(j, 8, 2, redop, dtype, "cpu")  # noqa: E731
+    n = 2
+
+    def vals(j, redop):
+        return collectives.input_values(j, 8, 2, redop, dtype, "cpu")
+
     # sum inputs are (pos + 3 rank) % 4: rank 0 = 0,1,2,3,0,..; rank 1 = 3,0,1,2,3,..
     want = torch.tensor([3, 1, 3, 5, 3, 1, 3, 5], dtype=torch.float32)
     got = collectives.reduce_expected(lambda j: vals(j, "sum"), n, "sum", dtype)

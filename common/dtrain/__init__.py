@@ -4,6 +4,7 @@
 
 import os
 
-# torch.profiler's kineto prints "USDT: ... profiler_start/stop" lines at its top log level (5) into every
-# profiled run's output; 6 silences them (a profiler failure still raises in Python). Read when profiling starts.
+# torch.profiler's kineto prints "USDT: ... profiler_start/stop" lines at its top log level (5) into
+# every profiled run's output; 6 silences them (a profiler failure still raises in Python). Read
+# when profiling starts.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")

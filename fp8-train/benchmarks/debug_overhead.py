@@ -1,7 +1,8 @@
 """Debug-tool overhead: step time with the FP8 debug tool off, tracking amaxes only, and sampling
 every `--freq` steps (the default selection: every linear, 3 tensors, delayed + current).
 
-    flock /tmp/dtrain-bench.lock python fp8-train/benchmarks/debug_overhead.py [--preset small --micro-batch 2]
+    flock /tmp/dtrain-bench.lock python fp8-train/benchmarks/debug_overhead.py [--preset small
+    --micro-batch 2]
 
 One process, one thread, the shared Trainer (strategy single, emulated_delayed): the three
 configurations are built side by side and timed in alternating rounds of `--freq` steps (one

@@ -1,6 +1,7 @@
 """One switch, `recipe=`, picks the numerics of a run:
 
-    fp32 | bf16          high-precision baselines (bf16 on GPU, fp32 on CPU where bf16 matmuls crawl)
+    fp32 | bf16          high-precision baselines (bf16 on GPU, fp32 on CPU where bf16 matmuls
+                         crawl)
     fp16                 fp16 autocast + dynamic loss scaling (torch.amp.GradScaler)
     emulated_delayed     our fake-quant FP8 Linear, delayed scaling (amax history + margin)
     emulated_current     our fake-quant FP8 Linear, current scaling
@@ -8,10 +9,11 @@
     emulated_mxfp4       our fake-quant FP4 Linear, MXFP4 blocks     (stretch)
     torchao_tensorwise   torchao float8 training, one scale per tensor (runs on CPU too)
     torchao_rowwise      torchao float8 training, one scale per row    (runs on CPU too)
-    te_delayed | te_current | te_block | te_mxfp8   TransformerEngine te.Linear + te.autocast (GPU only)
+    te_delayed | te_current | te_block | te_mxfp8   TransformerEngine te.Linear + te.autocast (GPU
+                                                    only)
 
-FP8 recipes keep everything that is not an FP8 linear in `train.precision` (auto: bf16 on GPU, fp32 on
-CPU). TransformerEngine and torchao are imported only when asked for; a missing one is one clear
+FP8 recipes keep everything that is not an FP8 linear in `train.precision` (auto: bf16 on GPU, fp32
+on CPU). TransformerEngine and torchao are imported only when asked for; a missing one is one clear
 error line. See te_backend.py for the TransformerEngine glue.
 """
 
@@ -78,8 +80,8 @@ def _import_torchao():
         if importlib.util.find_spec("torchao") is None:
             raise missing_dependency("torchao", "fp8", "recipe=torchao_*") from None
         raise UserError(
-            f"torchao is installed but its float8 training does not import ({e}): install the torchao "
-            f"release made for torch {torch.__version__.split('+')[0]}"
+            f"torchao is installed but its float8 training does not import ({e}): install the "
+            f"torchao release made for torch {torch.__version__.split('+')[0]}"
         ) from None
     return Float8LinearConfig, Float8Linear
 

@@ -156,17 +156,19 @@ def report(
         f"# FP8 comparison: {', '.join(r for r in recipes if r != baseline)} vs {baseline}",
         "",
         f"Device: {device}. Final loss = mean of the last 5 steps, then mean ± std over seeds.",
-        f"Within noise: |mean_r - mean_{baseline}| <= {k:g} x std_{baseline} (the baseline's seed band).",
+        f"Within noise: |mean_r - mean_{baseline}| <= {k:g} x std_{baseline} (the baseline's seed "
+        "band).",
         "",
-        "| recipe | final loss | tokens/s | speed-up | memory factor | within noise | diff / SE | NaN |",
+        "| recipe | final loss | tokens/s | speed-up | memory factor | within noise | diff / SE | "
+        "NaN |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in sorted(recipes.items(), key=lambda kv: kv[0] != baseline):
         se = f"{r['diff_in_se']:.2f}" if r["diff_in_se"] is not None else "-"
         lines.append(
-            f"| {name} | {r['final_loss_mean']:.4f} ± {r['final_loss_std']:.4f} | {r['tokens_per_s']:.0f} | "
-            f"{r['speedup']:.2f}x | {r['memory_factor']:.2f} | {'yes' if r['within_noise'] else 'NO'} | "
-            f"{se} | {r['nan_events']} |"
+            f"| {name} | {r['final_loss_mean']:.4f} ± {r['final_loss_std']:.4f} | "
+            f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['memory_factor']:.2f} | "
+            f"{'yes' if r['within_noise'] else 'NO'} | {se} | {r['nan_events']} |"
         )
     verdict = [n for n, r in recipes.items() if n != baseline and not r["within_noise"]]
     lines += [
@@ -183,9 +185,9 @@ def report(
     ]
     if device == "cpu":
         lines += [
-            "On CPU every FP8 recipe is emulated (fake quantization around fp32 GEMMs; torchao with "
-            "emulate=True), so speed-ups only measure emulation overhead plus machine noise, and peak memory "
-            "is the process RSS: neither predicts a GPU.",
+            "On CPU every FP8 recipe is emulated (fake quantization around fp32 GEMMs; torchao "
+            "with emulate=True), so speed-ups only measure emulation overhead plus machine noise, "
+            "and peak memory is the process RSS: neither predicts a GPU.",
             "",
         ]
     lines += ["## NaN / recovery events", ""]
@@ -194,10 +196,12 @@ def report(
     else:
         for e in events.itertuples():
             lines.append(
-                f"- {e.recipe} seed {e.seed}: step {e.step} {e.kind} {getattr(e, 'action', '') or ''}"
+                f"- {e.recipe} seed {e.seed}: step {e.step} {e.kind} "
+                f"{getattr(e, 'action', '') or ''}"
             )
     lines += ["", "## Plots", ""] + [f"![{f}]({f})" for f in figures]
-    # prose wrapped by words (markdown joins the lines again), so the printed report fits 100 columns
+    # prose wrapped by words (markdown joins the lines again), so the printed report fits 100
+    # columns
     return (
         "\n".join(
             w

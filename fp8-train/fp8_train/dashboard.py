@@ -99,10 +99,11 @@ def page(png: Path, run_dirs: list[Path], events: pd.DataFrame) -> str:
         ]
         ev = events[cols].to_html(index=False, na_rep="", border=0)
     return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>fp8-train dashboard</title>"
-        f"<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 8px}}</style></head><body>"
-        f"<h1>Training health</h1><img src='data:image/png;base64,{img}' style='max-width:100%'>"
-        f"<h2>Runs</h2><ul>{runs}</ul><h2>Events</h2>{ev}</body></html>"
+        "<!doctype html><html><head><meta charset='utf-8'><title>fp8-train "
+        "dashboard</title><style>body{font-family:sans-serif;margin:2em}td,th{padding:2px "
+        "8px}</style></head><body><h1>Training health</h1><img "
+        f"src='data:image/png;base64,{img}' "
+        f"style='max-width:100%'><h2>Runs</h2><ul>{runs}</ul><h2>Events</h2>{ev}</body></html>"
     )
 
 

@@ -261,7 +261,8 @@ class DebugTool(Callback):
                 )
 
     def _batch(self, fmt: Format, ps: list[Pending]) -> list[tuple[float, dict]]:
-        """(cur_amax, {recipe: stats}) for each of ps, all tensors and per-tensor recipes at once."""
+        """(cur_amax, {recipe: stats}) for each of ps, all tensors and per-tensor recipes at
+        once."""
         amax = torch.stack([p.amax for p in ps]).float()
         if not self.per_tensor:
             return [(a, {}) for a in amax.tolist()]

@@ -19,7 +19,8 @@ its input (fp32 master weights get fp32 grads, FSDP2's bf16 weights get bf16 gra
 
 Activation checkpointing: a block's forward runs again inside backward. The recomputation must
 see the same FP8 operands as the first forward, so a forward that runs inside a backward pass
-reuses the scales the first forward used and records no amax (TE's `in_fp8_activation_recompute_phase`).
+reuses the scales the first forward used and records no amax (TE's
+`in_fp8_activation_recompute_phase`).
 
 Difference from TE: amaxes are per rank (TE all-reduces them over the data-parallel group); with
 DDP or FSDP the weight amax is the same on every rank anyway.
@@ -52,7 +53,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def in_recompute() -> bool:
-    """True while a forward runs inside a backward pass: activation checkpointing's recomputation."""
+    """True while a forward runs inside a backward pass: activation checkpointing's
+    recomputation."""
     return torch._C._current_graph_task_id() != -1
 
 

@@ -1,4 +1,5 @@
-"""Block-scaled formats, emulated: NVFP4, MXFP4 (the FP4 stretch goal) and MXFP8 (for the debug tool).
+"""Block-scaled formats, emulated: NVFP4, MXFP4 (the FP4 stretch goal) and MXFP8 (for the debug
+tool).
 
     nvfp4  E2M1 elements, 16-element blocks, E4M3 block scales, plus one fp32 per-tensor scale
            that puts the largest block scale at the top of E4M3's range (NVIDIA's recipe)

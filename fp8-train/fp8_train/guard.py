@@ -8,7 +8,8 @@ non-finite on every rank and all ranks climb the same rung at the same step:
        undone one notch per `lr_restore_after` clean steps in a row          (event `lr_restore`)
     3. after `rollback_after` in a row: reload the last good checkpoint, and skip the batches
        that went bad when the replay reaches them                           (event `rollback`)
-    4. optionally switch the first offending layer to high precision (event `layer_to_high_precision`)
+    4. optionally switch the first offending layer to high precision (event
+    `layer_to_high_precision`)
 
 The `nonfinite` event (written by every rank, for its own view) names the first layer whose
 output went non-finite in forward, the first whose output gradient did in backward, the

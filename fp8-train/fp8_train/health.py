@@ -6,13 +6,15 @@ Series added to each `step` record every `every` steps:
     update_ratio    ||theta_after - theta_before|| / ||theta_before||   (healthy around 1e-3)
     grad_snr        ||m_hat||^2 / sum(v_hat - m_hat^2) from AdamW's moments: how much of the
                     gradient is signal that persists across steps vs noise
-    fp8_scale_min   smallest FP8 scale over the emulated layers (per-layer values: `fp8_scales` records)
+    fp8_scale_min   smallest FP8 scale over the emulated layers (per-layer values: `fp8_scales`
+                    records)
 plus what the Trainer already records (loss, grad_norm, tokens/s, memory, fp16 loss scale).
 
 Alerts (events of kind `alert`, and a console line on rank 0):
     grad_norm_spike   z-score of grad norm against the previous `window` steps > spike_z
     loss_plateau      loss improved < plateau_rel over `window` steps while grad norm did not fall
-    scale_drop        a layer's FP8 scale fell by > scale_jump x in one sample: amax jumped (overflow, NaN ahead)
+    scale_drop        a layer's FP8 scale fell by > scale_jump x in one sample: amax jumped
+                      (overflow, NaN ahead)
     scale_rise        it rose by > scale_jump x: amax collapsed (underflow ahead)
 TensorBoard event files go to <run_dir>/tensorboard when `tensorboard: true`.
 """

@@ -52,7 +52,10 @@ def suggest(cause: str, tensor: str, recipe: str, others: dict[str, float], t: d
     if cause == "underflow" and better:
         return f"try {better[0]} scaling (it underflows less here), or keep the layer in BF16"
     if better and any(r in ("mxfp8", "nvfp4", "mxfp4") for r in better):
-        return f"a block-scaled recipe ({better[0]}) fits this tensor's range; otherwise keep it in BF16"
+        return (
+            f"a block-scaled recipe ({better[0]}) fits this tensor's range; otherwise keep it in "
+            "BF16"
+        )
     if cause == "underflow" and tensor == "gradient":
         return "keep the layer in BF16 (gradients span more range than E5M2 at one scale)"
     return "keep the layer in BF16: 'precision_map.rules=[{pattern: <layer>, precision: high}]'"

@@ -1,4 +1,4 @@
-"""Which layers train in FP8 and which stay high precision, by module name.
+r"""Which layers train in FP8 and which stay high precision, by module name.
 
     precision_map:
       default: fp8                # precision of every linear no rule matches

@@ -82,7 +82,8 @@ def roundtrip(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor
 
 
 def count(ones: torch.Tensor) -> torch.Tensor:
-    """Sum of 0/1 values over the last dim: float32 (exact to 2**24, ~15x faster here), else float64."""
+    """Sum of 0/1 values over the last dim: float32 (exact to 2**24, ~15x faster here), else
+    float64."""
     return ones.sum(-1, dtype=torch.float32 if ones.shape[-1] <= 2**24 else F64)
 
 

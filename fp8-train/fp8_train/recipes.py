@@ -1,5 +1,6 @@
-"""The FP8 recipes and what each refuses, without torch: `python -m fp8_train` checks these before importing it
-(fp8_train.checks); fp8_train.backends builds the recipes and re-exports these names."""
+"""The FP8 recipes and what each refuses, without torch: `python -m fp8_train` checks these
+before importing it (fp8_train.checks); fp8_train.backends builds the recipes and re-exports
+these names."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def check_run(recipe: str, micro_batch: int, seq_len: int, activation_checkpoint
     backend = backend_of(recipe)
     if backend == "te" and activation_checkpointing != "none":
         raise UserError(
-            f"train.activation_checkpointing={activation_checkpointing} with recipe={recipe}: TE's FP8 "
-            "state needs TE's own checkpoint (te.checkpoint), which is not wired in here: "
-            "use train.activation_checkpointing=none, or an emulated_* / torchao_* recipe"
+            f"train.activation_checkpointing={activation_checkpointing} with recipe={recipe}: "
+            "TE's FP8 state needs TE's own checkpoint (te.checkpoint), which is not wired in "
+            "here: use train.activation_checkpointing=none, or an emulated_* / torchao_* recipe"
         )
     tokens, multiple = micro_batch * seq_len, shape_multiple(recipe)
     if (
@@ -44,7 +45,8 @@ def check_run(recipe: str, micro_batch: int, seq_len: int, activation_checkpoint
 
 
 def check_fp8_cfg(fp8) -> None:
-    """The `fp8:` keys, checked before a rank starts (amax_history_len=0 would fail deep in a rank)."""
+    """The `fp8:` keys, checked before a rank starts (amax_history_len=0 would fail deep in a
+    rank)."""
     for key, low in (("amax_history_len", 1), ("margin", 0)):
         integer_at_least(f"fp8.{key}", fp8[key], low)
     choices = {

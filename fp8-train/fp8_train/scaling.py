@@ -60,10 +60,11 @@ class DelayedScaler(nn.Module):
     the step-t cast uses what steps < t saw. The history is a buffer, so checkpoints keep it."""
 
     kind = "delayed"
-    # Ranks see different activations and gradients; TE reduces the amaxes over the data-parallel group
-    # so every rank keeps the same history and scale. Without it a DCP checkpoint (which saves one
-    # rank's copy of a replicated buffer, whichever its planner picks) resumes the others off course.
-    # With a group, amaxes wait in `pending` for AmaxReduction's one all-reduce at the step's end.
+    # Ranks see different activations and gradients; TE reduces the amaxes over the data-parallel
+    # group so every rank keeps the same history and scale. Without it a DCP checkpoint (which saves
+    # one rank's copy of a replicated buffer, whichever its planner picks) resumes the others off
+    # course. With a group, amaxes wait in `pending` for AmaxReduction's one all-reduce at the
+    # step's end.
     amax_group = None
 
     def __init__(self, fmt: Format, margin: int = 0, history_len: int = 16, algo: str = "max"):
@@ -104,10 +105,10 @@ class DelayedScaler(nn.Module):
 
 
 class AmaxReduction(Callback):
-    """A Trainer callback: at each step's end (before any checkpoint), one all-reduce (max) over `group`
-    of every amax the step recorded, then each DelayedScaler's history and scale; as TE's delayed
-    scaling does over the data-parallel group. With one micro-batch per step each scaler records once
-    per step, so the numerics equal a reduction at every cast."""
+    """A Trainer callback: at each step's end (before any checkpoint), one all-reduce (max) over
+    `group` of every amax the step recorded, then each DelayedScaler's history and scale; as TE's
+    delayed scaling does over the data-parallel group. With one micro-batch per step each scaler
+    records once per step, so the numerics equal a reduction at every cast."""
 
     def __init__(self, model: nn.Module, group):
         super().__init__()

@@ -1,8 +1,8 @@
 """TransformerEngine glue, deliberately thin: te.Linear through the model's linear hook, and
 te.autocast (te.fp8_autocast before TE 2.x) with one of its recipes around every forward.
 
-    te_delayed  recipe.DelayedScaling(fp8_format=HYBRID, margin, amax_history_len, amax_compute_algo)
-    te_current  recipe.Float8CurrentScaling(fp8_format=HYBRID)
+    te_delayed  recipe.DelayedScaling(fp8_format=HYBRID, margin, amax_history_len,
+    amax_compute_algo) te_current  recipe.Float8CurrentScaling(fp8_format=HYBRID)
     te_block    recipe.Float8BlockScaling()     (Hopper and newer)
     te_mxfp8    recipe.MXFP8BlockScaling()      (Blackwell: compute capability >= 10.0)
 
@@ -15,7 +15,8 @@ Checks, in the launching process (fp8_train.checks.validate) before any rank sta
   - TE >= 2.3 (MIN_VERSION: Float8CurrentScaling and Float8BlockScaling in the stable recipe API).
   - TE's own availability check for the recipe on this GPU/CUDA (is_fp8_available,
     is_fp8_block_scaling_available, is_mxfp8_available with return_reason=True; TE releases
-    before they were exported at the top level have the same checks in transformer_engine.pytorch.fp8).
+    before they were exported at the top level have the same checks in
+    transformer_engine.pytorch.fp8).
   - activation checkpointing is refused (recipes.check_run): TE's FP8 state needs TE's own
     checkpoint (te.checkpoint), which the shared parallelize step does not wire in.
   - FP8 GEMM shapes (recipes.check_run): tokens per micro-batch a multiple of 16 (32 for MXFP8);
@@ -37,7 +38,10 @@ import torch
 from dtrain.core.errors import UserError
 
 MIN_VERSION = (2, 3)
-INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.3' (builds against the installed torch)"
+INSTALL = (
+    "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.3' (builds against the "
+    "installed torch)"
+)
 
 # recipe -> (TE recipe class, TE availability check)
 TE_RECIPES = {
@@ -61,7 +65,8 @@ def _import_te():
     try:
         te = importlib.import_module("transformer_engine.pytorch")
         te_recipe = importlib.import_module("transformer_engine.common.recipe")
-    except Exception as e:  # noqa: BLE001 - an ABI mismatch is an OSError/ImportError/RuntimeError/AssertionError
+    except Exception as e:  # noqa: BLE001
+        # an ABI mismatch is an OSError/ImportError/RuntimeError/AssertionError
         cause = (str(e).strip().splitlines() or [""])[0][:300]
         raise UserError(
             f"TransformerEngine is installed but does not import ({type(e).__name__}: {cause}); "
@@ -113,8 +118,8 @@ def check_available(recipe: str, device_type: str) -> None:
         cc = ".".join(map(str, torch.cuda.get_device_capability()))
         raise UserError(
             f"recipe={recipe} is not supported on this GPU (compute capability {cc}, CUDA "
-            f"{torch.version.cuda}): {reason.strip() or 'TransformerEngine says no'} - "
-            "te_delayed / te_current need cc >= 8.9, te_block Hopper + CUDA >= 12.9, te_mxfp8 Blackwell"
+            f"{torch.version.cuda}): {reason.strip() or 'TransformerEngine says no'} - te_delayed "
+            "/ te_current need cc >= 8.9, te_block Hopper + CUDA >= 12.9, te_mxfp8 Blackwell"
         )
 
 

@@ -3,7 +3,8 @@
 validate(cfg)   every key checked before a rank starts (bad input = one line, exit 2)
 rank_fn(ctx)    numerics (backends.py) + precision map -> Trainer(callbacks=[faults, guard,
                 debug tool, health]) -> run
-finalize(...)   table, steps.csv, dashboard, and the summary whose "guide_inputs" the cost model reads
+finalize(...)   table, steps.csv, dashboard, and the summary whose "guide_inputs" the cost model
+                reads
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def rank_fn(ctx) -> dict:
         cfg.precision_map, model_cfg, multiple=recipes.shape_multiple(cfg.recipe)
     )
     factory = pmap.factory(numerics.fp8_linear) if numerics.fp8_linear else None
-    # the recipe decides the Trainer's precision (fp16 trains as fp32 under autocast); config.yaml keeps train.precision
+    # the recipe decides the Trainer's precision (fp16 trains as fp32 under autocast); config.yaml
+    # keeps train.precision
     train = dataclasses.replace(TrainConfig.from_cfg(cfg.train), precision=numerics.train_precision)
     guard = NanGuard(cfg.guard) if cfg.guard.enabled else None
     callbacks = [
@@ -130,7 +132,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     loss = final_loss(rows)
     # the recipe is in the title; short headers keep the table within 100 columns (dtrain.core.terminal)
     table = Table(
-        title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, {cfg.train.strategy})",
+        title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, "
+        f"{cfg.train.strategy})",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )

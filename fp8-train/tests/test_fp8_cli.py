@@ -177,7 +177,8 @@ def test_recovered_run_ends_within_noise_of_the_clean_run(tmp_path):
     loss = [json.loads((r / "summary.json").read_text())["final_loss"] for r in (faulted, clean)]
     events = load_events([faulted])
     assert "lr_restore" in set(events["action"].dropna())
-    # Seed std of the default config's final loss is ~0.04 (3 seeds, README "Results"): 0.1 is ~2.5 sigma.
+    # Seed std of the default config's final loss is ~0.04 (3 seeds, README "Results"): 0.1 is ~2.5
+    # sigma.
     assert abs(loss[0] - loss[1]) < 0.1, loss
 
 
@@ -223,7 +224,8 @@ def test_compare_writes_report_and_guide(tmp_path):
 @pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
     """On a GPU train.precision=auto resolves to bf16: the emulated recipe must train under CPU bf16
-    autocast too (it once failed in backward with `BFloat16 != float`). A model field as the README writes it."""
+    autocast too (it once failed in backward with `BFloat16 != float`). A model field as the
+    README writes it."""
     r = py(
         "-m",
         "fp8_train",
@@ -248,9 +250,10 @@ def test_the_gpu_default_recipe_trains_in_bf16_from_the_command_line(tmp_path):
 
 @pytest.mark.slow  # the fast path keeps a shorter test of the same property
 def test_delayed_scaling_resumes_exactly_on_two_ranks(tmp_path):
-    """Delayed scaling's amax history is per rank unless reduced (TE reduces it over the data-parallel
-    group); a DCP checkpoint holds one rank's copy, so without the reduction a 2-rank resume drifted
-    (1.5e-4 at the first resumed step). With it, the resumed losses equal the uninterrupted run's."""
+    """Delayed scaling's amax history is per rank unless reduced (TE reduces it over the
+    data-parallel group); a DCP checkpoint holds one rank's copy, so without the reduction a
+    2-rank resume drifted (1.5e-4 at the first resumed step). With it, the resumed losses equal
+    the uninterrupted run's."""
     quiet = [
         *QUIET,
         "fp8_debug.enabled=false",

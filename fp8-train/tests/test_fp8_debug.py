@@ -165,7 +165,8 @@ def test_hooks_do_nothing_on_steps_that_are_not_sampled_for_layers_with_their_ow
 
 
 def test_a_recomputed_forward_is_not_observed_twice():
-    """Activation checkpointing runs a block's forward again inside backward; the tool has seen it."""
+    """Activation checkpointing runs a block's forward again inside backward; the tool has seen
+    it."""
     from torch.utils.checkpoint import checkpoint
 
     cfg = debug_cfg(freq=1, amax_history_len=4, recipes=["delayed"], sample_elements=0)

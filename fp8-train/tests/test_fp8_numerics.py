@@ -47,7 +47,8 @@ def test_delayed_scale_uses_history_max_and_margin():
     used = [s.scale_for(torch.tensor([a])).item() for a in (1.0, 4.0, 2.0, 0.5)]
     # each cast uses the scale from the amaxes before it: none yet (1), [1], [4,1], [2,4,1]
     assert used == pytest.approx([1.0, 448 / 1 / 2, 448 / 4 / 2, 448 / 4 / 2])
-    # after pushing 0.5 the window (len 3) is [0.5, 2, 4]: still max 4; one more small amax drops the 4
+    # after pushing 0.5 the window (len 3) is [0.5, 2, 4]: still max 4; one more small amax drops
+    # the 4
     s.scale_for(torch.tensor([0.5]))
     assert s.scale.item() == pytest.approx(448 / 2 / 2)
     recent = DelayedScaler(E4M3, history_len=4, algo="most_recent")

@@ -1,5 +1,5 @@
-"""TransformerEngine glue without TransformerEngine: a package on sys.path that fails to import as an
-ABI-mismatched build does, an old version, TE releases whose availability checks live in
+"""TransformerEngine glue without TransformerEngine: a package on sys.path that fails to import
+as an ABI-mismatched build does, an old version, TE releases whose availability checks live in
 transformer_engine.pytorch.fp8, and the run-shape rules checked before a run starts."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def test_not_installed_says_how_to_install(cuda_here, monkeypatch):
         te_backend.check_available("te_delayed", "cuda")
     assert str(e.value) == (
         "recipe=te_* needs TransformerEngine, which is not installed: pip install "
-        "--no-build-isolation 'transformer_engine[pytorch]>=2.3' (builds against the installed torch)"
+        "--no-build-isolation 'transformer_engine[pytorch]>=2.3' (builds against the installed "
+        "torch)"
     )
 
 
@@ -161,7 +162,8 @@ def test_shape_rule_is_one_line_before_the_run(tmp_path):
     assert r.returncode == 2
     # (torchao's import may print a torch deprecation warning first: only our error line counts)
     assert [line for line in r.stderr.splitlines() if line.startswith("error")] == [
-        "error: recipe=torchao_tensorwise: FP8 GEMMs need the tokens per micro-batch (train.micro_batch x seq_len "
-        "= 1 x 12 = 12) to be a multiple of 16: change train.micro_batch or model.seq_len"
+        "error: recipe=torchao_tensorwise: FP8 GEMMs need the tokens per micro-batch "
+        "(train.micro_batch x seq_len = 1 x 12 = 12) to be a multiple of 16: change "
+        "train.micro_batch or model.seq_len"
     ]
     assert not any(tmp_path.rglob("config.yaml"))

@@ -93,18 +93,20 @@ LAYERS = (
     [
         (
             '[{pattern: "blocks.0.*", precision: high}, {pattern: "(", precision: fp8}]',
-            f"precision_map.rules[1]: pattern '(' matches no linear layer of this model ({LAYERS}): patterns are "
-            "fnmatch, not regular expressions, e.g. blocks.0.* or blocks.*.mlp.w2",
+            "precision_map.rules[1]: pattern '(' matches no linear layer of this model "
+            f"({LAYERS}): patterns are fnmatch, not regular expressions, e.g. blocks.0.* or "
+            "blocks.*.mlp.w2",
         ),
         (
             '[{pattern: "blocks\\.0\\..*", precision: high}]',
-            "precision_map.rules[0]: pattern 'blocks\\\\.0\\\\..*' matches no linear layer of this model "
-            f"({LAYERS}): patterns are fnmatch, not regular expressions, e.g. blocks.0.* or blocks.*.mlp.w2",
+            "precision_map.rules[0]: pattern 'blocks\\\\.0\\\\..*' matches no linear layer of "
+            f"this model ({LAYERS}): patterns are fnmatch, not regular expressions, e.g. "
+            "blocks.0.* or blocks.*.mlp.w2",
         ),
         (
             '[{pattern: "blocks.9.*", precision: high}]',
-            f"precision_map.rules[0]: pattern 'blocks.9.*' matches no linear layer of this model ({LAYERS}): "
-            "check the layer name, e.g. blocks.0.* or blocks.*.mlp.w2",
+            "precision_map.rules[0]: pattern 'blocks.9.*' matches no linear layer of this model "
+            f"({LAYERS}): check the layer name, e.g. blocks.0.* or blocks.*.mlp.w2",
         ),
         (
             '[{pattern: "blocks.0.*"}]',
@@ -124,11 +126,13 @@ LAYERS = (
         ("[lm_head]", f"precision_map.rules[0]='lm_head' is not a rule: write {SHAPE}"),
         (
             "[{pattern: lm_head, precision: high, when: 3}]",
-            f"precision_map.rules[0]: unknown key 'when': a rule has only pattern and precision, {SHAPE}",
+            "precision_map.rules[0]: unknown key 'when': a rule has only pattern and precision, "
+            f"{SHAPE}",
         ),
         (
             "[{pattern: 3, precision: high}]",
-            "precision_map.rules[0]: pattern=3 must be a non-empty fnmatch pattern on layer names, e.g. blocks.0.*",
+            "precision_map.rules[0]: pattern=3 must be a non-empty fnmatch pattern on layer "
+            "names, e.g. blocks.0.*",
         ),
     ],
 )
@@ -150,7 +154,7 @@ def test_a_bad_rule_on_the_command_line_is_one_line_exit_2_no_run_dir(tmp_path):
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: precision_map.rules[0]: precision='bf16' is not one of fp8, high (high: the run's non-FP8 "
-        "precision, bf16 on GPU, fp32 on CPU)"
+        "error: precision_map.rules[0]: precision='bf16' is not one of fp8, high (high: the run's "
+        "non-FP8 precision, bf16 on GPU, fp32 on CPU)"
     ], out.stderr
     assert not list(tmp_path.rglob("config.yaml")) and not list(tmp_path.rglob(rundir.OWNER))

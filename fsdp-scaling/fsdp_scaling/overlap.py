@@ -5,7 +5,8 @@ merged into disjoint unions (nested or concurrent events must not count twice), 
 
     comm_s          = |U_comm|                 time some collective was in flight
     overlapped_s    = |U_comm ∩ U_compute|     ... while compute was also running
-    exposed_comm_s  = comm_s - overlapped_s    ... while nothing else ran: the cost data parallelism adds
+    exposed_comm_s  = comm_s - overlapped_s    ... while nothing else ran: the cost data parallelism
+                                               adds
     overlap_fraction = overlapped_s / comm_s   (None when there was no communication)
 
 `intervals_from_trace` picks the intervals out of a Chrome trace exported by torch.profiler:
@@ -132,7 +133,8 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
         tp_comm_s      the hand-rolled TP collectives' `tp_comm:*` ranges (blocking: all exposed)
         cp_comm_s      context parallelism's `cp_comm:*` ranges (issuing the ring's sends, waiting
                        for them, the all-to-alls): what the attention compute did not hide
-        pp_p2p_s       pipeline send/recv issued on the main thread (with cp: the ring's, in cp_comm_s)
+        pp_p2p_s       pipeline send/recv issued on the main thread (with cp: the ring's, in
+                       cp_comm_s)
         dp_comm_s      every other collective (gradient sync, loss and norm reductions) while no
                        TP collective was in flight, and its part not hidden behind compute
         dp_comm_exposed_s
@@ -148,7 +150,9 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
     tp = merge(span(e) for e in main if e["name"].startswith("tp_comm:"))
     cp = merge(span(e) for e in main if e["name"].startswith("cp_comm:"))
     p2p = merge(span(e) for e in main if e["name"].startswith(_P2P))
-    if cp:  # the trainer runs cp only without pp: every send/recv is the ring's (some outlast their cp range)
+    # the trainer runs cp only without pp: every send/recv is the ring's (some outlast their cp
+    # range)
+    if cp:
         cp, p2p = merge([*cp, *p2p]), []
     other_comm = merge(
         span(e) for e in events if e["name"].startswith("gloo:") and not e["name"].startswith(_P2P)

@@ -14,8 +14,9 @@ the runs it was made from in "derived_from"):
   summary.json["study"]          {"runs": [per-run headline numbers], "scaling_efficiency": {...}}
 
 Scaling efficiency at N ranks, within a group of runs that differ only in world size
-(same strategy, tp x pp layout, model, sequence length, precision, and either the same global batch = strong
-scaling, or the same per-rank batch = weak scaling), against the group's smallest world size N0:
+(same strategy, tp x pp layout, model, sequence length, precision, and either the same global batch
+= strong scaling, or the same per-rank batch = weak scaling), against the group's smallest world
+size N0:
 
     efficiency(N) = (tokens_per_s(N) / N) / (tokens_per_s(N0) / N0)
 
@@ -117,7 +118,8 @@ def study_frame(paths) -> tuple[pd.DataFrame, list[dict]]:
 
 
 def add_efficiency(df: pd.DataFrame) -> pd.DataFrame:
-    """efficiency vs the smallest world size of each group; step-time ratio vs DDP at the same point."""
+    """efficiency vs the smallest world size of each group; step-time ratio vs DDP at the same
+    point."""
     df = df.copy()
     per_rank = df["tokens_per_s"] / df["world_size"]
     base = df.loc[
@@ -147,7 +149,8 @@ def label(df: pd.DataFrame) -> pd.Series:
 
 
 def _bars(df: pd.DataFrame, y: str, ylabel: str, title: str, path: Path) -> Path:
-    """One bar per series at each world size: every run is visible, however few ranks each series has."""
+    """One bar per series at each world size: every run is visible, however few ranks each series
+    has."""
     import seaborn as sns
 
     fig, ax = plots.figure(width=6.4, height=4.0)
@@ -213,7 +216,8 @@ def write_plots(df: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def scaling_summary(df: pd.DataFrame) -> dict:
-    """{series: {"world_size": [...], "efficiency": [...], "tokens_per_s": [...], ...}} for the guide."""
+    """{series: {"world_size": [...], "efficiency": [...], "tokens_per_s": [...], ...}} for the
+    guide."""
     out = {}
     for key, g in (
         df.assign(series=label(df)).sort_values("world_size").groupby(["series", "model"])
@@ -335,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     print_study(table)
     print(f"wrote {out / 'scaling.csv'} (every column, the step breakdown included)")
     write_plots(df, out)
-    # a derived run: it names its runs, which keep their own guide inputs (nothing is published twice)
+    # a derived run: it names its runs, which keep their own guide inputs (nothing is published
+    # twice)
     write_derived_run(
         out,
         "fsdp-scaling",

@@ -1,4 +1,5 @@
-"""One training run under one strategy and layout, measured (the per-rank side of `python -m fsdp_scaling`).
+"""One training run under one strategy and layout, measured (the per-rank side of `python -m
+fsdp_scaling`).
 
 Records per step (loss, grad norm, tokens/s, TFLOP/s, MFU, peak memory), per-rank state bytes
 against the ZeRO formula (with tp / pp: this rank's stages and tp shards, sharded over dp), and

@@ -18,7 +18,8 @@ COMM_ELSEWHERE = " (TP, CP, PP comm: the step breakdown)"  # what the DP columns
 
 
 def headline(r: dict) -> dict:
-    """A run's headline numbers, flat (tables, the study report): from the rank result or the summary."""
+    """A run's headline numbers, flat (tables, the study report): from the rank result or the
+    summary."""
     ov = r.get("overlap") or {}
     return {
         "strategy": r["strategy"],
@@ -57,7 +58,8 @@ def print_tables(r: dict, console: Console | None = None) -> None:
         f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}" if g["tp"] * g["pp"] * g["cp"] > 1 else ""
     )
     t = Table(
-        title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), {g['device']}/{g['backend']}",
+        title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), "
+        f"{g['device']}/{g['backend']}",
         caption=f"s = seconds per step; DP = the data-parallel gradient sync{COMM_ELSEWHERE}",
     )
     for col in (

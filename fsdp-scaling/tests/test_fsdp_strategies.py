@@ -64,7 +64,8 @@ def losses_of(trainer: Trainer) -> tuple[list[float], list[float]]:
 
 
 def many_strategies(ctx) -> dict:
-    """Every strategy in ctx.cfg.specs in turn; per spec its losses and measured vs formula bytes."""
+    """Every strategy in ctx.cfg.specs in turn; per spec its losses and measured vs formula
+    bytes."""
     tiny = GPTConfig.from_preset("tiny")
     out = {}
     for name, spec in ctx.cfg.specs.items():
@@ -122,7 +123,8 @@ def test_strategies_agree_and_resume_exactly(tmp_path):
     for name in ("ddp", "zero2", "zero3", "zero3_prefetch_ac", "zero3_op_ac"):
         for key in ("losses", "grad_norms"):
             assert two[name][key] == pytest.approx(one["single"][key], rel=1e-6, abs=0), (name, key)
-    # resumed runs continue with exactly the uninterrupted losses, at the same and a different world size
+    # resumed runs continue with exactly the uninterrupted losses, at the same and a different world
+    # size
     for resumed in (two["zero3_resumed"], two["ddp_resumed_from_zero3"], one["single_resumed"]):
         assert resumed["losses"] == pytest.approx(two["zero3"]["losses"][3:], abs=1e-5)
     # measured per-rank state bytes equal the ZeRO formula (optimizer: Adam m, v + step per tensor)

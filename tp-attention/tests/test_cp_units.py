@@ -101,11 +101,12 @@ def test_expected_bytes_by_hand():
         comm_counter.wire_bytes("send", 1000, 4) == 1000
         and comm_counter.wire_bytes("all_to_all", 1000, 4) == 750
     )
-    # b=1, s=8, hd=4, fp32, cp=2: a rank holds 4 tokens; a k/v block with 2 k/v heads = 2*4*2*4*4 = 256 bytes,
-    # sent 3(cp-1) = 3 times (forward k/v, backward k/v and its gradient)
+    # b=1, s=8, hd=4, fp32, cp=2: a rank holds 4 tokens; a k/v block with 2 k/v heads = 2*4*2*4*4 =
+    # 256 bytes, sent 3(cp-1) = 3 times (forward k/v, backward k/v and its gradient)
     kw = dict(batch=1, seq=8, n_head=4, n_kv_head=2, head_dim=4, cp=2)
     assert expected_wire_bytes("ring", **kw) == 3 * 256
-    # ulysses: q and out 4*4*4*4 = 256 bytes, k and v 128 each, half of each leaves the rank, twice (fwd, bwd)
+    # ulysses: q and out 4*4*4*4 = 256 bytes, k and v 128 each, half of each leaves the rank, twice
+    # (fwd, bwd)
     assert expected_wire_bytes("ulysses", **kw) == 2 * (128 + 64 + 64 + 128)
     assert expected_wire_bytes("ring", **{**kw, "cp": 1}) == 0
     assert (

@@ -24,7 +24,8 @@ def test_wire_bytes_ring_formulas():
 
 
 def test_expected_bytes_block_by_hand():
-    # b=2, s=8, h=16 fp32: an activation is 1024 bytes; a block = 4 all-reduces, each 2*(1/2)*1024 on tp=2
+    # b=2, s=8, h=16 fp32: an activation is 1024 bytes; a block = 4 all-reduces, each 2*(1/2)*1024
+    # on tp=2
     kw = dict(batch=2, seq=8, d_model=16, n_head=4, n_kv_head=4, tp=2)
     assert tp_collectives.expected_wire_bytes(sequence_parallel=False, **kw) == {
         "activation": 4096,
@@ -47,7 +48,8 @@ def test_expected_bytes_block_by_hand():
 
 def test_expected_bytes_replicated_kv_heads():
     # n_kv_head=1 < tp=4: every rank holds wk and wv whole (2 x head_dim=4 rows of 16 + bias)
-    # and sums their grads over all 4 ranks: payload 8 * 17 * 4 = 544 bytes, wire 2 * 3/4 * 544 = 816
+    # and sums their grads over all 4 ranks: payload 8 * 17 * 4 = 544 bytes, wire 2 * 3/4 * 544 =
+    # 816
     kw = dict(batch=1, seq=4, d_model=16, n_head=4, tp=4, bias=True)
     assert (
         tp_collectives.expected_wire_bytes(n_kv_head=1, sequence_parallel=False, **kw)["grad_sync"]

@@ -171,7 +171,8 @@ def measure_tp(cfg, tp: int, sp: bool, groups, ref, x, g, device) -> dict:
 
 
 def measure_single(cfg, ref, x, g, device, threads: int | None) -> dict:
-    """The unsharded layer in this process alone (the other ranks wait), with `threads` CPU threads."""
+    """The unsharded layer in this process alone (the other ranks wait), with `threads` CPU
+    threads."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)

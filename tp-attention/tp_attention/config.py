@@ -1,5 +1,5 @@
-"""Reading and checking the benchmark's and the parity check's own config keys (without torch: the command line
-is checked before it is imported)."""
+"""Reading and checking the benchmark's and the parity check's own config keys (without torch:
+the command line is checked before it is imported)."""
 
 from __future__ import annotations
 
@@ -39,12 +39,13 @@ def check_distinct(key: str, values: list) -> None:
 
 
 def tp_degrees(cfg) -> list[int]:
-    """`train.tp` as a list; null means one group over all ranks. An empty list measures nothing: refused."""
+    """`train.tp` as a list; null means one group over all ranks. An empty list measures nothing:
+    refused."""
     degrees = [cfg.world_size] if cfg.train.tp is None else as_list(cfg.train.tp)
     if not degrees:
         raise UserError(
-            f"train.tp=[] is empty: name at least one degree, e.g. train.tp=[1,{cfg.world_size}] (or "
-            "train.tp=null for one group over all ranks)"
+            f"train.tp=[] is empty: name at least one degree, e.g. train.tp=[1,{cfg.world_size}] "
+            "(or train.tp=null for one group over all ranks)"
         )
     return degrees
 
@@ -54,12 +55,14 @@ def check_tp(tp, world_size: int) -> None:
         raise UserError(f"train.tp={tp!r} must be an integer >= 1")
     if tp > world_size:
         raise UserError(
-            f"train.tp={tp} is larger than world_size={world_size}: lower train.tp or raise world_size"
+            f"train.tp={tp} is larger than world_size={world_size}: lower train.tp or raise "
+            "world_size"
         )
 
 
 def model_config(cfg) -> GPTConfig:
-    """The GPT whose block is measured (`model.preset` + overrides; only the block's fields matter)."""
+    """The GPT whose block is measured (`model.preset` + overrides; only the block's fields
+    matter)."""
     return dtrain_config.model_config(cfg.model)
 
 
@@ -79,8 +82,9 @@ def check_bench(cfg) -> None:
         raise UserError(f"timing_warmup={cfg.timing_warmup} must be >= 0")
     if not cfg.profile.enabled or cfg.profile.steps < 1:
         raise UserError(
-            f"profile.enabled={cfg.profile.enabled} profile.steps={cfg.profile.steps}: the guide's "
-            "communication share needs the profiler: keep profile.enabled=true and profile.steps >= 1"
+            f"profile.enabled={cfg.profile.enabled} profile.steps={cfg.profile.steps}: the "
+            "guide's communication share needs the profiler: keep profile.enabled=true and "
+            "profile.steps >= 1"
         )
     model = model_config(cfg)
     n_kv = model.n_kv_head
@@ -112,6 +116,6 @@ def check_bench(cfg) -> None:
         check_tp_heads(model.n_head, n_kv, tp)
         if True in as_list(cfg.train.sequence_parallel) and model.seq_len % tp:
             raise UserError(
-                f"train.sequence_parallel needs model.seq_len={model.seq_len} divisible by tp={tp}: "
-                "pick model.seq_len a multiple of tp"
+                f"train.sequence_parallel needs model.seq_len={model.seq_len} divisible by "
+                f"tp={tp}: pick model.seq_len a multiple of tp"
             )

@@ -314,8 +314,9 @@ def validate(cfg: DictConfig) -> None:
 
 def finalize(run_dir, cfg, result) -> dict:
     print(
-        f"parity: {result['checks']} tensors compared, worst relative error {result['max_rel_err']:.2e} "
-        f"(rtol {result['rtol']:g}); analytic == counted communication bytes in every case"
+        f"parity: {result['checks']} tensors compared, worst relative error "
+        f"{result['max_rel_err']:.2e} (rtol {result['rtol']:g}); analytic == counted "
+        "communication bytes in every case"
     )
     return {**result, "passed": True}
 

@@ -201,8 +201,9 @@ def finalize(run_dir: Path, cfg, result: dict) -> dict:
     df["overhead_factor"] = df.handrolled_s * df.tp / df.single_s
     m = model_config(cfg)
     title = (
-        f"tp-attention {cfg.module}: b={cfg.train.micro_batch} s={m.seq_len} d={m.d_model} heads={m.n_head}"
-        f"/{m.n_kv_head} {cfg.train.precision} on {result['device']} ({result['backend']})"
+        f"tp-attention {cfg.module}: b={cfg.train.micro_batch} s={m.seq_len} d={m.d_model} "
+        f"heads={m.n_head}/{m.n_kv_head} {cfg.train.precision} on {result['device']} "
+        f"({result['backend']})"
     )
     print_table(df, title)
     df.drop(columns=["op_counts", "dtensor_collectives"]).to_csv(

@@ -44,7 +44,9 @@ class AllreduceBenchConfig(BaseConfig):
     step_factor: float = 4  # nccl-tests -f: next size = size x factor
     dtypes: Any = field(
         default_factory=lambda: ["float32"]
-    )  # float32 | bfloat16 | float16 | float64 | int32 | int64 | int8 | uint8 | float8_e4m3fn | float8_e5m2
+        # float32 | bfloat16 | float16 | float64 | int32 | int64 | int8 | uint8 | float8_e4m3fn |
+        # float8_e5m2
+    )
     redop: str = "sum"  # sum | prod | max | min | avg   (nccl-tests -o)
     modes: Any = field(
         default_factory=lambda: ["out_of_place", "in_place"]

@@ -1,6 +1,7 @@
 """`dtrain capstone`: every experiment at small size, then PARALLELISM_GUIDE.md from their runs.
 
-    dtrain capstone                          local ranks (the embedded defaults), ~3-5 min on 2 CPU cores
+    dtrain capstone                          local ranks (the embedded defaults), ~3-5 min on 2 CPU
+                                             cores
     dtrain capstone --launcher slurm --set slurm.partition=gpu --set slurm.gpus_per_node=8
                                              each experiment as a Slurm job (launcher=slurm)
 
@@ -12,8 +13,8 @@ check scales each run's prediction by the load it had. If a package is missing
 or an experiment fails, the capstone names it, shows the end of its log and exits 1 without
 writing a guide (a guide that silently lacks an experiment would mislead). Otherwise the guide is
 generated from exactly this capstone's runs, plus the GPU measurements committed under measured/
-(`make gpu-check` reports: their CUDA gemm-probe calibrates the GPU decision matrix; `--measured none`
-leaves them out). The capstone only reads them.
+(`make gpu-check` reports: their CUDA gemm-probe calibrates the GPU decision matrix; `--measured
+none` leaves them out). The capstone only reads them.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ STEPS = (
     Step("tp-attention", "tp_attention", (), expected_s=25),
     # context parallelism (ring, all-to-all) vs one device vs TP+SP: the CpMeasurement records
     Step("tp-attention cp", "tp_attention", (), module="tp_attention.cp", expected_s=18),
-    # FP8 speed and memory factors and the layers to keep in BF16 come from `compare`; without the per-step
-    # tooling (NaN guard hooks on every linear, health and debug statistics), which would dilute the speed
-    # factor and is not training work the cost model predicts (numerics runs keep it: the default)
+    # FP8 speed and memory factors and the layers to keep in BF16 come from `compare`; without the
+    # per-step tooling (NaN guard hooks on every linear, health and debug statistics), which would
+    # dilute the speed factor and is not training work the cost model predicts (numerics runs keep
+    # it: the default)
     Step(
         "fp8-train",
         "fp8_train",
@@ -96,8 +98,8 @@ def _clock(seconds: float) -> str:
 
 
 class StepProgress:
-    """What runs now. On a terminal: a live display. Piped (CI, `| tee`): one line when a step starts
-    (elapsed time, its expected time, the ETA of the whole capstone) and one when it ends."""
+    """What runs now. On a terminal: a live display. Piped (CI, `| tee`): one line when a step
+    starts (elapsed time, its expected time, the ETA of the whole capstone) and one when it ends."""
 
     def __init__(self, names: list[str], expected: list[float], console):
         self.names, self.expected, self.console = names, expected, console
@@ -124,7 +126,8 @@ class StepProgress:
             self.live.__exit__(*exc)
 
     def _eta(self, i: int, started: float) -> float:
-        """Elapsed + what is left of step i (by its expected time) + the expected time of the later steps."""
+        """Elapsed + what is left of step i (by its expected time) + the expected time of the
+        later steps."""
         now = time.perf_counter() - self.t0
         return now + max(self.expected[i] - (now - started), 0.0) + sum(self.expected[i + 1 :])
 
@@ -154,11 +157,9 @@ class StepProgress:
                 description=f"[green]{self.names[i]}: done in {secs:.0f} s",
             )
         else:
-            self._line(
-                i,
-                f"done in {secs:.0f} s at {_clock(time.perf_counter() - self.t0)}"
-                f"{'' if i + 1 == len(self.names) else f' (all done ~{_clock(self._eta(i, started))})'}",
-            )
+            last = i + 1 == len(self.names)
+            left = "" if last else f" (all done ~{_clock(self._eta(i, started))})"
+            self._line(i, f"done in {secs:.0f} s at {_clock(time.perf_counter() - self.t0)}{left}")
         return secs
 
     def failed(self, i: int, why: str) -> None:
@@ -196,8 +197,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--measured",
         default="measured",
-        help="committed GPU measurements the guide also reads (default measured/ when it exists; none: "
-        "leave them out)",
+        help="committed GPU measurements the guide also reads (default measured/ when it exists; "
+        "none: leave them out)",
     )
     names = sorted({s.name for s in STEPS})
     # metavar: argparse would print the choices as one unbreakable word, wider than a terminal
@@ -325,7 +326,8 @@ def run(args) -> int:
     )
     t0 = time.perf_counter()
     results.mkdir(parents=True, exist_ok=True)
-    # the CPU time other processes take while the steps run: the local check scales each run's prediction by it
+    # the CPU time other processes take while the steps run: the local check scales each run's
+    # prediction by it
     with hostload.Sampler(results / LOAD_FILE), StepProgress(names, expected, console) as progress:
         outcome = run_steps(steps, results, args.launcher, args.set, progress)
         failed = [(n, why) for n, why, _ in outcome if why != "ok"]

@@ -39,8 +39,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser; ``only``: import just the module of that subcommand (``dtrain plan`` then loads neither
-    pandas nor torch, which the other subcommands import)."""
+    """The parser; ``only``: import just the module of that subcommand (``dtrain plan`` then
+    loads neither pandas nor torch, which the other subcommands import)."""
     parser = OneLineParser(prog="dtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     modules = [SUBCOMMAND_OF[only]] if only in SUBCOMMAND_OF else SUBCOMMAND_MODULES

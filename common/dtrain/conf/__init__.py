@@ -1,4 +1,5 @@
-"""The shared Hydra configs: `dtrain_base.yaml` (run directories) and the selftest's typed config."""
+"""The shared Hydra configs: `dtrain_base.yaml` (run directories) and the selftest's typed
+config."""
 
 from __future__ import annotations
 

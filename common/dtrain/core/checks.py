@@ -1,4 +1,5 @@
-"""Values of the right type that cannot work, refused in the launching process before any rank starts.
+"""Values of the right type that cannot work, refused in the launching process before any rank
+starts.
 
 A key of the wrong type is Hydra's to refuse (dtrain.run.precheck); these are the right types with
 impossible values (`train.beta1=1.5`, `model.init_std=nan`, `seed=-1`), paths that cannot hold a
@@ -98,7 +99,8 @@ def one_of(key: str, value, choices, *, error: type[Exception] = UserError) -> N
 
 def check_path(key: str, value: str) -> None:
     """A folder a run will create (or write into): not empty, each name and the whole path within
-    the filesystem's limits, no symlink loop or file on the way, and writable where it will be made."""
+    the filesystem's limits, no symlink loop or file on the way, and writable where it will be
+    made."""
     if not isinstance(value, str) or not value.strip():
         raise UserError(f"{key}={value!r} is empty: pass {key}=<a folder>, e.g. {key}=results")
     try:
@@ -175,8 +177,9 @@ def check_base_values(cfg) -> None:
     hb = cfg.get("heartbeat_timeout_s")
     if hb is not None and not (is_number(hb) and MIN_HEARTBEAT_TIMEOUT_S <= hb < math.inf):
         raise UserError(
-            f"heartbeat_timeout_s={hb!r} must be a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g} "
-            "(ranks beat every timeout/5; below that healthy ranks look hung), or null to turn it off"
+            f"heartbeat_timeout_s={hb!r} must be a number of seconds >= "
+            f"{MIN_HEARTBEAT_TIMEOUT_S:g} (ranks beat every timeout/5; below that healthy ranks "
+            "look hung), or null to turn it off"
         )
     integer_at_least("seed", cfg.seed, 0, high=MAX_SEED)
     integer_at_least("threads_per_rank", cfg.get("threads_per_rank"), 1, nullable=True)
@@ -214,14 +217,14 @@ def check_training_data(train, model) -> None:
     if train.dataset == "synthetic":
         if model.vocab_size < SYNTHETIC_BRANCHING:
             raise UserError(
-                f"model.vocab_size={model.vocab_size} is too small for train.dataset=synthetic (each "
-                f"token has {SYNTHETIC_BRANCHING} successors): pass model.vocab_size >= "
+                f"model.vocab_size={model.vocab_size} is too small for train.dataset=synthetic "
+                f"(each token has {SYNTHETIC_BRANCHING} successors): pass model.vocab_size >= "
                 f"{SYNTHETIC_BRANCHING}"
             )
         if train.dataset_tokens < need:
             raise UserError(
-                f"train.dataset_tokens={train.dataset_tokens} is less than model.seq_len + 1 = {need}: "
-                f"raise train.dataset_tokens"
+                f"train.dataset_tokens={train.dataset_tokens} is less than model.seq_len + 1 = "
+                f"{need}: raise train.dataset_tokens"
             )
         return
     path = train.dataset

@@ -13,7 +13,8 @@ from pathlib import Path
 
 def files_named(root: str | Path, pattern: str) -> list[Path]:
     """The files under ``root`` whose path ends in ``pattern`` (``Path.match``: "config.yaml",
-    "*_log.err", ".heartbeats/heartbeat.rank1"), sorted; folders that vanish mid-walk are skipped."""
+    "*_log.err", ".heartbeats/heartbeat.rank1"), sorted; folders that vanish mid-walk are
+    skipped."""
     found = []
     for folder, _, names in os.walk(root):  # os.walk ignores folders it cannot list
         found += [p for n in names if (p := Path(folder, n)).match(pattern)]

@@ -47,7 +47,8 @@ class SlurmConfig:
     additional: dict[str, Any] = field(
         default_factory=dict
     )  # extra sbatch options, e.g. {exclusive: true}
-    requeue: bool = True  # preempted or at the time limit: save a checkpoint, requeue, resume in the same run dir
+    # preempted or at the time limit: save a checkpoint, requeue, resume in the same run dir
+    requeue: bool = True
     signal_delay_s: int = (
         60  # USR2 this many seconds before the time limit (a training step + a save must fit)
     )
@@ -58,7 +59,8 @@ class SlurmConfig:
 
 @dataclass
 class BaseConfig:
-    """The keys every subproject has: `python -m tp_attention world_size=2 results_dir=runs/try1`."""
+    """The keys every subproject has: `python -m tp_attention world_size=2
+    results_dir=runs/try1`."""
 
     subproject: str = "dtrain"
     launcher: str = "auto"  # auto | local | slurm   (auto: this rank if inside a job, else local)
@@ -117,7 +119,8 @@ class ModelConfig:
 
 @dataclass
 class ProfileConfig:
-    """torch.profiler over a few steps, right after the timing warm-up (left out of step statistics)."""
+    """torch.profiler over a few steps, right after the timing warm-up (left out of step
+    statistics)."""
 
     enabled: bool = True
     steps: int = 2
@@ -145,14 +148,16 @@ def model_config(value):
 
 def defaults(cls):
     """The defaults of a config dataclass as a plain OmegaConf node (untyped, open to new keys):
-    what a run with no overrides sees, for code that builds a config without Hydra (tests, tools)."""
+    what a run with no overrides sees, for code that builds a config without Hydra (tests,
+    tools)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cls)))
 
 
 def register(name: str, cls) -> None:
-    """Store `cls` in Hydra's ConfigStore as `name` (a config.yaml names it in its defaults list)."""
+    """Store `cls` in Hydra's ConfigStore as `name` (a config.yaml names it in its defaults
+    list)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name=name, node=cls)

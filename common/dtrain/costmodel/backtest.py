@@ -1,22 +1,23 @@
-"""`dtrain backtest`: the cost model against published GPU training runs (``backtest_runs.yaml``, the
-development set of issue 21; every other published run is held out).
+"""`dtrain backtest`: the cost model against published GPU training runs (``backtest_runs.yaml``,
+the development set of issue 21; every other published run is held out).
 
-Per row: the predicted tokens/s per GPU of the published layout vs the reported one (a reported TFLOP/s
-is converted to tokens/s with the FLOP count the source used), whether the layout is predicted to fit,
-its rank and gap among every layout the search considers for that model, cluster, batch and software
-stack, and the step's terms (``StepTime.terms`` + communication) with the one that dominates it.
+Per row: the predicted tokens/s per GPU of the published layout vs the reported one (a reported
+TFLOP/s is converted to tokens/s with the FLOP count the source used), whether the layout is
+predicted to fit, its rank and gap among every layout the search considers for that model, cluster,
+batch and software stack, and the step's terms (``StepTime.terms`` + communication) with the one
+that dominates it.
 
-Out of sample: the model's kernel rates come from kernel benchmarks (``kernels.yaml``), not from these
-rows. Two numbers are fitted to rows (least squares on the log error): the share of overlapped DP traffic's
-time that its NCCL kernel's SMs leave to compute (``dp_overlap``; the HBM its copies take is priced apart,
-``collectives.overlap_cost``) and the share of the datasheet link rate collectives reach
-(``link_efficiency``); a third is measured by
-pairs of rows, the share of TP traffic torchtitan's AsyncTP hides (``async_tp_hidden``: a row with it and
-its ``without`` twin). Each row is predicted with all three from the OTHER sources only
-(leave-one-source-out, ``loso``: a source's rows never tune their own prediction); the defaults
-(``calibration.GPU_DP_OVERLAP``, ``hardware.LINK_EFFICIENCY``, ``calibration.ASYNC_TP_HIDDEN``) are the
-fit to every row. Goals (issue 21): median |error| <= 10 %, >= 80 % of rows within 15 %,
-every published layout predicted to fit.
+Out of sample: the model's kernel rates come from kernel benchmarks (``kernels.yaml``), not from
+these rows. Two numbers are fitted to rows (least squares on the log error): the share of overlapped
+DP traffic's time that its NCCL kernel's SMs leave to compute (``dp_overlap``; the HBM its copies
+take is priced apart, ``collectives.overlap_cost``) and the share of the datasheet link rate
+collectives reach (``link_efficiency``); a third is measured by pairs of rows, the share of TP
+traffic torchtitan's AsyncTP hides (``async_tp_hidden``: a row with it and its ``without`` twin).
+Each row is predicted with all three from the OTHER sources only (leave-one-source-out, ``loso``: a
+source's rows never tune their own prediction); the defaults (``calibration.GPU_DP_OVERLAP``,
+``hardware.LINK_EFFICIENCY``, ``calibration.ASYNC_TP_HIDDEN``) are the fit to every row. Goals
+(issue 21): median |error| <= 10 %, >= 80 % of rows within 15 %, every published layout predicted to
+fit.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .timemodel import StepTime, model_flops_per_token, step_time
 
 ERROR_GOAL, WITHIN, WITHIN_SHARE, GAP_GOAL = 0.10, 0.15, 0.80, 0.10
-# The grids the two fitted numbers are chosen from: their physical ranges. NCCL's kernel takes at most half of the
-# time it overlaps through its SMs (16-32 CTAs of 108-132 SMs; its HBM traffic is priced apart); nccl-tests' bus
-# bandwidth reaches 70-100% of the NVLink and NIC line rates. A fit at the edge of a range says the rows want
-# something else.
+# The grids the two fitted numbers are chosen from: their physical ranges. NCCL's kernel takes at
+# most half of the time it overlaps through its SMs (16-32 CTAs of 108-132 SMs; its HBM traffic is
+# priced apart); nccl-tests' bus bandwidth reaches 70-100% of the NVLink and NIC line rates. A fit
+# at the edge of a range says the rows want something else.
 FIT_GRID = {"dp_overlap": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0), "link_efficiency": (0.7, 0.8, 0.9, 1.0)}
 TERMS = (
     "gemm",
@@ -106,7 +107,8 @@ class BacktestRow:
 
     @property
     def dominant(self) -> str:
-        """The largest term of the predicted step and the factor it alone would need to close the gap."""
+        """The largest term of the predicted step and the factor it alone would need to close the
+        gap."""
         if not self.terms or self.error is None:
             return ""
         total = sum(self.terms.values())
@@ -168,7 +170,8 @@ def row_setup(row: dict) -> Setup:
 
 
 def reported_tps(row: dict, shape: ModelShape) -> float | None:
-    """Tokens/s per GPU as the source reports it, a TFLOP/s converted with the source's FLOP count."""
+    """Tokens/s per GPU as the source reports it, a TFLOP/s converted with the source's FLOP
+    count."""
     rep = row.get("reported")
     if not rep:
         return None
@@ -224,8 +227,9 @@ def predict(s: Setup, fitted: dict) -> tuple[StepTime, Cluster, Calibration]:
 
 
 def async_tp_shares(rows: tuple[dict, ...], fitted: dict) -> dict[str, float]:
-    """Per pair (a row with AsyncTP, its ``without`` twin): the share of TP traffic AsyncTP hid, the reported step
-    time it saved over the TP traffic the model prices for the layout without it (links as ``fitted``)."""
+    """Per pair (a row with AsyncTP, its ``without`` twin): the share of TP traffic AsyncTP hid,
+    the reported step time it saved over the TP traffic the model prices for the layout without
+    it (links as ``fitted``)."""
     by_name = {r["name"]: r for r in rows}
     out = {}
     for r in rows:
@@ -242,9 +246,10 @@ def async_tp_shares(rows: tuple[dict, ...], fitted: dict) -> dict[str, float]:
 def _async_tp_by_efficiency(
     rows: tuple[dict, ...], group: str | None, pairs: tuple
 ) -> tuple[tuple[float, float], ...]:
-    """((link_efficiency, AsyncTP share), ...) over the grid: the mean share of the pairs outside ``group`` (every
-    pair when None), to 2 decimals, the default without any. The TP traffic a pair's share is taken of depends on
-    the links' efficiency, so the share is fitted with it. ``pairs``: ``_pair_shares(rows)``."""
+    """((link_efficiency, AsyncTP share), ...) over the grid: the mean share of the pairs outside
+    ``group`` (every pair when None), to 2 decimals, the default without any. The TP traffic a
+    pair's share is taken of depends on the links' efficiency, so the share is fitted with it.
+    ``pairs``: ``_pair_shares(rows)``."""
     out = []
     for eff, shares in pairs:
         keep = [shares[r["name"]] for r in rows if r["name"] in shares and r["group"] != group]
@@ -262,10 +267,10 @@ def _pair_shares(rows: tuple[dict, ...]) -> tuple[tuple[float, dict], ...]:
 def _log_errors(
     rows: tuple[dict, ...], async_tp: tuple[tuple[float, float], ...] = (), base: dict | None = None
 ) -> dict:
-    """|log(predicted / reported)| of every row that ran at every grid point: {(dp_overlap, eff): [errors]}, in
-    row order, AsyncTP's share per efficiency as ``async_tp`` gives it (the fits below only aggregate these, so
-    leave-one-source-out costs one pass, and the AsyncTP rows again per other set of shares: pass the first
-    pass as ``base``)."""
+    """|log(predicted / reported)| of every row that ran at every grid point: {(dp_overlap, eff):
+    [errors]}, in row order, AsyncTP's share per efficiency as ``async_tp`` gives it (the fits
+    below only aggregate these, so leave-one-source-out costs one pass, and the AsyncTP rows
+    again per other set of shares: pass the first pass as ``base``)."""
     pts = [
         (row_setup(r), reported_tps(r, row_setup(r).shape)) for r in rows if not r.get("expect_oom")
     ]
@@ -288,9 +293,10 @@ def _log_errors(
 
 
 def _best(errors: dict, keep: list[bool]) -> dict:
-    """The grid point minimising the mean squared log error over the kept rows (least squares; ties: the larger
-    values). Every row pulls on it: a median is flat over a wide band (the middle row barely moves), so the
-    leave-one-source-out fits would jump between the band's corners from one left-out source to the next."""
+    """The grid point minimising the mean squared log error over the kept rows (least squares;
+    ties: the larger values). Every row pulls on it: a median is flat over a wide band (the
+    middle row barely moves), so the leave-one-source-out fits would jump between the band's
+    corners from one left-out source to the next."""
     (ov, eff) = min(
         errors,
         key=lambda k: (
@@ -303,8 +309,8 @@ def _best(errors: dict, keep: list[bool]) -> dict:
 
 
 def fit(rows: list[dict]) -> dict:
-    """The grid point minimising the mean squared log error over ``rows`` (ties: the larger values), with
-    AsyncTP's share from every pair at its link efficiency."""
+    """The grid point minimising the mean squared log error over ``rows`` (ties: the larger
+    values), with AsyncTP's share from every pair at its link efficiency."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
     shares = _async_tp_by_efficiency(ran, None, _pair_shares(ran))
     best = _best(_log_errors(ran, shares), [True] * len(ran))
@@ -312,7 +318,8 @@ def fit(rows: list[dict]) -> dict:
 
 
 def loso_fits(rows: tuple[dict, ...]) -> dict[str, dict]:
-    """Per source (``group``): the fit to every OTHER source's rows, AsyncTP's share from the OTHER sources' pairs."""
+    """Per source (``group``): the fit to every OTHER source's rows, AsyncTP's share from the
+    OTHER sources' pairs."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
     groups = sorted({r["group"] for r in rows})
     pairs = _pair_shares(ran)
@@ -328,8 +335,8 @@ def loso_fits(rows: tuple[dict, ...]) -> dict[str, dict]:
 
 
 def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
-    """Every row, predicted leave-one-source-out (``loo``) or with the defaults; ``rank``: also search every
-    layout of the row's cluster for its rank and gap (the slow part)."""
+    """Every row, predicted leave-one-source-out (``loo``) or with the defaults; ``rank``: also
+    search every layout of the row's cluster for its rank and gap (the slow part)."""
     rows = load_rows()
     fits = loso_fits(rows) if loo else {}
     out = []
@@ -421,24 +428,24 @@ def summary(rows: list[BacktestRow]) -> dict:
 
 
 def text_lines(rows: list[BacktestRow], loso: bool = True) -> list[str]:
-    """The table and its summary; ``loso``: the rows were predicted leave-one-source-out (else with the defaults)."""
+    """The table and its summary; ``loso``: the rows were predicted leave-one-source-out (else
+    with the defaults)."""
     s = summary(rows)
     out = [
-        f"{'run':58} {'reported':>8} {'predicted':>9} {'error':>6} {'memory GiB':>18} {'gap':>6}  dominant term"
+        f"{'run':58} {'reported':>8} {'predicted':>9} {'error':>6} {'memory GiB':>18} {'gap':>6}  "
+        "dominant term"
     ]
     for r in rows:
         rep = f"({r.reported_memory_gib:g})" if r.reported_memory_gib else ""
         mem = f"{r.memory_gib:5.1f}/{r.hbm_gib:<4g}{' ' if r.fits else '!'}{rep:>7}"
         if r.expect_oom:
-            out.append(
-                f"{r.name[:58]:58} {'OOM':>8} {'':>9} {'':>6} {mem:>18} {'':>6}  "
-                f"{'predicted not to fit' if not r.fits else 'NOT predicted: the model says it fits'}"
-            )
+            said = "predicted not to fit" if not r.fits else "NOT predicted: the model says it fits"
+            out.append(f"{r.name[:58]:58} {'OOM':>8} {'':>9} {'':>6} {mem:>18} {'':>6}  {said}")
             continue
         gap = f"{r.gap_to_best:6.1%}" if r.candidates else ""
         out.append(
-            f"{r.name[:58]:58} {r.reported_tps:8.0f} {r.predicted_tps:9.0f} {r.error:+6.0%} {mem:>18} {gap:>6}  "
-            f"{r.dominant}"
+            f"{r.name[:58]:58} {r.reported_tps:8.0f} {r.predicted_tps:9.0f} {r.error:+6.0%} "
+            f"{mem:>18} {gap:>6}  {r.dominant}"
         )
     how = (
         "dp_overlap and link_efficiency fitted on the OTHER sources (leave-one-source-out)"
@@ -446,29 +453,31 @@ def text_lines(rows: list[BacktestRow], loso: bool = True) -> list[str]:
         else "the defaults, fitted to every row (in sample)"
     )
     ranked = (
-        f"published layout within {GAP_GOAL:.0%} of the best its software runs: {s['within_10pct_of_best']} of "
-        f"{s['ranked']}"
+        f"published layout within {GAP_GOAL:.0%} of the best its software runs: "
+        f"{s['within_10pct_of_best']} of {s['ranked']}"
         if s["ranked"]
         else "layouts not ranked (--no-rank)"
     )
     out += [
         "",
-        f"tokens/s per GPU; each row predicted with {how}; memory per GPU predicted / HBM ('!': over) (reported, where the source gives it); "
-        "gap = how much slower the published layout is predicted to be than the best layout its own software "
-        "runs (the row's software, costmodel/software.py); dominant = the step's largest predicted term.",
+        f"tokens/s per GPU; each row predicted with {how}; memory per GPU predicted / HBM ('!': "
+        "over) (reported, where the source gives it); gap = how much slower the published layout "
+        "is predicted to be than the best layout its own software runs (the row's software, "
+        "costmodel/software.py); dominant = the step's largest predicted term.",
         "median |error| by source: " + ", ".join(f"{g} {v:.0%}" for g, v in s["by_group"].items()),
         f"median |error| {s['median_abs_error']:.1%} (goal <= {ERROR_GOAL:.0%}: "
-        f"{'met' if s['error_goal_met'] else 'NOT met'}); within {WITHIN:.0%}: {s['within_15pct']} of {s['rows']} "
-        f"(goal >= {WITHIN_SHARE:.0%}: {'met' if s['within_goal_met'] else 'NOT met'}); predicted to fit: "
-        f"{s['fit']} of {s['ran']} layouts that ran ({'met' if s['fit_goal_met'] else 'NOT met'}); "
+        f"{'met' if s['error_goal_met'] else 'NOT met'}); within {WITHIN:.0%}: "
+        f"{s['within_15pct']} of {s['rows']} (goal >= {WITHIN_SHARE:.0%}: "
+        f"{'met' if s['within_goal_met'] else 'NOT met'}); predicted to fit: {s['fit']} of "
+        f"{s['ran']} layouts that ran ({'met' if s['fit_goal_met'] else 'NOT met'}); "
         f"{s['oom_predicted']} of {s['oom_rows']} reported OOM predicted not to fit; {ranked}",
     ]
     if s["memory_rows"]:
         lo, hi = s["memory_error_range"]
         out.append(
-            f"memory against the {s['memory_rows']} rows that report it (torchtitan: max reserved, "
-            f"fragmentation included): median {s['memory_median_error']:+.0%}, {lo:+.0%} to {hi:+.0%}, "
-            f"{s['memory_within_10pct']} within 10%"
+            f"memory against the {s['memory_rows']} rows that report it (torchtitan: max "
+            f"reserved, fragmentation included): median {s['memory_median_error']:+.0%}, "
+            f"{lo:+.0%} to {hi:+.0%}, {s['memory_within_10pct']} within 10%"
         )
     return out
 
@@ -483,7 +492,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--in-sample",
         action="store_true",
-        help="predict every row with the defaults (fitted to all rows) instead of leave-one-source-out",
+        help="predict every row with the defaults (fitted to all rows) instead of "
+        "leave-one-source-out",
     )
     p.add_argument(
         "--no-rank", action="store_true", help="skip the search for each row's rank (faster)"

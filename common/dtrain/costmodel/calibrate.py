@@ -5,15 +5,21 @@ Reads completed runs only through ``dtrain.results.loader`` and only their typed
 private files; env.json (the launcher's) gives the date. A run whose guide inputs break the
 contract is skipped with a warning that names it. By record:
 
-    CollectiveFit        all_reduce fits      -> α and achieved β per link class (intra / inter node)
+    CollectiveFit        all_reduce fits      -> α and achieved β per link class (intra / inter
+                                              node)
     TrainingMeasurement  mfu, exposed comm    -> compute efficiency; overlap_fraction -> DP overlap
-      (recipe None)      TP / PP layout runs'    tp_overhead (measured TP comm / α–β) and pp_overhead
-                         layout + breakdown      (measured p2p + idle share / bubble formula), ``from_layout``
+      (recipe None)      TP / PP layout runs'    tp_overhead (measured TP comm / α–β) and
+                                                 pp_overhead
+                         layout + breakdown      (measured p2p + idle share / bubble formula),
+                                                 ``from_layout``
     TpMeasurement        per-tp rows          -> measured / α–β-modelled TP communication time
-    CpMeasurement        ring overlap_fraction -> cp_overlap (share of the K/V sends hidden), ``from_cp``
-    Fp8Comparison        per-recipe factors   -> FP8 speed factor, memory factor, layers kept in BF16
+    CpMeasurement        ring overlap_fraction -> cp_overlap (share of the K/V sends hidden),
+                         ``from_cp``
+    Fp8Comparison        per-recipe factors   -> FP8 speed factor, memory factor, layers kept in
+                                              BF16
     GemmProbe            e_max, w_half        -> GEMM achieved-fraction curve (``gemm_probe``); its
-                         overheads[]             per-model fixed step overhead feeds the local checks
+                         overheads[]             per-model fixed step overhead feeds the local
+                                                 checks
                                                  (step_overhead_s: their median, shown in the guide)
 
 Derived runs (``dtrain.results.derived``) publish only what they derived, so each measurement is read once.
@@ -57,7 +63,9 @@ from .calibration_records import (
     training_entries,
 )
 from .hardware import LinkModel
-from .links import LinkCalibration, default_links  # noqa: F401 - re-exported: calibrate's callers use them
+
+# re-exported: calibrate's callers use them
+from .links import LinkCalibration, default_links  # noqa: F401
 from .calibration import Calibration, calibration_inputs
 
 
@@ -136,9 +144,10 @@ def display_path(path: Path, base: Path | None = None) -> str:
 
 
 def _latest(cands: list[Candidate], name: str, gpu_only: bool, prefer=None) -> Candidate | None:
-    """The newest candidate called ``name``, those whose source ``prefer`` accepts first: the cluster values
-    prefer the GPU being planned for (an H200 report committed after an H100 one must not stand in for the
-    H100's values), the local ones this machine's own runs (not a committed GPU report's)."""
+    """The newest candidate called ``name``, those whose source ``prefer`` accepts first: the
+    cluster values prefer the GPU being planned for (an H200 report committed after an H100 one
+    must not stand in for the H100's values), the local ones this machine's own runs (not a
+    committed GPU report's)."""
     pool = [c for c in cands if c.name == name and (c.source.on_gpu or not gpu_only)]
     return max(pool, key=lambda c: _rank(c.source, prefer)) if pool else None
 
@@ -180,8 +189,9 @@ def _cluster_links(cands: list[Candidate], gpu: str | None = None) -> LinkCalibr
 def calibrate(
     paths, base: Path | None = None, warn: bool = True, gpu: str | None = None
 ) -> CalibrationReport:
-    """Calibration from every complete run under ``paths`` (missing paths raise FileNotFoundError); the
-    cluster values prefer runs on ``gpu`` (the hardware.yaml profile being planned for), then any GPU."""
+    """Calibration from every complete run under ``paths`` (missing paths raise
+    FileNotFoundError); the cluster values prefer runs on ``gpu`` (the hardware.yaml profile
+    being planned for), then any GPU."""
     runs = complete_runs(paths, warn=warn) if paths else []
     runs = sorted(runs, key=lambda r: str(r.path))
     inputs = read_inputs(runs, base, warn)
@@ -208,7 +218,8 @@ def calibrate(
             _latest(cands, f"{cls}_beta_Bps", False, _off_gpu),
         )
         if a and b:
-            own = []  # collectives allreduce-bench fitted apart, from the same run as the all-reduce fit
+            # collectives allreduce-bench fitted apart, from the same run as the all-reduce fit
+            own = []
             for name in OWN_FIT_HOPS:
                 ca, cb = (
                     _latest([c for c in cands if c.source == b.source], f"{cls}_{name}_{x}", False)
@@ -244,7 +255,8 @@ def calibrate_naming_skips(
     paths, base: Path | None = None, gpu: str | None = None
 ) -> tuple[CalibrationReport, list[str]]:
     """calibrate(), and one message per run it left out (incomplete, corrupt, breaking the contract:
-    a newer schema_version, an unknown record kind), for a command to print: never dropped unnamed."""
+    a newer schema_version, an unknown record kind), for a command to print: never dropped
+    unnamed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = calibrate(paths, base=base, warn=True, gpu=gpu)

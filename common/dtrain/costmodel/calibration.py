@@ -1,7 +1,8 @@
-"""The cost model's empirical inputs (``Calibration``), each a ``Param`` that says where it came from.
+"""The cost model's empirical inputs (``Calibration``), each a ``Param`` that says where it came
+from.
 
-``dtrain.costmodel.calibrate`` replaces the datasheet/published defaults below with values measured in this
-project's run directories.
+``dtrain.costmodel.calibrate`` replaces the datasheet/published defaults below with values measured
+in this project's run directories.
 """
 
 from __future__ import annotations
@@ -11,21 +12,24 @@ from dataclasses import dataclass, field, fields
 from .hashing import cached_hash
 
 PROVENANCES = ("datasheet/published:", "measured here:")
-# GEMM curve of a device without a kernel table in kernels.yaml (every GPU profile has one; the local CPU
-# check replaces it with its gemm-probe's): H100's, the kernels.yaml entry
+# GEMM curve of a device without a kernel table in kernels.yaml (every GPU profile has one; the
+# local CPU check replaces it with its gemm-probe's): H100's, the kernels.yaml entry
 GPU_E_MAX = 0.82
 GPU_W_HALF = 4.8e9
-# Share of an overlapped NCCL collective's time that its kernel's SMs do not take from compute (its HBM traffic is
-# priced apart, collectives.overlap_cost): fitted to dtrain backtest's development set (a test pins it to the fit)
+# Share of an overlapped NCCL collective's time that its kernel's SMs do not take from compute (its
+# HBM traffic is priced apart, collectives.overlap_cost): fitted to dtrain backtest's development
+# set (a test pins it to the fit)
 GPU_DP_OVERLAP = 0.8
-# Share of TP traffic torchtitan's AsyncTP hides: the development set's with/without-AsyncTP pairs (torchtitan
-# performance.md 2024-08 and 2024-12), measured time saved over the TP traffic priced (a test pins it to them)
+# Share of TP traffic torchtitan's AsyncTP hides: the development set's with/without-AsyncTP pairs
+# (torchtitan performance.md 2024-08 and 2024-12), measured time saved over the TP traffic priced (a
+# test pins it to them)
 ASYNC_TP_HIDDEN = 0.27
 
 
 @dataclass(frozen=True)
 class Param:
-    """A calibrated number and where it came from: 'datasheet/published: …' or 'measured here: …'."""
+    """A calibrated number and where it came from: 'datasheet/published: …' or 'measured here:
+    …'."""
 
     __hash__ = cached_hash
 
@@ -83,9 +87,9 @@ class Calibration:
         "{:.4f} s",
         lambda: _published(
             0.0,
-            "fixed per-step overhead beyond the modelled terms: none on GPUs, whose memory-bound kernels "
-            "and optimizer step are modelled term by term (costmodel/compute.py); the gemm-probe measures it on "
-            "the local CPU",
+            "fixed per-step overhead beyond the modelled terms: none on GPUs, whose memory-bound "
+            "kernels and optimizer step are modelled term by term (costmodel/compute.py); the "
+            "gemm-probe measures it on the local CPU",
         ),
     )
     dp_overlap: Param = _input(
@@ -94,11 +98,12 @@ class Calibration:
         "{:.0%}",
         lambda: _published(
             GPU_DP_OVERLAP,
-            "share of the DP traffic's time hidden behind the compute it overlaps (DDP bucketing, Li "
-            "et al. 2020; FSDP prefetching, Zhao et al. 2023) that its NCCL kernel's SMs leave to compute (one CTA per "
-            "channel: NCCL user guide, ncclConfig_t minCTAs/maxCTAs); on a GPU the ring's HBM traffic, 3 x link "
-            "bandwidth / HBM bandwidth of the time, is lost on top (costmodel/collectives.py overlap_cost); fitted to "
-            "the development set of dtrain backtest (leave-one-source-out there); fsdp-scaling measures it whole",
+            "share of the DP traffic's time hidden behind the compute it overlaps (DDP bucketing, "
+            "Li et al. 2020; FSDP prefetching, Zhao et al. 2023) that its NCCL kernel's SMs leave "
+            "to compute (one CTA per channel: NCCL user guide, ncclConfig_t minCTAs/maxCTAs); on "
+            "a GPU the ring's HBM traffic, 3 x link bandwidth / HBM bandwidth of the time, is "
+            "lost on top (costmodel/collectives.py overlap_cost); fitted to the development set "
+            "of dtrain backtest (leave-one-source-out there); fsdp-scaling measures it whole",
         ),
     )
     cp_overlap: Param = _input(
@@ -106,9 +111,10 @@ class Calibration:
         "{:.0%}",
         lambda: _published(
             GPU_DP_OVERLAP,
-            "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring attention, "
-            "Liu et al. 2023: the next chunk travels while this one is computed): the DP overlap's (the same NCCL "
-            "kernels' SMs, their HBM traffic priced apart on a GPU), until tp-attention's CP study measures it whole",
+            "share of a ring's K/V sends hidden behind the chunk attention they overlap (ring "
+            "attention, Liu et al. 2023: the next chunk travels while this one is computed): the "
+            "DP overlap's (the same NCCL kernels' SMs, their HBM traffic priced apart on a GPU), "
+            "until tp-attention's CP study measures it whole",
         ),
     )
     tp_overhead: Param = _input(
@@ -125,11 +131,12 @@ class Calibration:
         "{:.0%}",
         lambda: _published(
             ASYNC_TP_HIDDEN,
-            "share of the TP traffic torchtitan's AsyncTP hides: torchtitan docs/performance.md runs "
-            "the same layout with and without it twice (2024-08: Llama 3.1 405B, FSDP 16 x TP 8, Float8, 177 -> 185 "
-            "tokens/s/GPU; 2024-12 Table 4: Llama 3.1 70B, FSDP 32 x TP 8, Float8, 829 -> 876): the step time saved "
-            "over the TP all-gathers and reduce-scatters the model prices for it, 0.34 and 0.28 at link efficiency 0.8 (dtrain backtest "
-            "predicts each source's rows with the other source's pair)",
+            "share of the TP traffic torchtitan's AsyncTP hides: torchtitan docs/performance.md "
+            "runs the same layout with and without it twice (2024-08: Llama 3.1 405B, FSDP 16 x "
+            "TP 8, Float8, 177 -> 185 tokens/s/GPU; 2024-12 Table 4: Llama 3.1 70B, FSDP 32 x TP "
+            "8, Float8, 829 -> 876): the step time saved over the TP all-gathers and "
+            "reduce-scatters the model prices for it, 0.34 and 0.28 at link efficiency 0.8 "
+            "(dtrain backtest predicts each source's rows with the other source's pair)",
         ),
     )
     pp_overhead: Param = _input(
@@ -146,9 +153,10 @@ class Calibration:
         "{:.2f}×",
         lambda: _published(
             1.3,
-            "whole-step speed factor of FP8 over BF16, used only on a device without an FP8 GEMM benchmark "
-            "(the local check's emulated FP8, where fp8-train measures it); GPUs price FP8 per GEMM at their FP8 "
-            "peak and benchmark share, plus the casts (costmodel/compute.py)",
+            "whole-step speed factor of FP8 over BF16, used only on a device without an FP8 GEMM "
+            "benchmark (the local check's emulated FP8, where fp8-train measures it); GPUs price "
+            "FP8 per GEMM at their FP8 peak and benchmark share, plus the casts "
+            "(costmodel/compute.py)",
         ),
     )
     fp8_memory_factor: Param = _input(
@@ -156,9 +164,10 @@ class Calibration:
         "{:.2f}×",
         lambda: _published(
             1.0,
-            "activation bytes factor of an FP8 recipe: 1, the recipes keep their activations in BF16 (torchao "
-            "float8 training: torchtitan's Llama 3.1 8B on 8 H100 reported 76.8 GiB with Float8 and 77.0 without, "
-            "docs/performance.md 2024-12 Table 1); fp8-train measures it per recipe",
+            "activation bytes factor of an FP8 recipe: 1, the recipes keep their activations in "
+            "BF16 (torchao float8 training: torchtitan's Llama 3.1 8B on 8 H100 reported 76.8 GiB "
+            "with Float8 and 77.0 without, docs/performance.md 2024-12 Table 1); fp8-train "
+            "measures it per recipe",
         ),
     )
 

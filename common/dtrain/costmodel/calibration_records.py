@@ -90,9 +90,9 @@ def _num(x) -> float | None:
 
 # ---------------------------------------------------------------- per record kind
 
-# Collectives the time model costs with their own α–β when allreduce-bench fitted them (``LinkModel.of``),
-# with the ring hops their whole-collective α spans over n ranks (all-to-all: one per peer,
-# ``collectives.all_to_all_time``).
+# Collectives the time model costs with their own α–β when allreduce-bench fitted them
+# (``LinkModel.of``), with the ring hops their whole-collective α spans over n ranks (all-to-all:
+# one per peer, ``collectives.all_to_all_time``).
 OWN_FIT_HOPS = {
     "all_gather": lambda n: n - 1,
     "reduce_scatter": lambda n: n - 1,
@@ -127,8 +127,8 @@ def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Cand
         n = int(fit.get("world_size") or 2)
         hops = 2 * (n - 1) if n > 1 else 1
         detail = (
-            f"all_reduce {fit.get('dtype', '?')} fit over {n} ranks, {fit.get('n_points', '?')} sizes, "
-            f"r²={fit.get('r2', float('nan')):.3f}; α per hop = α/{hops}"
+            f"all_reduce {fit.get('dtype', '?')} fit over {n} ranks, {fit.get('n_points', '?')} "
+            f"sizes, r²={fit.get('r2', float('nan')):.3f}; α per hop = α/{hops}"
         )
         out.append(Candidate(f"{cls}_alpha_s", max(alpha, 0.0) * 1e-6 / hops, src, detail))
         out.append(Candidate(f"{cls}_beta_Bps", beta * 1e9, src, detail))
@@ -151,7 +151,8 @@ def from_fsdp(runs: list[contract.TrainingMeasurement], src: Source) -> list[Can
     for m in runs:
         lay = m.layout
         if lay.tp * lay.pp * lay.cp > 1:
-            # a TP / PP / CP layout run: its step holds TP comm, bubble, ring sends; the guide checks it
+            # a TP / PP / CP layout run: its step holds TP comm, bubble, ring sends; the guide
+            # checks it
             continue
         step, mfu = _num(m.step_time_s), _num(m.mfu)
         exposed = _num(m.exposed_comm_s) or 0.0
@@ -183,8 +184,8 @@ def from_layout(
 
     tp_overhead  measured TP comm (profile) / ``traffic.tp_comm_time`` (α–β with this device's link)
     pp_overhead  measured (PP p2p wait + idle) − α–β p2p sends, over compute + TP comm, / the bubble
-                 formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the time
-                 model puts on its bubble
+                 formula ``bubble_fraction(p, m, v, L)`` (Narayanan et al. 2021), the factor the
+                 time model puts on its bubble
     """
     from dtrain.model.args import GPTConfig
 
@@ -235,8 +236,8 @@ def from_layout(
 def leave_one_out(
     cands: list[Candidate], name: str, run: str, on_gpu: bool = False
 ) -> Candidate | None:
-    """The median of every ``name`` value measured on this kind of device by a run other than ``run``
-    (a display path, as ``Source.run``); None when no other run measured it."""
+    """The median of every ``name`` value measured on this kind of device by a run other than
+    ``run`` (a display path, as ``Source.run``); None when no other run measured it."""
     pool = [
         c for c in cands if c.name == name and c.source.run != run and c.source.on_gpu == on_gpu
     ]
@@ -268,7 +269,8 @@ def tp_modelled_comm_s(row: dict, link: LinkModel, regions: int = 2) -> float:
 
 
 def tp_rows(inputs: RunInputs) -> list[tuple[dict, int]]:
-    """The run's TP layer records as the flat rows the checks read, each with its TP regions per layer."""
+    """The run's TP layer records as the flat rows the checks read, each with its TP regions per
+    layer."""
     return [
         (
             {
@@ -322,8 +324,8 @@ def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -
 
 
 def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate]:
-    """cp_overlap: the median over the ring rows of the share of the overlapped K/V sends hidden behind attention
-    (tp-attention's CP study: (serial − overlapped) / the sends alone)."""
+    """cp_overlap: the median over the ring rows of the share of the overlapped K/V sends hidden
+    behind attention (tp-attention's CP study: (serial − overlapped) / the sends alone)."""
     shares = sorted(
         m.overlap_fraction for m in layers if m.impl == "ring" and m.overlap_fraction is not None
     )
@@ -334,9 +336,9 @@ def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate
             "cp_overlap",
             shares[len(shares) // 2],
             src,
-            f"median over {len(shares)} ring layers "
-            f"(cp {', '.join(sorted({str(m.cp) for m in layers if m.impl == 'ring'}))}) of the K/V sends' "
-            "hidden share",
+            f"median over {len(shares)} ring layers (cp "
+            f"{', '.join(sorted({str(m.cp) for m in layers if m.impl == 'ring'}))}) of the K/V "
+            "sends' hidden share",
         )
     ]
 
@@ -385,13 +387,15 @@ def probe_entry(m: contract.GemmProbe) -> dict:
 def from_probe(g: dict, src: Source) -> list[Candidate]:
     """The GEMM curve (and, off GPUs, the fixed per-step overhead) a gemm-probe measured.
 
-    On a GPU the curve is refitted over the single GEMMs alone: attention runs there in a fused kernel,
-    not as the batched per-head products the probe also timed, and the step's memory-bound kernels,
-    attention and optimizer are priced term by term (``compute``), so no fixed overhead is taken."""
+    On a GPU the curve is refitted over the single GEMMs alone: attention runs there in a fused
+    kernel, not as the batched per-head products the probe also timed, and the step's
+    memory-bound kernels, attention and optimizer are priced term by term (``compute``), so no
+    fixed overhead is taken."""
     e_max, w_half = _num(g.get("e_max")), _num(g.get("w_half"))
     points = g.get("points") or []
     if src.on_gpu:
-        # single GEMMs of >= 100 us: below that a probe timed with a synchronisation per call times the sync
+        # single GEMMs of >= 100 us: below that a probe timed with a synchronisation per call times
+        # the sync
         single = [
             (p["flops"], p["fraction"])
             for p in points
@@ -407,13 +411,14 @@ def from_probe(g: dict, src: Source) -> list[Candidate]:
             e_max, w_half, whence = curve.e_max, curve.w_half, "fitted with e_max"
         else:
             # The runs' GEMMs of >= 100 us all sit on the plateau (W >> W_half), where W_half is not
-            # determined: fitting it there extrapolates wildly to small GEMMs (a 62 GFLOP W_half from one
-            # H100 probe against 342 shapes swept at ~5). The plateau is what the probe measures.
+            # determined: fitting it there extrapolates wildly to small GEMMs (a 62 GFLOP W_half
+            # from one H100 probe against 342 shapes swept at ~5). The plateau is what the probe
+            # measures.
             e_max = statistics.median(f * (w + w_half) / w for w, f in single)
         detail = (
-            f"{len(single)} single GEMMs (>= 100 us) of the runs' models, {g.get('dtype', '?')}: e_max their "
-            f"median of f·(W + W_half)/W, W_half {w_half / 1e9:.1f} GFLOP {whence} (attention, memory-bound "
-            "kernels and the optimizer: costmodel/kernels.yaml)"
+            f"{len(single)} single GEMMs (>= 100 us) of the runs' models, {g.get('dtype', '?')}: "
+            f"e_max their median of f·(W + W_half)/W, W_half {w_half / 1e9:.1f} GFLOP {whence} "
+            "(attention, memory-bound kernels and the optimizer: costmodel/kernels.yaml)"
         )
         return [
             Candidate("mfu", e_max, src, detail + "; e_max"),

@@ -1,8 +1,8 @@
 """α–β (Hockney) times of the collectives a step runs, ring algorithms as in NCCL.
 
-β is the nccl-tests *bus* bandwidth (nccl-tests doc/PERFORMANCE.md), so an all-reduce moves 2(n−1)/n·B
-over β; α is paid per ring hop (all-to-all: per peer). ``group_link`` picks the link a group of
-ranks runs over.
+β is the nccl-tests *bus* bandwidth (nccl-tests doc/PERFORMANCE.md), so an all-reduce moves
+2(n−1)/n·B over β; α is paid per ring hop (all-to-all: per peer). ``group_link`` picks the link a
+group of ranks runs over.
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def all_to_all_uneven_time(sends: Sequence[Sequence[float]], link: LinkModel) ->
     return max(max(out), max(into)) / link.beta_Bps + (n - 1) * link.alpha_s
 
 
-# HBM bytes an overlapped transfer moves per byte it receives. An NCCL ring on unregistered buffers (PyTorch's
-# default; NCCL user guide, "User Buffer Registration": registration removes the "extra internal copy"): the peer
-# writes the chunk into this GPU's internal buffer, the kernel reads it back and writes it out (the all-gather's
-# output; the reduce-scatter's sum with the local chunk, sent on). A copy-engine copy (Transformer Engine's
-# userbuffers, use_ce): the sender's read and the receiver's write.
+# HBM bytes an overlapped transfer moves per byte it receives. An NCCL ring on unregistered buffers
+# (PyTorch's default; NCCL user guide, "User Buffer Registration": registration removes the "extra
+# internal copy"): the peer writes the chunk into this GPU's internal buffer, the kernel reads it
+# back and writes it out (the all-gather's output; the reduce-scatter's sum with the local chunk,
+# sent on). A copy-engine copy (Transformer Engine's userbuffers, use_ce): the sender's read and the
+# receiver's write.
 RING_HBM_PASSES = 3
 COPY_ENGINE_HBM_PASSES = 2
 
@@ -76,10 +77,11 @@ COPY_ENGINE_HBM_PASSES = 2
 def overlap_cost(
     link: LinkModel, hbm_Bps: float | None, sm_share: float, passes: int = RING_HBM_PASSES
 ) -> float:
-    """Share of a transfer's time that still lengthens the step while it runs behind compute: the SMs its kernel
-    holds (``sm_share``: NCCL runs one CTA per channel; 0 for copy engines) plus the HBM bandwidth its copies take
-    from the kernels beside it, ``passes`` x β / HBM. An H100's NVLink ring (β 315 GB/s, HBM 3.35 TB/s) adds 0.28,
-    one NIC's (35 GB/s) 0.03. ``hbm_Bps`` None: the SM share alone (a measured overlap holds the HBM part)."""
+    """Share of a transfer's time that still lengthens the step while it runs behind compute: the
+    SMs its kernel holds (``sm_share``: NCCL runs one CTA per channel; 0 for copy engines) plus
+    the HBM bandwidth its copies take from the kernels beside it, ``passes`` x β / HBM. An H100's
+    NVLink ring (β 315 GB/s, HBM 3.35 TB/s) adds 0.28, one NIC's (35 GB/s) 0.03. ``hbm_Bps``
+    None: the SM share alone (a measured overlap holds the HBM part)."""
     hbm = passes * link.beta_Bps / hbm_Bps if hbm_Bps else 0.0
     return min(1.0, sm_share + hbm)
 

@@ -28,7 +28,8 @@ def tp_comm_time(
     values (Shoeybi et al. 2019 §3; SP's all-gather + reduce-scatter pairs move the same volume).
     Selective op AC re-runs wo and so the all-reduce after it (5), except with SP, whose
     reduce-scatter output torchtitan's policy saves (4). ``gather_bytes``: bytes per value of SP's
-    all-gathers when they move FP8 (``Stack.fp8_all_gather``; the reduce-scatters keep ``value_bytes``)."""
+    all-gathers when they move FP8 (``Stack.fp8_all_gather``; the reduce-scatters keep
+    ``value_bytes``)."""
     if layout.tp <= 1:
         return 0.0
     n_coll = volume.tp_collectives_per_layer(layout.recompute, layout.sequence_parallel)
@@ -44,8 +45,8 @@ def tp_comm_time(
 
 @lru_cache(maxsize=1 << 14)
 def dp_link(cluster: Cluster, lay: Layout) -> LinkModel:
-    """The link the DP (shard) group's gathers and reduce-scatters run over: ``lay.shard_group`` ranks ``lay.tp``
-    apart, one ring per NIC across nodes."""
+    """The link the DP (shard) group's gathers and reduce-scatters run over: ``lay.shard_group``
+    ranks ``lay.tp`` apart, one ring per NIC across nodes."""
     return group_link(cluster, lay.shard_group, lay.tp, multi_rail=True)
 
 
@@ -59,11 +60,11 @@ def dp_comm_time(
     grad_bytes: int = 4,
     zero2_regathers: bool = False,
 ) -> tuple[float, float]:
-    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see ``step_time``);
-    ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each (``Stack.fp8_all_gather``);
-    ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16 one (``Stack.grad_reduce``);
-    ``zero2_regathers``: ZeRO-2 as FSDP2 runs it, the weights gathered for every micro-batch
-    (``Software.zero2_regathers``), not once a step."""
+    """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see
+    ``step_time``); ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each
+    (``Stack.fp8_all_gather``); ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16
+    one (``Stack.grad_reduce``); ``zero2_regathers``: ZeRO-2 as FSDP2 runs it, the weights
+    gathered for every micro-batch (``Software.zero2_regathers``), not once a step."""
     if lay.dp <= 1:
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp, lay.pp_split)

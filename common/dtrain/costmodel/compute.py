@@ -16,8 +16,8 @@ kernel benchmark's share of the datasheet peak (``kernels.yaml`` per GPU, ``Kern
   head       output projection (vocab-parallel) and the cross-entropy over its logits
   recompute  what activation checkpointing runs again: a whole forward (full), the attention
              core (selective), or torchtitan's op policy's every-second matmul (op)
-  optimizer  AdamW over the rank's shard of the states plus gradient clipping, bytes over HBM (fused AdamW with
-             fused kernels, PyTorch's default foreach AdamW in an eager stack)
+  optimizer  AdamW over the rank's shard of the states plus gradient clipping, bytes over HBM (fused
+             AdamW with fused kernels, PyTorch's default foreach AdamW in an eager stack)
 
 A device without a kernel table (the local CPU check) is a GEMM-only model: its GEMM curve comes
 from the gemm-probe, attention runs as batched GEMMs, and the probe's measured fixed overhead stands
@@ -37,30 +37,36 @@ from .shapes import Layout, ModelShape, last_stage_layers, stage_layers
 from .hashing import cached_hash
 
 # Unfused PyTorch moves this many times the bytes of the fused count for the same memory-bound work
-# (measured: dtrain's eager GPT, d_model 2048, spent 237 ps per token and layer in elementwise kernels
-# on the H100 against 95 ps for the count below; measured/h100-sxm/gpu-check-20261125-105450, step_profile).
+# (measured: dtrain's eager GPT, d_model 2048, spent 237 ps per token and layer in elementwise
+# kernels on the H100 against 95 ps for the count below;
+# measured/h100-sxm/gpu-check-20261125-105450, step_profile).
 EAGER_BYTES = 2.5
-# FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add kernel's rate, by
-# how the run scales them (``Stack.fp8_scaling``):
-#   dynamic  torchao's tensorwise float8 (torchtitan, dtrain), compiled: what it adds to the memory-bound kernels
-#            of a Llama block (the global amax each scale waits for, the cast, the transposed copy the other GEMM
-#            needs, the fusions the casts break). Measured: the FP8 block's elementwise GPU time minus the bf16
-#            block's, less the weights' casts (FP8_WEIGHT_CAST_BYTES), layer_probe on one H200, Llama 3.1 405B at
-#            TP8 and 8B at micro-batches 1-3, full AC (measured/h200/probe-20261126-0510): 8.7-17.2 B per element,
+# FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add
+# kernel's rate, by how the run scales them (``Stack.fp8_scaling``):
+#   dynamic  torchao's tensorwise float8 (torchtitan, dtrain), compiled: what it adds to the
+#            memory-bound kernels of a Llama block (the global amax each scale waits for, the cast,
+#            the transposed copy the other GEMM needs, the fusions the casts break). Measured: the
+#            FP8 block's elementwise GPU time minus the bf16 block's, less the weights' casts
+#            (FP8_WEIGHT_CAST_BYTES), layer_probe on one H200, Llama 3.1 405B at TP8 and 8B at
+#            micro-batches 1-3, full AC (measured/h200/probe-20261126-0510): 8.7-17.2 B per element,
 #            11.5 the geometric mean. Eager casts were not measured: at least the compiled bytes.
-#   delayed  TransformerEngine's recipe (Megatron): the scale from the amax history, the cast fused into the norm
-#            or activation that produces the tensor and into its transposed copy (cast_transpose): about 3 B per
-#            element by the kernels' count (read 2, write 1 and 1 transposed, less the bf16 write it replaces).
-#            Not measured here: TransformerEngine cannot be brought to the GPU machine.
+#   delayed  TransformerEngine's recipe (Megatron): the scale from the amax history, the cast fused
+#            into the norm or activation that produces the tensor and into its transposed copy
+#            (cast_transpose):
+#            about 3 B per element by the kernels' count (read 2, write 1 and 1 transposed, less the
+#            bf16 write it replaces). Not measured here: TransformerEngine cannot be brought to the
+#            GPU machine.
 FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0}
-# Dynamic scaling casts the block linears' weights at each use, per parameter of the rank's shard and micro-batch:
-# forward 5 (amax: read 2; cast: read 2, write 1), backward 3 (the transposed cast with the forward's scale), and a
-# full recompute's forward 5 again (_FORWARD_SHARE). Not on the layer when FSDP gathers the weights in FP8
-# (torchao enable_fsdp_float8_all_gather: the cast runs on the shard before the gather), nor with delayed scaling
-# (TransformerEngine casts a weight once per step, its first micro-batch, and keeps it).
+# Dynamic scaling casts the block linears' weights at each use, per parameter of the rank's shard
+# and micro-batch:
+# forward 5 (amax: read 2; cast: read 2, write 1), backward 3 (the transposed cast with the
+# forward's scale), and a full recompute's forward 5 again (_FORWARD_SHARE). Not on the layer when
+# FSDP gathers the weights in FP8 (torchao enable_fsdp_float8_all_gather: the cast runs on the shard
+# before the gather), nor with delayed scaling (TransformerEngine casts a weight once per step, its
+# first micro-batch, and keeps it).
 FP8_WEIGHT_CAST_BYTES = 8.0
-# AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads the
-# gradients and scales them: 12 B.
+# AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads
+# the gradients and scales them: 12 B.
 OPTIMIZER_BYTES, CLIP_BYTES = 28.0, 12.0
 
 
@@ -73,7 +79,8 @@ class AttentionCurve:
     e_max: float
     s_half: float
     hd64: float = 0.8
-    dropout: float = 1.0  # time multiplier of dropout on the probabilities inside the kernel (kernels.yaml, measured)
+    # time multiplier of dropout on the probabilities inside the kernel (kernels.yaml, measured)
+    dropout: float = 1.0
 
     def share(self, seq: int, head_dim: int) -> float:
         e = self.e_max * seq / (seq + self.s_half)
@@ -81,7 +88,8 @@ class AttentionCurve:
 
 
 class FrozenMap(tuple):
-    """A hashable read-only mapping (sorted (key, value) pairs), so a KernelModel can key a cache."""
+    """A hashable read-only mapping (sorted (key, value) pairs), so a KernelModel can key a
+    cache."""
 
     def __new__(cls, d: dict | None = None):
         obj = super().__new__(cls, sorted((d or {}).items()))
@@ -103,8 +111,9 @@ class FrozenMap(tuple):
 
 @dataclass(frozen=True)
 class KernelModel:
-    """How fast one device runs each kind of kernel (``kernels.yaml``); ``memory`` None: memory-bound
-    work is not modelled (a measured fixed overhead covers it), ``attention`` None: batched GEMMs."""
+    """How fast one device runs each kind of kernel (``kernels.yaml``); ``memory`` None:
+    memory-bound work is not modelled (a measured fixed overhead covers it), ``attention`` None:
+    batched GEMMs."""
 
     __hash__ = cached_hash
 
@@ -137,8 +146,9 @@ class KernelModel:
         )
 
     def power_scale(self, cap_w: float | None) -> float:
-        """Time multiplier of compute-bound kernels under a board power cap below the table's: dynamic power
-        ~ f·V² with V ~ f, so the clock falls as the cube root of the power above the idle draw."""
+        """Time multiplier of compute-bound kernels under a board power cap below the table's:
+        dynamic power ~ f·V² with V ~ f, so the clock falls as the cube root of the power above
+        the idle draw."""
         if not (self.power_w and cap_w and cap_w < self.power_w):
             return 1.0
         return ((self.power_w - self.idle_w) / (cap_w - self.idle_w)) ** (1 / 3)
@@ -153,8 +163,8 @@ def _table() -> dict:
 
 @lru_cache(maxsize=64)
 def published(gpu: str, attention: str = "flash") -> KernelModel | None:
-    """The kernel table of a ``hardware.yaml`` profile (its ``attention`` kernel: flash | flash2 | eager),
-    None for a device without one."""
+    """The kernel table of a ``hardware.yaml`` profile (its ``attention`` kernel: flash | flash2
+    | eager), None for a device without one."""
     e = _table().get(gpu)
     if e is None:
         return None
@@ -275,11 +285,12 @@ def _local_heads(shape: ModelShape, tp: int) -> tuple[int, int]:
 def attention_s(
     shape: ModelShape, layout: Layout, dev: Device, forward_only: bool = False
 ) -> float:
-    """The attention core of one layer and micro-batch on one rank (forward+backward, or its forward alone).
+    """The attention core of one layer and micro-batch on one rank (forward+backward, or its forward
+    alone).
 
-    With context parallelism each rank does 1/cp of the causal work: the ring's (and PyTorch's) load-balanced
-    chunks in kernel calls over s/cp queries and keys (the benchmark's rate at s/cp), the all-to-all's full sequence
-    for heads/cp of the heads (the rate at s)."""
+    With context parallelism each rank does 1/cp of the causal work: the ring's (and PyTorch's)
+    load-balanced chunks in kernel calls over s/cp queries and keys (the benchmark's rate at
+    s/cp), the all-to-all's full sequence for heads/cp of the heads (the rate at s)."""
     s, b, cp = shape.seq_len, layout.micro_batch, layout.cp
     hd = shape.d_model // shape.n_head
     heads, _ = _local_heads(shape, layout.tp)
@@ -315,13 +326,15 @@ def memory_bytes(
 ) -> dict:
     """Bytes the memory-bound kernels of one layer move per micro-batch, forward+backward, by kind.
 
-    Per token, 16-bit values, h_r the width of the replicated ops (h, or h/t with SP), on one TP rank:
+    Per token, 16-bit values, h_r the width of the replicated ops (h, or h/t with SP), on one TP
+    rank:
       norm (2 per layer)      forward read+write, backward read x and dy, write dx: 2·10·h_r
       add (2 residuals)       forward 3 passes, backward the gradient sum 3: 2·12·h_r
       RoPE on q and k         4 bytes per element forward, 4 backward
       MLP activation          GELU 10·F/t (forward 2 passes, backward 3), SwiGLU 16·F/t (3 + 5)
       dropout (if any)        2 layers x (forward r+w+mask, backward r+mask+w): 2·10·h_r
-      FP8 casts               each block linear's input and output gradient, FP8_CAST_BYTES per element by scaling
+      FP8 casts               each block linear's input and output gradient, FP8_CAST_BYTES per
+                              element by scaling
       torch CP merges         ``cp_merge_bytes`` (PyTorch's context_parallel, cp > 1)
     """
     t, h = layout.tp, shape.d_model
@@ -350,25 +363,27 @@ def memory_bytes(
 
 
 def cp_merge_bytes(cp: int, width: int) -> tuple[float, float]:
-    """(forward, backward) HBM bytes per local token of one layer that PyTorch's ring attention moves outside
-    its kernels (torch/distributed/tensor/experimental/_attention.py: ``_templated_ring_attention``,
-    ``_SDPAMerger``, ``_partial_update``, ``_templated_ring_attention_backward``), eager PyTorch ops on
-    tensors of ``width`` = query heads x head dim per token (K and V as SDPA gets them, repeated to the query
-    heads), 16-bit inputs, fp32 accumulators (``convert_to_f32``). Per ring step after the first, the two
-    load-balanced cases (whole chunk; half the queries, written back with a concatenation) averaged:
+    """(forward, backward) HBM bytes per local token of one layer that PyTorch's ring attention
+    moves outside its kernels (torch/distributed/tensor/experimental/_attention.py:
+    ``_templated_ring_attention``, ``_SDPAMerger``, ``_partial_update``,
+    ``_templated_ring_attention_backward``), eager PyTorch ops on tensors of ``width`` = query heads
+    x head dim per token (K and V as SDPA gets them, repeated to the query heads), 16-bit inputs,
+    fp32 accumulators (``convert_to_f32``). Per ring step after the first, the two load-balanced
+    cases (whole chunk; half the queries, written back with a concatenation) averaged:
       forward   K, V concatenated for the rotation 8; the block output upcast 4.5; the merge
-                out - sigmoid(lse_b - lse) * (out - out_b), 8 fp32 passes, or 4 + the concatenation 8: 28
-                -> 40.5; once: the first output upcast and the result cast back, 12
-      backward  K, V concatenated 8; dK, dV added into fp32 (r 6, w 4 each) or half-added + concatenated: 23;
-                dK, dV concatenated for the ring 16; dQ added (10) or half-added + concatenated (13): 11.5
-                -> 58.5; once: three fp32 zero buffers 12, the first step's adds and concatenation 46, the
-                casts back 18: 76"""
+                out - sigmoid(lse_b - lse) * (out - out_b), 8 fp32 passes, or 4 + the concatenation
+                8: 28 -> 40.5; once: the first output upcast and the result cast back, 12
+      backward  K, V concatenated 8; dK, dV added into fp32 (r 6, w 4 each) or half-added +
+                concatenated: 23; dK, dV concatenated for the ring 16; dQ added (10) or
+                half-added + concatenated (13): 11.5 -> 58.5; once: three fp32 zero buffers 12,
+                the first step's adds and concatenation 46, the casts back 18: 76"""
     steps = cp - 1
     return (40.5 * steps + 12) * width, (58.5 * steps + 76) * width
 
 
-# byte counts of the ops as they run, fused or not (FP8_CAST_BYTES counts the casts as they run; PyTorch's ring
-# attention merges in eager ops whatever compiles around it): --kernels eager does not scale them
+# byte counts of the ops as they run, fused or not (FP8_CAST_BYTES counts the casts as they run;
+# PyTorch's ring attention merges in eager ops whatever compiles around it): --kernels eager does
+# not scale them
 _COUNTED_AS_RUN = frozenset({"fp8_cast", "cp_merge_fwd", "cp_merge_bwd"})
 # which measured share each byte count streams at
 _KIND = {
@@ -400,8 +415,8 @@ _FORWARD_SHARE = {
 def layer_terms(
     shape: ModelShape, layout: Layout, dev: Device, precision: str = "bf16", value_bytes: int = 2
 ) -> ComputeTerms:
-    """One layer, one micro-batch: GEMMs, attention, memory-bound kernels and recompute (cached on what they
-    depend on: a search times thousands of layouts that share them)."""
+    """One layer, one micro-batch: GEMMs, attention, memory-bound kernels and recompute (cached
+    on what they depend on: a search times thousands of layouts that share them)."""
     key = Layout(
         cp=layout.cp,
         tp=layout.tp,
@@ -501,10 +516,10 @@ def _micro_terms(
 ) -> ComputeTerms:
     """One micro-batch on the busiest pipeline stage (no optimizer; ``StepModel.compute`` adds it).
 
-    Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus the output
-    projection (Megatron's and DeepSpeed's default split); the "balanced" split (``shapes.PP_SPLITS``) gives the
-    end stages one layer fewer: a micro-batch costs max(busiest·t_layer, last·t_layer + t_head) on the busiest
-    stage."""
+    Stages take ceil(L/pp) layers each and the last the remainder, L − (pp−1)·ceil(L/pp), plus
+    the output projection (Megatron's and DeepSpeed's default split); the "balanced" split
+    (``shapes.PP_SPLITS``) gives the end stages one layer fewer: a micro-batch costs
+    max(busiest·t_layer, last·t_layer + t_head) on the busiest stage."""
     lt = layer_terms(shape, layout, dev, precision, value_bytes)
     head = head_s(
         shape, Layout(cp=layout.cp, tp=layout.tp, micro_batch=layout.micro_batch), dev, value_bytes

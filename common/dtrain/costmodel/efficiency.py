@@ -59,9 +59,10 @@ class GemmCurve:
 def gemm_time(
     g: Gemm, peak_flops: float, hbm_Bps: float, curve: GemmCurve, value_bytes: int = 2
 ) -> float:
-    """Seconds for ``g``: roofline bound max(W/peak, bytes/HBM) over the achieved fraction f(W), W the whole
-    (batched) GEMM's FLOPs: one strided-batched kernel fills the GPU with all ``count`` products at once, so a
-    per-head attention product is not priced as a lone small GEMM."""
+    """Seconds for ``g``: roofline bound max(W/peak, bytes/HBM) over the achieved fraction f(W),
+    W the whole (batched) GEMM's FLOPs: one strided-batched kernel fills the GPU with all
+    ``count`` products at once, so a per-head attention product is not priced as a lone small
+    GEMM."""
     bound = g.flops / peak_flops
     if hbm_Bps > 0:
         bound = max(bound, value_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) / hbm_Bps)
@@ -71,8 +72,8 @@ def gemm_time(
 def layer_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
     """Forward GEMMs of one transformer layer for one micro-batch on one TP rank (Megatron
     column/row-parallel split: QKV and fc1 split their outputs, proj and fc2 their inputs);
-    attention core as batched s×s×hd products (QKᵀ, then AV) over the local heads. With tp > n_kv_head
-    each rank computes one whole K and V head (replicated)."""
+    attention core as batched s×s×hd products (QKᵀ, then AV) over the local heads. With tp >
+    n_kv_head each rank computes one whole K and V head (replicated)."""
     t, s, h = layout.tp, shape.seq_len, shape.d_model
     tokens = layout.micro_batch * s
     hd = h // shape.n_head
@@ -90,8 +91,9 @@ def layer_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
 
 
 def op_recompute_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
-    """The forward GEMMs torchtitan's selective op AC re-runs in backward (every even-numbered matmul
-    of a block: wk, wo, and w3 of a gated MLP or w2 of a GELU one; see ``memory.op_checkpoint_bytes``)."""
+    """The forward GEMMs torchtitan's selective op AC re-runs in backward (every even-numbered
+    matmul of a block: wk, wo, and w3 of a gated MLP or w2 of a GELU one; see
+    ``memory.op_checkpoint_bytes``)."""
     t, s, h = layout.tp, shape.seq_len, shape.d_model
     tokens = layout.micro_batch * s
     kv = shape.n_kv_head * (h // shape.n_head)

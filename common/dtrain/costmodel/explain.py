@@ -1,5 +1,6 @@
-"""Why ``search`` chose its best plan, in sentences (``dtrain plan`` prints them): why each runner-up lost, the
-best plan without context parallelism when the best uses it, and which faster designs do not fit."""
+"""Why ``search`` chose its best plan, in sentences (``dtrain plan`` prints them): why each
+runner-up lost, the best plan without context parallelism when the best uses it, and which faster
+designs do not fit."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def explain(result: SearchResult, k: int = 5) -> list[str]:
         return [result.reason]
     best = result.best
     out = [
-        f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
-        f"{best.memory.total / GiB:.1f} GiB/GPU"
+        f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU "
+        f"{best.time.mfu:.1%}, {best.memory.total / GiB:.1f} GiB/GPU"
     ]
     for p in _runners_up(result, k):
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
@@ -72,7 +73,8 @@ def explain(result: SearchResult, k: int = 5) -> list[str]:
 
 
 def _without_cp(result: SearchResult) -> list[str]:
-    """Why context parallelism, when the best plan uses it: the best plan without it, or why none fits."""
+    """Why context parallelism, when the best plan uses it: the best plan without it, or why none
+    fits."""
     best = result.best
     if best.cp <= 1:
         return []
@@ -81,9 +83,9 @@ def _without_cp(result: SearchResult) -> list[str]:
     if plain is not None:
         loss = 1 - plain.time.tokens_per_s / best.time.tokens_per_s
         return [
-            f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each): "
-            f"without context parallelism the best plan, {plain.describe()}, is {loss:.1%} slower "
-            f"({_why_slower(plain, best, result.cluster)})"
+            f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} "
+            f"tokens each): without context parallelism the best plan, {plain.describe()}, is "
+            f"{loss:.1%} slower ({_why_slower(plain, best, result.cluster)})"
         ]
     need = [
         (str(w), lay)
@@ -99,8 +101,9 @@ def _without_cp(result: SearchResult) -> list[str]:
         else ""
     )
     return [
-        f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} tokens each, "
-        f"activations / {best.cp}): without context parallelism no layout fits in memory{why}"
+        f"cp={best.cp} splits each {s:,}-token sequence over {best.cp} GPUs ({s // best.cp:,} "
+        f"tokens each, activations / {best.cp}): without context parallelism no layout fits in "
+        f"memory{why}"
     ]
 
 
@@ -146,9 +149,9 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
             g[1:] = [need, lay]
     usable = result.cluster.gpu.hbm_bytes * (1 - result.headroom) / GiB
     return [
-        f"dp={lay.dp}{f' cp={lay.cp}' * (lay.cp > 1)} tp={lay.tp} pp={lay.pp} recompute={lay.recompute} "
-        f"would be up to "
-        f"{tps / target - 1:.1%} faster but does not fit: the smallest faster variant "
-        f"({describe_layout(lay)}) needs {need / GiB:.1f} GiB > {usable:.1f} GiB usable"
+        f"dp={lay.dp}{f' cp={lay.cp}' * (lay.cp > 1)} tp={lay.tp} pp={lay.pp} "
+        f"recompute={lay.recompute} would be up to {tps / target - 1:.1%} faster but does not "
+        f"fit: the smallest faster variant ({describe_layout(lay)}) needs {need / GiB:.1f} GiB > "
+        f"{usable:.1f} GiB usable"
         for tps, need, lay in sorted(groups.values(), key=lambda g: -g[0])[:k]
     ]

@@ -152,8 +152,9 @@ class Timer:
     def times(
         self, fn, reps: int = 5, min_total_s: float = 0.2, max_reps: int = 200
     ) -> list[float]:
-        """At least ``reps`` calls after one warm-up, more (up to ``max_reps``) until ``min_total_s`` of wall
-        time is spent: a millisecond step on shared cores needs many samples for a stable median."""
+        """At least ``reps`` calls after one warm-up, more (up to ``max_reps``) until
+        ``min_total_s`` of wall time is spent: a millisecond step on shared cores needs many
+        samples for a stable median."""
         fn()
         out: list[float] = []
         spent = 0.0
@@ -173,8 +174,9 @@ class Timer:
 
 class Reference:
     """The 512³ matmul of the runs' MFU probe, timed (waits taken out) right before and after every
-    measurement: its best rates are the idle roofline, and its rate of the moment is the yardstick for
-    slowdowns that are not waits (a busy SMT sibling, caches another process cooled)."""
+    measurement: its best rates are the idle roofline, and its rate of the moment is the
+    yardstick for slowdowns that are not waits (a busy SMT sibling, caches another process
+    cooled)."""
 
     def __init__(self, timer: Timer, device: torch.device, dtype: torch.dtype):
         self.timer, self.rates = timer, []
@@ -198,7 +200,8 @@ class Reference:
 
     @property
     def idle(self) -> float:
-        """The roofline: the 90th percentile of every rate timed (the fastest moments, robust to one outlier)."""
+        """The roofline: the 90th percentile of every rate timed (the fastest moments, robust to
+        one outlier)."""
         return statistics.quantiles(self.rates, n=10, method="inclusive")[-1]
 
 
@@ -273,8 +276,9 @@ def _gpt_gemm_s(t: dict, curve: GemmCurve, peak: float, value_bytes: int) -> flo
 
 
 def fit(points: list[dict]) -> GemmCurve | None:
-    """The curve over the kept points; e_max above 1 (above the roofline) is capped at 1, with W_half
-    refitted for it (weighted least squares of 1/f - 1 = W_half/W, as ``fit_curve`` weighs)."""
+    """The curve over the kept points; e_max above 1 (above the roofline) is capped at 1, with
+    W_half refitted for it (weighted least squares of 1/f - 1 = W_half/W, as ``fit_curve``
+    weighs)."""
     if len(points) < 2:
         return None
     pts = [
@@ -307,8 +311,8 @@ def run_window(run) -> tuple[float, float]:
 
 
 def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> list[contract.RunLoad]:
-    """Each run's load factor over its timed window, its own oversubscription divided out (busy threads =
-    ranks x threads per rank, against env.json's cores)."""
+    """Each run's load factor over its timed window, its own oversubscription divided out (busy
+    threads = ranks x threads per rank, against env.json's cores)."""
     out = []
     for run in runs:
         busy = int(run.env.get("world_size") or 1) * int(run.env.get("threads_per_rank") or 1)

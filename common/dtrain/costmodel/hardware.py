@@ -132,7 +132,8 @@ def gpu_profile_name(device_name: str) -> str | None:
 
 
 def datasheet_peak(profile: str, dtype: str = "bf16") -> float | None:
-    """Dense peak FLOP/s of a known GPU for bf16 | fp16 | tf32 | fp8 (None: no such tensor cores)."""
+    """Dense peak FLOP/s of a known GPU for bf16 | fp16 | tf32 | fp8 (None: no such tensor
+    cores)."""
     p = get_profile(profile)
     if dtype == "fp8":
         return p.peak_fp8_flops
@@ -141,8 +142,8 @@ def datasheet_peak(profile: str, dtype: str = "bf16") -> float | None:
 
 
 def peak_flops(device, dtype: str = "bf16") -> tuple[float, str]:
-    """(peak FLOP/s per device, source) of a torch device. dtype: the matmul precision, bf16 | fp16 | fp8 | fp32; on a
-    GPU fp32 means TF32 when it is on (enable_tf32) and is refused otherwise.
+    """(peak FLOP/s per device, source) of a torch device. dtype: the matmul precision, bf16 | fp16
+    | fp8 | fp32; on a GPU fp32 means TF32 when it is on (enable_tf32) and is refused otherwise.
 
     An unknown GPU is a UserError naming hardware.yaml rather than an invented peak. Every peak
     carries its source ("datasheet: h100-sxm bf16", "... tf32" or perf.CPU_PROBE_SOURCE)."""
@@ -212,8 +213,9 @@ class LinkModel:
 # replaces them with fitted values.
 NVLINK_ALPHA_S = 1e-6
 IB_ALPHA_S = 5e-6
-# Share of the datasheet rate a collective's bus bandwidth reaches (calibrate.default_links applies it; a
-# measured allreduce-bench fit replaces it): fitted to dtrain backtest's development set, a test pins it.
+# Share of the datasheet rate a collective's bus bandwidth reaches (calibrate.default_links applies
+# it; a measured allreduce-bench fit replaces it): fitted to dtrain backtest's development set, a
+# test pins it.
 LINK_EFFICIENCY = 0.7
 
 

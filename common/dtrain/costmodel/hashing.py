@@ -1,6 +1,6 @@
-"""A frozen dataclass's hash, computed once: the cost model keys its caches on shapes, clusters, calibrations
-and kernel models, and a search hashes them hundreds of thousands of times (a dataclass's own __hash__ rebuilds
-the tuple of every field, recursively, each time)."""
+"""A frozen dataclass's hash, computed once: the cost model keys its caches on shapes, clusters,
+calibrations and kernel models, and a search hashes them hundreds of thousands of times (a
+dataclass's own __hash__ rebuilds the tuple of every field, recursively, each time)."""
 
 from __future__ import annotations
 

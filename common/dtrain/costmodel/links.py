@@ -1,6 +1,7 @@
-"""The links of a cluster as the cost model uses them: α per link class and the share of the datasheet rate
-collectives reach, published defaults until allreduce-bench measures them (``calibrate`` replaces them).
-Kept apart from ``calibrate`` so ``dtrain plan`` needs neither pandas nor torch."""
+"""The links of a cluster as the cost model uses them: α per link class and the share of the
+datasheet rate collectives reach, published defaults until allreduce-bench measures them
+(``calibrate`` replaces them). Kept apart from ``calibrate`` so ``dtrain plan`` needs neither
+pandas nor torch."""
 
 from __future__ import annotations
 

@@ -53,24 +53,27 @@ class MemoryBreakdown:
 def model_state_bytes(
     psi: float, zero_stage: int, dp: int, grad_bytes: int = 4, optimizer_states: str = "fp32"
 ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard, N = ``dp``.
+    """(params, grads, optimizer) bytes per GPU for Ψ = ``psi`` parameters on this GPU's shard, N =
+    ``dp``.
 
     Mixed-precision AdamW as the stacks that use each stage hold it:
-      stage 0 (plain DP, Megatron):              2Ψ bf16 + 4Ψ fp32 main grads + 12Ψ fp32 master, m, v = 18Ψ
+      stage 0 (plain DP, Megatron):              2Ψ bf16 + 4Ψ fp32 main grads + 12Ψ fp32 master, m,
+                                                 v = 18Ψ
       stage 1 (Megatron distributed optimizer):  2Ψ + 4Ψ + 12Ψ/N                     = 6Ψ + 12Ψ/N
         (both: Megatron-LM ``theoretical_memory_usage.py``, 18 and 6 + 12/dp bytes per parameter)
       stage 2 (bf16 weights replicated):         2Ψ + 4Ψ/N fp32 grads + 12Ψ/N         = 2Ψ + 16Ψ/N
       stage 3 (FSDP2 full sharding):             (4 fp32 params + 4 fp32 grads + 8 m, v)Ψ/N = 16Ψ/N
-    FSDP2 keeps the fp32 sharded parameters as the master copy (MixedPrecisionPolicy casts a bf16 copy
-    per unit for compute) and reduces gradients in fp32 (torchtitan's default), so a fully sharded
-    parameter costs 16 bytes, not DeepSpeed's 2 + 2 + 12 + 4 (fp32 gradient partition). Its gathered
-    bf16 working set is ``MemoryBreakdown.buffers``.
+    FSDP2 keeps the fp32 sharded parameters as the master copy (MixedPrecisionPolicy casts a bf16
+    copy per unit for compute) and reduces gradients in fp32 (torchtitan's default), so a fully
+    sharded parameter costs 16 bytes, not DeepSpeed's 2 + 2 + 12 + 4 (fp32 gradient partition). Its
+    gathered bf16 working set is ``MemoryBreakdown.buffers``.
 
-    ``grad_bytes`` 2 (``Stack.grad_reduce`` "bf16"): the stage 0-2 gradient buffers in bf16 (FSDP2's reduced
-    shard takes its fp32 parameter's dtype: stage 3 keeps 4). ``optimizer_states`` "bf16": the Adam moments in
-    bf16 and no fp32 master copy, the bf16 weights updated in place (apex DistributedFusedAdam with ``dtype``
-    bf16, as NeMo runs it with ``store_params=False``): 4Ψ of optimizer state, sharded as the stage shards it;
-    at stage 3 the sharded parameters and their gradients are then bf16 too (2 + 2 + 4)Ψ/N.
+    ``grad_bytes`` 2 (``Stack.grad_reduce`` "bf16"): the stage 0-2 gradient buffers in bf16 (FSDP2's
+    reduced shard takes its fp32 parameter's dtype: stage 3 keeps 4). ``optimizer_states`` "bf16":
+    the Adam moments in bf16 and no fp32 master copy, the bf16 weights updated in place (apex
+    DistributedFusedAdam with ``dtype`` bf16, as NeMo runs it with ``store_params=False``): 4Ψ of
+    optimizer state, sharded as the stage shards it; at stage 3 the sharded parameters and their
+    gradients are then bf16 too (2 + 2 + 4)Ψ/N.
     """
     nd, g = dp, grad_bytes
     fp32 = optimizer_states == "fp32"
@@ -181,16 +184,17 @@ def op_checkpoint_bytes(
 ) -> float:
     """Bytes one layer keeps under torchtitan's selective op AC (``recompute="op"``).
 
-    torchtitan ``apply_ac`` (``selective_ac_option="op"``): inside a checkpointed block, SDPA's output
-    and the output of every odd-numbered matmul in forward order are saved (MUST_SAVE), everything
-    else is recomputed in backward. A Llama block's matmuls run wq, wk, wv, wo, w1, w3, w2: saved are
-    q, v, the attention output, w1's and w2's outputs, recomputed wk, wo, w3 (``op_recompute_gemms``);
-    a GELU block (wq, wk, wv, wo, w1, w2) saves q, v, the attention output and w1's output. Plus the
-    block input, the checkpoint's own input. In units of s·b, 16-bit values, F = ``ffn_mult``·h:
+    torchtitan ``apply_ac`` (``selective_ac_option="op"``): inside a checkpointed block, SDPA's
+    output and the output of every odd-numbered matmul in forward order are saved (MUST_SAVE),
+    everything else is recomputed in backward. A Llama block's matmuls run wq, wk, wv, wo, w1, w3,
+    w2: saved are q, v, the attention output, w1's and w2's outputs, recomputed wk, wo, w3
+    (``op_recompute_gemms``); a GELU block (wq, wk, wv, wo, w1, w2) saves q, v, the attention output
+    and w1's output. Plus the block input, the checkpoint's own input. In units of s·b, 16-bit
+    values, F = ``ffn_mult``·h:
       block input 2h (÷t with SP)   q 2h/t   v 2h·r/t   attention output 2h/t   w1 output 2F/t
       gated only: w2 output 2h (a row-parallel matmul's output is the full, not yet reduced, sum)
-    No dropout masks (torchtitan's models have no dropout). Attention is taken to be SDPA (its output
-    saved, its scores never stored), as in torchtitan and dtrain's model."""
+    No dropout masks (torchtitan's models have no dropout). Attention is taken to be SDPA (its
+    output saved, its scores never stored), as in torchtitan and dtrain's model."""
     x = 2 * h / (t if sequence_parallel else 1)
     per_token = (
         x
@@ -203,7 +207,8 @@ def op_checkpoint_bytes(
 def layer_activation_bytes(
     shape: ModelShape, layout: Layout, flash_attention: bool = True, recompute: str | None = None
 ) -> float:
-    """``activation_bytes_per_layer`` for one layer of ``shape`` under ``layout`` (its rank's s/cp tokens)."""
+    """``activation_bytes_per_layer`` for one layer of ``shape`` under ``layout`` (its rank's
+    s/cp tokens)."""
     return activation_bytes_per_layer(
         shape.seq_len // layout.cp,
         layout.micro_batch,
@@ -229,8 +234,8 @@ def params_per_gpu(shape: ModelShape, tp: int, pp: int, split: str = "layers") -
     embedding is held by both), so a stage holds at most one V·h matrix; with pp = 1 it holds
     both. Norm weights (replicated under TP in Megatron) are divided too: negligible. With
     tp > n_kv_head each rank keeps one whole K and V head (replicated), as Megatron and dtrain do.
-    ``split`` "balanced" (``shapes.PP_SPLITS``): the larger of a middle stage's layers and an end stage's one
-    layer fewer plus its V·h matrix.
+    ``split`` "balanced" (``shapes.PP_SPLITS``): the larger of a middle stage's layers and an end
+    stage's one layer fewer plus its V·h matrix.
     """
     layer = shape.params_per_layer_on_rank(tp)
     layers = stage_layers(shape, pp, split)
@@ -240,8 +245,9 @@ def params_per_gpu(shape: ModelShape, tp: int, pp: int, split: str = "layers") -
 
 
 def embedding_params_per_gpu(shape: ModelShape, tp: int, pp: int) -> float:
-    """The V·h embedding / output matrices among ``params_per_gpu``: the parameters FP8 recipes keep in bf16
-    (torchtitan converts every block linear but not the output projection; an embedding is no linear)."""
+    """The V·h embedding / output matrices among ``params_per_gpu``: the parameters FP8 recipes
+    keep in bf16 (torchtitan converts every block linear but not the output projection; an
+    embedding is no linear)."""
     matrices = (1 if shape.tied_embeddings else 2) if pp == 1 else 1
     return matrices * shape.vocab * shape.d_model / tp
 
@@ -250,11 +256,11 @@ def in_flight(layout: Layout) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak.
 
     1F1B (Narayanan et al. 2021): min(pp, m); interleaved with v virtual stages that times
-    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``), at most m: when the
-    warm-up, (v−1)·pp + 2(pp−1) chunk forwards on the first rank, covers all m·v of them (m = pp, as
-    torchtitan's default), every micro-batch is in flight at once, as under GPipe; zero-bubble V the
-    same as 1F1B (Qi et al. 2024: ZB-V keeps 1F1B's peak); GPipe all m (every forward runs before the
-    first backward, Huang et al. 2019). Without PP one."""
+    1 + (pp−1)/(pp·v) (Korthikanti §4.2.3; Megatron ``compute_activation_memory``), at most m:
+    when the warm-up, (v−1)·pp + 2(pp−1) chunk forwards on the first rank, covers all m·v of them
+    (m = pp, as torchtitan's default), every micro-batch is in flight at once, as under GPipe;
+    zero-bubble V the same as 1F1B (Qi et al. 2024: ZB-V keeps 1F1B's peak); GPipe all m (every
+    forward runs before the first backward, Huang et al. 2019). Without PP one."""
     lay = layout
     if lay.pp == 1:
         return 1.0
@@ -267,11 +273,12 @@ def in_flight(layout: Layout) -> float:
 
 
 def held_layer_microbatches(shape: ModelShape, layout: Layout) -> float:
-    """Layer activations (one layer for one micro-batch each) the first stage holds at its peak: ``in_flight``
-    micro-batches through its layers, where the interleaved warm-up's extra ones have run only its first chunk
-    (Megatron's schedule: chunk forwards in rounds of pp micro-batches, the pp−1 beyond v·pp in chunk 0). With
-    equal chunks that is ``in_flight`` x the stage's layers; the "balanced" split's first chunk holds one layer
-    fewer (``shapes.end_stage_layers``)."""
+    """Layer activations (one layer for one micro-batch each) the first stage holds at its peak:
+    ``in_flight`` micro-batches through its layers, where the interleaved warm-up's extra ones
+    have run only its first chunk (Megatron's schedule: chunk forwards in rounds of pp
+    micro-batches, the pp−1 beyond v·pp in chunk 0). With equal chunks that is ``in_flight`` x
+    the stage's layers; the "balanced" split's first chunk holds one layer fewer
+    (``shapes.end_stage_layers``)."""
     first, first_chunk = end_stage_layers(shape, layout)
     n = in_flight(layout)
     if (
@@ -282,11 +289,13 @@ def held_layer_microbatches(shape: ModelShape, layout: Layout) -> float:
     return full * first + (n - full) * layout.virtual_stages * first_chunk
 
 
-# Bytes per logit the loss holds at its peak: a fused vocab-parallel cross-entropy works on the fp32 logits in
-# place (Megatron's count, 4); PyTorch's unfused F.cross_entropy over bf16 logits holds the bf16 logits (2), their
-# fp32 copy (4), the log-softmax (4) and the gradient (4): 14. torchtitan's Llama 3.1 8B on 8 H100 (mb 2, seq 8192,
-# vocab 128256: 2.1G logits) reported 82.4 GiB (docs/performance.md 2024-12, Table 1) where the layer
-# activations and states count 59 GiB: the 21 GiB of the difference are these 10 extra bytes per logit.
+# Bytes per logit the loss holds at its peak: a fused vocab-parallel cross-entropy works on the fp32
+# logits in place (Megatron's count, 4); PyTorch's unfused F.cross_entropy over bf16 logits holds
+# the bf16 logits (2), their fp32 copy (4), the log-softmax (4) and the gradient (4): 14.
+# torchtitan's Llama 3.1 8B on 8 H100 (mb 2, seq 8192, vocab 128256: 2.1G logits) reported 82.4 GiB
+# (docs/performance.md 2024-12, Table
+# 1) where the layer activations and states count 59 GiB: the 21 GiB of the difference are these 10
+# extra bytes per logit.
 LOSS_BYTES_PER_LOGIT = {"fused": 4, "eager": 14}
 
 
@@ -299,19 +308,19 @@ def activation_bytes(
 ) -> float:
     """Peak activation bytes on the most loaded pipeline stage.
 
-    The first stage holds ``held_layer_microbatches`` (``in_flight`` micro-batches, each through its layers) plus their
-    embedding-layer inputs: the token ids (8·s·b) and, with dropout, its mask (s·b·h) (Megatron
-    ``compute_activation_memory``). The last stage holds one micro-batch plus the output layer's
-    input, 4·s·b·h/tp, and the loss's logits, ``LOSS_BYTES_PER_LOGIT`` x s·b·V/tp (vocab-parallel; 4 bytes
-    fused as Megatron counts them, 14 in unfused PyTorch). Full recompute adds
-    the working set of the one layer being recomputed: its activations without recompute, once (so
-    does ``op``, which recomputes part of each layer). Without sequence parallelism the replicated
-    tensors add 5% of temporaries, as Megatron's precise count without SP does
-    (``compute_activation_memory_without_sp``: "buffer for optimizer and miscellaneous temporaries").
-    ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe caches the
-    linear-layer inputs in 1 byte instead of 2, see ``Calibration.fp8_memory_factor`` (an
-    approximation; fp8-train measures it). With context parallelism every count is of the rank's s/cp
-    tokens, plus the attention's communication buffers (``cp_buffer_bytes``).
+    The first stage holds ``held_layer_microbatches`` (``in_flight`` micro-batches, each through its
+    layers) plus their embedding-layer inputs: the token ids (8·s·b) and, with dropout, its mask
+    (s·b·h) (Megatron ``compute_activation_memory``). The last stage holds one micro-batch plus the
+    output layer's input, 4·s·b·h/tp, and the loss's logits, ``LOSS_BYTES_PER_LOGIT`` x s·b·V/tp
+    (vocab-parallel; 4 bytes fused as Megatron counts them, 14 in unfused PyTorch). Full recompute
+    adds the working set of the one layer being recomputed: its activations without recompute, once
+    (so does ``op``, which recomputes part of each layer). Without sequence parallelism the
+    replicated tensors add 5% of temporaries, as Megatron's precise count without SP does
+    (``compute_activation_memory_without_sp``: "buffer for optimizer and miscellaneous
+    temporaries"). ``activation_bytes_factor`` scales the layer activations: ~0.8 when an FP8 recipe
+    caches the linear-layer inputs in 1 byte instead of 2, see ``Calibration.fp8_memory_factor`` (an
+    approximation; fp8-train measures it). With context parallelism every count is of the rank's
+    s/cp tokens, plus the attention's communication buffers (``cp_buffer_bytes``).
     """
     lay = layout
     s, b, h = (
@@ -341,10 +350,12 @@ def activation_bytes(
 
 def cp_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
     """The working buffers of one layer's context-parallel attention (16-bit), on one TP rank:
-    ring  the K and V chunk being received while the local one is used (double buffering), and in backward
-          their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
-    ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q + 2kv + q)/cp
-    torch     PyTorch's all-gathered K and V, repeated to the query heads, 2·2·b·s·q, and in backward the fp32
+    ring  the K and V chunk being received while the local one is used (double buffering), and in
+          backward their gradients travelling the other way: 2 x 2 x b·(s/cp)·kv_local·hd
+    ulysses   the all-to-all's full-sequence q, k, v and output for the rank's heads/cp: 2·b·s·(q +
+              2kv + q)/cp
+    torch     PyTorch's all-gathered K and V, repeated to the query heads, 2·2·b·s·q, and in
+              backward the fp32
               dK, dV chunk accumulated and the one in flight, 2·2·4·b·(s/cp)·q"""
     if layout.cp <= 1:
         return 0.0
@@ -376,14 +387,15 @@ def memory_per_gpu(
     ZeRO-3 / FSDP also holds a working set (``buffers``): the bf16 weights of the block being
     computed and of the one prefetched, plus that block's unsharded bf16 grads before the
     reduce-scatter, 3 · 2 · Ψ_layer bytes (FSDP default: one block per unit, prefetch of one). Under
-    PP a stage keeps its weights gathered across the micro-batches and reduces its gradients once, at
-    the last (torchtitan: reshard_after_forward off; torch.distributed.pipelining: gradient sync on the
-    last micro-batch only): the stage's bf16 weights, 2Ψ, and its unsharded gradients, which FSDP2
-    accumulates between syncs in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``: fp32
-    under bf16 mixed precision with fp32 reduction, torchtitan's default and dtrain's), 4Ψ: 6Ψ (4Ψ with
-    ``grad_bytes`` 2: bf16 reduction accumulates in bf16).
-    ZeRO shards over ``shard_group`` (dp·cp, or one HSDP replica group's dp·cp / dp_replicate).
-    ``grad_bytes`` and ``optimizer_states``: the gradient and optimizer-state dtypes (``model_state_bytes``).
+    PP a stage keeps its weights gathered across the micro-batches and reduces its gradients once,
+    at the last (torchtitan: reshard_after_forward off; torch.distributed.pipelining: gradient sync
+    on the last micro-batch only): the stage's bf16 weights, 2Ψ, and its unsharded gradients, which
+    FSDP2 accumulates between syncs in the reduce dtype
+    (``FSDPParam.to_accumulated_grad_if_needed``: fp32 under bf16 mixed precision with fp32
+    reduction, torchtitan's default and dtrain's), 4Ψ: 6Ψ (4Ψ with ``grad_bytes`` 2: bf16 reduction
+    accumulates in bf16). ZeRO shards over ``shard_group`` (dp·cp, or one HSDP replica group's dp·cp
+    / dp_replicate). ``grad_bytes`` and ``optimizer_states``: the gradient and optimizer-state
+    dtypes (``model_state_bytes``).
     """
     psi = params_per_gpu(shape, layout.tp, layout.pp, layout.pp_split)
     p, g, o = model_state_bytes(
@@ -403,8 +415,8 @@ def memory_per_gpu(
 def memory_for(
     shape: ModelShape, layout: Layout, stack: Stack, activation_bytes_factor: float = 1.0
 ) -> MemoryBreakdown:
-    """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory (the attention
-    kernel, the loss, the gradient and optimizer-state dtypes)."""
+    """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory
+    (the attention kernel, the loss, the gradient and optimizer-state dtypes)."""
     return memory_per_gpu(
         shape,
         layout,

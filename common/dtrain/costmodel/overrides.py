@@ -1,6 +1,7 @@
 """A plan as Hydra overrides for the shared trainer (`python -m fsdp_scaling <overrides>`).
 
-    world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring | ulysses | torch)
+    world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring |
+                                            ulysses | torch)
     pp_virtual v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; gpipe, zbv as named;
                       1f1b, or gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
     train.strategy: Layout.strategy (dtrain.core.layout: ZeRO 0 -> ddp, 1 and 2 -> zero2, the trainer has no
@@ -9,14 +10,16 @@
                       (the trainer has no attention-core-only recompute)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))
     precision bf16 / fp8 -> train.precision=bf16 (FP8 recipes are fp8-train's)
-    the model's layers, hidden, heads, kv heads, seq -> model.n_layer, d_model, n_head, n_kv_head, seq_len
+    the model's layers, hidden, heads, kv heads, seq -> model.n_layer, d_model, n_head, n_kv_head,
+    seq_len
 
     sequence_parallel -> train.sequence_parallel
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
-selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp together with pp, the
-balanced pipeline split, and ZeRO-1/2 under pp, whose gradient reduction the trainer runs after the last backward
-(not hidden as priced). `dtrain plan --software dtrain` searches only layouts that need none of these notes.
+selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp
+together with pp, the balanced pipeline split, and ZeRO-1/2 under pp, whose gradient reduction the
+trainer runs after the last backward (not hidden as priced). `dtrain plan --software dtrain`
+searches only layouts that need none of these notes.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ def train_overrides(
     notes = []
     if layout.pp_split != "layers" and layout.pp > 1:
         notes.append(
-            f"split={layout.pp_split} runs as the trainer's own split (blocks spread evenly over the stages, "
-            "the embedding on the first and the loss on the last)"
+            f"split={layout.pp_split} runs as the trainer's own split (blocks spread evenly over "
+            "the stages, the embedding on the first and the loss on the last)"
         )
     if layout.cp > 1 and layout.pp > 1:
         notes.append(
@@ -74,12 +77,13 @@ def train_overrides(
     if layout.zero_stage in (1, 2) and layout.pp > 1:
         notes.append(
             "under pp the trainer's zero2 reduces its gradients after the stage's last backward "
-            "(torch.distributed.pipelining), which the plan's ZeRO-1/2 step hides behind it: the run exposes "
-            "that reduce-scatter, as the plan prices zero=3 with pp"
+            "(torch.distributed.pipelining), which the plan's ZeRO-1/2 step hides behind it: the "
+            "run exposes that reduce-scatter, as the plan prices zero=3 with pp"
         )
     if replicas > 1 and layout.zero_stage == 2:
         notes.append(
-            "HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in each group)"
+            "HSDP with ZeRO-2 runs as the trainer's hsdp, which reshards after forward (ZeRO-3 in "
+            "each group)"
         )
     if layout.recompute == "selective":
         notes.append("selective recompute runs as whole-block checkpointing")

@@ -58,7 +58,8 @@ exit codes: 0 plan found, 1 does not fit in memory, 2 bad input."""
 
 
 def _number(kind, low: float, strict: bool):
-    """An argparse type: a finite number above `low` (`--params nan`, `--seq 0` are one error line)."""
+    """An argparse type: a finite number above `low` (`--params nan`, `--seq 0` are one error
+    line)."""
 
     def parse(text: str):
         try:
@@ -88,7 +89,8 @@ _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
 def param_count(text: str) -> float:
-    """--params: a positive number, plain (70e9) or with the suffix people write sizes in (70B, 1.3b, 350M, 1T)."""
+    """--params: a positive number, plain (70e9) or with the suffix people write sizes in (70B,
+    1.3b, 350M, 1T)."""
     number, unit = (
         (text[:-1], _SUFFIX.get(text[-1].lower())) if text[-1:].isalpha() else (text, 1.0)
     )
@@ -140,12 +142,14 @@ def add_parser(sub) -> None:
     m.add_argument(
         "--dropout",
         action="store_true",
-        help="GPT-3-style dropout (attention probabilities and residuals): masks stored, passes priced",
+        help="GPT-3-style dropout (attention probabilities and residuals): masks stored, passes "
+        "priced",
     )
     m.add_argument(
         "--no-rope",
         action="store_true",
-        help="no rotary embeddings (learned or ALiBi positions, as GPT-3, BLOOM): no RoPE pass priced",
+        help="no rotary embeddings (learned or ALiBi positions, as GPT-3, BLOOM): no RoPE pass "
+        "priced",
     )
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=POS_INT, required=True, help="GPUs in the job")
@@ -206,26 +210,28 @@ def add_parser(sub) -> None:
         "--kernels",
         choices=("fused", "eager"),
         default="fused",
-        help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); eager: "
-        "PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES,
+        help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); "
+        "eager: PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES,
     )
     r.add_argument(
         "--loss",
         choices=("fused", "eager"),
         default=None,
-        help="the cross-entropy: fused (vocab-parallel, in place on fp32 logits, 4 B/logit) or eager "
-        "(PyTorch's F.cross_entropy, 14 B/logit; torchtitan compiles its blocks but not its loss); "
-        "default: as --kernels",
+        help="the cross-entropy: fused (vocab-parallel, in place on fp32 logits, 4 B/logit) or "
+        "eager (PyTorch's F.cross_entropy, 14 B/logit; torchtitan compiles its blocks but not "
+        "its loss); default: as --kernels",
     )
     r.add_argument(
         "--tp-overlap",
         action="store_true",
-        help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, TransformerEngine)",
+        help="TP collectives overlapped with the GEMMs (Megatron --tp-comm-overlap, "
+        "TransformerEngine)",
     )
     r.add_argument(
         "--async-tp",
         action="store_true",
-        help="torchtitan's AsyncTP: hides the share of TP traffic its published with/without pairs show",
+        help="torchtitan's AsyncTP: hides the share of TP traffic its published with/without pairs "
+        "show",
     )
     r.add_argument(
         "--fp8-all-gather",
@@ -239,51 +245,56 @@ def add_parser(sub) -> None:
         "--fp8-scaling",
         choices=FP8_SCALINGS,
         default=None,
-        help="with --precision fp8, how the casts are scaled, which sets their cost: dynamic (torchao's "
-        "float8 training: a global amax per tensor before its cast) or delayed (TransformerEngine: "
-        "amax history, casts fused into the producing kernels); default: the --software's own "
-        "(dynamic for torchtitan and dtrain, else delayed)",
+        help="with --precision fp8, how the casts are scaled, which sets their cost: dynamic "
+        "(torchao's float8 training: a global amax per tensor before its cast) or delayed "
+        "(TransformerEngine: amax history, casts fused into the producing kernels); default: "
+        "the --software's own (dynamic for torchtitan and dtrain, else delayed)",
     )
     r.add_argument(
         "--grad-reduce",
         choices=STATE_DTYPES,
         default="fp32",
-        help="the dtype gradients accumulate and reduce in over DP: fp32 (default; Megatron's for bf16, "
-        "torchtitan's) or bf16 (apex DistributedFusedAdam grad_sync_dtype, torchtitan "
+        help="the dtype gradients accumulate and reduce in over DP: fp32 (default; Megatron's for "
+        "bf16, torchtitan's) or bf16 (apex DistributedFusedAdam grad_sync_dtype, torchtitan "
         "mixed_precision_reduce=bfloat16): half the gradient bytes and traffic",
     )
     r.add_argument(
         "--optimizer-states",
         choices=STATE_DTYPES,
         default="fp32",
-        help="fp32 (default): fp32 master weights and Adam moments, 12 B/param; bf16: Adam moments in "
-        "bf16 and no master copy (apex DistributedFusedAdam dtype=bf16, as NeMo runs it), 4 B/param",
+        help="fp32 (default): fp32 master weights and Adam moments, 12 B/param; bf16: Adam moments "
+        "in bf16 and no master copy (apex DistributedFusedAdam dtype=bf16, as NeMo runs it), "
+        "4 B/param",
     )
     r.add_argument(
         "--dp-sync",
         choices=DP_SYNCS,
         default="overlap",
-        help="when the once-per-step DP collectives run: overlap (default; Megatron's --overlap-grad-reduce "
-        "and --overlap-param-gather: behind the last backward and the first forward) or flush "
-        "(DeepSpeed's pipeline engine: after the pipeline's last step, nothing hidden)",
+        help="when the once-per-step DP collectives run: overlap (default; Megatron's "
+        "--overlap-grad-reduce and --overlap-param-gather: behind the last backward and the "
+        "first forward) or flush (DeepSpeed's pipeline engine: after the pipeline's last "
+        "step, nothing hidden)",
     )
     r.add_argument(
         "--software",
         choices=tuple(SOFTWARE),
         default="any",
-        help="the framework the run uses: the best layout is the best one it runs (any, default: every "
-        "layout; megatron-core; megatron-2021: no SP, selective recompute or distributed optimizer; "
-        "megatron-deepspeed: DeepSpeed's pipeline engine, no interleaving, ZeRO-0/1 with PP; "
-        "torchtitan: DDP or FSDP, SP with TP, PyTorch's context_parallel; dtrain: this project's "
-        "trainer, whose overrides the plan prints); costmodel/software.py",
+        help="the framework the run uses: the best layout is the best one it runs (any, default: "
+        "every layout; megatron-core; megatron-2021: no SP, selective recompute or "
+        "distributed optimizer; megatron-deepspeed: DeepSpeed's pipeline engine, no "
+        "interleaving, ZeRO-0/1 with PP; torchtitan: DDP or FSDP, SP with TP, PyTorch's "
+        "context_parallel; dtrain: this project's trainer, whose overrides the plan prints); "
+        "costmodel/software.py",
     )
     p.add_argument(
         "--layout",
         metavar="FIELDS",
-        help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= schedule=1f1b|gpipe|zbv split=layers|balanced '
+        help='score a layout: any of "dp= cp= cp_impl=ring|ulysses|torch tp= pp= v= '
+        "schedule=1f1b|gpipe|zbv split=layers|balanced "
         'zero= hsdp= recompute=none|op|selective|full mb= sp=on|off"; '
         "given fields are fixed, the rest searched; hsdp=R: FSDP sharded inside R replica groups; "
-        "split=balanced: the embedding and the loss take one layer's slot each in the pipeline split "
+        "split=balanced: the embedding and the loss take one layer's slot each in the pipeline "
+        "split "
         "(Megatron's --account-for-embedding/loss-in-pipeline-split)",
     )
     p.add_argument(
@@ -300,8 +311,8 @@ def add_parser(sub) -> None:
 def stack_of(a) -> Stack:
     if a.tp_overlap and a.async_tp:
         raise UserError(
-            "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two stacks: "
-            "give the one the run used"
+            "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two "
+            "stacks: give the one the run used"
         )
     return Stack(
         a.attention,
@@ -442,8 +453,9 @@ LAYOUT_CHOICES = {
 
 
 def parse_layout(text: str, gpus: int | None = None) -> dict:
-    """'tp=8 pp=16 v=8 zero=1 recompute=selective mb=1' -> search(fixed=...) fields; UserError on bad input
-    (an unknown or repeated field, a value out of range, dp·tp·pp that cannot make `gpus`, v without pp)."""
+    """'tp=8 pp=16 v=8 zero=1 recompute=selective mb=1' -> search(fixed=...) fields; UserError on
+    bad input (an unknown or repeated field, a value out of range, dp·tp·pp that cannot make
+    `gpus`, v without pp)."""
     fixed = {}
     for item in text.replace(",", " ").split():
         key, eq, value = item.partition("=")
@@ -520,8 +532,8 @@ def parse_layout(text: str, gpus: int | None = None) -> dict:
 
 
 def pinned_layout(a, gpus: int, shape) -> dict | None:
-    """The --layout fields (``parse_layout``) checked against --software for the model (its layers and KV heads),
-    before any search; None without it."""
+    """The --layout fields (``parse_layout``) checked against --software for the model (its
+    layers and KV heads), before any search; None without it."""
     if a.layout is None:  # --layout "" is refused by parse_layout, not taken for no layout
         return None
     fixed = parse_layout(a.layout, gpus)
@@ -572,13 +584,13 @@ def layout_refusal(shape: ModelShape, fixed: dict) -> str | None:
 
 
 def layout_result(shape, cluster, a, calib, best: SearchResult, fixed: dict | None):
-    """(search restricted to the --layout fields ``fixed``, its gap to ``best``, tight) or (None, None, False)
-    without --layout.
+    """(search restricted to the --layout fields ``fixed``, its gap to ``best``, tight) or (None,
+    None, False) without --layout.
 
-    The headroom is for choosing: a layout the user gives is judged against the whole HBM. When it fits
-    only in the share ``--headroom`` keeps free it is still scored (published layouts run there: torchtitan's
-    Llama 3.1 8B on 8 H100 peaks at 77 of 80 GiB), marked ``tight``; one that does not fit is said against
-    the whole HBM."""
+    The headroom is for choosing: a layout the user gives is judged against the whole HBM. When
+    it fits only in the share ``--headroom`` keeps free it is still scored (published layouts run
+    there: torchtitan's Llama 3.1 8B on 8 H100 peaks at 77 of 80 GiB), marked ``tight``; one that
+    does not fit is said against the whole HBM."""
     if fixed is None:
         return None, None, False
     kw = dict(precision=a.precision, stack=stack_of(a), fixed=fixed)
@@ -655,7 +667,8 @@ def run(a) -> int:
         print("\n".join(lines))
     if mine is not None and mine.best is None:
         print(
-            f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the report above '
+            f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the '
+            "report above "
             "shows the best layout)",
             file=sys.stderr,
         )

@@ -1,5 +1,6 @@
-"""What `dtrain plan` prints: a search result as text (the choice, its step term by term, why the runners-up
-lost, a given layout against it) and as one JSON object (every term, the trainer overrides)."""
+"""What `dtrain plan` prints: a search result as text (the choice, its step term by term, why the
+runners-up lost, a given layout against it) and as one JSON object (every term, the trainer
+overrides)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ def calibration_notes(report) -> list[str]:
     gpu = [c for c in report.candidates if c.source.on_gpu]
     cpu = [c for c in report.candidates if not c.source.on_gpu]
     notes = [
-        f"calibration: {len(report.runs)} complete run(s); {len(gpu)} value(s) measured on CUDA used"
+        f"calibration: {len(report.runs)} complete run(s); {len(gpu)} value(s) measured on CUDA "
+        "used"
     ]
     if cpu:
         notes.append(
-            f"  {len(cpu)} value(s) measured on CPU ignored: a CPU/gloo run does not describe a GPU cluster"
+            f"  {len(cpu)} value(s) measured on CPU ignored: a CPU/gloo run does not describe a "
+            "GPU cluster"
         )
     if not gpu:
         notes.append("  no GPU measurements: datasheet/published values are used")
@@ -27,8 +30,8 @@ def calibration_notes(report) -> list[str]:
 
 
 def describe_cluster(c: Cluster) -> str:
-    """The links as the model uses them: the bus bandwidth collectives reach (datasheet rate x link efficiency,
-    or allreduce-bench's measurement)."""
+    """The links as the model uses them: the bus bandwidth collectives reach (datasheet rate x
+    link efficiency, or allreduce-bench's measurement)."""
     return (
         f"{c.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; intra-node {c.nvlink.name} "
         f"{c.nvlink.beta_Bps / 1e9:.4g} GB/s per direction achieved, inter-node "
@@ -37,16 +40,16 @@ def describe_cluster(c: Cluster) -> str:
 
 
 def describe_power(c: Cluster) -> str | None:
-    """The power-cap term, when the cluster's GPUs run below the board power their kernel rates were measured
-    at (``--power-w``); None otherwise."""
+    """The power-cap term, when the cluster's GPUs run below the board power their kernel rates
+    were measured at (``--power-w``); None otherwise."""
     table = published(c.gpu.name)
     scale = table.power_scale(c.gpu.power_w) if table else 1.0
     if scale == 1.0:
         return None
     return (
-        f"{c.gpu.power_w:g} W cap of the {table.power_w:g} W the kernel rates were measured at: tensor-core "
-        f"work x{scale:.3f} the time (the clock's cube root of the power above the {table.idle_w:g} W idle "
-        "draw; kernels.yaml)"
+        f"{c.gpu.power_w:g} W cap of the {table.power_w:g} W the kernel rates were measured at: "
+        f"tensor-core work x{scale:.3f} the time (the clock's cube root of the power above the "
+        f"{table.idle_w:g} W idle draw; kernels.yaml)"
     )
 
 
@@ -68,11 +71,11 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
         f"model:    {describe_model(res.model)}",
         f"cluster:  {describe_cluster(res.cluster)}",
         *([f"power:    {power}"] if (power := describe_power(res.cluster)) else []),
-        f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = {tokens / 1e6:.2f}M tokens/step, "
-        f"{res.precision}",
-        f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, --async-tp, "
-        "--fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's software moves the cost; "
-        "--software: the layouts it runs)",
+        f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = "
+        f"{tokens / 1e6:.2f}M tokens/step, {res.precision}",
+        f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, "
+        "--async-tp, --fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's "
+        "software moves the cost; --software: the layouts it runs)",
         *notes,
         "",
     ]
@@ -92,8 +95,8 @@ def plan_lines(p, usable_gib: float) -> list[str]:
     t, m = p.time, p.memory
     c = t.terms
     return [
-        f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP comm "
-        f"{t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
+        f"  step time   {t.total:.3f} s = compute {t.compute:.3f} + TP comm {t.tp_comm:.3f} + PP "
+        f"comm {t.pp_comm:.3f} + bubble {t.bubble:.3f} + exposed DP comm {t.dp_comm_exposed:.3f} "
         f"(of {t.dp_comm:.3f}"
         + (
             f"; {t.dp_contention:.3f} of it the SMs and HBM the overlapped part takes"
@@ -102,14 +105,14 @@ def plan_lines(p, usable_gib: float) -> list[str]:
         )
         + ")"
         + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
-        f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + memory-bound "
-        f"{c.memory:.3f} + output layer & loss {c.head:.3f} + recompute {c.recompute:.3f} + optimizer "
-        f"{c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
-        f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), "
-        f"MFU {t.mfu:.1%}",
-        f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params {m.params / GiB:.1f}, "
-        f"grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f}, "
-        f"ZeRO-3 buffers {m.buffers / GiB:.1f}",
+        f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + "
+        f"memory-bound {c.memory:.3f} + output layer & loss {c.head:.3f} + recompute "
+        f"{c.recompute:.3f} + optimizer {c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
+        f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU "
+        f"(model FLOPs), MFU {t.mfu:.1%}",
+        f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params "
+        f"{m.params / GiB:.1f}, grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, "
+        f"activations {m.activations / GiB:.1f}, ZeRO-3 buffers {m.buffers / GiB:.1f}",
     ]
 
 
@@ -122,8 +125,8 @@ def layout_text(
     out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib)]
     if tight:
         out.append(
-            "  caution     fits only in the HBM that --headroom keeps free when choosing: it runs by this count, "
-            "with little margin for allocator fragmentation"
+            "  caution     fits only in the HBM that --headroom keeps free when choosing: it runs "
+            "by this count, with little margin for allocator fragmentation"
         )
     if gap is not None:
         sw = res.stack.software
@@ -137,14 +140,16 @@ def layout_text(
 
 
 def framework_gap(res: SearchResult, free: SearchResult) -> float | None:
-    """How much faster (%) the best layout of every framework ("any") is than the best of ``res``'s software."""
+    """How much faster (%) the best layout of every framework ("any") is than the best of
+    ``res``'s software."""
     if res.best is None or free.best is None:
         return None
     return 100 * (free.best.time.tokens_per_s / res.best.time.tokens_per_s - 1)
 
 
 def framework_text(res: SearchResult, free: SearchResult) -> list[str]:
-    """One line: what the framework's restriction costs against the unrestricted search (``--software``)."""
+    """One line: what the framework's restriction costs against the unrestricted search
+    (``--software``)."""
     gap, sw = framework_gap(res, free), res.stack.software
     if gap is None:
         return (
@@ -158,8 +163,8 @@ def framework_text(res: SearchResult, free: SearchResult) -> list[str]:
     if gap <= 0.05:
         return [f"framework: {sw}'s best is the best of any framework (within 0.05%)"]
     return [
-        f"framework: the best layout of any framework, {free.best.describe()}, is {gap:.1f}% faster than "
-        f"{sw}'s best ({len(res.ranked)} of its layouts fit)"
+        f"framework: the best layout of any framework, {free.best.describe()}, is {gap:.1f}% "
+        f"faster than {sw}'s best ({len(res.ranked)} of its layouts fit)"
     ]
 
 
@@ -272,7 +277,8 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
 
 
 def _overrides_json(res: SearchResult) -> dict:
-    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its notes."""
+    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its
+    notes."""
     from .overrides import train_overrides
 
     if res.best is None:

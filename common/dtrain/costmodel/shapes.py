@@ -1,4 +1,5 @@
-"""The model (``ModelShape``) and how a step is parallelised over GPUs (``Layout``): the cost model's two inputs.
+"""The model (``ModelShape``) and how a step is parallelised over GPUs (``Layout``): the cost
+model's two inputs.
 
 ``KNOWN_SHAPES`` are the standard models the decision matrix and ``ModelShape.from_params`` use.
 """
@@ -94,8 +95,9 @@ class ModelShape:
         return self.param_count.per_layer
 
     def params_per_layer_on_rank(self, tp: int) -> float:
-        """One layer's parameters on one of ``tp`` ranks: everything split tp ways except K and V, of which each
-        rank keeps whole heads (replicated when tp > n_kv_head, as Megatron and dtrain do)."""
+        """One layer's parameters on one of ``tp`` ranks: everything split tp ways except K and
+        V, of which each rank keeps whole heads (replicated when tp > n_kv_head, as Megatron and
+        dtrain do)."""
         hd = self.d_model // self.n_head
         kv, kv_local = (
             2 * self.d_model * self.n_kv_head * hd,
@@ -163,7 +165,8 @@ class ModelShape:
 
 
 # Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
-#   125M  GPT-3 Small      12 x 768, 12 heads, GELU 4h, vocab 50257, tied                    (1.25e8)
+#   125M  GPT-3 Small      12 x 768, 12 heads, GELU 4h, vocab 50257, tied
+#                          (1.25e8)
 #   350M  GPT-3 Medium     24 x 1024, 16 heads                                              (3.55e8)
 #   760M  GPT-3 Large      24 x 1536, 16 heads                                              (7.58e8)
 #   1B    Llama 3.2 1B     16 x 2048, 32 heads / 8 KV, SwiGLU 8192, vocab 128256, tied   (1.24e9)
@@ -173,13 +176,14 @@ class ModelShape:
 #   70B   Llama 2 70B      80 x 8192, 64 / 8,  SwiGLU 28672, vocab 32000                  (69.0e9)
 #   175B  GPT-3 175B       96 x 12288, 96 / 96, GELU 4h, vocab 50257, tied                (174.6e9)
 #   405B  Llama 3.1 405B  126 x 16384, 128 / 8, SwiGLU 53248, vocab 128256                (405.9e9)
-# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model) and learned
-# positions (no RoPE); the Llama family trains without dropout. Below 1B the table has GPT-3's small models:
-# the Llama family's smallest (3.2 1B) has a 128256-token vocabulary, whose embedding alone would leave a
-# 125M-parameter model one layer.
-# Sources: Touvron et al. 2023 (Llama 2), Rozière et al. 2023 (Code Llama), Brown et al. 2020
-# (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of Models" (Table 3), Meta's Llama 3.2
-# model card; ffn sizes as in the released config.json files.
+# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model) and
+# learned positions (no RoPE); the Llama family trains without dropout. Below 1B the table has
+# GPT-3's small
+# models:
+# the Llama family's smallest (3.2 1B) has a 128256-token vocabulary, whose embedding alone would
+# leave a 125M-parameter model one layer. Sources: Touvron et al. 2023 (Llama 2), Rozière et al.
+# 2023 (Code Llama), Brown et al. 2020 (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of
+# Models" (Table 3), Meta's Llama 3.2 model card; ffn sizes as in the released config.json files.
 _GPT3 = dict(
     vocab=50257,
     seq_len=2048,
@@ -206,23 +210,27 @@ KNOWN_SHAPES = {  # nominal size -> shape
 
 
 def _split(shape: ModelShape, pp: int, split: str) -> tuple[int, int]:
-    """(slots per stage, ceil(slots/pp); slots each end stage gives to the embedding or the loss: 0 or 1)."""
+    """(slots per stage, ceil(slots/pp); slots each end stage gives to the embedding or the loss:
+    0 or 1)."""
     ends = 1 if split == "balanced" and pp > 1 else 0
     return -(-(shape.n_layer + 2 * ends) // pp), ends
 
 
 def stage_layers(shape: ModelShape, pp: int, split: str = "layers") -> int:
-    """Transformer layers on the busiest pipeline stage: ceil(L/pp), pp need not divide L (Megatron's uneven
-    first/last stages). With the "balanced" split, ceil((L+2)/pp) on a middle stage (two stages: one slot fewer)."""
+    """Transformer layers on the busiest pipeline stage: ceil(L/pp), pp need not divide L
+    (Megatron's uneven first/last stages). With the "balanced" split, ceil((L+2)/pp) on a middle
+    stage (two stages: one slot fewer)."""
     per, ends = _split(shape, pp, split)
     return per - ends if pp == 2 else per
 
 
 def end_stage_layers(shape: ModelShape, layout: Layout) -> tuple[int, float]:
-    """(transformer layers on the first stage, those of them in its first virtual chunk): the chunk the interleaved
-    warm-up's extra micro-batches run (``memory.held_layer_microbatches``). "layers": ceil(L/pp), the chunk 1/v of
-    it; "balanced": one slot fewer, the first chunk ceil((L+2)/(pp·v)) − 1 (the embedding is its missing layer:
-    Llama 3 405B's 126 layers on 16 stages of 8 chunks leave the first chunk the embedding alone)."""
+    """(transformer layers on the first stage, those of them in its first virtual chunk): the chunk
+    the interleaved warm-up's extra micro-batches run (``memory.held_layer_microbatches``).
+    "layers": ceil(L/pp), the chunk 1/v of it; "balanced": one slot fewer, the first chunk
+    ceil((L+2)/(pp·v)) − 1 (the embedding is its missing layer:
+    Llama 3 405B's 126 layers on 16 stages of 8 chunks leave the first chunk the embedding
+    alone)."""
     per, ends = _split(shape, layout.pp, layout.pp_split)
     first = per - ends
     if not ends:
@@ -232,13 +240,15 @@ def end_stage_layers(shape: ModelShape, layout: Layout) -> tuple[int, float]:
 
 
 def last_stage_layers(shape: ModelShape, layout: Layout) -> int:
-    """Transformer layers on the last stage, beside the output projection and loss: the remainder of the split."""
+    """Transformer layers on the last stage, beside the output projection and loss: the remainder
+    of the split."""
     per, ends = _split(shape, layout.pp, layout.pp_split)
     return max(pipeline_slots(shape, layout) - (layout.pp - 1) * per - ends, 0)
 
 
 def pipeline_slots(shape: ModelShape, layout: Layout) -> int:
-    """Layer slots the pipeline splits: the transformer layers, plus the embedding and the loss when "balanced"."""
+    """Layer slots the pipeline splits: the transformer layers, plus the embedding and the loss
+    when "balanced"."""
     return shape.n_layer + 2 * _split(shape, layout.pp, layout.pp_split)[1]
 
 

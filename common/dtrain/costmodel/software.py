@@ -1,11 +1,13 @@
-"""Which layouts a training framework can run (``Software``): the space ``search`` looks for the best in.
+"""Which layouts a training framework can run (``Software``): the space ``search`` looks for the
+best in.
 
-The cost of a layout is the same whatever runs it (``Stack`` says how the software moves the cost); what differs
-is which layouts exist. A torchtitan user has no ZeRO-1 and no Ulysses, 2021's Megatron had neither sequence
-parallelism nor selective recompute, and DeepSpeed's pipeline engine refuses ZeRO-2/3 and interleaving. "the best
-layout" then means the best one the user's framework runs (``dtrain plan --software``), and the published layout
-of a run is compared with the best its own software could have run (``dtrain backtest``). Each entry names the
-code it was read from."""
+The cost of a layout is the same whatever runs it (``Stack`` says how the software moves the
+cost); what differs is which layouts exist. A torchtitan user has no ZeRO-1 and no Ulysses,
+2021's Megatron had neither sequence parallelism nor selective recompute, and DeepSpeed's
+pipeline engine refuses ZeRO-2/3 and interleaving. "the best layout" then means the best one the
+user's framework runs (``dtrain plan --software``), and the published layout of a run is compared
+with the best its own software could have run (``dtrain backtest``). Each entry names the code it
+was read from."""
 
 from __future__ import annotations
 
@@ -20,20 +22,22 @@ __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 
 @dataclass(frozen=True)
 class Software:
-    """``zero``: ZeRO stages without PP, ``zero_pp`` with it; ``cp_impls``: context-parallel implementations
-    (``Layout.cp_impl``; empty: none) the search tries, ``cp_pinned`` those it scores only when asked for;
-    ``sp``: sequence parallelism off / on with TP; ``recompute``: the levels it runs; ``interleaved``: more than
-    one model chunk per pipeline rank (``Layout.virtual_stages``);
-    ``cp_with_pp``: context and pipeline parallelism together; ``hsdp``: FSDP sharded inside replica groups
-    (``Layout.dp_replicate``, scored when asked for, never searched); ``zero2_regathers``: its ZeRO-2 is FSDP2
-    without resharding after forward, which reshards after each backward and so gathers the weights again for
-    every micro-batch (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer);
-    ``even_split``: when the layers must split into whole, equal pipeline chunks (pp·v divides them): "never"
-    (uneven stages run), "interleaved" (only with v > 1), "always"; ``interleaved_groups``: its interleaved
-    schedule runs the micro-batches in groups of pp (Megatron's schedules.py: their count must be a multiple of
-    pp when v > 1); ``kv_shards``: its TP shards whole KV heads, so tp must divide them (Megatron's attention.py
-    ``divide(num_query_groups, tp)``; torchtitan's views each rank's K, V as whole heads); without it (dtrain,
-    "any") a tp above the KV heads replicates them."""
+    """``zero``: ZeRO stages without PP, ``zero_pp`` with it; ``cp_impls``: context-parallel
+    implementations (``Layout.cp_impl``; empty: none) the search tries, ``cp_pinned`` those it
+    scores only when asked for; ``sp``: sequence parallelism off / on with TP; ``recompute``: the
+    levels it runs; ``interleaved``: more than one model chunk per pipeline rank
+    (``Layout.virtual_stages``); ``cp_with_pp``: context and pipeline parallelism together;
+    ``hsdp``: FSDP sharded inside replica groups (``Layout.dp_replicate``, scored when asked for,
+    never searched); ``zero2_regathers``: its ZeRO-2 is FSDP2 without resharding after forward,
+    which reshards after each backward and so gathers the weights again for every micro-batch
+    (DeepSpeed's ZeRO-2 keeps them replicated: one gather a step, after the optimizer);
+    ``even_split``: when the layers must split into whole, equal pipeline chunks (pp·v divides
+    them): "never" (uneven stages run), "interleaved" (only with v > 1), "always";
+    ``interleaved_groups``: its interleaved schedule runs the micro-batches in groups of pp
+    (Megatron's schedules.py: their count must be a multiple of pp when v > 1); ``kv_shards``:
+    its TP shards whole KV heads, so tp must divide them (Megatron's attention.py
+    ``divide(num_query_groups, tp)``; torchtitan's views each rank's K, V as whole heads);
+    without it (dtrain, "any") a tp above the KV heads replicates them."""
 
     name: str
     zero: tuple[int, ...]
@@ -72,7 +76,8 @@ SOFTWARE = {
             (False, True),
             ("none", "op", "selective", "full"),
             True,
-            "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked for)",
+            "every layout the cost model prices (PyTorch's context_parallel, 'torch', when asked "
+            "for)",
             hsdp=True,
             cp_pinned=("torch",),
         ),
@@ -84,12 +89,14 @@ SOFTWARE = {
             (False, True),
             ("none", "selective", "full"),
             True,
-            "Megatron-LM core_r0.10: DDP or the distributed optimizer (--use-distributed-optimizer), "
-            "--sequence-parallel, --recompute-granularity selective|full, --num-layers-per-virtual-pipeline-stage, "
-            "--context-parallel-size with --cp-comm-type p2p (ring) or a2a (Ulysses); its arguments.py asserts "
-            "num_layers % pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages only "
-            "without interleaving, through --decoder-first/last-pipeline-num-layers); its interleaved schedule runs "
-            "the micro-batches in groups of the pipeline size (pipeline_parallel/schedules.py)",
+            "Megatron-LM core_r0.10: DDP or the distributed optimizer "
+            "(--use-distributed-optimizer), --sequence-parallel, --recompute-granularity "
+            "selective|full, --num-layers-per-virtual-pipeline-stage, --context-parallel-size "
+            "with --cp-comm-type p2p (ring) or a2a (Ulysses); its arguments.py asserts num_layers "
+            "% pipeline size == 0 and, interleaved, whole layers per virtual stage (uneven stages "
+            "only without interleaving, through --decoder-first/last-pipeline-num-layers); its "
+            "interleaved schedule runs the micro-batches in groups of the pipeline size "
+            "(pipeline_parallel/schedules.py)",
             even_split="interleaved",
             interleaved_groups=True,
             kv_shards=True,
@@ -102,11 +109,12 @@ SOFTWARE = {
             (False,),
             ("none", "full"),
             True,
-            "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, the interleaved "
-            "schedule (megatron/model/transformer.py of 2021 asserts num_layers % pipeline size == 0 and builds "
-            "--num-layers-per-virtual-pipeline-stage whole layers per chunk); sequence parallelism, selective "
-            "recompute and the distributed optimizer came in 2022; its schedules.py asserts the micro-batches divisible by "
-            "the pipeline size when interleaved",
+            "Megatron-LM of SC'21 (Narayanan et al. 2021): DDP, full activation checkpointing, "
+            "the interleaved schedule (megatron/model/transformer.py of 2021 asserts num_layers % "
+            "pipeline size == 0 and builds --num-layers-per-virtual-pipeline-stage whole layers "
+            "per chunk); sequence parallelism, selective recompute and the distributed optimizer "
+            "came in 2022; its schedules.py asserts the micro-batches divisible by the pipeline "
+            "size when interleaved",
             even_split="always",
             interleaved_groups=True,
             kv_shards=True,
@@ -119,8 +127,9 @@ SOFTWARE = {
             (False,),
             ("none", "full"),
             False,
-            "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; runtime/pipe/engine.py): "
-            "ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without interleaving, full checkpointing",
+            "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; "
+            "runtime/pipe/engine.py): ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without "
+            "interleaving, full checkpointing",
             kv_shards=True,
         ),
         Software(
@@ -131,10 +140,11 @@ SOFTWARE = {
             (True,),
             ("none", "op", "full"),
             True,
-            "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP its stages keep "
-            "their weights gathered and reduce after the last backward, priced as zero=3), TP always with sequence "
-            "parallelism, activation checkpointing none|selective op|full, looped pipeline schedules, PyTorch's "
-            "context_parallel, HSDP (data_parallel_replicate_degree)",
+            "torchtitan: DDP or FSDP2 (reshard_after_forward off: ZeRO-2, on: ZeRO-3; under PP "
+            "its stages keep their weights gathered and reduce after the last backward, priced as "
+            "zero=3), TP always with sequence parallelism, activation checkpointing "
+            "none|selective op|full, looped pipeline schedules, PyTorch's context_parallel, HSDP "
+            "(data_parallel_replicate_degree)",
             hsdp=True,
             zero2_regathers=True,
             kv_shards=True,
@@ -147,9 +157,10 @@ SOFTWARE = {
             (False, True),
             ("none", "op", "full"),
             True,
-            "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no optimizer-only sharding; under PP "
-            "FSDP reduces after the last backward, priced as zero=3), activation_checkpointing none|op|block, "
-            "cp_impl ring|ulysses|torch, interleaved 1F1B, hsdp; it refuses cp together with pp",
+            "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no "
+            "optimizer-only sharding; under PP FSDP reduces after the last backward, priced as "
+            "zero=3), activation_checkpointing none|op|block, cp_impl ring|ulysses|torch, "
+            "interleaved 1F1B, hsdp; it refuses cp together with pp",
             cp_with_pp=False,
             hsdp=True,
             zero2_regathers=True,
@@ -166,14 +177,17 @@ def software(name: str) -> Software:
 def unsupported(
     sw: Software, fields: dict, n_layer: int | None = None, kv_heads: int | None = None
 ) -> str | None:
-    """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones ``dtrain plan
-    --layout`` pins) for a model of ``n_layer`` layers and ``kv_heads`` KV heads, naming the first field it lacks;
-    None when it runs them ("any" runs every layout)."""
+    """Why ``sw`` cannot run a layout with these ``Layout`` fields (a whole layout's, or the ones
+    ``dtrain plan --layout`` pins) for a model of ``n_layer`` layers and ``kv_heads`` KV heads,
+    naming the first field it lacks; None when it runs them ("any" runs every layout)."""
     pp, zero = fields.get("pp"), fields.get("zero_stage")
     zeros = sw.zeros(pp) if pp else tuple(sorted(set(sw.zero) | set(sw.zero_pp)))
     shards = fields.get("dp", 2) * fields.get("cp", 1)
     if zero is not None and shards > 1 and zero not in zeros:
-        return f"zero={zero}{' with pp > 1' if pp and pp > 1 else ''} (it runs zero={', '.join(map(str, zeros))})"
+        return (
+            f"zero={zero}{' with pp > 1' if pp and pp > 1 else ''} (it runs "
+            f"zero={', '.join(map(str, zeros))})"
+        )
     if fields.get("cp", 1) > 1 and not sw.cp_impls:
         return "cp > 1 (it has no context parallelism)"
     if fields.get("cp", 1) > 1 and (pp or 1) > 1 and not sw.cp_with_pp:
@@ -200,7 +214,7 @@ def unsupported(
     if pp and n_layer and not sw.splits(n_layer, pp, v):
         how = "its interleaved schedule splits" if sw.even_split == "interleaved" else "it splits"
         return (
-            f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers ({how} the layers into whole, "
-            f"equal chunks: pp·v must divide them)"
+            f"pp={pp}{f' v={v}' if v > 1 else ''} for {n_layer} layers ({how} the layers into "
+            "whole, equal chunks: pp·v must divide them)"
         )
     return None

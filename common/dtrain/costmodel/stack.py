@@ -1,6 +1,7 @@
-"""The software a layout runs on, as far as it moves the cost (``Stack``): the attention kernel, fused or eager
-kernels and loss, how TP traffic overlaps, which all-gathers an FP8 run moves in FP8, and the dtypes of the
-gradients and the optimizer states. A published run states it; ``dtrain plan`` takes it as flags."""
+"""The software a layout runs on, as far as it moves the cost (``Stack``): the attention kernel,
+fused or eager kernels and loss, how TP traffic overlaps, which all-gathers an FP8 run moves in
+FP8, and the dtypes of the gradients and the optimizer states. A published run states it;
+``dtrain plan`` takes it as flags."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from dtrain.core.checks import one_of
 from .hashing import cached_hash
 from .software import Software, software
 
-# the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on Hopper), the
-# FlashAttention-2 class on any GPU, and eager attention over stored scores
+# the GPU's best fused attention (FlashAttention-2 on Ampere, cuDNN / FlashAttention-3 class on
+# Hopper), the FlashAttention-2 class on any GPU, and eager attention over stored scores
 ATTENTION_KERNELS = ("flash", "flash2", "eager")
 FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")  # see Stack.fp8_all_gather
 STATE_DTYPES = ("fp32", "bf16")  # see Stack.grad_reduce, Stack.optimizer_states
@@ -23,35 +24,41 @@ DYNAMIC_FP8_SOFTWARE = ("torchtitan", "dtrain")  # torchao's float8 training: dy
 
 @dataclass(frozen=True)
 class Stack:
-    """The software a layout runs on, as far as it moves the cost: the attention kernel (ATTENTION_KERNELS),
-    fused or eager norm / activation / cast kernels (Megatron's fused kernels, torch.compile; or PyTorch without
-    compile), and a fused vocab-parallel cross-entropy or PyTorch's unfused one (default: as the kernels;
-    torchtitan compiles its blocks but not its loss); ``tp_overlap``: TP collectives run overlapped with the
-    GEMMs they feed (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``); ``async_tp``: torchtitan's
-    AsyncTP (PyTorch's symmetric-memory micro-pipelining of the TP all-gathers and reduce-scatters with their
-    matmuls), which hides its own measured share (``Calibration.async_tp_hidden``); ``fp8_all_gather``: which
-    all-gathers of an FP8 run move 1-byte values (FP8_ALL_GATHERS): "tp", the sequence-parallel all-gathers of a
-    linear's input (forward) and output gradient (backward), cast before the gather (torchao's Float8
-    Colwise/RowwiseParallel, which torchtitan applies whenever Float8 and TP are on; TransformerEngine's
-    LayerNormLinear and grad_output_preprocess), the reduce-scatters staying bf16; "tp+fsdp", also the FSDP / ZeRO
-    weight all-gathers of the linears (torchao ``enable_fsdp_float8_all_gather``, Megatron ``--fp8-param-gather``);
-    "none", neither (dtrain's own trainer: its TP plan has no Float8 styles yet). Default "tp", what both FP8 stacks
-    of the field do unasked. ``grad_reduce`` (STATE_DTYPES): the dtype gradients accumulate and reduce in over DP,
-    "fp32" (default: Megatron's for bf16, torchtitan's ``mixed_precision_reduce``, dtrain's) or "bf16" (apex
-    DistributedFusedAdam's ``grad_sync_dtype``, torchtitan ``mixed_precision_reduce=bfloat16``);
-    ``optimizer_states``: "fp32" (default: fp32 master weights, Adam moments) or "bf16" (Adam moments in bf16 and
-    no fp32 master copy: apex DistributedFusedAdam with ``dtype`` the model's bf16, which NeMo then runs with
-    ``store_params=False``), see ``memory.model_state_bytes``. ``dp_sync`` (DP_SYNCS): when the once-per-step DP
-    collectives run (ZeRO-0/1; ZeRO-3 under PP gathers its weights once too): "overlap" (default; Megatron's
-    ``--overlap-grad-reduce`` / ``--overlap-param-gather``: the gradients behind the last micro-batch's backward,
-    the weights behind the first forward) or "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues
-    ReduceTiedGrads, ReduceGrads and OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the
-    updated weights inside the optimizer step: nothing hidden). ``software``: the framework, which decides which
-    layouts exist, not what they cost (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
-    (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost (``compute.FP8_CAST_BYTES``):
-    "dynamic", a global amax of each tensor before its cast (torchao's float8 training, torchtitan's and
-    dtrain's), or "delayed", the scale from an amax history with the cast fused into the kernel that produces
-    the tensor (TransformerEngine's recipe, Megatron's); default (None) the software's own."""
+    """The software a layout runs on, as far as it moves the cost: the attention kernel
+    (ATTENTION_KERNELS), fused or eager norm / activation / cast kernels (Megatron's fused kernels,
+    torch.compile; or PyTorch without compile), and a fused vocab-parallel cross-entropy or
+    PyTorch's unfused one (default: as the kernels; torchtitan compiles its blocks but not its
+    loss); ``tp_overlap``: TP collectives run overlapped with the GEMMs they feed
+    (TransformerEngine's userbuffers, Megatron ``--tp-comm-overlap``); ``async_tp``: torchtitan's
+    AsyncTP (PyTorch's symmetric-memory micro-pipelining of the TP all-gathers and reduce-scatters
+    with their matmuls), which hides its own measured share (``Calibration.async_tp_hidden``);
+    ``fp8_all_gather``: which all-gathers of an FP8 run move 1-byte values (FP8_ALL_GATHERS): "tp",
+    the sequence-parallel all-gathers of a linear's input (forward) and output gradient (backward),
+    cast before the gather (torchao's Float8 Colwise/RowwiseParallel, which torchtitan applies
+    whenever Float8 and TP are on; TransformerEngine's LayerNormLinear and grad_output_preprocess),
+    the reduce-scatters staying bf16; "tp+fsdp", also the FSDP / ZeRO weight all-gathers of the
+    linears (torchao ``enable_fsdp_float8_all_gather``, Megatron ``--fp8-param-gather``); "none",
+    neither (dtrain's own trainer: its TP plan has no Float8 styles yet). Default "tp", what both
+    FP8 stacks of the field do unasked. ``grad_reduce`` (STATE_DTYPES): the dtype gradients
+    accumulate and reduce in over DP, "fp32" (default: Megatron's for bf16, torchtitan's
+    ``mixed_precision_reduce``, dtrain's) or "bf16" (apex DistributedFusedAdam's
+    ``grad_sync_dtype``, torchtitan ``mixed_precision_reduce=bfloat16``); ``optimizer_states``:
+    "fp32" (default: fp32 master weights, Adam moments) or "bf16" (Adam moments in bf16 and no fp32
+    master copy: apex DistributedFusedAdam with ``dtype`` the model's bf16, which NeMo then runs
+    with ``store_params=False``), see ``memory.model_state_bytes``. ``dp_sync`` (DP_SYNCS): when the
+    once-per-step DP collectives run (ZeRO-0/1; ZeRO-3 under PP gathers its weights once too):
+    "overlap" (default; Megatron's ``--overlap-grad-reduce`` / ``--overlap-param-gather``: the
+    gradients behind the last micro-batch's backward, the weights behind the first forward) or
+    "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues ReduceTiedGrads, ReduceGrads and
+    OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the updated weights inside
+    the optimizer step: nothing hidden). ``software``: the framework, which decides which layouts
+    exist, not what they cost (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
+    (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost
+    (``compute.FP8_CAST_BYTES``):
+    "dynamic", a global amax of each tensor before its cast (torchao's float8 training,
+    torchtitan's and dtrain's), or "delayed", the scale from an amax history with the cast fused
+    into the kernel that produces the tensor (TransformerEngine's recipe, Megatron's); default
+    (None) the software's own."""
 
     __hash__ = cached_hash
 
@@ -79,7 +86,8 @@ class Stack:
         one_of("loss", self.loss, ("fused", "eager", None), error=ValueError)  # None: as kernels
         if self.tp_overlap and self.async_tp:
             raise ValueError(
-                "tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: give one"
+                "tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: "
+                "give one"
             )
 
     @property
@@ -92,7 +100,8 @@ class Stack:
 
     @property
     def fp8_casts(self) -> str:
-        """The FP8 scaling this stack's casts run (FP8_SCALINGS): the one given, else the software's."""
+        """The FP8 scaling this stack's casts run (FP8_SCALINGS): the one given, else the
+        software's."""
         return self.fp8_scaling or (
             "dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed"
         )
@@ -121,7 +130,10 @@ class Stack:
         flush = ", DP sync at the pipeline flush" if self.dp_sync == "flush" else ""
         flush += f", FP8 {self.fp8_scaling} scaling" if self.fp8_scaling else ""
         sw = f"{self.software}: " if self.software != "any" else ""
-        return f"{sw}{self.attention} attention, {self.kernels} kernels{loss}{tp}{gathers}{states}{flush}"
+        return (
+            f"{sw}{self.attention} attention, {self.kernels} "
+            f"kernels{loss}{tp}{gathers}{states}{flush}"
+        )
 
     @property
     def grad_bytes(self) -> int:
@@ -129,6 +141,7 @@ class Stack:
         return 4 if self.grad_reduce == "fp32" else 2
 
     def fp8_gathers(self, precision: str) -> tuple[bool, bool]:
-        """(TP all-gathers, FSDP weight all-gathers) in FP8 for a run in ``precision`` (bf16 runs: neither)."""
+        """(TP all-gathers, FSDP weight all-gathers) in FP8 for a run in ``precision`` (bf16
+        runs: neither)."""
         fp8 = precision == "fp8"
         return fp8 and self.fp8_all_gather != "none", fp8 and self.fp8_all_gather == "tp+fsdp"

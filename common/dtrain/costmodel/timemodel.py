@@ -1,4 +1,5 @@
-"""Time of one training step: compute term by term plus α–β costed communication, bubble and overlap.
+"""Time of one training step: compute term by term plus α–β costed communication, bubble and
+overlap.
 
 Sources
 -------
@@ -6,11 +7,12 @@ Sources
   12·L·h·s, lm_head kept when tied, full non-causal attention as in PaLM App. B, Megatron-LM and
   torchtitan). MFU and TFLOP/s use these *model* FLOPs; recompute adds *hardware* FLOPs (time)
   but never model FLOPs.
-* Compute time: ``compute`` (GEMMs, attention, memory-bound kernels, output layer and loss, recompute,
-  optimizer, each work over a kernel benchmark's rate, ``kernels.yaml``); on a device without a kernel table
-  (the local CPU check) the gemm-probe's GEMM curve plus its measured fixed per-step overhead.
-* Collectives: ``collectives`` (ring algorithms as in NCCL, Hockney's α–β model, β the nccl-tests bus
-  bandwidth).
+* Compute time: ``compute`` (GEMMs, attention, memory-bound kernels, output layer and loss,
+  recompute, optimizer, each work over a kernel benchmark's rate, ``kernels.yaml``); on a device
+  without a kernel table (the local CPU check) the gemm-probe's GEMM curve plus its measured fixed
+  per-step overhead.
+* Collectives: ``collectives`` (ring algorithms as in NCCL, Hockney's α–β model, β the nccl-tests
+  bus bandwidth).
 * Data parallel / ZeRO volumes: Rajbhandari et al. 2020 (ZeRO) §7: ZeRO-1/2 move the same volume
   as DP's all-reduce, ZeRO-3 1.5× (all-gather in forward, again in backward, reduce-scatter).
 * Tensor parallel: Shoeybi et al. 2019 (Megatron-LM) §3: 2 all-reduces in forward and 2 in
@@ -26,8 +28,8 @@ Sources
 * Pipeline bubble: ``Calibration.pp_overhead`` scales the formula (1 = taken as is; fsdp-scaling's
   PP layout runs measure the ratio of the real idle + p2p share to the formula's).
 * DP gradients are reduced in fp32 (Megatron ``--accumulate-allreduce-grads-in-fp32``, torchtitan
-  FSDP ``reduce_dtype=float32``): 4 bytes per parameter, 2 with ``Stack.grad_reduce`` "bf16"; gathered
-  weights move in bf16. The TP and DP volumes per step: ``traffic``; every byte count per
+  FSDP ``reduce_dtype=float32``): 4 bytes per parameter, 2 with ``Stack.grad_reduce`` "bf16";
+  gathered weights move in bf16. The TP and DP volumes per step: ``traffic``; every byte count per
   collective: ``dtrain.parallel.traffic`` (the trainer's counted-bytes checks use the same ones).
 """
 
@@ -72,9 +74,9 @@ __all__ = [
 def bubble_fraction(p: int, m: int, v: int = 1, n_layer: int | None = None) -> float:
     """Pipeline bubble / ideal compute time, (p−1)/(v·m) (Narayanan et al. 2021, §2.2.1–2.2.2).
 
-    With ``n_layer`` (the layer slots the split shares, ``shapes.pipeline_slots``: L, or L + 2 when the split
-    is "balanced") the stages may be uneven (pp·v need not divide L): the pipeline fills and
-    drains in p−1 slots of the busiest virtual chunk, ceil(L/(p·v)) layers, against m micro-
+    With ``n_layer`` (the layer slots the split shares, ``shapes.pipeline_slots``: L, or L + 2 when
+    the split is "balanced") the stages may be uneven (pp·v need not divide L): the pipeline fills
+    and drains in p−1 slots of the busiest virtual chunk, ceil(L/(p·v)) layers, against m micro-
     batches of the busiest device's ceil(L/p) layers:
         (p−1)·ceil(L/(p·v)) / (m·ceil(L/p)),  = (p−1)/(v·m) when p·v divides L.
     """
@@ -118,7 +120,8 @@ class StepTime:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs (``model_flops_per_token``, no recompute) / (time · GPUs · BF16 dense peak)."""
+        """Model FLOPs (``model_flops_per_token``, no recompute) / (time · GPUs · BF16 dense
+        peak)."""
         return self.model_flops / (self.total * self.gpus * self.peak_flops)
 
 
@@ -138,9 +141,10 @@ def model_flops_per_token(shape: ModelShape) -> float:
 
 
 def device_of(cluster: Cluster, calib: Calibration, stack: Stack = Stack()) -> Device:
-    """The rates a step runs at on ``cluster``'s GPU: its published kernel table (``kernels.yaml``), the GEMM
-    curve replaced by a measured one (``calib.mfu`` measured: the gemm-probe), or, for a device without a
-    table (the local CPU check), a GEMM-only model on the calibrated curve."""
+    """The rates a step runs at on ``cluster``'s GPU: its published kernel table
+    (``kernels.yaml``), the GEMM curve replaced by a measured one (``calib.mfu`` measured: the
+    gemm-probe), or, for a device without a table (the local CPU check), a GEMM-only model on the
+    calibrated curve."""
     return _device(cluster.gpu, calib.mfu, calib.gemm_half_flops, stack)
 
 
@@ -179,41 +183,43 @@ def step_time(
     """Predicted time of one step for ``layout`` (see module docstring for every term).
 
     compute   ``StepModel.compute`` (``compute._micro_terms`` x m + ``compute.optimizer_s``): GEMMs,
-              attention, memory-bound kernels, output projection + cross-entropy, recompute, optimizer;
-              on a device without a kernel table the
-              GEMM curve (e_max = calib.mfu, W_half = calib.gemm_half_flops) and the measured
-              whole-step FP8 factor
-    overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0 on
-              GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
+              attention, memory-bound kernels, output projection + cross-entropy, recompute,
+              optimizer; on a device without a kernel table the GEMM curve (e_max = calib.mfu,
+              W_half = calib.gemm_half_flops) and the measured whole-step FP8 factor
+    overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0
+              on GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
-              ``stack.tp_overlap`` (TE's userbuffers: copy engines) hidden behind the GEMMs but for the HBM its
-              copies take (``collectives.overlap_cost``), with
-              ``stack.async_tp`` (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it; an FP8 run's SP
-              all-gathers at 1 byte per value with ``stack.fp8_all_gather`` "tp" or "tp+fsdp"
+              ``stack.tp_overlap`` (TE's userbuffers: copy engines) hidden behind the GEMMs but for
+              the HBM its copies take (``collectives.overlap_cost``), with ``stack.async_tp``
+              (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it; an FP8 run's SP all-gathers at
+              1 byte per value with ``stack.fp8_all_gather`` "tp" or "tp+fsdp"
     pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
     bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
               zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
     dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes (2Ψ with
               ``stack.grad_reduce`` "bf16"), weights
-              value_bytes·Ψ, the block linears' 1 byte each with ``stack.fp8_all_gather`` "tp+fsdp"):
+              value_bytes·Ψ, the block linears' 1 byte each with ``stack.fp8_all_gather``
+              "tp+fsdp"):
               ZeRO-0 one all-reduce per step; ZeRO-1 a reduce-scatter of grads + an
-              all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose stage
-              keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m reduce-
-              scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``: FSDP2's); ZeRO-3
-              m · (2 all-gathers + 1 reduce-scatter), α once per FSDP unit (ceil(L/pp) blocks + the root).
-              HSDP (``Layout.dp_replicate`` R > 1): the gathers and reduce-scatters run inside a replica
-              group of dp·cp/R ranks, each reduce-scatter followed by an all-reduce of the fp32 gradient
-              shard over the R groups.
-    exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, and the part that
-              overlaps still costs ``overlap_cost`` of its time: the SMs NCCL's kernel holds (1 − calib.dp_overlap)
-              plus the HBM its ring's copies take, 3·β/HBM (on an H100: 0.28 over NVLink, 0.03 over one NIC).
-              ZeRO-3 (no PP) and ZeRO-2's per-micro-batch reduce-scatters behind
-              the whole step's compute; a once-per-step gradient reduction (ZeRO-0/1) only behind the last
-              micro-batch's backward (2/3 of its compute) and the pipeline's cooldown, and under ZeRO-3 with
-              PP behind nothing (torch.distributed.pipelining runs FSDP's post-backward reduce-scatters after
-              the stage's last backward); the weight all-gather behind the first micro-batch's forward (1/3);
-              with ``stack.dp_sync`` "flush" (DeepSpeed's pipeline engine) neither is hidden; plus the
-              all-reduce of the step's loss over DP (4 bytes: its latency).
+              all-gather of weights (Megatron distributed optimizer; also ZeRO-3 under PP, whose
+              stage keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m
+              reduce- scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``:
+              FSDP2's); ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP unit
+              (ceil(L/pp) blocks + the root). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
+              reduce-scatters run inside a replica group of dp·cp/R ranks, each reduce-scatter
+              followed by an all-reduce of the fp32 gradient shard over the R groups.
+    exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, and the part
+              that
+              overlaps still costs ``overlap_cost`` of its time: the SMs NCCL's kernel holds (1 −
+              calib.dp_overlap) plus the HBM its ring's copies take, 3·β/HBM (on an H100: 0.28 over
+              NVLink, 0.03 over one NIC). ZeRO-3 (no PP) and ZeRO-2's per-micro-batch
+              reduce-scatters behind the whole step's compute; a once-per-step gradient reduction
+              (ZeRO-0/1) only behind the last micro-batch's backward (2/3 of its compute) and the
+              pipeline's cooldown, and under ZeRO-3 with PP behind nothing
+              (torch.distributed.pipelining runs FSDP's post-backward reduce-scatters after the
+              stage's last backward); the weight all-gather behind the first micro-batch's forward
+              (1/3); with ``stack.dp_sync`` "flush" (DeepSpeed's pipeline engine) neither is hidden;
+              plus the all-reduce of the step's loss over DP (4 bytes: its latency).
     Ranks: TP innermost, then DP, then PP; PP sends use NVLink only when the whole job is one node.
     ``value_bytes``: bytes of one communicated activation or gradient value (2 for bf16 runs,
     4 for the fp32 runs on CPU whose step times the guide predicts).
@@ -240,13 +246,14 @@ def step_model(
     value_bytes: int = 2,
     stack: Stack = Stack(),
 ) -> StepModel:
-    """``StepModel`` for one (model, cluster, calibration, precision, stack): a search times thousands of layouts
-    on it, sharing the pieces that depend on a few of their fields."""
+    """``StepModel`` for one (model, cluster, calibration, precision, stack): a search times
+    thousands of layouts on it, sharing the pieces that depend on a few of their fields."""
     return StepModel(shape, cluster, calib, precision, value_bytes, stack)
 
 
 class StepModel:
-    """``step_time`` for one model on one cluster; each piece is kept per the layout fields it depends on."""
+    """``step_time`` for one model on one cluster; each piece is kept per the layout fields it
+    depends on."""
 
     def __init__(
         self,
@@ -352,9 +359,9 @@ class StepModel:
                 else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
             )
             gather = 1 if self.fp8_tp_gather else None
-            # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy engines behind the GEMMs
-            # (its ring-exchange overlaps: no SMs held), paying the HBM those copies take; its pipelined and bulk
-            # overlaps also hold ~16 SMs, left out
+            # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy engines
+            # behind the GEMMs (its ring-exchange overlaps: no SMs held), paying the HBM those
+            # copies take; its pipelined and bulk overlaps also hold ~16 SMs, left out
             cached = self._tp[key] = (
                 tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value,
                 self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES),
@@ -368,18 +375,22 @@ class StepModel:
         return t
 
     def cp_comm(self, lay: Layout, attention_s: float) -> float:
-        """Exposed context-parallel traffic of a step on the busiest stage: per layer and micro-batch
-          ring  cp−1 sends of the rank's K and V chunk forward, twice that backward (K, V again and their
-                gradients), a third pass with full recompute; behind the attention at ``overlap_cost``
-                (cp_overlap as the share of the NCCL kernel's time not lost to its SMs)
+        """Exposed context-parallel traffic of a step on the busiest stage: per layer and
+          micro-batch ring  cp−1 sends of the rank's K and V chunk forward, twice that backward (K,
+          V again and their
+                gradients), a third pass with full recompute; behind the attention at
+                ``overlap_cost`` (cp_overlap as the share of the NCCL kernel's time not lost to its
+                SMs)
           ulysses   all-to-alls of q, k, v and the output forward, of their gradients backward, not
                     hidden; k/v heads repeated to ``ulysses_kv_heads`` as the trainer does, a
                     pass priced by ``all_to_all_time``
-          torch     PyTorch's context_parallel (its default rotate method, torchtitan's and dtrain's): per pass
-                    (forward, backward, the recompute's forward) one all-gather of K and V, as the SDPA gets
-                    them: repeated to the query heads (torchtitan's and dtrain's models repeat before SDPA);
-                    hidden behind the first of the pass's cp kernel calls. Backward also sends the fp32 dK, dV
-                    chunk around the ring cp times, each behind one call, the last exposed
+          torch     PyTorch's context_parallel (its default rotate method, torchtitan's and
+                    dtrain's): per pass
+                    (forward, backward, the recompute's forward) one all-gather of K and V, as the
+                    SDPA gets them: repeated to the query heads (torchtitan's and dtrain's models
+                    repeat before SDPA); hidden behind the first of the pass's cp kernel calls.
+                    Backward also sends the fp32 dK, dV chunk around the ring cp times, each behind
+                    one call, the last exposed
         over the cp group's link (cp ranks tp apart, one NIC each across nodes)."""
         if lay.cp <= 1:
             return 0.0
@@ -421,9 +432,9 @@ class StepModel:
 
     def overlap_cost(self, link, overlap: Param | None, passes: int = RING_HBM_PASSES) -> float:
         """Share of a transfer's time over ``link`` still paid while it runs behind compute
-        (``collectives.overlap_cost``): the SM share of its NCCL kernel, 1 − ``overlap`` (dp_overlap, cp_overlap;
-        None: copy engines, no SMs), plus the HBM its copies take on a GPU with a kernel table, unless ``overlap``
-        was measured (a measured share holds both)."""
+        (``collectives.overlap_cost``): the SM share of its NCCL kernel, 1 − ``overlap``
+        (dp_overlap, cp_overlap; None: copy engines, no SMs), plus the HBM its copies take on a
+        GPU with a kernel table, unless ``overlap`` was measured (a measured share holds both)."""
         hbm = self.gpu_table and not (overlap is not None and overlap.measured)
         sm = 0.0 if overlap is None else 1 - overlap.value
         return overlap_cost(link, self.cluster.gpu.hbm_tbps * 1e12 if hbm else None, sm, passes)
@@ -441,8 +452,8 @@ class StepModel:
         return t
 
     def dp(self, lay: Layout) -> tuple[float, float, float, float]:
-        """(gradient traffic, weight traffic, the loss all-reduce) per step over DP, and the overlap cost of that
-        traffic on its link (``overlap_cost``)."""
+        """(gradient traffic, weight traffic, the loss all-reduce) per step over DP, and the
+        overlap cost of that traffic on its link (``overlap_cost``)."""
         n = (
             lay.data_shards
         )  # gradients reduce over dp x cp, ZeRO shards over it (the cp ranks sit inside, tp apart)
@@ -479,8 +490,8 @@ class StepModel:
         return t
 
     def lower_bound(self, lay: Layout) -> float:
-        """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble (what DP
-        overlap cannot shorten): ``search`` orders and prunes by it."""
+        """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble
+        (what DP overlap cannot shorten): ``search`` orders and prunes by it."""
         micro = self.micro_terms(lay)
         m = lay.grad_accum
         work = micro.total * m
@@ -499,7 +510,7 @@ class StepModel:
         return pp_comm, pp_comm + frac * (work + tp_comm) * self.calib.pp_overhead.value
 
     def time(self, lay: Layout) -> StepTime:
-        m, calib = lay.grad_accum, self.calib
+        m = lay.grad_accum
         terms = self.compute(lay)
         compute = terms.total
         work = compute - terms.optimizer
@@ -511,13 +522,15 @@ class StepModel:
         dp_comm = grad_comm + param_comm
         if lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
             hidden = min(dp_comm, work)
-        else:  # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
+        # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
+        else:
             micro = work / m
-            # FSDP under torch.distributed.pipelining (torchtitan, the trainer) reduces a stage's gradients only
-            # after its last backward (PipelineStage's post_backward / REDUCE_GRAD action): nothing left to hide
-            # behind on the first stage, which finishes last
+            # FSDP under torch.distributed.pipelining (torchtitan, the trainer) reduces a stage's
+            # gradients only after its last backward (PipelineStage's post_backward / REDUCE_GRAD
+            # action): nothing left to hide behind on the first stage, which finishes last
             window = 0.0 if lay.zero_stage == 3 else 2 / 3 * micro + bubble / 2
-            # DeepSpeed's pipeline engine (dp_sync "flush") runs both after the pipeline's flush: behind nothing
+            # DeepSpeed's pipeline engine (dp_sync "flush") runs both after the pipeline's flush:
+            # behind nothing
             hidden = (
                 0.0
                 if self.stack.dp_sync == "flush"

@@ -1,13 +1,13 @@
-"""`make gpu-check` (scripts/gpu-check runs `python -m dtrain.gpucheck`): on one GPU, the `gpu` tests
-and a fixed list of measurements, each a subprocess with its own time limit inside a 28-minute
+"""`make gpu-check` (scripts/gpu-check runs `python -m dtrain.gpucheck`): on one GPU, the `gpu`
+tests and a fixed list of measurements, each a subprocess with its own time limit inside a 28-minute
 budget, then one markdown report, printed and written to results/gpu-check/<time>/report.md
 (report.json beside it; every training run's own run directory under runs/).
 
 What one GPU can show (../shared/gpu/README.md): GEMM and copy ceilings, bf16 MFU single and FSDP2
 with one rank, FP8 (torchao) against bf16 with and without torch.compile, the emulated FP8 recipe
-under bf16, TP attention at tp=1, NCCL correctness with one rank, a published block at its TP shard against
-the cost model (`probes.layer_probe`), the cost of a transfer beside compute (`probes.contention`). No bus
-bandwidth or scaling.
+under bf16, TP attention at tp=1, NCCL correctness with one rank, a published block at its TP shard
+against the cost model (`probes.layer_probe`), the cost of a transfer beside compute
+(`probes.contention`). No bus bandwidth or scaling.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def steps(runs: Path) -> list[Step]:
         ),
         Step(
             "contention",
-            "GEMMs, adds and a Llama block beside an SM copy kernel of C blocks or PCIe copies: the "
-            "share of the transfer the overlap did not hide",
+            "GEMMs, adds and a Llama block beside an SM copy kernel of C blocks or PCIe copies: "
+            "the share of the transfer the overlap did not hide",
             [*pr, "contention"],
             180,
         ),
@@ -193,7 +193,8 @@ def steps(runs: Path) -> list[Step]:
             240,
             kind="tp",
         ),
-        # the cost model's GPU compute calibration: the training runs above, their GEMMs timed on this GPU
+        # the cost model's GPU compute calibration: the training runs above, their GEMMs timed on
+        # this GPU
         Step(
             "gemm_probe",
             "gemm-probe over this check's training runs (the GPU calibration)",
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() is False)",
+            "error: make gpu-check needs a CUDA GPU, and torch here sees none "
+            "(torch.cuda.is_available() is False)",
             file=sys.stderr,
         )
         return 2
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / "report.json").is_file():
             print(
-                f"error: {run_dir} holds no report.json of an earlier gpu-check: pass the folder it printed",
+                f"error: {run_dir} holds no report.json of an earlier gpu-check: pass the folder "
+                "it printed",
                 file=sys.stderr,
             )
             return 2

@@ -38,8 +38,8 @@ def _device() -> torch.device:
 
 
 def gemm_sweep(small: bool = False) -> dict:
-    """bf16 (and FP8 where the GPU has it) TFLOP/s over the GEMM shapes LLM training runs: m = tokens
-    of a micro-batch, n and k from the model's hidden and FFN widths (TP shards included)."""
+    """bf16 (and FP8 where the GPU has it) TFLOP/s over the GEMM shapes LLM training runs: m =
+    tokens of a micro-batch, n and k from the model's hidden and FFN widths (TP shards included)."""
     dev = _device()
     dims = (32, 64, 256) if small else (512, 1024, 2048, 4096, 8192, 16384, 32768)
     ms = nks = dims
@@ -79,7 +79,7 @@ def gemm_sweep(small: bool = False) -> dict:
                         )
                         row["fp8_fast_tflops" if fast else "fp8_tflops"] = flops / s / 1e12
                 points.append(row)
-                del a, b
+                a = b = None  # frees them (a del hides them from the closures)
     return {"device": _name(dev), "dtype": str(dtype).replace("torch.", ""), "points": points}
 
 
@@ -104,9 +104,11 @@ def _backend_ctx(name: str):
 
 
 def attention_sweep(small: bool = False) -> dict:
-    """SDPA forward and forward+backward TFLOP/s, bf16, per backend, FlashAttention's benchmark grid:
-    total tokens b·s fixed (16K), hidden 2048 = heads x head_dim, causal and not; hd 128 causal again with
-    dropout_p 0.1 (what attention dropout costs inside the fused kernel: kernels.yaml ``dropout``)."""
+    """SDPA forward and forward+backward TFLOP/s, bf16, per backend, FlashAttention's benchmark
+    grid:
+    total tokens b·s fixed (16K), hidden 2048 = heads x head_dim, causal and not; hd 128 causal
+    again with dropout_p 0.1 (what attention dropout costs inside the fused kernel: kernels.yaml
+    ``dropout``)."""
     dev = _device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokens, hidden = (256, 64) if small else (16384, 2048)
@@ -125,7 +127,8 @@ def attention_sweep(small: bool = False) -> dict:
                 for _ in range(2)
             )
             dout = torch.randn(b, h, s, head_dim, device=dev, dtype=dtype)
-            # GPT-3-style attention dropout inside the fused kernel (Megatron's default 0.1): causal, hd 128 only
+            # GPT-3-style attention dropout inside the fused kernel (Megatron's default 0.1):
+            # causal, hd 128 only
             drop = (0.1,) if small or (head_dim == 128 and kv_div == 1) else ()
             for causal, dropout_p in ((True, 0.0), (False, 0.0), *((True, p) for p in drop)):
                 fwd_flops = 4 * b * h * s * s * head_dim / (2 if causal else 1)
@@ -167,7 +170,7 @@ def attention_sweep(small: bool = False) -> dict:
                     except RuntimeError as e:  # a backend that does not take this shape or GPU
                         row["error"] = str(e).splitlines()[0][:160]
                     points.append(row)
-            del q, k, v, dout
+            q = k = v = dout = None  # frees them (a del hides them from the closures)
     return {
         "device": _name(dev),
         "dtype": str(dtype).replace("torch.", ""),
@@ -179,9 +182,10 @@ def attention_sweep(small: bool = False) -> dict:
 
 
 def eager_attention(small: bool = False) -> list[dict]:
-    """Attention without a fused kernel, as Megatron-LM ran it before FlashAttention: batched QK^T, a
-    causal softmax over the stored s x s scores (one read, one write, 16-bit), batched AV; forward
-    and forward+backward seconds and the time of each part, same grid as attention_sweep (hd 128)."""
+    """Attention without a fused kernel, as Megatron-LM ran it before FlashAttention: batched
+    QK^T, a causal softmax over the stored s x s scores (one read, one write, 16-bit), batched
+    AV; forward and forward+backward seconds and the time of each part, same grid as
+    attention_sweep (hd 128)."""
     dev = _device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokens, hidden, hd = (256, 64, 32) if small else (16384, 2048, 128)
@@ -218,7 +222,7 @@ def eager_attention(small: bool = False) -> list[dict]:
             "fwd_bwd_s": queued_s(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), dev),
         }
         out.append(row)
-        del q, k, v, scores, dout, mask
+        q = k = v = scores = dout = mask = None  # frees them (a del hides them from the closures)
     return out
 
 
@@ -243,7 +247,8 @@ def membound(small: bool = False) -> dict:
         n = tokens * d * vb
         add("copy", 2 * n, lambda: x.detach().clone(), d=d)
         add("rms_norm_fwd", 2 * n, lambda: F.rms_norm(x.detach(), (d,), w.detach()), d=d)
-        # backward reads x, dy and writes dx (weight grad is a reduction): 3 passes, plus the forward's 2
+        # backward reads x, dy and writes dx (weight grad is a reduction): 3 passes, plus the
+        # forward's 2
         add(
             "rms_norm_fwd_bwd",
             5 * n,
@@ -267,7 +272,8 @@ def membound(small: bool = False) -> dict:
         b = torch.randn_like(a, requires_grad=True)
         dh = torch.randn_like(a)
         na = a.numel() * vb
-        # SwiGLU's elementwise part: fwd reads a, b writes h (3); bwd reads a, b, dh writes da, db (5)
+        # SwiGLU's elementwise part: fwd reads a, b writes h (3); bwd reads a, b, dh writes da, db
+        # (5)
         add("swiglu_fwd_bwd", 8 * na, lambda: torch.autograd.grad(F.silu(a) * b, (a, b), dh), d=d)
         add("residual_add", 3 * n, lambda: x.detach() + dy, d=d)
         # GELU (MLP width 4d): fwd reads a writes h (2), bwd reads a, dh writes da (3)
@@ -278,21 +284,22 @@ def membound(small: bool = False) -> dict:
             d=d,
         )
         add("dropout_fwd", 2 * n + tokens * d, lambda: F.dropout(x.detach(), 0.1, True), d=d)
-        del x, w, dy, a, b, dh
+        x = w = dy = a = b = dh = None  # frees them (a del hides them from the closures)
     for vocab in (128,) if small else (32768, 128256):
         logits = torch.randn(
             tokens // 4, vocab, device=dev, dtype=dtype, generator=g, requires_grad=True
         )
         tgt = torch.randint(0, vocab, (tokens // 4,), device=dev, generator=g)
         n = logits.numel() * vb
-        # fp32 upcast of bf16 logits, log-softmax and its gradient: read logits twice, write dlogits once
+        # fp32 upcast of bf16 logits, log-softmax and its gradient: read logits twice, write dlogits
+        # once
         add(
             "cross_entropy_fwd_bwd",
             3 * n,
             lambda: torch.autograd.grad(F.cross_entropy(logits.float(), tgt), logits),
             vocab=vocab,
         )
-        del logits
+        logits = None  # frees them (a del hides them from the closures)
     numel = 1 << 16 if small else 1 << 27  # 134M fp32 parameters
     p = torch.zeros(numel, device=dev, requires_grad=True)
     p.grad = torch.randn(numel, device=dev, generator=g)
@@ -313,8 +320,8 @@ def membound(small: bool = False) -> dict:
     }
 
 
-# Kernel name -> category of the cost model's compute terms (first match wins; names of cuBLAS/CUTLASS,
-# FlashAttention/cuDNN, PyTorch's elementwise/reduction and optimizer kernels).
+# Kernel name -> category of the cost model's compute terms (first match wins; names of
+# cuBLAS/CUTLASS, FlashAttention/cuDNN, PyTorch's elementwise/reduction and optimizer kernels).
 KERNEL_CATEGORIES = (
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     (
@@ -335,9 +342,10 @@ def _category(name: str) -> str:
 
 
 def gpu_time_by_category(events) -> tuple[dict[str, float], dict[str, int]]:
-    """GPU seconds and kernel launches per category from the profiler's per-name averages (their CUDA
-    rows). The launch count is what eager dispatch pays for per step: a small model's step can be set by
-    it rather than by the GPU (``kernels`` x the membound step's ``tiny_kernel_s``)."""
+    """GPU seconds and kernel launches per category from the profiler's per-name averages (their
+    CUDA rows). The launch count is what eager dispatch pays for per step: a small model's step
+    can be set by it rather than by the GPU (``kernels`` x the membound step's
+    ``tiny_kernel_s``)."""
     seconds: dict[str, float] = {}
     launches: dict[str, int] = {}
     for ev in events:
@@ -350,9 +358,10 @@ def gpu_time_by_category(events) -> tuple[dict[str, float], dict[str, int]]:
 
 
 def step_profile(small: bool = False) -> dict:
-    """One training step of dtrain's GPT (bf16 autocast, fused=False AdamW foreach, grad clipping: what
-    ``dtrain.train`` runs on one GPU) under torch.profiler: GPU time and kernel launches per kernel
-    category, the step's wall time and the GPU idle share, for the models `make gpu-check` trains."""
+    """One training step of dtrain's GPT (bf16 autocast, fused=False AdamW foreach, grad
+    clipping: what ``dtrain.train`` runs on one GPU) under torch.profiler: GPU time and kernel
+    launches per kernel category, the step's wall time and the GPU idle share, for the models
+    `make gpu-check` trains."""
     from torch.profiler import ProfilerActivity, profile
 
     from dtrain.model.gpt import GPT, GPTConfig
@@ -409,7 +418,7 @@ def step_profile(small: bool = False) -> dict:
                 "kernels": sum(launches.values()),
             }
         )
-        del model, opt
+        model = opt = None  # frees them (a del hides them from the closures)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return {"device": _name(dev), "cases": out}

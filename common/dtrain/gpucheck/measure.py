@@ -84,8 +84,9 @@ def gemm_bf16(n: int = 8192, warmup: int = 5, iters: int = 20) -> dict:
 
 
 def gemm_fp8(n: int = 8192, warmup: int = 5, iters: int = 20) -> dict:
-    """torch._scaled_mm: A (n x k) row-major E4M3, B (k x n) column-major E4M3 (the layout cuBLASLt's
-    FP8 GEMM takes: a row-major (n x k) tensor, transposed), fp32 per-tensor scales, bf16 out."""
+    """torch._scaled_mm: A (n x k) row-major E4M3, B (k x n) column-major E4M3 (the layout
+    cuBLASLt's FP8 GEMM takes: a row-major (n x k) tensor, transposed), fp32 per-tensor scales,
+    bf16 out."""
     dev = device()
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
         return {"n": n, "skipped": "no FP8 tensor cores (compute capability < 8.9)"}
@@ -95,7 +96,10 @@ def gemm_fp8(n: int = 8192, warmup: int = 5, iters: int = 20) -> dict:
     one = torch.ones((), device=dev, dtype=torch.float32)
     out = {}
     for fast in (False, True):
-        fn = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast)  # noqa: E731
+
+        def fn():
+            return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
         stats = time_fn(fn, warmup=warmup, iters=iters, device=dev)
         out["tflops_fast_accum" if fast else "tflops"] = 2 * n**3 / stats.median / 1e12
         out["median_s_fast_accum" if fast else "median_s"] = stats.median

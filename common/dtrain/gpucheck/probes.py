@@ -2,23 +2,28 @@
 
     python -m dtrain.gpucheck.probes layer_probe | contention [--small]
 
-layer_probe   One transformer block of a published model at the shard one GPU of its layout runs (Llama 3.1
-              405B at TP8: 16 of 128 query heads, 1 of 8 KV heads, 6656 of 53248 FFN columns; Llama 3.1 8B
-              whole), the way torchtitan runs it: RMSNorm, RoPE, K/V repeated to the query heads, SDPA's
-              flash backend, SwiGLU, full activation checkpointing, torch.compile, bf16 or torchao's
-              tensorwise float8. Forward+backward timed, and its GPU time by kernel category (profiler). The
-              cost model prices the same block on the same GPU with `dtrain plan --layers 1 ...` (the
-              `plan_command` each case prints), so measured / predicted is one number per case. Without
-              sequence parallelism the norms run on every token, as the model is asked to price them.
-contention    What a transfer running beside compute costs: a victim (bf16 GEMMs, memory-bound adds, a Llama
-              block's forward+backward) and a transfer of about half its time started together on two
-              streams; the share of the transfer the overlap did not hide, (makespan - victim alone) /
-              transfer alone, what ``collectives.overlap_cost`` prices. The transfer is an SM copy kernel
-              of C thread blocks (NCCL's ring kernel holds one block per channel and copies through HBM) or
-              the copy engines (device -> host over PCIe, no SMs: about one NIC's rate); beside each, its SM
-              share C/SMs and its HBM share (bytes read + written per second over the HBM rate).
+layer_probe   One transformer block of a published model at the shard one GPU of its layout runs
+              (Llama 3.1
+              405B at TP8: 16 of 128 query heads, 1 of 8 KV heads, 6656 of 53248 FFN columns; Llama
+              3.1 8B whole), the way torchtitan runs it: RMSNorm, RoPE, K/V repeated to the query
+              heads, SDPA's flash backend, SwiGLU, full activation checkpointing, torch.compile,
+              bf16 or torchao's tensorwise float8. Forward+backward timed, and its GPU time by
+              kernel category (profiler). The cost model prices the same block on the same GPU with
+              `dtrain plan --layers 1 ...` (the `plan_command` each case prints), so measured /
+              predicted is one number per case. Without sequence parallelism the norms run on every
+              token, as the model is asked to price them.
+contention    What a transfer running beside compute costs: a victim (bf16 GEMMs, memory-bound adds,
+              a Llama
+              block's forward+backward) and a transfer of about half its time started together on
+              two streams; the share of the transfer the overlap did not hide, (makespan - victim
+              alone) / transfer alone, what ``collectives.overlap_cost`` prices. The transfer is an
+              SM copy kernel of C thread blocks (NCCL's ring kernel holds one block per channel and
+              copies through HBM) or the copy engines (device -> host over PCIe, no SMs: about one
+              NIC's rate); beside each, its SM share C/SMs and its HBM share (bytes read + written
+              per second over the HBM rate).
 
-`--small` runs the layer probe at CPU sizes in fp32 without compile (the tests); contention needs CUDA.
+`--small` runs the layer probe at CPU sizes in fp32 without compile (the tests); contention needs
+CUDA.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ SMALL_CASE = {"tiny_tp2": (256, 8, 4, 512, 2, 1, 64, 1024)}
 
 
 class ShardBlock(nn.Module):
-    """One Llama block as one TP rank holds it (column-parallel wq/wk/wv/w1/w3, row-parallel wo/w2)."""
+    """One Llama block as one TP rank holds it (column-parallel wq/wk/wv/w1/w3, row-parallel
+    wo/w2)."""
 
     def __init__(self, d: int, heads: int, kv_heads: int, ffn: int, tp: int):
         super().__init__()
@@ -68,7 +74,8 @@ class ShardBlock(nn.Module):
         h = self.n1(x)
         q = _rope(self.wq(h).view(b, s, self.heads, self.hd), cos, sin).view(b, s, -1)
         k = _rope(self.wk(h).view(b, s, self.kv, self.hd), cos, sin).view(b, s, -1)
-        # dtrain's attention core: K and V repeated to the query heads before SDPA, as torchtitan's model does
+        # dtrain's attention core: K and V repeated to the query heads before SDPA, as torchtitan's
+        # model does
         x = x + self.wo(causal_attention(q, k, self.wv(h), self.hd))
         h = self.n2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
@@ -80,8 +87,8 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def layer_flops(d: int, heads: int, kv_heads: int, ffn: int, tp: int, b: int, s: int) -> dict:
-    """FLOPs of one block's forward+backward on one rank (GEMMs 6·params·tokens, causal attention 3.5 x the
-    forward's 4·b·h·s²·d/2), before the recompute."""
+    """FLOPs of one block's forward+backward on one rank (GEMMs 6·params·tokens, causal attention
+    3.5 x the forward's 4·b·h·s²·d/2), before the recompute."""
     hd, hl, kvl = d // heads, max(heads // tp, 1), max(kv_heads // tp, 1)
     params = d * hd * (2 * hl + 2 * kvl) + 3 * d * (ffn // tp)
     return {
@@ -103,19 +110,20 @@ def plan_command(
     gpu: str,
     precision: str,
 ) -> str:
-    """The `dtrain plan` call that prices this block on ``gpu``: one layer, the rank's shard (tp), no SP."""
+    """The `dtrain plan` call that prices this block on ``gpu``: one layer, the rank's shard
+    (tp), no SP."""
     return (
-        f"dtrain plan --layers 1 --hidden {d} --heads {heads} --kv-heads {kv_heads} --ffn-hidden {ffn} "
-        f"--gated-mlp --vocab {vocab} --seq {s} --gpus {tp} --gpu {gpu} --precision {precision} "
-        f"--attention flash2 --kernels fused --global-batch {b} "
+        f"dtrain plan --layers 1 --hidden {d} --heads {heads} --kv-heads {kv_heads} --ffn-hidden "
+        f"{ffn} --gated-mlp --vocab {vocab} --seq {s} --gpus {tp} --gpu {gpu} --precision "
+        f"{precision} --attention flash2 --kernels fused --global-batch {b} "
         + ("--fp8-scaling dynamic " if precision == "fp8" else "")  # torchao's, as the probe runs
         + f'--layout "dp=1 tp={tp} pp=1 recompute=full mb={b} sp=off" --json'
     )
 
 
 def model_price(command: str) -> dict:
-    """The cost model's terms for the block (seconds): `command` run, its layout's compute terms less the
-    LM head and the optimizer step, which the probe does not run."""
+    """The cost model's terms for the block (seconds): `command` run, its layout's compute terms
+    less the LM head and the optimizer step, which the probe does not run."""
     args = shlex.split(command)[1:]
     done = subprocess.run(
         [sys.executable, "-m", "dtrain.cli.main", *args],
@@ -131,8 +139,8 @@ def model_price(command: str) -> dict:
 
 
 def layer_probe(small: bool = False, micro_batches: tuple[int, ...] = ()) -> dict:
-    """Each case at its own micro-batch, or at each of ``micro_batches`` (to see what grows with the tokens, the
-    activations' casts, and what does not, the weights')."""
+    """Each case at its own micro-batch, or at each of ``micro_batches`` (to see what grows with
+    the tokens, the activations' casts, and what does not, the weights')."""
     dev = _device()
     cuda = dev.type == "cuda"
     out = []
@@ -144,7 +152,8 @@ def layer_probe(small: bool = False, micro_batches: tuple[int, ...] = ()) -> dic
         ):
             try:
                 out.append(_layer_case(name, (*dims[:5], mb, *dims[6:]), precision, dev))
-            except Exception as e:  # noqa: BLE001 - one case that fails (memory, a missing kernel) leaves the rest
+            except Exception as e:  # noqa: BLE001
+                # one case that fails (memory, a missing kernel) leaves the rest
                 out.append(
                     {
                         "case": name,
@@ -162,8 +171,10 @@ def _layer_case(name: str, dims: tuple, precision: str, dev: torch.device) -> di
     d, heads, kv_heads, ffn, tp, b, s, vocab = dims
     cuda = dev.type == "cuda"
     torch.manual_seed(0)
-    torch._dynamo.reset()  # each case compiled static and afresh: no shared code object's recompile limit, no
-    # automatic dynamic shapes (their kernels are slower: a case timed after a size change measured the wrong code)
+    # each case compiled static and afresh: no shared code object's recompile limit, no
+    torch._dynamo.reset()
+    # automatic dynamic shapes (their kernels are slower: a case timed after a size change measured
+    # the wrong code)
     block = ShardBlock(d, heads, kv_heads, ffn, tp).to(
         dev, torch.bfloat16 if cuda else torch.float32
     )
@@ -235,7 +246,8 @@ def _layer_case(name: str, dims: tuple, precision: str, dev: torch.device) -> di
 
 
 def _gpu_profile(dev: torch.device) -> str:
-    """The hardware.yaml profile of this GPU; a GPU without one (or the CPU test) is priced as an H100 SXM."""
+    """The hardware.yaml profile of this GPU; a GPU without one (or the CPU test) is priced as an
+    H100 SXM."""
     return gpu_profile_name(_name(dev)) or "h100-sxm"
 
 
@@ -255,10 +267,12 @@ def _sm_copy_kernel():
 
 
 def contention(small: bool = False) -> dict:
-    """Each victim V (alone: T_v) and a transfer C sized to about half of it (alone: T_c) started together on
-    two streams; the makespan M of both. The share of the transfer that overlap did not hide is
-    cost = (M - T_v) / T_c: 0 when it hides wholly, 1 when the two ran one after the other. The victim's own
-    stretch (its end - T_v) and the transfer's (its end - T_c) are kept apart beside it."""
+    """Each victim V (alone: T_v) and a transfer C sized to about half of it (alone: T_c) started
+    together on two streams; the makespan M of both. The share of the transfer that overlap did not
+    hide is
+    cost = (M - T_v) / T_c: 0 when it hides wholly, 1 when the two ran one after the other. The
+    victim's own stretch (its end - T_v) and the transfer's (its end - T_c) are kept apart beside
+    it."""
     dev = _device()
     if dev.type != "cuda":
         return {"skipped": "contention needs a CUDA GPU (a side stream beside the compute)"}
@@ -334,7 +348,10 @@ def contention(small: bool = False) -> dict:
         for aname, (launch, nbytes, blocks) in aggressors.items():
             one = alone(launch, side)
             n = max(1, round(0.5 * t_v / one))
-            batch = lambda launch=launch, n=n: [launch() for _ in range(n)]
+
+            def batch(launch=launch, n=n):
+                return [launch() for _ in range(n)]
+
             t_c = alone(batch, side)
             spans = []
             for _ in range(3):
@@ -403,8 +420,8 @@ def main(argv: list[str] | None = None) -> None:
         args.small or torch.cuda.is_available()
     ):  # the published shapes would run for hours on a CPU
         print(
-            f"error: {args.name} needs a CUDA GPU (torch here sees none): run it on one, or pass --small for the "
-            "CPU test sizes",
+            f"error: {args.name} needs a CUDA GPU (torch here sees none): run it on one, or pass "
+            "--small for the CPU test sizes",
             file=sys.stderr,
         )
         raise SystemExit(2)

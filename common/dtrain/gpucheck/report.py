@@ -1,5 +1,6 @@
 """One step of `make gpu-check` (a command with a time limit), what it measured, and the markdown
-report of all steps. Numbers come from each run's own summary.json (or a measurement's JSON line)."""
+report of all steps. Numbers come from each run's own summary.json (or a measurement's JSON
+line)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Step:
         """Pull the numbers out of what the step printed or wrote."""
         try:
             self.data = COLLECT[self.kind](stdout, folder)
-        except Exception as e:  # noqa: BLE001 - a step that ran but wrote nothing readable is reported, not fatal
+        except Exception as e:  # noqa: BLE001
+            # a step that ran but wrote nothing readable is reported, not fatal
             self.note = f"no result to read ({type(e).__name__}: {e})"[:300]
 
 
@@ -142,8 +144,9 @@ TRAINING_SEQS = (
 
 
 def dropout_slowdown(points: list[dict]) -> dict[str, tuple[tuple[int, ...], float]]:
-    """Per backend: (sequences, median of fwd+bwd time with dropout_p > 0 / without) over the causal sequences
-    of TRAINING_SEQS measured both ways with the same heads: kernels.yaml's attention ``dropout``."""
+    """Per backend: (sequences, median of fwd+bwd time with dropout_p > 0 / without) over the
+    causal sequences of TRAINING_SEQS measured both ways with the same heads: kernels.yaml's
+    attention ``dropout``."""
 
     def key(
         p: dict,
@@ -177,23 +180,32 @@ def summarize(step: Step) -> str:
     if not d:
         return step.note or "-"
     if step.name == "copy":
-        return f"{_f(d['GBps_read_plus_write'] / 1e3, '.2f')} TB/s (read + write, median of {d['iters']})"
+        return (
+            f"{_f(d['GBps_read_plus_write'] / 1e3, '.2f')} TB/s (read + write, median of "
+            f"{d['iters']})"
+        )
     if step.name == "gemm_bf16":
-        return f"{_f(d['tflops'], '.0f')} TFLOP/s ({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')})"
+        return (
+            f"{_f(d['tflops'], '.0f')} TFLOP/s ({_f(d['share_of_peak'], '.0%')} of "
+            f"{_f(d['peak_tflops'], '.0f')})"
+        )
     if step.name == "gemm_fp8":
         if "skipped" in d:
             return d["skipped"]
         return (
-            f"{_f(d['tflops_fast_accum'], '.0f')} TFLOP/s fast accum, {_f(d['tflops'], '.0f')} without "
-            f"({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')}); max rel err vs fp32 "
-            f"{d['max_rel_err_vs_fp32']:.1e}"
+            f"{_f(d['tflops_fast_accum'], '.0f')} TFLOP/s fast accum, {_f(d['tflops'], '.0f')} "
+            f"without ({_f(d['share_of_peak'], '.0%')} of {_f(d['peak_tflops'], '.0f')}); max rel "
+            f"err vs fp32 {d['max_rel_err_vs_fp32']:.1e}"
         )
     if step.name == "gemm_sweep":
         best = max(d["points"], key=lambda p: p["bf16_tflops"])
         out = f"bf16 up to {best['bf16_tflops']:.0f} TFLOP/s ({best['m']}x{best['n']}x{best['k']})"
         if "fp8_fast_tflops" in best:
             b8 = max(d["points"], key=lambda p: p["fp8_fast_tflops"])
-            out += f", FP8 fast accum up to {b8['fp8_fast_tflops']:.0f} ({b8['m']}x{b8['n']}x{b8['k']})"
+            out += (
+                f", FP8 fast accum up to {b8['fp8_fast_tflops']:.0f} "
+                f"({b8['m']}x{b8['n']}x{b8['k']})"
+            )
         return out + f"; {len(d['points'])} shapes in report.json"
     if step.name == "attention_sweep":
         ok = [
@@ -234,8 +246,9 @@ def summarize(step: Step) -> str:
         )
     if step.name == "step_profile":
         return "; ".join(
-            f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c['overrides'] else ''} mb {c['micro_batch']}: step "
-            f"{c['step_s'] * 1e3:.1f} ms, GPU busy {c['gpu_busy_s'] / c['step_s']:.0%}"
+            f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c['overrides'] else ''} mb "
+            f"{c['micro_batch']}: step {c['step_s'] * 1e3:.1f} ms, GPU busy "
+            f"{c['gpu_busy_s'] / c['step_s']:.0%}"
             + (f", {c['kernels']:,} kernels" if "kernels" in c else "")
             + " ("
             + ", ".join(
@@ -251,14 +264,14 @@ def summarize(step: Step) -> str:
         if "skipped" in d:
             return d["skipped"]
         return "; ".join(
-            f"{r['victim']} with {r['aggressor']} ({r['sm_share']:.0%} of SMs, {r['hbm_share']:.0%} of "
-            f"HBM): {r['cost']:.2f} of the transfer not hidden"
+            f"{r['victim']} with {r['aggressor']} ({r['sm_share']:.0%} of SMs, "
+            f"{r['hbm_share']:.0%} of HBM): {r['cost']:.2f} of the transfer not hidden"
             for r in d["rows"]
         )
     if step.kind == "probe":
         return (
-            f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} FLOP, "
-            f"{d['points']} GEMM shapes; overheads "
+            f"{d['dtype']} curve e_max {_f(d['e_max'], '.2f')}, W_half {_f(d['w_half'], '.3g')} "
+            f"FLOP, {d['points']} GEMM shapes; overheads "
             + ", ".join(
                 f"d{o[0]}: step {o[1] * 1e3:.1f} ms, fixed {o[2] * 1e3:.1f} ms"
                 for o in d["overheads"]
@@ -267,12 +280,14 @@ def summarize(step: Step) -> str:
     if step.kind == "fsdp":
         return (
             f"MFU {_f(d['mfu'], '.1%')}, {_f(d['tokens_per_s'], ',.0f')} tok/s, "
-            f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem {_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB"
+            f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem "
+            f"{_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB"
         )
     if step.kind == "fp8":
         return (
             f"{_f(d['tokens_per_s'], ',.0f')} tok/s, loss {_f(d['first_loss'], '.3f')} -> "
-            f"{_f(d['final_loss'], '.3f')}, peak mem {_f((d['peak_mem_bytes'] or 0) / 2**30, '.1f')} GiB"
+            f"{_f(d['final_loss'], '.3f')}, peak mem "
+            f"{_f((d['peak_mem_bytes'] or 0) / 2**30, '.1f')} GiB"
         )
     if step.kind == "tp":
         return (
@@ -281,14 +296,18 @@ def summarize(step: Step) -> str:
             f"{_f(d['dtensor_s'] and d['dtensor_s'] * 1e3, '.2f')} ms per step"
         )
     if step.kind == "allreduce":
-        return f"{d['cases']} cases over {d['backend']}, {d['wrong_total']} wrong elements, {d['skipped']} skipped"
+        return (
+            f"{d['cases']} cases over {d['backend']}, {d['wrong_total']} wrong elements, "
+            f"{d['skipped']} skipped"
+        )
     if step.kind == "pytest":
         return ", ".join(f"{v} {k}" for k, v in d.items())
     return json.dumps(d)
 
 
 def layer_line(c: dict) -> str:
-    """One layer_probe case: measured forward+backward against the cost model's price of the same block."""
+    """One layer_probe case: measured forward+backward against the cost model's price of the same
+    block."""
     if "error" in c:
         return f"{c['case']} {c['precision']}: {c['error']}"
     model = c.get("model") or {}
@@ -316,8 +335,8 @@ def speedups(done: list[Step]) -> list[str]:
         bf16, fp8 = by.get(f"fp8_bf16_compile_{c}"), by.get(f"fp8_torchao_tensorwise_compile_{c}")
         if bf16 and fp8:
             lines.append(
-                f"- torchao tensorwise FP8 vs bf16 at d_model 4096, compile={c}: **{fp8 / bf16:.2f}x** "
-                f"tokens/s ({fp8:,.0f} vs {bf16:,.0f})"
+                f"- torchao tensorwise FP8 vs bf16 at d_model 4096, compile={c}: "
+                f"**{fp8 / bf16:.2f}x** tokens/s ({fp8:,.0f} vs {bf16:,.0f})"
             )
     return lines
 
@@ -325,9 +344,10 @@ def speedups(done: list[Step]) -> list[str]:
 def render(done: list[Step], run_dir: Path) -> str:
     env = next((s.data for s in done if s.name == "env"), {})
     head = (
-        f"# gpu-check: {env.get('gpu_name', 'unknown GPU')} (profile {env.get('profile')})\n\n"
-        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}; "
-        f"run directory `{run_dir}`; reproduce with `make gpu-check`.\n\n"
+        f"# gpu-check: {env.get('gpu_name', 'unknown GPU')} (profile "
+        f"{env.get('profile')})\n\ntorch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL "
+        f"{env.get('nccl')}, Python {env.get('python')}; run directory `{run_dir}`; reproduce "
+        "with `make gpu-check`.\n\n"
     )
     rows = ["| step | what | result | status | time |", "|---|---|---|---|---|"]
     for s in done:

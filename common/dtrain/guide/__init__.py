@@ -1,1 +1,2 @@
-"""PARALLELISM_GUIDE.md: the decision matrix, its rules, calibration and checks, rendered from results."""
+"""PARALLELISM_GUIDE.md: the decision matrix, its rules, calibration and checks, rendered from
+results."""

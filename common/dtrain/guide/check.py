@@ -1,7 +1,8 @@
-"""One row of the guide's predicted-vs-measured table (``Check``) and why it misses the goal, if it does.
+"""One row of the guide's predicted-vs-measured table (``Check``) and why it misses the goal, if it
+does.
 
-Kept apart from ``local_check`` (which predicts the rows with dtrain's model, importing torch) so the
-guide's text and plots read rows without it.
+Kept apart from ``local_check`` (which predicts the rows with dtrain's model, importing torch) so
+the guide's text and plots read rows without it.
 """
 
 from __future__ import annotations
@@ -52,21 +53,23 @@ class Check:
         if twins and any(abs(self.predicted_s / t - 1) <= GOAL for t in twins):
             alt = ", ".join(f"{t * 1e3:.0f}" for t in twins)
             return (
-                f"run-to-run noise: the identical run measured {alt} ms vs {self.measured_s * 1e3:.0f} ms here "
-                "(other processes on the shared cores), and the prediction is within the goal of that one"
+                f"run-to-run noise: the identical run measured {alt} ms vs "
+                f"{self.measured_s * 1e3:.0f} ms here (other processes on the shared cores), and "
+                "the prediction is within the goal of that one"
             )
         if self.predicted_range and self.within_spread:
             lo, hi = self.predicted_range
             return (
-                f"the load on the shared cores varied during the run: at its 10th-90th percentile the prediction "
-                f"is {lo * 1e3:.0f}-{hi * 1e3:.0f} ms, which reaches the goal"
+                "the load on the shared cores varied during the run: at its 10th-90th percentile "
+                f"the prediction is {lo * 1e3:.0f}-{hi * 1e3:.0f} ms, which reaches the goal"
             )
         if self.error < 0 and CALLBACKS_NOTE in self.detail:
             tools = self.detail.split(CALLBACKS_NOTE + ": ", 1)[-1]
             return (
-                f"the run's per-step tooling ({tools}: fp8-train's NaN guard's hooks on every linear layer, "
-                "the health and debug statistics) runs every step; the model predicts training compute and "
-                "communication only, and at this model size the tooling dominates the step"
+                f"the run's per-step tooling ({tools}: fp8-train's NaN guard's hooks on every "
+                "linear layer, the health and debug statistics) runs every step; the model "
+                "predicts training compute and communication only, and at this model size the "
+                "tooling dominates the step"
             )
         if "comm measured" in self.detail:
             parts = [
@@ -77,17 +80,17 @@ class Check:
             gap = abs(self.measured_s - self.predicted_s) * 1e3
             if len(parts) >= 2 and parts[0] - parts[1] >= 0.3 * gap:
                 return (
-                    f"in-training gloo communication is slower than allreduce-bench's isolated α–β: "
-                    f"{parts[0] - parts[1]:.0f} of the {gap:.0f} ms gap"
+                    "in-training gloo communication is slower than allreduce-bench's isolated "
+                    f"α–β: {parts[0] - parts[1]:.0f} of the {gap:.0f} ms gap"
                 )
         load = (
             "" if self.predicted_range else " or more load on the shared cores than at probe time"
         )
         if self.error < 0:
             return (
-                "the run spent more than the probe's GEMM curve and fixed overhead predict: per-step work of "
-                "the distributed trainer that the single-process probe does not run (DDP/FSDP/TP hooks, "
-                f"callbacks, FP8 casts){load}"
+                "the run spent more than the probe's GEMM curve and fixed overhead predict: "
+                "per-step work of the distributed trainer that the single-process probe does not "
+                f"run (DDP/FSDP/TP hooks, callbacks, FP8 casts){load}"
             )
         return "the run computed faster than the single-process probe predicts" + (
             "" if self.predicted_range else " (less load at run time)"

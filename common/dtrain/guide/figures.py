@@ -39,8 +39,8 @@ def model_styles() -> tuple[list, tuple[str, ...]]:
 
 
 def _mfu_lines(cells: list[Cell], path: Path, x: str, keep, ticks, xlabel: str, title: str) -> Path:
-    """Predicted MFU of the best layout against one swept axis (`x`): colour = model, line = node type,
-    each in its own legend beside the plot."""
+    """Predicted MFU of the best layout against one swept axis (`x`): colour = model, line = node
+    type, each in its own legend beside the plot."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import PercentFormatter
 
@@ -147,8 +147,8 @@ def step_breakdown(cells: list[Cell], path: Path) -> Path:
 
 
 def predicted_vs_measured(checks: list[Check], path: Path) -> Path | None:
-    """Each local run: measured vs predicted step time (ms, log axes), the goal band, and the spread of the
-    prediction over the load measured during the run as a vertical bar."""
+    """Each local run: measured vs predicted step time (ms, log axes), the goal band, and the
+    spread of the prediction over the load measured during the run as a vertical bar."""
     if not checks:
         return None
     fig, axes = plots.figure(width=6.2, height=4.6)
@@ -256,7 +256,8 @@ def _record(out_dir: Path, made: list[Path | None]) -> None:
 
 
 def draw_all(cells: list[Cell], checks: list[Check], out_dir: Path, pool=None) -> list[Path]:
-    """Every figure (``pool``: side by side in its workers, which forked with matplotlib imported)."""
+    """Every figure (``pool``: side by side in its workers, which forked with matplotlib
+    imported)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tasks = [
         (name, checks if name == "predicted_vs_measured" else cells, out_dir / f"{name}.png")

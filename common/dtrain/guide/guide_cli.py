@@ -120,8 +120,9 @@ def generate(
     skipped = sorted(display_path(r.path, base) for r in runs if r.path not in used)
     bar = _progress()
     workers = min(len(os.sched_getaffinity(0)), 8)
-    # one pool for the matrix and the long-context grid: the long searches are queued first (the slowest
-    # first), so every core stays busy until both are done (fork: the workers start with the model imported)
+    # one pool for the matrix and the long-context grid: the long searches are queued first (the
+    # slowest first), so every core stays busy until both are done (fork: the workers start with the
+    # model imported)
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
     try:
         long_async = (
@@ -181,7 +182,8 @@ def generate(
         for p in plot_paths:
             print(f"wrote plot {p}")
         print(
-            f"wrote {out} ({len(cells)} matrix cells, {len(checks)} local checks, {len(report.runs)} runs read)"
+            f"wrote {out} ({len(cells)} matrix cells, {len(checks)} local checks, "
+            f"{len(report.runs)} runs read)"
         )
     return out, plot_paths
 

@@ -11,13 +11,16 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
                        (no step time of the checked runs is used); without one, the compute
                        efficiency of fsdp-scaling (leave-one-out over its runs)
   TP communication     α–β of allreduce-bench × the measured/modelled TP ratio of the OTHER runs
-                       (tp-attention and fsdp-scaling's TP layout runs, ``calibration_records.leave_one_out``:
+                       (tp-attention and fsdp-scaling's TP layout runs,
+                       ``calibration_records.leave_one_out``:
                        never the row's own run); raw α–β when no other run measured it
   PP bubble            the bubble formula × the measured/formula ratio of the other PP layout runs
                        (leave-one-out, as above); the formula as is when there is none
-  DP overlap           fsdp-scaling's measured overlap of the other runs (in-sample with one run), times
+  DP overlap           fsdp-scaling's measured overlap of the other runs (in-sample with one run),
+                       times
                        the share of cores the ranks' compute leaves free (``free_core_share``)
-  links                allreduce-bench's α–β per collective: all-reduce, and all_gather, reduce_scatter
+  links                allreduce-bench's α–β per collective: all-reduce, and all_gather,
+                       reduce_scatter
                        and send/recv where it fitted them (``LinkModel.of``)
   FP8 speed factor     fp8-train compare (in-sample for the fp8 rows: it measured those runs)
   shared cores         a run with more busy threads (ranks x threads_per_rank) than the host's cores
@@ -69,8 +72,8 @@ from dtrain.model.flops import transformer_flops_per_token
 
 from .check import CALLBACKS_NOTE, Check
 
-# the local runs are this project's trainer: its layouts as it runs them (costmodel/software.py, "dtrain": FSDP2's
-# ZeRO-2 gathers the weights again for every micro-batch)
+# the local runs are this project's trainer: its layouts as it runs them (costmodel/software.py,
+# "dtrain": FSDP2's ZeRO-2 gathers the weights again for every micro-batch)
 TRAINER = Stack(software="dtrain")
 
 BASELINE_RECIPES = ("fp32", "bf16", "fp16", "none")
@@ -97,20 +100,20 @@ def host_cluster(peak_flops: float, world: int, link: LinkModel) -> Cluster:
 
 
 def oversubscription(env: dict, world: int) -> float:
-    """Busy threads per core, at least 1: ranks · threads_per_rank / the host's cores (env.json). With
-    more threads than cores the ranks' compute is time-sliced, so each runs that many times slower
-    than the matmul probe it measured alone."""
+    """Busy threads per core, at least 1: ranks · threads_per_rank / the host's cores (env.json).
+    With more threads than cores the ranks' compute is time-sliced, so each runs that many times
+    slower than the matmul probe it measured alone."""
     cores = int(env.get("cpu_count") or 0)
     threads = int(env.get("threads_per_rank") or 1)
     return max(1.0, world * threads / cores) if cores else 1.0
 
 
 def free_core_share(env: dict, world: int) -> float:
-    """Share of the host's cores not busy with the ranks' compute threads, max(0, 1 − ranks·threads /
-    cores). Hidden DP traffic is only free where a core is: gloo's threads copy and reduce on the CPU
-    (as NCCL's kernels take SMs, ``Calibration.dp_overlap``), so on a host whose cores all compute, a
-    collective that overlaps compute takes its time from it. The local rows scale the measured overlap
-    by this share."""
+    """Share of the host's cores not busy with the ranks' compute threads, max(0, 1 −
+    ranks·threads / cores). Hidden DP traffic is only free where a core is: gloo's threads copy
+    and reduce on the CPU (as NCCL's kernels take SMs, ``Calibration.dp_overlap``), so on a host
+    whose cores all compute, a collective that overlaps compute takes its time from it. The local
+    rows scale the measured overlap by this share."""
     cores = int(env.get("cpu_count") or 0)
     threads = int(env.get("threads_per_rank") or 1)
     return max(0.0, 1.0 - world * threads / cores) if cores else 1.0
@@ -182,8 +185,9 @@ class _Probe:
     def speed(
         self, run: str, run_peak: float
     ) -> tuple[float, float, tuple[float, float] | None, str]:
-        """(peak to predict the run at, its load factor, (10th, 90th percentile) factors, basis note). With
-        the run's load measured: the probe's idle rate and that factor; else the run's own matmul probe."""
+        """(peak to predict the run at, its load factor, (10th, 90th percentile) factors, basis
+        note). With the run's load measured: the probe's idle rate and that factor; else the
+        run's own matmul probe."""
         load = self.loads.get(run)
         if load is None:
             return run_peak, 1.0, None, ""
@@ -642,8 +646,8 @@ def tp_checks(
             comm = tp_modelled_comm_s(row, link, regions) * scale
             sp = " sp" if row["sequence_parallel"] else ""
             detail = (
-                f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms (profile) vs "
-                f"predicted {comm * 1e3:.0f} ms"
+                f"TP comm measured {row['step_time_s'] * row['comm_share'] * 1e3:.0f} ms "
+                f"(profile) vs predicted {comm * 1e3:.0f} ms"
             )
             shard = at(load, row["tp"]) if p1 is not None else None
             out.append(

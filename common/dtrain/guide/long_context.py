@@ -1,9 +1,9 @@
-"""The guide's sequence-length axis: the layout the cost model picks for long sequences, with and without
-context parallelism, and the rule of when CP beats more TP or PP, computed from those cells.
+"""The guide's sequence-length axis: the layout the cost model picks for long sequences, with and
+without context parallelism, and the rule of when CP beats more TP or PP, computed from those cells.
 
-Grid: Llama 3 8B, 70B, 405B shapes x sequence 4K, 32K, 128K x 64 and 512 GPUs (8 per node on NVLink, 400 Gbit/s
-per GPU), a batch of about 4M tokens per step (4M / seq sequences; at least one per DP rank), BF16. Each cell
-is searched twice: freely (CP allowed) and with cp = 1.
+Grid: Llama 3 8B, 70B, 405B shapes x sequence 4K, 32K, 128K x 64 and 512 GPUs (8 per node on NVLink,
+400 Gbit/s per GPU), a batch of about 4M tokens per step (4M / seq sequences; at least one per DP
+rank), BF16. Each cell is searched twice: freely (CP allowed) and with cp = 1.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class LongCell:
 
     @property
     def cp_gain(self) -> float | None:
-        """How much faster the free choice is than the best plan without CP (None: CP is the only fit)."""
+        """How much faster the free choice is than the best plan without CP (None: CP is the only
+        fit)."""
         return self.tokens_per_s / self.plain_tokens_per_s - 1 if self.plain_tokens_per_s else None
 
 
@@ -62,7 +63,8 @@ def _layout(p) -> str:
 
 
 def long_search(args) -> tuple:
-    """One search of the grid: (model, seq, GPUs, free?) -> the summary ``long_cells`` assembles (picklable)."""
+    """One search of the grid: (model, seq, GPUs, free?) -> the summary ``long_cells`` assembles
+    (picklable)."""
     name, seq, gpus, free, calib, links, gpu = args
     shape = replace(SHAPES[name], seq_len=seq)
     cluster = cluster_for(gpu, gpus, "NVLink", 400, links)
@@ -87,7 +89,8 @@ def long_search(args) -> tuple:
 def long_tasks(
     calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm"
 ) -> list[tuple]:
-    """Every search of the grid, the longest first (405B, 128K tokens, 512 GPUs), so two workers finish together."""
+    """Every search of the grid, the longest first (405B, 128K tokens, 512 GPUs), so two workers
+    finish together."""
     grid = [
         (m, s, g, free, calib, links, gpu)
         for m in SHAPES
@@ -124,7 +127,8 @@ def long_cells(found: list[tuple]) -> list[LongCell]:
 def compute_long(
     calib: Calibration, links: LinkCalibration | None, gpu: str = "h100-sxm", pool=None
 ) -> list[LongCell]:
-    """Every cell; the searches run on ``pool`` (a multiprocessing pool) when given, else on the usable cores."""
+    """Every cell; the searches run on ``pool`` (a multiprocessing pool) when given, else on the
+    usable cores."""
     tasks = long_tasks(calib, links, gpu)
     if pool is not None:
         return long_cells(pool.map(long_search, tasks, chunksize=1))
@@ -155,19 +159,19 @@ def cp_rule(cells: list[LongCell]) -> str:
         parts.append(f"at {s // 1024}K tokens CP is chosen in {use} of {n} cells that fit{g}{o}")
     short = min(SEQS)
     why_short = (
-        f" At {short // 1024}K tokens each rank's chunks would be under {MIN_CP_CHUNK:,} tokens, where "
-        "fused attention runs far below its rate, so the search does not split them."
+        f" At {short // 1024}K tokens each rank's chunks would be under {MIN_CP_CHUNK:,} tokens, "
+        "where fused attention runs far below its rate, so the search does not split them."
         if by_seq[short][0] == 0
         else ""
     )
     return (
         "**Context parallelism is for long sequences.** "
         + _sentence("; ".join(parts))
-        + ". CP splits "
-        "every sequence, so activations per GPU fall by cp while each rank sends its K and V chunk around the "
-        "ring (2·s·kv bytes per layer, hidden behind the attention, which grows with s²) or swaps sequence for "
-        "heads with all-to-alls; more TP instead adds per-layer all-reduces of s·h on the critical path and "
-        "more PP a bubble, and neither divides the attention's work." + why_short
+        + ". CP splits every sequence, so activations per GPU fall by cp while each rank sends "
+        "its K and V chunk around the ring (2·s·kv bytes per layer, hidden behind the "
+        "attention, which grows with s²) or swaps sequence for heads with all-to-alls; more "
+        "TP instead adds per-layer all-reduces of s·h on the critical path and more PP a "
+        "bubble, and neither divides the attention's work." + why_short
     )
 
 
@@ -179,10 +183,11 @@ def long_context_section(cells: list[LongCell]) -> list[str]:
     out = [
         "## Long context: sequence length and context parallelism",
         "",
-        f"The layout the cost model picks for Llama 3 shapes at 4K, 32K and 128K tokens per sequence on H100 "
-        f"(8 per node, NVLink, 400 Gbit/s per GPU), about {TOKENS_PER_STEP // 2**20}M tokens per step, BF16, "
-        "with context parallelism allowed (`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: "
-        "dp×cp×tp×pp, ZeRO stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "
+        "The layout the cost model picks for Llama 3 shapes at 4K, 32K and 128K tokens per "
+        "sequence on H100 (8 per node, NVLink, 400 Gbit/s per GPU), about "
+        f"{TOKENS_PER_STEP // 2**20}M tokens per step, BF16, with context parallelism allowed "
+        "(`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: dp×cp×tp×pp, ZeRO "
+        "stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "
         "Megatron do, so at 128K tokens it runs high.",
         "",
         cp_rule(cells),
@@ -197,7 +202,7 @@ def long_context_section(cells: list[LongCell]) -> list[str]:
         plain = c.plain or f"does not fit (needs ≥ {c.plain_mem_gib:.0f} GiB)"
         gain = "—" if c.cp == 1 else ("only fit" if c.cp_gain is None else f"{c.cp_gain:+.0%}")
         out.append(
-            f"| {c.model} | {c.seq:,} | {c.gpus} | {c.best} | {c.mfu:.0%} | {c.mem_gib:.0f} GiB | {plain} | "
-            f"{gain} |"
+            f"| {c.model} | {c.seq:,} | {c.gpus} | {c.best} | {c.mfu:.0%} | {c.mem_gib:.0f} GiB | "
+            f"{plain} | {gain} |"
         )
     return out + [""]

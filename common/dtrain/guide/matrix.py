@@ -129,9 +129,9 @@ def compute_matrix(
     workers: int | None = None,
     pool=None,
 ) -> list[Cell]:
-    """Every cell in a fixed order (model, GPUs, topology, IB). ``progress(n_done, n_total)``. The searches are
-    independent: ``workers`` processes (default: the usable cores, at most 8) run them side by side, or the
-    caller's ``pool`` (kept open)."""
+    """Every cell in a fixed order (model, GPUs, topology, IB). ``progress(n_done, n_total)``.
+    The searches are independent: ``workers`` processes (default: the usable cores, at most 8)
+    run them side by side, or the caller's ``pool`` (kept open)."""
     grid = [
         (p, g, t, ib, gpu, calib, links)
         for p in MODELS

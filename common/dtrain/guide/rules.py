@@ -26,7 +26,8 @@ def rule_memory_floor(cells: list[Cell]) -> str:
         ok = [c.gpus for c in _fit(cells) if c.params == p]
         parts.append(f"{model_label(p)} ≥ {min(ok)}" if ok else f"{model_label(p)} never")
     return (
-        "**Memory sets the floor.** Smallest GPU count of the grid at which each model fits at all: "
+        "**Memory sets the floor.** Smallest GPU count of the grid at which each model fits at "
+        "all: "
         + ", ".join(parts)
         + ". Below it no DP×TP×PP, ZeRO stage or recompute setting fits the "
         "weights, gradients, optimizer state and activations in HBM."
@@ -38,12 +39,13 @@ def rule_tp_in_node(cells: list[Cell]) -> str:
     wide = [c for c in fit if c.tp > 8]
     if not wide:
         return (
-            f"**Tensor parallelism stays inside a node.** TP ≤ 8 in all {len(fit)} cells that fit: its "
-            "per-layer all-reduces sit on the critical path and would cross InfiniBand otherwise."
+            f"**Tensor parallelism stays inside a node.** TP ≤ 8 in all {len(fit)} cells that "
+            "fit: its per-layer all-reduces sit on the critical path and would cross InfiniBand "
+            "otherwise."
         )
     return (
-        f"**Tensor parallelism crosses nodes in {len(wide)} of {len(fit)} cells** (TP > 8), only where "
-        "memory leaves no alternative: "
+        f"**Tensor parallelism crosses nodes in {len(wide)} of {len(fit)} cells** (TP > 8), only "
+        "where memory leaves no alternative: "
         + ", ".join(sorted({f"{c.model}@{c.gpus}" for c in wide}))
         + "."
     )
@@ -59,9 +61,8 @@ def rule_tp_by_size(cells: list[Cell]) -> str:
                 f"{model_label(p)}: {_ranges(nv) if nv else '–'} / {_ranges(pc) if pc else '–'}"
             )
     return (
-        "**TP degree grows with the model** (range over GPU counts and IB rates, NVLink / PCIe node): "
-        + "; ".join(parts)
-        + "."
+        "**TP degree grows with the model** (range over GPU counts and IB rates, NVLink / PCIe "
+        "node): " + "; ".join(parts) + "."
     )
 
 
@@ -99,10 +100,11 @@ def rule_pipeline(cells: list[Cell]) -> str:
     }
     inter = sum(c.virtual_stages > 1 for c in with_pp) / len(with_pp)
     return (
-        f"**Pipeline parallelism enters from {smallest.model}** on NVLink nodes; share of fitting cells "
-        "with PP > 1: "
+        f"**Pipeline parallelism enters from {smallest.model}** on NVLink nodes; share of fitting "
+        "cells with PP > 1: "
         + ", ".join(f"{k} {v:.0%}" for k, v in share.items())
-        + f". {inter:.0%} of those use the interleaved schedule (v > 1) to shrink the bubble (p−1)/(v·m)."
+        + f". {inter:.0%} of those use the interleaved schedule (v > 1) to shrink the bubble "
+        "(p−1)/(v·m)."
     )
 
 
@@ -114,23 +116,22 @@ def rule_zero(cells: list[Cell]) -> str:
     text = (
         "**ZeRO stage: the least memory among the fastest.** Stages chosen over all fitting cells: "
         + ", ".join(f"ZeRO-{z} {n}" for z, n in sorted(counts.items()))
-        + ". From ZeRO-1 up a higher stage "
-        "never shortens the predicted step, and ZeRO-1 moves less than ZeRO-0 (fp32 reduce-scatter + bf16 "
-        "all-gather against an fp32 all-reduce). "
+        + ". From ZeRO-1 up a higher stage never shortens the predicted step, and ZeRO-1 moves "
+        "less than ZeRO-0 (fp32 reduce-scatter + bf16 all-gather against an fp32 all-reduce). "
     )
     if flat:
         text += (
-            f"Without PP, ZeRO-3 gathers the weights again for every micro-batch; it is chosen in {len(flat)} "
-            "cells ("
+            "Without PP, ZeRO-3 gathers the weights again for every micro-batch; it is chosen in "
+            f"{len(flat)} cells ("
             + ", ".join(sorted({c.model for c in flat}, key=lambda m: float(m.rstrip("B"))))
-            + ") "
-            "where sharding the bf16 weights is what makes the layout fit, or its traffic hides behind the "
-            "backward. "
+            + ") where sharding the bf16 weights is what makes the layout fit, or its traffic "
+            "hides behind the backward. "
         )
     if piped:
         text += (
-            f"Under PP a stage keeps its weights gathered through the step (torchtitan's FSDP with PP, the "
-            f"trainer's zero3), so ZeRO-3 moves what ZeRO-1 moves with smaller states: {len(piped)} cells."
+            "Under PP a stage keeps its weights gathered through the step (torchtitan's FSDP "
+            "with PP, the trainer's zero3), so ZeRO-3 moves what ZeRO-1 moves with smaller "
+            f"states: {len(piped)} cells."
         )
     return text.rstrip()
 
@@ -140,8 +141,8 @@ def rule_recompute(cells: list[Cell]) -> str:
     some = [c for c in fit if c.recompute != "none"]
     if not some:
         return (
-            "**No activation recompute** is chosen: with FlashAttention and sequence parallelism the "
-            "activations fit in every cell that fits at all."
+            "**No activation recompute** is chosen: with FlashAttention and sequence parallelism "
+            "the activations fit in every cell that fits at all."
         )
     floor = {p: min(c.gpus for c in fit if c.params == p) for p in {c.params for c in fit}}
     near = sum(c.gpus <= 4 * floor[c.params] for c in some)
@@ -154,11 +155,11 @@ def rule_recompute(cells: list[Cell]) -> str:
         if cs
     )
     return (
-        f"**Activation recompute** in {len(some)} of {len(fit)} fitting cells: {by_level}; {near} of them "
-        "within 4× of the model's smallest fitting GPU count. Selective op AC (torchtitan's: every other "
-        "matmul's output kept) re-runs about a third of a block's forward matmuls, full recompute the whole "
-        "forward (a third more compute), so the search takes them only where the activations would not "
-        "fit otherwise."
+        f"**Activation recompute** in {len(some)} of {len(fit)} fitting cells: {by_level}; {near} "
+        "of them within 4× of the model's smallest fitting GPU count. Selective op AC "
+        "(torchtitan's: every other matmul's output kept) re-runs about a third of a block's "
+        "forward matmuls, full recompute the whole forward (a third more compute), so the search "
+        "takes them only where the activations would not fit otherwise."
     )
 
 
@@ -173,10 +174,11 @@ def rule_ib(cells: list[Cell]) -> str:
     changed = sum((a.dp, a.tp, a.pp, a.zero) != (b.dp, b.tp, b.pp, b.zero) for a, b in multi)
     more_pp = sum(a.pp > b.pp for a, b in multi)
     return (
-        f"**InfiniBand bandwidth.** Going from {hi} to {lo} Gbit/s per GPU costs a median {loss:.1%} of "
-        f"predicted MFU over {len(multi)} multi-node cells (worst: {worst[0].model} on {worst[0].gpus} GPUs, "
-        f"{worst[0].topology} node, {worst[1].mfu:.0%} → {worst[0].mfu:.0%}). The chosen DP×TP×PP or ZeRO "
-        f"stage changes in {changed} of them ({more_pp} with deeper pipelines at {lo} Gbit/s)."
+        f"**InfiniBand bandwidth.** Going from {hi} to {lo} Gbit/s per GPU costs a median "
+        f"{loss:.1%} of predicted MFU over {len(multi)} multi-node cells (worst: {worst[0].model} "
+        f"on {worst[0].gpus} GPUs, {worst[0].topology} node, {worst[1].mfu:.0%} → "
+        f"{worst[0].mfu:.0%}). The chosen DP×TP×PP or ZeRO stage changes in {changed} of them "
+        f"({more_pp} with deeper pipelines at {lo} Gbit/s)."
     )
 
 
@@ -193,11 +195,12 @@ def rule_scale(cells: list[Cell]) -> str:
         )
         if len(row) >= 2:
             parts.append(
-                f"{row[0].model} {row[0].mfu:.0%} @ {row[0].gpus} → {row[-1].mfu:.0%} @ {row[-1].gpus}"
+                f"{row[0].model} {row[0].mfu:.0%} @ {row[0].gpus} → {row[-1].mfu:.0%} @ "
+                f"{row[-1].gpus}"
             )
     return (
-        "**Scale at a fixed 4M-token batch** (NVLink, "
-        f"{REFERENCE_IB} Gbit/s), predicted MFU from the smallest to the largest GPU count that fits: "
+        f"**Scale at a fixed 4M-token batch** (NVLink, {REFERENCE_IB} Gbit/s), predicted MFU from "
+        "the smallest to the largest GPU count that fits: "
         + "; ".join(parts)
         + ". More GPUs mean fewer micro-batches each: less compute to hide DP "
         "traffic behind and a larger pipeline bubble."
@@ -209,8 +212,8 @@ def rule_micro_batch(cells: list[Cell]) -> str:
     return (
         "**Micro-batch.** Chosen sizes: "
         + ", ".join(f"{mb}: {n} cells" for mb, n in sorted(counts.items()))
-        + ". A larger micro-batch makes every GEMM larger (higher achieved fraction of the roofline) but "
-        "adds activation memory; the search weighs both."
+        + ". A larger micro-batch makes every GEMM larger (higher achieved fraction of the "
+        "roofline) but adds activation memory; the search weighs both."
     )
 
 

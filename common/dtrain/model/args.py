@@ -68,7 +68,8 @@ class GPTConfig:
         unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(
-                f"unknown model key {unknown[0]!r}: known keys are {', '.join(f.name for f in fields(cls))}"
+                f"unknown model key {unknown[0]!r}: known keys are "
+                f"{', '.join(f.name for f in fields(cls))}"
             )
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if (

@@ -30,7 +30,7 @@ from dtrain.model.args import (
     PRESETS,
     GPTConfig,
     num_matmul_params,  # noqa: F401 (re-exported)
-    num_params,
+    num_params,  # noqa: F401 (re-exported)
 )
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
@@ -52,7 +52,8 @@ class Attention(nn.Module):
         self.wk = make_linear(f"{prefix}.wk", d, kv, cfg.bias)
         self.wv = make_linear(f"{prefix}.wv", d, kv, cfg.bias)
         self.wo = make_linear(f"{prefix}.wo", d, d, cfg.bias)
-        self.core = causal_attention  # the attention math; context parallelism swaps in its own (dtrain.parallel.cp)
+        # the attention math; context parallelism swaps in its own (dtrain.parallel.cp)
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.wo(self.core(self.wq(x), self.wk(x), self.wv(x), self.head_dim))

@@ -114,9 +114,10 @@ def time_fn(
 def queued_s(
     fn: Callable[[], object], device: torch.device | str, target_s: float = 5e-3, repeats: int = 3
 ) -> float:
-    """Seconds per call of ``fn`` launched back to back: CUDA events around R calls (R chosen so a timing lasts
-    ~``target_s``), the median of ``repeats`` such timings over R. The time a kernel costs inside a training step,
-    where the CPU has already queued the next one (timing each call alone adds the launch gap, 10-30 us)."""
+    """Seconds per call of ``fn`` launched back to back: CUDA events around R calls (R chosen so
+    a timing lasts ~``target_s``), the median of ``repeats`` such timings over R. The time a
+    kernel costs inside a training step, where the CPU has already queued the next one (timing
+    each call alone adds the launch gap, 10-30 us)."""
     for _ in range(3):
         fn()
     one = time_fn(fn, warmup=0, iters=1, device=device).median

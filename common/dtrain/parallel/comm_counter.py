@@ -69,7 +69,8 @@ def note(op: str, tag: str, payload: torch.Tensor, n: int) -> None:
 
 
 class ProfiledWork:
-    """An async handle whose wait() is a profiler range: the exposed part of an overlapped collective."""
+    """An async handle whose wait() is a profiler range: the exposed part of an overlapped
+    collective."""
 
     def __init__(self, work, name: str = "tp_comm:wait"):
         self.work, self.name = work, name

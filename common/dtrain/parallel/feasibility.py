@@ -1,8 +1,11 @@
-"""What a layout cannot run, as one-line UserErrors, without torch: the command-line checks run these before
-any process starts (and before torch is imported); the modules that apply each parallelism import them from here.
+"""What a layout cannot run, as one-line UserErrors, without torch: the command-line checks run
+these before any process starts (and before torch is imported); the modules that apply each
+parallelism import them from here.
 
-    check_tp_heads / check_tp_model     the heads, MLP width and sequence tensor parallelism can split
-    check_cp_layout / check_cp_device / check_cp_model   context parallelism's degree, device and sequence
+    check_tp_heads / check_tp_model     the heads, MLP width and sequence tensor parallelism can
+                                        split
+    check_cp_layout / check_cp_device / check_cp_model   context parallelism's degree, device and
+                                                         sequence
     check_pipeline                      the layers, schedules and micro-batches a pipeline needs
 """
 
@@ -29,11 +32,13 @@ def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
         )
     if n_head % n_kv_head:
         raise UserError(
-            f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: pick n_kv_head dividing n_head"
+            f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: pick n_kv_head dividing "
+            "n_head"
         )
     if n_kv_head >= tp and n_kv_head % tp:
         raise UserError(
-            f"n_kv_head={n_kv_head} is not divisible by tp={tp}: pick a tp that divides the k/v heads"
+            f"n_kv_head={n_kv_head} is not divisible by tp={tp}: pick a tp that divides the k/v "
+            "heads"
         )
     if n_kv_head < tp and tp % n_kv_head:
         raise UserError(
@@ -60,7 +65,8 @@ def check_tp_model(
         raise UserError("train.sequence_parallel=true needs train.tp > 1")
     if sequence_parallel and cfg.seq_len % tp:
         raise UserError(
-            f"train.sequence_parallel: model.seq_len={cfg.seq_len} is not divisible by train.tp={tp}"
+            f"train.sequence_parallel: model.seq_len={cfg.seq_len} is not divisible by "
+            f"train.tp={tp}"
         )
     if tp == 1:
         return
@@ -98,9 +104,9 @@ def check_cp_layout(cp, impl: str, pp: int) -> None:
 def check_cp_device(cp: int, impl: str, device_type: str) -> None:
     if cp > 1 and impl == "torch" and device_type != "cuda":
         raise UserError(
-            f"train.cp_impl=torch needs CUDA (PyTorch's context_parallel runs on the fused SDPA kernels) "
-            f"but the device is {device_type}: "
-            f"use train.cp_impl={', '.join(OWN_CP_IMPLS)} or auto"
+            "train.cp_impl=torch needs CUDA (PyTorch's context_parallel runs on the fused SDPA "
+            f"kernels) but the device is {device_type}: use "
+            f"train.cp_impl={', '.join(OWN_CP_IMPLS)} or auto"
         )
 
 
@@ -110,8 +116,8 @@ def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bo
         return
     if model.seq_len % (2 * cp):
         raise UserError(
-            f"train.cp={cp}: model.seq_len={model.seq_len} is not divisible by 2 x cp = {2 * cp} (each "
-            f"rank holds 2 of 2·cp equal chunks): pick seq_len a multiple of {2 * cp}"
+            f"train.cp={cp}: model.seq_len={model.seq_len} is not divisible by 2 x cp = {2 * cp} "
+            f"(each rank holds 2 of 2·cp equal chunks): pick seq_len a multiple of {2 * cp}"
         )
     if sequence_parallel and (model.seq_len // cp) % tp:
         raise UserError(
@@ -120,8 +126,9 @@ def check_cp_model(model, cp: int, impl: str, tp: int = 1, sequence_parallel: bo
         )
     if impl == "ulysses" and (model.n_head // tp) % cp:
         raise UserError(
-            f"train.cp_impl=ulysses spreads a rank's {model.n_head // tp} query heads (model.n_head / "
-            f"train.tp) over train.cp={cp} ranks, which does not divide them: use train.cp_impl=ring"
+            f"train.cp_impl=ulysses spreads a rank's {model.n_head // tp} query heads "
+            f"(model.n_head / train.tp) over train.cp={cp} ranks, which does not divide them: use "
+            "train.cp_impl=ring"
         )
 
 
@@ -139,7 +146,8 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
         raise UserError(f"train.pp_schedule={schedule} needs train.pp_virtual >= 2 stages per rank")
     if schedule == "zbv" and virtual != 2:
         raise UserError(
-            f"train.pp_schedule=zbv needs exactly train.pp_virtual=2 stages per rank (got {virtual})"
+            "train.pp_schedule=zbv needs exactly train.pp_virtual=2 stages per rank (got "
+            f"{virtual})"
         )
     stages = pp * virtual
     if cfg.n_layer < stages:
@@ -157,8 +165,9 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
             raise UserError(
-                f"train.pp_schedule={schedule} needs micro-batches (train.grad_accum={micro_batches}) "
-                f"divisible by their rounds ({rounds} = grad_accum // pp): use a multiple of pp={pp}"
+                f"train.pp_schedule={schedule} needs micro-batches "
+                f"(train.grad_accum={micro_batches}) divisible by their rounds ({rounds} = "
+                f"grad_accum // pp): use a multiple of pp={pp}"
             )
     if cfg.tie_embeddings:
         raise UserError(

@@ -7,11 +7,11 @@ decides how dp splits (`of`, by `dtrain.core.layout.split_dp`): ddp replicates (
 (dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single has dp = 1.
 
 Mesh dimensions, outermost first (as torchtitan's ParallelDims): ``pp``, ``replicate``,
-``shard``, ``cp``, ``tp``; tp is innermost, so a tp group is consecutive ranks (one node's fast links),
-then cp (context parallelism: the ranks that share each sequence, dtrain.parallel.cp), and pp is
-outermost (its point-to-point traffic is the lightest). Only dimensions of size > 1 are
-built (each is a process group, and gloo groups are slow to create). A new dimension is one more
-entry in `ORDER` (and in `MODEL_DIMS` when it splits the model rather than the batch) and a field.
+``shard``, ``cp``, ``tp``; tp is innermost, so a tp group is consecutive ranks (one node's fast
+links), then cp (context parallelism: the ranks that share each sequence, dtrain.parallel.cp), and
+pp is outermost (its point-to-point traffic is the lightest). Only dimensions of size > 1 are built
+(each is a process group, and gloo groups are slow to create). A new dimension is one more entry in
+`ORDER` (and in `MODEL_DIMS` when it splits the model rather than the batch) and a field.
 
 Ranks that share a (replicate, shard) coordinate form one data-parallel replica: they read the
 same batch (`dp_rank`, `dp`), split the model by tp and pp and each sequence by cp. Gradients are
@@ -62,9 +62,9 @@ class ParallelDims:
             )
         if self.dp % self.dp_replicate:  # the one HSDP check
             raise UserError(
-                f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do not "
-                f"factor into train.hsdp_replicate={self.dp_replicate} replicas x shards: pick world_size as a "
-                "multiple of it or another hsdp_replicate"
+                f"train.strategy=hsdp: dp = world_size / (tp x pp{cp_name}) = {self.dp} ranks do "
+                f"not factor into train.hsdp_replicate={self.dp_replicate} replicas x shards: "
+                "pick world_size as a multiple of it or another hsdp_replicate"
             )
         if self.dp_shard == -1:
             self.dp_shard = self.dp // self.dp_replicate
@@ -83,7 +83,8 @@ class ParallelDims:
         hsdp_replicate: int = 1,
         cp: int = 1,
     ) -> "ParallelDims":
-        """The layout a data-parallel strategy gives: the one place dp is split into replicas and shards."""
+        """The layout a data-parallel strategy gives: the one place dp is split into replicas and
+        shards."""
         dp = cls(world_size, tp=tp, pp=pp, cp=cp).dp
         if strategy == "hsdp":  # the one HSDP check (__post_init__) before the split
             cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=hsdp_replicate)
@@ -165,7 +166,8 @@ class ParallelDims:
         return self._flat[name]
 
     def dp_mesh(self):
-        """The mesh FSDP2 shards over: (replicate, shard x cp), the dims that are built; None if there is none."""
+        """The mesh FSDP2 shards over: (replicate, shard x cp), the dims that are built; None if
+        there is none."""
         shard = self.flat_mesh(("shard", "cp"))
         if shard is None or self.submesh("replicate") is None:
             return shard or self.submesh("replicate")

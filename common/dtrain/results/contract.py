@@ -15,11 +15,15 @@ config.yaml, so a new experiment that publishes them is calibrated like the four
 
     record               published by                         feeds
     CollectiveFit        allreduce-bench                      α, β per link class
-    TrainingMeasurement  fsdp-scaling runs, fp8-train runs    compute efficiency, DP overlap, local checks
+    TrainingMeasurement  fsdp-scaling runs, fp8-train runs    compute efficiency, DP overlap, local
+                                                              checks
     TpMeasurement        tp-attention                         TP overhead, local checks
-    CpMeasurement        tp-attention's CP study              CP (ring / all-to-all) overhead and overlap
-    Fp8Comparison        fp8-train compare (a derived run)    FP8 speed / memory factor, layers kept high
-    GemmProbe            dtrain.costmodel.gemm_probe (derived) GEMM efficiency curve, fixed step overhead
+    CpMeasurement        tp-attention's CP study              CP (ring / all-to-all) overhead and
+                                                              overlap
+    Fp8Comparison        fp8-train compare (a derived run)    FP8 speed / memory factor, layers kept
+                                                              high
+    GemmProbe            dtrain.costmodel.gemm_probe (derived) GEMM efficiency curve, fixed step
+                                                              overhead
 
 Runs made from other runs (a study report, an FP8 comparison, the GEMM probe) are written by
 ``dtrain.results.derived.write_derived_run``, which records the run directories they came from in
@@ -128,8 +132,8 @@ class TrainingMeasurement:
     """One training run of the shared trainer: model, layout, step time and where it went.
 
     ``recipe`` is None for a plain run, which measures its own compute efficiency (``mfu`` against
-    ``peak_flops``); a run of a numerics-recipe study (fp8-train: ``fp32``, ``emulated_delayed``, ...)
-    names its recipe and is only predicted, not used to calibrate compute efficiency."""
+    ``peak_flops``); a run of a numerics-recipe study (fp8-train: ``fp32``, ``emulated_delayed``,
+    ...) names its recipe and is only predicted, not used to calibrate compute efficiency."""
 
     kind: ClassVar[str] = "training"
     model: dict  # dtrain.model.args.GPTConfig fields as trained (seq_len included)
@@ -466,7 +470,8 @@ def derived_from(summary: dict, run_dir) -> list[Path]:
 
 
 def where_of(device, backend, gpu_name=None) -> Where:
-    """A Where from a torch device (or its string) and a backend: ``cuda:0`` is recorded as ``cuda``."""
+    """A Where from a torch device (or its string) and a backend: ``cuda:0`` is recorded as
+    ``cuda``."""
     return Where(str(device).split(":")[0], str(backend), gpu_name)
 
 

@@ -67,14 +67,16 @@ def read_jsonl(path: Path) -> list[dict]:
                     raise ValueError(f"{path.name} line {n}: {e.msg}") from None
                 if not isinstance(row, dict):
                     raise ValueError(
-                        f"{path.name} line {n}: {type(row).__name__} {line.strip()[:40]!r}, not an object"
+                        f"{path.name} line {n}: {type(row).__name__} {line.strip()[:40]!r}, not "
+                        "an object"
                     )
                 rows.append(row)
     return rows
 
 
 def _read_mapping(path: Path, parse) -> dict:
-    """config.yaml / env.json / summary.json: must hold one mapping (a list or a number is corrupt)."""
+    """config.yaml / env.json / summary.json: must hold one mapping (a list or a number is
+    corrupt)."""
     value = parse(path.read_text())
     if value is None and path.suffix == ".yaml":
         return {}
@@ -125,7 +127,8 @@ def complete_runs(paths: Iterable[str | Path], warn: bool = True) -> list[Run]:
 
 def require_complete(paths: Iterable[str | Path], what: str = "this command") -> list[Run]:
     """The complete runs under `paths`, or a UserError that says why there are none (no run at all,
-    or each one incomplete/corrupt, with the file at fault) instead of a misleading later failure."""
+    or each one incomplete/corrupt, with the file at fault) instead of a misleading later
+    failure."""
     paths = [str(p) for p in paths]
     runs = find_runs(paths)
     good = [r for r in runs if r.status == "complete"]
@@ -183,7 +186,8 @@ def load_events(
 
 
 def load_runs(paths: Iterable[str | Path], warn: bool = True) -> pd.DataFrame:
-    """One row per complete run: config columns, `summary.*`, `env.*` and `derived` (Run.derived)."""
+    """One row per complete run: config columns, `summary.*`, `env.*` and `derived`
+    (Run.derived)."""
     rows = []
     for run in complete_runs(paths, warn):
         row = flatten(run.config)

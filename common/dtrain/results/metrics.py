@@ -2,7 +2,8 @@
 
 config.yaml    resolved config                 (rank 0)
 env.json       host, versions, devices         (rank 0)
-records.jsonl  one JSON object per measurement (rank 0; other ranks to records.rank<N>.jsonl when asked)
+records.jsonl  one JSON object per measurement (rank 0; other ranks to records.rank<N>.jsonl when
+asked)
 events.jsonl   discrete events                 (rank 0; other ranks to events.rank<N>.jsonl)
 summary.json   written last and atomically: its presence means the run completed
 tb/<name>/     TensorBoard event files of the numbers a run plots (rank 0, `RunWriter.scalar`);
@@ -66,8 +67,8 @@ def dumps(obj: Any) -> str:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """tmp + rename, so a reader never sees half a file (and a crash leaves none). Mode 0666 less the
-    umask, like every other file of the run (mkstemp's 0600 would hide it from other users)."""
+    """tmp + rename, so a reader never sees half a file (and a crash leaves none). Mode 0666 less
+    the umask, like every other file of the run (mkstemp's 0600 would hide it from other users)."""
     path = Path(path)
     tmp = path.with_name(
         f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

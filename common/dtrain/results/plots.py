@@ -24,9 +24,10 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4
 def save(
     fig, path: str | Path, quiet: bool = False, dpi: int = 120, reproducible: bool = False
 ) -> Path:
-    """Lay out, write and close ``fig`` (a legend outside the axes is kept in the picture). ``reproducible``:
-    no version string in the PNG, so the same figure gives the same bytes on every machine (the committed
-    guide plots)."""
+    """Lay out, write and close ``fig`` (a legend outside the axes is kept in the picture).
+    ``reproducible``:
+    no version string in the PNG, so the same figure gives the same bytes on every machine (the
+    committed guide plots)."""
     path = Path(path)
     fig.tight_layout()
     fig.savefig(
@@ -42,7 +43,8 @@ def save(
 
 
 def legend_outside(ax, title: str | None = None, **kw):
-    """The legend to the right of the axes, never over the data (plots.save lays the figure out around it)."""
+    """The legend to the right of the axes, never over the data (plots.save lays the figure out
+    around it)."""
     handles, labels = kw.pop("handles", None), kw.pop("labels", None)
     if handles is None:
         handles, labels = ax.get_legend_handles_labels()
@@ -68,8 +70,8 @@ def integer_axis(ax, axis: str = "x") -> None:
 
 
 def log_axis_plain(ax, axis: str = "x", scale: float = 1.0) -> None:
-    """A log axis labelled with plain numbers at 1, 2, 5 per decade (x `scale`, e.g. 1e3 for s -> ms) and
-    no minor labels, so labels never run into each other on a narrow range."""
+    """A log axis labelled with plain numbers at 1, 2, 5 per decade (x `scale`, e.g. 1e3 for s ->
+    ms) and no minor labels, so labels never run into each other on a narrow range."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     target = ax.xaxis if axis == "x" else ax.yaxis

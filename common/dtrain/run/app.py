@@ -41,8 +41,9 @@ Finalize = Callable[[Path, DictConfig, Any], dict]
 
 
 def check_base(cfg: DictConfig, devices: bool = True) -> None:
-    """The shared keys, checked before any process starts; ``devices``: also this host's device and backend
-    for a local run (the one check that imports torch: the command-line check runs it last)."""
+    """The shared keys, checked before any process starts; ``devices``: also this host's device
+    and backend for a local run (the one check that imports torch: the command-line check runs it
+    last)."""
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if (
@@ -69,8 +70,9 @@ def check_devices(cfg: DictConfig) -> None:
 
 
 def resolve(ref):
-    """A callable, or a "module:attribute" reference to one, imported when first needed: an entry point names
-    its rank code this way, so a wrong command line is refused before torch and the rank code are imported."""
+    """A callable, or a "module:attribute" reference to one, imported when first needed: an entry
+    point names its rank code this way, so a wrong command line is refused before torch and the
+    rank code are imported."""
     if not isinstance(ref, str):
         return ref
     import importlib
@@ -111,7 +113,8 @@ def check_signal_delay(s: DictConfig) -> None:
 
 
 def run_dir_for(cfg: DictConfig) -> Path:
-    """Hydra's output dir when under Hydra (runs and sweeps), else results_dir/subproject/timestamp."""
+    """Hydra's output dir when under Hydra (runs and sweeps), else
+    results_dir/subproject/timestamp."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
@@ -295,8 +298,9 @@ def _finalize_crashed(run_dir: Path) -> None:
 def hydra_main(
     config_module: str, *, rank_fn, validate=None, finalize=None, config_name: str = "config"
 ):
-    """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`; ``rank_fn``,
-    ``validate`` and ``finalize`` are callables or "module:attribute" references (``resolve``)."""
+    """A console-script-ready `main()` for a subproject whose YAML lives in `config_module`;
+    ``rank_fn``, ``validate`` and ``finalize`` are callables or "module:attribute" references
+    (``resolve``)."""
     import importlib
 
     import hydra

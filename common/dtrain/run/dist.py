@@ -112,8 +112,8 @@ def cuda_count() -> int:
 
 
 def device_type(requested: str) -> str:
-    """`device=` resolved for this host: auto means cuda when any GPU is visible, else cpu. Every rank
-    of a node takes the same answer, so no job mixes cuda+NCCL ranks with cpu+gloo ones."""
+    """`device=` resolved for this host: auto means cuda when any GPU is visible, else cpu. Every
+    rank of a node takes the same answer, so no job mixes cuda+NCCL ranks with cpu+gloo ones."""
     one_of("device", requested, DEVICES)
     if requested == "auto":
         return "cuda" if cuda_count() else "cpu"
@@ -131,8 +131,8 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     gpus = cuda_count()
     if local_rank >= gpus:
         raise UserError(
-            f"local rank {local_rank} has no GPU of its own (this node has {gpus}; one rank per GPU): "
-            f"start at most {gpus} ranks per node, or pass device=cpu"
+            f"local rank {local_rank} has no GPU of its own (this node has {gpus}; one rank per "
+            f"GPU): start at most {gpus} ranks per node, or pass device=cpu"
         )
     return torch.device("cuda", local_rank)
 

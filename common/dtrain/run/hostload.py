@@ -1,4 +1,5 @@
-"""How much other processes slowed our own while we measured, from the kernel's scheduler statistics.
+"""How much other processes slowed our own while we measured, from the kernel's scheduler
+statistics.
 
 A timing on shared cores measures the load of the moment as much as the code. Linux keeps, per
 thread, the time it ran on a CPU and the time it was ready to run but waited for one
@@ -63,7 +64,8 @@ def per_thread(pid: int | str = "self") -> dict[str, tuple[int, int]]:
 
 
 def thread_times(pid: int | str = "self") -> tuple[int, int]:
-    """(ns on CPU, ns waiting for a CPU) summed over the threads of one process; (0, 0) once it is gone."""
+    """(ns on CPU, ns waiting for a CPU) summed over the threads of one process; (0, 0) once it
+    is gone."""
     times = per_thread(pid).values()
     return sum(c for c, _ in times), sum(w for _, w in times)
 
@@ -72,10 +74,11 @@ BUSY = 0.25  # a thread counts when it ran or waited to run for this share of th
 
 
 def delta(before: dict, after: dict, interval_ns: float, always=()) -> tuple[int, int]:
-    """CPU and wait ns between two snapshots, summed over the threads that were busy: ready to run (on a
-    CPU or waiting for one) for at least BUSY of the interval, plus `always`. Threads born in between
-    count from zero. A thread that wakes now and then (a heartbeat, the sampler itself) waits for a CPU
-    behind the busy ones at every wake-up: its short waits would inflate the factor of the work."""
+    """CPU and wait ns between two snapshots, summed over the threads that were busy: ready to
+    run (on a CPU or waiting for one) for at least BUSY of the interval, plus `always`. Threads
+    born in between count from zero. A thread that wakes now and then (a heartbeat, the sampler
+    itself) waits for a CPU behind the busy ones at every wake-up: its short waits would inflate
+    the factor of the work."""
     cpu = wait = 0
     for k, (c, w) in after.items():
         c0, w0 = before.get(k, (0, 0))
@@ -132,7 +135,8 @@ def tree(root: int) -> list[int]:
 
 
 class Sampler:
-    """Appends a `Sample` of our process tree to `path` every `interval` s until stopped (a context manager)."""
+    """Appends a `Sample` of our process tree to `path` every `interval` s until stopped (a
+    context manager)."""
 
     def __init__(self, path: str | Path, interval: float = 0.25, root: int | None = None):
         self.path, self.interval, self.root = Path(path), interval, root or os.getpid()
@@ -158,7 +162,8 @@ class Sampler:
         with open(self.path, "a") as out:
             while not self._stop.wait(self.interval):
                 now, t2 = self._read(), time.time()
-                # a thread born in this interval counts from zero; one that ended loses its last interval
+                # a thread born in this interval counts from zero; one that ended loses its last
+                # interval
                 cpu, wait = delta(before, now, (t2 - t) * 1e9)
                 out.write(
                     json.dumps(
@@ -194,11 +199,12 @@ def read(path: str | Path) -> list[Sample]:
 def load_factor(
     samples: list[Sample], start: float, end: float, busy: float = 1.0, cores: int | None = None
 ) -> LoadFactor | None:
-    """The contention factor over [start, end] of a job of `busy` CPU-bound threads on `cores` cores, its
-    own oversubscription (busy / cores, at least 1) divided out; None when no sample with CPU work overlaps
-    the window. When the job waited for CPUs (median above 1.05), the spread's top also allows for ranks
-    that wait on each other: a rank whose peer was descheduled sleeps in the collective, which is no
-    wait of its own, so the job can lose up to the cores it did not get, min(busy, cores) x time / cpu."""
+    """The contention factor over [start, end] of a job of `busy` CPU-bound threads on `cores`
+    cores, its own oversubscription (busy / cores, at least 1) divided out; None when no sample
+    with CPU work overlaps the window. When the job waited for CPUs (median above 1.05), the
+    spread's top also allows for ranks that wait on each other: a rank whose peer was descheduled
+    sleeps in the collective, which is no wait of its own, so the job can lose up to the cores it
+    did not get, min(busy, cores) x time / cpu."""
     inside = [s for s in samples if s.t > start and s.t - s.dt < end and s.cpu > 0.02 * s.dt]
     if not inside:
         return None

@@ -102,13 +102,14 @@ def check_local(cfg: DictConfig) -> str:
     gpus = ddist.cuda_count()
     if device == "cuda" and n > gpus:
         raise UserError(
-            f"world_size={n} asks for {n} CUDA ranks but this host has {gpus} GPU(s) (one rank per GPU): "
-            f"set world_size={gpus}, or device=cpu for {n} CPU ranks, or use launcher=slurm"
+            f"world_size={n} asks for {n} CUDA ranks but this host has {gpus} GPU(s) (one rank "
+            f"per GPU): set world_size={gpus}, or device=cpu for {n} CPU ranks, or use "
+            "launcher=slurm"
         )
     if device == "cpu" and n > max_local_cpu_ranks():
         raise UserError(
-            f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU ranks): "
-            "lower world_size or use launcher=slurm"
+            f"world_size={n} is more ranks than this host allows ({max_local_cpu_ranks()} CPU "
+            "ranks): lower world_size or use launcher=slurm"
         )
     return device
 
@@ -137,7 +138,8 @@ def run_rank(
     device_type: str | None = None,
 ) -> tuple[Any, Path]:
     """`device_type`: decided by the local launcher for every rank (None: this rank decides from
-    cfg.device). cfg stays as composed: config.yaml records what was asked, env.json what was used."""
+    cfg.device). cfg stays as composed: config.yaml records what was asked, env.json what was
+    used."""
     import torch.distributed as dist
 
     device = ddist.pick_device(device_type or cfg.device, env.local_rank)
@@ -343,8 +345,8 @@ class SlurmTask:
 
 
 def requeue_options(s: DictConfig) -> tuple[int, dict]:
-    """slurm.requeue / max_requeues -> (submitit's max_num_timeout, the sbatch flag): without requeue
-    a time-out is final and Slurm may not requeue the job either."""
+    """slurm.requeue / max_requeues -> (submitit's max_num_timeout, the sbatch flag): without
+    requeue a time-out is final and Slurm may not requeue the job either."""
     if s.get("requeue", True):
         return int(s.get("max_requeues", 3)), {"requeue": True}
     return 0, {"no_requeue": True}
@@ -362,7 +364,8 @@ def slurm_executor(cfg: DictConfig, folder: Path):
     tasks = s.tasks_per_node or math.ceil(cfg.world_size / s.nodes)
     if s.nodes * tasks != cfg.world_size:
         raise UserError(
-            f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x slurm.tasks_per_node={tasks}"
+            f"world_size={cfg.world_size} is not slurm.nodes={s.nodes} x "
+            f"slurm.tasks_per_node={tasks}"
         )
     max_timeouts, requeue_flag = requeue_options(s)
     ex = submitit.AutoExecutor(
@@ -496,8 +499,8 @@ def _wait_slurm(job, cfg, run_dir: Path) -> None:
             reason = queue.never_starts(job_state)
             if reason:
                 raise UserError(
-                    f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), cancelled: "
-                    "ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition"
+                    f"Slurm job {job.job_id} can never start (squeue: PENDING, {reason}), "
+                    "cancelled: ask for fewer CPUs/GPUs/nodes/time, or another slurm.partition"
                 )
             said = _say_pending(job.job_id, job_state, said, cfg.slurm.get("partition"))
             _raise_if_cancelled(job.job_id, job_state)

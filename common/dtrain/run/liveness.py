@@ -32,7 +32,8 @@ from dtrain.core.errors import UserError
 from dtrain.results.metrics import RunWriter
 
 HEARTBEAT = "heartbeat.rank{rank}"
-# Errors a rank gets *because* a peer died or stopped: never the root cause when another rank has one.
+# Errors a rank gets *because* a peer died or stopped: never the root cause when another rank has
+# one.
 PEER_SYMPTOMS = (
     "Connection closed",
     "Connection reset",
@@ -49,7 +50,8 @@ _EXC_LINE = re.compile(
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or hung; the message carries its traceback, `error` the one line for run_failed."""
+    """A rank raised, died or hung; the message carries its traceback, `error` the one line for
+    run_failed."""
 
     def __init__(self, message: str, error: str | None = None):
         super().__init__(message)
@@ -67,7 +69,8 @@ class JobEnded(RankFailed):
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the launcher; a BaseException so no `except Exception` swallows it."""
+    """SIGINT or SIGTERM reached the launcher; a BaseException so no `except Exception` swallows
+    it."""
 
     def __init__(self, signum: int):
         self.signum = signum
@@ -81,8 +84,8 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def _interrupt_handler(handler):
-    """`handler` for SIGINT/SIGTERM while inside (main thread only; elsewhere nothing changes). A signal
-    ignored on purpose (`cmd &` in a script ignores SIGINT) stays ignored."""
+    """`handler` for SIGINT/SIGTERM while inside (main thread only; elsewhere nothing changes). A
+    signal ignored on purpose (`cmd &` in a script ignores SIGINT) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -99,7 +102,8 @@ def _interrupt_handler(handler):
 
 
 def catch_interrupts():
-    """SIGINT/SIGTERM raise `Interrupted` in the main thread while inside (launching process only)."""
+    """SIGINT/SIGTERM raise `Interrupted` in the main thread while inside (launching process
+    only)."""
 
     def handler(signum, _frame):
         raise Interrupted(signum)
@@ -109,9 +113,10 @@ def catch_interrupts():
 
 @contextlib.contextmanager
 def deferred_interrupts():
-    """Clean-up that must finish (kill the ranks, remove the temp folder): SIGINT/SIGTERM arriving meanwhile
-    (a second Ctrl-C) are noted, then raised as `Interrupted` once it is done. A handler, not a signal
-    mask: the kernel may hand the signal to any thread, and Python runs handlers in the main thread."""
+    """Clean-up that must finish (kill the ranks, remove the temp folder): SIGINT/SIGTERM
+    arriving meanwhile (a second Ctrl-C) are noted, then raised as `Interrupted` once it is done.
+    A handler, not a signal mask: the kernel may hand the signal to any thread, and Python runs
+    handlers in the main thread."""
     caught: list[int] = []
     with _interrupt_handler(lambda signum, _frame: caught.append(signum)):
         yield
@@ -120,7 +125,8 @@ def deferred_interrupts():
 
 
 def error_line(text: str) -> str:
-    """The line that names the error ("RuntimeError: ...") in a traceback or a log; else the last line."""
+    """The line that names the error ("RuntimeError: ...") in a traceback or a log; else the last
+    line."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if _EXC_LINE.match(line):
@@ -138,10 +144,11 @@ JOB_ERRORS = ".rank-errors"  # in the run dir: each failed rank's traceback, for
 
 
 def job_root_cause(run_dir: Path, rank: int, text: str, wait_s: float = 10.0) -> str | None:
-    """In a job (Slurm tasks, torchrun) each rank fails on its own and the job's launcher (submitit, Hydra's
-    submitit plugin) shows task 0's error, usually the "connection closed" it got when the failing rank
-    exited. Every failing rank leaves its traceback in the run dir; a rank whose own error is only that
-    symptom waits briefly for a peer's real error and returns the line to raise in its place."""
+    """In a job (Slurm tasks, torchrun) each rank fails on its own and the job's launcher
+    (submitit, Hydra's submitit plugin) shows task 0's error, usually the "connection closed" it
+    got when the failing rank exited. Every failing rank leaves its traceback in the run dir; a
+    rank whose own error is only that symptom waits briefly for a peer's real error and returns
+    the line to raise in its place."""
     folder = Path(run_dir, JOB_ERRORS)
     with contextlib.suppress(OSError):
         folder.mkdir(exist_ok=True)
@@ -173,7 +180,8 @@ def watch_rank(
     timeout_s: float | None,
     launcher_pid: int | None = None,
 ) -> threading.Thread:
-    """Beat `heartbeat_dir/heartbeat.rank<N>`; with `launcher_pid`, exit when that process is gone."""
+    """Beat `heartbeat_dir/heartbeat.rank<N>`; with `launcher_pid`, exit when that process is
+    gone."""
     beat = Path(heartbeat_dir, HEARTBEAT.format(rank=rank)) if heartbeat_dir and timeout_s else None
     tmp = (
         beat.with_name(f".{beat.name}") if beat else None
@@ -189,7 +197,8 @@ def watch_rank(
                 with contextlib.suppress(
                     OSError
                 ):  # a vanished dir means the launcher is cleaning up
-                    # written aside and renamed: a reader never sees a half-written beat (beat_source)
+                    # written aside and renamed: a reader never sees a half-written beat
+                    # (beat_source)
                     tmp.write_text(f"{time.time():.3f} {socket.gethostname()} {os.getpid()}\n")
                     os.replace(tmp, beat)
                 last_beat = time.monotonic()
@@ -200,13 +209,14 @@ def watch_rank(
     return thread
 
 
-JOB_HEARTBEATS = ".heartbeats"  # in the run dir, for a job no process of ours launched (torchrun, Hydra's submitit)
+# in the run dir, for a job no process of ours launched (torchrun, Hydra's submitit)
+JOB_HEARTBEATS = ".heartbeats"
 
 
 def watch_job(rank: int, world_size: int, run_dir: Path, timeout_s: float | None) -> None:
-    """In a job whose launcher is not ours (torchrun, a Hydra submitit sweep point), nobody watches the
-    heartbeats: every rank beats into the run dir and rank 0 watches them, so a stopped rank ends the
-    job within `timeout_s` instead of after dist_timeout_s."""
+    """In a job whose launcher is not ours (torchrun, a Hydra submitit sweep point), nobody
+    watches the heartbeats: every rank beats into the run dir and rank 0 watches them, so a
+    stopped rank ends the job within `timeout_s` instead of after dist_timeout_s."""
     if not timeout_s:
         return
     folder = Path(run_dir, JOB_HEARTBEATS)
@@ -229,8 +239,9 @@ def watch_job(rank: int, world_size: int, run_dir: Path, timeout_s: float | None
 
 def end_job(run_dir: Path, error: str, hung_rank_at: tuple[str, int] | None = None) -> None:
     """Rank 0 of a job: record why, cancel the Slurm job (every task, the stopped one too) and exit;
-    under torchrun our exit makes its agent stop the other ranks. A stopped rank on this host is killed
-    first: torchrun's SIGTERM waits until it is continued, and its SIGKILL comes 30 s later."""
+    under torchrun our exit makes its agent stop the other ranks. A stopped rank on this host is
+    killed first: torchrun's SIGTERM waits until it is continued, and its SIGKILL comes 30 s
+    later."""
     with contextlib.suppress(OSError), RunWriter(run_dir) as w:
         w.event("run_failed", error=error)
     print(f"error: {error}; ending the job", file=sys.stderr, flush=True)
@@ -289,7 +300,8 @@ class HeartbeatMonitor:
             self._baseline = {}
 
     def reset(self) -> None:
-        """Forget what was seen (a Slurm job left RUNNING, e.g. requeued): older beats do not count."""
+        """Forget what was seen (a Slurm job left RUNNING, e.g. requeued): older beats do not
+        count."""
         self._baseline = {r: m for r in range(self.world_size) if (m := self._mtime(r)) is not None}
         self._seen: dict[
             int, tuple[float, float]
@@ -340,7 +352,8 @@ class HeartbeatMonitor:
             where = f" (pid {source[1]} on {source[0]})"
         return (
             f"rank {rank}{where} stopped responding: no heartbeat for {age:.0f} s "
-            f"(heartbeat_timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), swapped out or hung"
+            f"(heartbeat_timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), swapped out or "
+            "hung"
         )
 
 
@@ -365,7 +378,8 @@ PEER_GRACE_S = 2.0  # after a rank fails, how long its peers may take to fail on
 
 def supervise_local(ctx, side_dir: Path, heartbeat_timeout_s: float | None) -> None:
     """Wait for torch.multiprocessing's ranks; on a failure or a hang kill them all and raise the
-    root cause (RankFailed, or the UserError a rank raised). The caller kills them on Interrupted."""
+    root cause (RankFailed, or the UserError a rank raised). The caller kills them on
+    Interrupted."""
     procs = ctx.processes
     monitor = (
         HeartbeatMonitor(side_dir, len(procs), heartbeat_timeout_s, ctx.pids())
@@ -457,7 +471,8 @@ def _root_cause(procs, side_dir: Path, survivors: set[int], stopped: list[int]) 
 
 
 def start_client_watch(job_id: str, run_dir: Path) -> subprocess.Popen:
-    """A detached process that cancels `job_id` if this process dies before calling `client_done`."""
+    """A detached process that cancels `job_id` if this process dies before calling
+    `client_done`."""
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain.run.liveness", str(os.getpid()), str(job_id), str(run_dir)],
         stdin=subprocess.PIPE,

@@ -39,7 +39,8 @@ def _this_point() -> str:
 
 @contextlib.contextmanager
 def point():
-    """Around one point's run: in a local sweep, its failure is noted instead of ending the sweep."""
+    """Around one point's run: in a local sweep, its failure is noted instead of ending the
+    sweep."""
     if not in_local_sweep():
         yield
         return
@@ -63,8 +64,8 @@ def finish() -> None:
     codes = {code for _, code in _failed}
     names = "; ".join(f"{where} exit {code}" for where, code in _failed)
     print(
-        f"error: {len(_failed)} of {_ran[0]} sweep points failed ({names}); the others ran: see each point's "
-        "error above and `dtrain runs --all`",
+        f"error: {len(_failed)} of {_ran[0]} sweep points failed ({names}); the others ran: see "
+        "each point's error above and `dtrain runs --all`",
         file=sys.stderr,
         flush=True,
     )

@@ -159,7 +159,8 @@ def _dotted_keys(node) -> list[str]:
 
 
 def _quote_hint(e: BaseException, overrides: list[str]) -> str:
-    """Hydra's grammar takes non-ASCII characters (`results_dir=résultats`) only in a quoted value."""
+    """Hydra's grammar takes non-ASCII characters (`results_dir=résultats`) only in a quoted
+    value."""
     if "token recognition error" in _one_line(e) and not "".join(overrides).isascii():
         return ": quote a value with non-ASCII characters, e.g. 'results_dir=\"résultats\"'"
     return ""
@@ -403,7 +404,8 @@ def _check_point(
 
 
 def check_run_dirs(argv: list[str]) -> None:
-    """An explicit hydra.run.dir (or a sweep dir holding runs) that a run already owns is refused."""
+    """An explicit hydra.run.dir (or a sweep dir holding runs) that a run already owns is
+    refused."""
     if any(arg.split("=", 1)[0] in _NO_RUN for arg in argv):
         return  # Hydra prints help or config and runs nothing
     for arg in split_argv(argv)[0]:
@@ -428,14 +430,16 @@ def check_run_dirs(argv: list[str]) -> None:
         others = foreign_entries(path)
         if others:
             raise UserError(
-                f"{key}={clip(value)} is not empty (it holds {', '.join(others[:3])}"
-                f"{', ...' if len(others) > 3 else ''}): pass a new or empty directory; a run writes "
-                "only into a folder it creates, never among files it did not make"
+                f"{key}={clip(value)} is not empty (it holds "
+                f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): pass a new or "
+                "empty directory; a run writes only into a folder it creates, never among files "
+                "it did not make"
             )
 
 
 def literal_override(argv: list[str], key: str) -> str | None:
-    """The value of `key=...` on the command line when it is one plain value (no sweep, no interpolation)."""
+    """The value of `key=...` on the command line when it is one plain value (no sweep, no
+    interpolation)."""
     value = None
     for arg in split_argv(argv)[0]:
         k, eq, v = arg.lstrip("+").partition("=")
@@ -466,8 +470,9 @@ def check_literal_paths(argv: list[str]) -> None:
 
 
 def check_job_size(argv: list[str], job) -> None:
-    """Inside a job (RANK/WORLD_SIZE set: torchrun, srun, or left over in the shell) the job's size is the
-    run's; an explicit world_size= that disagrees is refused instead of silently running another size."""
+    """Inside a job (RANK/WORLD_SIZE set: torchrun, srun, or left over in the shell) the job's
+    size is the run's; an explicit world_size= that disagrees is refused instead of silently
+    running another size."""
     asked = literal_override(argv, "world_size")
     if (
         job is None
@@ -479,14 +484,15 @@ def check_job_size(argv: list[str], job) -> None:
     asked = clip(asked)
     raise UserError(
         f"world_size={asked} but this process is rank {job.rank} of a {job.world_size}-rank job "
-        "(RANK and WORLD_SIZE are set: torchrun, srun, or left over in this shell): drop world_size= "
-        f"to run as that rank, pass launcher=local to start {asked} ranks here, or unset RANK "
-        "WORLD_SIZE MASTER_ADDR MASTER_PORT"
+        "(RANK and WORLD_SIZE are set: torchrun, srun, or left over in this shell): drop "
+        f"world_size= to run as that rank, pass launcher=local to start {asked} ranks here, or "
+        "unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT"
     )
 
 
 def note_job_environment(argv: list[str], job) -> None:
-    """Say which way torchrun's variables were taken when they may be a leftover: no torchrun agent set them."""
+    """Say which way torchrun's variables were taken when they may be a leftover: no torchrun
+    agent set them."""
     import os
     import sys
 
@@ -495,15 +501,16 @@ def note_job_environment(argv: list[str], job) -> None:
         return
     if job is None:
         print(
-            "note: launcher=local: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment are "
-            "ignored; ranks are started here",
+            "note: launcher=local: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the "
+            "environment are ignored; ranks are started here",
             file=sys.stderr,
             flush=True,
         )
     elif "SLURM_STEP_ID" not in os.environ:
         print(
-            f"note: RANK={job.rank} WORLD_SIZE={job.world_size} are set without torchrun: running as that rank "
-            f"(it waits up to dist_timeout_s for its peers); pass launcher=local to start ranks here instead",
+            f"note: RANK={job.rank} WORLD_SIZE={job.world_size} are set without torchrun: running "
+            "as that rank (it waits up to dist_timeout_s for its peers); pass launcher=local to "
+            "start ranks here instead",
             file=sys.stderr,
             flush=True,
         )

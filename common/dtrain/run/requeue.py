@@ -1,4 +1,5 @@
-"""Preemption and time limits on Slurm: the job-side half (the trainer's half is train/preemption.py).
+"""Preemption and time limits on Slurm: the job-side half (the trainer's half is
+train/preemption.py).
 
 A Slurm job is stopped early in two ways, and both end in a requeue of the *same* job (same id,
 same run directory, `SLURM_RESTART_COUNT` + 1):
@@ -68,7 +69,8 @@ def enabled(cfg) -> bool:
 
 
 def preempt_signal() -> signal.Signals:
-    """The signal submitit treats as 'checkpoint and requeue' (USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise)."""
+    """The signal submitit treats as 'checkpoint and requeue' (USR2 unless
+    SUBMITIT_PREEMPT_SIGNAL says otherwise)."""
     return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
 
 
@@ -93,7 +95,8 @@ def read_offsets(run_dir: Path, rank: int) -> dict[int, int]:
 
 
 def note_offset(run_dir: Path, rank: int, step: int) -> None:
-    """Remember how long this rank's records file is at `step` (training start and each checkpoint)."""
+    """Remember how long this rank's records file is at `step` (training start and each
+    checkpoint)."""
     f = records_file(run_dir, rank)
     offsets = read_offsets(run_dir, rank)
     offsets[step] = f.stat().st_size if f.exists() else 0

@@ -41,7 +41,8 @@ HYDRA_BOOKKEEPING = (
 
 
 class RunDirTaken(UserError):
-    """Another run owns the directory; unlike other bad input, the directory is not ours to remove."""
+    """Another run owns the directory; unlike other bad input, the directory is not ours to
+    remove."""
 
 
 def owner_text(path: Path) -> str:
@@ -248,9 +249,9 @@ def foreign_entries(folder: Path) -> list[str]:
 
 def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -> bool:
     """Make `folder` (the value of `key`) this run's own: create it, or take a new or empty one, and
-    write its `.run-owner` naming `run_dir` atomically. Another run's folder, or one holding anything
-    else, is a UserError; one claimed for the same `run_dir` (a requeued run) is this run's again.
-    Returns True when this call created the folder (see `release_folder`)."""
+    write its `.run-owner` naming `run_dir` atomically. Another run's folder, or one holding
+    anything else, is a UserError; one claimed for the same `run_dir` (a requeued run) is this
+    run's again. Returns True when this call created the folder (see `release_folder`)."""
     folder = Path(folder)
     owner = folder / OWNER
     created = not folder.exists()
@@ -292,7 +293,8 @@ def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -
 
 
 def release_folder(folder: Path, created: bool) -> None:
-    """Undo `claim_folder` for a run that never started: its owner file, and the folder if it created it."""
+    """Undo `claim_folder` for a run that never started: its owner file, and the folder if it
+    created it."""
     folder = Path(folder)
     (folder / OWNER).unlink(missing_ok=True)
     if created:
@@ -311,7 +313,8 @@ def _abs(path) -> Path:
 
 
 def remember(path) -> None:
-    """Note (once per path) which of `path` and its parents exist, and what the deepest existing one holds."""
+    """Note (once per path) which of `path` and its parents exist, and what the deepest existing
+    one holds."""
     for q in (p := _abs(path), *p.parents):
         if q in _MISSING or q in _LISTED:
             return
@@ -326,7 +329,8 @@ def remember(path) -> None:
 
 
 def created_here(path) -> bool:
-    """True only when this process saw `path` (or a parent of it) missing, or its parent without it."""
+    """True only when this process saw `path` (or a parent of it) missing, or its parent without
+    it."""
     p = _abs(path)
     if any(q in _MISSING for q in (p, *p.parents)):
         return True

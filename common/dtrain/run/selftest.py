@@ -63,8 +63,9 @@ def rank_fn(ctx: RankContext) -> dict:
 def finalize(run_dir, cfg, result: dict) -> dict:
     """The verdict, one line (a wrong sum or a failed rank never gets here: the run fails first)."""
     print(
-        f"selftest passed: all_reduce over {result['world_size']} rank(s) ({result['backend']}) summed to "
-        f"{result['allreduce_sum']:g} as expected: launcher, rendezvous and backend work here",
+        f"selftest passed: all_reduce over {result['world_size']} rank(s) ({result['backend']}) "
+        f"summed to {result['allreduce_sum']:g} as expected: launcher, rendezvous and backend "
+        "work here",
         flush=True,
     )
     return dict(result)

@@ -24,13 +24,15 @@ NO_CLUSTER = (
     "Unable to establish controller machine",
 )
 CLUSTER_HINT = (
-    'for the local cluster run eval "$(scripts/slurm-cluster env)" (start it first: make slurm-up); '
+    'for the local cluster run eval "$(scripts/slurm-cluster env)" (start it first: make '
+    "slurm-up); "
     "on a real cluster set SLURM_CONF to its slurm.conf or log in to a node that has one"
 )
 
 
 def no_cluster(text: str) -> str | None:
-    """One line saying why Slurm cannot be asked at all (no configuration, no controller), or None."""
+    """One line saying why Slurm cannot be asked at all (no configuration, no controller), or
+    None."""
     if not any(s in text for s in NO_CLUSTER):
         return None
     from dtrain.run.liveness import error_line
@@ -49,7 +51,8 @@ def refused(text: str, what: str, fix: str) -> UserError:
     return UserError(no_cluster(text) or f"Slurm refused the {what} ({error_line(text)}): {fix}")
 
 
-# squeue reasons that do not go away by waiting (other jobs finishing); see `man squeue`, JOB REASON CODES.
+# squeue reasons that do not go away by waiting (other jobs finishing); see `man squeue`, JOB REASON
+# CODES.
 NEVER_REASONS = {
     "PartitionConfig",
     "PartitionNodeLimit",
@@ -65,7 +68,8 @@ _PER_JOB_LIMIT = re.compile(r"^(Assoc|QOS)\w*PerJob\w*Limit$")
 
 
 def _run(args: list[str], need_cluster: bool = False) -> str | None:
-    """stdout, or None when the tool failed (`need_cluster`: UserError when for want of a cluster)."""
+    """stdout, or None when the tool failed (`need_cluster`: UserError when for want of a
+    cluster)."""
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired):
@@ -86,9 +90,9 @@ def _gpus(gres: str) -> int:
 
 
 def check_fits(s, tasks_per_node: int) -> None:
-    """UserError when no `s.nodes` nodes of the partition can each hold the request, or when sinfo finds
-    no cluster to ask (no SLURM_CONF, no controller). `s` = cfg.slurm. Silent when sinfo cannot answer
-    otherwise: the pending-reason watch is the backstop."""
+    """UserError when no `s.nodes` nodes of the partition can each hold the request, or when
+    sinfo finds no cluster to ask (no SLURM_CONF, no controller). `s` = cfg.slurm. Silent when
+    sinfo cannot answer otherwise: the pending-reason watch is the backstop."""
     part = s.get("partition")
     out = _run(
         ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"] + (["-p", part] if part else []),
@@ -128,13 +132,14 @@ def check_fits(s, tasks_per_node: int) -> None:
     raise UserError(
         f"Slurm can never run this job: it asks for {asked} ({tasks_per_node} tasks x "
         f"{s.cpus_per_task or 1} CPUs), and partition {part!r} has {len(fit)} such node(s) of "
-        f"{len(nodes)} (largest: {big[0]} CPUs, {big[1] // 1024} GB, {big[2]} GPUs): lower world_size "
-        "or slurm.cpus_per_task, add slurm.nodes, or pick another slurm.partition"
+        f"{len(nodes)} (largest: {big[0]} CPUs, {big[1] // 1024} GB, {big[2]} GPUs): lower "
+        "world_size or slurm.cpus_per_task, add slurm.nodes, or pick another slurm.partition"
     )
 
 
 def state(job_id: str) -> tuple[str, str] | None:
-    """(state, reason) from squeue, e.g. ("PENDING", "Resources"); None once the job left the queue."""
+    """(state, reason) from squeue, e.g. ("PENDING", "Resources"); None once the job left the
+    queue."""
     out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"])
     if not out or "|" not in out:
         return None
@@ -143,7 +148,8 @@ def state(job_id: str) -> tuple[str, str] | None:
 
 
 def never_starts(job_state: tuple[str, str] | None) -> str | None:
-    """The reason, when a job's squeue (state, reason) says it waits for something waiting does not cure."""
+    """The reason, when a job's squeue (state, reason) says it waits for something waiting does
+    not cure."""
     if not job_state or job_state[0] != "PENDING":
         return None
     reason = job_state[1]

@@ -2,8 +2,8 @@
 
     from dtrain.train import Trainer, TrainConfig, Callback
 
-``Trainer`` (and torch with it) is imported on first use: the typed config is read by every entry point's
-command-line check, which must not wait for torch.
+``Trainer`` (and torch with it) is imported on first use: the typed config is read by every entry
+point's command-line check, which must not wait for torch.
 """
 
 from dtrain.train.callbacks import Callback

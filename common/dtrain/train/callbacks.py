@@ -2,11 +2,13 @@
 
     on_train_start(trainer)                      after set-up (and resume), before step 1
     on_step_start(trainer, step)                 step = the 1-based step about to run
-    after_backward(trainer, step)                grads ready (scaled if a grad_scaler is used), before clipping
+    after_backward(trainer, step)                grads ready (scaled if a grad_scaler is used),
+                                                 before clipping
     before_optimizer_step(trainer, step, loss, grad_norm) -> bool   False = skip the update
     on_step_end(trainer, step, metrics)          metrics is mutable; what is added gets recorded
-                                                 (metrics["timing_excluded"] = True keeps the step out
-                                                 of the run's step-time statistics, e.g. a profiled step)
+                                                 (metrics["timing_excluded"] = True keeps the step
+                                                 out of the run's step-time statistics, e.g. a
+                                                 profiled step)
     on_train_end(trainer)
 
 loss and grad_norm are the same on every rank, so a callback deciding from them decides the same

@@ -316,7 +316,8 @@ def step_of(path: Path) -> int | None:
 def check_compatible(path: Path, model, steps: int) -> None:
     """Refuse, before DCP loads anything, a checkpoint this run cannot continue: one already past
     train.steps, or one of another model (its parameter names and shapes are in `.metadata`).
-    `model` is a module or a list of pipeline stages; a stage's names are a subset of the model's."""
+    `model` is a module or a list of pipeline stages; a stage's names are a subset of the
+    model's."""
     done = step_of(path)
     if done is not None and steps < done:
         raise UserError(

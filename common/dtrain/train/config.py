@@ -64,12 +64,16 @@ class TrainConfig:
     hsdp_replicate: int = (
         2  # hsdp: replica groups; each shards over dp / hsdp_replicate ranks (ParallelDims.of)
     )
-    precision: str = "fp32"  # fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU); FSDP2: bf16 params, fp32 reduce; single/ddp: autocast
+    # fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU); FSDP2: bf16 params, fp32 reduce; single/ddp:
+    # autocast
+    precision: str = "fp32"
     activation_checkpointing: str = "none"  # none | op | block
     tp: int = 1  # tensor-parallel degree
-    tp_impl: str = "handrolled"  # handrolled (Megatron blocks, dtrain.parallel.tp) | dtensor (parallelize_module)
+    # handrolled (Megatron blocks, dtrain.parallel.tp) | dtensor (parallelize_module)
+    tp_impl: str = "handrolled"
     sequence_parallel: bool = False  # tp: activations between blocks sharded along the sequence
-    async_grad_allreduce: bool = False  # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs
+    # tp: overlap the input-grad all-reduce (reduce-scatter with SP) with the weight-grad GEMMs
+    async_grad_allreduce: bool = False
     pp: int = 1  # pipeline stages over ranks; dp = world_size / (tp * pp * cp)
     cp: int = 1  # context parallelism: ranks sharing each sequence (dtrain.parallel.cp)
     cp_impl: str = (
@@ -136,7 +140,8 @@ class TrainConfig:
         return self.strategy in SHARDED
 
     def dims(self, world_size: int):
-        """The rank layout (dtrain.parallel.mesh.ParallelDims); raises UserError when it cannot be."""
+        """The rank layout (dtrain.parallel.mesh.ParallelDims); raises UserError when it cannot
+        be."""
         from dtrain.parallel.mesh import ParallelDims
 
         return ParallelDims.of(
@@ -155,11 +160,13 @@ class TrainConfig:
         checks.check_train_values(self)  # finite, AdamW-sized numbers
         if self.strategy not in STRATEGIES:
             raise UserError(
-                f"train.strategy={self.strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}"
+                f"train.strategy={self.strategy!r} is unknown: choose one of "
+                f"{', '.join(STRATEGIES)}"
             )
         if self.precision not in PRECISIONS:
             raise UserError(
-                f"train.precision={self.precision!r} is unknown: choose one of {', '.join(PRECISIONS)}"
+                f"train.precision={self.precision!r} is unknown: choose one of "
+                f"{', '.join(PRECISIONS)}"
             )
         if self.tp_impl not in TP_IMPLS:
             raise UserError(
@@ -188,9 +195,9 @@ class TrainConfig:
             per_micro = self.micro_batch * dims.dp
             if self.global_batch < 1 or self.global_batch % per_micro:
                 raise UserError(
-                    f"train.global_batch={self.global_batch} is not divisible by train.micro_batch x "
-                    f"data-parallel ranks = {self.micro_batch} x {dims.dp} = {per_micro}: "
-                    "change global_batch, micro_batch or world_size"
+                    f"train.global_batch={self.global_batch} is not divisible by "
+                    f"train.micro_batch x data-parallel ranks = {self.micro_batch} x {dims.dp} = "
+                    f"{per_micro}: change global_batch, micro_batch or world_size"
                 )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise UserError(
@@ -212,7 +219,8 @@ class TrainConfig:
 
         if self.pp_schedule not in SCHEDULES:
             raise UserError(
-                f"train.pp_schedule={self.pp_schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}"
+                f"train.pp_schedule={self.pp_schedule!r} is unknown: choose one of "
+                f"{', '.join(SCHEDULES)}"
             )
 
     def resolved(self, world_size: int, device_type: str | None = None) -> "TrainConfig":

@@ -212,7 +212,8 @@ class TokenBatcher:
         return self.micro_batch * self.world_size * self.grad_accum
 
     def get(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (x, y) at a data position, int64 (micro_batch, seq_len), y = x shifted by one."""
+        """This rank's (x, y) at a data position, int64 (micro_batch, seq_len), y = x shifted by
+        one."""
         if not 0 <= micro_step < self.grad_accum:
             raise ValueError(
                 f"micro_step={micro_step} is outside [0, grad_accum={self.grad_accum})"
@@ -247,8 +248,11 @@ class TokenBatcher:
         for key in ("seed", "global_batch"):
             if key in state and state[key] != getattr(self, key):
                 fix = {
-                    "seed": f"pass seed={state[key]}",  # fewer ranks: keep the batch, grad_accum grows
-                    "global_batch": f"pass train.global_batch={state[key]} to keep the checkpoint's batch",
+                    # fewer ranks: keep the batch, grad_accum grows
+                    "seed": f"pass seed={state[key]}",
+                    "global_batch": (
+                        f"pass train.global_batch={state[key]} to keep the checkpoint's batch"
+                    ),
                 }[key]
                 raise ValueError(
                     f"data state has {key}={state[key]} but this batcher has "

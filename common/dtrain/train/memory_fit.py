@@ -48,7 +48,8 @@ class Need:
 def params_per_rank(
     model: GPTConfig, tp: int = 1, pp: int = 1, schedule: str = "1f1b", virtual: int = 1
 ) -> int:
-    """Parameters the busiest rank of the trainer's tp x pp layout holds (num_params(model) on one rank)."""
+    """Parameters the busiest rank of the trainer's tp x pp layout holds (num_params(model) on
+    one rank)."""
     d, hidden, kv = model.d_model, model.mlp_hidden, model.kv_dim
     norm = d * (2 if model.norm == "layernorm" and model.bias else 1)
     kv_split = (
@@ -130,8 +131,9 @@ def check_fits(
     dims = train.dims(world_size)
     layout = f", busiest of {dims.describe}" if dims.model_parallel else ""
     raise UserError(
-        f"{what} cannot fit: it needs about {total / GiB:.1f} GiB {where} but {have / GiB:.1f} GiB is available "
-        f"(per rank{layout}: weights+grads+Adam {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB, "
-        f"whole fp32 model at build {need.init / GiB:.1f} GiB; dtrain.costmodel.memory): pick a smaller "
-        "model.preset, lower train.micro_batch or model.seq_len, fewer ranks, or launcher=slurm on bigger nodes"
+        f"{what} cannot fit: it needs about {total / GiB:.1f} GiB {where} but {have / GiB:.1f} "
+        f"GiB is available (per rank{layout}: weights+grads+Adam {need.states / GiB:.1f} GiB, "
+        f"activations {need.activations / GiB:.1f} GiB, whole fp32 model at build "
+        f"{need.init / GiB:.1f} GiB; dtrain.costmodel.memory): pick a smaller model.preset, lower "
+        "train.micro_batch or model.seq_len, fewer ranks, or launcher=slurm on bigger nodes"
     )

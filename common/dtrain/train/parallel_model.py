@@ -160,7 +160,8 @@ class ParallelModel:
 
     @property
     def module(self) -> nn.Module:
-        """One module whose parameters() are this rank's (the single part, or all parts in a list)."""
+        """One module whose parameters() are this rank's (the single part, or all parts in a
+        list)."""
         return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
 
     def forward_backward(

@@ -30,9 +30,9 @@ from dtrain.train.config import TrainConfig
 
 
 def _op_policy_context():
-    """Selective op AC (torchtitan ``selective_ac_option="op"``): in each checkpointed block keep the
-    outputs of SDPA and of every other matmul (1st, 3rd, ... in forward order: wq, wv, w1 of a
-    GELU block), recompute the rest in backward (wk, wo, w2 and the element-wise ops). A fresh
+    """Selective op AC (torchtitan ``selective_ac_option="op"``): in each checkpointed block keep
+    the outputs of SDPA and of every other matmul (1st, 3rd, ... in forward order: wq, wv, w1 of
+    a GELU block), recompute the rest in backward (wk, wo, w2 and the element-wise ops). A fresh
     count per block call, one for the forward and one for the recompute, so both see the same
     numbering."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -59,8 +59,8 @@ def _op_policy_context():
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "block") -> None:
-    """Recompute in backward instead of keeping: each block's whole activations (``block``), or those
-    the selective op policy does not save (``op``, ``_op_policy_context``)."""
+    """Recompute in backward instead of keeping: each block's whole activations (``block``), or
+    those the selective op policy does not save (``op``, ``_op_policy_context``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     extra = {"context_fn": _op_policy_context} if mode == "op" else {}
@@ -95,7 +95,8 @@ def apply_fsdp(model: nn.Module, train: TrainConfig, mesh, device: torch.device)
     policy = mixed_precision_policy(train)
     blocks = list(model.blocks.children())  # a GPT's ModuleList or a pipeline stage's ModuleDict
     for i, block in enumerate(blocks):
-        # The last block's parameters are needed again first thing in backward: keep them (torchtitan).
+        # The last block's parameters are needed again first thing in backward: keep them
+        # (torchtitan).
         fully_shard(
             block,
             mesh=mesh,
@@ -128,7 +129,8 @@ def set_explicit_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, device: torch.device) -> nn.Module:
-    """DistributedDataParallel over the replicas (replicate x cp): bucketed all-reduces overlapped with backward."""
+    """DistributedDataParallel over the replicas (replicate x cp): bucketed all-reduces
+    overlapped with backward."""
     from torch.nn.parallel import DistributedDataParallel
 
     group = dims.replica_group()

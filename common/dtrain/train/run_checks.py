@@ -1,9 +1,10 @@
-"""The checks a training run's command line gets before any process starts (fsdp-scaling, fp8-train).
+"""The checks a training run's command line gets before any process starts (fsdp-scaling,
+fp8-train).
 
-Its values first, without torch: train.* against the world size and the model, model.*, the data. Then what
-needs torch: the device a local run gets (precision `auto`, a CUDA-only context parallelism), whether the
-model fits this host's memory, and a resume's checkpoint. A wrong value is refused in a fraction of a
-second, before torch is imported.
+Its values first, without torch: train.* against the world size and the model, model.*, the data.
+Then what needs torch: the device a local run gets (precision `auto`, a CUDA-only context
+parallelism), whether the model fits this host's memory, and a resume's checkpoint. A wrong value is
+refused in a fraction of a second, before torch is imported.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dtrain.train.config import TrainConfig
 
 
 def check_values(cfg) -> tuple:
-    """(TrainConfig resolved for the world size, GPTConfig) of a run's `train:` and `model:` nodes, or a
-    UserError naming the first key that cannot run."""
+    """(TrainConfig resolved for the world size, GPTConfig) of a run's `train:` and `model:`
+    nodes, or a UserError naming the first key that cannot run."""
     train = TrainConfig.from_cfg(cfg.train).resolved(cfg.world_size)
     model = model_config(cfg.model)
     train.validate_model(model)

@@ -63,11 +63,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class NonFiniteLoss(RuntimeError):
-    """Training ended on a NaN/Inf loss: the run failed (never `complete`, nothing calibrates from it)."""
+    """Training ended on a NaN/Inf loss: the run failed (never `complete`, nothing calibrates
+    from it)."""
 
 
 def require_finite_end(last: dict) -> None:
-    """A run is complete only when its last step's loss is finite (records store NaN/Inf as null)."""
+    """A run is complete only when its last step's loss is finite (records store NaN/Inf as
+    null)."""
     if last and last.get("loss") is None:
         raise NonFiniteLoss(
             f"the loss is non-finite at the last step ({last.get('step')}): the run diverged; "
@@ -98,7 +100,8 @@ class Trainer:
         self.dims = train.dims(ctx.world_size)
         if self.dims.model_parallel and grad_scaler is not None:
             raise UserError(
-                "a grad scaler (fp16) is not supported with train.tp / train.pp > 1: use bf16 or fp32"
+                "a grad scaler (fp16) is not supported with train.tp / train.pp > 1: use bf16 or "
+                "fp32"
             )
         self.callbacks = list(callbacks)
         self.requeue = requeue.enabled(
@@ -188,7 +191,8 @@ class Trainer:
     # ------------------------------------------------------------------ schedule
 
     def scheduled_lr(self, step: int) -> float:
-        """LR for (1-based) optimizer step `step`: linear warmup, cosine to min_lr at the last step."""
+        """LR for (1-based) optimizer step `step`: linear warmup, cosine to min_lr at the last
+        step."""
         t = self.train
         if step <= t.warmup_steps:
             return t.lr * step / t.warmup_steps
@@ -286,7 +290,8 @@ class Trainer:
         return m
 
     def skip_batch(self) -> None:
-        """Advance the data position one optimizer step without training on it (step count unchanged)."""
+        """Advance the data position one optimizer step without training on it (step count
+        unchanged)."""
         self.batcher.step, self.batcher.micro_step = self.batcher.step + 1, 0
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,4 +1,5 @@
-"""fp8-train's typed config: every default of `python -m fp8_train` (conf/config.yaml only names it).
+"""fp8-train's typed config: every default of `python -m fp8_train` (conf/config.yaml only names
+it).
 
 The default is small: 2 CPU ranks, DDP, ~30 s. `inspect`'s thresholds default from InspectConfig.
 """
@@ -19,9 +20,11 @@ class Fp8Config:
     margin: int = 0
     amax_history_len: int = 16
     amax_compute_algo: str = "max"  # max | most_recent
-    e5m2_overflow: str = "saturate"  # saturate (as TE's cast kernels) | inf (IEEE overflow: lagging delayed scales -> NaN)
+    # saturate (as TE's cast kernels) | inf (IEEE overflow: lagging delayed scales -> NaN)
+    e5m2_overflow: str = "saturate"
     fp16_init_scale: float = 65536.0
-    torchao_emulate: Any = "auto"  # auto (true on CPU, where _scaled_mm is a ~1000x slower reference kernel) | true | false
+    # auto (true on CPU, where _scaled_mm is a ~1000x slower reference kernel) | true | false
+    torchao_emulate: Any = "auto"
 
 
 @dataclass
@@ -54,7 +57,8 @@ class Fp8DebugConfig:
     amax_history_len: int = II("fp8.amax_history_len")
     margin: int = II("fp8.margin")
     e5m2_overflow: str = II("fp8.e5m2_overflow")
-    sample_elements: int = 4096  # underflow/mse/cos estimated on this many elements per tensor (0 = all); overflow exact
+    # underflow/mse/cos estimated on this many elements per tensor (0 = all); overflow exact
+    sample_elements: int = 4096
     dump_tensors: bool = False
 
 
@@ -112,7 +116,9 @@ def default_train() -> TrainConfig:
 @dataclass
 class Fp8TrainConfig(BaseConfig):
     subproject: str = "fp8-train"
-    recipe: str = "emulated_delayed"  # fp32 | bf16 | fp16 | emulated_{delayed,current,nvfp4,mxfp4} | torchao_{tensorwise,rowwise} | te_{delayed,current,block,mxfp8}
+    # fp32 | bf16 | fp16 | emulated_{delayed,current,nvfp4,mxfp4} | torchao_{tensorwise,rowwise} |
+    # te_{delayed,current,block,mxfp8}
+    recipe: str = "emulated_delayed"
     model: ModelConfig = field(default_factory=lambda: ModelConfig(preset="tiny"))
     train: TrainConfig = field(default_factory=default_train)
     fp8: Fp8Config = field(default_factory=Fp8Config)

@@ -1,6 +1,8 @@
-"""fsdp-scaling's typed config: every default of `python -m fsdp_scaling` (conf/config.yaml only names it).
+"""fsdp-scaling's typed config: every default of `python -m fsdp_scaling` (conf/config.yaml only
+names it).
 
-The default (small GPT, 2 ranks on CPU, 10 steps) takes ~15-25 s. Study sweeps: fsdp-scaling/README.md.
+The default (small GPT, 2 ranks on CPU, 10 steps) takes ~15-25 s. Study sweeps:
+fsdp-scaling/README.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from dtrain.train import TrainConfig
 @dataclass
 class TpLayerTrainConfig:
     """The trainer's keys (dtrain.train.TrainConfig: same names, meanings and defaults) that one
-    measured TP layer takes; tp and sequence_parallel may be lists, each value measured in the run."""
+    measured TP layer takes; tp and sequence_parallel may be lists, each value measured in the
+    run."""
 
     micro_batch: int = TrainConfig.micro_batch  # sequences in the measured forward+backward
     precision: str = (
@@ -39,7 +40,8 @@ class TpAttentionConfig(BaseConfig):
     model: ModelConfig = field(
         default_factory=lambda: ModelConfig(preset="small")
     )  # one block of it:
-    #                                   seq_len, d_model, n_head, n_kv_head (< tp replicates k/v heads), mlp_ratio, norm, bias
+    #                                   seq_len, d_model, n_head, n_kv_head (< tp replicates k/v
+    #                                   heads), mlp_ratio, norm, bias
     impls: Any = field(
         default_factory=lambda: ["single", "handrolled", "handrolled_async", "dtensor"]
     )

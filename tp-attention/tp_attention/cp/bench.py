@@ -103,7 +103,8 @@ def measure(name: str, step, module, cfg, device, group) -> dict:
 
 
 def sends_alone(block: torch.Tensor, count: int, group):
-    """The ring's sends without its compute: `count` exchanges of one k/v block, one after another."""
+    """The ring's sends without its compute: `count` exchanges of one k/v block, one after
+    another."""
 
     def step():
         for _ in range(count):
@@ -113,7 +114,8 @@ def sends_alone(block: torch.Tensor, count: int, group):
 
 
 def measure_cp(cfg, seq_len: int, cp: int, groups, ref, x, g, device) -> list[dict]:
-    """Every CP implementation (and TP+SP) of `ref` at one (seq_len, cp), on this rank of the group."""
+    """Every CP implementation (and TP+SP) of `ref` at one (seq_len, cp), on this rank of the
+    group."""
     rank, group, out = groups.rank, groups.group, []
     m = model_at(cfg, seq_len)
     xl, gl = sharding.shard(x, cp, rank), sharding.shard(g, cp, rank)
@@ -156,7 +158,10 @@ def measure_cp(cfg, seq_len: int, cp: int, groups, ref, x, g, device) -> list[di
         out.append(row)
     if cfg.tp_sp and _tp_can_split(m, cp):
         tp_layer = TensorParallelAttention.from_full(ref, groups, sequence_parallel=True)
-        chunk = lambda t: t.chunk(cp, 1)[rank].contiguous()  # SP: contiguous sequence slices
+
+        def chunk(t):  # SP: contiguous sequence slices
+            return t.chunk(cp, 1)[rank].contiguous()
+
         row = measure(
             "tp_sp", make_step(tp_layer, chunk(x), chunk(g)), tp_layer, cfg, device, group
         )

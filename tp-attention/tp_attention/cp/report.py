@@ -1,6 +1,7 @@
 """After the CP study's ranks finished: the table, the CSV, the plot and the summary (guide inputs).
 
-overhead = step_time * cp / single_device_step_time    (1.0 = perfect: cp ranks, 1/cp of the work each)
+overhead = step_time * cp / single_device_step_time    (1.0 = perfect: cp ranks, 1/cp of the work
+                                                       each)
 """
 
 from __future__ import annotations

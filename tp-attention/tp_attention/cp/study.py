@@ -1,7 +1,8 @@
 """`python -m tp_attention.cp`: context-parallel attention, hand-rolled ring and all-to-all, against
 one device and against TP with sequence parallelism, over sequence lengths and cp degrees.
 
-    python -m tp_attention.cp                                   # cp=2 on 2 CPU ranks, s = 256, 512, 1024
+    python -m tp_attention.cp                                   # cp=2 on 2 CPU ranks, s = 256, 512,
+                                                                1024
     python -m tp_attention.cp world_size=4 train.cp=[2,4] 'model.seq_len=[1024,2048]'
 """
 
@@ -43,8 +44,8 @@ def validate(cfg) -> None:
     for cp in degrees:
         if not isinstance(cp, int) or isinstance(cp, bool) or not 2 <= cp <= cfg.world_size:
             raise UserError(
-                f"train.cp={cp!r} must be an integer in [2, world_size={cfg.world_size}] (cp=1 is the "
-                "one-device baseline, always measured)"
+                f"train.cp={cp!r} must be an integer in [2, world_size={cfg.world_size}] (cp=1 is "
+                "the one-device baseline, always measured)"
             )
     check_distinct("train.cp", degrees)
     for s in lengths:
@@ -56,13 +57,14 @@ def validate(cfg) -> None:
         for cp in degrees:
             if s % (2 * cp):
                 raise UserError(
-                    f"model.seq_len={s} is not divisible by 2 x train.cp = {2 * cp} (each rank holds 2 "
-                    f"of 2·cp chunks): pick lengths that are multiples of {2 * max(degrees)}"
+                    f"model.seq_len={s} is not divisible by 2 x train.cp = {2 * cp} (each rank "
+                    "holds 2 of 2·cp chunks): pick lengths that are multiples of "
+                    f"{2 * max(degrees)}"
                 )
             if "ulysses" in impls and m.n_head % cp:
                 raise UserError(
-                    f"train.cp_impl=ulysses needs model.n_head={m.n_head} divisible by train.cp={cp}: "
-                    "pick another cp or drop ulysses"
+                    f"train.cp_impl=ulysses needs model.n_head={m.n_head} divisible by "
+                    f"train.cp={cp}: pick another cp or drop ulysses"
                 )
 
 

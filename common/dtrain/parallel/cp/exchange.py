@@ -46,7 +46,8 @@ class Exchange:
 
 
 def ring_exchange(t: torch.Tensor, group, tag: str) -> Exchange:
-    """Start sending `t` to rank r+1 of the ring while receiving rank r-1's tensor of the same shape."""
+    """Start sending `t` to rank r+1 of the ring while receiving rank r-1's tensor of the same
+    shape."""
     n, r = group_size(group), rank_in(group)
     t = t.contiguous()
     received = torch.empty_like(t)

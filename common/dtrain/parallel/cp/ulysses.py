@@ -1,7 +1,8 @@
 """All-to-all ("Ulysses") context parallelism: swap the sequence shard for a head shard, attend
 over the whole sequence, swap back.
 
-    (B, H, s/cp, hd) per rank --all-to-all--> (B, H/cp, s, hd) --causal SDPA--> --all-to-all--> (B, H, s/cp, hd)
+    (B, H, s/cp, hd) per rank --all-to-all--> (B, H/cp, s, hd) --causal SDPA--> --all-to-all--> (B,
+    H, s/cp, hd)
 
 Four all-to-alls forward (q, k, v, out) and four backward, each moving (cp-1)/cp of a rank's
 tensor: the volume does not grow with cp, unlike the ring's, but cp must divide the heads.

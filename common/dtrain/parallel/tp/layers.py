@@ -47,7 +47,8 @@ class _LinearsAsyncGradReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        # The gathered input is kept for the weight gradient (Megatron re-gathers it to save memory).
+        # The gathered input is kept for the weight gradient (Megatron re-gathers it to save
+        # memory).
         x_full = ops.all_gather_dim(x, 1, group) if sequence_parallel else x
         ctx.save_for_backward(x_full, *weights)
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel, [b is not None for b in biases]
@@ -163,7 +164,8 @@ class ColumnParallelLinear(nn.Module):
         return self
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Into the TP region: every rank needs the whole input (several layers may share one entry)."""
+        """Into the TP region: every rank needs the whole input (several layers may share one
+        entry)."""
         if self.sequence_parallel:
             return ops.gather_from_sequence(x, self.group)
         return ops.copy_to_region(x, self.group)
@@ -222,7 +224,8 @@ class RowParallelLinear(nn.Module):
         group=None,
         **options,
     ):
-        """Rank `rank`'s shard of a full (out, in) weight: columns [rank*in/tp, (rank+1)*in/tp); full bias."""
+        """Rank `rank`'s shard of a full (out, in) weight: columns [rank*in/tp, (rank+1)*in/tp);
+        full bias."""
         layer = cls(
             weight.shape[1],
             weight.shape[0],
