@@ -1,5 +1,6 @@
-"""dtrain.results.contract: the typed guide inputs round-trip through summary.json, bad ones are refused
-with a message that says where, and the committed fixtures are exactly what the real writers write."""
+"""dtrain.results.contract: the typed guide inputs round-trip through summary.json, bad ones are
+refused with a message that says where, and the committed fixtures are exactly what the real
+writers write."""
 
 from __future__ import annotations
 

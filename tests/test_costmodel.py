@@ -412,8 +412,9 @@ dist.destroy_process_group()
 
 
 def test_fsdp2_accumulates_unsharded_grads_in_the_reduce_dtype():
-    """The 6 psi of ZeRO-3 under PP, checked against PyTorch itself: between gradient syncs FSDP2 keeps the
-    gathered bf16 weights (2 B/param) and the accumulated unsharded gradients in fp32 (4 B/param)."""
+    """The 6 psi of ZeRO-3 under PP, checked against PyTorch itself: between gradient syncs FSDP2
+    keeps the gathered bf16 weights (2 B/param) and the accumulated unsharded gradients in fp32
+    (4 B/param)."""
     from dtrain.run.dist import free_port
 
     r = py("-c", FSDP2_ACCUMULATION, str(free_port()), timeout=120)

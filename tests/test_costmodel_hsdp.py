@@ -52,7 +52,8 @@ def test_hsdp_traffic_by_hand():
 
 
 def test_layout_refuses_hsdp_that_cannot_shard():
-    # dp = dp_replicate x dp_shard (dtrain.core.layout): replicas that do not divide dp cannot be written down
+    # dp = dp_replicate x dp_shard (dtrain.core.layout): replicas that do not divide dp cannot be
+    # written down
     assert Layout(dp_replicate=4, dp_shard=8, zero_stage=3).shard_group == 8
     with pytest.raises(ValueError, match="HSDP"):
         Layout(dp_replicate=4, dp_shard=8, zero_stage=1)

@@ -93,8 +93,10 @@ def test_the_default_world_size_on_a_one_gpu_host_is_one_line_from_the_command_l
     from conftest import py
 
     fake = (
-        "import sys, torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1; "
-        f"sys.argv = ['selftest', 'results_dir={tmp_path}']; from dtrain.run.selftest import main; main()"
+        "import sys, torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = "
+        "lambda: 1; "
+        f"sys.argv = ['selftest', 'results_dir={tmp_path}']; from dtrain.run.selftest import "
+        "main; main()"
     )
     out = py("-c", fake, timeout=60)
     assert out.returncode == 2

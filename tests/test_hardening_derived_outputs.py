@@ -2,8 +2,8 @@
 write only where they may, checked before their work.
 
 - a derived run (the fsdp study report, an FP8 comparison, the gemm-probe) claims its folder as a
-  run does (`dtrain.results.derived.claim_output`): another run's folder, a folder inside one, a non-empty
-  folder, a file or an unwritable path is one `error:` line, exit 2, nothing written;
+  run does (`dtrain.results.derived.claim_output`): another run's folder, a folder inside one, a
+  non-empty folder, a file or an unwritable path is one `error:` line, exit 2, nothing written;
 - `dtrain guide` overwrites and removes only the plots it wrote
   (`<plots dir>/.dtrain-guide-plots.json`);
 - output paths (`dtrain guide --out`, `dtrain capstone --out`, `scripts/bench-costmodel --out`) are

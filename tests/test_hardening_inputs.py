@@ -314,8 +314,9 @@ def test_a_wrong_key_is_refused_before_torch_is_imported(tmp_path, module):
 )
 def test_a_wrong_value_is_refused_before_torch_is_imported(tmp_path, module, override, message):
     """The values (train.*, model.*, the subproject's own keys) are checked first, without torch
-    (dtrain.train.run_checks, dtrain.parallel.feasibility, dtrain.model.args, allreduce_bench.spec); only a local run's
-    device, backend, memory and checkpoint checks import it, after the values pass."""
+    (dtrain.train.run_checks, dtrain.parallel.feasibility, dtrain.model.args,
+    allreduce_bench.spec); only a local run's device, backend, memory and checkpoint checks
+    import it, after the values pass."""
     out = py("-c", NO_TORCH, module, override, f"results_dir={tmp_path}", timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "exit 2 no torch", out.stdout + out.stderr
     one_error_line(out.stderr, message)

@@ -1,5 +1,6 @@
-"""Hardening, third round: the command line before Hydra starts (dtrain.run.precheck). A sweep too large
-is refused from the sizes of its values at once, many points failing one way are one line, a key
+"""Hardening, third round: the command line before Hydra starts (dtrain.run.precheck). A sweep too
+large is refused from the sizes of its values at once, many points failing one way are one line, a
+key
 given twice is refused, a huge value is clipped in the error line, selftest's fail_rank and
 tp-attention's measured lists are checked (docs/HARDENING.md)."""
 

@@ -2,8 +2,8 @@
 another run's; a requeue of a finished Slurm job touches nothing; misleading path messages are one
 true line.
 
-Command-line cases are refused by dtrain.run.precheck before Hydra creates a folder (about 1 s each);
-values only the composed config knows (an interpolation) are refused again in run_app, which
+Command-line cases are refused by dtrain.run.precheck before Hydra creates a folder (about 1 s
+each); values only the composed config knows (an interpolation) are refused again in run_app, which
 removes what Hydra made. Every case checks the exact line, the exit code, that no folder was made
 and that the other run's files are byte-identical (hashed before and after).
 """

@@ -1,5 +1,5 @@
-"""Load that cancels: the scheduler's wait time (dtrain.run.hostload), the probe's roofline check and the
-local check scaling each run's prediction by the load measured during it."""
+"""Load that cancels: the scheduler's wait time (dtrain.run.hostload), the probe's roofline check
+and the local check scaling each run's prediction by the load measured during it."""
 
 from __future__ import annotations
 

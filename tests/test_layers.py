@@ -124,7 +124,8 @@ def test_the_cycle_finder_sees_a_lazy_circle():
         (
             "dtrain.slurm.submitit_sweep",
             "dtrain.slurm",
-            "def f():\n    from dtrain.run.app import fail\n    from dtrain.core.errors import UserError\n",
+            "def f():\n    from dtrain.run.app import fail\n    from dtrain.core.errors import "
+            "UserError\n",
         ),
         ("dtrain.core.errors", "dtrain.core", ""),
     ]
@@ -132,7 +133,10 @@ def test_the_cycle_finder_sees_a_lazy_circle():
 
 
 def test_the_checker_sees_the_upward_imports_issue_23_removed():
-    lazy = "def f():\n    from dtrain.train.memory_fit import shape_of\n    from .memory import Layout\n"
+    lazy = (
+        "def f():\n    from dtrain.train.memory_fit import shape_of\n    from .memory import "
+        "Layout\n"
+    )
     assert imports_of(lazy, "dtrain.costmodel") == {
         "dtrain.train.memory_fit",
         "dtrain.costmodel.memory",

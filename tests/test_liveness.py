@@ -190,8 +190,9 @@ def test_stopped_rank_is_named_by_heartbeat(tmp_path, launcher_session):
 
 @pytest.mark.parametrize("value", [-1.0, 0.001, float("inf")])
 def test_bad_heartbeat_timeout_is_one_line(value):
-    """Below the floor healthy ranks would be judged hung (they beat every timeout/5): refused before
-    any rank starts. In process: the command line reaches the same check through dtrain.run.precheck."""
+    """Below the floor healthy ranks would be judged hung (they beat every timeout/5): refused
+    before any rank starts. In process: the command line reaches the same check through
+    dtrain.run.precheck."""
     from omegaconf import OmegaConf
 
     from dtrain.core.errors import UserError

@@ -212,8 +212,10 @@ def test_rejects_too_long_sequence():
 
 
 def test_the_config_and_its_accounting_need_no_torch():
-    """GPTConfig, the presets and the parameter / FLOP counts live apart from the modules (dtrain.model.args):
-    the cost model, the guide's local check and the config nodes size a model without importing torch."""
+    """GPTConfig, the presets and the parameter / FLOP counts live apart from the modules
+    (dtrain.model.args):
+    the cost model, the guide's local check and the config nodes size a model without importing
+    torch."""
     import subprocess
     import sys
 
@@ -224,7 +226,8 @@ def test_the_config_and_its_accounting_need_no_torch():
         model.GPTConfig is args.GPTConfig and model.num_params is args.num_params
     )  # one home, re-exported
     code = (
-        "import sys; import dtrain.model.args, dtrain.core.nodes, dtrain.guide.local_check, dtrain.costmodel.overrides;"
+        "import sys; import dtrain.model.args, dtrain.core.nodes, dtrain.guide.local_check, "
+        "dtrain.costmodel.overrides;"
         " from dtrain.core.nodes import model_config; model_config({'preset': '7b'});"
         " print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

@@ -112,8 +112,8 @@ def test_runs_cli(tmp_path, capsys):
 
 
 def test_derived_runs_are_flagged(tmp_path):
-    """A run made from runs (dtrain.results.derived) carries Run.derived (and load_runs' `derived` column);
-    the runs it was made from do not."""
+    """A run made from runs (dtrain.results.derived) carries Run.derived (and load_runs'
+    `derived` column); the runs it was made from do not."""
     from dtrain.results.derived import write_derived_run
 
     src = make_run(

@@ -78,7 +78,8 @@ def test_hsdp_shards_inside_a_node_replicates_across(tmp_path, slurm_two_nodes):
 
 
 def test_sweep_with_one_failing_point_runs_the_others_and_lists_it(tmp_path, slurm_cluster):
-    """A point that fails at run time (an invalid point is refused before any point runs, dtrain.run.precheck):
+    """A point that fails at run time (an invalid point is refused before any point runs,
+    dtrain.run.precheck):
     the other point completes, and `dtrain runs` names the failed one with its job id and error."""
     out = py(
         "-m",

@@ -1,5 +1,6 @@
-"""TensorBoard event files beside records.jsonl (dtrain.results.metrics.RunWriter.scalar): what the trainer
-records per step is read back with TensorBoard's own reader and equals the records, step by step."""
+"""TensorBoard event files beside records.jsonl (dtrain.results.metrics.RunWriter.scalar): what
+the trainer records per step is read back with TensorBoard's own reader and equals the records,
+step by step."""
 
 from __future__ import annotations
 

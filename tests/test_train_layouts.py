@@ -469,7 +469,8 @@ def test_strategies_split_dp_into_replicas_and_shards():
 
 
 def test_memory_need_counts_the_layout_by_hand():
-    """dtrain.train.memory_fit for tp2 x pp2 x dp2 (zero3 -> zero2 under pp), one k/v head, fp32, worked by hand.
+    """dtrain.train.memory_fit for tp2 x pp2 x dp2 (zero3 -> zero2 under pp), one k/v head, fp32,
+    worked by hand.
 
     d=64, F=256, head_dim=16, V=256, T=64, RMSNorm, no bias. Per block per tp rank: norms 2*64,
     wq and wo 64*32 each, w1 and w2 64*128 each, wk and wv whole (1 k/v head < tp) 16*64 each

@@ -6,7 +6,8 @@ __main__ is never re-imported in a child process.
 
 from dtrain.run.app import hydra_main
 
-# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
+# named, not imported: a wrong override is refused before torch and the rank code load
+# (dtrain.run.app.resolve)
 main = hydra_main(
     "allreduce_bench.conf",
     rank_fn="allreduce_bench.bench:rank_fn",

@@ -2,7 +2,8 @@
 
 Ranks: topology report (rank 0), then the sweep (sweep.py). After them, `finalize` prints the
 nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose
-`guide_inputs` (dtrain.results.contract.CollectiveFit, one per intra/inter-node fit) the parallelism guide reads.
+`guide_inputs` (dtrain.results.contract.CollectiveFit, one per intra/inter-node fit) the parallelism
+guide reads.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""What `python -m allreduce_bench` refuses before any rank starts (dtrain.run.app runs ``validate`` for every
-point of a sweep). The sweep's values first, without torch (allreduce_bench.spec); then the backend the ranks
-will use, which needs torch on a local run, against the dtypes and reductions it is known to refuse."""
+"""What `python -m allreduce_bench` refuses before any rank starts (dtrain.run.app runs ``validate``
+for every point of a sweep). The sweep's values first, without torch (allreduce_bench.spec); then
+the backend the ranks
+will use, which needs torch on a local run, against the dtypes and reductions it is known to
+refuse."""
 
 from __future__ import annotations
 

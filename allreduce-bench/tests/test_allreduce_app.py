@@ -231,8 +231,8 @@ def test_sweep_through_submitit_slurm(tmp_path, slurm_cluster):
     assert out.returncode == 0, out.stdout + out.stderr
     runs = loader.load_runs([tmp_path])
     assert len(runs) == 2 and set(runs["summary.backend"]) == {"gloo"}
-    # one run per sweep point, each measuring its own dtype with no wrong element (whether 3 small sizes
-    # under load give a fit is noise, so the fit itself is checked elsewhere)
+    # one run per sweep point, each measuring its own dtype with no wrong element (whether 3 small
+    # sizes under load give a fit is noise, so the fit itself is checked elsewhere)
     records = loader.load([tmp_path], kind="collective")
     assert sorted(records.groupby("run")["dtype"].agg(lambda d: ",".join(sorted(set(d))))) == [
         "bfloat16",

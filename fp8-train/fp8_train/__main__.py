@@ -14,7 +14,8 @@ import sys
 from dtrain.core.errors import UserError, fail
 from dtrain.run.app import hydra_main
 
-# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
+# named, not imported: a wrong override is refused before torch and the rank code load
+# (dtrain.run.app.resolve)
 train_main = hydra_main(
     "fp8_train.conf",
     rank_fn="fp8_train.train:rank_fn",

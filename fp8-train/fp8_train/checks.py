@@ -1,7 +1,8 @@
-"""What `python -m fp8_train` refuses before any rank starts (dtrain.run.app runs ``validate`` for every point of a
-sweep). The values first, without torch (a wrong one is one line in a fraction of a second); then what needs
-torch: a local run's device and whether its recipe runs there, memory, a resume's checkpoint, the precision map
-and the fault plan against the model's layers."""
+"""What `python -m fp8_train` refuses before any rank starts (dtrain.run.app runs ``validate`` for
+every point of a sweep). The values first, without torch (a wrong one is one line in a fraction of a
+second); then what needs
+torch: a local run's device and whether its recipe runs there, memory, a resume's checkpoint, the
+precision map and the fault plan against the model's layers."""
 
 from __future__ import annotations
 

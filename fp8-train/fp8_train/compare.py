@@ -2,8 +2,9 @@
 
 Trains the high-precision baseline and each FP8 recipe over several seeds (a Hydra multirun of
 `python -m fp8_train` underneath, so `hydra/launcher=submitit_slurm` sends it to Slurm), then
-writes a derived run directory results/fp8-train/compare-<time>/ (dtrain.results.derived: it names the
-sweep's runs under runs/) with report.md, plots, and one dtrain.results.contract.Fp8Comparison per recipe
+writes a derived run directory results/fp8-train/compare-<time>/ (dtrain.results.derived: it names
+the sweep's runs under runs/) with report.md, plots, and one dtrain.results.contract.Fp8Comparison
+per recipe
 in its summary's "guide_inputs", which the cost model reads.
 
 The within-noise test, stated: a recipe is within noise when its mean final loss (mean of the
@@ -223,7 +224,8 @@ def main(argv: list[str]) -> dict:
         (o.split("=", 1)[1] for o in overrides if o.startswith("results_dir=")), "results"
     )
     overrides = [o for o in overrides if not o.startswith(("results_dir=", "recipe=", "seed="))]
-    # a derived run's own new folder, claimed before the sweep (dtrain.results.derived); its runs go inside it
+    # a derived run's own new folder, claimed before the sweep (dtrain.results.derived); its runs go
+    # inside it
     out = claim_fresh(Path(results_dir) / "fp8-train", "compare-", "results_dir", holds_runs=True)
     plan_config = {
         "mode": "compare",

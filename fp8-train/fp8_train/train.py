@@ -130,7 +130,8 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     rows = step_rows(run_dir)
     pd.DataFrame(rows).to_csv(run_dir / "steps.csv", index=False)
     loss = final_loss(rows)
-    # the recipe is in the title; short headers keep the table within 100 columns (dtrain.core.terminal)
+    # the recipe is in the title; short headers keep the table within 100 columns
+    # (dtrain.core.terminal)
     table = Table(
         title=f"fp8-train {cfg.recipe} ({result['device']}, {cfg.world_size} ranks, "
         f"{cfg.train.strategy})",

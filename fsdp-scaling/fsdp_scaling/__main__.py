@@ -6,7 +6,8 @@ __main__ is not re-imported by multiprocessing).
 
 from dtrain.run.app import hydra_main
 
-# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
+# named, not imported: a wrong override is refused before torch and the rank code load
+# (dtrain.run.app.resolve)
 main = hydra_main(
     "fsdp_scaling.conf",
     rank_fn="fsdp_scaling.run:rank_fn",

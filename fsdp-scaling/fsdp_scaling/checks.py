@@ -1,5 +1,6 @@
-"""What `python -m fsdp_scaling` refuses before any rank starts (dtrain.run.app runs ``validate`` for every point
-of a sweep). Without torch at import: a wrong value is one line in a fraction of a second; the device, memory
+"""What `python -m fsdp_scaling` refuses before any rank starts (dtrain.run.app runs ``validate``
+for every point of a sweep). Without torch at import: a wrong value is one line in a fraction of a
+second; the device, memory
 and checkpoint checks import it after the values pass (dtrain.train.run_checks)."""
 
 from __future__ import annotations

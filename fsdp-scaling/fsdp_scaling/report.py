@@ -1,7 +1,8 @@
 """`python -m fsdp_scaling.report RUN_DIRS... [--out DIR]`: the scaling study over many runs.
 
-Loads complete runs through dtrain.results.loader (single runs or Hydra multirun trees), then writes into
-one report directory (a derived run, dtrain.results.derived: config.yaml, env.json, summary.json naming
+Loads complete runs through dtrain.results.loader (single runs or Hydra multirun trees), then writes
+into one report directory (a derived run, dtrain.results.derived: config.yaml, env.json,
+summary.json naming
 the runs it was made from in "derived_from"):
 
   scaling.csv                    one row per run: strategy, layout (tpNxppM[xcpK]), ranks, tokens/s,
@@ -236,8 +237,8 @@ def scaling_summary(df: pd.DataFrame) -> dict:
     return out
 
 
-# (header, column, format, what it means): the printed table keeps to dtrain.core.terminal.WIDTH columns,
-# the legend under it says what the short headers mean; scaling.csv has every column
+# (header, column, format, what it means): the printed table keeps to dtrain.core.terminal.WIDTH
+# columns, the legend under it says what the short headers mean; scaling.csv has every column
 PRINTED = (
     ("dp", "strategy", "", "DP strategy"),
     ("layout", "layout", "", ""),

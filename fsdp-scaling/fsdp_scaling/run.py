@@ -4,7 +4,8 @@ fsdp_scaling`).
 Records per step (loss, grad norm, tokens/s, TFLOP/s, MFU, peak memory), per-rank state bytes
 against the ZeRO formula (with tp / pp: this rank's stages and tp shards, sharded over dp), and
 the comm/compute overlap and step breakdown (compute, TP comm, PP p2p and bubble, DP comm) of a
-profiled window; the summary's "guide_inputs" (dtrain.results.contract) hold what the parallelism guide reads.
+profiled window; the summary's "guide_inputs" (dtrain.results.contract) hold what the parallelism
+guide reads.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""After a run: the guide inputs (dtrain.results.contract), a table (measured vs formula bytes side by side), CSV, plots."""
+"""After a run: the guide inputs (dtrain.results.contract), a table (measured vs formula bytes
+side by side), CSV, plots."""
 
 from __future__ import annotations
 

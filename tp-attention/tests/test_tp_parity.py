@@ -1,4 +1,5 @@
-"""Hand-rolled TP == the single-device dtrain.model.gpt, on 4 gloo ranks (oversubscribed on 2 cores).
+"""Hand-rolled TP == the single-device dtrain.model.gpt, on 4 gloo ranks (oversubscribed on 2
+cores).
 
 One `python -m tp_attention.parity` launch checks every operator, the hidden-dim gather/scatter
 layer path, and for tp in {1, 2, 4} x {MHA, GQA kv >= tp, GQA kv < tp} x {SP off, on} a block or

@@ -55,7 +55,8 @@ def test_expected_bytes_replicated_kv_heads():
         tp_collectives.expected_wire_bytes(n_kv_head=1, sequence_parallel=False, **kw)["grad_sync"]
         == 816
     )
-    # two k/v heads on tp=4: both whole on every rank, 16 rows: payload 16 * 17 * 4 = 1088, wire 1632
+    # two k/v heads on tp=4: both whole on every rank, 16 rows: payload 16 * 17 * 4 = 1088, wire
+    # 1632
     assert (
         tp_collectives.expected_wire_bytes(n_kv_head=2, sequence_parallel=False, **kw)["grad_sync"]
         == 1632

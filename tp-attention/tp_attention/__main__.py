@@ -8,7 +8,8 @@ python -m tp_attention.parity                           # prove it equal to one 
 
 from dtrain.run.app import hydra_main
 
-# named, not imported: a wrong override is refused before torch and the rank code load (dtrain.run.app.resolve)
+# named, not imported: a wrong override is refused before torch and the rank code load
+# (dtrain.run.app.resolve)
 main = hydra_main(
     "tp_attention.conf",
     rank_fn="tp_attention.bench:rank_fn",

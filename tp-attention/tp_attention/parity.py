@@ -6,8 +6,8 @@ One launch checks many random cases in one process group (spawning is the slow p
   layers  ColumnParallelLinear(gather_output) -> RowParallelLinear(scatter input) vs two nn.Linear
   cases   for every tp in `tp`, every head layout (MHA; GQA with kv_heads >= tp; kv_heads < tp)
           and SP off/on: a dtrain.model.gpt Block (or Attention) with random shapes, bias, norm and
-          QKV variant (separate, fused, each with and without async grad all-reduce), sharded with from_full;
-          output, input gradient and every parameter-shard gradient are compared with the
+          QKV variant (separate, fused, each with and without async grad all-reduce), sharded with
+          from_full; output, input gradient and every parameter-shard gradient are compared with the
           reference's (sharded the same way), the collectives counted in the step are compared
           with tp_collectives.expected_wire_bytes, and where DTensor can shard the heads the DTensor
           baseline is checked the same way.

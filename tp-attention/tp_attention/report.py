@@ -25,7 +25,8 @@ def _ratio(a, b):
 
 
 def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeasurement]:
-    """One dtrain.results.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model reads."""
+    """One dtrain.results.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model
+    reads."""
     m = model_config(cfg)
     where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
     return [
@@ -96,8 +97,8 @@ def _x(r):
     return "-" if r is None else f"{r:.2f}"
 
 
-# (header, what it means): the headers stay short so the table fits dtrain.core.terminal.WIDTH columns;
-# the legend printed under it spells them out
+# (header, what it means): the headers stay short so the table fits dtrain.core.terminal.WIDTH
+# columns; the legend printed under it spells them out
 COLUMNS = (
     ("tp", ""),
     ("SP", "sequence parallel"),

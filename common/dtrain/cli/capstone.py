@@ -280,8 +280,9 @@ def run_steps(
 
 
 def results_folder(explicit: str | None) -> Path:
-    """This capstone's own folder, claimed atomically (dtrain.run.rundir.claim_folder): two capstones started
-    in the same second get two folders, and an explicit --results-dir must be new or empty."""
+    """This capstone's own folder, claimed atomically (dtrain.run.rundir.claim_folder): two
+    capstones started in the same second get two folders, and an explicit --results-dir must be
+    new or empty."""
     from dtrain.run import rundir
 
     if explicit:
@@ -316,7 +317,8 @@ def run(args) -> int:
     names = [s.name for s in steps] + ["gemm-probe", "guide"]
     expected = [s.expected_s for s in steps] + [PROBE_EXPECTED_S, GUIDE_EXPECTED_S]
     console.print(
-        f"capstone: {len(names)} steps ({len(steps)} experiment runs, the matmul probe, the guide), "
+        f"capstone: {len(names)} steps ({len(steps)} experiment runs, the matmul probe, the "
+        "guide), "
         f"launcher={args.launcher}",
         highlight=False,
     )

@@ -19,7 +19,8 @@ One vocabulary across the experiments:
     debug.*                                  test aids that fake a condition (allreduce-bench);
                                              fp8-train's FP8 debug tool is `fp8_debug.*`
 
-Renamed keys are refused with the new name (each conf module's `RENAMED`, checked by dtrain.run.precheck).
+Renamed keys are refused with the new name (each conf module's `RENAMED`, checked by
+dtrain.run.precheck).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class BaseConfig:
 @dataclass
 class ModelConfig:
     """One node in every experiment that builds dtrain's GPT: a preset and the fields to change.
-    Every field but `preset` is a `dtrain.model.args.GPTConfig` field; null keeps the preset's value."""
+    Every field but `preset` is a `dtrain.model.args.GPTConfig` field; null keeps the preset's
+    value."""
 
     preset: str = "small"  # tiny | small | 125m | 350m | 1b | 7b (dtrain.model.args.PRESETS)
     seq_len: Optional[int] = None  # activation memory grows with it
@@ -105,7 +107,8 @@ class ModelConfig:
         }
 
     def build(self):
-        """The dtrain.model.args.GPTConfig, checked as one whole model (UserError when it cannot be)."""
+        """The dtrain.model.args.GPTConfig, checked as one whole model (UserError when it cannot
+        be)."""
         from dtrain.core.checks import check_model_values
         from dtrain.model.args import GPTConfig
 

@@ -1,8 +1,9 @@
 """Calibrate the cost model from this cluster's run directories, with provenance.
 
 Reads completed runs only through ``dtrain.results.loader`` and only their typed guide inputs
-(``dtrain.results.contract``, ``summary.json["guide_inputs"]``), never an experiment's name, config.yaml or
-private files; env.json (the launcher's) gives the date. A run whose guide inputs break the
+(``dtrain.results.contract``, ``summary.json["guide_inputs"]``), never an experiment's name,
+config.yaml or private files; env.json (the launcher's) gives the date. A run whose guide inputs
+break the
 contract is skipped with a warning that names it. By record:
 
     CollectiveFit        all_reduce fits      -> α and achieved β per link class (intra / inter
@@ -22,7 +23,8 @@ contract is skipped with a warning that names it. By record:
                                                  checks
                                                  (step_overhead_s: their median, shown in the guide)
 
-Derived runs (``dtrain.results.derived``) publish only what they derived, so each measurement is read once.
+Derived runs (``dtrain.results.derived``) publish only what they derived, so each measurement is
+read once.
 
 Every value is a ``Param`` labelled "measured here: <run>, <date>, <device>" or
 "datasheet/published: <source>". Two calibrations come out:

@@ -1,5 +1,6 @@
-"""The calibration's per-record-kind readers: each turns one kind of guide input (dtrain.results.contract)
-into candidate values with their provenance (``Source``); ``calibrate.calibrate`` picks among them."""
+"""The calibration's per-record-kind readers: each turns one kind of guide input
+(dtrain.results.contract) into candidate values with their provenance (``Source``);
+``calibrate.calibrate`` picks among them."""
 
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ real width, not on a shrunk model) and the optimizer. Writes a derived run
 ``<results>/gemm-probe/`` (``dtrain.results.derived``: config.yaml, env.json, summary.json with one
 ``dtrain.results.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
 
-Load cancels (``dtrain.run.hostload``): on CPU every timing has the time its threads waited for a CPU
-taken out (the kernel's per-thread run-queue delay), and is paired with the reference matmul (the
+Load cancels (``dtrain.run.hostload``): on CPU every timing has the time its threads waited for a
+CPU taken out (the kernel's per-thread run-queue delay), and is paired with the reference matmul
+(the
 512³ of the runs' MFU probe) timed right before and after it, so a slowdown that is not a wait (a
 busy SMT sibling, cooled caches) cancels too: a GEMM's fraction is its rate over the reference's of
 that moment, a step is scaled to the idle reference (the 90th percentile of all its timings: the
@@ -53,8 +54,9 @@ SUBPROJECT = "gemm-probe"
 
 
 def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
-    """(models the runs trained: {"kind", "config": GPTConfig fields | block fields, "micro_batch", "tp"},
-    threads per rank, the runs they came from), from the runs' guide inputs (dtrain.results.contract)."""
+    """(models the runs trained: {"kind", "config": GPTConfig fields | block fields,
+    "micro_batch", "tp"}, threads per rank, the runs they came from), from the runs' guide inputs
+    (dtrain.results.contract)."""
     found, threads, sources = {}, [], []
     for run in complete_runs([results], warn=False):
         if run.derived:  # publishes no measurement of its own; its env.json is a source's copy
@@ -136,7 +138,8 @@ REF_N = 512  # the reference matmul: the runs' own peak probe (perf.cpu_matmul_p
 ABOVE_ROOFLINE = (
     1.05  # a fraction above this is a measurement error; up to it, timer noise (clipped to 1)
 )
-LOAD_FILE = "host-load.jsonl"  # the capstone's timeline of its processes' CPU and wait times (dtrain.run.hostload)
+# the capstone's timeline of its processes' CPU and wait times (dtrain.run.hostload)
+LOAD_FILE = "host-load.jsonl"
 
 
 class Timer:
@@ -216,7 +219,8 @@ def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer
 
 
 def step_s(t: dict, device: torch.device, timer: Timer) -> float:
-    """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its real size."""
+    """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its
+    real size."""
     from dtrain.model.gpt import GPT, Block, GPTConfig
 
     c = dict(t["config"])
@@ -341,7 +345,8 @@ def probe(results: Path, device: str = "auto") -> Path:
         else ("cpu" if device == "auto" else device)
     )
     tg, threads, sources = targets(results)
-    # its own folder, claimed before the timing (dtrain.results.derived): an earlier probe's is never rewritten
+    # its own folder, claimed before the timing (dtrain.results.derived): an earlier probe's is
+    # never rewritten
     out = claim_output(results / SUBPROJECT, "gemm-probe", fix="remove it to probe again")
     timer, ref = Timer(dev), None
     if dev.type == "cpu":

@@ -1,7 +1,8 @@
-"""dtrain's GPT (dtrain.model.args.GPTConfig, or any object with its fields) in the cost model's terms.
+"""dtrain's GPT (dtrain.model.args.GPTConfig, or any object with its fields) in the cost model's
+terms.
 
-The cost model owns this conversion: the trainer-side modules (dtrain.train.memory_fit) and the calibration
-readers both call it, so no cost-model module reaches up into them for it.
+The cost model owns this conversion: the trainer-side modules (dtrain.train.memory_fit) and the
+calibration readers both call it, so no cost-model module reaches up into them for it.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
     world_size = dp·cp·tp·pp                train.tp, train.pp, train.cp, train.cp_impl (ring |
                                             ulysses | torch)
     pp_virtual v > 1 -> train.pp_schedule=interleaved_1f1b train.pp_virtual=v; gpipe, zbv as named;
-                      1f1b, or gpipe when there are fewer micro-batches than stages (1f1b needs >= pp)
-    train.strategy: Layout.strategy (dtrain.core.layout: ZeRO 0 -> ddp, 1 and 2 -> zero2, the trainer has no
-                      optimizer-only sharding, 3 -> zero3; HSDP replicas R > 1 -> hsdp, train.hsdp_replicate=R)
+                      1f1b, or gpipe when there are fewer micro-batches than stages (1f1b needs >=
+                      pp)
+    train.strategy: Layout.strategy (dtrain.core.layout: ZeRO 0 -> ddp, 1 and 2 -> zero2, the
+                      trainer has no optimizer-only sharding, 3 -> zero3; HSDP replicas R > 1 ->
+                      hsdp, train.hsdp_replicate=R)
     recompute none / op / full -> activation_checkpointing=none / op / block; selective -> block
                       (the trainer has no attention-core-only recompute)
     micro_batch, global_batch (grad_accum is derived: global_batch / (micro_batch·dp))

@@ -14,8 +14,8 @@ from dtrain.model.args import ParamCount, transformer_params
 
 from .hashing import cached_hash
 
-# The layout vocabulary and the type itself are dtrain.core.layout's (one type for the trainer, the mesh, the
-# contract and this model); re-exported here, where the cost model has always read them.
+# The layout vocabulary and the type itself are dtrain.core.layout's (one type for the trainer, the
+# mesh, the contract and this model); re-exported here, where the cost model has always read them.
 from dtrain.core.layout import CP_IMPLS, PP_SCHEDULES, PP_SPLITS, RECOMPUTE, Layout  # noqa: F401
 
 
@@ -75,7 +75,8 @@ class ModelShape:
     @cached_property
     def param_count(self) -> ParamCount:
         """dtrain.model.args.transformer_params of this shape: RMSNorm, no biases, no learned
-        positions (a non-rotary model's are too few to count). Cached: the search asks per layout."""
+        positions (a non-rotary model's are too few to count). Cached: the search asks per
+        layout."""
         return transformer_params(
             self.n_layer,
             self.d_model,
@@ -290,8 +291,8 @@ def parallel_refusal(
     sequence_parallel: bool = False,
 ) -> str | None:
     """Why the trainer refuses to split ``shape`` over ``tp`` and ``cp`` (None when it does not),
-    in the plan's words. The rules are the trainer's own (``dtrain.parallel.feasibility``: heads, k/v
-    heads and the MLP width over tp; the sequence over 2·cp zigzag chunks, and over tp with
+    in the plan's words. The rules are the trainer's own (``dtrain.parallel.feasibility``: heads,
+    k/v heads and the MLP width over tp; the sequence over 2·cp zigzag chunks, and over tp with
     sequence parallelism; ulysses' heads), called rather than restated, so the plan never scores a
     layout the trainer cannot build. The embedding and lm_head stay whole on every tp rank there:
     the vocabulary has no rule."""

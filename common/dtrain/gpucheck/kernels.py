@@ -6,8 +6,9 @@ length, memory-bound kernels against HBM bandwidth). One process each, one JSON 
 
 `--small` runs the same code at CPU-sized shapes (the tests); only GPU numbers go into a report.
 
-Timing: `dtrain.model.timing.queued_s`, CUDA events around R back-to-back calls (R chosen so a timing lasts ~5 ms), the
-median of 3 such timings over R: the time a kernel costs inside a training step, where the CPU has
+Timing: `dtrain.model.timing.queued_s`, CUDA events around R back-to-back calls (R chosen so a
+timing lasts ~5 ms), the median of 3 such timings over R: the time a kernel costs inside a training
+step, where the CPU has
 already queued the next one. (Timing each call alone adds the launch gap, ~10-30 us, which made the
 small shapes of the first H100 check, measured that way, look 2-5x slower.)
 

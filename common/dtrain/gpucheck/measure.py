@@ -2,8 +2,9 @@
 NAME [--size N]`), each printing one JSON line: the machine, device-to-device copy bandwidth,
 bf16 and FP8 GEMM throughput.
 
-Timing: dtrain.model.timing.time_fn (CUDA events around each call after warmup calls, synchronized), the
-median over the timed calls. A copy moves its bytes twice (read + write), so its bandwidth counts
+Timing: dtrain.model.timing.time_fn (CUDA events around each call after warmup calls, synchronized),
+the median over the timed calls. A copy moves its bytes twice (read + write), so its bandwidth
+counts
 2 x bytes, as the ~3 TB/s figures quoted for H100 copies do. GEMM FLOPs = 2 n^3. On CPU the same
 code runs at small sizes (tests); only GPU numbers go into a report.
 """

@@ -1,7 +1,8 @@
 """`dtrain guide [--results DIR] [--out PARALLELISM_GUIDE.md]`: regenerate the guide.
 
-Calibrates the cost model from the run directories under --results (through dtrain.results.loader; by
-default what the latest `dtrain capstone` read, dtrain.guide.inputs, so both give the same guide),
+Calibrates the cost model from the run directories under --results (through dtrain.results.loader;
+by default what the latest `dtrain capstone` read, dtrain.guide.inputs, so both give the same
+guide),
 computes the decision matrix, derives its rules, checks the model against the local runs, draws
 the plots (into docs/guide/ beside the guide by default) and writes the markdown atomically.
 """

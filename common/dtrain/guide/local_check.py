@@ -26,11 +26,12 @@ experiments wherever possible, so most rows are real out-of-sample predictions:
   shared cores         a run with more busy threads (ranks x threads_per_rank) than the host's cores
                        computes that many times slower: its peak is divided, its overhead multiplied
                        by ranks·threads / cores (``oversubscription``)
-  other load           with a gemm-probe that has the run's load factor (the CPU time other processes
-                       took during the run's timed steps, ``dtrain.run.hostload``): the probe's idle
-                       reference rate divided, its overhead multiplied by that factor, so load that
-                       slowed the run slows its prediction alike; the factor's 10th-90th percentile
-                       over the window gives the prediction's spread (``Check.predicted_range``)
+  other load           with a gemm-probe that has the run's load factor (the CPU time other
+                       processes took during the run's timed steps, ``dtrain.run.hostload``):
+                       the probe's idle reference rate divided, its overhead multiplied by that
+                       factor, so load that slowed the run slows its prediction alike; the
+                       factor's 10th-90th percentile over the window gives the prediction's
+                       spread (``Check.predicted_range``)
 Rows say which inputs were in-sample or left out. Goal: |error| <= 15%.
 """
 

@@ -236,9 +236,12 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
             (c.predicted_range[1] - c.predicted_range[0]) / c.predicted_s for c in spread
         )
         loaded = (
-            f" Predictions carry the load other processes put on the cores during each run (measured, "
-            f"`dtrain.run.hostload`); across its 10th-90th percentile they move by {widths[len(widths) // 2]:.0%} "
-            f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(checks)} reach the goal somewhere "
+            " Predictions carry the load other processes put on the cores during each run "
+            "(measured, "
+            "`dtrain.run.hostload`); across its 10th-90th percentile they move by "
+            f"{widths[len(widths) // 2]:.0%} "
+            f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(checks)} reach the goal "
+            "somewhere "
             "in that spread."
         )
     out += [

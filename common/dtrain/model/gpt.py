@@ -12,8 +12,8 @@ layer is built (FP8 training swaps linear classes per layer with it).
 
 The config (`GPTConfig`, `PRESETS`) and the parameter accounting (`num_params`,
 `num_matmul_params`) live in dtrain/model/args.py, the FLOP count (`flops_per_token`) in
-dtrain/model/flops.py, both without torch, so cost models and command-line checks can size a 7B model
-without building it; this module re-exports them.
+dtrain/model/flops.py, both without torch, so cost models and command-line checks can size a 7B
+model without building it; this module re-exports them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from dtrain.model.flops import flops_per_token  # noqa: F401 (re-exported)
 from dtrain.model.args import (
-    PRESETS,
+    PRESETS,  # noqa: F401 (re-exported)
     GPTConfig,
     num_matmul_params,  # noqa: F401 (re-exported)
     num_params,  # noqa: F401 (re-exported)

@@ -1,7 +1,8 @@
 """Every collective the hand-rolled parallelism issues (tp/, cp/), counted; one byte convention.
 
-tp/tp_collectives.py and cp/exchange.py reach torch.distributed only through wrappers that `note` each call, so a
-`CommCounter` sees every byte, and each call is a `<tp|cp>_comm:<op>` profiler range (the
+tp/tp_collectives.py and cp/exchange.py reach torch.distributed only through wrappers that `note`
+each call, so a `CommCounter` sees every byte, and each call is a `<tp|cp>_comm:<op>` profiler range
+(the
 benchmarks take the communication share of a step from those ranges).
 
 Volume convention (`wire_bytes`) and every per-layer byte formula: dtrain.parallel.traffic, the

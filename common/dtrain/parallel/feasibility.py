@@ -15,8 +15,9 @@ from dtrain.core.checks import integer_at_least, one_of
 from dtrain.core.errors import UserError
 from dtrain.core.layout import CP_IMPLS
 
-# dtrain.core.layout.CP_IMPLS is the one list of context-parallel implementations: ring and all-to-all
-# (Ulysses) are dtrain.parallel.cp's own and run anywhere, gloo on CPU included; torch is PyTorch's
+# dtrain.core.layout.CP_IMPLS is the one list of context-parallel implementations: ring and
+# all-to-all (Ulysses) are dtrain.parallel.cp's own and run anywhere, gloo on CPU included; torch is
+# PyTorch's
 # context_parallel, which needs CUDA's fused SDPA.
 OWN_CP_IMPLS = tuple(i for i in CP_IMPLS if i != "torch")  # this project's, runnable on CPU
 IMPLS = ("auto", *CP_IMPLS)  # train.cp_impl: auto picks torch on CUDA + NCCL, else ring

@@ -3,8 +3,9 @@
     world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
 
 Every layout has one: tp = pp = 1 included (then dp = world_size). The data-parallel strategy
-decides how dp splits (`of`, by `dtrain.core.layout.split_dp`): ddp replicates (dp_replicate = dp), zero2 / zero3 shard
-(dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single has dp = 1.
+decides how dp splits (`of`, by `dtrain.core.layout.split_dp`): ddp replicates (dp_replicate = dp),
+zero2 / zero3 shard (dp_shard = dp), hsdp does both (dp_replicate = train.hsdp_replicate), single
+has dp = 1.
 
 Mesh dimensions, outermost first (as torchtitan's ParallelDims): ``pp``, ``replicate``,
 ``shard``, ``cp``, ``tp``; tp is innermost, so a tp group is consecutive ranks (one node's fast
@@ -95,7 +96,8 @@ class ParallelDims:
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
-        """The mesh of a layout (dtrain.core.layout.Layout: the degrees; this class adds the mesh)."""
+        """The mesh of a layout (dtrain.core.layout.Layout: the degrees; this class adds the
+        mesh)."""
         return cls(
             layout.gpus,
             tp=layout.tp,

@@ -7,8 +7,9 @@ Each experiment's ``finalize`` returns ``"guide_inputs": [records]`` (dataclasse
 
 and ``read(summary)`` turns them back into dataclasses, refusing unknown kinds, unknown or missing
 fields and a newer schema with ``ContractError``. Schema 2 stores a training run's layout as the
-one layout type, ``dtrain.core.layout.Layout``; a schema-1 record (the trainer's names: dp, strategy,
-activation checkpointing) is upgraded on reading by ``_training_v1``, the one place that knows
+one layout type, ``dtrain.core.layout.Layout``; a schema-1 record (the trainer's names: dp,
+strategy, activation checkpointing) is upgraded on reading by ``_training_v1``, the one place that
+knows
 them. Calibration (``dtrain.costmodel.calibrate``), the local checks (``dtrain.guide.local_check``)
 and the GEMM probe read runs only through these records, never an experiment's name or its
 config.yaml, so a new experiment that publishes them is calibrated like the four here.
@@ -162,7 +163,9 @@ class TrainingMeasurement:
         bad = [
             k for k in MODEL_SHAPE if not isinstance(self.model.get(k), int) or self.model[k] < 1
         ]
-        if bad:  # checked here without importing torch (dtrain.model.gpt); GPTConfig(**model) checks the rest
+        # checked here without importing torch (dtrain.model.gpt); GPTConfig(**model) checks the
+        # rest
+        if bad:
             raise ContractError(
                 f"training: model is not a GPTConfig: {bad[0]}={self.model.get(bad[0])!r} "
                 "must be an integer >= 1"
@@ -195,8 +198,9 @@ class TpMeasurement:
 
 @dataclass(frozen=True)
 class CpMeasurement:
-    """One context-parallel attention layer, forward + backward, at one cp degree and sequence length.
-    Times are per layer on one rank; ``comm_bytes_per_layer`` is what one rank sends (counted =
+    """One context-parallel attention layer, forward + backward, at one cp degree and sequence
+    length. Times are per layer on one rank; ``comm_bytes_per_layer`` is what one rank sends
+    (counted =
     analytic, ``dtrain.parallel.cp.exchange``)."""
 
     kind: ClassVar[str] = "cp_layer"
@@ -392,8 +396,9 @@ def _build(cls, data, where: str):
 
 def _training_v1(rec: dict, where: str) -> dict:
     """A schema-1 training record as schema 2 writes it: its layout in the trainer's names
-    (``_TrainLayoutV1``) becomes a ``dtrain.core.layout.Layout``, its strategy a field of the record.
-    Schema 1 kept no ``hsdp_replicate``: an hsdp run becomes ZeRO-3 over all its data shards (as
+    (``_TrainLayoutV1``) becomes a ``dtrain.core.layout.Layout``, its strategy a field of the
+    record. Schema 1 kept no ``hsdp_replicate``: an hsdp run becomes ZeRO-3 over all its data shards
+    (as
     it was priced then); activation checkpointing ``block`` becomes recompute ``full``."""
     old = _build(_TrainLayoutV1, rec.get("layout"), f"{where}.layout")
     if old.strategy not in STRATEGIES:

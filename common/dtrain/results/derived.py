@@ -5,8 +5,8 @@
 
 writes ``out`` as a run directory like any other (config.yaml, env.json, summary.json last and
 atomic) whose summary names the run directories it was derived from (``derived_from``, relative
-to ``out`` so a results tree can be moved or copied; ``dtrain.results.contract.derived_from`` resolves
-them). It
+to ``out`` so a results tree can be moved or copied; ``dtrain.results.contract.derived_from``
+resolves them). It
 publishes only what it derived (``dtrain.results.contract``): its sources keep their own records, so
 calibration reads each measurement once, with no de-duplication.
 

@@ -38,8 +38,8 @@ class Run:
 
     @property
     def derived(self) -> bool:
-        """Made from other runs (dtrain.results.derived: a study report, an FP8 comparison, the gemm-probe),
-        not a measurement of its own: readers of measurements skip it by this flag."""
+        """Made from other runs (dtrain.results.derived: a study report, an FP8 comparison, the
+        gemm-probe), not a measurement of its own: readers of measurements skip it by this flag."""
         return DERIVED_FROM in self.summary
 
 

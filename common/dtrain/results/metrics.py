@@ -104,7 +104,8 @@ def write_config(run_dir: Path, cfg) -> Path:
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
-    """summary.json; its "guide_inputs", when a list of dtrain.results.contract records, encoded and checked."""
+    """summary.json; its "guide_inputs", when a list of dtrain.results.contract records, encoded
+    and checked."""
     from dtrain.results import contract
 
     if isinstance(summary.get(contract.KEY), (list, tuple)):

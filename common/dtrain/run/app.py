@@ -282,7 +282,8 @@ def _record_failure(run_dir: Path, error: str) -> None:
 
 
 def _finalize_crashed(run_dir: Path) -> None:
-    """Every rank finished but the summary could not be made: a failed run, said as one (exits 1)."""
+    """Every rank finished but the summary could not be made: a failed run, said as one (exits
+    1)."""
     from dtrain.run.liveness import error_line
 
     text = traceback.format_exc()

@@ -19,9 +19,10 @@ from dtrain.core.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-# torch is imported where it is used, not here: the launching process checks a command line (dtrain.run.app,
-# dtrain.run.precheck) with this module before any rank starts, and a wrong override is one line in a fraction
-# of a second instead of after torch's import.
+# torch is imported where it is used, not here: the launching process checks a command line
+# (dtrain.run.app, dtrain.run.precheck) with this module before any rank starts, and a wrong
+# override is one line in
+# a fraction of a second instead of after torch's import.
 
 
 def __getattr__(name: str):

@@ -44,8 +44,10 @@ from dtrain.results.metrics import ENV, RunWriter, write_config, write_json_atom
 
 if TYPE_CHECKING:
     import torch
-# torch.distributed is imported where a rank uses it: the launching process checks its command line with
-# this module (dtrain.run.app) before torch is needed, so a wrong override fails in a fraction of a second.
+# torch.distributed is imported where a rank uses it: the launching process checks its command line
+# with this module (dtrain.run.app) before torch is needed, so a wrong override fails in a fraction
+# of a
+# second.
 
 LAUNCHERS = ("auto", "local", "slurm")
 

@@ -1,7 +1,7 @@
 """A local sweep (`-m`, Hydra's basic launcher) runs every point, even after one fails.
 
-Every point is checked before the sweep starts (dtrain.run.precheck); a point that still fails at run
-time (a diverged loss, a rank that dies) prints its own `error:` line and leaves its failed run
+Every point is checked before the sweep starts (dtrain.run.precheck); a point that still fails at
+run time (a diverged loss, a rank that dies) prints its own `error:` line and leaves its failed run
 directory, the following points run, and the sweep ends with one line naming the failed points and
 exit code 1 (2 when every failure was bad input). An interrupt (exit 128+signal) ends the sweep.
 Sweeps on Slurm (hydra/launcher=submitit_slurm) are left as they are: each point is its own job,

@@ -8,7 +8,8 @@ own multi-line errors with exit code 1; the project promises one `error:` line a
                           holding anything but Hydra's bookkeeping (a folder of the user's, `.`), is
                           refused before Hydra writes into it (rundir.claim is the atomic guarantee;
                           this keeps the old run's .hydra/ and the user's files intact)
-    check_literal_paths   results_dir / hydra.*.dir values that cannot hold a run (dtrain.core.checks)
+    check_literal_paths   results_dir / hydra.*.dir values that cannot hold a run
+                          (dtrain.core.checks)
     check_job_size        world_size= asked for against the job this process is already a rank of
 
 A key given twice is refused (Hydra would keep the last silently), a sweep of more than
@@ -451,8 +452,9 @@ def literal_override(argv: list[str], key: str) -> str | None:
 
 
 def check_literal_paths(argv: list[str]) -> None:
-    """results_dir / hydra.run.dir / hydra.sweep.dir given as a plain value: Hydra creates a folder from
-    them before any of our code runs, so an empty, too long, looping or unwritable path is refused here."""
+    """results_dir / hydra.run.dir / hydra.sweep.dir given as a plain value: Hydra creates a
+    folder from them before any of our code runs, so an empty, too long, looping or unwritable
+    path is refused here."""
     from dtrain.core.checks import check_path
 
     if any(arg.split("=", 1)[0] in _NO_RUN for arg in argv):

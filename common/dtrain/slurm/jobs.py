@@ -43,7 +43,8 @@ def job_of(env: dict) -> str:
 
 
 def sacct_problem() -> str | None:
-    """Why job states are unknown (sacct absent, or no cluster to ask), or None when sacct answers."""
+    """Why job states are unknown (sacct absent, or no cluster to ask), or None when sacct
+    answers."""
     from dtrain.slurm.queue import CLUSTER_HINT, no_cluster
 
     if shutil.which("sacct") is None:

@@ -45,7 +45,8 @@ def no_cluster(text: str) -> str | None:
 
 
 def refused(text: str, what: str, fix: str) -> UserError:
-    """sbatch's refusal (its stderr in `text`) as one line: the missing cluster when that is the cause."""
+    """sbatch's refusal (its stderr in `text`) as one line: the missing cluster when that is the
+    cause."""
     from dtrain.run.liveness import error_line
 
     return UserError(no_cluster(text) or f"Slurm refused the {what} ({error_line(text)}): {fix}")

@@ -120,8 +120,8 @@ def record_refusal(sweep_dir: Path, error: str, argv: list[str]) -> None:
 
 
 def run_dir_of(r) -> str | None:
-    """A point's run directory: Hydra's output dir for the job (dtrain.run.app.run_dir_for), not its working dir,
-    which is the submitting directory (hydra.job.chdir is false)."""
+    """A point's run directory: Hydra's output dir for the job (dtrain.run.app.run_dir_for), not
+    its working dir, which is the submitting directory (hydra.job.chdir is false)."""
     try:
         return str(r.hydra_cfg.hydra.runtime.output_dir)
     except AttributeError:

@@ -13,7 +13,9 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from dtrain.core.errors import UserError, unknown_key
-from dtrain.core.layout import SHARDED, STRATEGIES, Layout, recompute_of, schedule_of  # noqa: F401  (STRATEGIES: dtrain.train)
+
+# STRATEGIES is re-exported for dtrain.train
+from dtrain.core.layout import SHARDED, STRATEGIES, Layout, recompute_of, schedule_of  # noqa: F401
 
 PRECISIONS = ("fp32", "bf16", "auto")
 TP_IMPLS = (
@@ -250,8 +252,9 @@ class TrainConfig:
         check_pipeline(model_cfg, self.pp, self.pp_schedule, self.pp_virtual, self.grad_accum)
 
     def layout(self, world_size: int, device_type: str | None = None) -> Layout:
-        """The run's layout (dtrain.core.layout.Layout; call it on a `resolved` config), grad_accum derived
-        from global_batch: the inverse of `dtrain.costmodel.overrides.train_overrides`. cp_impl
+        """The run's layout (dtrain.core.layout.Layout; call it on a `resolved` config), grad_accum
+        derived from global_batch: the inverse of `dtrain.costmodel.overrides.train_overrides`.
+        cp_impl
         `auto` is torch on CUDA, else ring (the device given or not known)."""
         dims = self.dims(world_size)
         run = (

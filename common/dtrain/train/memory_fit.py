@@ -14,8 +14,9 @@ trainer's own split (`params_per_rank`): the pipeline stages this rank holds (dt
 pipeline), block matrices / tp, norms, row-parallel biases, embeddings and lm_head whole on every
 tp rank (they are not vocab-parallel), wk/wv whole when kv_heads < tp. States are sharded over
 the dp ranks that shard (dp / hsdp_replicate); with pp > 1, FSDP2 keeps parameters gathered
-through the step (zero2, as dtrain.train.parallelize does; `dtrain.core.layout.zero_stage_of`). Activations are the cost model's
-(Korthikanti et al. per layer / tp, 1F1B in-flight micro-batches, interleaving), with the logits
+through the step (zero2, as dtrain.train.parallelize does; `dtrain.core.layout.zero_stage_of`).
+Activations are the cost model's (Korthikanti et al. per layer / tp, 1F1B in-flight micro-batches,
+interleaving), with the logits
 of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
 v of the one head each rank computes with.
 """

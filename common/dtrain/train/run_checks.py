@@ -26,15 +26,17 @@ def check_values(cfg) -> tuple:
 
 
 def local_device(cfg):
-    """The device a local run's ranks get (torch decides); None on Slurm, whose compute nodes decide."""
+    """The device a local run's ranks get (torch decides); None on Slurm, whose compute nodes
+    decide."""
     from dtrain.run import dist as ddist
 
     return ddist.pick_device(cfg.device, 0) if mode_of(cfg) == "local" else None
 
 
 def check_host(cfg, train: TrainConfig, model, device) -> None:
-    """This host's side, after the values: the train config resolved for a local run's ``device`` (precision
-    `auto`, a CUDA-only context parallelism), a resume's checkpoint and the memory the run needs here."""
+    """This host's side, after the values: the train config resolved for a local run's ``device``
+    (precision `auto`, a CUDA-only context parallelism), a resume's checkpoint and the memory the
+    run needs here."""
     from dtrain.run import dist as ddist
     from dtrain.train.checkpoint import check_resume
     from dtrain.train.memory_fit import check_fits

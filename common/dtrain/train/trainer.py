@@ -1,8 +1,8 @@
 """The training loop shared by fsdp-scaling and fp8-train.
 
 One optimizer step = `grad_accum` micro-steps of forward + backward on this rank's slice of the
-global batch (dtrain.train.data.TokenBatcher: the data of a step depends only on seed, step and global
-batch, never on the world size), then grad-norm clipping and AdamW. Loss and grad norm are
+global batch (dtrain.train.data.TokenBatcher: the data of a step depends only on seed, step and
+global batch, never on the world size), then grad-norm clipping and AdamW. Loss and grad norm are
 global (averaged / computed across data-parallel ranks), so every rank sees the same numbers and
 can take the same decision (skip a step, cut the LR, roll back).
 

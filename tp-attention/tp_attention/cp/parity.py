@@ -1,7 +1,8 @@
 """Context-parallel attention == one device: the check every CP study run and test makes.
 
-`check_case` builds a dtrain.model.gpt Attention, runs it on the whole sequence (the reference), then
-gives a copy the context-parallel core (ring or all-to-all, `dtrain.parallel.cp`) and runs it on
+`check_case` builds a dtrain.model.gpt Attention, runs it on the whole sequence (the reference),
+then gives a copy the context-parallel core (ring or all-to-all, `dtrain.parallel.cp`) and runs it
+on
 this rank's zigzag shard of the same input. Compared, as max|cp - ref| / max|ref| per tensor:
 the output shard, the input-gradient shard and every weight gradient (each cp rank holds the
 weights whole and computes the gradient of its own tokens: summed over the cp group it is the
@@ -65,7 +66,8 @@ def check_case(
     ref: torch.nn.Module | None = None,
 ) -> tuple[dict[str, float], dict[str, int]]:
     """Errors per tensor and {analytic, counted} bytes of one case on this rank of `group`.
-    `core`: the context-parallel core to test (default: case["impl"]'s); `ref`: a prebuilt reference."""
+    `core`: the context-parallel core to test (default: case["impl"]'s); `ref`: a prebuilt
+    reference."""
     cp, rank = case["cp"], exchange.rank_in(group)
     ref = ref if ref is not None else build_reference(case, seed, device)
     dtype = ref.wq.weight.dtype

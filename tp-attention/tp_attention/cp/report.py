@@ -63,8 +63,8 @@ def frame(rows: list[dict]) -> pd.DataFrame:
     return df.sort_values(["seq_len", "cp", "impl"]).reset_index(drop=True)
 
 
-# (header, what it means): short headers keep the table within dtrain.core.terminal.WIDTH columns; the
-# legend printed under it spells them out
+# (header, what it means): short headers keep the table within dtrain.core.terminal.WIDTH columns;
+# the legend printed under it spells them out
 COLUMNS = (
     ("seq", "sequence length"),
     ("cp", ""),

@@ -1,5 +1,5 @@
-"""Context parallelism's communication, counted and profiled (dtrain.parallel.comm_counter's convention),
-and the volume it must add up to.
+"""Context parallelism's communication, counted and profiled (dtrain.parallel.comm_counter's
+convention), and the volume it must add up to.
 
     ring_exchange(t, group, tag)          send t to the next rank of the ring, receive the previous
                                           rank's (async: returns an Exchange, wait() gives it)

@@ -109,8 +109,9 @@ def block_grads(q, k, v, out, lse, dout, causal: bool, scale: float):
 
 
 def _walk_ring(k, v, group, overlap: bool, n_rep: int, length: int):
-    """Each step's (step, query rows, key rows, causal, k block, v block) on this rank, the k/v block
-    already on its way to the next rank while the step computes (overlap=False: delivered first)."""
+    """Each step's (step, query rows, key rows, causal, k block, v block) on this rank, the k/v
+    block already on its way to the next rank while the step computes (overlap=False: delivered
+    first)."""
     cp, rank = group_size(group), exchange.rank_in(group)
     kv = torch.stack([k, v])  # what travels, in the input dtype
     for step in range(cp):

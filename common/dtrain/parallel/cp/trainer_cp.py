@@ -55,8 +55,9 @@ class ContextParallelCore:
 
 
 def swap_attention_cores(part: torch.nn.Module, impl: str, mesh) -> int:
-    """Give every attention of `part` the cp core (torch: keep SDPA, which context_parallel patches).
-    Every attention must still run dtrain.model.gpt's SDPA core: anything else is refused. Returns
+    """Give every attention of `part` the cp core (torch: keep SDPA, which context_parallel
+    patches). Every attention must still run dtrain.model.gpt's SDPA core: anything else is refused.
+    Returns
     the number of attention layers."""
     from dtrain.model.gpt import causal_attention
 
@@ -69,7 +70,8 @@ def swap_attention_cores(part: torch.nn.Module, impl: str, mesh) -> int:
             else "the model has no dtrain.model.gpt attention"
         )
         raise UserError(
-            f"train.cp needs dtrain.model.gpt's SDPA attention in every block, but {where}: use train.cp=1"
+            f"train.cp needs dtrain.model.gpt's SDPA attention in every block, but {where}: use "
+            "train.cp=1"
         )
     if impl != "torch":
         for _, m in attentions:

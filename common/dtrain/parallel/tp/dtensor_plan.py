@@ -58,8 +58,9 @@ def _region_plan(prefix: str, col: list[str], row: str, sequence_parallel: bool)
 
 
 def parallelize_block(module: nn.Module, mesh, sequence_parallel: bool) -> nn.Module:
-    """Shard a dtrain.model.gpt Block or Attention in place over a 1-D tp mesh (every rank of it must
-    hold the same full weights). With SP the module takes and returns this rank's sequence slice,
+    """Shard a dtrain.model.gpt Block or Attention in place over a 1-D tp mesh (every rank of it
+    must hold the same full weights). With SP the module takes and returns this rank's sequence
+    slice,
     like the hand-rolled one."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (

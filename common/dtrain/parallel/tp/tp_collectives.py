@@ -2,8 +2,8 @@
 (`expected_wire_bytes`: dtrain.parallel.traffic.tp_layer_wire_bytes, the cost model's formulas too).
 
 ops.py and layers.py reach torch.distributed only through the wrappers below, so a `CommCounter`
-(dtrain.parallel.comm_counter: the counter and the byte convention shared with cp/) sees every byte, and
-each call is a `tp_comm:<op>` profiler range (bench.py takes the communication share of a step
+(dtrain.parallel.comm_counter: the counter and the byte convention shared with cp/) sees every byte,
+and each call is a `tp_comm:<op>` profiler range (bench.py takes the communication share of a step
 from those ranges).
 """
 
@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from dtrain.parallel.comm_counter import (
-    Collective,
-    CommCounter,
+    Collective,  # noqa: F401 (re-exported)
+    CommCounter,  # noqa: F401 (re-exported)
     ProfiledWork,
     group_size,
     note,
-    wire_bytes,
-)  # noqa: F401
-from dtrain.parallel.traffic import ACTIVATION, GRAD_SYNC  # per micro-batch traffic vs grad sums
+    wire_bytes,  # noqa: F401 (re-exported)
+)
+from dtrain.parallel.traffic import ACTIVATION, GRAD_SYNC  # noqa: F401 (re-exported)
 from dtrain.parallel.traffic import tp_layer_wire_bytes as expected_wire_bytes  # noqa: F401
 from dtrain.run import dist as ddist
 
