@@ -29,7 +29,7 @@ lint: venv              ## ruff: the lint (pyflakes, pycodestyle, lines <= 100 c
 lint-fix: venv          ## ruff format, then split what is still over 100 columns (what is left: by hand)
 	VENV=$(VENV) $(BIN)/python scripts/lint-fix
 
-guide: venv             ## regenerate PARALLELISM_GUIDE.md from results/
+guide: venv             ## regenerate PARALLELISM_GUIDE.md from the latest capstone's inputs
 	$(BIN)/dtrain guide
 
 gpu-check:              ## on one CUDA GPU: gpu tests + bounded measurements -> one markdown report (< 30 min)
