@@ -265,26 +265,11 @@ def _cell(value, fmt: str, col: str) -> str:
 
 
 def print_study(table: pd.DataFrame) -> None:
-    from rich import box
-    from rich.table import Table
+    from dtrain.core.terminal import print_table
 
-    from dtrain.core.terminal import console
-
-    legend = "; ".join(f"{h} = {m}" for h, _, _, m in PRINTED if m)
-    t = Table(
-        title="fsdp-scaling study",
-        caption=legend,
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    for header, col, fmt, _ in PRINTED:
-        t.add_column(header, justify="right" if fmt or col == "world_size" else "left")
-    for _, r in table.iterrows():
-        t.add_row(*(_cell(r.get(col), fmt, col) for _, col, fmt, _ in PRINTED))
-    console().print(t)
+    text = {h for h, col, fmt, _ in PRINTED if not fmt and col != "world_size"}
+    rows = [[_cell(r.get(c), fmt, c) for _, c, fmt, _ in PRINTED] for _, r in table.iterrows()]
+    print_table("fsdp-scaling study", [(h, m) for h, _, _, m in PRINTED], rows, left=text)
 
 
 def main(argv: list[str] | None = None) -> int:

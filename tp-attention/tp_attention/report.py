@@ -115,29 +115,11 @@ COLUMNS = (
 )
 
 
-def legend() -> str:
-    said = "; ".join(f"{h} = {m}" for h, m in COLUMNS if m)
-    return f"step times in ms per layer (forward + backward, median); {said}"
-
-
 def print_table(df: pd.DataFrame, title: str) -> None:
-    from rich import box
-    from rich.table import Table
+    from dtrain.core.terminal import print_table as show
 
-    from dtrain.core.terminal import console
-
-    t = Table(
-        title=title,
-        caption=legend(),
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    for col, _ in COLUMNS:
-        t.add_column(col, justify="right")
-    for _, r in df.iterrows():
-        t.add_row(
+    rows = [
+        [
             str(r.tp),
             "on" if r.sequence_parallel else "off",
             _ms(r.handrolled_s),
@@ -150,8 +132,10 @@ def print_table(df: pd.DataFrame, title: str) -> None:
             _x(r.overhead_factor),
             f"{r.comm_share:.1%}",
             f"{r.comm_bytes_per_layer / 1024:.0f}",
-        )
-    console().print(t)
+        ]
+        for _, r in df.iterrows()
+    ]
+    show(title, COLUMNS, rows, note="step times in ms per layer (forward + backward, median)")
 
 
 def plot(df: pd.DataFrame, path: Path, title: str) -> Path:

@@ -42,6 +42,30 @@ def console(stderr: bool = False):
     return Console(width=width(sys.stderr if stderr else sys.stdout), stderr=stderr)
 
 
+def print_table(title: str, columns, rows, *, left=(), note: str = "") -> None:
+    """One table as every experiment prints it: short headers, a legend of what they mean under
+    it (``note``, then each "header = meaning"), right-aligned numbers (``left``: the headers of
+    text columns), within WIDTH columns. ``columns``: (header, meaning or "") pairs; ``rows``:
+    lists of cell strings."""
+    from rich import box
+    from rich.table import Table
+
+    said = "; ".join(f"{h} = {m}" for h, m in columns if m)
+    t = Table(
+        title=title,
+        caption="; ".join(x for x in (note, said) if x),
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for header, _ in columns:
+        t.add_column(header, justify="left" if header in left else "right")
+    for row in rows:
+        t.add_row(*row)
+    console().print(t)
+
+
 class _Lines:
     """A loop's progress off a terminal: one line per item on stderr ("<desc>: 1/4 done")."""
 

@@ -1,10 +1,10 @@
 """Bytes each kind of parallel traffic moves, per collective per layer: the formulas' one home.
 
-Both sides call these functions: the trainer's counted-bytes checks (`tp.comm.expected_wire_bytes`
-and `cp.comm.expected_wire_bytes` are `tp_layer_wire_bytes` and `cp_layer_wire_bytes`, compared with
-what a `CommCounter` counts) and the cost model (`costmodel/comm_time.py`, `timemodel.StepModel`),
-which prices each collective's bytes with its α–β (`costmodel/collectives.py`). No torch here, so
-the cost model imports it without torch.
+Both sides call these functions: the trainer's counted-bytes checks (the `expected_wire_bytes`
+of `tp.tp_collectives` and `cp.exchange` are `tp_layer_wire_bytes` and `cp_layer_wire_bytes`,
+compared with what a `CommCounter` counts) and the cost model (`costmodel/comm_time.py`,
+`timemodel.StepModel`), which prices each collective's bytes with its α–β
+(`costmodel/collectives.py`). No torch here, so the cost model imports it without torch.
 
 Volume convention: bytes one rank sends over the wire with ring algorithms (nccl-tests' "bus
 bytes"). For a payload of S bytes over n ranks (S = the full, gathered size; for all-to-all the

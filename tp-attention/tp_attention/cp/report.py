@@ -79,29 +79,12 @@ COLUMNS = (
 )
 
 
-def legend() -> str:
-    return "; ".join(f"{h} = {m}" for h, m in COLUMNS if m)
-
-
 def print_table(df: pd.DataFrame, title: str) -> None:
-    from rich import box
-    from rich.table import Table
+    from dtrain.core.terminal import print_table as show
 
-    from dtrain.core.terminal import console
-
-    t = Table(
-        title=title,
-        caption=legend(),
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    for col, _ in COLUMNS:
-        t.add_column(col, justify="left" if col == "impl" else "right")
     opt = lambda v, f: "-" if v is None or v != v else format(v, f)  # noqa: E731  (None / NaN)
-    for _, r in df.iterrows():
-        t.add_row(
+    rows = [
+        [
             str(r.seq_len),
             str(r.cp),
             LABELS[r.impl],
@@ -112,8 +95,10 @@ def print_table(df: pd.DataFrame, title: str) -> None:
             opt(r.get("overlap_fraction"), ".0%"),
             opt(_kib(r.get("comm_bytes_per_layer")), ".0f"),
             human_bytes(r.saved_bytes),
-        )
-    console().print(t)
+        ]
+        for _, r in df.iterrows()
+    ]
+    show(title, COLUMNS, rows, left=("impl",))
 
 
 def _ms(s):
