@@ -258,28 +258,44 @@ def _one_line_failed_run(out, results: Path, prefix: str, event: str) -> None:
     assert not [p for p in (run / "checkpoints").glob("step-*") if not checkpoint.is_complete(p)]
 
 
-def test_a_real_full_disk_during_a_checkpoint_is_one_line(tmp_path):
+@contextlib.contextmanager
+def _tmpfs(size: str):
+    """A tmpfs of `size` mounted at a fresh folder (skips the test where mount is not allowed)."""
     if shutil.which("mount") is None:
         pytest.skip("no mount command")
     mnt = Path("/tmp") / f"dtrain-enospc-{uuid.uuid4().hex[:8]}"  # unique: tests may run at once
     mnt.mkdir()
     try:
         mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
             capture_output=True,
             text=True,
         )
         if mounted.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
         try:
-            out = py(*RUN, "train.steps=4", "train.checkpoint_every=2", f"results_dir={mnt / 'r'}")
-            full = "error: disk full (OSError: [Errno 28] No space left"
-            _one_line_failed_run(out, mnt / "r", full, "disk full: OSError: [Errno 28]")
+            yield mnt
         finally:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # -l: even if busy
     finally:
         with contextlib.suppress(OSError):
             mnt.rmdir()
+
+
+def test_a_real_full_disk_during_a_checkpoint_is_one_line(tmp_path):
+    with _tmpfs("600k") as mnt:
+        out = py(*RUN, "train.steps=4", "train.checkpoint_every=2", f"results_dir={mnt / 'r'}")
+        full = "error: disk full (OSError: [Errno 28] No space left"
+        _one_line_failed_run(out, mnt / "r", full, "disk full: OSError: [Errno 28]")
+
+
+def test_a_full_disk_while_hydra_writes_its_files_is_one_line():
+    """Hydra writes .hydra/ before the task runs; there too a full disk is one line, exit 1."""
+    with _tmpfs("8k") as mnt:
+        out = py(*RUN, f"results_dir={mnt / 'r'}")
+        assert out.returncode == 1, out.stderr
+        one_error_line(out.stderr, "error: disk full (No space left on device: ")
+        assert "Traceback" not in out.stderr and "/.hydra/" in out.stderr
 
 
 def _file_size_limit():

@@ -148,6 +148,29 @@ def disk_full(run_dir: Path, cause: str, code: int = errno.ENOSPC) -> None:
     fail(diskfull.message(code, cause, run_dir), 1)
 
 
+def _guard_hydra_writes() -> None:
+    """Hydra writes a run's .hydra/ files itself, before the task runs, and reports an error there
+    as a traceback (exit 1); a full disk or a file-size limit there is one line, as at any other
+    write. Hydra has no hook before those writes, so its writer is wrapped."""
+    import hydra.core.utils as hydra_utils
+
+    save = hydra_utils._save_config
+    if getattr(save, "dtrain_guarded", False):
+        return
+
+    def guarded(cfg, filename: str, output_dir: Path) -> None:
+        try:
+            save(cfg, filename, output_dir)
+        except OSError as e:
+            if e.errno not in diskfull.ERRNOS:
+                raise
+            where = Path(output_dir) / filename
+            disk_full(Path(output_dir).parent, f"{e.strerror}: {where}", e.errno)  # exits 1
+
+    guarded.dtrain_guarded = True
+    hydra_utils._save_config = guarded
+
+
 def _checkpoint_dir(cfg: DictConfig) -> Path | None:
     """An explicit train.checkpoint_dir: a folder outside the run dir that the run must own too."""
     from omegaconf import OmegaConf
@@ -343,6 +366,7 @@ def hydra_main(
         submitit_sweep.install(
             sys.argv[1:]
         )  # a submitit sweep: one line when sbatch refuses, run dirs when done
+        _guard_hydra_writes()
         _hydra_entry()
         local_sweep.finish()
 
