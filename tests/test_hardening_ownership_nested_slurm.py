@@ -50,9 +50,14 @@ def test_scontrol_requeue_of_a_finished_job_touches_nothing(tmp_path, slurm_clus
         pytest.fail(f"job {job} did not end its requeued attempt in 120 s: {tails}")
     after = {k: v for k, v in _hashes(run).items() if not k.startswith("slurm/")}
     assert after == before  # no env.json rewrite, no records, no events
-    state = subprocess.run(
-        ["sacct", "-n", "-X", "-j", str(job), "-o", "State,ExitCode"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    deadline = time.monotonic() + 60  # slurmdbd records the end a moment after squeue drops it
+    while True:
+        state = subprocess.run(
+            ["sacct", "-n", "-X", "-j", str(job), "-o", "State,ExitCode"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if state[:1] not in (["RUNNING"], ["PENDING"], ["REQUEUED"]) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert state[:2] == ["COMPLETED", "0:0"], state

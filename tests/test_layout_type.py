@@ -26,7 +26,7 @@ def test_the_cost_model_layout_is_the_one_type():
 
 def test_keyword_only_and_frozen():
     with pytest.raises(TypeError):
-        Layout(8, 2, 1)  # noqa: the old positional form is refused
+        Layout(8, 2, 1)  # the old positional form is refused
     lay = Layout(dp_shard=8, tp=2, zero_stage=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         lay.tp = 4
