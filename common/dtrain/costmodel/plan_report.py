@@ -4,6 +4,9 @@ overrides)."""
 
 from __future__ import annotations
 
+import textwrap
+from dataclasses import dataclass
+
 from .calibration import calibration_inputs
 from .compute import published
 from .explain import explain
@@ -65,14 +68,69 @@ def params_size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else params_text(n)
 
 
-def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Runnable:
+    """Whether dtrain's trainer runs the choice's overrides as printed: ``refusal`` is the
+    trainer's reason when it does not (``overrides.trainer_refusal``), and ``alt`` then the search
+    restricted to ``--software dtrain``, whose best layout the trainer runs."""
+
+    refusal: str | None = None
+    alt: SearchResult | None = None
+
+
+def wrapped(head: str, text: str, width: int = 100) -> list[str]:
+    """``head`` + ``text`` wrapped by words within ``width`` columns, continued under the text."""
+    return textwrap.wrap(
+        text,
+        width,
+        initial_indent=head,
+        subsequent_indent=" " * len(head),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def batch_text(res: SearchResult) -> str:
     tokens = res.global_batch * res.model.seq_len
+    return (
+        f"{tokens / 1e6:.2f}M tokens/step = {res.global_batch} sequences x {res.model.seq_len} "
+        "tokens"
+    )
+
+
+def runnable_text(res: SearchResult, run: Runnable) -> list[str]:
+    """What dtrain's trainer does with the choice: runs it (its overrides), or the reason it
+    cannot and the best layout it runs, with its step time and overrides."""
+    from .overrides import train_overrides
+
+    if res.best is None:
+        return []
+    if run.refusal is None:
+        overrides, _ = train_overrides(res.best, res.model, res.global_batch, res.precision)
+        return wrapped("dtrain:   ", "runs it: python -m fsdp_scaling " + " ".join(overrides))
+    out = wrapped("dtrain:   ", f"cannot run it ({run.refusal})")
+    alt = run.alt
+    if alt is None or alt.best is None:
+        return out + ["          no layout dtrain runs fits"]
+    gap = 100 * (1 - alt.best.time.tokens_per_s / res.best.time.tokens_per_s)
+    overrides, _ = train_overrides(alt.best, alt.model, alt.global_batch, alt.precision)
+    return out + [
+        *wrapped(
+            "          ",
+            f"its best (--software dtrain): {alt.best.describe()}, step "
+            f"{alt.best.time.total:.3f} s, {gap:.1f}% slower; its overrides:",
+        ),
+        *wrapped("          ", "python -m fsdp_scaling " + " ".join(overrides)),
+    ]
+
+
+def text_report(res: SearchResult, top: int, notes: list[str], runs: list[str] = ()) -> list[str]:
+    """The report; ``runs``: what dtrain's trainer does with the choice (``runnable_text``)."""
     out = [
         f"model:    {describe_model(res.model)}",
         f"cluster:  {describe_cluster(res.cluster)}",
         *([f"power:    {power}"] if (power := describe_power(res.cluster)) else []),
-        f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = "
-        f"{tokens / 1e6:.2f}M tokens/step, {res.precision}",
+        f"batch:    {batch_text(res)}, {res.precision}",
         f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, "
         "--async-tp, --fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's "
         "software moves the cost; --software: the layouts it runs)",
@@ -81,7 +139,7 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
     ]
     if res.best is None:
         return out + [res.reason]
-    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
+    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), *runs]
     why = explain(res, top)[1:]
     return out + (["", "why the runners-up lost:"] + [f"  - {line}" for line in why] if why else [])
 
@@ -226,7 +284,7 @@ def plan_dict(p) -> dict:
     }
 
 
-def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
+def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runnable()) -> dict:
     s, c = res.model, res.cluster
     calib = {
         k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
@@ -254,6 +312,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "power_note": describe_power(c),
         },
         "global_batch": res.global_batch,
+        "global_batch_tokens": res.global_batch * s.seq_len,
         "precision": res.precision,
         "calibration": calib,
         "notes": notes,
@@ -271,17 +330,45 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
         "fits": res.best is not None,
         "reason": res.reason,
         "choice": plan_dict(res.best) if res.best else None,
-        **_overrides_json(res),
+        **_overrides_json(res, run),
         "explanation": explain(res, top),
     }
 
 
-def _overrides_json(res: SearchResult) -> dict:
-    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its
-    notes."""
+def _overrides_json(res: SearchResult, run: Runnable) -> dict:
+    """`train_overrides`: fsdp-scaling overrides (costmodel/overrides.py) that the trainer runs as
+    printed, and their notes: the choice's when ``dtrain_runs``, else (``train_overrides_for``:
+    dtrain_choice) those of the best layout dtrain runs, ``dtrain_choice``, beside the reason
+    (``dtrain_refusal``)."""
     from .overrides import train_overrides
 
+    out = {"dtrain_runs": None, "dtrain_refusal": run.refusal, "dtrain_choice": None}
     if res.best is None:
-        return {"train_overrides": None, "train_overrides_notes": []}
+        return out | {
+            "train_overrides": None,
+            "train_overrides_notes": [],
+            "train_overrides_for": None,
+        }
     overrides, notes = train_overrides(res.best, res.model, res.global_batch, res.precision)
-    return {"train_overrides": overrides, "train_overrides_notes": notes}
+    out["dtrain_runs"] = run.refusal is None
+    if run.refusal is None:
+        return out | {
+            "train_overrides": overrides,
+            "train_overrides_notes": notes,
+            "train_overrides_for": "choice",
+        }
+    alt = run.alt.best if run.alt is not None else None
+    if alt is None:
+        return out | {
+            "train_overrides": None,
+            "train_overrides_notes": [],
+            "train_overrides_for": None,
+        }
+    overrides, notes = train_overrides(alt, run.alt.model, run.alt.global_batch, run.alt.precision)
+    slower = 100 * (1 - alt.time.tokens_per_s / res.best.time.tokens_per_s)
+    out["dtrain_choice"] = plan_dict(alt) | {"slower_than_best_pct": slower}
+    return out | {
+        "train_overrides": overrides,
+        "train_overrides_notes": notes,
+        "train_overrides_for": "dtrain_choice",
+    }
