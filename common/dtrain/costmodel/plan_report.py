@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from .calibration import calibration_inputs
 from .compute import published
-from .explain import explain
+from .explain import _runners_up, explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
 from .shapes import ModelShape, params_text
+from .uncertainty import PLAN_BAND, ErrorBand
 
 
 def calibration_notes(report) -> list[str]:
@@ -65,7 +66,9 @@ def params_size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else params_text(n)
 
 
-def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
+def text_report(
+    res: SearchResult, top: int, notes: list[str], band: ErrorBand = PLAN_BAND
+) -> list[str]:
     tokens = res.global_batch * res.model.seq_len
     out = [
         f"model:    {describe_model(res.model)}",
@@ -82,8 +85,30 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
     if res.best is None:
         return out + [res.reason]
     out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
-    why = explain(res, top)[1:]
+    out += uncertainty_lines(res, top, band)
+    why = explain(res, top, band.time)[1:]
     return out + (["", "why the runners-up lost:"] + [f"  - {line}" for line in why] if why else [])
+
+
+def uncertainty_lines(res: SearchResult, top: int, band: ErrorBand = PLAN_BAND) -> list[str]:
+    """The choice against the backtest's error band: runners-up it cannot tell from the best (a
+    tie), and memory within the memory check's band of the HBM (may run out of memory)."""
+    best, out = res.best, []
+    ties = [
+        p for p in _runners_up(res, top) if band.tie(best.time.tokens_per_s, p.time.tokens_per_s)
+    ]
+    if ties:
+        out.append(
+            f"  tie         {len(ties)} runner-up(s) within {band.time_text()}: measure them"
+        )
+    hbm = res.cluster.gpu.hbm_bytes
+    if band.memory_risk(best.memory.total, hbm):
+        out.append(
+            f"  memory risk at the memory check's {band.memory_low:+.0%} (vs reported peaks) "
+            f"the peak is {band.memory_worst(best.memory.total) / GiB:.0f} GiB > "
+            f"{hbm / GiB:g} GiB HBM"
+        )
+    return out
 
 
 def res_usable(res: SearchResult) -> float:
@@ -133,6 +158,7 @@ def layout_text(
         best = "the unconstrained best" if sw == "any" else f"the best layout {sw} runs"
         out.append(
             f"  vs best     {gap:.1f}% slower than {best}"
+            + (f" (a tie: within {PLAN_BAND.time_text()})" if gap / 100 <= PLAN_BAND.time else "")
             if gap > 0.05
             else f"  vs best     this is {best} (within 0.05%)"
         )
@@ -272,7 +298,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
         "reason": res.reason,
         "choice": plan_dict(res.best) if res.best else None,
         **_overrides_json(res),
-        "explanation": explain(res, top),
+        "explanation": explain(res, top, PLAN_BAND.time),
     }
 
 
