@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from .calibration import calibration_inputs
 from .compute import published
-from .explain import explain
+from .explain import _runners_up, explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
 from .shapes import ModelShape, params_text
+from .uncertainty import PLAN_BAND, ErrorBand
 
 
 def calibration_notes(report) -> list[str]:
@@ -124,8 +125,15 @@ def runnable_text(res: SearchResult, run: Runnable) -> list[str]:
     ]
 
 
-def text_report(res: SearchResult, top: int, notes: list[str], runs: list[str] = ()) -> list[str]:
-    """The report; ``runs``: what dtrain's trainer does with the choice (``runnable_text``)."""
+def text_report(
+    res: SearchResult,
+    top: int,
+    notes: list[str],
+    runs: list[str] = (),
+    band: ErrorBand = PLAN_BAND,
+) -> list[str]:
+    """The report; ``runs``: what dtrain's trainer does with the choice (``runnable_text``);
+    ``band``: the backtest's error band the ties and the memory risk are judged by."""
     out = [
         f"model:    {describe_model(res.model)}",
         f"cluster:  {describe_cluster(res.cluster)}",
@@ -139,9 +147,31 @@ def text_report(res: SearchResult, top: int, notes: list[str], runs: list[str] =
     ]
     if res.best is None:
         return out + [res.reason]
-    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res)), *runs]
-    why = explain(res, top)[1:]
+    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
+    out += uncertainty_lines(res, top, band) + list(runs)
+    why = explain(res, top, band.time)[1:]
     return out + (["", "why the runners-up lost:"] + [f"  - {line}" for line in why] if why else [])
+
+
+def uncertainty_lines(res: SearchResult, top: int, band: ErrorBand = PLAN_BAND) -> list[str]:
+    """The choice against the backtest's error band: runners-up it cannot tell from the best (a
+    tie), and memory within the memory check's band of the HBM (may run out of memory)."""
+    best, out = res.best, []
+    ties = [
+        p for p in _runners_up(res, top) if band.tie(best.time.tokens_per_s, p.time.tokens_per_s)
+    ]
+    if ties:
+        out.append(
+            f"  tie         {len(ties)} runner-up(s) within {band.time_text()}: measure them"
+        )
+    hbm = res.cluster.gpu.hbm_bytes
+    if band.memory_risk(best.memory.total, hbm):
+        out.append(
+            f"  memory risk at the memory check's {band.memory_low:+.0%} (vs reported peaks) "
+            f"the peak is {band.memory_worst(best.memory.total) / GiB:.0f} GiB > "
+            f"{hbm / GiB:g} GiB HBM"
+        )
+    return out
 
 
 def res_usable(res: SearchResult) -> float:
@@ -191,6 +221,7 @@ def layout_text(
         best = "the unconstrained best" if sw == "any" else f"the best layout {sw} runs"
         out.append(
             f"  vs best     {gap:.1f}% slower than {best}"
+            + (f" (a tie: within {PLAN_BAND.time_text()})" if gap / 100 <= PLAN_BAND.time else "")
             if gap > 0.05
             else f"  vs best     this is {best} (within 0.05%)"
         )
@@ -331,7 +362,7 @@ def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runna
         "reason": res.reason,
         "choice": plan_dict(res.best) if res.best else None,
         **_overrides_json(res, run),
-        "explanation": explain(res, top),
+        "explanation": explain(res, top, PLAN_BAND.time),
     }
 
 

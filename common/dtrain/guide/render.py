@@ -14,6 +14,7 @@ from dtrain.costmodel import ModelShape, search
 from dtrain.costmodel.calibrate import CalibrationReport
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.stack import Stack
+from dtrain.costmodel.uncertainty import ErrorBand
 
 from .check import GOAL, Check
 from .matrix import (
@@ -106,7 +107,10 @@ def how_to_read(gpu: str) -> list[str]:
         "sequence parallelism is on whenever TP > 1;",
         "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak)) and memory "
         "per GPU;",
-        "* *does not fit* — no layout fits in HBM.",
+        "* *does not fit* — no layout fits in HBM;",
+        "* `≈` — a tie: another layout is predicted within the backtest's median error (it is "
+        "named on a third line); `⚠` — memory within the memory check's error of HBM (may run "
+        "out of memory). The figures are under *Decision matrix*.",
         "",
         "Columns: node type (8 GPUs on NVLink/NVSwitch, or 8 GPUs talking over PCIe only) × "
         "InfiniBand rate per GPU in Gbit/s. For one specific cluster use `dtrain plan` (same "
@@ -116,10 +120,33 @@ def how_to_read(gpu: str) -> list[str]:
     ]
 
 
-def matrix_tables(cells: list[Cell]) -> list[str]:
+def uncertainty_note(band: ErrorBand, cells: list[Cell]) -> list[str]:
+    """The backtest's error figures beside the matrix, and how many cells each marker flags."""
+    fit = [c for c in cells if c.fits]
+    ties = sum("≈" in cell_text(c, band) for c in fit)
+    risky = sum("⚠" in cell_text(c, band) for c in fit)
+    hbm = max((c.hbm_gib for c in fit), default=0.0)
+    return [
+        f"**How far to trust a cell.** Against the {band.rows} published runs of the backtest "
+        f"(below, `dtrain backtest`) the predicted throughput has a median |error| of "
+        f"{band.time:.1%}, and the predicted memory is {band.memory_low:+.0%} to "
+        f"{band.memory_high:+.0%} of the peak the {band.memory_rows} rows that print one report. "
+        f"So `≈` marks a cell whose fastest other DP×TP×PP layout (named on the cell's third "
+        f"line, with how much slower it is predicted) is within {band.time:.1%}: a tie the model "
+        "cannot break, measure both; knob variants of the same layout (micro-batch, ZeRO stage, "
+        "recompute) are often within it too (`dtrain plan` lists them). `⚠` marks memory that "
+        f"would not fit in the {hbm:g} GiB of HBM if the model is as low as its worst row "
+        f"({band.memory_low:+.0%}: above {hbm * (1 + band.memory_low):.0f} GiB predicted): such "
+        f"a cell may run out of memory; keep a layout with more headroom at hand. {ties} of "
+        f"{len(fit)} cells that fit carry `≈`, {risky} carry `⚠`.",
+        "",
+    ]
+
+
+def matrix_tables(cells: list[Cell], band: ErrorBand | None = None) -> list[str]:
     by_key = {(c.params, c.gpus, c.topology, c.ib_gbit): c for c in cells}
     cols = [(t, ib) for t in TOPOLOGIES for ib in IB_GBITS]
-    out = ["## Decision matrix", ""]
+    out = ["## Decision matrix", ""] + (uncertainty_note(band, cells) if band else [])
     for p in MODELS:
         shape = ModelShape.from_params(p, seq_len=SEQ_LEN)
         out += [
@@ -132,7 +159,9 @@ def matrix_tables(cells: list[Cell]) -> list[str]:
         ]
         for g in GPU_COUNTS:
             out.append(
-                f"| {g} | " + " | ".join(cell_text(by_key[(p, g, t, ib)]) for t, ib in cols) + " |"
+                f"| {g} | "
+                + " | ".join(cell_text(by_key[(p, g, t, ib)], band) for t, ib in cols)
+                + " |"
             )
         out.append("")
     return out
@@ -479,11 +508,16 @@ def render(
         + [f"* {r}" for r in rules]
         + [""]
     )
-    lines += matrix_tables(cells)
+    if backtest_rows is None:
+        from dtrain.costmodel.backtest import backtest
+
+        backtest_rows = backtest(rank=False)
+    band = ErrorBand.from_rows(backtest_rows)  # once per guide: every marker uses these figures
+    lines += matrix_tables(cells, band)
     if long_cells:
         from .long_context import long_context_section
 
-        lines += long_context_section(long_cells)
+        lines += long_context_section(long_cells, band, max(c.hbm_gib for c in cells))
     lines += (
         calibration_table(report) + checks_table(checks, report) + backtest_section(backtest_rows)
     )
