@@ -16,7 +16,16 @@ from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.stack import Stack
 from dtrain.costmodel.uncertainty import ErrorBand
 
-from .check import GOAL, Check
+from .check import (
+    GOAL,
+    MAX_LOAD,
+    MAX_LOAD_SPREAD,
+    MIN_JUDGED_SHARE,
+    VERDICT_FILE,
+    Check,
+    Verdict,
+    verdict,
+)
 from .matrix import (
     GLOBAL_BATCH,
     GPU_COUNTS,
@@ -248,7 +257,35 @@ def _distinct(checks: list[Check]) -> str:
     )
 
 
-def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
+def _verdict_line(checks: list[Check], stored: Verdict | None) -> str:
+    """The bold verdict over the judged rows, or why there is none under this load and the last
+    valid one (``stored``, with its date)."""
+    v = verdict(checks)
+    if v is not None:
+        return f"Goal: within {GOAL:.0%}. **{v.text}.**"
+    judged = sum(c.judged for c in checks)
+    loads = sorted(c.load[0] for c in checks if c.load)
+    seen = f" (load x{loads[0]:.1f}-{loads[-1]:.1f} during the runs)" if loads else ""
+    last = (
+        f"The last valid verdict, made on runs of {stored.date or 'an earlier date'} "
+        f"({stored.results}): **{stored.text}.**"
+        if stored
+        else f"No earlier verdict is stored (`docs/guide/{VERDICT_FILE}`): rerun `dtrain capstone` "
+        "on a quiet host."
+    )
+    return (
+        f"Goal: within {GOAL:.0%}. **The check could not be made under this load:** only {judged} "
+        f"of {len(checks)} rows ran on a host quiet enough to judge{seen}, fewer than "
+        f"{MIN_JUDGED_SHARE:.0%}. " + last
+    )
+
+
+def checks_table(
+    checks: list[Check], report: CalibrationReport, stored: Verdict | None = None
+) -> list[str]:
+    """The predicted-vs-measured section; rows that ran on a loaded host (``Check.judged``) are
+    shown but not judged, and ``stored`` is the last valid verdict, quoted when this one cannot be
+    made."""
     out = ["## Predicted vs measured (local runs)", ""]
     if not checks:
         return out + [
@@ -256,11 +293,11 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
             "no allreduce-bench link). Run `dtrain capstone`.",
             "",
         ]
-    ok = sum(c.within_goal for c in checks)
-    spread = [c for c in checks if c.predicted_range]
+    judged = [c for c in checks if c.judged]
+    spread = [c for c in judged if c.predicted_range]
     loaded = ""
     if spread:
-        in_spread = sum(c.within_spread for c in checks)
+        in_spread = sum(c.within_spread for c in judged)
         widths = sorted(
             (c.predicted_range[1] - c.predicted_range[0]) / c.predicted_s for c in spread
         )
@@ -269,15 +306,24 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
             "(measured, "
             "`dtrain.run.hostload`); across its 10th-90th percentile they move by "
             f"{widths[len(widths) // 2]:.0%} "
-            f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(checks)} reach the goal "
-            "somewhere "
+            f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(judged)} judged rows reach "
+            "the goal somewhere "
             "in that spread."
         )
+    skipped = len(checks) - len(judged)
+    not_judged = (
+        f" {skipped} row{'s' * (skipped != 1)} ran on a loaded host (load factor above "
+        f"x{MAX_LOAD:g}, or its 90th percentile above {MAX_LOAD_SPREAD:g}x its 10th): shown, not "
+        "judged."
+        if skipped
+        else ""
+    )
     out += [
         "The cost model's step time for each local run, with this machine as the 'cluster' (peak "
         "= the measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). "
-        f"Goal: within {GOAL:.0%}. **{ok} of {len(checks)} within the goal.**"
+        + _verdict_line(checks, stored)
         + _distinct(checks)
+        + not_judged
         + loaded
         + _host(report),
         "",
@@ -286,9 +332,16 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
         "|---|---|---|---:|---:|---:|---|---|",
     ]
     for c in checks:
+        if not c.judged:
+            out.append(
+                f"| {c.experiment} | `{c.run}` | {c.what} | {c.measured_s * 1e3:.1f} ms | "
+                f"{c.predicted_s * 1e3:.1f} ms | {c.error:+.0%} (not judged) | {_md(c.basis)} | "
+                f"{_md(c.not_judged)} |"
+            )
+            continue
         mark = "" if c.within_goal else " ✗"
         where = "; ".join(
-            x for x in (c.detail, c.miss_reason(checks) and "miss: " + c.miss_reason(checks)) if x
+            x for x in (c.detail, c.miss_reason(judged) and "miss: " + c.miss_reason(judged)) if x
         )
         rng = (
             f" ({c.predicted_range[0] * 1e3:.0f}–{c.predicted_range[1] * 1e3:.0f})"
@@ -495,6 +548,7 @@ def render(
     gpu: str,
     long_cells: list | None = None,
     backtest_rows: list | None = None,
+    stored_verdict: Verdict | None = None,
 ) -> str:
     lines = header(report, results_label, skipped, gpu) + how_to_read(gpu)
     lines += (
@@ -519,7 +573,9 @@ def render(
 
         lines += long_context_section(long_cells, band, max(c.hbm_gib for c in cells))
     lines += (
-        calibration_table(report) + checks_table(checks, report) + backtest_section(backtest_rows)
+        calibration_table(report)
+        + checks_table(checks, report, stored_verdict)
+        + backtest_section(backtest_rows)
     )
     lines += fp8_section(report, cells, gpu)
     lines += plots_section(plot_paths, guide_path.parent) + limits()
