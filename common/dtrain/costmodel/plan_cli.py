@@ -21,6 +21,7 @@ import math
 import sys
 from dataclasses import replace
 
+from dtrain.core import terminal
 from dtrain.core.checks import one_of
 from dtrain.core.errors import UserError
 
@@ -40,6 +41,7 @@ from .shapes import (
 from .plan_report import (
     calibration_notes,
     framework_gap,
+    fit_lines,
     framework_text,
     layout_json,
     layout_text,
@@ -701,7 +703,7 @@ def run(a) -> int:
         out = to_json(result, a.top, notes, run_it)
         if free is not None:
             out["any_framework"] = {
-                "choice": plan_dict(free.best) if free.best else None,
+                "choice": plan_dict(free.best, free) if free.best else None,
                 "faster_pct": framework_gap(result, free),
             }
         if mine is not None:
@@ -713,7 +715,7 @@ def run(a) -> int:
             lines += [""] + framework_text(result, free)
         if mine is not None:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(mine), tight)
-        print("\n".join(lines))
+        print("\n".join(fit_lines(lines, terminal.width())))
     if mine is not None and mine.best is None:
         print(
             f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the '

@@ -4,6 +4,7 @@ overrides)."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -13,6 +14,13 @@ from .explain import _runners_up, explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
 from .shapes import ModelShape, params_text
+from .timemodel import (
+    EXECUTED_CONVENTION,
+    FLOP_CONVENTION,
+    device_of,
+    executed_flops_per_token,
+    model_flops_per_token,
+)
 from .uncertainty import PLAN_BAND, ErrorBand
 
 
@@ -91,6 +99,25 @@ def wrapped(head: str, text: str, width: int = 100) -> list[str]:
     )
 
 
+_HEAD = re.compile(r"^(\s*- |\s*[a-z][\w/ -]*?(?::\s+|\s{2,})|\s*)")
+
+
+def fit_lines(lines: list[str], width: int = 100) -> list[str]:
+    """Each line within ``width`` columns, wrapped by words under its text: a longer line's head
+    (its label, "model:    ", "  step time   ", or its "  - " bullet) starts it and its
+    continuation lines are indented to the text after the head."""
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        head = _HEAD.match(line).group(1)
+        if len(head) > width // 2:
+            head = head[: len(head) - len(head.lstrip())]
+        out += wrapped(head, line[len(head) :], width) or [line]
+    return out
+
+
 def batch_text(res: SearchResult) -> str:
     tokens = res.global_batch * res.model.seq_len
     return (
@@ -147,7 +174,7 @@ def text_report(
     ]
     if res.best is None:
         return out + [res.reason]
-    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
+    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res), res)]
     out += uncertainty_lines(res, top, band) + list(runs)
     why = explain(res, top, band.time)[1:]
     return out + (["", "why the runners-up lost:"] + [f"  - {line}" for line in why] if why else [])
@@ -178,8 +205,48 @@ def res_usable(res: SearchResult) -> float:
     return res.cluster.gpu.hbm_bytes * (1 - res.headroom) / GiB
 
 
-def plan_lines(p, usable_gib: float) -> list[str]:
-    """The step breakdown, throughput and memory of one plan."""
+def flops(res: SearchResult, p) -> dict:
+    """One plan's FLOP rates per GPU: model FLOPs (``model_flops_per_token``, the MFU
+    convention, ``FLOP_CONVENTION``) and the FLOPs its kernels execute
+    (``executed_flops_per_token``: causal attention half, the recompute counted), against the
+    GPU's dense peak and its measured GEMM peak (dense peak x e_max of the GEMM curve)."""
+    t = p.time
+    fp8 = res.precision == "fp8"
+    gpu = res.cluster.gpu
+    curves = device_of(res.cluster, res.calib, res.stack).kernels.gemm
+    curve = (curves.get("fp8") if fp8 else None) or curves["bf16"]
+    peak = gpu.peak_fp8_flops if fp8 and "fp8" in curves else gpu.peak_bf16_flops
+    executed = executed_flops_per_token(res.model, p.recompute)
+    per_gpu_s = t.total * t.gpus
+    return {
+        "flop_convention": FLOP_CONVENTION,
+        "executed_convention": EXECUTED_CONVENTION,
+        "model_flops_per_token": model_flops_per_token(res.model),
+        "executed_flops_per_token": executed,
+        "executed_tflops_per_gpu": executed * t.tokens / per_gpu_s / 1e12,
+        "peak_tflops": peak / 1e12,
+        "gemm_e_max": curve.e_max,
+        "gemm_peak_tflops": peak * curve.e_max / 1e12,
+    }
+
+
+def flops_lines(res: SearchResult, p) -> list[str]:
+    """Throughput, model TFLOP/s and MFU with their convention named, and beside them the TFLOP/s
+    the kernels execute against the measured GEMM peak."""
+    t, f = p.time, flops(res, p)
+    return wrapped(
+        "  throughput  ",
+        f"{t.tokens_per_s:,.0f} tokens/s; {t.tflops_per_gpu:.0f} TFLOP/s per GPU of model FLOPs, "
+        f"MFU {t.mfu:.1%} ({FLOP_CONVENTION}); executed {f['executed_tflops_per_gpu']:.0f} "
+        f"TFLOP/s per GPU ({EXECUTED_CONVENTION}, recompute={p.recompute}); measured GEMM peak "
+        f"{f['gemm_peak_tflops']:.0f} TFLOP/s ({f['peak_tflops']:.0f} dense x e_max "
+        f"{f['gemm_e_max']:.2f})",
+    )
+
+
+def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[str]:
+    """The step breakdown, throughput and memory of one plan (``res``: its search, for the FLOP
+    rates)."""
     t, m = p.time, p.memory
     c = t.terms
     return [
@@ -196,8 +263,14 @@ def plan_lines(p, usable_gib: float) -> list[str]:
         f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + "
         f"memory-bound {c.memory:.3f} + output layer & loss {c.head:.3f} + recompute "
         f"{c.recompute:.3f} + optimizer {c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
-        f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU "
-        f"(model FLOPs), MFU {t.mfu:.1%}",
+        *(
+            flops_lines(res, p)
+            if res is not None
+            else [
+                f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per "
+                f"GPU (model FLOPs), MFU {t.mfu:.1%}"
+            ]
+        ),
         f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params "
         f"{m.params / GiB:.1f}, grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, "
         f"activations {m.activations / GiB:.1f}, ZeRO-3 buffers {m.buffers / GiB:.1f}",
@@ -210,7 +283,7 @@ def layout_text(
     head = f'your layout "{spec}"'
     if res.best is None:
         return [f"{head}: {res.reason}"]
-    out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib)]
+    out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib, res)]
     if tight:
         out.append(
             "  caution     fits only in the HBM that --headroom keeps free when choosing: it runs "
@@ -266,11 +339,12 @@ def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = F
         "hbm_usable_bytes": res.cluster.gpu.hbm_bytes * (1 - res.headroom),
     }
     if res.best is not None:
-        d.update(plan_dict(res.best), slower_than_best_pct=gap)
+        d.update(plan_dict(res.best, res), slower_than_best_pct=gap)
     return d
 
 
-def plan_dict(p) -> dict:
+def plan_dict(p, res: SearchResult | None = None) -> dict:
+    """One plan as JSON; with ``res`` (its search) also its FLOP rates (``flops``)."""
     t, m = p.time, p.memory
     return {
         "dp": p.dp,
@@ -312,7 +386,7 @@ def plan_dict(p) -> dict:
         "tokens_per_s": t.tokens_per_s,
         "tflops_per_gpu": t.tflops_per_gpu,
         "mfu": t.mfu,
-    }
+    } | (flops(res, p) if res is not None else {})
 
 
 def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runnable()) -> dict:
@@ -360,7 +434,7 @@ def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runna
         "software": res.stack.software,
         "fits": res.best is not None,
         "reason": res.reason,
-        "choice": plan_dict(res.best) if res.best else None,
+        "choice": plan_dict(res.best, res) if res.best else None,
         **_overrides_json(res, run),
         "explanation": explain(res, top, PLAN_BAND.time),
     }
@@ -397,7 +471,7 @@ def _overrides_json(res: SearchResult, run: Runnable) -> dict:
         }
     overrides, notes = train_overrides(alt, run.alt.model, run.alt.global_batch, run.alt.precision)
     slower = 100 * (1 - alt.time.tokens_per_s / res.best.time.tokens_per_s)
-    out["dtrain_choice"] = plan_dict(alt) | {"slower_than_best_pct": slower}
+    out["dtrain_choice"] = plan_dict(alt, run.alt) | {"slower_than_best_pct": slower}
     return out | {
         "train_overrides": overrides,
         "train_overrides_notes": notes,
