@@ -114,9 +114,15 @@ def how_to_read(gpu: str) -> list[str]:
         "micro-batch; `vN` — interleaved pipeline stages; `op rc` — torchtitan's selective op "
         "activation checkpointing, `full rc` — full activation recompute (none when absent); "
         "sequence parallelism is on whenever TP > 1;",
-        "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak)) and memory "
-        "per GPU;",
+        "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak), model FLOPs "
+        "= 6N + 12·L·h·s per token with attention counted non-causal and recompute not counted: "
+        "the convention of PaLM, Megatron-LM and torchtitan; `dtrain plan` also prints the FLOPs "
+        "the kernels execute) and memory per GPU;",
         "* *does not fit* — no layout fits in HBM;",
+        "* the stack: fused kernels and FlashAttention on any framework's layouts (`dtrain plan "
+        "--software any`, ZeRO-1 with pipelining included): a best case. An eager FSDP run or "
+        "torchtitan reaches less; the same cell for your stack is `dtrain plan --params <size> "
+        "--gpus <n> --kernels eager` or `--software torchtitan`;",
         "* `≈` — a tie: another layout is predicted within the backtest's median error (it is "
         "named on a third line); `⚠` — memory within the memory check's error of HBM (may run "
         "out of memory). The figures are under *Decision matrix*.",
