@@ -13,12 +13,11 @@ run (a failed sweep point, a crashed or cancelled job) with the last lines of th
 from __future__ import annotations
 
 import json
+from dtrain.core import terminal
 from pathlib import Path
 
-from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from dtrain.core.files import files_named
 from dtrain.results.loader import find_runs
@@ -132,6 +131,32 @@ def compact_table(
     return out
 
 
+def wide_lines(title: str, cols: list[str], rows: list[list[str]]) -> None:
+    """`--wide`: each run as a block within the terminal's width (at most 100 columns): its short
+    columns on one line, then each long one (path, overrides, Slurm logs) on its own lines, paths
+    broken after a "/" and overrides between words, never inside a name."""
+    console = Console(width=terminal.width(), soft_wrap=True, highlight=False)
+    console.print(title, markup=False)
+    long = {"path", "overrides", "logs"}
+    for row in rows:
+        cells = dict(zip(cols, row))
+        console.print("  ".join(v for k, v in cells.items() if k not in long and v))
+        for k in ("path", "overrides", "logs"):
+            text = cells.get(k, "")
+            if not text:
+                continue
+            words = text.replace("/", "/\0").split("\0") if k != "overrides" else text.split(" ")
+            lines, cur = [], f"    {k:<10}"
+            for w in words:
+                sep = "" if k != "overrides" or cur.endswith(" ") else " "
+                if len(cur) + len(sep) + len(w) > terminal.width() and cur.strip() != k:
+                    lines.append(cur)
+                    cur = " " * 14 + w
+                else:
+                    cur += sep + w
+            console.print("\n".join([*lines, cur]))
+
+
 def refused_sweeps(paths: list[str]) -> list[tuple[Path, dict]]:
     out = []
     for root in map(Path, paths):
@@ -204,14 +229,7 @@ def run(args) -> int:
         rows.append(row)
     title = f"{len(runs)} run(s) under {', '.join(args.paths)}"
     if args.wide:
-        table = Table(title=title, box=box.SIMPLE_HEAD)
-        for col in cols:
-            table.add_column(col)
-        for row in rows:
-            table.add_row(*row)
-        Console(width=None if Console().is_terminal else 10_000).print(
-            table
-        )  # piped: whole paths, no wrap
+        wide_lines(title, cols, rows)
     line = (lambda s: s) if args.wide else clip
     if not args.wide:
         print(line(title))

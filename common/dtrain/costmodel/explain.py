@@ -56,9 +56,10 @@ def _why_slower(p: Plan, best: Plan, cluster: Cluster) -> str:
     return f"compute costs {_ms(deltas['compute'])} more"
 
 
-def explain(result: SearchResult, k: int = 5) -> list[str]:
+def explain(result: SearchResult, k: int = 5, tie: float | None = None) -> list[str]:
     """Sentences: the best plan; why each of the next ``k`` distinct designs (tp, pp, ZeRO stage,
-    recompute) lost; and which designs would have been faster but do not fit in memory."""
+    recompute) lost; and which designs would have been faster but do not fit in memory. ``tie``:
+    a runner-up at most this share slower is called a tie with the best (the model's error)."""
     if result.best is None:
         return [result.reason]
     best = result.best
@@ -68,7 +69,10 @@ def explain(result: SearchResult, k: int = 5) -> list[str]:
     ]
     for p in _runners_up(result, k):
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
-        out.append(f"{p.describe()}: {loss:.1%} slower; {_why_slower(p, best, result.cluster)}")
+        mark = f"a tie within the model's error ({tie:.1%}); " if tie and loss <= tie else ""
+        out.append(
+            f"{p.describe()}: {loss:.1%} slower; {mark}{_why_slower(p, best, result.cluster)}"
+        )
     return out + _without_cp(result) + _faster_but_too_big(result, k)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dtrain.core.layout import checkpointing_of
 
-from .shapes import Layout, ModelShape
+from .shapes import Layout, ModelShape, run_schedule
 
 
 def train_overrides(
@@ -40,9 +40,7 @@ def train_overrides(
 ) -> tuple[list[str], list[str]]:
     """(overrides, notes) for `layout` of `model`; the overrides run as is with fsdp-scaling."""
     world, replicas = layout.gpus, layout.hsdp_replicate
-    schedule = layout.trainer_schedule
-    if schedule == "1f1b" and layout.grad_accum < layout.pp:  # 1f1b needs a micro-batch per stage
-        schedule = "gpipe"
+    schedule = run_schedule(layout)  # 1f1b needs a micro-batch per stage, else gpipe
     out = [
         f"world_size={world}",
         f"train.strategy={layout.strategy}",
@@ -100,3 +98,50 @@ def train_overrides(
             f"vocabulary: the {preset} preset's {PRESETS[preset].vocab_size}, not {model.vocab}"
         )
     return out, notes
+
+
+def trainer_refusal(overrides: list[str]) -> str | None:
+    """Why the trainer refuses ``overrides`` (``train_overrides``' list, read as printed); None
+    when it runs them. The trainer's own rules, called: ``dtrain.parallel.feasibility`` (cp with
+    pp, tp and cp against the model, the pipeline) and ``ParallelDims.of`` (the degrees against
+    world_size), on the GPTConfig the model.* keys build, as ``TrainConfig.validate`` and
+    ``validate_model`` call them."""
+    from dtrain.core.errors import UserError
+    from dtrain.core.nodes import model_config
+    from dtrain.parallel import feasibility as f
+    from dtrain.parallel.mesh import ParallelDims
+
+    values = dict(o.split("=", 1) for o in overrides)
+    train = {k.removeprefix("train."): v for k, v in values.items() if k.startswith("train.")}
+    model = {
+        k.removeprefix("model."): v if k == "model.preset" else int(v)
+        for k, v in values.items()
+        if k.startswith("model.")
+    }
+    tp, pp, cp = (int(train.get(k, 1)) for k in ("tp", "pp", "cp"))
+    impl, sp = train.get("cp_impl", "ring"), train["sequence_parallel"] == "true"
+    micro, batch = int(train["micro_batch"]), int(train["global_batch"])
+    try:
+        cfg = model_config(model)
+        f.check_cp_layout(cp, impl, pp)
+        dims = ParallelDims.of(
+            int(values["world_size"]),
+            tp=tp,
+            pp=pp,
+            strategy=train["strategy"],
+            hsdp_replicate=int(train.get("hsdp_replicate", 1)),
+            cp=cp,
+        )
+        if batch % (micro * dims.dp):
+            return (
+                f"train.global_batch={batch} is not divisible by train.micro_batch x "
+                f"data-parallel ranks = {micro} x {dims.dp}"
+            )
+        f.check_tp_model(cfg, tp, sp)
+        f.check_cp_model(cfg, cp, impl, tp, sp)
+        f.check_pipeline(
+            cfg, pp, train["pp_schedule"], int(train["pp_virtual"]), batch // (micro * dims.dp)
+        )
+    except (UserError, ValueError) as e:
+        return str(e)
+    return None

@@ -21,6 +21,7 @@ import math
 import sys
 from dataclasses import replace
 
+from dtrain.core import terminal
 from dtrain.core.checks import one_of
 from dtrain.core.errors import UserError
 
@@ -40,20 +41,37 @@ from .shapes import (
 from .plan_report import (
     calibration_notes,
     framework_gap,
+    fit_lines,
     framework_text,
     layout_json,
     layout_text,
+    Runnable,
     plan_dict,
     res_usable,
+    runnable_text,
     text_report,
     to_json,
 )
 from .search import SearchResult, search
 
+GLOBAL_BATCH_TOKENS = 1024 * 4096  # the default batch: 1,024 sequences at --seq 4096
+
+
+def global_batch_of(a) -> int:
+    """Sequences per step: --global-batch when given, else the largest power of two of --seq
+    sequences within --global-batch-tokens (at least 1; a power of two splits over the search's
+    power-of-two degrees)."""
+    if a.global_batch is not None:
+        return a.global_batch
+    fit = max(1, a.global_batch_tokens // a.seq)
+    return 1 << (fit.bit_length() - 1)
+
+
 EPILOG = """units: --nvlink-gbps is GB/s per GPU with both directions added (the datasheet's "NVLink
 900 GB/s" for H100 SXM; 600 for A100; a PCIe Gen5 x16 node without NVLink is 128); the cost model
 uses half of it per direction. --ib-gbps is Gbit/s per GPU, the NIC line rate (InfiniBand NDR 400,
-HDR 200); 400 Gbit/s = 50 GB/s. --global-batch counts sequences of --seq tokens.
+HDR 200); 400 Gbit/s = 50 GB/s. --global-batch counts sequences of --seq tokens; without it the
+batch is --global-batch-tokens (4,194,304) in sequences.
 exit codes: 0 plan found, 1 does not fit in memory, 2 bad input."""
 
 
@@ -185,8 +203,15 @@ def add_parser(sub) -> None:
     r.add_argument(
         "--global-batch",
         type=POS_INT,
-        default=1024,
-        help="sequences per optimizer step (default 1024)",
+        default=None,
+        help="sequences per optimizer step (default: from --global-batch-tokens; given, it wins)",
+    )
+    r.add_argument(
+        "--global-batch-tokens",
+        type=POS_INT,
+        default=GLOBAL_BATCH_TOKENS,
+        help=f"tokens per optimizer step (default {GLOBAL_BATCH_TOKENS:,} = 1,024 x 4,096): the "
+        "most sequences of --seq tokens within it, a power of two, at least 1",
     )
     r.add_argument(
         "--precision",
@@ -604,9 +629,34 @@ def layout_result(shape, cluster, a, calib, best: SearchResult, fixed: dict | No
     return res, 100 * (1 - res.best.time.tokens_per_s / best.best.time.tokens_per_s), tight
 
 
+def runnable(result: SearchResult, a, calib, cluster) -> Runnable:
+    """Whether the trainer runs the choice's overrides as printed (its own checks:
+    ``overrides.trainer_refusal``); when not, the search again restricted to ``--software
+    dtrain``, whose best it runs."""
+    from .overrides import train_overrides, trainer_refusal
+
+    if result.best is None:
+        return Runnable()
+    overrides, _ = train_overrides(result.best, result.model, result.global_batch, a.precision)
+    why = trainer_refusal(overrides)
+    if why is None:
+        return Runnable()
+    alt = search(
+        result.model,
+        cluster,
+        result.global_batch,
+        calib,
+        precision=a.precision,
+        headroom=a.headroom,
+        stack=replace(stack_of(a), software="dtrain"),
+    )
+    return Runnable(why, alt)
+
+
 def run(a) -> int:
     from .links import default_links
 
+    a.global_batch = global_batch_of(a)
     shape, datasheet = shape_from_args(a), cluster_from_args(a)
     if a.precision == "fp8" and datasheet.gpu.fp8_tflops is None:
         raise UserError(f"{datasheet.gpu.name} has no FP8 tensor cores: use --precision bf16")
@@ -634,6 +684,7 @@ def run(a) -> int:
         stack=stack,
     )
     check_batch_splits(result)
+    run_it = runnable(result, a, calib, cluster)
     mine, gap, tight = layout_result(shape, cluster, a, calib, result, fixed)
     free = (
         None
@@ -649,22 +700,22 @@ def run(a) -> int:
         )
     )
     if a.json:
-        out = to_json(result, a.top, notes)
+        out = to_json(result, a.top, notes, run_it)
         if free is not None:
             out["any_framework"] = {
-                "choice": plan_dict(free.best) if free.best else None,
+                "choice": plan_dict(free.best, free) if free.best else None,
                 "faster_pct": framework_gap(result, free),
             }
         if mine is not None:
             out["layout"] = layout_json(mine, gap, a.layout, tight)
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        lines = text_report(result, a.top, notes)
+        lines = text_report(result, a.top, notes, runnable_text(result, run_it))
         if free is not None:
             lines += [""] + framework_text(result, free)
         if mine is not None:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(mine), tight)
-        print("\n".join(lines))
+        print("\n".join(fit_lines(lines, terminal.width())))
     if mine is not None and mine.best is None:
         print(
             f'error: your layout "{a.layout}" cannot run: {mine.reason}: change --layout (the '

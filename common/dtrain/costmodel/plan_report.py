@@ -4,12 +4,24 @@ overrides)."""
 
 from __future__ import annotations
 
+import re
+import textwrap
+from dataclasses import dataclass
+
 from .calibration import calibration_inputs
 from .compute import published
-from .explain import explain
+from .explain import _runners_up, explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
 from .shapes import ModelShape, params_text
+from .timemodel import (
+    EXECUTED_CONVENTION,
+    FLOP_CONVENTION,
+    device_of,
+    executed_flops_per_token,
+    model_flops_per_token,
+)
+from .uncertainty import PLAN_BAND, ErrorBand
 
 
 def calibration_notes(report) -> list[str]:
@@ -65,14 +77,95 @@ def params_size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else params_text(n)
 
 
-def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Runnable:
+    """Whether dtrain's trainer runs the choice's overrides as printed: ``refusal`` is the
+    trainer's reason when it does not (``overrides.trainer_refusal``), and ``alt`` then the search
+    restricted to ``--software dtrain``, whose best layout the trainer runs."""
+
+    refusal: str | None = None
+    alt: SearchResult | None = None
+
+
+def wrapped(head: str, text: str, width: int = 100) -> list[str]:
+    """``head`` + ``text`` wrapped by words within ``width`` columns, continued under the text."""
+    return textwrap.wrap(
+        text,
+        width,
+        initial_indent=head,
+        subsequent_indent=" " * len(head),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+_HEAD = re.compile(r"^(\s*- |\s*[a-z][\w/ -]*?(?::\s+|\s{2,})|\s*)")
+
+
+def fit_lines(lines: list[str], width: int = 100) -> list[str]:
+    """Each line within ``width`` columns, wrapped by words under its text: a longer line's head
+    (its label, "model:    ", "  step time   ", or its "  - " bullet) starts it and its
+    continuation lines are indented to the text after the head."""
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        head = _HEAD.match(line).group(1)
+        if len(head) > width // 2:
+            head = head[: len(head) - len(head.lstrip())]
+        out += wrapped(head, line[len(head) :], width) or [line]
+    return out
+
+
+def batch_text(res: SearchResult) -> str:
     tokens = res.global_batch * res.model.seq_len
+    return (
+        f"{tokens / 1e6:.2f}M tokens/step = {res.global_batch} sequences x {res.model.seq_len} "
+        "tokens"
+    )
+
+
+def runnable_text(res: SearchResult, run: Runnable) -> list[str]:
+    """What dtrain's trainer does with the choice: runs it (its overrides), or the reason it
+    cannot and the best layout it runs, with its step time and overrides."""
+    from .overrides import train_overrides
+
+    if res.best is None:
+        return []
+    if run.refusal is None:
+        overrides, _ = train_overrides(res.best, res.model, res.global_batch, res.precision)
+        return wrapped("dtrain:   ", "runs it: python -m fsdp_scaling " + " ".join(overrides))
+    out = wrapped("dtrain:   ", f"cannot run it ({run.refusal})")
+    alt = run.alt
+    if alt is None or alt.best is None:
+        return out + ["          no layout dtrain runs fits"]
+    gap = 100 * (1 - alt.best.time.tokens_per_s / res.best.time.tokens_per_s)
+    overrides, _ = train_overrides(alt.best, alt.model, alt.global_batch, alt.precision)
+    return out + [
+        *wrapped(
+            "          ",
+            f"its best (--software dtrain): {alt.best.describe()}, step "
+            f"{alt.best.time.total:.3f} s, {gap:.1f}% slower; its overrides:",
+        ),
+        *wrapped("          ", "python -m fsdp_scaling " + " ".join(overrides)),
+    ]
+
+
+def text_report(
+    res: SearchResult,
+    top: int,
+    notes: list[str],
+    runs: list[str] = (),
+    band: ErrorBand = PLAN_BAND,
+) -> list[str]:
+    """The report; ``runs``: what dtrain's trainer does with the choice (``runnable_text``);
+    ``band``: the backtest's error band the ties and the memory risk are judged by."""
     out = [
         f"model:    {describe_model(res.model)}",
         f"cluster:  {describe_cluster(res.cluster)}",
         *([f"power:    {power}"] if (power := describe_power(res.cluster)) else []),
-        f"batch:    {res.global_batch} sequences x {res.model.seq_len} tokens = "
-        f"{tokens / 1e6:.2f}M tokens/step, {res.precision}",
+        f"batch:    {batch_text(res)}, {res.precision}",
         f"stack:    {res.stack.describe()} (--attention, --kernels, --loss, --tp-overlap, "
         "--async-tp, --fp8-all-gather, --grad-reduce, --optimizer-states, --dp-sync: the run's "
         "software moves the cost; --software: the layouts it runs)",
@@ -81,17 +174,79 @@ def text_report(res: SearchResult, top: int, notes: list[str]) -> list[str]:
     ]
     if res.best is None:
         return out + [res.reason]
-    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res))]
-    why = explain(res, top)[1:]
+    out += [f"choice:   {res.best.describe()}", *plan_lines(res.best, res_usable(res), res)]
+    out += uncertainty_lines(res, top, band) + list(runs)
+    why = explain(res, top, band.time)[1:]
     return out + (["", "why the runners-up lost:"] + [f"  - {line}" for line in why] if why else [])
+
+
+def uncertainty_lines(res: SearchResult, top: int, band: ErrorBand = PLAN_BAND) -> list[str]:
+    """The choice against the backtest's error band: runners-up it cannot tell from the best (a
+    tie), and memory within the memory check's band of the HBM (may run out of memory)."""
+    best, out = res.best, []
+    ties = [
+        p for p in _runners_up(res, top) if band.tie(best.time.tokens_per_s, p.time.tokens_per_s)
+    ]
+    if ties:
+        out.append(
+            f"  tie         {len(ties)} runner-up(s) within {band.time_text()}: measure them"
+        )
+    hbm = res.cluster.gpu.hbm_bytes
+    if band.memory_risk(best.memory.total, hbm):
+        out.append(
+            f"  memory risk at the memory check's {band.memory_low:+.0%} (vs reported peaks) "
+            f"the peak is {band.memory_worst(best.memory.total) / GiB:.0f} GiB > "
+            f"{hbm / GiB:g} GiB HBM"
+        )
+    return out
 
 
 def res_usable(res: SearchResult) -> float:
     return res.cluster.gpu.hbm_bytes * (1 - res.headroom) / GiB
 
 
-def plan_lines(p, usable_gib: float) -> list[str]:
-    """The step breakdown, throughput and memory of one plan."""
+def flops(res: SearchResult, p) -> dict:
+    """One plan's FLOP rates per GPU: model FLOPs (``model_flops_per_token``, the MFU
+    convention, ``FLOP_CONVENTION``) and the FLOPs its kernels execute
+    (``executed_flops_per_token``: causal attention half, the recompute counted), against the
+    GPU's dense peak and its measured GEMM peak (dense peak x e_max of the GEMM curve)."""
+    t = p.time
+    fp8 = res.precision == "fp8"
+    gpu = res.cluster.gpu
+    curves = device_of(res.cluster, res.calib, res.stack).kernels.gemm
+    curve = (curves.get("fp8") if fp8 else None) or curves["bf16"]
+    peak = gpu.peak_fp8_flops if fp8 and "fp8" in curves else gpu.peak_bf16_flops
+    executed = executed_flops_per_token(res.model, p.recompute)
+    per_gpu_s = t.total * t.gpus
+    return {
+        "flop_convention": FLOP_CONVENTION,
+        "executed_convention": EXECUTED_CONVENTION,
+        "model_flops_per_token": model_flops_per_token(res.model),
+        "executed_flops_per_token": executed,
+        "executed_tflops_per_gpu": executed * t.tokens / per_gpu_s / 1e12,
+        "peak_tflops": peak / 1e12,
+        "gemm_e_max": curve.e_max,
+        "gemm_peak_tflops": peak * curve.e_max / 1e12,
+    }
+
+
+def flops_lines(res: SearchResult, p) -> list[str]:
+    """Throughput, model TFLOP/s and MFU with their convention named, and beside them the TFLOP/s
+    the kernels execute against the measured GEMM peak."""
+    t, f = p.time, flops(res, p)
+    return wrapped(
+        "  throughput  ",
+        f"{t.tokens_per_s:,.0f} tokens/s; {t.tflops_per_gpu:.0f} TFLOP/s per GPU of model FLOPs, "
+        f"MFU {t.mfu:.1%} ({FLOP_CONVENTION}); executed {f['executed_tflops_per_gpu']:.0f} "
+        f"TFLOP/s per GPU ({EXECUTED_CONVENTION}, recompute={p.recompute}); measured GEMM peak "
+        f"{f['gemm_peak_tflops']:.0f} TFLOP/s ({f['peak_tflops']:.0f} dense x e_max "
+        f"{f['gemm_e_max']:.2f})",
+    )
+
+
+def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[str]:
+    """The step breakdown, throughput and memory of one plan (``res``: its search, for the FLOP
+    rates)."""
     t, m = p.time, p.memory
     c = t.terms
     return [
@@ -108,8 +263,14 @@ def plan_lines(p, usable_gib: float) -> list[str]:
         f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + "
         f"memory-bound {c.memory:.3f} + output layer & loss {c.head:.3f} + recompute "
         f"{c.recompute:.3f} + optimizer {c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
-        f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU "
-        f"(model FLOPs), MFU {t.mfu:.1%}",
+        *(
+            flops_lines(res, p)
+            if res is not None
+            else [
+                f"  throughput  {t.tokens_per_s:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per "
+                f"GPU (model FLOPs), MFU {t.mfu:.1%}"
+            ]
+        ),
         f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params "
         f"{m.params / GiB:.1f}, grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, "
         f"activations {m.activations / GiB:.1f}, ZeRO-3 buffers {m.buffers / GiB:.1f}",
@@ -122,7 +283,7 @@ def layout_text(
     head = f'your layout "{spec}"'
     if res.best is None:
         return [f"{head}: {res.reason}"]
-    out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib)]
+    out = [f"{head}: best completion {res.best.describe()}", *plan_lines(res.best, usable_gib, res)]
     if tight:
         out.append(
             "  caution     fits only in the HBM that --headroom keeps free when choosing: it runs "
@@ -133,6 +294,7 @@ def layout_text(
         best = "the unconstrained best" if sw == "any" else f"the best layout {sw} runs"
         out.append(
             f"  vs best     {gap:.1f}% slower than {best}"
+            + (f" (a tie: within {PLAN_BAND.time_text()})" if gap / 100 <= PLAN_BAND.time else "")
             if gap > 0.05
             else f"  vs best     this is {best} (within 0.05%)"
         )
@@ -177,11 +339,12 @@ def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = F
         "hbm_usable_bytes": res.cluster.gpu.hbm_bytes * (1 - res.headroom),
     }
     if res.best is not None:
-        d.update(plan_dict(res.best), slower_than_best_pct=gap)
+        d.update(plan_dict(res.best, res), slower_than_best_pct=gap)
     return d
 
 
-def plan_dict(p) -> dict:
+def plan_dict(p, res: SearchResult | None = None) -> dict:
+    """One plan as JSON; with ``res`` (its search) also its FLOP rates (``flops``)."""
     t, m = p.time, p.memory
     return {
         "dp": p.dp,
@@ -223,10 +386,10 @@ def plan_dict(p) -> dict:
         "tokens_per_s": t.tokens_per_s,
         "tflops_per_gpu": t.tflops_per_gpu,
         "mfu": t.mfu,
-    }
+    } | (flops(res, p) if res is not None else {})
 
 
-def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
+def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runnable()) -> dict:
     s, c = res.model, res.cluster
     calib = {
         k: {"value": getattr(res.calib, k).value, "provenance": getattr(res.calib, k).provenance}
@@ -254,6 +417,7 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
             "power_note": describe_power(c),
         },
         "global_batch": res.global_batch,
+        "global_batch_tokens": res.global_batch * s.seq_len,
         "precision": res.precision,
         "calibration": calib,
         "notes": notes,
@@ -270,18 +434,46 @@ def to_json(res: SearchResult, top: int, notes: list[str]) -> dict:
         "software": res.stack.software,
         "fits": res.best is not None,
         "reason": res.reason,
-        "choice": plan_dict(res.best) if res.best else None,
-        **_overrides_json(res),
-        "explanation": explain(res, top),
+        "choice": plan_dict(res.best, res) if res.best else None,
+        **_overrides_json(res, run),
+        "explanation": explain(res, top, PLAN_BAND.time),
     }
 
 
-def _overrides_json(res: SearchResult) -> dict:
-    """`train_overrides`: the choice as fsdp-scaling overrides (costmodel/overrides.py), and its
-    notes."""
+def _overrides_json(res: SearchResult, run: Runnable) -> dict:
+    """`train_overrides`: fsdp-scaling overrides (costmodel/overrides.py) that the trainer runs as
+    printed, and their notes: the choice's when ``dtrain_runs``, else (``train_overrides_for``:
+    dtrain_choice) those of the best layout dtrain runs, ``dtrain_choice``, beside the reason
+    (``dtrain_refusal``)."""
     from .overrides import train_overrides
 
+    out = {"dtrain_runs": None, "dtrain_refusal": run.refusal, "dtrain_choice": None}
     if res.best is None:
-        return {"train_overrides": None, "train_overrides_notes": []}
+        return out | {
+            "train_overrides": None,
+            "train_overrides_notes": [],
+            "train_overrides_for": None,
+        }
     overrides, notes = train_overrides(res.best, res.model, res.global_batch, res.precision)
-    return {"train_overrides": overrides, "train_overrides_notes": notes}
+    out["dtrain_runs"] = run.refusal is None
+    if run.refusal is None:
+        return out | {
+            "train_overrides": overrides,
+            "train_overrides_notes": notes,
+            "train_overrides_for": "choice",
+        }
+    alt = run.alt.best if run.alt is not None else None
+    if alt is None:
+        return out | {
+            "train_overrides": None,
+            "train_overrides_notes": [],
+            "train_overrides_for": None,
+        }
+    overrides, notes = train_overrides(alt, run.alt.model, run.alt.global_batch, run.alt.precision)
+    slower = 100 * (1 - alt.time.tokens_per_s / res.best.time.tokens_per_s)
+    out["dtrain_choice"] = plan_dict(alt, run.alt) | {"slower_than_best_pct": slower}
+    return out | {
+        "train_overrides": overrides,
+        "train_overrides_notes": notes,
+        "train_overrides_for": "dtrain_choice",
+    }

@@ -28,7 +28,7 @@ from functools import lru_cache
 from .hardware import GiB, Cluster
 from .software import SOFTWARE, Software
 from .stack import Stack
-from .shapes import RECOMPUTE, Layout, ModelShape, parallel_refusal
+from .shapes import RECOMPUTE, Layout, ModelShape, parallel_refusal, pipeline_refusal, run_schedule
 from .memory import MemoryBreakdown, memory_for, model_state_bytes
 from .calibration import Calibration
 from .timemodel import StepTime, step_model, step_time
@@ -310,6 +310,16 @@ def _interleaving_runs(s: Space, c: dict) -> bool:
     )
 
 
+def _pipeline_runs(s: Space, c: dict) -> bool:
+    """A software with the trainer's rules (dtrain) pipelines these stages as its
+    ``dtrain.parallel.feasibility.check_pipeline`` allows, with the schedule the overrides run."""
+    pp, v, accum = c["pp"], c["virtual_stages"], c["grad_accum"]
+    if not s.runs.trainer_rules or pp == 1:
+        return True
+    lay = Layout(pp=pp, pp_virtual=v, pp_schedule=c["pp_schedule"], grad_accum=accum)
+    return not pipeline_refusal(s.model.n_layer, pp, run_schedule(lay), v, accum)
+
+
 # The layouts searched, outermost first: their order is the order the layouts are tried in (ties in
 # the ranking keep it). A value may depend on those chosen before it. Names are LAYOUT_FIELDS'
 # (``fixed`` pins them) and grad_accum. A field with one value (dp, grad_accum, dp_replicate,
@@ -374,6 +384,7 @@ FILTERS = (
     ),
     Filter("interleaving fits the layers and micro-batches", "virtual_stages", _interleaving_fits),
     Filter("the software interleaves these stages", "virtual_stages", _interleaving_runs),
+    Filter("the trainer pipelines these stages", "pp_schedule", _pipeline_runs),
     # all-to-all swaps sequence shards for head shards: tp's heads must split over cp
     Filter(
         "Ulysses splits tp's heads over cp",

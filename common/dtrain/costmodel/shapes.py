@@ -310,3 +310,36 @@ def parallel_refusal(
             text = text.replace(trainer, plan)
         return text
     return None
+
+
+@dataclass(frozen=True)
+class _TrainerPipelineModel:
+    """The fields of a ``GPTConfig`` that the trainer's pipeline rules read (the plan's overrides
+    set model.preset=small, whose embeddings are untied)."""
+
+    n_layer: int
+    tie_embeddings: bool = False
+
+
+@lru_cache(maxsize=4096)
+def pipeline_refusal(
+    n_layer: int, pp: int, schedule: str, virtual: int, micro_batches: int
+) -> str | None:
+    """Why the trainer refuses to pipeline ``n_layer`` layers over ``pp`` stages of ``virtual``
+    chunks with ``schedule`` (its train.pp_schedule) and ``micro_batches`` per step; None when it
+    runs them. The trainer's own ``dtrain.parallel.feasibility.check_pipeline``, called."""
+    from dtrain.core.errors import UserError
+    from dtrain.parallel.feasibility import check_pipeline
+
+    try:
+        check_pipeline(_TrainerPipelineModel(n_layer), pp, schedule, virtual, micro_batches)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def run_schedule(layout: Layout) -> str:
+    """The train.pp_schedule the plan's overrides run ``layout`` with: its ``trainer_schedule``,
+    or gpipe where 1F1B has fewer micro-batches than stages (the trainer's 1f1b needs >= pp)."""
+    schedule = layout.trainer_schedule
+    return "gpipe" if schedule == "1f1b" and layout.grad_accum < layout.pp else schedule

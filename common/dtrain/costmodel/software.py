@@ -14,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.core.checks import one_of
+from dtrain.core.errors import UserError
 from dtrain.core.layout import CP_IMPLS
-from dtrain.parallel.feasibility import OWN_CP_IMPLS
+from dtrain.parallel.feasibility import OWN_CP_IMPLS, check_cp_layout
+
+from .shapes import pipeline_refusal
 
 __all__ = ["Software", "SOFTWARE", "software", "unsupported"]
 
@@ -37,7 +40,10 @@ class Software:
     (Megatron's schedules.py: their count must be a multiple of pp when v > 1); ``kv_shards``:
     its TP shards whole KV heads, so tp must divide them (Megatron's attention.py
     ``divide(num_query_groups, tp)``; torchtitan's views each rank's K, V as whole heads);
-    without it (dtrain, "any") a tp above the KV heads replicates them."""
+    without it (dtrain, "any") a tp above the KV heads replicates them; ``trainer_rules``: its
+    pipeline rules are this project's trainer's (``dtrain.parallel.feasibility.check_pipeline``,
+    called through ``shapes.pipeline_refusal``: pp·v stage chunks of at least one layer each,
+    enough micro-batches for the schedule)."""
 
     name: str
     zero: tuple[int, ...]
@@ -54,6 +60,7 @@ class Software:
     even_split: str = "never"
     interleaved_groups: bool = False
     kv_shards: bool = False
+    trainer_rules: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -62,6 +69,16 @@ class Software:
         """Whether it splits ``n_layer`` layers over ``pp`` stages of ``v`` chunks each."""
         even = self.even_split == "always" or (self.even_split == "interleaved" and v > 1)
         return not even or n_layer % (pp * v) == 0
+
+
+def _trainer_allows(check, *args) -> bool:
+    """Whether the trainer's ``check`` (a ``dtrain.parallel.feasibility`` rule) passes ``args``:
+    the "dtrain" row reads its rules from the trainer rather than restating them."""
+    try:
+        check(*args)
+    except UserError:
+        return False
+    return True
 
 
 SOFTWARE = {
@@ -160,10 +177,12 @@ SOFTWARE = {
             "this project's trainer (costmodel/overrides.py): ddp, zero2, zero3 (no "
             "optimizer-only sharding; under PP FSDP reduces after the last backward, priced as "
             "zero=3), activation_checkpointing none|op|block, cp_impl ring|ulysses|torch, "
-            "interleaved 1F1B, hsdp; it refuses cp together with pp",
-            cp_with_pp=False,
+            "interleaved 1F1B, hsdp; cp with pp and the pipeline's layers and micro-batches as "
+            "dtrain.parallel.feasibility rules them (check_cp_layout, check_pipeline)",
+            cp_with_pp=_trainer_allows(check_cp_layout, 2, "ring", 2),
             hsdp=True,
             zero2_regathers=True,
+            trainer_rules=True,
         ),
     )
 }
@@ -211,6 +230,8 @@ def unsupported(
     if kv_heads and sw.kv_shards and kv_heads % tp:
         return f"tp={tp} with {kv_heads} KV heads (it shards whole KV heads: tp must divide them)"
     v = fields.get("virtual_stages", 1)
+    if sw.trainer_rules and pp and n_layer and n_layer < pp * v:
+        return pipeline_refusal(n_layer, pp, "interleaved_1f1b" if v > 1 else "gpipe", v, pp)
     if pp and n_layer and not sw.splits(n_layer, pp, v):
         how = "its interleaved schedule splits" if sw.even_split == "interleaved" else "it splits"
         return (

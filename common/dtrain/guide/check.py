@@ -7,9 +7,21 @@ the guide's text and plots read rows without it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 GOAL = 0.15
+# A run is judged only when the host was quiet enough during its timed steps: its measured load
+# factor (``dtrain.run.hostload``: (cpu + wait) / cpu, 1 = idle) at most MAX_LOAD, and its 90th
+# percentile at most MAX_LOAD_SPREAD times its 10th. Beyond that the prediction's spread is wider
+# than the goal can be checked against (a capstone at load 3-5 on 2 cores: x2-3, a +-60% band);
+# an idle 2-core capstone measures x1.00-1.10 with spreads up to 1.65.
+MAX_LOAD = 1.5
+MAX_LOAD_SPREAD = 1.8
+# the verdict needs at least this share of the rows judged; else the guide keeps the last valid one
+MIN_JUDGED_SHARE = 0.5
+VERDICT_FILE = "local-check.json"  # the last valid verdict, beside the guide's plots
 CALLBACKS_NOTE = "not modelled: per-step callbacks on"  # TrainingMeasurement.step_callbacks
 
 
@@ -26,6 +38,28 @@ class Check:
         None  # at the 10th / 90th percentile of the measured load
     )
     copies: tuple[str, ...] = ()  # folders repeating this run's guide inputs, checked once
+    load: tuple[float, float, float] | None = None  # the run's measured load: median, 10th, 90th
+
+    @property
+    def judged(self) -> bool:
+        """The host was quiet enough during the run to check the model against it (``MAX_LOAD``,
+        ``MAX_LOAD_SPREAD``); a run without a measured load is judged."""
+        if self.load is None:
+            return True
+        median, low, high = self.load
+        return median <= MAX_LOAD and high <= MAX_LOAD_SPREAD * max(low, 1.0)
+
+    @property
+    def not_judged(self) -> str:
+        """Why the row is not judged ("" when it is)."""
+        if self.judged:
+            return ""
+        median, low, high = self.load
+        return (
+            f"not judged: the host was loaded (x{median:.2f} during the run, {low:.2f}-{high:.2f} "
+            f"at its 10th-90th percentile; judged up to x{MAX_LOAD:g} and a {MAX_LOAD_SPREAD:g}x "
+            "spread)"
+        )
 
     @property
     def error(self) -> float:
@@ -95,3 +129,56 @@ class Check:
         return "the run computed faster than the single-process probe predicts" + (
             "" if self.predicted_range else " (less load at run time)"
         )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The local check's verdict: ``within`` of ``judged`` judged rows within the goal, of ``rows``
+    rows; ``date``: when the newest checked run ran, ``results``: what the guide read."""
+
+    within: int
+    judged: int
+    rows: int
+    date: str
+    results: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.within} of {self.judged} within the goal" + (
+            f" ({self.rows - self.judged} not judged: loaded host)"
+            if self.judged < self.rows
+            else ""
+        )
+
+
+def verdict(checks: list[Check], date: str = "", results: str = "") -> Verdict | None:
+    """The verdict over the judged rows; None when too few could be judged (``MIN_JUDGED_SHARE``):
+    the check could not be made under this load."""
+    judged = [c for c in checks if c.judged]
+    if not checks or not judged or len(judged) < MIN_JUDGED_SHARE * len(checks):
+        return None
+    return Verdict(sum(c.within_goal for c in judged), len(judged), len(checks), date, results)
+
+
+def save_verdict(folder: str | Path, v: Verdict) -> Path:
+    """Write ``v`` as the last valid verdict (``VERDICT_FILE`` in the guide's plots folder)."""
+    from dtrain.results.metrics import write_json_atomic
+
+    path = Path(folder) / VERDICT_FILE
+    write_json_atomic(path, {"written_by": "dtrain guide", **asdict(v)})
+    return path
+
+
+def load_verdict(folder: str | Path) -> Verdict | None:
+    """The last valid verdict stored in ``folder`` (None when there is none or it is unreadable)."""
+    try:
+        data = json.loads((Path(folder) / VERDICT_FILE).read_text())
+        return Verdict(
+            int(data["within"]),
+            int(data["judged"]),
+            int(data["rows"]),
+            str(data["date"]),
+            str(data["results"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

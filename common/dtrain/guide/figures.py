@@ -16,6 +16,8 @@ from dtrain.core.errors import UserError
 from dtrain.results import plots
 from dtrain.results.metrics import write_json_atomic
 
+from .check import VERDICT_FILE
+
 from .check import GOAL, Check
 from .matrix import GPU_COUNTS, IB_GBITS, MODELS, Cell, model_label
 
@@ -235,8 +237,9 @@ def check_plots_dir(out_dir: Path, with_local: bool, shown: str) -> None:
         raise UserError(
             f"{shown} holds {out_dir / MANIFEST} that dtrain guide did not write: {fix}"
         )
-    names = [n for n in FIGURES if with_local or n not in LOCAL_ONLY]
-    for path in (out_dir / f"{n}.png" for n in names):
+    names = [f"{n}.png" for n in FIGURES if with_local or n not in LOCAL_ONLY]
+    names += [VERDICT_FILE] if with_local else []
+    for path in (out_dir / n for n in names):
         if path.is_symlink() or path.is_dir() or (path.exists() and not _ours(path, manifest)):
             raise UserError(f"{shown} holds {path} that dtrain guide did not write: {fix}")
 
@@ -252,6 +255,19 @@ def _record(out_dir: Path, made: list[Path | None]) -> None:
         if stale.is_file() and not stale.is_symlink() and _ours(stale, manifest):
             stale.unlink()  # no local runs this time: an earlier generation's plot would mislead
         manifest.pop(stale.name, None)  # gone, or the user's: never touched again
+    write_json_atomic(out_dir / MANIFEST, {"written_by": "dtrain guide", "plots": manifest})
+
+
+def ours(out_dir: Path, name: str) -> bool:
+    """``out_dir/name`` is a file the guide wrote and listed, unchanged since."""
+    path, manifest = Path(out_dir) / name, read_manifest(out_dir) or {}
+    return path.is_file() and not path.is_symlink() and _ours(path, manifest)
+
+
+def record_file(out_dir: Path, path: Path) -> None:
+    """List another file the guide wrote into ``out_dir`` (the local check's verdict)."""
+    manifest = read_manifest(out_dir) or {}
+    manifest[path.name] = _sha256(path)
     write_json_atomic(out_dir / MANIFEST, {"written_by": "dtrain guide", "plots": manifest})
 
 

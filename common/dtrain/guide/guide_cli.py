@@ -157,13 +157,15 @@ def generate(
             from .local_check import local_checks
 
             checks = local_checks(report, base)
-        plot_paths = draw_all(cells, checks, plots_dir, pool)
+        # the plot shows the judged rows only: a loaded run's spread would only mislead
+        plot_paths = draw_all(cells, [c for c in checks if c.judged], plots_dir, pool)
         backtest_rows = backtest_async.get() if backtest_async else None
     finally:
         if pool is not None:
             pool.close()
             pool.join()
     label = ", ".join(display_path(Path(r), base) for r in results) or "(none: --no-results)"
+    stored = keep_verdict(report, checks, plots_dir, label)
     text = render(
         report,
         cells,
@@ -176,6 +178,7 @@ def generate(
         gpu,
         long_cells,
         backtest_rows,
+        stored,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text)
@@ -187,6 +190,23 @@ def generate(
             f"{len(report.runs)} runs read)"
         )
     return out, plot_paths
+
+
+def keep_verdict(report, checks: list, plots_dir: Path, label: str):
+    """Store the local check's verdict when it could be made (``check.verdict``: enough rows ran
+    on a quiet host) as the last valid one (``check.VERDICT_FILE`` beside the plots, listed in
+    their manifest); else return the stored one, if the guide wrote it, for the guide to quote."""
+    from .check import VERDICT_FILE, load_verdict, save_verdict, verdict
+    from .figures import ours, record_file
+
+    if not checks:
+        return None
+    dates = [str(ri.source.date) for ri in report.inputs if not ri.source.on_gpu]
+    v = verdict(checks, max(dates, default="")[:10], label)
+    if v is not None:
+        record_file(plots_dir, save_verdict(plots_dir, v))
+        return None
+    return load_verdict(plots_dir) if ours(plots_dir, VERDICT_FILE) else None
 
 
 def run(args) -> int:

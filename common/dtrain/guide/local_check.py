@@ -200,6 +200,12 @@ class _Probe:
             f"; load x{lf:.2f} measured during the run ({lo:.2f}-{hi:.2f})",
         )
 
+    def measured(self, run: str) -> tuple[float, float, float] | None:
+        """The run's measured load (median, 10th, 90th percentile factor), if the probe has it:
+        whether the row is judged (``Check.judged``), used in its prediction or not."""
+        load = self.loads.get(run)
+        return load and (load["load_factor"], load["low"], load["high"])
+
     def overhead(self, kind: str, match: dict, micro_batch: int, run_peak: float) -> float | None:
         """The measured overhead of this model, scaled by probe peak / run peak: on shared cores the
         run's own matmul probe says how much slower everything ran at the time (load)."""
@@ -435,6 +441,7 @@ def fsdp_check(
         basis,
         _fsdp_detail(m, t),
         _spread(step, spread),
+        load=probe.measured(r.run) if probe else None,
     )
 
 
@@ -553,6 +560,7 @@ def fp8_check(
         basis,
         note,
         _spread(step, spread),
+        load=probe.measured(run) if probe else None,
     )
 
 
@@ -603,6 +611,7 @@ def tp_checks(
         run_peak, load, spread, load_note = (
             probe.speed(here, peak) if probe else (peak, 1.0, None, "")
         )
+        measured_load = probe.measured(here) if probe else None
         for row, regions in sorted(
             rows, key=lambda rr: (rr[0]["tp"], bool(rr[0]["sequence_parallel"]))
         ):
@@ -639,6 +648,7 @@ def tp_checks(
                         eff_basis,
                         "",
                         row_spread and (at(row_spread[0], 1), at(row_spread[1], 1)),
+                        load=measured_load,
                     )
                 )
                 shown_single = True
@@ -662,6 +672,7 @@ def tp_checks(
                     detail,
                     row_spread
                     and (at(row_spread[0], row["tp"]) + comm, at(row_spread[1], row["tp"]) + comm),
+                    load=measured_load,
                 )
             )
     return out

@@ -16,6 +16,7 @@ from dtrain.costmodel import Calibration, ModelShape, search
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.links import LinkCalibration
 from dtrain.costmodel.search import MIN_CP_CHUNK
+from dtrain.costmodel.uncertainty import ErrorBand
 
 from .matrix import cluster_for
 
@@ -179,7 +180,12 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def long_context_section(cells: list[LongCell]) -> list[str]:
+def long_context_section(
+    cells: list[LongCell], band: ErrorBand | None = None, hbm_gib: float = 0.0
+) -> list[str]:
+    """The table; with ``band``: CP's gain marked ``≈`` when it is within the backtest's error (CP
+    and the best plan without it tie), memory marked ``⚠`` within the memory check's band of
+    ``hbm_gib``."""
     out = [
         "## Long context: sequence length and context parallelism",
         "",
@@ -188,7 +194,14 @@ def long_context_section(cells: list[LongCell]) -> list[str]:
         f"{TOKENS_PER_STEP // 2**20}M tokens per step, BF16, with context parallelism allowed "
         "(`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: dp×cp×tp×pp, ZeRO "
         "stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "
-        "Megatron do, so at 128K tokens it runs high.",
+        "Megatron do, so at 128K tokens it runs high."
+        + (
+            f" `≈`: CP's gain is within {band.time_text()}, a tie with the best plan without "
+            f"it; `⚠`: memory within {band.memory_text()} of the {hbm_gib:g} GiB HBM (may run "
+            "out of memory)."
+            if band
+            else ""
+        ),
         "",
         cp_rule(cells),
         "",
@@ -201,8 +214,17 @@ def long_context_section(cells: list[LongCell]) -> list[str]:
             continue
         plain = c.plain or f"does not fit (needs ≥ {c.plain_mem_gib:.0f} GiB)"
         gain = "—" if c.cp == 1 else ("only fit" if c.cp_gain is None else f"{c.cp_gain:+.0%}")
+        if (
+            band
+            and c.cp > 1
+            and c.cp_gain is not None
+            and band.tie(c.tokens_per_s, c.plain_tokens_per_s)
+        ):
+            gain += " ≈"
+        risk = " ⚠" if band and hbm_gib and band.memory_risk(c.mem_gib, hbm_gib) else ""
         out.append(
-            f"| {c.model} | {c.seq:,} | {c.gpus} | {c.best} | {c.mfu:.0%} | {c.mem_gib:.0f} GiB | "
+            f"| {c.model} | {c.seq:,} | {c.gpus} | {c.best} | {c.mfu:.0%} | {c.mem_gib:.0f} GiB"
+            f"{risk} | "
             f"{plain} | {gain} |"
         )
     return out + [""]

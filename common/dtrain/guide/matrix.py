@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from dtrain.costmodel import Calibration, Cluster, LinkModel, ModelShape, search
 from dtrain.costmodel.calibrate import LinkCalibration
 from dtrain.costmodel.hardware import GiB
+from dtrain.costmodel.uncertainty import ErrorBand
 
 MODELS = (1e9, 7e9, 13e9, 34e9, 70e9, 175e9, 405e9)
 GPU_COUNTS = (8, 16, 64, 256, 1024, 4096)
@@ -51,6 +52,9 @@ class Cell:
     tokens_per_s: float = 0.0
     parts: tuple = ()  # (compute, tp_comm, pp_comm, bubble, dp exposed) seconds
     mem_parts: tuple = ()  # (params, grads, optimizer, activations, buffers) GiB
+    hbm_gib: float = 0.0  # the GPU's HBM (the memory-risk marker's limit)
+    runner_up: str = ""  # the fastest plan of another DP×TP×PP layout ("" when none fits)
+    runner_up_tps: float = 0.0  # its tokens/s
 
     @property
     def layout(self) -> str:
@@ -95,6 +99,7 @@ def cell(
     if b is None:
         return Cell(**key, fits=False)
     t, m = b.time, b.memory
+    other = next((p for p in res.ranked if (p.dp, p.tp, p.pp) != (b.dp, b.tp, b.pp)), None)
     return Cell(
         **key,
         fits=True,
@@ -114,6 +119,9 @@ def cell(
         mem_parts=tuple(
             x / GiB for x in (m.params, m.grads, m.optimizer, m.activations, m.buffers)
         ),
+        hbm_gib=res.cluster.gpu.hbm_bytes / GiB,
+        runner_up=f"{other.dp}×{other.tp}×{other.pp}" if other else "",
+        runner_up_tps=other.time.tokens_per_s if other else 0.0,
     )
 
 
@@ -165,13 +173,21 @@ def compute_matrix(
     return cells
 
 
-def cell_text(c: Cell) -> str:
-    """Compact markdown cell: layout and knobs on one line, MFU and memory on the next."""
+def cell_text(c: Cell, band: ErrorBand | None = None) -> str:
+    """Compact markdown cell: layout and knobs on one line, MFU and memory on the next. With
+    ``band``: ``≈`` and the runner-up layout when its predicted speed is within the backtest's
+    error (a tie), ``⚠`` after the memory when it is within the memory check's band of HBM."""
     if not c.fits:
         return "does not fit"
+    tie = bool(band and c.runner_up and band.tie(c.tokens_per_s, c.runner_up_tps))
+    risk = bool(band and c.hbm_gib and band.memory_risk(c.mem_gib, c.hbm_gib))
     knobs = [f"Z{c.zero}", f"mb{c.micro_batch}"]
     if c.virtual_stages > 1:
         knobs.append(f"v{c.virtual_stages}")
     if c.recompute != "none":
         knobs.append(RECOMPUTE_LABEL[c.recompute])
-    return f"{c.layout} {' '.join(knobs)}<br>{c.mfu:.0%} · {c.mem_gib:.0f} GiB"
+    text = f"{c.layout} {' '.join(knobs)}{' ≈' if tie else ''}<br>{c.mfu:.0%} · "
+    text += f"{c.mem_gib:.0f} GiB{' ⚠' if risk else ''}"
+    if tie:
+        text += f"<br>≈ {c.runner_up} {1 - c.runner_up_tps / c.tokens_per_s:.1%} slower"
+    return text

@@ -14,8 +14,18 @@ from dtrain.costmodel import ModelShape, search
 from dtrain.costmodel.calibrate import CalibrationReport
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.stack import Stack
+from dtrain.costmodel.uncertainty import ErrorBand
 
-from .check import GOAL, Check
+from .check import (
+    GOAL,
+    MAX_LOAD,
+    MAX_LOAD_SPREAD,
+    MIN_JUDGED_SHARE,
+    VERDICT_FILE,
+    Check,
+    Verdict,
+    verdict,
+)
 from .matrix import (
     GLOBAL_BATCH,
     GPU_COUNTS,
@@ -104,9 +114,18 @@ def how_to_read(gpu: str) -> list[str]:
         "micro-batch; `vN` — interleaved pipeline stages; `op rc` — torchtitan's selective op "
         "activation checkpointing, `full rc` — full activation recompute (none when absent); "
         "sequence parallelism is on whenever TP > 1;",
-        "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak)) and memory "
-        "per GPU;",
-        "* *does not fit* — no layout fits in HBM.",
+        "* second line — predicted MFU (model FLOPs / (time · GPUs · dense BF16 peak), model FLOPs "
+        "= 6N + 12·L·h·s per token with attention counted non-causal and recompute not counted: "
+        "the convention of PaLM, Megatron-LM and torchtitan; `dtrain plan` also prints the FLOPs "
+        "the kernels execute) and memory per GPU;",
+        "* *does not fit* — no layout fits in HBM;",
+        "* the stack: fused kernels and FlashAttention on any framework's layouts (`dtrain plan "
+        "--software any`, ZeRO-1 with pipelining included): a best case. An eager FSDP run or "
+        "torchtitan reaches less; the same cell for your stack is `dtrain plan --params <size> "
+        "--gpus <n> --kernels eager` or `--software torchtitan`;",
+        "* `≈` — a tie: another layout is predicted within the backtest's median error (it is "
+        "named on a third line); `⚠` — memory within the memory check's error of HBM (may run "
+        "out of memory). The figures are under *Decision matrix*.",
         "",
         "Columns: node type (8 GPUs on NVLink/NVSwitch, or 8 GPUs talking over PCIe only) × "
         "InfiniBand rate per GPU in Gbit/s. For one specific cluster use `dtrain plan` (same "
@@ -116,10 +135,33 @@ def how_to_read(gpu: str) -> list[str]:
     ]
 
 
-def matrix_tables(cells: list[Cell]) -> list[str]:
+def uncertainty_note(band: ErrorBand, cells: list[Cell]) -> list[str]:
+    """The backtest's error figures beside the matrix, and how many cells each marker flags."""
+    fit = [c for c in cells if c.fits]
+    ties = sum("≈" in cell_text(c, band) for c in fit)
+    risky = sum("⚠" in cell_text(c, band) for c in fit)
+    hbm = max((c.hbm_gib for c in fit), default=0.0)
+    return [
+        f"**How far to trust a cell.** Against the {band.rows} published runs of the backtest "
+        f"(below, `dtrain backtest`) the predicted throughput has a median |error| of "
+        f"{band.time:.1%}, and the predicted memory is {band.memory_low:+.0%} to "
+        f"{band.memory_high:+.0%} of the peak the {band.memory_rows} rows that print one report. "
+        f"So `≈` marks a cell whose fastest other DP×TP×PP layout (named on the cell's third "
+        f"line, with how much slower it is predicted) is within {band.time:.1%}: a tie the model "
+        "cannot break, measure both; knob variants of the same layout (micro-batch, ZeRO stage, "
+        "recompute) are often within it too (`dtrain plan` lists them). `⚠` marks memory that "
+        f"would not fit in the {hbm:g} GiB of HBM if the model is as low as its worst row "
+        f"({band.memory_low:+.0%}: above {hbm * (1 + band.memory_low):.0f} GiB predicted): such "
+        f"a cell may run out of memory; keep a layout with more headroom at hand. {ties} of "
+        f"{len(fit)} cells that fit carry `≈`, {risky} carry `⚠`.",
+        "",
+    ]
+
+
+def matrix_tables(cells: list[Cell], band: ErrorBand | None = None) -> list[str]:
     by_key = {(c.params, c.gpus, c.topology, c.ib_gbit): c for c in cells}
     cols = [(t, ib) for t in TOPOLOGIES for ib in IB_GBITS]
-    out = ["## Decision matrix", ""]
+    out = ["## Decision matrix", ""] + (uncertainty_note(band, cells) if band else [])
     for p in MODELS:
         shape = ModelShape.from_params(p, seq_len=SEQ_LEN)
         out += [
@@ -132,7 +174,9 @@ def matrix_tables(cells: list[Cell]) -> list[str]:
         ]
         for g in GPU_COUNTS:
             out.append(
-                f"| {g} | " + " | ".join(cell_text(by_key[(p, g, t, ib)]) for t, ib in cols) + " |"
+                f"| {g} | "
+                + " | ".join(cell_text(by_key[(p, g, t, ib)], band) for t, ib in cols)
+                + " |"
             )
         out.append("")
     return out
@@ -219,7 +263,35 @@ def _distinct(checks: list[Check]) -> str:
     )
 
 
-def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
+def _verdict_line(checks: list[Check], stored: Verdict | None) -> str:
+    """The bold verdict over the judged rows, or why there is none under this load and the last
+    valid one (``stored``, with its date)."""
+    v = verdict(checks)
+    if v is not None:
+        return f"Goal: within {GOAL:.0%}. **{v.text}.**"
+    judged = sum(c.judged for c in checks)
+    loads = sorted(c.load[0] for c in checks if c.load)
+    seen = f" (load x{loads[0]:.1f}-{loads[-1]:.1f} during the runs)" if loads else ""
+    last = (
+        f"The last valid verdict, made on runs of {stored.date or 'an earlier date'} "
+        f"({stored.results}): **{stored.text}.**"
+        if stored
+        else f"No earlier verdict is stored (`docs/guide/{VERDICT_FILE}`): rerun `dtrain capstone` "
+        "on a quiet host."
+    )
+    return (
+        f"Goal: within {GOAL:.0%}. **The check could not be made under this load:** only {judged} "
+        f"of {len(checks)} rows ran on a host quiet enough to judge{seen}, fewer than "
+        f"{MIN_JUDGED_SHARE:.0%}. " + last
+    )
+
+
+def checks_table(
+    checks: list[Check], report: CalibrationReport, stored: Verdict | None = None
+) -> list[str]:
+    """The predicted-vs-measured section; rows that ran on a loaded host (``Check.judged``) are
+    shown but not judged, and ``stored`` is the last valid verdict, quoted when this one cannot be
+    made."""
     out = ["## Predicted vs measured (local runs)", ""]
     if not checks:
         return out + [
@@ -227,11 +299,11 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
             "no allreduce-bench link). Run `dtrain capstone`.",
             "",
         ]
-    ok = sum(c.within_goal for c in checks)
-    spread = [c for c in checks if c.predicted_range]
+    judged = [c for c in checks if c.judged]
+    spread = [c for c in judged if c.predicted_range]
     loaded = ""
     if spread:
-        in_spread = sum(c.within_spread for c in checks)
+        in_spread = sum(c.within_spread for c in judged)
         widths = sorted(
             (c.predicted_range[1] - c.predicted_range[0]) / c.predicted_s for c in spread
         )
@@ -240,15 +312,24 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
             "(measured, "
             "`dtrain.run.hostload`); across its 10th-90th percentile they move by "
             f"{widths[len(widths) // 2]:.0%} "
-            f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(checks)} reach the goal "
-            "somewhere "
+            f"(median; up to {widths[-1]:.0%}), and {in_spread} of {len(judged)} judged rows reach "
+            "the goal somewhere "
             "in that spread."
         )
+    skipped = len(checks) - len(judged)
+    not_judged = (
+        f" {skipped} row{'s' * (skipped != 1)} ran on a loaded host (load factor above "
+        f"x{MAX_LOAD:g}, or its 90th percentile above {MAX_LOAD_SPREAD:g}x its 10th): shown, not "
+        "judged."
+        if skipped
+        else ""
+    )
     out += [
         "The cost model's step time for each local run, with this machine as the 'cluster' (peak "
         "= the measured CPU matmul probe, links = allreduce-bench's α–β fit of each collective). "
-        f"Goal: within {GOAL:.0%}. **{ok} of {len(checks)} within the goal.**"
+        + _verdict_line(checks, stored)
         + _distinct(checks)
+        + not_judged
         + loaded
         + _host(report),
         "",
@@ -257,9 +338,16 @@ def checks_table(checks: list[Check], report: CalibrationReport) -> list[str]:
         "|---|---|---|---:|---:|---:|---|---|",
     ]
     for c in checks:
+        if not c.judged:
+            out.append(
+                f"| {c.experiment} | `{c.run}` | {c.what} | {c.measured_s * 1e3:.1f} ms | "
+                f"{c.predicted_s * 1e3:.1f} ms | {c.error:+.0%} (not judged) | {_md(c.basis)} | "
+                f"{_md(c.not_judged)} |"
+            )
+            continue
         mark = "" if c.within_goal else " ✗"
         where = "; ".join(
-            x for x in (c.detail, c.miss_reason(checks) and "miss: " + c.miss_reason(checks)) if x
+            x for x in (c.detail, c.miss_reason(judged) and "miss: " + c.miss_reason(judged)) if x
         )
         rng = (
             f" ({c.predicted_range[0] * 1e3:.0f}–{c.predicted_range[1] * 1e3:.0f})"
@@ -466,6 +554,7 @@ def render(
     gpu: str,
     long_cells: list | None = None,
     backtest_rows: list | None = None,
+    stored_verdict: Verdict | None = None,
 ) -> str:
     lines = header(report, results_label, skipped, gpu) + how_to_read(gpu)
     lines += (
@@ -479,13 +568,20 @@ def render(
         + [f"* {r}" for r in rules]
         + [""]
     )
-    lines += matrix_tables(cells)
+    if backtest_rows is None:
+        from dtrain.costmodel.backtest import backtest
+
+        backtest_rows = backtest(rank=False)
+    band = ErrorBand.from_rows(backtest_rows)  # once per guide: every marker uses these figures
+    lines += matrix_tables(cells, band)
     if long_cells:
         from .long_context import long_context_section
 
-        lines += long_context_section(long_cells)
+        lines += long_context_section(long_cells, band, max(c.hbm_gib for c in cells))
     lines += (
-        calibration_table(report) + checks_table(checks, report) + backtest_section(backtest_rows)
+        calibration_table(report)
+        + checks_table(checks, report, stored_verdict)
+        + backtest_section(backtest_rows)
     )
     lines += fp8_section(report, cells, gpu)
     lines += plots_section(plot_paths, guide_path.parent) + limits()
