@@ -333,10 +333,11 @@ def test_a_stale_plot_is_removed_only_when_the_guide_wrote_it_and_it_is_unchange
 
 def test_the_committed_guide_plots_are_listed_as_the_guides_own():
     """`dtrain guide` as the README runs it (plots into docs/guide/) may regenerate the committed
-    plots."""
+    plots and its stored local-check verdict."""
     folder = REPO / "docs" / "guide"
     listed = figures.read_manifest(folder)
-    assert sorted(listed) == sorted(p.name for p in folder.glob("*.png"))
+    mine = [*folder.glob("*.png"), folder / "local-check.json"]
+    assert sorted(listed) == sorted(p.name for p in mine)
     figures.check_plots_dir(folder, True, "--plots-dir docs/guide")
 
 

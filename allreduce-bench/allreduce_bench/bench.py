@@ -9,12 +9,14 @@ guide reads.
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from allreduce_bench import groups, report, spec, sweep, topology_report
+from dtrain.core.terminal import WIDTH
 from dtrain.results import contract
 from dtrain.results.metrics import ENV
 from dtrain.run.launch import RankContext
@@ -62,11 +64,9 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     )
     fitted, unfitted = report.fits(df, theoretical)
     report.print_fits(fitted)
-    for u in unfitted:
-        print(
-            f"no fit for {u['collective']} ({u['link_class']}, {u['dtype']}): {u['reason']}",
-            flush=True,
-        )
+    for u in unfitted:  # wrapped by words: within 100 columns for any collective and link
+        said = f"no fit for {u['collective']} ({u['link_class']}, {u['dtype']}): {u['reason']}"
+        print(textwrap.fill(said, WIDTH, subsequent_indent="  "), flush=True)
     csv = run_dir / report.CSV
     df.drop(columns=["kind"]).to_csv(csv, index=False)
     print(f"wrote table {csv}", flush=True)

@@ -65,6 +65,15 @@ def distinguishing(overrides: list[list[str]], groups: list[str]) -> list[str]:
     ]
 
 
+def wrap(text: str, width: int = COMPACT) -> str:
+    """All of `text`, wrapped by words within `width` columns (a line of --wide's lists)."""
+    import textwrap
+
+    return textwrap.fill(
+        text, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False
+    )
+
+
 def clip(text: str, width: int = COMPACT) -> str:
     """The start of `text` in `width` characters (a line of the lists below the table)."""
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -230,7 +239,7 @@ def run(args) -> int:
     title = f"{len(runs)} run(s) under {', '.join(args.paths)}"
     if args.wide:
         wide_lines(title, cols, rows)
-    line = (lambda s: s) if args.wide else clip
+    line = wrap if args.wide else clip
     if not args.wide:
         print(line(title))
         for text in compact_table(cols, rows, flexible={0: 12, 5: 12}):
@@ -238,7 +247,7 @@ def run(args) -> int:
     hidden = len(runs) - len(shown)
     if hidden:
         print(f"{hidden} incomplete/corrupt run(s) hidden; --all shows them")
-    if sacct_note:  # --wide says it in full; the compact listing keeps to 100 columns
+    if sacct_note:  # --wide says it in full, wrapped; the compact listing clips it
         print(line(f"Slurm state unknown: {sacct_note}"))
     done = [r for r in runs if r.status == "complete"]
     complete = {job_of(r.env) for r in done} - {""}
