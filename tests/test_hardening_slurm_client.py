@@ -6,18 +6,16 @@ The cluster tests cancel their job and resume the node they drained, whatever ha
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, py
+import test_liveness_slurm as liveness_slurm
+from conftest import py
 from dtrain.core.errors import UserError
 from dtrain.core.files import files_named
 from dtrain.run.app import check_signal_delay
@@ -101,36 +99,11 @@ def test_pending_reason_names_drained_nodes_only_when_they_may_be_why(monkeypatc
 # ---------------------------------------------------------------- on the local cluster
 
 
-class Client:
+class Client(liveness_slurm.Client):
     """`python -m dtrain.run.selftest launcher=slurm world_size=1 ...`, output to files."""
 
     def __init__(self, tmp_path: Path, *overrides: str):
-        self.results = tmp_path / "results"
-        self.out_path, self.err_path = tmp_path / "client.out", tmp_path / "client.err"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("RANK", None)
-        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "dtrain.run.selftest",
-                    "launcher=slurm",
-                    "world_size=1",
-                    "work_s=60",
-                    "slurm.partition=debug",
-                    "slurm.time_min=5",
-                    f"results_dir={self.results}",
-                    *overrides,
-                ],
-                stdout=out,
-                stderr=err,
-                text=True,
-                env=env,
-                cwd=REPO,
-                start_new_session=True,
-            )
-        self.job_id: str | None = None
+        super().__init__(tmp_path, *overrides, world_size=1, interruptible=False)
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
         deadline = time.monotonic() + timeout
@@ -164,13 +137,6 @@ class Client:
             for line in f.read_text().splitlines()
             if (e := json.loads(line))["kind"] == "run_failed"
         ]
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        if self.job_id:
-            subprocess.run(["scancel", self.job_id], check=False)
 
 
 @pytest.fixture

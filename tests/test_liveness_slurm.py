@@ -31,7 +31,10 @@ def _interruptible() -> None:
 class Client:
     """`python -m dtrain.run.selftest launcher=slurm ...` in its own session, output to files."""
 
-    def __init__(self, tmp_path: Path, *overrides: str):
+    def __init__(
+        self, tmp_path: Path, *overrides: str, world_size: int = 2, interruptible: bool = True
+    ):
+        self.results = tmp_path / "results"
         self.out_path, self.err_path = tmp_path / "client.out", tmp_path / "client.err"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("RANK", None)
@@ -42,11 +45,11 @@ class Client:
                     "-m",
                     "dtrain.run.selftest",
                     "launcher=slurm",
-                    "world_size=2",
+                    f"world_size={world_size}",
                     "work_s=60",
                     "slurm.partition=debug",
                     "slurm.time_min=5",
-                    f"results_dir={tmp_path / 'results'}",
+                    f"results_dir={self.results}",
                     *overrides,
                 ],
                 stdout=out,
@@ -55,7 +58,7 @@ class Client:
                 env=env,
                 cwd=REPO,
                 start_new_session=True,
-                preexec_fn=_interruptible,
+                preexec_fn=_interruptible if interruptible else None,
             )
         self.job_id: str | None = None
 

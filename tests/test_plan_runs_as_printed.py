@@ -78,25 +78,9 @@ def test_printed_overrides_validate_in_the_trainer(name):
 
 def train_overrides_of(answer: dict) -> tuple[list[str], list[str]]:
     """The overrides of the plan's own choice (not necessarily the printed ones)."""
-    from dtrain.costmodel.shapes import Layout
+    from dtrain.costmodel.plan_report import layout_of
 
-    c = answer["choice"]
-    layout = Layout(
-        dp_replicate=c["hsdp_replicate"],
-        dp_shard=c["dp"] // c["hsdp_replicate"],
-        cp=c["cp"],
-        tp=c["tp"],
-        pp=c["pp"],
-        zero_stage=c["zero_stage"],
-        recompute=c["recompute"],
-        micro_batch=c["micro_batch"],
-        grad_accum=c["grad_accum"],
-        sequence_parallel=c["sequence_parallel"],
-        pp_schedule=c["pp_schedule"],
-        pp_virtual=c["virtual_stages"],
-        cp_impl=c["cp_impl"],
-        pp_split=c["pp_split"],
-    )
+    layout = layout_of(answer["choice"])
     m = answer["model"]
     shape = ModelShape(
         m["layers"], m["hidden"], m["heads"], m["kv_heads"], m["vocab"], m["seq"], 3.5, True

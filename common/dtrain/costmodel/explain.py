@@ -67,7 +67,7 @@ def explain(result: SearchResult, k: int = 5, tie: float | None = None) -> list[
         f"best: {best.describe()}: {best.time.tokens_per_s:,.0f} tokens/s, MFU "
         f"{best.time.mfu:.1%}, {best.memory.total / GiB:.1f} GiB/GPU"
     ]
-    for p in _runners_up(result, k):
+    for p in runners_up(result, k):
         loss = 1 - p.time.tokens_per_s / best.time.tokens_per_s
         mark = f"a tie within the model's error ({tie:.1%}); " if tie and loss <= tie else ""
         out.append(
@@ -111,7 +111,7 @@ def _without_cp(result: SearchResult) -> list[str]:
     ]
 
 
-def _runners_up(result: SearchResult, k: int) -> list[Plan]:
+def runners_up(result: SearchResult, k: int) -> list[Plan]:
     """The fastest plan of each next design; a design that only trades memory at equal speed
     (ZeRO-0 vs ZeRO-1, same tp/pp/recompute) is not listed twice."""
     if k <= 0:  # --top 0: the choice alone

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from .calibration import calibration_inputs
 from .compute import published
-from .explain import _runners_up, explain
+from .explain import runners_up, explain
 from .hardware import GiB, Cluster
 from .search import SearchResult
-from .shapes import ModelShape, params_text
+from .shapes import Layout, ModelShape, params_text
 from .timemodel import (
     EXECUTED_CONVENTION,
     FLOP_CONVENTION,
@@ -185,7 +185,7 @@ def uncertainty_lines(res: SearchResult, top: int, band: ErrorBand = PLAN_BAND) 
     tie), and memory within the memory check's band of the HBM (may run out of memory)."""
     best, out = res.best, []
     ties = [
-        p for p in _runners_up(res, top) if band.tie(best.time.tokens_per_s, p.time.tokens_per_s)
+        p for p in runners_up(res, top) if band.tie(best.time.tokens_per_s, p.time.tokens_per_s)
     ]
     if ties:
         out.append(
@@ -341,6 +341,26 @@ def layout_json(res: SearchResult, gap: float | None, spec: str, tight: bool = F
     if res.best is not None:
         d.update(plan_dict(res.best, res), slower_than_best_pct=gap)
     return d
+
+
+def layout_of(plan: dict) -> Layout:
+    """The layout of a plan as ``plan_dict`` writes it (``dtrain plan --json``'s ``choice``)."""
+    return Layout(
+        dp_replicate=plan["hsdp_replicate"],
+        dp_shard=plan["dp"] // plan["hsdp_replicate"],
+        cp=plan["cp"],
+        tp=plan["tp"],
+        pp=plan["pp"],
+        zero_stage=plan["zero_stage"],
+        recompute=plan["recompute"],
+        micro_batch=plan["micro_batch"],
+        grad_accum=plan["grad_accum"],
+        sequence_parallel=plan["sequence_parallel"],
+        pp_schedule=plan["pp_schedule"],
+        pp_virtual=plan["virtual_stages"],
+        cp_impl=plan["cp_impl"],
+        pp_split=plan["pp_split"],
+    )
 
 
 def plan_dict(p, res: SearchResult | None = None) -> dict:
