@@ -14,6 +14,7 @@ One vocabulary across the experiments:
     train.precision                          compute precision: fp32 | bf16 (| auto in trainers)
     train.tp, train.sequence_parallel        tensor parallelism (tp-attention: lists, each measured)
     train.cp, train.cp_impl                  context parallelism (tp-attention's CP study: lists)
+    model.moe.*, train.ep, train.etp         mixture of experts, expert parallelism (trainers)
     timing_warmup, iters                     untimed warm-up steps, timed steps
     profile.enabled, profile.steps           the torch.profiler window
     debug.*                                  test aids that fake a condition (allreduce-bench);
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from dtrain.core.errors import UserError, unknown_key
+from dtrain.model.moe_args import MoEArgs
 
 
 @dataclass
@@ -98,13 +100,29 @@ class ModelConfig:
     bias: Optional[bool] = None
     tie_embeddings: Optional[bool] = None
     init_std: Optional[float] = None
+    moe: MoEArgs = field(default_factory=MoEArgs)  # model.moe.experts > 0: MoE feed-forwards
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):  # node(): a plain dict from OmegaConf
+            known = [f.name for f in fields(MoEArgs)]
+            unknown = sorted(set(self.moe) - set(known))
+            if unknown:
+                raise UserError(
+                    unknown_key(
+                        f"model.moe.{unknown[0]}", known, every=[f"model.moe.{k}" for k in known]
+                    )
+                )
+            self.moe = MoEArgs(**self.moe)
 
     def overrides(self) -> dict:
-        return {
+        out = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name != "preset" and getattr(self, f.name) is not None
+            if f.name not in ("preset", "moe") and getattr(self, f.name) is not None
         }
+        if self.moe.experts:  # experts=0 (the default) is the dense model
+            out["moe"] = self.moe
+        return out
 
     def build(self):
         """The dtrain.model.args.GPTConfig, checked as one whole model (UserError when it cannot

@@ -7,9 +7,10 @@ importing the framework that builds it (``dtrain.model.gpt`` builds it, and re-e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from dtrain.core.checks import integer_at_least, one_of
+from dtrain.model.moe_args import MoEArgs, moe_params_delta
 
 
 @dataclass
@@ -25,8 +26,13 @@ class GPTConfig:
     bias: bool = False  # biases in the block linears and LayerNorm (never in lm_head)
     tie_embeddings: bool = False  # lm_head shares the token-embedding matrix
     init_std: float = 0.02
+    moe: MoEArgs | None = None  # None: dense; the MoE feed-forward (dtrain.model.moe_args)
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):  # a record's model dict
+            self.moe = MoEArgs(**self.moe)
+        if self.moe is not None and not self.moe.enabled:
+            self.moe = None  # experts=0: one value for a dense model
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         for key in (
@@ -44,6 +50,8 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
         one_of("norm", self.norm, ("rmsnorm", "layernorm"), error=ValueError)
+        if self.moe is not None:
+            self.moe.check(self.n_layer)
 
     @property
     def head_dim(self) -> int:
@@ -125,17 +133,21 @@ class ParamCount:
     positions: int  # learned position embeddings (0 with RoPE)
     final_norm: int
     tied: bool  # the lm_head is the token embedding's matrix (counted once)
+    # an MoE model's blocks beyond the dense blocks above (dtrain.model.moe_args): all / matmul
+    moe_extra: int = 0
+    moe_extra_matmul: int = 0
 
     @property
     def total(self) -> int:
         blocks = self.n_layer * self.per_layer
         head = 0 if self.tied else self.lm_head
+        blocks += self.moe_extra
         return self.token_embedding + self.positions + blocks + self.final_norm + head
 
     @property
     def matmul(self) -> int:
         """Weights of every linear layer, lm_head included when tied (its matmul still runs)."""
-        return self.n_layer * self.matmul_per_layer + self.lm_head
+        return self.n_layer * self.matmul_per_layer + self.moe_extra_matmul + self.lm_head
 
 
 def transformer_params(
@@ -178,9 +190,29 @@ def transformer_params(
     )
 
 
+def model_dict(cfg: GPTConfig) -> dict:
+    """GPTConfig as a record's dict: a dense model's has no ``moe`` key (as before MoE existed)."""
+    d = asdict(cfg)
+    if d["moe"] is None:
+        del d["moe"]
+    return d
+
+
 def param_count(cfg: GPTConfig) -> ParamCount:
-    """GPT(cfg)'s parameters by part: GELU MLP, learned positions, LayerNorm's bias with bias."""
+    """GPT(cfg)'s parameters by part: GELU MLP, learned positions, LayerNorm's bias with bias; an
+    MoE model's MoE layers in ``moe_extra`` (all experts: the parameters held, not those a token
+    uses)."""
     norm_vectors = 2 if cfg.norm == "layernorm" and cfg.bias else 1
+    count = _dense_param_count(cfg, norm_vectors)
+    if cfg.moe is None:
+        return count
+    extra, extra_matmul = moe_params_delta(
+        cfg.moe, cfg.n_layer, cfg.d_model, cfg.mlp_hidden, cfg.bias
+    )
+    return replace(count, moe_extra=extra, moe_extra_matmul=extra_matmul)
+
+
+def _dense_param_count(cfg: GPTConfig, norm_vectors: int) -> ParamCount:
     return transformer_params(
         cfg.n_layer,
         cfg.d_model,

@@ -4,6 +4,7 @@ guide and the backtest (no torch import, so the cost model stays light)."""
 from __future__ import annotations
 
 from dtrain.model.args import GPTConfig, transformer_params
+from dtrain.model.moe_args import moe_active_matmul_delta
 
 
 def transformer_flops_per_token(
@@ -46,8 +47,13 @@ def transformer_flops_per_token(
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
     12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
-    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``."""
-    return transformer_flops_per_token(
+    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``. An MoE model counts
+    the weights a token multiplies (Megatron's MoE rule: top_k routed + shared experts, the router
+    left out): ``dtrain.model.moe_args.moe_active_matmul_delta``."""
+    moe = 0
+    if cfg.moe is not None:
+        moe = 6 * moe_active_matmul_delta(cfg.moe, cfg.n_layer, cfg.d_model, cfg.mlp_hidden)
+    return moe + transformer_flops_per_token(
         cfg.n_layer,
         cfg.d_model,
         cfg.n_head,

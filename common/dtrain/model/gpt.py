@@ -7,6 +7,11 @@ Parallelism lives elsewhere; this file only promises stable module names:
     tok_emb, pos_emb, blocks.{i}.attn_norm, blocks.{i}.attn.{wq,wk,wv,wo},
     blocks.{i}.mlp_norm, blocks.{i}.mlp.{w1,w2}, norm, lm_head
 
+With ``cfg.moe`` (model.moe.experts > 0) the MLP of every layer from ``dense_layers`` on is the
+MoE feed-forward of dtrain.model.moe (``blocks.{i}.mlp.router.gate``,
+``blocks.{i}.mlp.experts.{w1,w2}``, ``blocks.{i}.mlp.shared.{w1,w2}``); its Switch auxiliary loss,
+when on, is added to the loss.
+
 and a hook, ``linear_factory(name, in_features, out_features, bias)``, through which every linear
 layer is built (FP8 training swaps linear classes per layer with it).
 
@@ -26,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtrain.model.flops import flops_per_token  # noqa: F401 (re-exported)
+from dtrain.model.moe import MoE, init_moe
 from dtrain.model.args import (
     PRESETS,  # noqa: F401 (re-exported)
     GPTConfig,
@@ -88,12 +94,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, prefix: str, make_linear: LinearFactory):
+    def __init__(self, cfg: GPTConfig, prefix: str, make_linear: LinearFactory, layer: int = 0):
         super().__init__()
         self.attn_norm = _make_norm(cfg)
         self.attn = Attention(cfg, f"{prefix}.attn", make_linear)
         self.mlp_norm = _make_norm(cfg)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
+        if cfg.moe is not None and cfg.moe.is_moe_layer(layer):
+            self.mlp = MoE(cfg.moe, cfg.d_model, cfg.mlp_hidden, make_linear, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -120,7 +129,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, f"blocks.{i}", make_linear) for i in range(cfg.n_layer)
+            Block(cfg, f"blocks.{i}", make_linear, i) for i in range(cfg.n_layer)
         )
         self.norm = _make_norm(cfg)
         self.lm_head = make_linear("lm_head", cfg.d_model, cfg.vocab_size, False)
@@ -132,9 +141,17 @@ class GPT(nn.Module):
 
     @staticmethod
     def linear_names(cfg: GPTConfig) -> list[str]:
-        """Fully qualified names of every linear layer, in construction order."""
-        per_block = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2"]
-        return [f"blocks.{i}.{n}" for i in range(cfg.n_layer) for n in per_block] + ["lm_head"]
+        """Fully qualified names of every linear layer, in construction order (an MoE layer's
+        linears are its router gate and shared experts; its experts are not linears)."""
+        attn = ["attn.wq", "attn.wk", "attn.wv", "attn.wo"]
+        names = []
+        for i in range(cfg.n_layer):
+            mlp = ["mlp.w1", "mlp.w2"]
+            if cfg.moe is not None and cfg.moe.is_moe_layer(i):
+                shared = ["mlp.shared.w1", "mlp.shared.w2"] if cfg.moe.shared_experts else []
+                mlp = ["mlp.router.gate", *shared]
+            names += [f"blocks.{i}.{n}" for n in attn + mlp]
+        return names + ["lm_head"]
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -152,11 +169,16 @@ class GPT(nn.Module):
         for name in self.linear_names(cfg):
             if name == "lm_head" and cfg.tie_embeddings:
                 continue
+            if name.endswith((".router.gate", ".shared.w1", ".shared.w2")):
+                continue  # init_moe, in its own order
             layer = self.get_submodule(name)
             std = residual_std if name.endswith((".wo", ".w2")) else cfg.init_std
             nn.init.normal_(layer.weight, std=std)
             if getattr(layer, "bias", None) is not None:
                 nn.init.zeros_(layer.bias)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                init_moe(module, cfg.init_std, residual_std)
         for module in self.modules():
             if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()  # weight 1, bias 0
@@ -178,4 +200,12 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if self.cfg.moe is not None and self.cfg.moe.aux_loss_coef:
+            loss = loss + sum(m.aux_loss for m in moe_layers(self) if m.aux_loss is not None)
+        return loss
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards of a model (or of a pipeline stage, wrapped or not), in order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
