@@ -1,7 +1,8 @@
 """Layout: how one training step is spread over ranks, the one type the trainer, the mesh, the cost
 model, the contract's records, the guide and the plan -> trainer overrides share (issue 38).
 
-    world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard   (ep, etp: room for experts)
+    world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
+    experts:   dp_shard * cp * tp = efsdp * ep * etp   (torchtitan's folding; etp = 1 or tp)
 
 Names are torchtitan's: ``dp_replicate`` ranks hold whole replicas (DDP, or HSDP's replica
 groups), ``dp_shard`` ranks split one replica's states (FSDP / ZeRO). ``zero_stage`` says what is
@@ -58,7 +59,22 @@ _SCHEDULE_OF_TRAINER = {
     "interleaved_zb": "1f1b",
     "zbv": "zbv",
 }
-NO_EXPERTS = "expert parallelism is not implemented yet"
+
+
+def folding_error(dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> str | None:
+    """Why expert parallelism cannot fold into these ranks (None when it can): torchtitan's rule
+    dp_shard·cp·tp = efsdp·ep·etp, expert TP either 1 or the attention's tp (Megatron's "parallel
+    folding": the experts' ranks are the attention's data, context and tensor ranks, regrouped)."""
+    if ep < 1 or etp < 1:
+        return f"ep={ep} and etp={etp} must be >= 1"
+    if etp not in (1, tp):
+        return f"etp={etp} must be 1 or tp={tp} (expert tensor parallelism folds from tp)"
+    if (dp_shard * cp * tp) % (ep * etp):
+        return (
+            f"ep x etp = {ep} x {etp} does not divide dp_shard x cp x tp = {dp_shard} x {cp} x "
+            f"{tp}: the experts fold from the attention's sharded data, context and tensor ranks"
+        )
+    return None
 
 
 def split_dp(strategy: str, dp: int, hsdp_replicate: int = 1) -> tuple[int, int]:
@@ -116,8 +132,8 @@ class Layout:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallelism: refused until it exists
-    etp: int = 1
+    ep: int = 1  # expert parallelism: ranks the experts are split over (folded, see efsdp)
+    etp: int = 1  # expert tensor parallelism: 1 or tp
     zero_stage: int = 0
     recompute: str = "none"
     micro_batch: int = 1
@@ -134,7 +150,9 @@ class Layout:
             object.__setattr__(self, "dp_replicate", self.dp_replicate * self.dp_shard)
             object.__setattr__(self, "dp_shard", 1)
         if self.ep != 1 or self.etp != 1:
-            raise ValueError(NO_EXPERTS)
+            why = folding_error(self.dp_shard, self.cp, self.tp, self.ep, self.etp)
+            if why:
+                raise ValueError(why)
         if min(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.pp_virtual) < 1:
             raise ValueError(f"every degree must be >= 1, got {self.describe()}")
         if self.dp_replicate != 1 and self.zero_stage == 1:
@@ -196,6 +214,12 @@ class Layout:
         return self.dp_shard * self.cp if self.zero_stage else self.data_shards
 
     @property
+    def efsdp(self) -> int:
+        """Ranks FSDP shards each expert over: dp_shard·cp·tp / (ep·etp) (torchtitan's
+        dp_shard_mod_ep; the expert states shard over these, not over every data shard)."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
     def hsdp_replicate(self) -> int:
         """HSDP's replica groups (train.hsdp_replicate): dp_replicate when the states are
         sharded, else 1."""
@@ -217,5 +241,8 @@ class Layout:
         return self.pp_schedule
 
     def describe(self) -> str:
-        """Its degrees, e.g. dp8xtp2xpp4 (cp when > 1)."""
-        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "")
+        """Its degrees, e.g. dp8xtp2xpp4 (cp, ep, etp when > 1)."""
+        extra = "".join(
+            f"x{k}{getattr(self, k)}" for k in ("cp", "ep", "etp") if getattr(self, k) > 1
+        )
+        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + extra
