@@ -69,7 +69,9 @@ def experts_padded(x: torch.Tensor, counts: list[int], w1, w2) -> torch.Tensor:
 def experts_grouped(x: torch.Tensor, counts: list[int], w1, w2) -> torch.Tensor:
     """One grouped GEMM per weight: torch._grouped_mm(2-D rows, 3-D weights, offs = the groups'
     cumulative ends, int32)."""
-    offs = torch.cumsum(torch.tensor(counts, device=x.device, dtype=torch.int32), 0, dtype=torch.int32)
+    offs = torch.cumsum(
+        torch.tensor(counts, device=x.device, dtype=torch.int32), 0, dtype=torch.int32
+    )
     h = _act(torch._grouped_mm(x, w1, offs=offs))
     return torch._grouped_mm(h, w2, offs=offs)
 

@@ -1,4 +1,4 @@
-"""Every collective the hand-rolled parallelism issues (tp/, cp/), counted; one byte convention.
+"""Every collective the hand-rolled parallelism (tp/, cp/, ep/) issues, counted; one byte rule.
 
 tp/tp_collectives.py and cp/exchange.py reach torch.distributed only through wrappers that `note`
 each call, so a `CommCounter` sees every byte, and each call is a `<tp|cp>_comm:<op>` profiler range
@@ -28,7 +28,7 @@ def group_size(group) -> int:
 
 @dataclass(frozen=True)
 class Collective:
-    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | all_to_all_v | send
     tag: str  # what the bytes are for (tp: activation | grad_sync; cp: kv | kv_grad | heads)
     payload_bytes: int  # the full (gathered / reduced) tensor; a send's or all-to-all's input
     group_size: int
@@ -65,8 +65,13 @@ class CommCounter:
 
 def note(op: str, tag: str, payload: torch.Tensor, n: int) -> None:
     """Record one call in every active CommCounter."""
+    note_bytes(op, tag, payload.numel() * payload.element_size(), n)
+
+
+def note_bytes(op: str, tag: str, payload_bytes: int, n: int) -> None:
+    """Record one call of `payload_bytes` (all_to_all_v: the bytes that leave the rank)."""
     for counter in CommCounter._active:
-        counter.calls.append(Collective(op, tag, payload.numel() * payload.element_size(), n))
+        counter.calls.append(Collective(op, tag, payload_bytes, n))
 
 
 class ProfiledWork:

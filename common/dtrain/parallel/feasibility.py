@@ -7,6 +7,7 @@ parallelism import them from here.
     check_cp_layout / check_cp_device / check_cp_model   context parallelism's degree, device and
                                                          sequence
     check_pipeline                      the layers, schedules and micro-batches a pipeline needs
+    check_moe                           what the trainer runs an MoE model and train.ep with
 """
 
 from __future__ import annotations
@@ -174,4 +175,40 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
         raise UserError(
             "train.pp > 1 needs model.tie_embeddings=false: the embedding and lm_head live on "
             "different stages"
+        )
+
+
+def check_moe(model, ep: int, etp: int, tp: int, pp: int, strategy: str, checkpoints: bool) -> None:
+    """What the trainer runs an MoE model (model.moe.experts > 0) and expert parallelism with:
+    experts divisible by ep, expert TP 1, a sharded strategy for ep > 1 (the experts' FSDP2 over
+    efsdp), and (not yet) tensor or pipeline parallelism of an MoE model or a checkpoint of an ep
+    run (its experts' state dict is per ep rank)."""
+    integer_at_least("train.ep", ep, 1)
+    integer_at_least("train.etp", etp, 1)
+    if etp != 1:
+        raise UserError(f"train.etp={etp}: expert tensor parallelism is not implemented: use 1")
+    moe = getattr(model, "moe", None)
+    if ep > 1 and moe is None:
+        raise UserError(f"train.ep={ep} needs an MoE model: set model.moe.experts (e.g. 4)")
+    if moe is None:
+        return
+    if moe.experts % ep:
+        raise UserError(
+            f"model.moe.experts={moe.experts} is not divisible by train.ep={ep}: every ep rank "
+            "holds the same number of experts"
+        )
+    if tp > 1 or pp > 1:
+        raise UserError(
+            f"an MoE model runs with train.tp=1 and train.pp=1 (got tp={tp}, pp={pp}): split it "
+            "with train.ep and the data ranks"
+        )
+    if ep > 1 and strategy not in ("zero2", "zero3"):
+        raise UserError(
+            f"train.ep={ep} runs with train.strategy=zero2 or zero3 (FSDP2 shards the experts "
+            f"over efsdp), not {strategy}"
+        )
+    if ep > 1 and checkpoints:
+        raise UserError(
+            f"train.ep={ep} cannot save or resume checkpoints yet: set train.checkpoint_every=0 "
+            "and leave train.resume_from null"
         )

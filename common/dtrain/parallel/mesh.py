@@ -19,6 +19,11 @@ same batch (`dp_rank`, `dp`), split the model by tp and pp and each sequence by 
 averaged over replicate x shard x cp: the cp ranks of a replica computed the gradients of
 different tokens, like data-parallel ranks (FSDP2 shards over shard x cp, as torchtitan does).
 
+Expert parallelism (``ep``) is no dimension of this mesh: it folds from the ranks that shard one
+replica's data (torchtitan's rule dp_shard·cp·tp = efsdp·ep with etp = 1;
+`dtrain.core.layout.folding_error`), so the experts get their own mesh, ``expert_mesh``:
+(pp, replicate, efsdp, ep), ep innermost, so an ep group is consecutive ranks.
+
 Torch-free at import: the cost model uses `ParallelDims.of` for the dp and shard degrees.
 """
 
@@ -27,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.core.errors import UserError
-from dtrain.core.layout import Layout, split_dp, zero_stage_of
+from dtrain.core.layout import Layout, folding_error, split_dp, zero_stage_of
 
 ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
 MODEL_DIMS = (
@@ -44,7 +49,9 @@ class ParallelDims:
     dp_replicate: int = 1  # data-parallel replicas (ddp: dp; hsdp: its replica groups)
     dp_shard: int = -1  # ranks one replica is sharded over (FSDP2); -1 = the rest of dp
     cp: int = 1  # context parallelism: ranks that share each sequence
+    ep: int = 1  # expert parallelism, folded from shard x cp x tp (expert_mesh)
     _mesh: object = field(default=None, repr=False, compare=False)
+    _expert_mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(
         default_factory=dict, repr=False, compare=False
     )  # flattened meshes, by name
@@ -73,6 +80,9 @@ class ParallelDims:
             raise UserError(
                 f"dp_replicate x dp_shard = {self.dp_replicate} x {self.dp_shard} != dp = {self.dp}"
             )
+        why = self.ep != 1 and folding_error(self.dp_shard, self.cp, self.tp, self.ep, 1)
+        if why:
+            raise UserError(f"train.ep: {why}")
 
     @classmethod
     def of(
@@ -83,6 +93,7 @@ class ParallelDims:
         strategy: str = "zero3",
         hsdp_replicate: int = 1,
         cp: int = 1,
+        ep: int = 1,
     ) -> "ParallelDims":
         """The layout a data-parallel strategy gives: the one place dp is split into replicas and
         shards."""
@@ -92,7 +103,7 @@ class ParallelDims:
         replicate, shard = split_dp(
             strategy, dp, hsdp_replicate
         )  # dtrain.core.layout: the one rule
-        return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=replicate, dp_shard=shard)
+        return cls(world_size, tp=tp, pp=pp, cp=cp, dp_replicate=replicate, dp_shard=shard, ep=ep)
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
@@ -105,6 +116,7 @@ class ParallelDims:
             cp=layout.cp,
             dp_replicate=layout.dp_replicate,
             dp_shard=layout.dp_shard,
+            ep=layout.ep,
         )
 
     @property
@@ -127,8 +139,25 @@ class ParallelDims:
         return any(self.degree(d) > 1 for d in MODEL_DIMS)
 
     @property
+    def efsdp(self) -> int:
+        """Ranks FSDP shards each expert over: shard x cp x tp / ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
     def describe(self) -> str:
-        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "")
+        extra = "".join(f"x{k}{getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
+        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + extra
+
+    def build_expert_mesh(self, device_type: str):
+        """The experts' mesh (collective: every rank calls it): (pp, replicate, efsdp, ep), each
+        dimension built even at size 1, so FSDP2 always has an efsdp mesh to shard experts over."""
+        if self._expert_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = ("pp", "replicate", "efsdp", "ep")
+            sizes = (self.pp, self.dp_replicate, self.efsdp, self.ep)
+            self._expert_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        return self._expert_mesh
 
     def dims(self) -> list[tuple[str, int]]:
         """(name, size) of the mesh dimensions that are built, outermost first."""

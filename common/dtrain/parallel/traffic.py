@@ -19,6 +19,11 @@ so sequence parallelism (all-gather + reduce-scatter) moves exactly what all-red
               ulysses_all_to_all_payloads, ulysses_passes; cp_all_gather_kv_bytes (PyTorch's)
     DP        dp_grad_bytes, zero_gather_bytes, hsdp_replica_bytes, LOSS_BYTES
     PP        pp_activation_bytes, pp_sends_per_step
+    EP        ep_dispatch_bytes, ep_layer_wire_bytes, ep_uneven_wire_bytes, EP_COUNT_BYTES
+
+Expert parallelism's all-to-alls have uneven splits (``all_to_all_v``): its wire bytes are the
+bytes a rank sends to the other ranks, the payload it keeps for itself left out; with balanced
+routing that is the even all-to-all's (n-1)/n of its input.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ LOSS_BYTES = 4  # the step's fp32 loss, all-reduced over DP for the log
 
 def wire_bytes(op: str, payload_bytes: int, n: int) -> int:
     """Bytes one rank sends for `op` among n ranks (see the module docstring)."""
-    if op == "send":  # point to point: the payload itself
+    if op in ("send", "all_to_all_v"):  # the payload itself (all_to_all_v: what leaves the rank)
         return payload_bytes
     factor = 2 if op == "all_reduce" else 1
     return factor * (n - 1) * payload_bytes // n
@@ -232,3 +237,43 @@ def pp_sends_per_step(virtual_stages: int, micro_batches: int) -> int:
     """Activation sends and gradient sends of a stage per step: one each per virtual chunk and
     micro-batch."""
     return 2 * virtual_stages * micro_batches
+
+
+# ---------------------------------------------------------------- expert parallel
+
+# the token counts exchanged before each dispatch: one int64 per expert (what each rank sends
+# every other rank for its local experts), an even all-to-all
+EP_COUNT_BYTES = 8
+DISPATCH, COMBINE, COUNTS = "dispatch", "combine", "counts"
+
+
+def ep_dispatch_bytes(tokens: int, top_k: int, d_model: int, elem_bytes: int, ep: int) -> float:
+    """Bytes one rank sends in one balanced dispatch (and as many in the combine) of an MoE layer:
+    each of its T tokens goes to top_k experts, (ep-1)/ep of them on other ranks: T·k·h·b·(ep-1)/ep
+    (DeepEP's node-limited routing, which sends a token once per node, is not modelled here)."""
+    return tokens * top_k * d_model * elem_bytes * (ep - 1) / ep
+
+
+def ep_layer_wire_bytes(
+    tokens: int,
+    top_k: int,
+    d_model: int,
+    elem_bytes: int,
+    ep: int,
+    recompute: str = "none",
+    dispatch_elem_bytes: int | None = None,
+) -> float:
+    """One MoE layer's forward + backward bytes per rank, balanced routing: the dispatch and the
+    combine in forward, their reverses in backward, 2·(b_dispatch + b_combine)·T·k·h·(ep-1)/ep;
+    full recompute runs the forward's two again. ``dispatch_elem_bytes``: FP8 dispatch (1) moves
+    the forward dispatch in fewer bytes; the combine and the gradients keep ``elem_bytes``."""
+    one = ep_dispatch_bytes(tokens, top_k, d_model, 1, ep)
+    forward = one * ((dispatch_elem_bytes or elem_bytes) + elem_bytes)
+    backward = one * 2 * elem_bytes
+    return forward * (2 if recompute == "full" else 1) + backward
+
+
+def ep_uneven_wire_bytes(rows_to: list[int], rank: int, d_model: int, elem_bytes: int) -> int:
+    """Bytes one all_to_all_v sends from ``rank``: rows_to[j] rows of d_model values to rank j, its
+    own rows staying."""
+    return sum(n for j, n in enumerate(rows_to) if j != rank) * d_model * elem_bytes

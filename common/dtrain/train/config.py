@@ -81,6 +81,8 @@ class TrainConfig:
     cp_impl: str = (
         "auto"  # auto (torch on CUDA + NCCL, else ring) | ring | ulysses | torch (context_parallel)
     )
+    ep: int = 1  # expert parallelism (MoE): ranks the experts split over, folded from shard x cp
+    etp: int = 1  # expert tensor parallelism (only 1 runs)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual: int = 1  # stages per pipeline rank (>= 2 for interleaved_*, 2 for zbv)
     prefetch: bool = False  # FSDP2 explicit forward/backward prefetch of the next block
@@ -153,6 +155,7 @@ class TrainConfig:
             strategy=self.strategy,
             hsdp_replicate=self.hsdp_replicate,
             cp=self.cp,
+            ep=self.ep,
         )
 
     def validate(self, world_size: int) -> None:
@@ -187,7 +190,7 @@ class TrainConfig:
         from dtrain.parallel.feasibility import check_cp_layout
 
         check_cp_layout(self.cp, self.cp_impl, self.pp)
-        for key in ("tp", "pp", "pp_virtual", "steps", "micro_batch", "grad_accum"):
+        for key in ("tp", "pp", "pp_virtual", "steps", "micro_batch", "grad_accum", "ep", "etp"):
             if getattr(self, key) < 1:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 1")
         if self.strategy == "hsdp" and self.hsdp_replicate < 1:
@@ -243,8 +246,15 @@ class TrainConfig:
     def validate_model(self, model_cfg) -> None:
         """The layout against the model (on a `resolved` config: pp needs the real grad_accum):
         heads divisible by tp, enough layers and micro-batches for pp, a sequence cp can shard."""
-        from dtrain.parallel.feasibility import check_cp_model, check_pipeline, check_tp_model
+        from dtrain.parallel.feasibility import (
+            check_cp_model,
+            check_moe,
+            check_pipeline,
+            check_tp_model,
+        )
 
+        checkpoints = self.checkpoint_every > 0 or self.resume_from is not None
+        check_moe(model_cfg, self.ep, self.etp, self.tp, self.pp, self.strategy, checkpoints)
         check_tp_model(
             model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl
         )
@@ -283,6 +293,8 @@ class TrainConfig:
             else "1f1b",  # no pipeline, no schedule
             pp_virtual=run.pp_virtual if run.pp > 1 else 1,
             cp_impl=impl if run.cp > 1 else "ring",
+            ep=run.ep,
+            etp=run.etp,
         )
 
     def global_batch_for(self, world_size: int) -> int:

@@ -70,6 +70,7 @@ def clip_grad_norm(
     world_size: int,
     pp: int,
     device: torch.device,
+    split: list[int] | None = None,
 ) -> float:
     """Global L2 norm of `grads` across every rank, then clip (torch's clip_grad_norm_ rule).
 
@@ -77,10 +78,11 @@ def clip_grad_norm(
     holding an identical copy of that piece), so the world-wide sum counts each element once: a
     piece sharded over n mesh ranks (FSDP2, TP) has world / (pp * n) copies; a plain tensor
     (single, DDP, a tp-replicated parameter) is sharded over nothing. When every piece is on every
-    rank (single, DDP: the same on every rank of a layout) no collective is needed."""
+    rank (single, DDP: the same on every rank of a layout) no collective is needed. ``split``: per
+    gradient, the ranks it is split over beyond its mesh (an expert's: ep)."""
     by_copies: dict[int, list[torch.Tensor]] = {}
-    for g in grads:
-        shards = 1
+    for i, g in enumerate(grads):
+        shards = split[i] if split else 1
         for dim, placement in enumerate(getattr(g, "placements", ())):
             if (
                 not placement.is_replicate()
@@ -230,6 +232,10 @@ class ParallelModel:
                 pl.is_partial() for pl in getattr(p.grad, "placements", ())
             ):
                 p.grad = p.grad.redistribute(placements=p.placements)
+        if self.dims.ep > 1:  # the experts' efsdp average is ep x the data mean (trainer_ep)
+            for p in self._expert_params():
+                if p.grad is not None:
+                    local_shard(p.grad).mul_(1 / self.dims.ep)
         if self.all_reduce_grads:
             grads = [local_shard(p.grad) for p in self.parameters() if p.grad is not None]
             ddist.all_reduce_flat(
@@ -238,6 +244,11 @@ class ParallelModel:
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for part in self.parts for p in part.parameters()]
+
+    def _expert_params(self) -> list[torch.Tensor]:
+        from dtrain.parallel.ep.trainer_ep import is_expert_param
+
+        return [p for part in self.parts for n, p in part.named_parameters() if is_expert_param(n)]
 
     def global_loss(self, local: torch.Tensor | None) -> float:
         total = (
@@ -250,5 +261,10 @@ class ParallelModel:
         return float(total) / (self.dims.world_size // self.dims.pp)
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return clip_grad_norm(grads, max_norm, self.dims.world_size, self.dims.pp, self.device)
+        params = [p for p in self.parameters() if p.grad is not None]
+        experts = {id(p) for p in self._expert_params()} if self.dims.ep > 1 else set()
+        split = [self.dims.ep if id(p) in experts else 1 for p in params]
+        grads = [p.grad for p in params]
+        return clip_grad_norm(
+            grads, max_norm, self.dims.world_size, self.dims.pp, self.device, split
+        )

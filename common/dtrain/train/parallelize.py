@@ -1,8 +1,9 @@
 """Apply a layout to a GPT: `parallelize`, the one path for every layout (dtrain.parallel.mesh's
 ParallelDims, tp = pp = 1 included), in torchtitan's order: pipeline split, tensor parallelism
 (`train.tp_impl`: the hand-rolled Megatron layers or the DTensor plan), context parallelism
-(`train.cp`: the attention core, dtrain.parallel.cp), activation checkpointing, compile, data
-parallelism (over dp x cp: cp ranks hold gradients of different tokens).
+(`train.cp`: the attention core, dtrain.parallel.cp), expert parallelism (`train.ep`: the MoE
+layers' experts and dispatch, dtrain.parallel.ep), activation checkpointing, compile, data
+parallelism (over dp x cp: cp ranks hold gradients of different tokens; the experts over efsdp).
 
 Data-parallel strategies:
     single  the model on this rank's device
@@ -88,11 +89,19 @@ def mixed_precision_policy(train: TrainConfig):
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, train: TrainConfig, mesh, device: torch.device) -> None:
+def apply_fsdp(
+    model: nn.Module, train: TrainConfig, mesh, device: torch.device, efsdp_mesh=None
+) -> None:
+    """FSDP2 per block, then the root; with expert parallelism (``efsdp_mesh``) each MoE layer's
+    experts first, over the efsdp ranks (dtrain.parallel.ep.trainer_ep.shard_experts)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = train.strategy != "zero2"
     policy = mixed_precision_policy(train)
+    if efsdp_mesh is not None:
+        from dtrain.parallel.ep.trainer_ep import shard_experts
+
+        shard_experts(model, efsdp_mesh, policy, reshard)
     blocks = list(model.blocks.children())  # a GPT's ModuleList or a pipeline stage's ModuleDict
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first thing in backward: keep them
@@ -174,6 +183,18 @@ def apply_cp(
     return impl
 
 
+def apply_ep(part: nn.Module, dims: ParallelDims, device: torch.device):
+    """Expert parallelism on one part: its experts sliced over the ep ranks, the all-to-all
+    dispatch; returns the efsdp mesh FSDP2 shards the experts over (None without ep)."""
+    if dims.ep == 1:
+        return None
+    from dtrain.parallel.ep.trainer_ep import apply_expert_parallel
+
+    mesh = dims.build_expert_mesh(device.type)
+    apply_expert_parallel(part, mesh["ep"])
+    return mesh["efsdp"]
+
+
 def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: torch.device):
     """Every layout's one path (torchtitan's order): pipeline split, then per part tensor
     parallelism -> context parallelism -> activation checkpointing -> compile -> data
@@ -204,12 +225,13 @@ def parallelize(gpt: nn.Module, train: TrainConfig, dims: ParallelDims, device: 
     for _, part in staged:
         partial.append(apply_tp(part, train, dims, gpt.cfg.n_layer))
         cp_impl = apply_cp(part, train, dims, device)
+        efsdp_mesh = apply_ep(part, dims, device)
         if train.activation_checkpointing != "none":
             apply_activation_checkpointing(part, train.activation_checkpointing)
         if train.compile:
             apply_compile(part)
         if fsdp:
-            apply_fsdp(part, fsdp_train, dims.dp_mesh(), device)
+            apply_fsdp(part, fsdp_train, dims.dp_mesh(), device, efsdp_mesh)
         elif replicate and not dims.model_parallel:
             part = apply_ddp(part, dims, device)
         else:

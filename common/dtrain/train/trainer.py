@@ -38,6 +38,7 @@ from dtrain.train import checkpoint, preemption
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
 from dtrain.train.data import TokenBatcher, make_dataset
+from dtrain.train.moe_metrics import MoEMetrics
 from dtrain.train.parallel_model import OptimizerParts
 from dtrain.train.parallelize import parallelize
 
@@ -144,6 +145,10 @@ class Trainer:
             seed=ctx.cfg.seed,
             grad_accum=train.grad_accum,
         )
+        self.moe_metrics = None
+        if model_cfg.moe is not None:  # first, so every other callback sees the MoE metrics
+            self.moe_metrics = MoEMetrics(self.model_parts, self.dims.ep)
+            self.callbacks.insert(1 if self.requeue else 0, self.moe_metrics)
         self.optimizer = OptimizerParts(
             self.model_parts,
             lr=train.lr,
@@ -411,6 +416,8 @@ class Trainer:
             "dp": self.dims.dp,
             "cp": self.dims.cp,
             "cp_impl": self.parallel.cp_impl,
+            "ep": self.dims.ep,
+            **(self.moe_metrics.summary() if self.moe_metrics else {}),
             "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
             "mixed_precision": self.train.precision,
             "matmul_tf32": self.tf32,

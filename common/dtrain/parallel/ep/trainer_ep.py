@@ -1,0 +1,50 @@
+"""Expert parallelism in the trainer (train.ep): every MoE layer of a part keeps its ep rank's
+slice of the experts and dispatches over the ep group; FSDP2 then shards those experts over the
+efsdp group (`shard_experts`), the rest of the model over the data ranks as before.
+
+Gradients: an expert's gradient on its ep rank is already the sum over the ep group's tokens (the
+combine's backward brings every rank's), so the efsdp average leaves it ep times the data-parallel
+mean; `EXPERT_PARAMS` names the parameters the trainer scales by 1/ep (and counts as ep-split when
+it takes the global gradient norm).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from dtrain.model.gpt import moe_layers
+from dtrain.parallel.ep.dispatch import AllToAllDispatch
+
+EXPERT_PARAMS = (".experts.w1", ".experts.w2")
+
+
+def is_expert_param(name: str) -> bool:
+    return name.endswith(EXPERT_PARAMS)
+
+
+@torch.no_grad()
+def apply_expert_parallel(part: nn.Module, ep_mesh) -> int:
+    """Slice each MoE layer's experts to this ep rank's E/ep and swap in the all-to-all dispatch;
+    returns the MoE layers changed."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    layers = moe_layers(part)
+    for moe in layers:
+        local = moe.moe.experts // ep
+        for name in ("w1", "w2"):
+            full = getattr(moe.experts, name)
+            piece = nn.Parameter(full[rank * local : (rank + 1) * local].clone())
+            setattr(moe.experts, name, piece)
+        moe.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
+    return len(layers)
+
+
+def shard_experts(part: nn.Module, efsdp_mesh, mp_policy, reshard: bool) -> None:
+    """FSDP2 over the efsdp ranks for each MoE layer's experts (before the blocks are wrapped, so
+    a block's FSDP unit leaves them out)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for moe in moe_layers(part):
+        fully_shard(
+            moe.experts, mesh=efsdp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard
+        )
