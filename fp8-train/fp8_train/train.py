@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtrain.core import nodes as dtrain_config
 from dtrain.costmodel import hardware
+from dtrain.model.args import model_dict
 from dtrain.results import contract
 from dtrain.results.loader import read_jsonl
 from dtrain.results.metrics import RECORDS
@@ -102,7 +103,7 @@ def rank_fn(ctx) -> dict:
         "device": str(ctx.device),
         "backend": ctx.backend,
         "gpu_name": ctx.gpu_name,
-        "model": dataclasses.asdict(model_cfg),
+        "model": model_dict(model_cfg),
         "train": trainer.train.to_dict(),
     }
 

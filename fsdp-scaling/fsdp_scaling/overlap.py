@@ -133,6 +133,8 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
         tp_comm_s      the hand-rolled TP collectives' `tp_comm:*` ranges (blocking: all exposed)
         cp_comm_s      context parallelism's `cp_comm:*` ranges (issuing the ring's sends, waiting
                        for them, the all-to-alls): what the attention compute did not hide
+        ep_comm_s      expert parallelism's `ep_comm:*` ranges (the token counts, the dispatch and
+                       combine all-to-alls, forward and backward: blocking, all exposed)
         pp_p2p_s       pipeline send/recv issued on the main thread (with cp: the ring's, in
                        cp_comm_s)
         dp_comm_s      every other collective (gradient sync, loss and norm reductions) while no
@@ -149,6 +151,7 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
     compute = merge((s, e) for s, e, k in intervals_from_trace(trace, main_tid) if k == "compute")
     tp = merge(span(e) for e in main if e["name"].startswith("tp_comm:"))
     cp = merge(span(e) for e in main if e["name"].startswith("cp_comm:"))
+    ep = merge(span(e) for e in main if e["name"].startswith("ep_comm:"))
     p2p = merge(span(e) for e in main if e["name"].startswith(_P2P))
     # the trainer runs cp only without pp: every send/recv is the ring's (some outlast their cp
     # range)
@@ -158,15 +161,16 @@ def step_breakdown(trace: dict, main_tid: int | None, steps: int = 1) -> dict:
         span(e) for e in events if e["name"].startswith("gloo:") and not e["name"].startswith(_P2P)
     )
     tp_total = total(tp)
-    dp = merge(iv for iv in _subtract(other_comm, merge([*tp, *cp])))
+    dp = merge(iv for iv in _subtract(other_comm, merge([*tp, *cp, *ep])))
     dp_exposed = _subtract(dp, compute)
     start, end = min(e["ts"] for e in main) / 1e6, max(e["ts"] + e["dur"] for e in main) / 1e6
-    busy = total(merge([*compute, *tp, *cp, *p2p, *dp_exposed]))
+    busy = total(merge([*compute, *tp, *cp, *ep, *p2p, *dp_exposed]))
     return {
         "step_s": (end - start) / steps,
         "compute_s": total(compute) / steps,
         "tp_comm_s": tp_total / steps,
         "cp_comm_s": total(cp) / steps,
+        "ep_comm_s": total(ep) / steps,
         "pp_p2p_s": total(p2p) / steps,
         "dp_comm_s": total(dp) / steps,
         "dp_comm_exposed_s": total(dp_exposed) / steps,

@@ -10,9 +10,10 @@ guide reads.
 
 from __future__ import annotations
 
-import dataclasses
 
 from dtrain.core import nodes as dtrain_config
+from dtrain.model.args import model_dict
+from dtrain.parallel.ep.trainer_ep import is_expert_param
 from dtrain.run.launch import RankContext
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
@@ -45,6 +46,17 @@ def rank_fn(ctx: RankContext) -> dict:
         trainer.parallel.shard_degree,
     )  # FSDP2 shards the tp x pp piece over shard x cp
     formula = memory.formula_bytes(shapes, shards, trainer.parallel.shard_index)
+    if dims.ep > 1:  # experts: this ep rank's slice, FSDP2-sharded over efsdp (not over shards)
+        expert = [is_expert_param(n) for n, _ in trainer.model.named_parameters()]
+        dense = memory.formula_bytes(
+            [s for s, e in zip(shapes, expert) if not e], shards, trainer.parallel.shard_index
+        )
+        experts = memory.formula_bytes(
+            [s for s, e in zip(shapes, expert) if e],
+            dims.efsdp,
+            trainer.parallel.shard_index // dims.ep,
+        )
+        formula = {k: dense[k] + experts[k] for k in dense}
     ideal = memory.ideal_bytes(trainer.model_params, len(shapes), shards * dims.tp * dims.pp)
     ctx.writer.record(
         "state_bytes",
@@ -66,6 +78,6 @@ def rank_fn(ctx: RankContext) -> dict:
         "device": str(ctx.device),
         "backend": ctx.backend,
         "gpu_name": ctx.gpu_name,
-        "model": dataclasses.asdict(model_cfg),
+        "model": model_dict(model_cfg),
         "train": trainer.train.to_dict(),
     }  # as the run used it (grad_accum, precision derived)

@@ -46,6 +46,7 @@ def headline(r: dict) -> dict:
         "pp": r.get("pp", 1),
         "dp": r.get("dp", r["world_size"]),
         "cp": r.get("cp", 1),
+        "ep": r.get("ep", 1),
         "pp_schedule": r.get("pp_schedule"),
         "breakdown": r.get("breakdown"),
     }
@@ -55,8 +56,11 @@ def print_tables(r: dict, console: Console | None = None) -> None:
     console = console or terminal.console()
     g = headline(r)
     cp = f" x cp{g['cp']} ({r.get('cp_impl')})" if g["cp"] > 1 else ""
+    cp += f" x ep{g['ep']}" if g["ep"] > 1 else ""
     layout = (
-        f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}" if g["tp"] * g["pp"] * g["cp"] > 1 else ""
+        f" dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}"
+        if g["tp"] * g["pp"] * g["cp"] * g["ep"] > 1
+        else ""
     )
     t = Table(
         title=f"fsdp-scaling: {g['strategy']}{layout} on {g['world_size']} rank(s), "
@@ -105,33 +109,29 @@ def print_tables(r: dict, console: Console | None = None) -> None:
     if b:
         whole = f"dp{g['dp']} x tp{g['tp']} x pp{g['pp']}{cp}"  # every dimension, cp included
         bt = Table(title=f"step breakdown on rank 0, {whole} (profiled steps, s/step)")
-        for col in (
-            "step",
-            "compute",
-            "TP comm",
-            "CP comm",
-            "PP p2p",
-            "DP comm",
-            "DP exposed",
-            "idle / bubble",
-        ):
+        cols = {
+            "step": "step_s",
+            "compute": "compute_s",
+            "TP comm": "tp_comm_s",
+            "CP comm": "cp_comm_s",
+            "EP a2a": "ep_comm_s",
+            "PP p2p": "pp_p2p_s",
+            "DP comm": "dp_comm_s",
+            "DP exposed": "dp_comm_exposed_s",
+            "idle / bubble": "idle_s",
+        }
+        if g["ep"] == 1:  # the column only where expert parallelism ran
+            del cols["EP a2a"]
+        for col in cols:
             bt.add_column(col, justify="right")
-        bt.add_row(
-            *(
-                format(b.get(k, 0.0), ".4f")
-                for k in (
-                    "step_s",
-                    "compute_s",
-                    "tp_comm_s",
-                    "cp_comm_s",
-                    "pp_p2p_s",
-                    "dp_comm_s",
-                    "dp_comm_exposed_s",
-                    "idle_s",
-                )
-            )
-        )
+        bt.add_row(*(format(b.get(k, 0.0), ".4f") for k in cols.values()))
         console.print(bt)
+    if r.get("moe_overload_mean") is not None:
+        console.print(
+            f"MoE: overload factor {r['moe_overload_mean']:.3f} mean, {r['moe_overload_max']:.3f} "
+            f"max (busiest {'ep rank' if g['ep'] > 1 else 'expert'} / balanced); dropped "
+            f"{r['moe_dropped_frac_mean']:.1%} of assignments"
+        )
 
 
 def plot_steps(run_dir: Path) -> Path | None:
@@ -184,6 +184,7 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         overlap=result.get("overlap"),
         breakdown=result.get("breakdown"),
     )
+    inputs += contract.moe_inputs(result, result["model"], layout, where, result.get("breakdown"))
     return {
         **{k: v for k, v in result.items() if k not in ("model", "train")},
         "seq_len": result["model"]["seq_len"],

@@ -25,6 +25,8 @@ config.yaml, so a new experiment that publishes them is calibrated like the four
                                                               high
     GemmProbe            dtrain.costmodel.gemm_probe (derived) GEMM efficiency curve, fixed step
                                                               overhead
+    MoeMeasurement       fsdp-scaling runs of an MoE model    all-to-all share, overload (local
+                                                              check of expert parallelism)
 
 Runs made from other runs (a study report, an FP8 comparison, the GEMM probe) are written by
 ``dtrain.results.derived.write_derived_run``, which records the run directories they came from in
@@ -115,6 +117,7 @@ class StepBreakdown:
     cp_comm_s: float = (
         0.0  # context parallelism's ring sends / all-to-alls, exposed (0 in records before it)
     )
+    ep_comm_s: float = 0.0  # expert parallelism's dispatch / combine all-to-alls (0 before it)
 
 
 MODEL_SHAPE = (
@@ -307,11 +310,33 @@ class RunLoad:
     samples: int
 
 
+@dataclass(frozen=True)
+class MoeMeasurement:
+    """An MoE training run's expert-parallel figures (a ``training`` record of the same run has
+    its step time and breakdown): what the guide's local check compares with the cost model's
+    all-to-all share and imbalance. Times are rank 0's, per optimizer step, from the profile
+    window; ``a2a_share`` = a2a_s / profiled_step_s."""
+
+    kind: ClassVar[str] = "moe_run"
+    model: dict  # dtrain.model.args.GPTConfig fields, ``moe`` included (experts, top_k, ...)
+    layout: Layout  # ep, and the data ranks it folds from
+    precision: str
+    tokens_per_step: int  # global batch x seq_len
+    profiled_step_s: float
+    a2a_s: float  # ep_comm: the token-count exchanges, dispatches and combines, fwd + bwd
+    a2a_share: float
+    overload: float  # Megatron's: busiest ep rank's (expert's at ep 1) rows / balanced, mean
+    expert_overload: float  # busiest expert's assignments / balanced, mean over timed steps
+    dropped_frac: float  # assignments dropped over capacity (0: dropless)
+    where: Where
+
+
 RECORDS = {
     c.kind: c
     for c in (
         CollectiveFit,
         TrainingMeasurement,
+        MoeMeasurement,
         TpMeasurement,
         CpMeasurement,
         Fp8Comparison,
@@ -523,6 +548,31 @@ def training_inputs(
             overlap_fraction=ov.get("overlap_fraction"),
             breakdown=_breakdown(breakdown),
             step_callbacks=list(step_callbacks),
+        )
+    ]
+
+
+def moe_inputs(
+    result: dict, model: dict, layout: Layout, where: Where, breakdown: dict | None
+) -> list[MoeMeasurement]:
+    """The ``moe_run`` record of a trainer run of an MoE model ([] for a dense model, or without a
+    profiled breakdown to take the all-to-all time from)."""
+    b = breakdown or {}
+    if not model.get("moe") or not b.get("step_s") or result.get("moe_overload_mean") is None:
+        return []
+    return [
+        MoeMeasurement(
+            model=dict(model),
+            layout=layout,
+            precision=str(result["mixed_precision"]),
+            tokens_per_step=int(result["tokens_per_step"]),
+            profiled_step_s=float(b["step_s"]),
+            a2a_s=float(b.get("ep_comm_s", 0.0)),
+            a2a_share=float(b.get("ep_comm_s", 0.0)) / float(b["step_s"]),
+            overload=float(result["moe_overload_mean"]),
+            expert_overload=float(result["moe_expert_overload_mean"]),
+            dropped_frac=float(result["moe_dropped_frac_mean"]),
+            where=where,
         )
     ]
 
