@@ -105,6 +105,7 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         "link_classes": result["link_classes"],
         "link_classes_not_measured": result["not_measured"],
         "skipped": result["skipped"],
+        **({"alltoallv": result["alltoallv"]} if "alltoallv" in result else {}),
         "cases": len(df),
         "wrong_total": int(df["wrong"].fillna(0).sum()),
         "files": {

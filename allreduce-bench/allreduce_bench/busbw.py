@@ -9,6 +9,7 @@
 | all_gather     | the whole output                 | (n-1)/n  | in = S/(n w), out = S/w
 | reduce_scatter | the whole input                  | (n-1)/n  | in = S/w, out = S/(n w)
 | all_to_all     | the per-rank send buffer         | (n-1)/n  | in = out = S/w, n chunks of S/(n w)
+| all_to_all_v   | the per-rank send buffer         | (n-1)/n  | in = S/w, uneven (alltoallv.py)
 | broadcast      | the buffer                       | 1        | S/w
 | reduce         | the buffer                       | 1        | S/w
 | sendrecv       | the buffer sent to the next rank | 1        | S/w
@@ -30,6 +31,7 @@ COLLECTIVES = (
     "broadcast",
     "reduce",
     "all_to_all",
+    "all_to_all_v",
     "sendrecv",
 )
 ROOTED = ("broadcast", "reduce")
@@ -37,7 +39,7 @@ REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # S is split into n per-rank chunks
 # torch.distributed has one form of these (collectives.py runs the other only where it exists)
 IN_PLACE_ONLY = ("all_reduce", "broadcast", "reduce")
-OUT_OF_PLACE_ONLY = ("all_to_all", "sendrecv")
+OUT_OF_PLACE_ONLY = ("all_to_all", "all_to_all_v", "sendrecv")
 
 
 def supports(collective: str, in_place: bool) -> bool:
@@ -51,7 +53,7 @@ def bus_factor(collective: str, n: int) -> float:
     """nccl-tests' factor c(n): busbw = algbw * c(n)."""
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in CHUNKED:
+    if collective in (*CHUNKED, "all_to_all_v"):
         return (n - 1) / n
     if collective in ("broadcast", "reduce", "sendrecv"):
         return 1.0

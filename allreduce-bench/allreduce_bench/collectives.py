@@ -100,6 +100,7 @@ def build(
     redop: str,
     root: int,
     in_place: bool,
+    routing=None,
 ) -> Case | None:
     """Buffers and closures for one (collective, size, dtype, mode) on `group`; None when N/A."""
     if not supports(collective, in_place):
@@ -162,6 +163,28 @@ def build(
             lambda: reduce_scatter_single(out, send, op=op, group=group),
             lambda: send.copy_(vals(r, n * m)),
             lambda: out,
+            expected,
+        )
+
+    if collective == "all_to_all_v":  # uneven splits from a routing (alltoallv.py)
+        from allreduce_bench import alltoallv
+
+        ins, outs, rows = alltoallv.splits(routing, lay, r)
+        send, recv = new(sum(ins)), new(sum(outs))
+
+        def expected():
+            parts = []
+            for j in range(n):
+                start = sum(rows[j][:r]) * m
+                parts.append(vals(j, sum(rows[j]) * m)[start : start + rows[j][r] * m])
+            return torch.cat(parts).to(dtype)
+
+        return Case(
+            collective,
+            False,
+            lambda: dist.all_to_all_single(recv, send, outs, ins, group=group),
+            lambda: send.copy_(vals(r, send.numel())),
+            lambda: recv,
             expected,
         )
 

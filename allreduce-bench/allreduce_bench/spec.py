@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from allreduce_bench.alltoallv import SKEWS, Routing
 from allreduce_bench.busbw import COLLECTIVES, supports
 from dtrain.core.checks import integer_at_least, one_of
 from dtrain.core.errors import UserError
@@ -116,6 +117,7 @@ class BenchSpec:
     check: bool
     simulate_nodes: int | None
     inject_wrong: str | None
+    routing: Routing = Routing()  # all_to_all_v's routing (alltoallv.py)
 
 
 def _as_list(value) -> list:
@@ -206,6 +208,7 @@ def parse(cfg: DictConfig) -> BenchSpec:
     inject = cfg.debug.inject_wrong
     if inject is not None:  # one of the benchmarked collectives, or all of them
         one_of("debug.inject_wrong", inject, (*collectives, "all"))
+    routing = _routing(cfg.get("alltoallv"))
     dtypes = _as_list(cfg.dtypes)
     if not dtypes:
         raise UserError("dtypes=[] is empty: name at least one, e.g. dtypes=[float32]")
@@ -221,7 +224,28 @@ def parse(cfg: DictConfig) -> BenchSpec:
         bool(cfg.check),
         nodes,
         inject,
+        routing,
     )
+
+
+def _routing(node) -> Routing:
+    """alltoallv.* as a Routing, each value checked (one line each)."""
+    values = {} if node is None else dict(node)
+    r = Routing(**values)
+    one_of("alltoallv.skew", r.skew, SKEWS)
+    for key in ("top_k", "experts_per_rank", "tokens"):
+        integer_at_least(f"alltoallv.{key}", getattr(r, key), 1)
+    integer_at_least("alltoallv.seed", r.seed, 0)
+    if r.top_k > r.experts_per_rank:  # top_k distinct experts, even in a group of one rank
+        raise UserError(
+            f"alltoallv.top_k={r.top_k} is more than alltoallv.experts_per_rank="
+            f"{r.experts_per_rank}: each token picks top_k distinct experts"
+        )
+    if not 0 < r.zipf_s < math.inf:
+        raise UserError(f"alltoallv.zipf_s={r.zipf_s!r} must be a finite number > 0")
+    if not 0 < r.hot_share < 1:
+        raise UserError(f"alltoallv.hot_share={r.hot_share!r} must be a number in (0, 1)")
+    return r
 
 
 def known_unsupported(backend: str, dtype: str, redop: str, collectives) -> str | None:

@@ -8,6 +8,8 @@ average, as nccl-tests does by default. Then one fresh, checked execution counts
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import sys
 from contextlib import contextmanager
@@ -15,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from allreduce_bench import busbw, collectives, groups
+from allreduce_bench import alltoallv, busbw, collectives, groups
 from allreduce_bench.spec import NCCL_TYPE_NAMES, BenchSpec, torch_dtype
 from dtrain.core.errors import UserError
 from dtrain.model.timing import Stopwatch, synchronize
@@ -125,7 +127,11 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
             dtype = torch_dtype(dtype_name)
             elem = torch.empty(0, dtype=dtype).element_size()
             for size in spec.sizes:
-                lay = busbw.layout(collective, size, elem, lg.size)
+                lay = (
+                    alltoallv.layout(size, elem, lg.size, spec.routing)
+                    if collective == "all_to_all_v"
+                    else busbw.layout(collective, size, elem, lg.size)
+                )
                 progress.update(
                     task, description=f"{lg.link_class} {collective} {dtype_name} {lay.nbytes} B"
                 )
@@ -145,6 +151,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
                                 spec.redop,
                                 spec.root,
                                 in_place,
+                                spec.routing,
                             )
                             if member
                             else None
@@ -210,4 +217,19 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
         ],
         "not_measured": not_measured,
         "skipped": skipped,
+        **(
+            {
+                "alltoallv": {
+                    **dataclasses.asdict(spec.routing),
+                    "imbalance": {
+                        lg.link_class: alltoallv.imbalance(
+                            alltoallv.send_matrix(spec.routing, lg.size)
+                        )
+                        for lg in link_groups
+                    },
+                }
+            }
+            if "all_to_all_v" in spec.collectives
+            else {}
+        ),
     }

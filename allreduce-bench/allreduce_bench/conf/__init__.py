@@ -26,6 +26,19 @@ class AllreduceDebugConfig:
 
 
 @dataclass
+class AlltoallvConfig:
+    """all_to_all_v's routing (allreduce_bench.alltoallv): expert parallelism's dispatch."""
+
+    skew: str = "uniform"  # uniform | zipf | hot (one hot expert)
+    top_k: int = 2  # experts per token: each token is sent top_k times
+    experts_per_rank: int = 4
+    tokens: int = 256  # per rank; a row is S / (tokens x top_k) bytes
+    zipf_s: float = 1.2  # zipf: p_e ~ 1 / (e + 1)^zipf_s
+    hot_share: float = 0.5  # hot: expert 0's probability
+    seed: int = 0
+
+
+@dataclass
 class AllreduceBenchConfig(BaseConfig):
     subproject: str = "allreduce-bench"
     collectives: Any = field(
@@ -36,6 +49,7 @@ class AllreduceBenchConfig(BaseConfig):
             "broadcast",
             "reduce",
             "all_to_all",
+            "all_to_all_v",
             "sendrecv",
         ]
     )  # one name or a list
@@ -55,6 +69,7 @@ class AllreduceBenchConfig(BaseConfig):
     timing_warmup: int = 2  # nccl-tests -w: untimed ops per size
     iters: int = 10  # nccl-tests -n: timed ops per size, back to back; time = total / iters
     check: bool = True  # nccl-tests -c: one checked run per case; any wrong element fails the run
+    alltoallv: AlltoallvConfig = field(default_factory=AlltoallvConfig)
     debug: AllreduceDebugConfig = field(default_factory=AllreduceDebugConfig)
 
 

@@ -99,6 +99,7 @@ OWN_FIT_HOPS = {
     "reduce_scatter": lambda n: n - 1,
     "sendrecv": lambda n: 1,
     "all_to_all": lambda n: n - 1,
+    "all_to_all_v": lambda n: n - 1,  # uneven (expert parallelism's dispatch): allreduce-bench
 }
 
 
