@@ -184,7 +184,10 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         overlap=result.get("overlap"),
         breakdown=result.get("breakdown"),
     )
-    inputs += contract.moe_inputs(result, result["model"], layout, where, result.get("breakdown"))
+    if result["model"].get("moe"):  # its own record only: dense calibration never reads it
+        inputs = contract.moe_inputs(
+            result, result["model"], layout, where, result.get("breakdown")
+        )
     return {
         **{k: v for k, v in result.items() if k not in ("model", "train")},
         "seq_len": result["model"]["seq_len"],

@@ -64,6 +64,21 @@ STEPS = (
         needs_launcher=False,
         expected_s=3,
     ),
+    # an MoE model with expert parallelism (after the report: the study is of dense layouts): its
+    # all-to-all share and overload, the contract's moe_run record
+    Step(
+        "fsdp-scaling moe",
+        "fsdp_scaling",
+        (
+            "model.preset=tiny",
+            "model.moe.experts=4",
+            "model.moe.top_k=2",
+            "train.ep=2",
+            "train.steps=6",
+            "train.log_every=0",
+        ),
+        expected_s=15,
+    ),
     Step("tp-attention", "tp_attention", (), expected_s=25),
     # context parallelism (ring, all-to-all) vs one device vs TP+SP: the CpMeasurement records
     Step("tp-attention cp", "tp_attention", (), module="tp_attention.cp", expected_s=18),

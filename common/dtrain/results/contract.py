@@ -312,16 +312,18 @@ class RunLoad:
 
 @dataclass(frozen=True)
 class MoeMeasurement:
-    """An MoE training run's expert-parallel figures (a ``training`` record of the same run has
-    its step time and breakdown): what the guide's local check compares with the cost model's
-    all-to-all share and imbalance. Times are rank 0's, per optimizer step, from the profile
-    window; ``a2a_share`` = a2a_s / profiled_step_s."""
+    """A training run of an MoE model, its expert-parallel figures: what the guide's local check
+    compares with the cost model's all-to-all share and imbalance. An MoE run publishes only this
+    record (no ``training`` one), so calibrating dense compute efficiency never reads it.
+    ``a2a_s`` and ``profiled_step_s`` are rank 0's, per optimizer step, from the profile window;
+    ``a2a_share`` = a2a_s / profiled_step_s."""
 
     kind: ClassVar[str] = "moe_run"
     model: dict  # dtrain.model.args.GPTConfig fields, ``moe`` included (experts, top_k, ...)
     layout: Layout  # ep, and the data ranks it folds from
     precision: str
     tokens_per_step: int  # global batch x seq_len
+    step_time_s: float  # median over the timed steps
     profiled_step_s: float
     a2a_s: float  # ep_comm: the token-count exchanges, dispatches and combines, fwd + bwd
     a2a_share: float
@@ -566,6 +568,7 @@ def moe_inputs(
             layout=layout,
             precision=str(result["mixed_precision"]),
             tokens_per_step=int(result["tokens_per_step"]),
+            step_time_s=float(result["step_time_s"]),
             profiled_step_s=float(b["step_s"]),
             a2a_s=float(b.get("ep_comm_s", 0.0)),
             a2a_share=float(b.get("ep_comm_s", 0.0)) / float(b["step_s"]),
