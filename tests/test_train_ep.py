@@ -1,7 +1,8 @@
 """Expert parallelism in the shared trainer: world_size=2 train.ep=2 equals world_size=1 (fp32,
 gloo, dropless: losses and grad norms within 1e-6 relative, the expert gradients scaled and their
-norm counted once), with FSDP2 zero2 / zero3 and activation checkpointing; the run records ep and
-the overload factor; bad EP layouts are one-line errors.
+norm counted once), with FSDP2 zero2 / zero3, activation checkpointing and ep folded from cp
+ranks (and, slow, on 4 ranks with the experts FSDP2-sharded over efsdp); the run records ep and the
+overload factor; bad EP layouts are one-line errors.
 
 Several trainings run inside one launch (each spawn costs seconds): the tiny GPT with 2 layers,
 4 experts, top-2, global batch 4 = micro-batches of 1."""
@@ -99,6 +100,7 @@ def test_ep2_matches_one_rank_dropless(tmp_path):
             "ep2": {"ep": 2},
             "ep2_zero2": {"ep": 2, "strategy": "zero2"},
             "ep2_block_ac": {"ep": 2, "activation_checkpointing": "block"},
+            "cp2_ep2": {"ep": 2, "cp": 2, "cp_impl": "ring"},  # ep folded from the cp ranks
             "ep1": {},
         },
     )
@@ -111,6 +113,27 @@ def test_ep2_matches_one_rank_dropless(tmp_path):
     assert two["ep2"]["result"]["ep"] == 2 and two["ep1"]["result"]["ep"] == 1
     assert all(o >= 1.0 for o in two["ep2"]["overload"])
     assert two["ep2"]["result"]["moe_overload_mean"] >= 1.0
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores: ~50 s; the 2-rank test above is the fast one
+def test_four_ranks_experts_sharded_over_efsdp_and_folded_from_cp_match_one_rank(tmp_path):
+    """ep2 x efsdp2 (each rank's experts FSDP2-sharded over 2 ranks: the efsdp average and the 1/ep
+    scale), ep4, and cp2 x ep4 (ep folded from dp_shard x cp)."""
+    one = run_specs(tmp_path, 1, {"single": {"strategy": "single"}})["single"]
+    four = run_specs(
+        tmp_path,
+        4,
+        {
+            "ep2_efsdp2": {"ep": 2},
+            "ep4": {"ep": 4},
+            "cp2_ep4": {"ep": 4, "cp": 2, "cp_impl": "ring"},
+        },
+    )
+    for name, res in four.items():
+        for key in ("losses", "grad_norms"):
+            err = max_rel(res[key], one[key])
+            print(f"{name} {key} max rel diff {err:.1e}")
+            assert err <= REL, (name, key)
 
 
 @pytest.mark.parametrize(
