@@ -42,14 +42,18 @@ def test_imbalance_by_hand():
     assert alltoallv.imbalance([[1, 3], [2, 4]]) == pytest.approx(7 / 5)
 
 
-def test_layout_counts_the_send_buffer_in_whole_rows():
+def test_each_buffer_is_apportioned_as_its_rows_are():
+    assert alltoallv.apportion(10, [1, 1, 1]) == [4, 3, 3]  # largest remainders, then low index
+    assert alltoallv.apportion(7, [5, 0, 2]) == [5, 0, 2]
     r = alltoallv.Routing(tokens=8, top_k=2)
-    lay = alltoallv.layout(1000, 4, 4, r)  # 16 rows of 1000 // 64 = 15 elements
-    assert (lay.chunk, lay.send_numel, lay.nbytes) == (15, 240, 960)
-    assert alltoallv.layout(8, 4, 4, r).chunk == 1  # at least one element a row
+    lay = alltoallv.layout(1000, 4, 4)  # 250 elements, as the even all-to-all's buffer
+    assert (lay.count, lay.nbytes) == (250, 1000)
+    assert alltoallv.layout(2, 4, 4).count == 1  # at least one element
     assert busbw.bus_factor("all_to_all_v", 4) == 0.75 == busbw.bus_factor("all_to_all", 4)
-    ins, outs, rows = alltoallv.splits(r, lay, 1)
-    assert sum(ins) == lay.send_numel and outs == [rows[i][1] * 15 for i in range(4)]
+    rows = alltoallv.send_matrix(r, 4)
+    ins, outs = alltoallv.splits(r, lay, 1)
+    assert sum(ins) == 250 and ins == alltoallv.apportion(250, rows[1])
+    assert outs == [alltoallv.apportion(250, rows[i])[1] for i in range(4)]
 
 
 @pytest.mark.parametrize(

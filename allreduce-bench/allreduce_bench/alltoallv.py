@@ -11,8 +11,9 @@ are drawn from one distribution, the routing ``skew``:
 
 Each rank draws its tokens' experts from its own seeded generator (``seed``, rank), so every rank
 can recompute the whole send matrix (rows[i][j]: rows rank i sends rank j) without a collective.
-At message size S every row is S / (tokens * top_k) bytes, rounded down to whole elements: the
-pattern is the same at every size, so the α–β fit over sizes is the pattern's.
+At message size S each rank's buffer (S rounded down to whole elements) is apportioned over the
+ranks as its rows are (largest remainders): the pattern is the same at every size, so the α–β fit
+over sizes is the pattern's.
 
 S counted (nccl-tests' all-to-all convention) is the per-rank send buffer, the same on every rank;
 busbw = algbw * (n-1)/n. ``imbalance`` is the busiest rank's max(rows sent, rows received) over the
@@ -79,14 +80,26 @@ def imbalance(rows: list[list[int]]) -> float:
     return max(max(sent), max(received)) / (sum(sent) / n)
 
 
-def layout(requested_bytes: int, elem_size: int, n: int, routing: Routing) -> Layout:
-    """S rounded down to whole rows of whole elements (at least one element a row)."""
-    rows = routing.tokens * routing.top_k
-    row = max(1, requested_bytes // (rows * elem_size))
-    return Layout("all_to_all_v", n, elem_size, row, rows * row, rows * row)
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """``total`` split in proportion to ``weights``, whole numbers summing to it (largest
+    remainders first, ties to the lower index)."""
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (out[i] - exact[i], i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
 
 
-def splits(routing: Routing, lay: Layout, rank: int) -> tuple[list[int], list[int], list[list]]:
-    """(input splits, output splits, the send matrix) in elements for ``rank``."""
-    m = send_matrix(routing, lay.n)
-    return [c * lay.chunk for c in m[rank]], [m[i][rank] * lay.chunk for i in range(lay.n)], m
+def layout(requested_bytes: int, elem_size: int, n: int) -> Layout:
+    """S rounded down to whole elements (at least one), as the even all-to-all's buffer."""
+    count = max(1, requested_bytes // elem_size)
+    return Layout("all_to_all_v", n, elem_size, count, count, count)
+
+
+def splits(routing: Routing, lay: Layout, rank: int) -> tuple[list[int], list[int]]:
+    """(input splits, output splits) in elements for ``rank``: every rank's buffer of lay.count
+    elements apportioned over the ranks as its rows are."""
+    elems = [apportion(lay.count, row) for row in send_matrix(routing, lay.n)]
+    return elems[rank], [elems[i][rank] for i in range(lay.n)]

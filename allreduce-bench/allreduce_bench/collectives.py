@@ -169,14 +169,15 @@ def build(
     if collective == "all_to_all_v":  # uneven splits from a routing (alltoallv.py)
         from allreduce_bench import alltoallv
 
-        ins, outs, rows = alltoallv.splits(routing, lay, r)
+        elems = [alltoallv.splits(routing, lay, j)[0] for j in range(n)]  # every rank's sends
+        ins, outs = elems[r], [elems[j][r] for j in range(n)]
         send, recv = new(sum(ins)), new(sum(outs))
 
         def expected():
             parts = []
             for j in range(n):
-                start = sum(rows[j][:r]) * m
-                parts.append(vals(j, sum(rows[j]) * m)[start : start + rows[j][r] * m])
+                start = sum(elems[j][:r])
+                parts.append(vals(j, sum(elems[j]))[start : start + elems[j][r]])
             return torch.cat(parts).to(dtype)
 
         return Case(

@@ -128,7 +128,7 @@ def run(ctx, spec: BenchSpec, hosts: list[str]) -> dict:
             elem = torch.empty(0, dtype=dtype).element_size()
             for size in spec.sizes:
                 lay = (
-                    alltoallv.layout(size, elem, lg.size, spec.routing)
+                    alltoallv.layout(size, elem, lg.size)
                     if collective == "all_to_all_v"
                     else busbw.layout(collective, size, elem, lg.size)
                 )

@@ -39,8 +39,8 @@ def test_prints_nccl_tests_table_and_paths(full_run):
 def test_records_csv_and_correctness(full_run):
     _, run = full_run
     df = loader.load([run.path], kind="collective")
-    # 3 sizes x (all_gather, reduce_scatter in both modes + 5 collectives in one mode)
-    assert len(df) == 3 * (2 * 2 + 5)
+    # 3 sizes x (all_gather, reduce_scatter in both modes + 6 collectives in one mode)
+    assert len(df) == 3 * (2 * 2 + 6)
     assert set(df.collective) == set(busbw.COLLECTIVES)
     assert (
         df.wrong == 0

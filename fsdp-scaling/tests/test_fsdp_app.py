@@ -36,6 +36,7 @@ HEADLINE_KEYS = {
     "pp",
     "dp",
     "cp",
+    "ep",
     "pp_schedule",
     "breakdown",
 }
