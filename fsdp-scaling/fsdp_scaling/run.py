@@ -52,7 +52,7 @@ def rank_fn(ctx: RankContext) -> dict:
             [s for s, e in zip(shapes, expert) if not e], shards, trainer.parallel.shard_index
         )
         experts = memory.formula_bytes(
-            [s for s, e in zip(shapes, expert) if e],
+            [(s[0] // dims.ep, *s[1:]) for s, e in zip(shapes, expert) if e],  # this ep rank's
             dims.efsdp,
             trainer.parallel.shard_index // dims.ep,
         )

@@ -100,8 +100,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         w1, w2 = self.w1, self.w2
-        if hasattr(w1, "to_local"):  # a DTensor only outside FSDP2's forward (tests, probes)
-            w1, w2 = w1.full_tensor(), w2.full_tensor()
+        if hasattr(w1, "to_local"):  # expert parallelism: this rank's experts (dtrain.parallel.ep)
+            w1, w2 = w1.to_local(), w2.to_local()
         return GEMM_IMPLS[self.impl(x)](x, counts, w1.to(x.dtype), w2.to(x.dtype))
 
 

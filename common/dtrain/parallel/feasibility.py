@@ -178,11 +178,10 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
         )
 
 
-def check_moe(model, ep: int, etp: int, tp: int, pp: int, strategy: str, checkpoints: bool) -> None:
+def check_moe(model, ep: int, etp: int, tp: int, pp: int, strategy: str) -> None:
     """What the trainer runs an MoE model (model.moe.experts > 0) and expert parallelism with:
     experts divisible by ep, expert TP 1, a sharded strategy for ep > 1 (the experts' FSDP2 over
-    efsdp), and (not yet) tensor or pipeline parallelism of an MoE model or a checkpoint of an ep
-    run (its experts' state dict is per ep rank)."""
+    efsdp), and (not yet) tensor or pipeline parallelism of an MoE model."""
     integer_at_least("train.ep", ep, 1)
     integer_at_least("train.etp", etp, 1)
     if etp != 1:
@@ -206,9 +205,4 @@ def check_moe(model, ep: int, etp: int, tp: int, pp: int, strategy: str, checkpo
         raise UserError(
             f"train.ep={ep} runs with train.strategy=zero2 or zero3 (FSDP2 shards the experts "
             f"over efsdp), not {strategy}"
-        )
-    if ep > 1 and checkpoints:
-        raise UserError(
-            f"train.ep={ep} cannot save or resume checkpoints yet: set train.checkpoint_every=0 "
-            "and leave train.resume_from null"
         )

@@ -253,8 +253,7 @@ class TrainConfig:
             check_tp_model,
         )
 
-        checkpoints = self.checkpoint_every > 0 or self.resume_from is not None
-        check_moe(model_cfg, self.ep, self.etp, self.tp, self.pp, self.strategy, checkpoints)
+        check_moe(model_cfg, self.ep, self.etp, self.tp, self.pp, self.strategy)
         check_tp_model(
             model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl
         )

@@ -70,7 +70,6 @@ def clip_grad_norm(
     world_size: int,
     pp: int,
     device: torch.device,
-    split: list[int] | None = None,
 ) -> float:
     """Global L2 norm of `grads` across every rank, then clip (torch's clip_grad_norm_ rule).
 
@@ -78,11 +77,10 @@ def clip_grad_norm(
     holding an identical copy of that piece), so the world-wide sum counts each element once: a
     piece sharded over n mesh ranks (FSDP2, TP) has world / (pp * n) copies; a plain tensor
     (single, DDP, a tp-replicated parameter) is sharded over nothing. When every piece is on every
-    rank (single, DDP: the same on every rank of a layout) no collective is needed. ``split``: per
-    gradient, the ranks it is split over beyond its mesh (an expert's: ep)."""
+    rank (single, DDP: the same on every rank of a layout) no collective is needed."""
     by_copies: dict[int, list[torch.Tensor]] = {}
-    for i, g in enumerate(grads):
-        shards = split[i] if split else 1
+    for g in grads:
+        shards = 1
         for dim, placement in enumerate(getattr(g, "placements", ())):
             if (
                 not placement.is_replicate()
@@ -261,10 +259,5 @@ class ParallelModel:
         return float(total) / (self.dims.world_size // self.dims.pp)
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
-        params = [p for p in self.parameters() if p.grad is not None]
-        experts = {id(p) for p in self._expert_params()} if self.dims.ep > 1 else set()
-        split = [self.dims.ep if id(p) in experts else 1 for p in params]
-        grads = [p.grad for p in params]
-        return clip_grad_norm(
-            grads, max_norm, self.dims.world_size, self.dims.pp, self.device, split
-        )
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return clip_grad_norm(grads, max_norm, self.dims.world_size, self.dims.pp, self.device)

@@ -2,10 +2,13 @@
 slice of the experts and dispatches over the ep group; FSDP2 then shards those experts over the
 efsdp group (`shard_experts`), the rest of the model over the data ranks as before.
 
+The expert weights are DTensors over the experts' mesh (ep: Shard(0); FSDP2 adds efsdp), as
+torchtitan's, so the global gradient norm counts each expert once and DCP saves the whole (E, ., .)
+tensors: a checkpoint resumes on another ep.
+
 Gradients: an expert's gradient on its ep rank is already the sum over the ep group's tokens (the
 combine's backward brings every rank's), so the efsdp average leaves it ep times the data-parallel
-mean; `EXPERT_PARAMS` names the parameters the trainer scales by 1/ep (and counts as ep-split when
-it takes the global gradient norm).
+mean; `EXPERT_PARAMS` names the parameters the trainer scales by 1/ep.
 """
 
 from __future__ import annotations
@@ -25,16 +28,21 @@ def is_expert_param(name: str) -> bool:
 
 @torch.no_grad()
 def apply_expert_parallel(part: nn.Module, ep_mesh) -> int:
-    """Slice each MoE layer's experts to this ep rank's E/ep and swap in the all-to-all dispatch;
-    returns the MoE layers changed."""
+    """Make each MoE layer's expert weights DTensors sharded over the ep ranks (dim 0: this rank
+    keeps its E/ep experts, the global shape stays (E, ., .), so a checkpoint reshards to another
+    ep as DCP reshards any DTensor) and swap in the all-to-all dispatch; returns the MoE layers
+    changed."""
+    from torch.distributed.tensor import DTensor, Shard
+
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     layers = moe_layers(part)
     for moe in layers:
         local = moe.moe.experts // ep
         for name in ("w1", "w2"):
             full = getattr(moe.experts, name)
-            piece = nn.Parameter(full[rank * local : (rank + 1) * local].clone())
-            setattr(moe.experts, name, piece)
+            piece = full[rank * local : (rank + 1) * local].clone()
+            dt = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)
+            setattr(moe.experts, name, nn.Parameter(dt))
         moe.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
     return len(layers)
 
