@@ -164,6 +164,17 @@ def test_four_ranks_experts_sharded_over_efsdp_and_folded_from_cp_match_one_rank
             assert err <= REL, (name, key)
 
 
+@pytest.mark.slow  # torch.compile on CPU: ~30 s
+def test_ep2_compiled_matches_one_rank(tmp_path):
+    """train.compile: each block compiled, the all-to-all dispatch left eager (graph breaks)."""
+    one = run_specs(tmp_path, 1, {"single": {"strategy": "single"}})["single"]
+    two = run_specs(tmp_path, 2, {"ep2_compile": {"ep": 2, "compile": True}})["ep2_compile"]
+    for key in ("losses", "grad_norms"):
+        err = max_rel(two[key], one[key])
+        print(f"ep2_compile {key} max rel diff {err:.1e}")
+        assert err <= REL, key
+
+
 @pytest.mark.parametrize(
     "world_size, train, moe, message",
     [

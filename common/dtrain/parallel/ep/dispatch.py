@@ -72,6 +72,9 @@ class AllToAllDispatch:
             dist.all_to_all_single(received, counts, group=self.group)
         return received.view(self.ep, -1)
 
+    # eager under torch.compile (train.compile): data-dependent splits and collectives; the
+    # compiled block runs around it
+    @torch.compiler.disable
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts):
         received = self.exchange_counts(counts)
         in_splits = counts.view(self.ep, -1).sum(1).tolist()
