@@ -10,5 +10,7 @@ tp/           hand-rolled Megatron tensor parallelism (ops, tp_collectives, laye
               same layouts through DTensor's parallelize_module
 cp/           context parallelism: zigzag shards, ring and all-to-all attention, the
               trainer's core swap (cp/trainer_cp.py)
+ep/           expert parallelism: the uneven all-to-all dispatch / combine (ep/dispatch.py) and
+              the trainer's experts sharded over ep (ep/trainer_ep.py)
 pipeline.py   stage split of the GPT and torch.distributed.pipelining schedules
 """
