@@ -196,6 +196,12 @@ def test_ep2_compiled_matches_one_rank(tmp_path):
         (2, {"etp": 2}, {}, "train.etp=2: expert tensor parallelism is not implemented: use 1"),
         (
             2,
+            {"ep": 2, "activation_checkpointing": "op"},
+            {},
+            "train.activation_checkpointing=op does not run with train.ep=2: use block or none",
+        ),
+        (
+            2,
             {"tp": 2},
             {},
             "an MoE model runs with train.tp=1 and train.pp=1 (got tp=2, pp=1): split it with "

@@ -178,10 +178,13 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
         )
 
 
-def check_moe(model, ep: int, etp: int, tp: int, pp: int, strategy: str) -> None:
+def check_moe(
+    model, ep: int, etp: int, tp: int, pp: int, strategy: str, checkpointing: str = "none"
+) -> None:
     """What the trainer runs an MoE model (model.moe.experts > 0) and expert parallelism with:
     experts divisible by ep, expert TP 1, a sharded strategy for ep > 1 (the experts' FSDP2 over
-    efsdp), and (not yet) tensor or pipeline parallelism of an MoE model."""
+    efsdp), and (not yet) tensor or pipeline parallelism of an MoE model, or selective op
+    activation checkpointing with ep > 1 (its policy would replay the dispatch's collectives)."""
     integer_at_least("train.ep", ep, 1)
     integer_at_least("train.etp", etp, 1)
     if etp != 1:
@@ -200,6 +203,10 @@ def check_moe(model, ep: int, etp: int, tp: int, pp: int, strategy: str) -> None
         raise UserError(
             f"an MoE model runs with train.tp=1 and train.pp=1 (got tp={tp}, pp={pp}): split it "
             "with train.ep and the data ranks"
+        )
+    if ep > 1 and checkpointing == "op":
+        raise UserError(
+            f"train.activation_checkpointing=op does not run with train.ep={ep}: use block or none"
         )
     if ep > 1 and strategy not in ("zero2", "zero3"):
         raise UserError(

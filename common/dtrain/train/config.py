@@ -253,7 +253,15 @@ class TrainConfig:
             check_tp_model,
         )
 
-        check_moe(model_cfg, self.ep, self.etp, self.tp, self.pp, self.strategy)
+        check_moe(
+            model_cfg,
+            self.ep,
+            self.etp,
+            self.tp,
+            self.pp,
+            self.strategy,
+            self.activation_checkpointing,
+        )
         check_tp_model(
             model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl
         )
