@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 
 from .calibration import Calibration
 from .compute import head_s
-from .eager import kernel_counts
+from .eager import dispatch_floor_s, host_op_s, kernel_counts
 from .efficiency import head_gemm
 from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
@@ -80,22 +81,23 @@ def score(case: Case) -> Scored:
     mem = memory_for(case.shape, case.layout, case.stack).total
     if case.not_modelled:
         return Scored(case, None, mem)
-    t = step_time(
-        case.shape, case.layout, cluster, Calibration(), case.precision, stack=case.stack
-    )
+    t = step_time(case.shape, case.layout, cluster, Calibration(), case.precision, stack=case.stack)
     pred = categories(case, cluster, t)
     by_cat = (
         {k: (v, pred[k]) for k, v in measured_categories(case, case.gpu_s).items()}
         if case.gpu_s
         else {}
     )
+    # the floor with the case's own structure (biases, learned positions), as the plan cannot
+    counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
+    floor = dispatch_floor_s(sum(counts.values()), host_op_s(case.gpu)[0]) if t.kernels else 0.0
+    total = max(t.total, floor)
     kernels = {}
     if case.kernels:
-        counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
         got = measured_categories(case, case.kernels)
         kernels = {k: (int(got[k]), counts.get(k, 0)) for k in CATEGORIES}
         kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
-    return Scored(case, t.total, mem, t.launch_bound, t.dispatch_floor, by_cat, kernels)
+    return Scored(case, total, mem, bool(floor) and floor >= total, floor, by_cat, kernels)
 
 
 def summary(rows: list[Scored]) -> dict:
@@ -117,7 +119,18 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.0%}"
 
 
-def text_lines(rows: list[Scored]) -> list[str]:
+SHORT = {
+    "gemm": "gemm",
+    "attention": "attn",
+    "elementwise": "elem",
+    "loss": "loss",
+    "optimizer": "opt",
+    "total": "all",
+}
+
+
+def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
+    """The table (within ``width`` columns) and its one-line summary."""
     out = [
         f"{'run':<46} {'gpu':<8} {'ms':>6} {'pred':>6} {'err':>5} {'GiB':>5} {'pred':>5} "
         f"{'err':>5} {'b':>1}"
@@ -135,30 +148,37 @@ def text_lines(rows: list[Scored]) -> list[str]:
             out.append(f"  not predicted: {c.not_modelled}")
         if r.by_category:
             out.append(
-                "  GPU ms meas/pred: "
-                + ", ".join(f"{k} {m * 1e3:.1f}/{p * 1e3:.1f}" for k, (m, p) in r.by_category.items())
+                "  GPU ms m/p: "
+                + " ".join(
+                    f"{SHORT[k]} {m * 1e3:.1f}/{p * 1e3:.1f}" for k, (m, p) in r.by_category.items()
+                )
             )
         if r.kernels:
             out.append(
-                "  kernels meas/pred: "
-                + ", ".join(f"{k} {m}/{p}" for k, (m, p) in r.kernels.items())
+                "  kernels m/p: "
+                + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
+                + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
             )
     s = summary(rows)
-    med = s["time_median_abs_error"]
-    mmed = s["memory_median_abs_error"]
-    out += [
-        "",
-        "ms: measured step; pred: the cost model's (eager stack: costmodel/eager.py); GiB: "
-        "measured peak memory (CUDA max allocated) where recorded; b: L = launch-bound; "
-        "elementwise includes memcpy/memset. An old step profile sums some kernels twice "
-        "(its GPU seconds can exceed the step).",
+    med, mmed = s["time_median_abs_error"], s["memory_median_abs_error"]
+    notes = (
+        "ms: measured step, pred: the cost model's (eager stack: costmodel/eager.py); GiB: the "
+        "run's peak memory (CUDA max allocated) where recorded; b: L = launch-bound. Step "
+        "profiles (m/p: measured/predicted): elem includes memcpy/memset, loss includes the "
+        "logits' fp32 cast on the model's side (the profile files it under elem); an old profile "
+        "sums some kernels twice (its "
+        "categories can add up to more than the step: the optimizer's, by about 2x); floor = "
+        "kernel launches x the host's cost per op (eager.yaml)."
+    )
+    summary_line = (
         f"summary: time within {WITHIN:.0%}: {s['time_within_10pct']} of {s['time_scored']}"
         + (f" (median |error| {med:.1%})" if med is not None else "")
         + f"; memory within {WITHIN:.0%}: {s['memory_within_10pct']} of {s['memory_scored']}"
         + (f" (median |error| {mmed:.1%})" if mmed is not None else "")
-        + (f"; {s['not_modelled']} not predicted" if s["not_modelled"] else ""),
-    ]
-    return out
+        + (f"; {s['not_modelled']} not predicted" if s["not_modelled"] else "")
+    )
+    wrap = textwrap.TextWrapper(width, break_long_words=False, subsequent_indent="  ")
+    return out + [""] + wrap.wrap(notes) + wrap.wrap(summary_line)
 
 
 def as_json(rows: list[Scored]) -> dict:
@@ -179,10 +199,12 @@ def as_json(rows: list[Scored]) -> dict:
             "memory_error": r.memory_error,
             "launch_bound": r.launch_bound,
             "dispatch_floor_s": r.dispatch_floor_s,
-            "gpu_s_by_category": {k: {"measured": m, "predicted": p} for k, (m, p) in
-                                  r.by_category.items()},
-            "kernels_by_category": {k: {"measured": m, "predicted": p} for k, (m, p) in
-                                    r.kernels.items()},
+            "gpu_s_by_category": {
+                k: {"measured": m, "predicted": p} for k, (m, p) in r.by_category.items()
+            },
+            "kernels_by_category": {
+                k: {"measured": m, "predicted": p} for k, (m, p) in r.kernels.items()
+            },
             "not_modelled": c.not_modelled or None,
         }
 
@@ -200,4 +222,3 @@ def run(folder: str, as_json_out: bool = False) -> int:
     else:
         print("\n".join(text_lines(rows)))
     return 0
-

@@ -1,4 +1,4 @@
-"""The eager FSDP stack (``--software fsdp-eager``): what a step costs when PyTorch runs it op by op.
+"""The eager FSDP stack (``--software fsdp-eager``): a step's cost when PyTorch runs it op by op.
 
 Hugging Face Accelerate / Trainer with FSDP, Lightning, Composer and this project's own trainer
 without ``torch.compile`` run the model eagerly: every norm, activation, cast and the loss is its
@@ -53,7 +53,12 @@ from .shapes import Layout, ModelShape, stage_layers
 
 SOFTWARE = "fsdp-eager"
 # what --software fsdp-eager runs unless told otherwise (``Stack`` fields)
-STACK_DEFAULTS = {"attention": "flash2", "kernels": "eager", "loss": "eager", "optimizer": "foreach"}
+STACK_DEFAULTS = {
+    "attention": "flash2",
+    "kernels": "eager",
+    "loss": "eager",
+    "optimizer": "foreach",
+}
 OPTIMIZERS = ("foreach", "fused")
 
 # PyTorch's multi_tensor_apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh): a foreach op
@@ -180,7 +185,10 @@ def kernel_counts(
 
 
 def kernels_per_step(
-    shape: ModelShape, layout: Layout, optimizer: str = "foreach", structure: Structure = Structure()
+    shape: ModelShape,
+    layout: Layout,
+    optimizer: str = "foreach",
+    structure: Structure = Structure(),
 ) -> int:
     """Every kernel launch of one step (``kernel_counts`` summed)."""
     return sum(kernel_counts(shape, layout, structure, optimizer).values())
@@ -217,3 +225,50 @@ def fsdp_hidden(gather: float, reduce: float, work: float, units: int, micro_bat
     fwd = (n - micro_batches) * min(g, w / 3)
     bwd = (n - 1) * min(g + r, 2 * w / 3) + min(g, 2 * w / 3)
     return min(gather + reduce, fwd + bwd)
+
+
+# Bytes per linear-layer parameter and micro-batch that eager mixed precision moves outside the
+# kernels the compute terms count: the weight cast to bf16 for the forward (read 4, write 2; torch
+# autocast's cast, or FSDP's MixedPrecisionPolicy cast before its gather) and the bf16 weight
+# gradient's cast back to fp32 (read 2, write 4), each an elementwise pass at the add kernel's rate
+WEIGHT_CAST_BYTES = 12.0
+
+
+def linear_params(shape: ModelShape, layout: Layout) -> float:
+    """The linear layers' weights one micro-batch runs on the busiest rank: its stage's blocks
+    and the output projection (the token embedding runs in fp32: not cast)."""
+    layers = stage_layers(shape, layout.pp, layout.pp_split)
+    n = shape.param_count
+    return (layers * n.matmul_per_layer + n.lm_head) / layout.tp
+
+
+def weight_cast_s(shape: ModelShape, layout: Layout, dev) -> float:
+    """``WEIGHT_CAST_BYTES`` over the step's micro-batches, at the add kernel's rate."""
+    return layout.grad_accum * dev.mem_s(WEIGHT_CAST_BYTES * linear_params(shape, layout), "add")
+
+
+def peak_memory(shape: ModelShape, layout: Layout, base, optimizer: str | None):
+    """The eager stack's peak bytes per GPU (a ``memory.MemoryBreakdown``): the larger of two
+    moments, as PyTorch's allocator sees them with ``zero_grad(set_to_none=True)``:
+      end of forward  fp32 parameters and Adam's m, v (FSDP2's shares, ``fsdp2_state_bytes``), the
+                      bf16 copies the forward runs on (autocast's, 2 B per linear weight; ZeRO-3:
+                      the gathered units, ``base.buffers``), the activations, and the gradients only
+                      from the second micro-batch on (the first forward has none)
+      optimizer step  parameters, gradients, m, v and, for foreach AdamW, its one full-size
+                      temporary (the second moment's square root, 4 B per parameter)
+    ``base``: ``memory.memory_per_gpu`` of the layout (its activations and ZeRO-3 buffers)."""
+    from .memory import MemoryBreakdown, fsdp2_state_bytes, params_per_gpu
+
+    psi = params_per_gpu(shape, layout.tp, layout.pp, layout.pp_split)
+    p, g, o = fsdp2_state_bytes(psi, layout.zero_stage, layout.shard_group)
+    # FSDP (ZeRO-3) casts per unit and frees the unit after its forward, on one GPU too: the
+    # block being computed, the one prefetched and the former's gradients (memory_per_gpu's count)
+    sharded = layout.zero_stage == 3
+    casts = 0.0 if sharded else 2 * linear_params(shape, layout)
+    units = (base.buffers or 3 * 2 * shape.params_per_layer() / layout.tp) if sharded else 0.0
+    held = g if layout.grad_accum > 1 else 0.0
+    forward = MemoryBreakdown(p + casts, held, o, base.activations, units)
+    shard = psi / layout.shard_group if layout.zero_stage >= 1 else psi
+    temp = 0.0 if optimizer == "fused" else 4 * shard
+    step = MemoryBreakdown(p, g, o + temp, 0.0)
+    return forward if forward.total >= step.total else step

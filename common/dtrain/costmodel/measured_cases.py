@@ -5,7 +5,8 @@ gives them the GPU seconds and kernel launches by category).
 Two sources:
   gpu-check reports   ``report.json`` (a list of steps, ``make gpu-check``): the cases of its
                       ``step_profile`` and ``eager_sweep`` steps, one training step of dtrain's GPT
-                      on one GPU, eager, under the profiler. Fields a report lacks (older ones have
+                      on one GPU, eager, under the profiler; and a lone ``step_profile.json`` (a
+                      probe session's copy of that step). Fields a report lacks (older ones have
                       no ``peak_mem_bytes``, ``gpu_kernel_sum_s``, ``kernels_by_category``) are
                       left None and not scored
   trainer runs        run directories (``dtrain.results.loader``) whose summary holds a
@@ -106,12 +107,25 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
     )
 
 
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def profile_file_cases(path: Path) -> list[Case]:
+    """The cases of a lone step_profile.json (a probe session's: the step's data alone)."""
+    data = _json(path)
+    gpu = gpu_profile_name(str(data.get("device", ""))) if isinstance(data, dict) else None
+    if gpu is None:
+        return []
+    return [_profile_case(c, "probe", gpu, str(path)) for c in data.get("cases", [])]
+
+
 def report_cases(path: Path) -> list[Case]:
     """The profile cases of one gpu-check report.json (none if it is not one)."""
-    try:
-        steps = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
+    steps = _json(path)
     if not isinstance(steps, list):
         return []
     out = []
@@ -148,13 +162,16 @@ def run_case(run) -> Case | None:
         else eager_stack()
     )
     name = f"{run.path.parent.parent.name} {run.subproject}"
+    layout = rec.layout
+    if rec.strategy == "zero3" and layout.zero_stage == 0:  # FSDP on one GPU: the layout's
+        layout = replace(layout, zero_stage=3)  # type keeps no ZeRO stage without data shards
     return Case(
         name + (" compiled" if compiled else ""),
         str(run.path),
         gpu,
         shape,
         structure,
-        rec.layout,
+        layout,
         stack,
         precision or "bf16",
         rec.step_time_s,
@@ -169,7 +186,8 @@ def measured_cases(folder: str | Path) -> list[Case]:
     root = Path(folder)
     if not root.is_dir():
         raise UserError(f"--measured {folder}: no such folder: give a results or measured/ folder")
-    cases = [c for p in sorted(files_named(root, "report.json")) for c in report_cases(p)]
+    cases = [c for p in files_named(root, "report.json") for c in report_cases(p)]
+    cases += [c for p in files_named(root, "step_profile.json") for c in profile_file_cases(p)]
     for run in complete_runs([root], warn=False):
         if not run.derived:
             case = run_case(run)

@@ -228,8 +228,9 @@ def add_parser(sub) -> None:
         "--attention",
         choices=ATTENTION_KERNELS,
         default=None,
-        help="flash (default; flash2 with --software fsdp-eager): the GPU's best fused attention (FlashAttention-2 on A100; cuDNN / "
-        "FlashAttention-3 class on H100, PyTorch SDPA's default there); flash2: FlashAttention-2 "
+        help="flash (default; flash2 with --software fsdp-eager): the GPU's best fused attention "
+        "(FlashAttention-2 on A100; cuDNN / FlashAttention-3 class on H100, PyTorch SDPA's "
+        "default there); flash2: FlashAttention-2 "
         "(PyTorch's flash backend, flash-attn 2) on any GPU; eager: scores stored (5*a*s/h per "
         "layer) and the softmax run over them, selective recompute then pays",
     )

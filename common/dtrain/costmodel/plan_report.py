@@ -283,8 +283,10 @@ def eager_lines(t, stack=None) -> list[str]:
     if not t.kernels:
         return []
     opt = (stack.optimizer if stack is not None else None) or "foreach"
-    bound = "launch-bound: the host, not the GPU, sets the step" if t.launch_bound else (
-        f"GPU-bound: the GPU's work is {t.total / t.dispatch_floor:.1f}x the floor"
+    bound = (
+        "launch-bound: the host, not the GPU, sets the step"
+        if t.launch_bound
+        else (f"GPU-bound: the GPU's work is {t.total / t.dispatch_floor:.1f}x the floor")
     )
     return [
         f"  dispatch    floor {t.dispatch_floor:.3f} s = {t.kernels:,} kernel launches x the "

@@ -194,8 +194,9 @@ SOFTWARE = {
             (False,),
             ("none", "full"),
             False,
-            "the eager FSDP stack (Hugging Face Accelerate / Trainer with FSDP, Lightning, Composer, "
-            "dtrain's trainer without compile): FSDP FULL_SHARD (ZeRO-3) or SHARD_GRAD_OP "
+            "the eager FSDP stack (Hugging Face Accelerate / Trainer with FSDP, Lightning, "
+            "Composer, dtrain's trainer without compile): FSDP FULL_SHARD (ZeRO-3) or "
+            "SHARD_GRAD_OP "
             "(ZeRO-2) only, activation checkpointing of whole blocks or none, no TP, PP or CP; "
             "its costs: costmodel/eager.py",
             zero2_regathers=True,

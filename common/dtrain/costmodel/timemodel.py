@@ -388,7 +388,12 @@ class StepModel:
         with_states = psi / lay.shard_group if lay.zero_stage >= 1 else psi
         local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
-        return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+        terms = self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+        if self.eager:  # mixed precision's weight and weight-gradient casts (eager.weight_cast_s)
+            terms = replace(
+                terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
+            )
+        return terms
 
     def tp_comm(self, lay: Layout, gemm_s: float) -> float:
         if lay.tp <= 1:
