@@ -472,6 +472,7 @@ def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runna
         "fp8_scaling": res.stack.fp8_casts,
         "grad_reduce": res.stack.grad_reduce,
         "optimizer_states": res.stack.optimizer_states,
+        "optimizer": res.stack.optimizer,
         "dp_sync": res.stack.dp_sync,
         "software": res.stack.software,
         "fits": res.best is not None,
