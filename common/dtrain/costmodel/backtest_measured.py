@@ -131,6 +131,9 @@ SHORT = {
 
 def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
     """The table (within ``width`` columns) and its one-line summary."""
+    wrap = textwrap.TextWrapper(
+        width, break_long_words=False, initial_indent="  ", subsequent_indent="    "
+    )
     out = [
         f"{'run':<46} {'gpu':<8} {'ms':>6} {'pred':>6} {'err':>5} {'GiB':>5} {'pred':>5} "
         f"{'err':>5} {'b':>1}"
@@ -146,6 +149,7 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         )
         if c.not_modelled:
             out.append(f"  not predicted: {c.not_modelled}")
+        out += wrap.wrap(f"note: {c.note}") if c.note else []
         if r.by_category:
             out.append(
                 "  GPU ms m/p: "
@@ -177,8 +181,8 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         + (f" (median |error| {mmed:.1%})" if mmed is not None else "")
         + (f"; {s['not_modelled']} not predicted" if s["not_modelled"] else "")
     )
-    wrap = textwrap.TextWrapper(width, break_long_words=False, subsequent_indent="  ")
-    return out + [""] + wrap.wrap(notes) + wrap.wrap(summary_line)
+    tail = textwrap.TextWrapper(width, break_long_words=False, subsequent_indent="  ")
+    return out + [""] + tail.wrap(notes) + tail.wrap(summary_line)
 
 
 def as_json(rows: list[Scored]) -> dict:
@@ -206,6 +210,7 @@ def as_json(rows: list[Scored]) -> dict:
                 k: {"measured": m, "predicted": p} for k, (m, p) in r.kernels.items()
             },
             "not_modelled": c.not_modelled or None,
+            "note": c.note or None,
         }
 
     return {"runs": [one(r) for r in rows], "summary": summary(rows)}

@@ -61,6 +61,7 @@ class Case:
     gpu_kernel_sum_s: float | None = None
     cpu_dispatch_s: float | None = None
     not_modelled: str = ""  # why the time is not predicted (a recipe the model has no terms for)
+    note: str = ""  # what the prediction prices only in part
 
 
 def gpt_case_shape(cfg: GPTConfig, seq_len: int | None = None) -> tuple[ModelShape, Structure]:
@@ -177,6 +178,12 @@ def run_case(run) -> Case | None:
         rec.step_time_s,
         float(rec.peak_mem_bytes),
         not_modelled="" if precision else f"recipe {rec.recipe} (no terms for it)",
+        note=(
+            "FP8 without compile: its casts priced at the compiled count (compute.FP8_CAST_BYTES);"
+            " eager casts are not measured"
+            if precision == "fp8" and not compiled
+            else ""
+        ),
     )
 
 
