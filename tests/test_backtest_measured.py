@@ -95,6 +95,7 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     assert new.case.stack.attention == "flash" and new.case.cpu_dispatch_s == 0.01
     assert new.memory_error is not None
     assert new.kernels["elementwise"][0] == 320 and new.kernels["total"][0] == 367
+    assert new.host_per_launch_s == pytest.approx(0.01 / 367) and old.host_per_launch_s is None
     lines = text_lines(rows)
     assert max(len(x) for x in lines) <= 100
     assert lines[-1].startswith("summary: time within 10%:") or "summary:" in " ".join(lines[-3:])

@@ -44,6 +44,12 @@ class Scored:
     kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
 
     @property
+    def host_per_launch_s(self) -> float | None:
+        """The host's measured seconds per kernel launch (a new profile's cpu_dispatch_s)."""
+        n = sum(int(v) for v in self.case.kernels.values())
+        return self.case.cpu_dispatch_s / n if self.case.cpu_dispatch_s and n else None
+
+    @property
     def error(self) -> float | None:
         return None if self.predicted_s is None else self.predicted_s / self.case.step_s - 1
 
@@ -163,6 +169,11 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
                 + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
                 + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
             )
+        if r.host_per_launch_s is not None:
+            out.append(
+                f"  host: {r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
+                f"launches) against {host_op_s(c.gpu)[0] * 1e6:.1f} us (eager.yaml)"
+            )
     s = summary(rows)
     med, mmed = s["time_median_abs_error"], s["memory_median_abs_error"]
     notes = (
@@ -203,6 +214,7 @@ def as_json(rows: list[Scored]) -> dict:
             "memory_error": r.memory_error,
             "launch_bound": r.launch_bound,
             "dispatch_floor_s": r.dispatch_floor_s,
+            "host_per_launch_s": r.host_per_launch_s,
             "gpu_s_by_category": {
                 k: {"measured": m, "predicted": p} for k, (m, p) in r.by_category.items()
             },
