@@ -168,7 +168,7 @@ def kernel_counts(
     linears = 7 if shape.gated_mlp else 6
     per_layer = ELEMENTWISE_PER_LAYER + (BIAS_ELEMENTWISE_PER_LAYER if structure.bias else 0)
     per_layer += GATED_ELEMENTWISE if shape.gated_mlp else 0
-    shards = layout.shard_group if layout.zero_stage >= 3 else 1
+    shards = layout.shard_group if layout.zero_stage >= 2 else 1  # FSDP shards both stages
     numels = param_numels(shape, structure, shards)
     out = {
         "gemm": m * (layers * linears * GEMMS_PER_LINEAR + GEMMS_PER_LINEAR),
