@@ -120,3 +120,12 @@ def test_fsdp_eager_runs_fsdp_only():
     assert res.ranked and all(p.tp == 1 and p.pp == 1 for p in res.ranked)
     assert {p.zero_stage for p in res.ranked} <= {2, 3}
     assert all(p.time.kernels > 0 for p in res.ranked)
+
+
+def test_full_recompute_adds_the_forward_launches():
+    shape = ModelShape(4, 256, 4, 4, 1000, 128, rotary=False)
+    base = eager.kernel_counts(shape, Layout(micro_batch=1))
+    full = eager.kernel_counts(shape, Layout(micro_batch=1, recompute="full"))
+    assert full["gemm"] - base["gemm"] == 4 * 6  # one forward GEMM per linear and block
+    assert full["attention"] - base["attention"] == 4
+    assert full["elementwise"] - base["elementwise"] == 4 * 16

@@ -88,6 +88,9 @@ OPTIMIZER_EXTRA = 1
 GEMMS_PER_LINEAR, ATTENTION_PER_LAYER, LOSS_KERNELS = 3, 4, 4
 ELEMENTWISE_PER_LAYER, BIAS_ELEMENTWISE_PER_LAYER, STEP_ELEMENTWISE = 40, 16, 155
 GATED_ELEMENTWISE = 5  # SwiGLU: w3's casts (2), SiLU and the product forward (2)... by op count
+# what full activation checkpointing runs again per block: the forward's share of the counts above
+# (one GEMM per linear, the flash forward, the forward's 16 elementwise kernels, +6 bias casts)
+FORWARD_ELEMENTWISE, BIAS_FORWARD_ELEMENTWISE = 16, 6
 # FSDP2 per unit (block or root) and micro-batch: an all-gather is the copy-in, the collective and
 # the copy-out (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_all_gather,
 # foreach_all_gather_copy_out), a reduce-scatter the chunk_cat copy-in, the collective and the
@@ -178,6 +181,11 @@ def kernel_counts(
         "elementwise": m * layers * per_layer + STEP_ELEMENTWISE + (m - 1) * len(numels),
         "optimizer": optimizer_launches(numels, optimizer),
     }
+    if layout.recompute == "full":
+        fwd = FORWARD_ELEMENTWISE + (BIAS_FORWARD_ELEMENTWISE if structure.bias else 0)
+        out["gemm"] += m * layers * linears
+        out["attention"] += m * layers
+        out["elementwise"] += m * layers * fwd
     if layout.zero_stage >= 2 and layout.shard_group > 1:
         gathers = 2 if layout.zero_stage == 3 else 1  # ZeRO-2 (FSDP2): gathers once per micro
         out["fsdp"] = m * (layers + 1) * (gathers * FSDP_GATHER_KERNELS + FSDP_REDUCE_KERNELS)
