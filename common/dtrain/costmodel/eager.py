@@ -259,8 +259,9 @@ def peak_memory(shape: ModelShape, layout: Layout, base, optimizer: str | None):
     """The eager stack's peak bytes per GPU (a ``memory.MemoryBreakdown``): the larger of two
     moments, as PyTorch's allocator sees them with ``zero_grad(set_to_none=True)``:
       end of forward  fp32 parameters and Adam's m, v (FSDP2's shares, ``fsdp2_state_bytes``), the
-                      bf16 copies the forward runs on (autocast's, 2 B per linear weight; ZeRO-3:
-                      the gathered units, ``base.buffers``), the activations, and the gradients only
+                      bf16 copies the forward runs on (autocast's, 2 B per linear weight; ZeRO-2:
+                      the unsharded parameters counted there; ZeRO-3: the gathered units,
+                      ``base.buffers``), the activations, and the gradients only
                       from the second micro-batch on (the first forward has none)
       optimizer step  parameters, gradients, m, v and, for foreach AdamW, its one full-size
                       temporary (the second moment's square root, 4 B per parameter)
@@ -272,7 +273,8 @@ def peak_memory(shape: ModelShape, layout: Layout, base, optimizer: str | None):
     # FSDP (ZeRO-3) casts per unit and frees the unit after its forward, on one GPU too: the
     # block being computed, the one prefetched and the former's gradients (memory_per_gpu's count)
     sharded = layout.zero_stage == 3
-    casts = 0.0 if sharded else 2 * linear_params(shape, layout)
+    # ZeRO-2 (FSDP without resharding): the unsharded copy fsdp2_state_bytes counts is the cast
+    casts = 0.0 if layout.zero_stage >= 2 else 2 * linear_params(shape, layout)
     units = (base.buffers or 3 * 2 * shape.params_per_layer() / layout.tp) if sharded else 0.0
     held = g if layout.grad_accum > 1 else 0.0
     forward = MemoryBreakdown(p + casts, held, o, base.activations, units)
