@@ -129,3 +129,25 @@ def test_full_recompute_adds_the_forward_launches():
     assert full["gemm"] - base["gemm"] == 4 * 6  # one forward GEMM per linear and block
     assert full["attention"] - base["attention"] == 4
     assert full["elementwise"] - base["elementwise"] == 4 * 16
+
+
+def test_fsdp_unit_overlap_never_hides_more_than_the_window():
+    """Unit by unit FSDP hides at most what the whole-step window would (min(traffic, work)), and
+    strictly less when a unit's traffic outlasts its compute (a small per-rank batch)."""
+    import random
+
+    seed = 39
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(200):
+        gather, reduce, work = (rng.uniform(0.001, 1.0) for _ in range(3))
+        units, m = rng.randint(1, 40), rng.randint(1, 8)
+        hidden = eager.fsdp_hidden(gather, reduce, work, units, m)
+        assert 0.0 <= hidden <= min(gather + reduce, work) + 1e-12
+    # 17 units, traffic twice the compute: the window would hide all the work, units cannot
+    assert eager.fsdp_hidden(2.0, 1.0, 1.5, 17, 1) < 1.5
+    shape = replace(ModelShape.from_params(1e9, seq_len=1024), name="1b")
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 64, 8)
+    lay = Layout(dp_shard=64, zero_stage=3, micro_batch=1, grad_accum=1)
+    t = step_time(shape, lay, cluster, Calibration(), stack=eager_stack())
+    assert t.dp_comm_exposed > t.dp_comm - (t.compute - t.terms.optimizer)  # more than the window
