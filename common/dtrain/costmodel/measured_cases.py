@@ -34,7 +34,15 @@ from .stack import Stack
 
 PROFILE_STEPS = ("step_profile", "eager_sweep")
 # SDPA's backend names in a case's "attention" field -> the kernel table's (stack.ATTENTION_KERNELS)
-ATTENTION = {"flash": "flash2", "flash2": "flash2", "cudnn": "flash", "default": "flash"}
+ATTENTION = {
+    "flash": "flash2",
+    "flash2": "flash2",
+    "flash_attention_2": "flash2",
+    "cudnn": "flash",
+    "default": "flash",
+    "math": "eager",
+    "eager": "eager",
+}
 # dtrain's GPT runs SDPA's default backend, on Hopper cuDNN's fused attention ("flash")
 DEFAULT_ATTENTION = "flash"
 # fp8-train recipes the cost model prices: the precision and FP8 scaling they run
@@ -85,7 +93,8 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
     over = {k: v for k, v in (c.get("overrides") or {}).items() if k != "seq_len"}
     cfg = GPTConfig.from_preset(c["preset"], **over)
     shape, structure = gpt_case_shape(cfg, c.get("seq_len"))
-    attention = ATTENTION.get(str(c.get("attention", "default")).lower(), DEFAULT_ATTENTION)
+    named = str(c.get("attention", "default")).lower()
+    attention = ATTENTION.get(named, DEFAULT_ATTENTION)
     optimizer = c.get("optimizer") if c.get("optimizer") in ("foreach", "fused") else "foreach"
     over_text = "".join(f" {k}={v}" for k, v in over.items())
     return Case(
@@ -105,6 +114,9 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         _num(c, "gpu_busy_s"),
         _num(c, "gpu_kernel_sum_s"),
         _num(c, "cpu_dispatch_s"),
+        note=""
+        if named in ATTENTION
+        else f"attention {named!r} has no kernel-table entry: priced as SDPA's default",
     )
 
 
@@ -156,7 +168,7 @@ def run_case(run) -> Case | None:
     cfg = GPTConfig(**rec.model)
     shape, structure = gpt_case_shape(cfg)
     compiled = bool((run.config.get("train") or {}).get("compile"))
-    precision = RECIPES.get(rec.recipe)
+    precision = RECIPES.get(rec.recipe) if rec.precision in ("bf16", "fp16") else None
     stack = (
         Stack(DEFAULT_ATTENTION, "fused", "fused", software="dtrain", optimizer="foreach")
         if compiled
@@ -177,7 +189,11 @@ def run_case(run) -> Case | None:
         precision or "bf16",
         rec.step_time_s,
         float(rec.peak_mem_bytes),
-        not_modelled="" if precision else f"recipe {rec.recipe} (no terms for it)",
+        not_modelled=""
+        if precision
+        else f"recipe {rec.recipe} (no terms for it)"
+        if rec.recipe not in RECIPES
+        else f"{rec.precision} training (the model prices bf16 and FP8 steps)",
         note=(
             "FP8 without compile: its casts priced at the compiled count (compute.FP8_CAST_BYTES);"
             " eager casts are not measured"
