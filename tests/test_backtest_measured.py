@@ -97,6 +97,7 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     assert new.kernels["elementwise"][0] == 320 and new.kernels["total"][0] == 367
     assert new.host_per_launch_s == pytest.approx(0.01 / 367) and old.host_per_launch_s is None
     lines = text_lines(rows)
+    assert any(x.startswith("  GPU busy 31.0 ms of the step measured") for x in lines)
     assert max(len(x) for x in lines) <= 100
     assert lines[-1].startswith("summary: time within 10%:") or "summary:" in " ".join(lines[-3:])
 

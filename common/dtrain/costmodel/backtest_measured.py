@@ -42,6 +42,7 @@ class Scored:
     dispatch_floor_s: float = 0.0
     by_category: dict = field(default_factory=dict)  # category -> (measured s, predicted s)
     kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
+    gpu_work_s: float = 0.0  # the predicted GPU seconds (every category's, summed)
 
     @property
     def host_per_launch_s(self) -> float | None:
@@ -103,7 +104,8 @@ def score(case: Case) -> Scored:
         got = measured_categories(case, case.kernels)
         kernels = {k: (int(got[k]), counts.get(k, 0)) for k in CATEGORIES}
         kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
-    return Scored(case, total, mem, bool(floor) and floor >= total, floor, by_cat, kernels)
+    bound = bool(floor) and floor >= total
+    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
 
 
 def summary(rows: list[Scored]) -> dict:
@@ -169,6 +171,12 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
                 + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
                 + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
             )
+        if c.gpu_kernel_sum_s is not None and c.gpu_busy_s is not None:  # a new profile's union
+            out.append(
+                f"  GPU busy {c.gpu_busy_s * 1e3:.1f} ms of the step measured (kernels "
+                f"{c.gpu_kernel_sum_s * 1e3:.1f} ms summed); predicted GPU work "
+                f"{r.gpu_work_s * 1e3:.1f} ms"
+            )
         if r.host_per_launch_s is not None:
             out.append(
                 f"  host: {r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
@@ -215,6 +223,10 @@ def as_json(rows: list[Scored]) -> dict:
             "launch_bound": r.launch_bound,
             "dispatch_floor_s": r.dispatch_floor_s,
             "host_per_launch_s": r.host_per_launch_s,
+            "predicted_gpu_work_s": r.gpu_work_s,
+            "gpu_busy_s": c.gpu_busy_s,
+            "gpu_kernel_sum_s": c.gpu_kernel_sum_s,
+            "cpu_dispatch_s": c.cpu_dispatch_s,
             "gpu_s_by_category": {
                 k: {"measured": m, "predicted": p} for k, (m, p) in r.by_category.items()
             },
