@@ -43,13 +43,21 @@ NEW = {  # the fields the new gpu-check adds
 }
 
 
+OOM = {  # a case that did not run (the new gpu-check's record of it)
+    "preset": "7b",
+    "overrides": {"seq_len": 32768},
+    "micro_batch": 8,
+    "error": "out of memory: CUDA out of memory. Tried to allocate 64.00 GiB",
+}
+
+
 def _fabricate(root):
     check = root / "gpu-check-1"
     check.mkdir(parents=True)
     steps = [
         {"name": "env", "status": "ok", "data": {}},
         {"name": "step_profile", "status": "ok", "data": {"device": H100, "cases": [OLD]}},
-        {"name": "eager_sweep", "status": "ok", "data": {"device": H100, "cases": [NEW]}},
+        {"name": "eager_sweep", "status": "ok", "data": {"device": H100, "cases": [NEW, OOM]}},
         {"name": "eager_sweep", "status": "failed", "data": {}},
     ]
     (check / "report.json").write_text(json.dumps(steps))
@@ -78,8 +86,10 @@ def _fabricate(root):
 def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     cfg = _fabricate(tmp_path)
     rows = backtest_measured(str(tmp_path))
-    assert [r.case.name.split()[0] for r in rows] == ["step_profile", "eager_sweep", "gpu"]
-    old, new, run = rows
+    names = [r.case.name.split()[0] for r in rows]
+    assert names == ["step_profile", "eager_sweep", "eager_sweep", "gpu"]
+    old, new, oom, run = rows
+    assert oom.predicted_s is None and oom.case.not_modelled.startswith("measured: out of memory")
     # each prediction is the cost model's step for that case, the error against the measured step
     shape, _ = gpt_case_shape(cfg)
     cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
@@ -98,6 +108,7 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     assert new.host_per_launch_s == pytest.approx(0.01 / 367) and old.host_per_launch_s is None
     lines = text_lines(rows)
     assert any(x.startswith("  GPU busy 31.0 ms of the step measured") for x in lines)
+    assert any("does not fit (right)" in x for x in lines)  # 7B at 8 x 32K tokens on one H100
     assert max(len(x) for x in lines) <= 100
     assert lines[-1].startswith("summary: time within 10%:") or "summary:" in " ".join(lines[-3:])
 
@@ -106,7 +117,7 @@ def test_measured_backtest_cli_json_and_errors(tmp_path, capsys):
     _fabricate(tmp_path)
     assert main(["backtest", "--measured", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["summary"]["runs"] == 3 and out["summary"]["time_scored"] == 3
+    assert out["summary"]["runs"] == 4 and out["summary"]["time_scored"] == 3
     assert out["summary"]["memory_scored"] == 2
     assert {r["gpu"] for r in out["runs"]} == {"h100-sxm"}
     assert main(["backtest", "--measured", str(tmp_path / "nope")]) == 2

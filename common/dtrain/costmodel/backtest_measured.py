@@ -150,12 +150,19 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         c = r.case
         mem = f"{c.peak_mem_bytes / GiB:5.1f}" if c.peak_mem_bytes else f"{'':>5}"
         pred = f"{r.predicted_s * 1e3:6.1f}" if r.predicted_s is not None else f"{'-':>6}"
+        ms = f"{c.step_s * 1e3:6.1f}" if c.step_s else f"{'OOM':>6}"
         out.append(
-            f"{c.name[:46]:<46} {c.gpu:<8} {c.step_s * 1e3:6.1f} {pred} {_pct(r.error):>5} {mem} "
+            f"{c.name[:46]:<46} {c.gpu:<8} {ms} {pred} {_pct(r.error):>5} {mem} "
             f"{r.predicted_mem_bytes / GiB:5.1f} {_pct(r.memory_error):>5} "
             f"{'L' if r.launch_bound else ''}"
         )
-        if c.not_modelled:
+        if c.not_modelled and not c.step_s:  # the case did not run: does the model say so?
+            fits = r.predicted_mem_bytes <= get_profile(c.gpu).hbm_bytes
+            out += wrap.wrap(
+                f"{c.not_modelled}; the model: {r.predicted_mem_bytes / GiB:.1f} GiB, "
+                + ("fits (wrong)" if fits else "does not fit (right)")
+            )
+        elif c.not_modelled:
             out.append(f"  not predicted: {c.not_modelled}")
         out += wrap.wrap(f"note: {c.note}") if c.note else []
         if r.by_category:

@@ -40,6 +40,7 @@ ATTENTION = {
     "flash_attention_2": "flash2",
     "cudnn": "flash",
     "default": "flash",
+    "sdpa": "flash",  # the new profiles name the API: SDPA picks its default backend
     "math": "eager",
     "eager": "eager",
 }
@@ -107,13 +108,14 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         Layout(micro_batch=int(c["micro_batch"])),
         eager_stack(attention, optimizer),
         "bf16",
-        float(c["step_s"]),
+        float(c.get("step_s") or 0.0),  # 0: the case did not run (``error``)
         _num(c, "peak_mem_bytes"),
         dict(c.get("gpu_s_by_category") or {}),
         dict(c.get("kernels_by_category") or {}),
         _num(c, "gpu_busy_s"),
         _num(c, "gpu_kernel_sum_s"),
         _num(c, "cpu_dispatch_s"),
+        not_modelled=f"measured: {c['error']}" if c.get("error") else "",
         note=""
         if named in ATTENTION
         else f"attention {named!r} has no kernel-table entry: priced as SDPA's default",
