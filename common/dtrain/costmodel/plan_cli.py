@@ -29,6 +29,8 @@ from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES, published
 from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, FP8_SCALINGS, STATE_DTYPES, Stack
+from .stack import OPTIMIZERS
+from .eager import SOFTWARE as EAGER_SOFTWARE, STACK_DEFAULTS
 from .shapes import (
     CP_IMPLS,
     PP_SCHEDULES,
@@ -225,18 +227,27 @@ def add_parser(sub) -> None:
     r.add_argument(
         "--attention",
         choices=ATTENTION_KERNELS,
-        default="flash",
-        help="flash (default): the GPU's best fused attention (FlashAttention-2 on A100; cuDNN / "
-        "FlashAttention-3 class on H100, PyTorch SDPA's default there); flash2: FlashAttention-2 "
+        default=None,
+        help="flash (default; flash2 with --software fsdp-eager): the GPU's best fused attention "
+        "(FlashAttention-2 on A100; cuDNN / FlashAttention-3 class on H100, PyTorch SDPA's "
+        "default there); flash2: FlashAttention-2 "
         "(PyTorch's flash backend, flash-attn 2) on any GPU; eager: scores stored (5*a*s/h per "
         "layer) and the softmax run over them, selective recompute then pays",
     )
     r.add_argument(
         "--kernels",
         choices=("fused", "eager"),
-        default="fused",
-        help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); "
-        "eager: PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES,
+        default=None,
+        help="fused (default; eager with --software fsdp-eager): fused norm/activation/cast "
+        "kernels (Megatron, torch.compile); eager: PyTorch without compile, %gx the memory-bound "
+        "bytes" % EAGER_BYTES,
+    )
+    r.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="the AdamW: foreach (PyTorch's default) or fused (fused=True); default: as --kernels "
+        "(foreach with --software fsdp-eager)",
     )
     r.add_argument(
         "--loss",
@@ -308,7 +319,9 @@ def add_parser(sub) -> None:
         "every layout; megatron-core; megatron-2021: no SP, selective recompute or "
         "distributed optimizer; megatron-deepspeed: DeepSpeed's pipeline engine, no "
         "interleaving, ZeRO-0/1 with PP; torchtitan: DDP or FSDP, SP with TP, PyTorch's "
-        "context_parallel; dtrain: this project's trainer, whose overrides the plan prints); "
+        "context_parallel; dtrain: this project's trainer, whose overrides the plan prints; "
+        "fsdp-eager: FSDP without compile (Accelerate, Lightning, Composer), ZeRO-2/3 only, "
+        "its kernel launches and dispatch floor priced, costmodel/eager.py); "
         "costmodel/software.py",
     )
     p.add_argument(
@@ -339,10 +352,11 @@ def stack_of(a) -> Stack:
             "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two "
             "stacks: give the one the run used"
         )
+    own = STACK_DEFAULTS if a.software == EAGER_SOFTWARE else {}
     return Stack(
-        a.attention,
-        a.kernels,
-        a.loss,
+        a.attention or own.get("attention", "flash"),
+        a.kernels or own.get("kernels", "fused"),
+        a.loss or own.get("loss"),
         a.tp_overlap,
         a.async_tp,
         a.fp8_all_gather,
@@ -351,6 +365,7 @@ def stack_of(a) -> Stack:
         a.dp_sync,
         a.software,
         a.fp8_scaling,
+        a.optimizer or own.get("optimizer"),
     )
 
 

@@ -43,7 +43,8 @@ class Software:
     without it (dtrain, "any") a tp above the KV heads replicates them; ``trainer_rules``: its
     pipeline rules are this project's trainer's (``dtrain.parallel.feasibility.check_pipeline``,
     called through ``shapes.pipeline_refusal``: pp·v stage chunks of at least one layer each,
-    enough micro-batches for the schedule)."""
+    enough micro-batches for the schedule); ``model_parallel``: it runs TP and PP (the eager FSDP
+    stacks shard data only)."""
 
     name: str
     zero: tuple[int, ...]
@@ -61,6 +62,7 @@ class Software:
     interleaved_groups: bool = False
     kv_shards: bool = False
     trainer_rules: bool = False
+    model_parallel: bool = True
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -184,6 +186,22 @@ SOFTWARE = {
             zero2_regathers=True,
             trainer_rules=True,
         ),
+        Software(
+            "fsdp-eager",
+            (2, 3),
+            (),
+            (),
+            (False,),
+            ("none", "full"),
+            False,
+            "the eager FSDP stack (Hugging Face Accelerate / Trainer with FSDP, Lightning, "
+            "Composer, dtrain's trainer without compile): FSDP FULL_SHARD (ZeRO-3) or "
+            "SHARD_GRAD_OP "
+            "(ZeRO-2) only, activation checkpointing of whole blocks or none, no TP, PP or CP; "
+            "its costs: costmodel/eager.py",
+            zero2_regathers=True,
+            model_parallel=False,
+        ),
     )
 }
 
@@ -207,6 +225,8 @@ def unsupported(
             f"zero={zero}{' with pp > 1' if pp and pp > 1 else ''} (it runs "
             f"zero={', '.join(map(str, zeros))})"
         )
+    if not sw.model_parallel and (fields.get("tp", 1) > 1 or (pp or 1) > 1):
+        return "tp > 1 or pp > 1 (it shards data only: FSDP)"
     if fields.get("cp", 1) > 1 and not sw.cp_impls:
         return "cp > 1 (it has no context parallelism)"
     if fields.get("cp", 1) > 1 and (pp or 1) > 1 and not sw.cp_with_pp:

@@ -58,6 +58,7 @@ from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
 from .comm_time import dp_comm_time, dp_link, tp_comm_time
+from . import eager
 from dtrain.parallel import traffic as volume
 
 __all__ = [
@@ -108,6 +109,13 @@ class StepTime:
     dp_contention: float = (
         0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
     )
+    kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
+    dispatch_floor: float = 0.0  # launches x the host's cost per op: total is at least this
+
+    @property
+    def launch_bound(self) -> bool:
+        """The host issuing kernels, not the GPU, sets the step (eager stacks)."""
+        return self.dispatch_floor > 0 and self.dispatch_floor >= self.total
 
     @property
     def tokens_per_s(self) -> float:
@@ -217,6 +225,7 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
         stack.fused_loss,
         stack.fp8_casts,
         stack.fp8_gathers("fp8")[1],
+        stack.optimizer,
     )
 
 
@@ -337,6 +346,8 @@ class StepModel:
         self._dp: dict = {}
         self._p2p: dict = {}
         self._loss: dict = {}
+        self.eager = stack.software == eager.SOFTWARE  # eager.py's launch and FSDP terms
+        self.host_s = eager.host_op_s(cluster.gpu.name)[0] if self.eager else 0.0
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
@@ -377,7 +388,12 @@ class StepModel:
         with_states = psi / lay.shard_group if lay.zero_stage >= 1 else psi
         local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
-        return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+        terms = self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+        if self.eager:  # mixed precision's weight and weight-gradient casts (eager.weight_cast_s)
+            terms = replace(
+                terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
+            )
+        return terms
 
     def tp_comm(self, lay: Layout, gemm_s: float) -> float:
         if lay.tp <= 1:
@@ -569,7 +585,10 @@ class StepModel:
         bubble = pipe - pp_comm
         grad_comm, param_comm, loss, cost = self.dp(lay)
         dp_comm = grad_comm + param_comm
-        if lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
+        if self.eager and lay.zero_stage == 3:  # FSDP2 block by block (eager.fsdp_hidden)
+            units = stage_layers(self.shape, lay.pp, lay.pp_split) + 1
+            hidden = eager.fsdp_hidden(param_comm, grad_comm, work, units, m)
+        elif lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
             hidden = min(dp_comm, work)
         # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
         else:
@@ -590,6 +609,11 @@ class StepModel:
             dp_comm - hidden + contention + loss
         )  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
+        kernels = floor = 0
+        if self.eager:  # the host issues the kernels one by one: the step is never shorter
+            kernels = eager.kernels_per_step(self.shape, lay, self.stack.optimizer or "foreach")
+            floor = eager.dispatch_floor_s(kernels, self.host_s)
+            total = max(total, floor)
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(
             compute=compute,
@@ -607,4 +631,6 @@ class StepModel:
             terms=terms,
             cp_comm=cp_comm,
             dp_contention=contention,
+            kernels=kernels,
+            dispatch_floor=floor,
         )
