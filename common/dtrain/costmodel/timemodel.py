@@ -51,6 +51,7 @@ from .collectives import (
     group_link,
     overlap_cost,
     p2p_time,
+    reduce_scatter_time,
 )
 from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
 from .stack import Stack
@@ -58,6 +59,7 @@ from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
 from .comm_time import dp_comm_time, dp_link, tp_comm_time
+from .tp_overlap import TPOverlap, gpu_sms, step_overlap
 from dtrain.parallel import traffic as volume
 
 __all__ = [
@@ -379,9 +381,9 @@ class StepModel:
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
         return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
 
-    def tp_comm(self, lay: Layout, gemm_s: float) -> float:
-        if lay.tp <= 1:
-            return 0.0
+    def _tp_parts(self, lay: Layout) -> tuple[float, float, float, float]:
+        """(TP traffic of one micro-batch, one all-gather, one reduce-scatter of a layer's
+        activation, the copy engines' HBM share of a hidden transfer)."""
         key = (
             lay.tp,
             lay.pp,
@@ -408,18 +410,38 @@ class StepModel:
                 else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
             )
             gather = 1 if self.fp8_tp_gather else None
-            # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy engines
-            # behind the GEMMs (its ring-exchange overlaps: no SMs held), paying the HBM those
-            # copies take; its pipelined and bulk overlaps also hold ~16 SMs, left out
+            k = self.calib.tp_overhead.value
+            values = volume.tp_activation_bytes(lay.micro_batch, local.seq_len, local.d_model, 1)
             cached = self._tp[key] = (
-                tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value,
+                tp_comm_time(local, one, link, self.vb, gather) * k,
+                # TE's overlaps (tp_overlap.py): one gather and one reduce-scatter, the HBM the
+                # copy engines' copies take
+                all_gather_time(values * (gather or self.vb), lay.tp, link) * k,
+                reduce_scatter_time(values * self.vb, lay.tp, link) * k,
                 self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES),
             )
-        per_micro, copy_cost = cached
-        t = per_micro * lay.grad_accum
+        return cached
+
+    def tp_overlap(self, lay: Layout, gemm_s: float) -> TPOverlap:
+        """The step's TP traffic split into exposed, hidden, SM and copy costs: TE's overlaps by
+        their mechanism (``tp_overlap.step_overlap``) with ``stack.tp_overlap`` and sequence
+        parallelism (Megatron asserts it for --tp-comm-overlap), else all exposed."""
+        if lay.tp <= 1:
+            return TPOverlap()
+        per_micro, gather, scatter, copy_share = self._tp_parts(lay)
+        if not (self.stack.tp_overlap and lay.sequence_parallel):
+            return TPOverlap(exposed=per_micro * lay.grad_accum)
+        layers = stage_layers(self.shape, lay.pp, lay.pp_split)
+        sms = gpu_sms(self.cluster.gpu.name) if self.gpu_table else None
+        return step_overlap(self.shape, lay, layers, gemm_s, gather, scatter, sms, copy_share)
+
+    def tp_comm(self, lay: Layout, gemm_s: float) -> float:
+        if lay.tp <= 1:
+            return 0.0
         if self.stack.tp_overlap:
-            t -= (1 - copy_cost) * min(t, gemm_s)
-        elif self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
+            return self.tp_overlap(lay, gemm_s).total
+        t = self._tp_parts(lay)[0] * lay.grad_accum
+        if self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
             t -= min(self.calib.async_tp_hidden.value * t, gemm_s)
         return t
 
