@@ -43,7 +43,11 @@ class Software:
     without it (dtrain, "any") a tp above the KV heads replicates them; ``trainer_rules``: its
     pipeline rules are this project's trainer's (``dtrain.parallel.feasibility.check_pipeline``,
     called through ``shapes.pipeline_refusal``: pp·v stage chunks of at least one layer each,
-    enough micro-batches for the schedule)."""
+    enough micro-batches for the schedule); ``pipeline_engine`` (``pipeline_engine.ENGINES``): whose
+    engine runs its pipeline, "megatron" (batched send-and-receive pairs; torchtitan's and dtrain's
+    price the same) or "deepspeed" (DeepSpeed's TrainSchedule and blocking transfers, priced by
+    ``pipeline_engine``); ``tp_overlaps``: the TP overlaps it runs, "te" (TransformerEngine's
+    userbuffers, ``Stack.tp_overlap``) and "async" (torchtitan's AsyncTP, ``Stack.async_tp``)."""
 
     name: str
     zero: tuple[int, ...]
@@ -61,6 +65,8 @@ class Software:
     interleaved_groups: bool = False
     kv_shards: bool = False
     trainer_rules: bool = False
+    pipeline_engine: str = "megatron"
+    tp_overlaps: tuple[str, ...] = ()
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -97,6 +103,7 @@ SOFTWARE = {
             "for)",
             hsdp=True,
             cp_pinned=("torch",),
+            tp_overlaps=("te", "async"),
         ),
         Software(
             "megatron-core",
@@ -117,6 +124,7 @@ SOFTWARE = {
             even_split="interleaved",
             interleaved_groups=True,
             kv_shards=True,
+            tp_overlaps=("te",),
         ),
         Software(
             "megatron-2021",
@@ -146,8 +154,9 @@ SOFTWARE = {
             False,
             "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; "
             "runtime/pipe/engine.py): ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without "
-            "interleaving, full checkpointing",
+            "interleaving, full checkpointing; blocking p2p transfers (runtime/pipe/p2p.py)",
             kv_shards=True,
+            pipeline_engine="deepspeed",
         ),
         Software(
             "torchtitan",
@@ -165,6 +174,7 @@ SOFTWARE = {
             hsdp=True,
             zero2_regathers=True,
             kv_shards=True,
+            tp_overlaps=("async",),
         ),
         Software(
             "dtrain",

@@ -89,6 +89,10 @@ class Stack:
                 "tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: "
                 "give one"
             )
+        for flag, kind in (("tp_overlap", "te"), ("async_tp", "async")):
+            if getattr(self, flag) and kind not in self.runs.tp_overlaps:
+                runs = ", ".join(self.runs.tp_overlaps) or "none"
+                raise ValueError(f"{self.software} has no {flag} (its TP overlaps: {runs})")
 
     @property
     def fused(self) -> bool:

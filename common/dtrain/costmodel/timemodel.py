@@ -60,6 +60,7 @@ from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
 from .comm_time import dp_comm_time, dp_link, tp_comm_time
 from .tp_overlap import TPOverlap, gpu_sms, step_overlap
+from .pipeline_engine import engine_comm
 from dtrain.parallel import traffic as volume
 
 __all__ = [
@@ -522,6 +523,26 @@ class StepModel:
             t = self._p2p[key] = p2p_time(act, self.cluster.nvlink if intra else self.cluster.ib)
         return t
 
+    def _engine_extras(self, lay: Layout) -> tuple[float, float]:
+        """DeepSpeed's pipeline engine: (one all-gather over TP of a partitioned activation,
+        ReduceTiedGrads' all-reduce of a tied embedding's gradient between the end stages)."""
+        key = ("engine", lay.tp, lay.micro_batch, lay.cp, lay.gpus <= self.cluster.node_size)
+        if key not in self._p2p:
+            self._p2p[key] = self._engine_parts(lay)
+        return self._p2p[key]
+
+    def _engine_parts(self, lay: Layout) -> tuple[float, float]:
+        shape = self.shape
+        full = volume.pp_activation_bytes(lay.micro_batch, shape.seq_len, shape.d_model, self.vb)
+        tp_link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
+        gather = all_gather_time(full / lay.cp, lay.tp, tp_link) if lay.tp > 1 else 0.0
+        tied = 0.0
+        if shape.tied_embeddings:
+            grads = shape.vocab * shape.d_model / lay.tp * self.stack.grad_bytes
+            ends = self.cluster.nvlink if lay.gpus <= self.cluster.node_size else self.cluster.ib
+            tied = allreduce_time(grads, 2, ends)
+        return gather, tied
+
     def dp(self, lay: Layout) -> tuple[float, float, float, float]:
         """(gradient traffic, weight traffic, the loss all-reduce) per step over DP, and the
         overlap cost of that traffic on its link (``overlap_cost``)."""
@@ -574,7 +595,10 @@ class StepModel:
         if lay.pp <= 1:
             return 0.0, 0.0
         m = lay.grad_accum
-        pp_comm = volume.pp_sends_per_step(lay.virtual_stages, m) * self.p2p(lay)
+        if self.stack.runs.pipeline_engine == "deepspeed":  # its blocking transfers: see the module
+            pp_comm = engine_comm(lay.pp, m, self.p2p(lay), *self._engine_extras(lay))
+        else:
+            pp_comm = volume.pp_sends_per_step(lay.virtual_stages, m) * self.p2p(lay)
         frac = bubble_fraction(lay.pp, m, lay.virtual_stages, pipeline_slots(self.shape, lay))
         if lay.pp_schedule == "zbv":
             frac /= 3
