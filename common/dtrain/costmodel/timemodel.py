@@ -241,11 +241,12 @@ def step_time(
     overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0
               on GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
-              ``stack.tp_overlap`` (TE's userbuffers: copy engines) hidden behind the GEMMs but for
-              the HBM its copies take (``collectives.overlap_cost``), with ``stack.async_tp``
-              (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it; an FP8 run's SP all-gathers at
+              ``stack.tp_overlap`` and SP, TE's overlaps per GEMM (``tp_overlap.step_overlap``:
+              exposed share, SM margin, the copies' HBM), with ``stack.async_tp`` (torchtitan's
+              AsyncTP) ``calib.async_tp_hidden`` of it hidden; an FP8 run's SP all-gathers at
               1 byte per value with ``stack.fp8_all_gather`` "tp" or "tp+fsdp"
-    pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
+    pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed; on DeepSpeed's
+              engine (``Software.pipeline_engine``) ``pipeline_engine.engine_comm``
     bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
               zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
     dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes (2Ψ with
