@@ -55,6 +55,7 @@ from .plan_report import (
     to_json,
 )
 from .search import SearchResult, search
+from .explain_tp import explain_tp, explain_tp_json
 
 GLOBAL_BATCH_TOKENS = 1024 * 4096  # the default batch: 1,024 sequences at --seq 4096
 
@@ -343,6 +344,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--explain-tp",
+        action="store_true",
+        help="also print the best plan against the best plan at TP 8, term by term (compute, TP "
+        "traffic exposed and hidden, the overlap's SM cost, DP/ZeRO, bubble, memory)",
+    )
     p.set_defaults(func=run)
 
 
@@ -353,6 +360,12 @@ def stack_of(a) -> Stack:
             "stacks: give the one the run used"
         )
     own = STACK_DEFAULTS if a.software == EAGER_SOFTWARE else {}
+    for flag, kind in (("tp_overlap", "te"), ("async_tp", "async")):
+        if getattr(a, flag) and kind not in software(a.software).tp_overlaps:
+            raise UserError(
+                f"--{flag.replace('_', '-')}: --software {a.software} does not run it: drop it, "
+                f"or pass --software {'megatron-core' if kind == 'te' else 'torchtitan'} or any"
+            )
     return Stack(
         a.attention or own.get("attention", "flash"),
         a.kernels or own.get("kernels", "fused"),
@@ -663,7 +676,8 @@ def runnable(result: SearchResult, a, calib, cluster) -> Runnable:
         calib,
         precision=a.precision,
         headroom=a.headroom,
-        stack=replace(stack_of(a), software="dtrain"),
+        # the trainer runs neither TE's overlap nor AsyncTP
+        stack=replace(stack_of(a), software="dtrain", tp_overlap=False, async_tp=False),
     )
     return Runnable(why, alt)
 
@@ -723,6 +737,8 @@ def run(a) -> int:
             }
         if mine is not None:
             out["layout"] = layout_json(mine, gap, a.layout, tight)
+        if a.explain_tp:
+            out["explain_tp"] = explain_tp_json(result)
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         lines = text_report(result, a.top, notes, runnable_text(result, run_it))
@@ -730,6 +746,8 @@ def run(a) -> int:
             lines += [""] + framework_text(result, free)
         if mine is not None:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(mine), tight)
+        if a.explain_tp:
+            lines += [""] + explain_tp(result)[0]
         print("\n".join(fit_lines(lines, terminal.width())))
     if mine is not None and mine.best is None:
         print(

@@ -53,7 +53,9 @@ class Stack:
     "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues ReduceTiedGrads, ReduceGrads and
     OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the updated weights inside
     the optimizer step: nothing hidden). ``software``: the framework, which decides which layouts
-    exist, not what they cost (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
+    exist, which TP overlaps it has (``Software.tp_overlaps``: ``tp_overlap`` and ``async_tp`` are
+    refused elsewhere) and whose pipeline engine runs them (``Software.pipeline_engine``)
+    (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
     (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost
     (``compute.FP8_CAST_BYTES``):
     "dynamic", a global amax of each tensor before its cast (torchao's float8 training,
@@ -95,6 +97,10 @@ class Stack:
                 "tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: "
                 "give one"
             )
+        for flag, kind in (("tp_overlap", "te"), ("async_tp", "async")):
+            if getattr(self, flag) and kind not in self.runs.tp_overlaps:
+                runs = ", ".join(self.runs.tp_overlaps) or "none"
+                raise ValueError(f"{self.software} has no {flag} (its TP overlaps: {runs})")
 
     @property
     def fused(self) -> bool:
