@@ -147,3 +147,19 @@ def test_profile_line_names_stream_overlap():
         "2 streams overlap 10%), 1,234 kernels, peak 2.0 GiB (gemm 60%)"
     )
     assert KernelRecord("k", 0, 1, 7).stream == 7
+
+
+def test_kernel_records_on_torch_without_activity_type():
+    """torch 2.11 (the GPU image's) has no ``activity_type`` on its events: annotations are then
+    known by ``is_user_annotation`` or, lacking that too, by their ``record_function`` names."""
+    kernel = NS(
+        **{k: v for k, v in vars(_ev("sm90_xmma_gemm", 0, 10)).items() if k != "activity_type"}
+    )
+    ann = NS(
+        **{
+            k: v
+            for k, v in vars(_ev("Optimizer.step#AdamW.step", 0, 10, annotation=True)).items()
+            if k not in ("activity_type", "is_user_annotation")
+        }
+    )
+    assert [r.name for r in kernel_records([kernel, ann])] == ["sm90_xmma_gemm"]

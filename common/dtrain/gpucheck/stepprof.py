@@ -46,15 +46,27 @@ def kernel_records(events) -> list[KernelRecord]:
     (name, start, end, stream), so a record reported twice counts once."""
     seen: dict[tuple, KernelRecord] = {}
     for e in events:
-        if e.device_type().name != "CUDA" or e.is_user_annotation():
-            continue
-        if str(e.activity_type()).lower().split(".")[-1] not in GPU_ACTIVITIES:
+        if e.device_type().name != "CUDA" or not _gpu_work(e):
             continue
         r = KernelRecord(
             e.name(), e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id()
         )
         seen.setdefault((r.name, r.start_ns, r.end_ns, r.stream), r)
     return list(seen.values())
+
+
+def _gpu_work(e) -> bool:
+    """A GPU event that is work, not an annotation. torch 2.11's events have neither
+    ``activity_type`` nor (before 2.5) ``is_user_annotation``: then an annotation is known by its
+    name (``record_function`` scopes such as ``Optimizer.step#AdamW.step``, ``ProfilerStep#3``)."""
+    annotation = getattr(e, "is_user_annotation", None)
+    if annotation is not None and annotation():
+        return False
+    activity = getattr(e, "activity_type", None)
+    if activity is not None:
+        return str(activity()).lower().split(".")[-1] in GPU_ACTIVITIES
+    name = e.name()
+    return "#" not in name and not name.startswith(("ProfilerStep", "## "))
 
 
 def union_ns(intervals: list[tuple[int, int]]) -> int:
