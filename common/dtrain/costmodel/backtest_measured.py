@@ -166,15 +166,15 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             out.append(f"  not predicted: {c.not_modelled}")
         out += wrap.wrap(f"note: {c.note}") if c.note else []
         if r.by_category:
-            out.append(
-                "  GPU ms m/p: "
+            out += wrap.wrap(
+                "GPU ms m/p: "
                 + " ".join(
                     f"{SHORT[k]} {m * 1e3:.1f}/{p * 1e3:.1f}" for k, (m, p) in r.by_category.items()
                 )
             )
         if r.kernels:
-            out.append(
-                "  kernels m/p: "
+            out += wrap.wrap(
+                "kernels m/p: "
                 + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
                 + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
             )
