@@ -25,7 +25,7 @@ from .eager import dispatch_floor_s, host_op_s, kernel_counts
 from .efficiency import head_gemm
 from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
-from .memory import memory_for
+from .stack_memory import memory_for
 from .shapes import Layout
 from .timemodel import device_of, step_time
 

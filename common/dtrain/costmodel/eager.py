@@ -253,32 +253,3 @@ def linear_params(shape: ModelShape, layout: Layout) -> float:
 def weight_cast_s(shape: ModelShape, layout: Layout, dev) -> float:
     """``WEIGHT_CAST_BYTES`` over the step's micro-batches, at the add kernel's rate."""
     return layout.grad_accum * dev.mem_s(WEIGHT_CAST_BYTES * linear_params(shape, layout), "add")
-
-
-def peak_memory(shape: ModelShape, layout: Layout, base, optimizer: str | None):
-    """The eager stack's peak bytes per GPU (a ``memory.MemoryBreakdown``): the larger of two
-    moments, as PyTorch's allocator sees them with ``zero_grad(set_to_none=True)``:
-      end of forward  fp32 parameters and Adam's m, v (FSDP2's shares, ``fsdp2_state_bytes``), the
-                      bf16 copies the forward runs on (autocast's, 2 B per linear weight; ZeRO-2:
-                      the unsharded parameters counted there; ZeRO-3: the gathered units,
-                      ``base.buffers``), the activations, and the gradients only
-                      from the second micro-batch on (the first forward has none)
-      optimizer step  parameters, gradients, m, v and, for foreach AdamW, its one full-size
-                      temporary (the second moment's square root, 4 B per parameter)
-    ``base``: ``memory.memory_per_gpu`` of the layout (its activations and ZeRO-3 buffers)."""
-    from .memory import MemoryBreakdown, fsdp2_state_bytes, params_per_gpu
-
-    psi = params_per_gpu(shape, layout.tp, layout.pp, layout.pp_split)
-    p, g, o = fsdp2_state_bytes(psi, layout.zero_stage, layout.shard_group)
-    # FSDP (ZeRO-3) casts per unit and frees the unit after its forward, on one GPU too: the
-    # block being computed, the one prefetched and the former's gradients (memory_per_gpu's count)
-    sharded = layout.zero_stage == 3
-    # ZeRO-2 (FSDP without resharding): the unsharded copy fsdp2_state_bytes counts is the cast
-    casts = 0.0 if layout.zero_stage >= 2 else 2 * linear_params(shape, layout)
-    units = (base.buffers or 3 * 2 * shape.params_per_layer() / layout.tp) if sharded else 0.0
-    held = g if layout.grad_accum > 1 else 0.0
-    forward = MemoryBreakdown(p + casts, held, o, base.activations, units)
-    shard = psi / layout.shard_group if layout.zero_stage >= 1 else psi
-    temp = 0.0 if optimizer == "fused" else 4 * shard
-    step = MemoryBreakdown(p, g, o + temp, 0.0)
-    return forward if forward.total >= step.total else step
