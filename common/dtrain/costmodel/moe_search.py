@@ -1,0 +1,186 @@
+"""The layout search for an MoE model: every layout ``search`` enumerates for the dense proxy,
+times each ep (and etp) it can fold (``moe.ep_degrees``), priced as the proxy's step plus the
+routed experts' terms (``moe.moe_terms``) and its memory with the experts (``moe.moe_memory``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .calibration import Calibration
+from .hardware import Cluster
+from .memory import MemoryBreakdown
+from .moe import MoEModel, MoETerms, ep_degrees, moe_memory, moe_terms
+from .search import MICRO_BATCHES, _layouts, _memory, describe_layout
+from .shapes import RECOMPUTE, Layout
+from .stack import Stack
+from .timemodel import StepTime, step_model
+
+# bytes per value of the dispatch by precision (FP8 dispatch: DeepEP, Megatron's
+# --moe-router-... fp8 dispatch); the combine stays bf16
+DISPATCH_BYTES = {"bf16": 2, "fp8": 1, "mxfp8": 1}
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """A layout (with ep, etp) and its memory, the proxy's step time with the total and the model
+    FLOPs of the MoE model, and the routed experts' terms."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+    moe: MoETerms
+    memory_terms: dict
+
+    def describe(self) -> str:
+        lay = self.layout
+        etp = f" etp={lay.etp}" if lay.etp > 1 else ""
+        return describe_layout(lay).replace(" tp=", f" ep={lay.ep}{etp} tp=", 1)
+
+
+@dataclass
+class MoESearchResult:
+    best: MoEPlan | None
+    ranked: list[MoEPlan]
+    rejected: int
+    reason: str
+    model: MoEModel
+    cluster: Cluster
+    global_batch: int
+    precision: str = "bf16"
+    headroom: float = 0.1
+    stack: Stack = field(default_factory=Stack)
+
+    def best_at(self, **fields) -> MoEPlan | None:
+        """The best plan whose layout has these field values (e.g. ep=1)."""
+        for p in self.ranked:
+            if all(getattr(p.layout, k) == v for k, v in fields.items()):
+                return p
+        return None
+
+
+def price(
+    model: MoEModel,
+    lay: Layout,
+    cluster: Cluster,
+    calib: Calibration,
+    precision: str = "bf16",
+    stack: Stack = Stack(),
+    act_factor: float = 1.0,
+) -> MoEPlan:
+    """One layout's MoE plan (its memory is not checked against HBM here)."""
+    gemm_precision = "fp8" if precision in ("fp8", "mxfp8") else "bf16"
+    steps = step_model(model.proxy, cluster, calib, gemm_precision, 2, stack)
+    st = steps.time(lay)
+    dp_share = st.dp_comm_exposed / st.dp_comm if st.dp_comm > 0 else 1.0
+    dtype = "fp8" if steps.fp8_gemms else "bf16"
+    terms = moe_terms(
+        model,
+        lay,
+        cluster,
+        steps.dev,
+        proxy_gemm_s=st.terms.gemm,
+        proxy_attention_s=st.terms.attention,
+        proxy_work_s=st.compute - st.terms.optimizer,
+        dp_exposed_share=min(dp_share, 1.0),
+        dtype=dtype,
+        dispatch_bytes=DISPATCH_BYTES[precision],
+        combine_bytes=2,
+        grad_bytes=stack.grad_bytes,
+    )
+    proxy_mem = _memory(model.proxy, lay, stack, act_factor)
+    mem, mem_terms = moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states)
+    total = st.total + terms.total
+    time = replace(st, total=total, model_flops=st.tokens * model.flops_per_token())
+    return MoEPlan(lay, mem, time, terms, mem_terms)
+
+
+def moe_search(
+    model: MoEModel,
+    cluster: Cluster,
+    global_batch: int,
+    calib: Calibration | None = None,
+    *,
+    precision: str = "bf16",
+    headroom: float = 0.1,
+    stack: Stack = Stack(),
+    fixed: dict | None = None,
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    prune: bool = True,
+) -> MoESearchResult:
+    """Rank the layouts x ep (x etp when pinned) that fit by predicted tokens/s. ``prune``: the
+    dense search's pruning (ZeRO from 1 up, SP on where it runs)."""
+    calib = calib or Calibration()
+    fixed = dict(fixed or {})
+    ep_pin, etp_pin = fixed.pop("ep", None), fixed.pop("etp", None)
+    levels = tuple(
+        r
+        for r in RECOMPUTE
+        if r in stack.runs.recompute and not (stack.flash and r == "selective")
+    )
+    if "recompute" in fixed:
+        levels = (fixed["recompute"],)
+    if "micro_batch" in fixed:
+        micro_batches = (fixed["micro_batch"],)
+    usable = cluster.gpu.hbm_bytes * (1 - headroom)
+    act_factor = calib.fp8_memory_factor.value if precision != "bf16" else 1.0
+    ranked: list[MoEPlan] = []
+    rejected, smallest = 0, None
+    layouts = _layouts(
+        model.proxy,
+        cluster,
+        global_batch,
+        micro_batches,
+        levels,
+        prune,
+        fixed,
+        stack.flash,
+        stack.runs,
+    )
+    for lay, why in layouts:
+        if why:
+            rejected += 1
+            continue
+        eps = ep_degrees(model, lay) if ep_pin is None else [ep_pin]
+        for ep in eps:
+            for etp in (1,) if etp_pin is None else (etp_pin,):
+                try:
+                    cand = replace(lay, ep=ep, etp=etp)
+                except ValueError:
+                    rejected += 1
+                    continue
+                if model.moe.experts % ep:
+                    rejected += 1
+                    continue
+                plan = price(model, cand, cluster, calib, precision, stack, act_factor)
+                if plan.memory.total > usable:
+                    rejected += 1
+                    if smallest is None or plan.memory.total < smallest[0]:
+                        smallest = (plan.memory.total, plan)
+                    continue
+                ranked.append(plan)
+    ranked.sort(key=lambda p: (-p.time.tokens_per_s, p.memory.total))
+    if ranked:
+        reason = f"best of {len(ranked)} fitting plans ({rejected} rejected)"
+    elif smallest is not None:
+        reason = (
+            f"does not fit: even the smallest plan ({smallest[1].describe()}) needs "
+            f"{smallest[0] / 1024**3:.1f} GiB per GPU > {usable / 1024**3:.1f} GiB usable on "
+            f"{cluster.gpus}x {cluster.gpu.name}"
+        )
+    else:
+        reason = (
+            f"no layout of {cluster.gpus} GPUs matches: ep must divide the {model.moe.experts} "
+            "experts and dp_shard·cp·tp, and dp·mb the global batch"
+        )
+    return MoESearchResult(
+        ranked[0] if ranked else None,
+        ranked,
+        rejected,
+        reason,
+        model,
+        cluster,
+        global_batch,
+        precision,
+        headroom,
+        stack,
+    )
