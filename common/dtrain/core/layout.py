@@ -161,7 +161,9 @@ class Layout:
 
     def _check_experts(self) -> None:
         if min(self.ep, self.etp) < 1 or self.etp not in (1, self.tp):
-            raise ValueError(f"ep must be >= 1 and etp 1 or tp={self.tp}, got {self.ep}, {self.etp}")
+            raise ValueError(
+                f"ep must be >= 1 and etp 1 or tp={self.tp}, got {self.ep}, {self.etp}"
+            )
         if self.expert_fold % (self.ep * self.etp):
             raise ValueError(
                 f"ep·etp = {self.ep * self.etp} must divide the ranks experts fold from, "
@@ -247,4 +249,6 @@ class Layout:
     def describe(self) -> str:
         """Its degrees, e.g. dp8xtp2xpp4 (cp when > 1)."""
         ep = f"xep{self.ep}" if self.ep > 1 else ""
-        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "") + ep
+        return (
+            f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "") + ep
+        )

@@ -211,10 +211,16 @@ def rank_tokens(model: MoEModel, lay: Layout) -> float:
     return t if lay.etp > 1 else t / lay.tp
 
 
+def rho(model: MoEModel, lay: Layout) -> float:
+    """The imbalance a layout feels: ρ with EP; with ep = 1 every rank runs every expert on its
+    own tokens, so uneven routing moves rows between its experts but adds none."""
+    return model.moe.imbalance if lay.ep > 1 else 1.0
+
+
 def tokens_per_expert(model: MoEModel, lay: Layout) -> float:
     """Rows of one local expert's grouped-GEMM slice on the busiest rank: T·k·ρ/(E/ep)."""
     m = model.moe
-    return rank_tokens(model, lay) * m.top_k * m.imbalance * lay.ep / m.experts
+    return rank_tokens(model, lay) * m.top_k * rho(model, lay) * lay.ep / m.experts
 
 
 # ---------------------------------------------------------------- memory
@@ -252,11 +258,14 @@ def moe_memory(
     expert = expert_params_per_gpu(model, lay)
     routed = _proxy_routed_per_gpu(model, lay)
     attn = stage_layers(model.base, lay.pp, lay.pp_split) * model.attention_extra_params() / lay.tp
-    states = [model_state_bytes(p, lay.zero_stage, g, grad_bytes, optimizer_states) for p, g in (
-        (expert, expert_shard_group(lay)),
-        (routed, lay.shard_group),
-        (attn, lay.shard_group),
-    )]
+    states = [
+        model_state_bytes(p, lay.zero_stage, g, grad_bytes, optimizer_states)
+        for p, g in (
+            (expert, expert_shard_group(lay)),
+            (routed, lay.shard_group),
+            (attn, lay.shard_group),
+        )
+    ]
     (pe, ge, oe), (pr, gr, orr), (pa, ga, oa) = states
     buffers = proxy.buffers
     if lay.zero_stage == 3 and expert_shard_group(lay) > 1 and lay.pp == 1:
@@ -264,11 +273,14 @@ def moe_memory(
     acts = 0.0
     if lay.recompute != "full":
         t = rank_tokens(model, lay)
-        per_layer = 2 * 2 * t * m.top_k * d * m.imbalance + (m.imbalance - 1) * t * m.top_k * (
+        r = rho(model, lay)
+        per_layer = 2 * 2 * t * m.top_k * d * r + (r - 1) * t * m.top_k * (
             2 * 3 * m.expert_ffn / lay.etp
         )
         held = held_layer_microbatches(model.proxy, lay)
-        share = stage_moe_layers(model, lay) / max(stage_layers(model.base, lay.pp, lay.pp_split), 1)
+        share = stage_moe_layers(model, lay) / max(
+            stage_layers(model.base, lay.pp, lay.pp_split), 1
+        )
         acts = per_layer * held * share
     mem = MemoryBreakdown(
         params=proxy.params - pr + pe + pa,
@@ -410,7 +422,7 @@ class MoETerms:
         )
 
 
-def _routed_gemms(model: MoEModel, lay: Layout, rows: float, width: int, count: int) -> list[Gemm]:
+def _routed_gemms(model: MoEModel, rows: float, width: int, count: int) -> list[Gemm]:
     """Forward GEMMs of ``count`` experts' SwiGLU slices of ``width`` columns for ``rows`` each."""
     d, rows = model.base.d_model, max(1, round(rows))
     return [Gemm(rows, 2 * width, d, count, "w13"), Gemm(rows, d, width, count, "w2")]
@@ -451,32 +463,38 @@ def moe_terms(
 
 
 def _moe_terms(
-    model, lay, cluster, dev, proxy_gemm_s, proxy_attention_s, proxy_work_s, dp_share, dtype, bd,
-    bc, vb, gb,
+    model,
+    lay,
+    cluster,
+    dev,
+    proxy_gemm_s,
+    proxy_attention_s,
+    proxy_work_s,
+    dp_share,
+    dtype,
+    bd,
+    bc,
+    vb,
+    gb,
 ) -> MoETerms:
     m, b = model.moe, model.base
     layers = stage_moe_layers(model, lay)
     micro = lay.grad_accum
     passes = 3 + (1 if lay.recompute == "full" else 0)  # forward, dgrad, wgrad (+ the re-run)
-    t = rank_tokens(model, lay)
-    local = m.experts // lay.ep
-    rows = tokens_per_expert(model, lay)
-    # a grouped GEMM pads each expert's rows to the kernel's M block (DeepGEMM's contiguous
-    # layout: 128 rows), and each expert's weights are read whatever its rows
-    padded = -(-rows // GROUP_ALIGN) * GROUP_ALIGN
-    grouped = sum(
-        dev.gemm_s(g, dtype)
-        for g in _routed_gemms(model, lay, padded, m.expert_ffn // lay.etp, local)
+    key = Layout(
+        micro_batch=lay.micro_batch,
+        cp=lay.cp,
+        tp=lay.tp,
+        ep=lay.ep,
+        etp=lay.etp,
+        dp_shard=lay.ep * lay.etp,
+        zero_stage=1,
     )
-    # what the proxy priced for the balanced routed FLOPs: one dense GEMM of k·F over T tokens
-    dense = sum(
-        dev.gemm_s(g, dtype)
-        for g in _routed_gemms(model, lay, lay.micro_batch * b.seq_len / lay.cp, m.top_k * m.expert_ffn // lay.tp, 1)
-    )
-    expert_gemm = (grouped - dense) * passes * layers * micro
-    router = 3 * dev.gemm_s(Gemm(max(1, round(t)), m.experts, b.d_model)) * layers * micro
-    # attention the proxy's d/H head dim misses: projections at the proxy's GEMM rate, the core
-    # scaled by H·(d_qk + d_v) / (2·d)
+    gemm, router, extra_gemm = _layer_gemm_s(model, key, dev, dtype)
+    expert_gemm = gemm * passes * layers * micro
+    router = router * layers * micro
+    # attention the proxy's d/H head dim misses: projections at the proxy's GEMM rate (per layer
+    # above), the core scaled by H·(d_qk + d_v) / (2·d)
     all_layers = stage_layers(b, lay.pp, lay.pp_split)
     qk, v = (
         (model.hd, model.hd)
@@ -484,14 +502,11 @@ def _moe_terms(
         else (model.mla.qk_nope_dim + model.mla.qk_rope_dim, model.mla.v_head_dim)
     )
     core_ratio = b.n_head * (qk + v) / (2 * b.d_model)
-    extra_n = max(0, round(model.attention_extra_params() / b.d_model / lay.tp))
-    extra_gemm = (
-        dev.gemm_s(Gemm(max(1, round(lay.micro_batch * b.seq_len / lay.cp)), extra_n, b.d_model), dtype)
-        if extra_n
-        else 0.0
+    attention_extra = extra_gemm * passes * all_layers * micro + proxy_attention_s * (
+        core_ratio - 1
     )
-    attention_extra = extra_gemm * passes * all_layers * micro + proxy_attention_s * (core_ratio - 1)
-    comm = ep_comm(model, lay, cluster, bd, bc)
+    rows = tokens_per_expert(model, lay)
+    comm = ep_comm(model, key, cluster, bd, bc)
     a2a = comm.seconds * layers * micro * (1.5 if lay.recompute == "full" else 1.0)
     hidden = contention = 0.0
     if m.a2a_overlap and a2a > 0:
@@ -528,6 +543,31 @@ def _moe_terms(
         a2a_wire_bytes=comm.wire_bytes,
         a2a_link=comm.link,
     )
+
+
+@lru_cache(maxsize=1 << 14)
+def _layer_gemm_s(model: MoEModel, key: Layout, dev: Device, dtype: str) -> tuple:
+    """Per MoE layer and micro-batch, forward: (the routed experts' grouped GEMMs less the dense
+    GEMM the proxy priced for the same balanced FLOPs, the router's GEMM x 3 (forward and
+    backward), the attention projections the proxy misses). ``key``: the layout's micro-batch,
+    cp, tp, ep and etp."""
+    m, b, lay = model.moe, model.base, key
+    tokens = lay.micro_batch * b.seq_len / lay.cp
+    rows = tokens_per_expert(model, lay)
+    # a grouped GEMM pads each expert's rows to the kernel's M block (DeepGEMM's contiguous
+    # layout: 128 rows), and each expert's weights are read whatever its rows
+    padded = -(-rows // GROUP_ALIGN) * GROUP_ALIGN
+    local = m.experts // lay.ep
+    grouped = sum(
+        dev.gemm_s(g, dtype) for g in _routed_gemms(model, padded, m.expert_ffn // lay.etp, local)
+    )
+    # what the proxy priced for the balanced routed FLOPs: one dense GEMM of k·F over the tokens
+    width = m.top_k * m.expert_ffn // lay.tp
+    dense = sum(dev.gemm_s(g, dtype) for g in _routed_gemms(model, tokens, width, 1))
+    router = 3 * dev.gemm_s(Gemm(max(1, round(rank_tokens(model, lay))), m.experts, b.d_model))
+    extra_n = max(0, round(model.attention_extra_params() / b.d_model / lay.tp))
+    extra = dev.gemm_s(Gemm(max(1, round(tokens)), extra_n, b.d_model), dtype) if extra_n else 0.0
+    return grouped - dense, router, extra
 
 
 def ep_degrees(model: MoEModel, lay: Layout) -> list[int]:

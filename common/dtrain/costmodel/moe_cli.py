@@ -68,9 +68,7 @@ def moe_model(a, base: ModelShape) -> MoEModel:
     if a.mla:
         missing = [f for f in _MLA_FLAGS if getattr(a, f) is None]
         if missing:
-            raise UserError(
-                "--mla needs " + ", ".join("--" + f.replace("_", "-") for f in missing)
-            )
+            raise UserError("--mla needs " + ", ".join("--" + f.replace("_", "-") for f in missing))
         mla = MLA(*(getattr(a, f) for f in _MLA_FLAGS))
     elif any(getattr(a, f) is not None for f in _MLA_FLAGS):
         raise UserError("--q-lora-rank, --kv-lora-rank, ... shape MLA: add --mla")

@@ -32,9 +32,13 @@ class MoEPlan:
     memory_terms: dict
 
     def describe(self) -> str:
-        lay = self.layout
-        etp = f" etp={lay.etp}" if lay.etp > 1 else ""
-        return describe_layout(lay).replace(" tp=", f" ep={lay.ep}{etp} tp=", 1)
+        return describe(self.layout)
+
+
+def describe(lay: Layout) -> str:
+    """``search.describe_layout`` with ep (and etp) before tp."""
+    etp = f" etp={lay.etp}" if lay.etp > 1 else ""
+    return describe_layout(lay).replace(" tp=", f" ep={lay.ep}{etp} tp=", 1)
 
 
 @dataclass
@@ -49,6 +53,8 @@ class MoESearchResult:
     precision: str = "bf16"
     headroom: float = 0.1
     stack: Stack = field(default_factory=Stack)
+    calib: Calibration = field(default_factory=Calibration)
+    smallest_bytes: float = 0.0  # when nothing fits: the least memory a layout needs
 
     def best_at(self, **fields) -> MoEPlan | None:
         """The best plan whose layout has these field values (e.g. ep=1)."""
@@ -56,6 +62,14 @@ class MoESearchResult:
             if all(getattr(p.layout, k) == v for k, v in fields.items()):
                 return p
         return None
+
+
+def memory_of(
+    model: MoEModel, lay: Layout, stack: Stack = Stack(), act_factor: float = 1.0
+) -> tuple[MemoryBreakdown, dict]:
+    """A layout's memory per GPU with the experts (``moe.moe_memory`` over the proxy's)."""
+    proxy_mem = _memory(model.proxy, lay, stack, act_factor)
+    return moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states)
 
 
 def price(
@@ -66,6 +80,7 @@ def price(
     precision: str = "bf16",
     stack: Stack = Stack(),
     act_factor: float = 1.0,
+    memory: tuple[MemoryBreakdown, dict] | None = None,
 ) -> MoEPlan:
     """One layout's MoE plan (its memory is not checked against HBM here)."""
     gemm_precision = "fp8" if precision in ("fp8", "mxfp8") else "bf16"
@@ -87,8 +102,7 @@ def price(
         combine_bytes=2,
         grad_bytes=stack.grad_bytes,
     )
-    proxy_mem = _memory(model.proxy, lay, stack, act_factor)
-    mem, mem_terms = moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states)
+    mem, mem_terms = memory or memory_of(model, lay, stack, act_factor)
     total = st.total + terms.total
     time = replace(st, total=total, model_flops=st.tokens * model.flops_per_token())
     return MoEPlan(lay, mem, time, terms, mem_terms)
@@ -113,9 +127,7 @@ def moe_search(
     fixed = dict(fixed or {})
     ep_pin, etp_pin = fixed.pop("ep", None), fixed.pop("etp", None)
     levels = tuple(
-        r
-        for r in RECOMPUTE
-        if r in stack.runs.recompute and not (stack.flash and r == "selective")
+        r for r in RECOMPUTE if r in stack.runs.recompute and not (stack.flash and r == "selective")
     )
     if "recompute" in fixed:
         levels = (fixed["recompute"],)
@@ -151,19 +163,19 @@ def moe_search(
                 if model.moe.experts % ep:
                     rejected += 1
                     continue
-                plan = price(model, cand, cluster, calib, precision, stack, act_factor)
-                if plan.memory.total > usable:
+                mem = memory_of(model, cand, stack, act_factor)
+                if mem[0].total > usable:
                     rejected += 1
-                    if smallest is None or plan.memory.total < smallest[0]:
-                        smallest = (plan.memory.total, plan)
+                    if smallest is None or mem[0].total < smallest[0]:
+                        smallest = (mem[0].total, cand)
                     continue
-                ranked.append(plan)
+                ranked.append(price(model, cand, cluster, calib, precision, stack, act_factor, mem))
     ranked.sort(key=lambda p: (-p.time.tokens_per_s, p.memory.total))
     if ranked:
         reason = f"best of {len(ranked)} fitting plans ({rejected} rejected)"
     elif smallest is not None:
         reason = (
-            f"does not fit: even the smallest plan ({smallest[1].describe()}) needs "
+            f"does not fit: even the smallest plan ({describe(smallest[1])}) needs "
             f"{smallest[0] / 1024**3:.1f} GiB per GPU > {usable / 1024**3:.1f} GiB usable on "
             f"{cluster.gpus}x {cluster.gpu.name}"
         )
@@ -183,4 +195,6 @@ def moe_search(
         precision,
         headroom,
         stack,
+        calib,
+        smallest[0] if smallest else 0.0,
     )
