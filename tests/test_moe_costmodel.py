@@ -1,6 +1,7 @@
 """MoE in the cost model (issue 41): Megatron's MoE FLOP rule and MLA's weights against
-hand-computed values, the expert memory terms, the EP bytes, and `dtrain plan --experts` for a Qwen3-30B-A3B-like
-shape on 8 H100s and a DeepSeek-V3-like shape on 256 H100s (--json naming ep and the all-to-all)."""
+hand-computed values, the expert memory terms, the EP bytes, and `dtrain plan --experts` for a
+Qwen3-30B-A3B-like shape on 8 H100s and a DeepSeek-V3-like shape on 256 H100s (--json naming ep
+and the all-to-all)."""
 
 from __future__ import annotations
 
