@@ -53,7 +53,7 @@ from .collectives import (
 )
 from .compute import Device, optimizer_s
 from .efficiency import Gemm
-from .hardware import Cluster, LinkModel
+from .hardware import LINK_EFFICIENCY, Cluster, LinkModel
 from .hashing import cached_hash
 from .memory import MemoryBreakdown, held_layer_microbatches, model_state_bytes
 from .shapes import Layout, ModelShape, stage_layers
@@ -61,6 +61,14 @@ from .shapes import Layout, ModelShape, stage_layers
 DISPATCHERS = ("alltoall", "allgather", "deepep")
 # DeepSeek-V3 technical report §3.2.2: "only 20 SMs" of the H800's 132 run its all-to-all kernels
 A2A_SM_SHARE = 20 / 132
+# DeepEP's normal (training) kernels on H800 with CX7 400 Gbit/s NICs, DeepSeek-V3's setting
+# (DeepEP README, V1 performance table, docs/legacy.md): internode EP 16 / 32 / 64 dispatch
+# 43 / 58 / 51 GB/s and combine 43 / 57 / 50 GB/s RDMA bottleneck bandwidth, counted on the
+# tokens sent once per target node: a median 50.5 GB/s, the 50 GB/s line rate; intranode EP 8
+# 153 / 158 GB/s over NVLink of "~160 GB/s": 0.97. Where NCCL's rings reach LINK_EFFICIENCY of a
+# link (the links' calibration), DeepEP's kernels are priced at these shares.
+DEEPEP_RDMA_SHARE = 50.5 / 50
+DEEPEP_NVLINK_SHARE = 155.5 / 160
 # rows a grouped GEMM pads each expert's slice to (DeepGEMM README, contiguous layout: the M axis
 # of each expert aligned to the GEMM M block, 128)
 GROUP_ALIGN = 128
@@ -248,6 +256,7 @@ def moe_memory(
     proxy: MemoryBreakdown,
     grad_bytes: int = 4,
     optimizer_states: str = "fp32",
+    activation_factor: float = 1.0,
 ) -> tuple[MemoryBreakdown, dict]:
     """The proxy's memory with its routed weights replaced by the experts (sharded over
     ``expert_shard_group``), MLA / head-dim attention weights added, and the routed activations:
@@ -267,21 +276,30 @@ def moe_memory(
         )
     ]
     (pe, ge, oe), (pr, gr, orr), (pa, ga, oa) = states
+    # ZeRO-3's gathered working set (``memory.memory_per_gpu``): under PP the stage's weights and
+    # fp32 gradients, (2 + grad_bytes)·Ψ; else three layers' bf16 weights. The proxy's routed
+    # weights leave it, the experts' enter it where their states are sharded (efsdp > 1).
     buffers = proxy.buffers
-    if lay.zero_stage == 3 and expert_shard_group(lay) > 1 and lay.pp == 1:
-        buffers += 3 * 2 * (model.expert_params() / (lay.ep * lay.etp))
+    if lay.zero_stage == 3:
+        layer_r = model.routed_active_params() / lay.tp
+        layer_e = model.expert_params() / (lay.ep * lay.etp)
+        if lay.shard_group > 1:
+            buffers -= (2 + grad_bytes) * routed if lay.pp > 1 else 3 * 2 * layer_r
+        if expert_shard_group(lay) > 1:
+            buffers += (2 + grad_bytes) * expert if lay.pp > 1 else 3 * 2 * layer_e
+        buffers = max(buffers, 0.0)
     acts = 0.0
     if lay.recompute != "full":
         t = rank_tokens(model, lay)
         r = rho(model, lay)
-        per_layer = 2 * 2 * t * m.top_k * d * r + (r - 1) * t * m.top_k * (
+        per_layer = 2 * t * d * (2 * m.top_k * r - 1) + (r - 1) * t * m.top_k * (
             2 * 3 * m.expert_ffn / lay.etp
         )
         held = held_layer_microbatches(model.proxy, lay)
         share = stage_moe_layers(model, lay) / max(
             stage_layers(model.base, lay.pp, lay.pp_split), 1
         )
-        acts = per_layer * held * share
+        acts = per_layer * held * share * activation_factor
     mem = MemoryBreakdown(
         params=proxy.params - pr + pe + pa,
         grads=proxy.grads - gr + ge + ga,
@@ -345,6 +363,12 @@ def ep_comm(
         return EpComm(0.0, 0.0, "none")
     t = rank_tokens(model, lay)
     link, g = ep_link(cluster, lay)
+    nvlink = cluster.nvlink
+    if m.dispatcher == "deepep":  # its measured shares of the links (DEEPEP_*_SHARE)
+        link = replace(link, beta_Bps=link.beta_Bps * DEEPEP_RDMA_SHARE / LINK_EFFICIENCY)
+        nvlink = replace(nvlink, beta_Bps=nvlink.beta_Bps * DEEPEP_NVLINK_SHARE / LINK_EFFICIENCY)
+        if g == ep:
+            link = nvlink
     wire = volume.ep_layer_bytes(t, m.top_k, d, ep, dispatch_bytes, combine_bytes)
     if m.dispatcher == "allgather":  # every rank gathers the group's tokens, reduce-scatters back
         gathered = t * ep * d
@@ -366,8 +390,8 @@ def ep_comm(
     s = 0.0
     for b in passes:
         ib = t * copies * d * b * cross * rho / link.beta_Bps + (nodes - 1) * link.alpha_s
-        nv = t * m.top_k * d * b * (g - 1) / ep * rho / cluster.nvlink.beta_Bps
-        s += max(ib, nv + (g - 1) * cluster.nvlink.alpha_s)
+        nv = t * m.top_k * d * b * (g - 1) / ep * rho / nvlink.beta_Bps
+        s += max(ib, nv + (g - 1) * nvlink.alpha_s)
     return EpComm(s, wire, f"{link.name} ({g} per node)")
 
 

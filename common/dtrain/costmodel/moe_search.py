@@ -69,7 +69,7 @@ def memory_of(
 ) -> tuple[MemoryBreakdown, dict]:
     """A layout's memory per GPU with the experts (``moe.moe_memory`` over the proxy's)."""
     proxy_mem = _memory(model.proxy, lay, stack, act_factor)
-    return moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states)
+    return moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states, act_factor)
 
 
 def price(
