@@ -4,7 +4,15 @@ generated from them, the ρ sensitivity, and the section's table."""
 from __future__ import annotations
 
 from dtrain.costmodel import Calibration
-from dtrain.guide.moe import MODELS, RHOS, MoECell, ep_rule, moe_cell, moe_section
+from dtrain.guide.moe import (
+    MODELS,
+    RHOS,
+    MoECell,
+    backtest_line,
+    ep_rule,
+    moe_cell,
+    moe_section,
+)
 
 
 def test_cited_shapes_have_their_published_sizes():
@@ -34,7 +42,7 @@ def test_one_node_cells_and_their_section():
     assert len(mixtral.rho_tokens_per_s) == len(RHOS)
     if qwen.ep == 1:  # EP = 1: uneven routing moves rows between a rank's experts, adds none
         assert all(t in (0.0, qwen.tokens_per_s) for t in qwen.rho_tokens_per_s)
-    lines = moe_section(cells)
+    lines = moe_section(cells, [])
     assert lines[0] == "## Mixture of experts: expert parallelism"
     rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 3
@@ -46,3 +54,11 @@ def test_one_node_cells_and_their_section():
 
 def test_rule_without_a_fitting_cell():
     assert "no MoE model" in ep_rule([MoECell("DeepSeek-V3", "h100-sxm", 8)])
+
+
+def test_the_section_states_the_moe_backtest():
+    from dtrain.costmodel.moe_backtest import moe_backtest
+
+    line = backtest_line(moe_backtest())
+    assert line.startswith("Against ") and "published MoE runs" in line
+    assert backtest_line([]) == ""

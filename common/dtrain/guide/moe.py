@@ -191,7 +191,29 @@ def ep_rule(cells: list[MoECell]) -> str:
     )
 
 
-def moe_section(cells: list[MoECell]) -> list[str]:
+def backtest_line(rows: list) -> str:
+    """The MoE backtest's figures (``dtrain backtest --moe``), in one sentence."""
+    if not rows:
+        return ""
+    from dtrain.costmodel.moe_backtest import moe_summary
+
+    s = moe_summary(rows)
+    return (
+        f"Against {s['rows']} published MoE runs (`dtrain backtest --moe`, leave-one-source-out; "
+        f"the sources issue 41 released) the model's tokens/s is off by a median "
+        f"{s['median_abs_error']:.0%}, {s['within_15pct']} of {s['rows']} within 15%, and "
+        f"{s['fit']} of {s['rows']} published layouts are predicted to fit: read the cells "
+        "with that error in mind."
+    )
+
+
+def moe_section(cells: list[MoECell], backtest_rows: list | None = None) -> list[str]:
+    """The section; ``backtest_rows``: ``moe_backtest()``'s (computed when None; [] leaves the
+    sentence out)."""
+    if backtest_rows is None:
+        from dtrain.costmodel.moe_backtest import moe_backtest
+
+        backtest_rows = moe_backtest()
     out = [
         "## Mixture of experts: expert parallelism",
         "",
@@ -207,6 +229,10 @@ def moe_section(cells: list[MoECell]) -> list[str]:
         "",
         ep_rule(cells),
         "",
+    ]
+    if backtest_rows:
+        out += [backtest_line(backtest_rows), ""]
+    out += [
         "| model | GPUs | best layout | MFU | memory/GPU | exposed A2A | best with EP = 1 "
         "| EP gain | ρ 1.1 / 1.25 |",
         "|---|---:|---|---:|---:|---:|---|---:|---|",
