@@ -37,7 +37,6 @@ expert compute, the bytes it receives and its expert activations.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
@@ -429,6 +428,7 @@ class MoETerms:
     tokens_per_expert: float
     a2a_wire_bytes: float
     a2a_link: str
+    exposed_with_overlap: float = 0.0  # what A2A overlap would leave exposed
 
     @property
     def exposed_all_to_all(self) -> float:
@@ -532,10 +532,13 @@ def _moe_terms(
     rows = tokens_per_expert(model, lay)
     comm = ep_comm(model, key, cluster, bd, bc)
     a2a = comm.seconds * layers * micro * (1.5 if lay.recompute == "full" else 1.0)
+    # with A2A overlap the dispatch/combine of one micro-batch runs behind another's compute, at
+    # the SMs its kernels hold; priced both ways, the model's own setting picks one
+    overlappable = min(a2a, proxy_work_s)
+    with_overlap = a2a - overlappable * (1 - A2A_SM_SHARE)
     hidden = contention = 0.0
     if m.a2a_overlap and a2a > 0:
-        hidden = min(a2a, proxy_work_s)
-        contention = hidden * A2A_SM_SHARE
+        hidden, contention = overlappable, overlappable * A2A_SM_SHARE
     # expert gradient / weight traffic over the expert-data-parallel group, replacing the proxy's
     # routed weights over dp·cp; exposed in the proxy's own exposed share
     ex_link = group_link(cluster, lay.expert_dp, lay.ep * lay.etp, multi_rail=True)
@@ -566,6 +569,7 @@ def _moe_terms(
         tokens_per_expert=rows,
         a2a_wire_bytes=comm.wire_bytes,
         a2a_link=comm.link,
+        exposed_with_overlap=with_overlap,
     )
 
 
@@ -604,11 +608,3 @@ def ep_degrees(model: MoEModel, lay: Layout) -> list[int]:
             out.append(e)
         e *= 2
     return out
-
-
-def gib(x: float) -> float:
-    return x / 1024**3
-
-
-def finite(x: float) -> float:
-    return x if math.isfinite(x) else float("nan")

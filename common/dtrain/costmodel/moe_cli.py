@@ -153,6 +153,11 @@ def plan_json(p: MoEPlan, res: MoESearchResult) -> dict:
             "all_to_all_contention_s": m.a2a_contention,
             "all_to_all_exposed_s": m.exposed_all_to_all,
             "all_to_all_exposed_share": m.exposed_all_to_all / t.total,
+            "all_to_all_exposed_without_overlap_s": m.all_to_all,
+            "all_to_all_exposed_with_overlap_s": m.exposed_with_overlap,
+            "all_to_all_hidden_share_with_overlap": (
+                1 - m.exposed_with_overlap / m.all_to_all if m.all_to_all else 0.0
+            ),
             "expert_dp_s": m.expert_dp,
             "expert_optimizer_s": m.optimizer,
             "tokens_per_expert": m.tokens_per_expert,

@@ -121,8 +121,8 @@ def moe_search(
     micro_batches: tuple[int, ...] = MICRO_BATCHES,
     prune: bool = True,
 ) -> MoESearchResult:
-    """Rank the layouts x ep (x etp when pinned) that fit by predicted tokens/s. ``prune``: the
-    dense search's pruning (ZeRO from 1 up, SP on where it runs)."""
+    """Rank the layouts x ep x etp (1, or tp: Megatron's expert TP) that fit by predicted
+    tokens/s. ``prune``: the dense search's pruning (ZeRO from 1 up, SP on where it runs)."""
     calib = calib or Calibration()
     fixed = dict(fixed or {})
     ep_pin, etp_pin = fixed.pop("ep", None), fixed.pop("etp", None)
@@ -154,7 +154,8 @@ def moe_search(
             continue
         eps = ep_degrees(model, lay) if ep_pin is None else [ep_pin]
         for ep in eps:
-            for etp in (1,) if etp_pin is None else (etp_pin,):
+            etps = (1, lay.tp) if lay.tp > 1 else (1,)
+            for etp in etps if etp_pin is None else (etp_pin,):
                 try:
                     cand = replace(lay, ep=ep, etp=etp)
                 except ValueError:
