@@ -64,6 +64,17 @@ class MoESearchResult:
         return None
 
 
+# The routed experts' terms a dense proxy's lower bound does not hold can be negative (their DP
+# traffic and optimizer replace the proxy's routed weights'; grouped GEMMs at large rows): a pruned
+# search bounds a layout's step by this share of the proxy's lower bound.
+BOUND_MARGIN = 0.8
+
+
+def _gemm_precision(precision: str) -> str:
+    """MXFP8 runs its GEMMs at the FP8 rate."""
+    return "fp8" if precision in ("fp8", "mxfp8") else "bf16"
+
+
 def memory_of(
     model: MoEModel, lay: Layout, stack: Stack = Stack(), act_factor: float = 1.0
 ) -> tuple[MemoryBreakdown, dict]:
@@ -83,8 +94,7 @@ def price(
     memory: tuple[MemoryBreakdown, dict] | None = None,
 ) -> MoEPlan:
     """One layout's MoE plan (its memory is not checked against HBM here)."""
-    gemm_precision = "fp8" if precision in ("fp8", "mxfp8") else "bf16"
-    steps = step_model(model.proxy, cluster, calib, gemm_precision, 2, stack)
+    steps = step_model(model.proxy, cluster, calib, _gemm_precision(precision), 2, stack)
     st = steps.time(lay)
     dp_share = st.dp_comm_exposed / st.dp_comm if st.dp_comm > 0 else 1.0
     dtype = "fp8" if steps.fp8_gemms else "bf16"
@@ -120,9 +130,14 @@ def moe_search(
     fixed: dict | None = None,
     micro_batches: tuple[int, ...] = MICRO_BATCHES,
     prune: bool = True,
+    expert_tp: bool = True,
+    keep_within: float | None = None,
 ) -> MoESearchResult:
     """Rank the layouts x ep x etp (1, or tp: Megatron's expert TP) that fit by predicted
-    tokens/s. ``prune``: the dense search's pruning (ZeRO from 1 up, SP on where it runs)."""
+    tokens/s. ``prune``: the dense search's pruning (ZeRO from 1 up, SP on where it runs);
+    ``expert_tp`` False: etp 1 only. ``keep_within``: time the fitting layouts in the order of the
+    dense proxy's lower bound (``StepModel.lower_bound``) x BOUND_MARGIN and stop once it exceeds
+    ``keep_within`` x the best step (1.0: the best alone, as the guide asks)."""
     calib = calib or Calibration()
     fixed = dict(fixed or {})
     ep_pin, etp_pin = fixed.pop("ep", None), fixed.pop("etp", None)
@@ -148,13 +163,14 @@ def moe_search(
         stack.flash,
         stack.runs,
     )
+    fitting = []
     for lay, why in layouts:
         if why:
             rejected += 1
             continue
         eps = ep_degrees(model, lay) if ep_pin is None else [ep_pin]
         for ep in eps:
-            etps = (1, lay.tp) if lay.tp > 1 else (1,)
+            etps = (1, lay.tp) if lay.tp > 1 and expert_tp else (1,)
             for etp in etps if etp_pin is None else (etp_pin,):
                 try:
                     cand = replace(lay, ep=ep, etp=etp)
@@ -170,7 +186,24 @@ def moe_search(
                     if smallest is None or mem[0].total < smallest[0]:
                         smallest = (mem[0].total, cand)
                     continue
-                ranked.append(price(model, cand, cluster, calib, precision, stack, act_factor, mem))
+                fitting.append((cand, mem))
+    if keep_within is not None:
+        steps = step_model(model.proxy, cluster, calib, _gemm_precision(precision), 2, stack)
+        bounds = [BOUND_MARGIN * steps.lower_bound(c) for c, _ in fitting]
+        order = sorted(range(len(fitting)), key=bounds.__getitem__)
+        best = float("inf")
+        for i in order:
+            if bounds[i] > keep_within * best:
+                break
+            plan = price(
+                model, *fitting[i][:1], cluster, calib, precision, stack, act_factor, fitting[i][1]
+            )
+            best = min(best, plan.time.total)
+            ranked.append(plan)
+    else:
+        ranked = [
+            price(model, c, cluster, calib, precision, stack, act_factor, mem) for c, mem in fitting
+        ]
     ranked.sort(key=lambda p: (-p.time.tokens_per_s, p.memory.total))
     if ranked:
         reason = f"best of {len(ranked)} fitting plans ({rejected} rejected)"

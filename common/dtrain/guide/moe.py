@@ -5,8 +5,8 @@ imbalance ρ, and a rule for when EP pays on one node, computed from those cells
 Grid: Mixtral-8x7B, Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 shapes (``MODELS``, each cited)
 x (H100: 8, 64, 512, 2,048 GPUs; B200: 8, 512), 8 per node on NVLink, 400 Gbit/s per GPU, 1,024
 sequences of 4,096 tokens per step, BF16, balanced routing (ρ = 1), all-to-all dispatch without
-A2A overlap. Each cell is one ``moe_search`` (its best and its best with ep = 1); the best layout
-is priced again at ρ = 1.1 and 1.25.
+A2A overlap, expert TP 1. Each cell is two pruned ``moe_search``es (the best, and the best with
+ep = 1); the best layout is priced again at ρ = 1.1 and 1.25.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def moe_cell(args) -> MoECell:
     name, gpu, gpus, calib, links = args
     model = MODELS[name]
     cluster = cluster_for(gpu, gpus, "NVLink", 400, links)
-    res = moe_search(model, cluster, BATCH, calib, micro_batches=MICRO_BATCHES)
+    kw = dict(micro_batches=MICRO_BATCHES, expert_tp=False, keep_within=1.0)
+    res = moe_search(model, cluster, BATCH, calib, **kw)
     cell = MoECell(name, gpu, gpus)
     if res.best is None:
         return replace(cell, need_gib=res.smallest_bytes / GiB)
@@ -123,7 +124,7 @@ def moe_cell(args) -> MoECell:
         fits = mem[0].total <= usable
         priced = price(skewed, b.layout, cluster, res.calib, memory=mem) if fits else None
         rho.append(priced.time.tokens_per_s if priced else 0.0)
-    one = res.best_at(ep=1)
+    one = moe_search(model, cluster, BATCH, calib, fixed={"ep": 1}, **kw).best
     return replace(
         cell,
         best=_short(b),
