@@ -12,7 +12,7 @@ import pytest
 from dtrain.cli.main import main
 from dtrain.costmodel.hardware import Cluster
 from dtrain.costmodel.memory import MemoryBreakdown
-from dtrain.costmodel.moe import MoEModel, MoESpec, ep_comm, moe_memory
+from dtrain.costmodel.moe_cost import MoEModel, MoESpec, ep_comm, moe_memory
 from dtrain.costmodel.moe_search import moe_search
 from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.model.flops import (

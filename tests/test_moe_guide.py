@@ -4,7 +4,7 @@ generated from them, the ρ sensitivity, and the section's table."""
 from __future__ import annotations
 
 from dtrain.costmodel import Calibration
-from dtrain.guide.moe import (
+from dtrain.guide.moe_guide import (
     MODELS,
     RHOS,
     MoECell,

@@ -507,19 +507,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--no-rank", action="store_true", help="skip the search for each row's rank (faster)"
     )
-    p.add_argument(
-        "--moe",
-        action="store_true",
-        help="the MoE rows instead (moe_backtest_runs.yaml: dtrain plan --experts against them)",
-    )
     p.set_defaults(func=run)
 
 
 def run(a) -> int:
-    if a.moe:
-        from .moe_backtest import run as run_moe
-
-        return run_moe(a)
     rows = backtest(loo=not a.in_sample, rank=not a.no_rank)
     if a.json:
         print(

@@ -1,4 +1,4 @@
-"""`dtrain backtest --moe`: the MoE cost model (``moe.py``) against published MoE training runs
+"""`dtrain backtest --moe`: the MoE cost model (``moe_cost.py``) against published MoE training runs
 (``moe_backtest_runs.yaml``: only the sources issue 41 released; every other run is held out).
 
 Per row: the predicted tokens/s per GPU of the published layout (ep included) against the reported
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -23,11 +24,11 @@ import yaml
 from dtrain.core import terminal
 from dtrain.model.flops import MLA
 
+from . import backtest as dense
 from .backtest import FIT_GRID, WITHIN, _best, _log_errors, calibration, load_rows
 from .hardware import Cluster, GiB, get_profile
-from .moe import MoEModel, MoESpec
+from .moe_cost import MoEModel, MoESpec
 from .moe_search import MoEPlan, price
-from .plan_report import fit_lines
 from .shapes import Layout, ModelShape
 from .stack import Stack
 
@@ -258,5 +259,19 @@ def run(a) -> int:
     if a.json:
         print(json.dumps(moe_json(rows), indent=2, sort_keys=True))
     else:
-        print("\n".join(fit_lines(moe_text_lines(rows, loso=not a.in_sample), terminal.width())))
+        width = terminal.width()
+        for line in moe_text_lines(rows, loso=not a.in_sample):
+            print("\n".join(textwrap.wrap(line, width, subsequent_indent="  ") or [""]))
     return 0
+
+
+def add_parser(sub) -> None:
+    """`dtrain backtest` (``backtest.add_parser``) with ``--moe``: the MoE rows instead."""
+    dense.add_parser(sub)
+    p = sub.choices["backtest"]
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="the MoE rows instead (moe_backtest_runs.yaml: dtrain plan --experts against them)",
+    )
+    p.set_defaults(func=lambda a: run(a) if a.moe else dense.run(a))

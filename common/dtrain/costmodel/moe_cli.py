@@ -1,7 +1,7 @@
 """`dtrain plan --experts E --top-k K --expert-ffn F ...`: the plan of an MoE model (issue 41).
 
 ``add_arguments`` adds the MoE flags to ``dtrain plan``; ``run`` answers when --experts is given:
-the best layout with its ep (and etp), the routed experts' terms (``moe.MoETerms``) and memory,
+the best layout with its ep (and etp), the routed experts' terms (``moe_cost.MoETerms``) and memory,
 the best with EP = 1 beside it, and ``--json`` naming every MoE term.
 """
 
@@ -17,7 +17,7 @@ from dtrain.core import terminal
 
 from .hardware import GiB
 from .plan_report import fit_lines
-from .moe import DISPATCHERS, MoEModel, MoESpec
+from .moe_cost import DISPATCHERS, MoEModel, MoESpec
 from .moe_search import MoEPlan, MoESearchResult, moe_search
 from .shapes import ModelShape
 

@@ -1,6 +1,7 @@
 """The layout search for an MoE model: every layout ``search`` enumerates for the dense proxy,
-times each ep (and etp) it can fold (``moe.ep_degrees``), priced as the proxy's step plus the
-routed experts' terms (``moe.moe_terms``) and its memory with the experts (``moe.moe_memory``)."""
+times each ep (and etp) it can fold (``moe_cost.ep_degrees``), priced as the proxy's step plus the
+routed experts' terms (``moe_cost.moe_terms``) and its memory with the experts
+(``moe_cost.moe_memory``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from .calibration import Calibration
 from .hardware import Cluster
 from .memory import MemoryBreakdown
-from .moe import MoEModel, MoETerms, ep_degrees, moe_memory, moe_terms
+from .moe_cost import MoEModel, MoETerms, ep_degrees, moe_memory, moe_terms
 from .search import MICRO_BATCHES, _layouts, _memory, describe_layout
 from .shapes import RECOMPUTE, Layout
 from .stack import Stack
@@ -78,7 +79,7 @@ def _gemm_precision(precision: str) -> str:
 def memory_of(
     model: MoEModel, lay: Layout, stack: Stack = Stack(), act_factor: float = 1.0
 ) -> tuple[MemoryBreakdown, dict]:
-    """A layout's memory per GPU with the experts (``moe.moe_memory`` over the proxy's)."""
+    """A layout's memory per GPU with the experts (``moe_cost.moe_memory`` over the proxy's)."""
     proxy_mem = _memory(model.proxy, lay, stack, act_factor)
     return moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states, act_factor)
 

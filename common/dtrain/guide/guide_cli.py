@@ -100,7 +100,7 @@ def generate(
     from .figures import draw_all
     from . import long_context as lc
     from .long_context import long_search, long_tasks
-    from . import moe
+    from . import moe_guide as moe
     from .matrix import compute_matrix
     from .render import render
     from .rules import derive_rules

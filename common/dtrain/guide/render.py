@@ -580,7 +580,7 @@ def render(
 
         lines += long_context_section(long_cells, band, max(c.hbm_gib for c in cells))
     if moe_cells:
-        from .moe import moe_section
+        from .moe_guide import moe_section
 
         lines += moe_section(moe_cells)
     lines += (

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from dtrain.costmodel import Calibration
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.links import LinkCalibration
-from dtrain.costmodel.moe import MoEModel, MoESpec
+from dtrain.costmodel.moe_cost import MoEModel, MoESpec
 from dtrain.costmodel.moe_search import memory_of, moe_search, price
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.model.flops import MLA
@@ -219,8 +219,8 @@ def moe_section(cells: list[MoECell], backtest_rows: list | None = None) -> list
         "## Mixture of experts: expert parallelism",
         "",
         "The layout the cost model picks for four MoE classes (`dtrain plan --experts ...`; "
-        "shapes from their model cards and reports, `common/dtrain/guide/moe.py`) on H100 and "
-        "B200 (8 per node, NVLink, 400 Gbit/s per GPU), 1,024 sequences of 4,096 tokens per "
+        "shapes from their model cards and reports, `common/dtrain/guide/moe_guide.py`) on H100 "
+        "and B200 (8 per node, NVLink, 400 Gbit/s per GPU), 1,024 sequences of 4,096 tokens per "
         "step, BF16, balanced routing (ρ = 1, as vendor benchmarks force it), all-to-all "
         "dispatch without A2A overlap. Layout: dp ep tp pp, ZeRO stage, recompute; MFU by "
         "Megatron's MoE FLOP rule (routed top-k and shared experts, router not counted). "
