@@ -167,3 +167,42 @@ def test_bad_moe_input_is_one_line(capsys, args, message):
     assert rc == 2
     assert message in out.err
     assert len(out.err.strip().splitlines()) == 1
+
+
+def test_fp8_dispatch_overlap_and_deepep_in_the_json(capsys):
+    base = [*QWEN3_30B, "--gpus", "8", "--layout", "ep=8 tp=1 pp=1", "--json"]
+    _, bf16 = _plan(capsys, *base)
+    _, fp8 = _plan(capsys, *base, "--precision", "fp8")
+    _, over = _plan(capsys, *base, "--a2a-overlap")
+    t_bf16, t_fp8, t_over = (json.loads(o.out)["choice"]["moe_terms"] for o in (bf16, fp8, over))
+    # FP8 dispatch halves the first term of 2·(b_d + b_c): 2·(1 + 2) / 2·(2 + 2)
+    want = t_bf16["a2a_wire_bytes_per_layer_microbatch"] * 3 / 4
+    assert t_fp8["a2a_wire_bytes_per_layer_microbatch"] == pytest.approx(want)
+    assert t_over["all_to_all_hidden_s"] > 0
+    assert t_over["all_to_all_exposed_s"] < t_bf16["all_to_all_exposed_s"]
+    assert (
+        t_bf16["all_to_all_exposed_with_overlap_s"] < t_bf16["all_to_all_exposed_without_overlap_s"]
+    )
+
+
+def test_deepep_sends_fewer_bytes_across_nodes_than_alltoall():
+    cluster = Cluster.from_profile("h100-sxm", 64, 8)
+    lay = Layout(dp_shard=64, zero_stage=1, ep=32)
+    a2a = ep_comm(_v3(), lay, cluster, 2, 2)
+    m = _v3()
+    deepep = MoEModel(m.base, MoESpec(256, 8, 2048, 1, 0, 3, dispatcher="deepep"), mla=V3_MLA)
+    d = ep_comm(deepep, lay, cluster, 2, 2)
+    assert d.wire_bytes < a2a.wire_bytes and d.seconds < a2a.seconds
+
+
+def test_rho_scales_memory_and_traffic_with_ep_only():
+    base = ModelShape(4, 512, 8, 8, 1000, 1024, 1.0, True)
+    proxy = MemoryBreakdown(params=0.0, grads=0.0, optimizer=0.0, activations=0.0)
+    acts = {}
+    for rho in (1.0, 1.25):
+        model = MoEModel(base, MoESpec(8, 2, 256, imbalance=rho))
+        for ep in (1, 4):
+            _, terms = moe_memory(model, Layout(dp_shard=4, zero_stage=1, ep=ep), proxy)
+            acts[rho, ep] = terms["routed_activation_bytes"]
+    assert acts[1.25, 4] > acts[1.0, 4]
+    assert acts[1.25, 1] == acts[1.0, 1]  # ep = 1: uneven routing adds no rows to a rank
