@@ -206,3 +206,18 @@ def test_rho_scales_memory_and_traffic_with_ep_only():
             acts[rho, ep] = terms["routed_activation_bytes"]
     assert acts[1.25, 4] > acts[1.0, 4]
     assert acts[1.25, 1] == acts[1.0, 1]  # ep = 1: uneven routing adds no rows to a rank
+
+
+def test_flop_rule_matches_nemo_automodels_published_tflops():
+    # NeMo Automodel docs/performance-summary.md (DGX-H100 BF16): Qwen3 MoE 30B 277 TFLOP/s at
+    # 12,040 tokens/s per GPU, DeepSeek V3 671B (256 GPUs) 250 at 1,002: their FLOPs per token are
+    # this rule's with the attention core counted causal (half), as theirs is
+    from dtrain.guide.moe_guide import MODELS
+
+    for name, tflops, tps in (("Qwen3-30B-A3B", 277, 12040), ("DeepSeek-V3", 250, 1002)):
+        model = MODELS[name]
+        b = model.base
+        qk, v = (model.hd, model.hd) if model.mla is None else (192, 128)
+        core = 6 * b.n_layer * b.n_head * (qk + v) * b.seq_len
+        causal = model.flops_per_token() - core / 2
+        assert causal == pytest.approx(tflops * 1e12 / tps, rel=0.005), name
