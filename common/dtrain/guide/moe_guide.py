@@ -90,6 +90,8 @@ class MoECell:
     ep1_tokens_per_s: float = 0.0
     rho_tokens_per_s: tuple = ()  # the best layout at RHOS (0.0: no longer fits)
     need_gib: float = 0.0  # when nothing fits: the least memory any layout needs
+    a2a_s: float = 0.0  # the best layout's exposed all-to-all, seconds per step
+    ep1_weights_s: float = 0.0  # the best EP = 1 layout's exposed weight traffic (DP + experts')
 
     @property
     def ep_gain(self) -> float | None:
@@ -138,6 +140,8 @@ def moe_cell(args) -> MoECell:
         ep1=_short(one) if one else "",
         ep1_tokens_per_s=one.time.tokens_per_s if one else 0.0,
         rho_tokens_per_s=tuple(rho),
+        a2a_s=b.moe.exposed_all_to_all,
+        ep1_weights_s=(one.moe.expert_dp + one.time.dp_comm_exposed) if one else 0.0,
     )
 
 
@@ -162,33 +166,31 @@ def compute_moe(calib: Calibration, links: LinkCalibration | None, pool=None) ->
 def ep_rule(cells: list[MoECell]) -> str:
     """When EP pays on one node, in numbers from the 8-GPU cells."""
     one_node = [c for c in cells if c.gpus == 8 and c.best]
-    ep_wins = [c for c in one_node if c.ep > 1 and (c.ep_gain is None or c.ep_gain > 0)]
-    ep1_wins = [c for c in one_node if c.ep == 1]
     parts = []
-    for c in ep_wins:
-        gain = "only EP fits" if c.ep_gain is None else f"{c.ep_gain:+.0%} over EP = 1"
-        parts.append(
-            f"{c.model} on 8 {_GPU_LABEL[c.gpu]} takes ep{c.ep} ({gain}; "
-            f"{c.tokens_per_expert:,.0f} tokens per local expert, all-to-all {c.a2a_share:.0%} "
-            "of the step exposed)"
-        )
-    for c in ep1_wins:
-        parts.append(
-            f"{c.model} on 8 {_GPU_LABEL[c.gpu]} keeps EP = 1 (its experts FSDP-sharded; "
-            f"{c.tokens_per_expert:,.0f} tokens per expert)"
-        )
+    for c in one_node:
+        where = f"{c.model} on 8 {_GPU_LABEL[c.gpu]}"
+        if c.ep == 1:
+            parts.append(f"{where} keeps EP = 1 (its experts FSDP-sharded)")
+        elif c.ep_gain is None:
+            parts.append(f"{where} takes ep{c.ep}: nothing fits without it")
+        else:
+            parts.append(
+                f"{where} takes ep{c.ep}, {c.ep_gain:+.0%} over EP = 1: its all-to-all leaves "
+                f"{c.a2a_s:.1f} s of the step exposed against the {c.ep1_weights_s:.1f} s of "
+                "weight and gradient traffic the best EP = 1 layout leaves exposed"
+            )
     if not parts:
         return "**Expert parallelism on one node:** no MoE model of the grid fits on 8 GPUs."
     return (
         "**When EP pays on one node.** "
         + "; ".join(parts)
-        + ". EP pays on one node when the experts' weights and Adam states do not fit sharded "
-        "over data parallelism alone, or when gathering them every micro-batch (FSDP with "
-        "EP = 1) costs more NVLink time than the all-to-all of the tokens, 2·(b_dispatch + "
-        "b_combine)·T·k·h·(ep−1)/ep per MoE layer: few, wide experts with top-1/2 routing "
-        "(Mixtral) move many weight bytes per token and favour EP; many narrow experts with "
-        "top-8 routing move 8 copies of every token and leave each local expert fewer rows, "
-        "so FSDP with EP = 1 can win when the states fit."
+        + ". Inside one NVLink domain EP pays when the all-to-all of the tokens, 2·(b_dispatch + "
+        "b_combine)·T·k·h·(ep−1)/ep bytes per MoE layer and micro-batch, costs less than "
+        "gathering and reducing the experts' weights over FSDP with EP = 1 (E·3·d·F per MoE "
+        "layer, every micro-batch under ZeRO-3), or when without it the experts' states fit only "
+        "in slower layouts (deeper pipelines, recompute, fewer tokens per micro-batch); wider EP "
+        "also leaves each local expert more rows (T·k·ep/E), so its grouped GEMMs run nearer "
+        "their peak. A gain within the backtest's median error (below) is a tie."
     )
 
 
