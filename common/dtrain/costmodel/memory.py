@@ -416,8 +416,9 @@ def memory_for(
     shape: ModelShape, layout: Layout, stack: Stack, activation_bytes_factor: float = 1.0
 ) -> MemoryBreakdown:
     """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory
-    (the attention kernel, the loss, the gradient and optimizer-state dtypes)."""
-    return memory_per_gpu(
+    (the attention kernel, the loss, the gradient and optimizer-state dtypes); the eager FSDP
+    stack's peak is ``eager.peak_memory``'s."""
+    base = memory_per_gpu(
         shape,
         layout,
         activation_bytes_factor,
@@ -426,3 +427,8 @@ def memory_for(
         stack.grad_bytes,
         stack.optimizer_states,
     )
+    if stack.software != "fsdp-eager":
+        return base
+    from .eager import peak_memory  # eager.py reads memory.py's state counts
+
+    return peak_memory(shape, layout, base, stack.optimizer)

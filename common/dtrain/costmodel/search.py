@@ -349,6 +349,8 @@ AXES = (
 # (``software.py``) and the batch's.
 FILTERS = (
     Filter("tp divides the GPUs", "tp", lambda s, c: s.n % c["tp"] == 0),
+    Filter("the software runs tp", "tp", lambda s, c: s.runs.model_parallel or c["tp"] == 1),
+    Filter("the software runs pp", "pp", lambda s, c: s.runs.model_parallel or c["pp"] == 1),
     Filter(
         "the software shards whole KV heads over tp",
         "tp",
