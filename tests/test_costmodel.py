@@ -45,6 +45,11 @@ def test_profiles_load_with_sources_and_dense_peaks():
         "h100-nvl",
         "h200",
         "b200",
+        "b300",
+        "gb200",
+        "gb300",
+        "h800",
+        "h20",
     }
     for p in profiles.values():
         assert "NVIDIA" in p.source

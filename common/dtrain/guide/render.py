@@ -555,6 +555,7 @@ def render(
     long_cells: list | None = None,
     backtest_rows: list | None = None,
     stored_verdict: Verdict | None = None,
+    moe_cells: list | None = None,
 ) -> str:
     lines = header(report, results_label, skipped, gpu) + how_to_read(gpu)
     lines += (
@@ -578,6 +579,10 @@ def render(
         from .long_context import long_context_section
 
         lines += long_context_section(long_cells, band, max(c.hbm_gib for c in cells))
+    if moe_cells:
+        from .moe_guide import moe_section
+
+        lines += moe_section(moe_cells)
     lines += (
         calibration_table(report)
         + checks_table(checks, report, stored_verdict)
