@@ -186,7 +186,8 @@ def long_context_section(
         "## Long context: sequence length and context parallelism",
         "",
         "The layout the cost model picks for the Llama 3 models of *Models* (8B, 70B, 405B: the "
-        "matrix's shapes) at 4K, 32K and 128K tokens per sequence on H100 (8 per node, NVLink, 400 Gbit/s per GPU), about "
+        "matrix's shapes) at 4K, 32K and 128K tokens per sequence on H100 (8 per node, NVLink, "
+        "400 Gbit/s per GPU), about "
         f"{TOKENS_PER_STEP // 2**20}M tokens per step, BF16, with context parallelism allowed "
         "(`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: dp×cp×tp×pp, ZeRO "
         "stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "
