@@ -48,7 +48,7 @@ def test_uneven_interleaved_bubble():
 
 def test_activations_gqa_swiglu_by_hand():
     s, b, h, a, t = 4096, 1, 8192, 64, 8
-    # Llama-2-70B: 8 KV heads (r = 1/8), SwiGLU with F = 3.5 h (3 stored F-wide tensors), TP 8 + SP
+    # Llama-3-70B: 8 KV heads (r = 1/8), SwiGLU with F = 3.5 h (3 stored F-wide tensors), TP 8 + SP
     got = activation_bytes_per_layer(
         s, b, h, a, t, True, "none", True, ffn_mult=3.5, gated_mlp=True, kv_ratio=1 / 8
     )
@@ -64,7 +64,7 @@ def test_activations_gqa_swiglu_by_hand():
 
 
 def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
-    shape = ModelShape.from_params(70e9)  # Llama-2-70B, 80 layers
+    shape = ModelShape.from_params(70e9)  # Llama-3-70B, 80 layers
     lay = Layout(dp_shard=4, tp=2, pp=8, zero_stage=1, grad_accum=16, sequence_parallel=True)
     psi = params_per_gpu(shape, 2, 8)
     m = memory_per_gpu(shape, lay)
@@ -203,7 +203,7 @@ def test_activations_without_dropout_by_hand():
     assert activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == sbh * (
         8 + (24 + 2 * a * s / h) / 4
     )
-    # Llama-2-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 /
+    # Llama-3-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 /
     # 8
     got = activation_bytes_per_layer(
         4096,
@@ -352,21 +352,38 @@ def test_overlapped_dp_traffic_costs_its_sms_and_its_rings_hbm_by_hand():
     assert 3 * 50e9 / 3.35e12 == pytest.approx(0.045, abs=1e-3)  # one 400 Gbit/s NIC's: 0.045
 
 
-def test_megatron_tp_overlap_pays_only_its_copy_engines_hbm_by_hand():
-    """Megatron's --tp-comm-overlap (Stack.tp_overlap): TE's userbuffers copy the TP chunks with
-    the copy engines behind the GEMMs, so the overlapped TP time costs 2 x β(NVLink) / HBM of
-    itself (a read and a write per byte) and no SM share."""
+def test_megatron_tp_overlap_is_priced_per_gemm_by_hand():
+    """Megatron's --tp-comm-overlap (Stack.tp_overlap): the step's TP term is TE's per-GEMM
+    overlap (costmodel/tp_overlap.py) over the step's layers and micro-batches: one layer's
+    all-gather and reduce-scatter (α–β over NVLink) under its linears' GEMM times, the 16-SM
+    margin, the copy engines' HBM (2 x β(NVLink) / HBM of the hidden time). (Issue 39 replaced
+    "everything hidden but the copies' HBM".)"""
     from dtrain.costmodel import step_time
+    from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
     from dtrain.costmodel.hardware import Cluster
     from dtrain.costmodel.stack import Stack
+    from dtrain.costmodel.tp_overlap import layer_overlap, linear_shares
 
     shape = ModelShape.from_params(70e9)
     cluster = Cluster.from_profile("h100-sxm", 8, 8)
     lay = Layout(tp=8, recompute="none", micro_batch=4, sequence_parallel=True)
     plain = step_time(shape, lay, cluster)
     over = step_time(shape, lay, cluster, stack=Stack(tp_overlap=True))
-    assert plain.tp_comm < plain.terms.gemm
-    assert over.tp_comm == pytest.approx(plain.tp_comm * 2 * 450e9 / 3.35e12, rel=1e-12)
+    link = group_link(cluster, 8, 1, multi_rail=False)
+    act = 4 * shape.seq_len * shape.d_model * 2
+    gather, scatter = all_gather_time(act, 8, link), reduce_scatter_time(act, 8, link)
+    per_fwd = over.terms.gemm / (3 * shape.n_layer * lay.grad_accum)
+    gemms = {k: per_fwd * v for k, v in linear_shares(shape).items()}
+    one = layer_overlap(gemms, gather, scatter, 8, 132, 2 * 450e9 / 3.35e12)
+    assert over.tp_comm == pytest.approx(one.total * shape.n_layer * lay.grad_accum, rel=1e-9)
+    # the layer's traffic is the plain model's: 4 gather + reduce-scatter pairs
+    assert one.exposed + one.hidden == pytest.approx(plain.tp_comm / shape.n_layer, rel=1e-9)
+    assert 0 < over.tp_comm < plain.tp_comm
+    # Megatron asserts sequence parallelism for --tp-comm-overlap: without it nothing is hidden
+    no_sp = replace(lay, sequence_parallel=False)
+    assert step_time(shape, no_sp, cluster, stack=Stack(tp_overlap=True)).tp_comm == (
+        pytest.approx(step_time(shape, no_sp, cluster).tp_comm, rel=1e-12)
+    )
 
 
 def test_dp_sync_at_the_flush_hides_nothing(capsys):

@@ -1,7 +1,8 @@
 """Expert parallelism's bytes: what the dispatch / combine all-to-alls of one MoE layer send,
 counted by a CommCounter on 2 gloo ranks, equal dtrain.parallel.traffic's formulas (the ones the
-cost model prices): balanced routing gives ep_layer_wire_bytes, any routing the uneven per-rank
-sum ep_uneven_wire_bytes; the token counts go first as one even all-to-all of E int64."""
+cost model prices): balanced routing gives ep_dispatch_bytes' all-to-all and ep_layer_bytes, any
+routing the uneven per-rank sum ep_uneven_wire_bytes; the token counts go first as one even
+all-to-all of E int64."""
 
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def test_counted_ep_bytes_equal_the_traffic_formulas(tmp_path):
     got = launch(count, cfg, tmp_path)[0]  # rank 0's counts
     bal, uneven = got[True], got[False]
     row = D * 4  # fp32
-    assert bal["dispatch"] == bal["combine"] == traffic.ep_dispatch_bytes(TOKENS, 2, D, 4, 2)
-    assert bal["total"] - bal["counts"] == traffic.ep_layer_wire_bytes(TOKENS, 2, D, 4, 2)
+    dispatch = traffic.wire_bytes("all_to_all", traffic.ep_dispatch_bytes(TOKENS, 2, D, 4), 2)
+    assert bal["dispatch"] == bal["combine"] == dispatch
+    assert bal["total"] - bal["counts"] == traffic.ep_layer_bytes(TOKENS, 2, D, 2, 4, 4)
     assert bal["counts"] == traffic.wire_bytes("all_to_all", E * traffic.EP_COUNT_BYTES, 2)
     # uneven: the dispatch sends rows_to, the combine sends back what arrived (and the gradients
     # the reverse of each)

@@ -32,46 +32,16 @@ def test_keyword_only_and_frozen():
         lay.tp = 4
 
 
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        (
-            {"ep": 2},
-            "ep x etp = 2 x 1 does not divide dp_shard x cp x tp = 1 x 1 x 1: the experts fold "
-            "from the attention's sharded data, context and tensor ranks",
-        ),
-        (
-            {"etp": 2, "tp": 4, "dp_shard": 4, "zero_stage": 3},
-            "etp=2 must be 1 or tp=4 (expert tensor parallelism folds from tp)",
-        ),
-        (
-            {"ep": 3, "dp_shard": 4, "zero_stage": 3},
-            "ep x etp = 3 x 1 does not divide dp_shard x "
-            "cp x tp = 4 x 1 x 1: the experts fold from the attention's sharded data, context and "
-            "tensor ranks",
-        ),
-    ],
-)
-def test_expert_parallelism_outside_the_folding_rule_is_one_line(fields, message):
+def test_expert_parallelism_folds_from_dp_shard_cp_tp():
+    lay = Layout(dp_shard=4, tp=2, zero_stage=3, ep=8)
+    assert (lay.expert_fold, lay.efsdp, lay.expert_dp) == (8, 1, 1)
+    assert Layout(dp_shard=8, zero_stage=1, ep=4).efsdp == 2
+    assert Layout(dp_replicate=8, ep=8).expert_fold == 8  # ZeRO 0: folded from DDP's replicas
     with pytest.raises(ValueError) as e:
-        Layout(**fields)
-    assert str(e.value) == message
-
-
-def test_expert_parallelism_folds_from_data_context_and_tensor_ranks():
-    """torchtitan's rule dp_shard·cp·tp = efsdp·ep·etp: the experts' FSDP degree is what is left."""
-    cases = [
-        (dict(dp_shard=2, zero_stage=3, ep=2), 1),
-        (dict(dp_shard=8, zero_stage=3, ep=4), 2),
-        (dict(dp_shard=4, cp=2, zero_stage=3, ep=8), 1),
-        (dict(dp_shard=4, tp=2, zero_stage=3, ep=4), 2),  # etp 1: tp ranks hold experts too
-        (dict(dp_shard=4, tp=2, zero_stage=3, ep=4, etp=2), 1),  # etp = tp
-    ]
-    for fields, efsdp in cases:
-        lay = Layout(**fields)
-        assert lay.efsdp == efsdp, fields
-        assert lay.efsdp * lay.ep * lay.etp == lay.dp_shard * lay.cp * lay.tp
-    assert Layout(dp_shard=8, zero_stage=3, ep=4).describe() == "dp8xtp1xpp1xep4"
+        Layout(dp_shard=2, zero_stage=3, ep=4)
+    assert str(e.value).startswith("ep·etp = 4 must divide the ranks experts fold from")
+    with pytest.raises(ValueError):
+        Layout(tp=4, dp_shard=2, zero_stage=3, etp=2)  # etp is 1 or tp
 
 
 def test_derived_values():

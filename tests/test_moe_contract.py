@@ -53,7 +53,7 @@ def test_a_record_outside_the_folding_rule_is_a_contract_error():
     value["records"][0]["layout"]["ep"] = 4
     with pytest.raises(contract.ContractError) as e:
         contract.decode(value)
-    assert "ep x etp = 4 x 1 does not divide dp_shard x cp x tp = 2 x 1 x 1" in str(e.value)
+    assert "ep·etp = 4 must divide the ranks experts fold from" in str(e.value)
 
 
 @pytest.mark.slow  # ~20 s on 2 busy cores; test_train_ep keeps the fast parity run

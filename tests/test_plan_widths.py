@@ -26,6 +26,7 @@ README_PLANS = [
     LONG_CONTEXT,
     "--params 8e9 --gpus 8 --kernels eager --attention flash2".split(),
     "--params 70e9 --gpus 256 --seq 8192 --software torchtitan".split(),
+    "--params 1e9 --seq 8192 --gpus 8 --software fsdp-eager".split(),
 ]
 
 
@@ -53,7 +54,10 @@ def test_readme_plans_fit_100_columns(args):
     assert_within_100(dtrain("plan", *args), "dtrain plan " + " ".join(args))
 
 
-@pytest.mark.parametrize("args", [["backtest"], ["backtest", "--in-sample"], ["runs", "--wide"]])
+@pytest.mark.parametrize(
+    "args",
+    [["backtest"], ["backtest", "--in-sample"], ["backtest", "--measured"], ["runs", "--wide"]],
+)
 def test_backtest_and_runs_fit_100_columns(args):
     assert_within_100(dtrain(*args), "dtrain " + " ".join(args))
 

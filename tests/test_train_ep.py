@@ -190,8 +190,8 @@ def test_ep2_compiled_matches_one_rank(tmp_path):
             2,
             {"ep": 4},
             {},
-            "train.ep: ep x etp = 4 x 1 does not divide dp_shard x cp x tp = 2 x 1 x 1: the "
-            "experts fold from the attention's sharded data, context and tensor ranks",
+            "train.ep=4 does not divide dp_shard x cp x tp = 2 x 1 x 1: the experts fold from "
+            "the attention's sharded data, context and tensor ranks",
         ),
         (2, {"etp": 2}, {}, "train.etp=2: expert tensor parallelism is not implemented: use 1"),
         (
@@ -211,8 +211,8 @@ def test_ep2_compiled_matches_one_rank(tmp_path):
             2,
             {"ep": 2, "strategy": "ddp"},
             {},
-            "train.ep: ep x etp = 2 x 1 does not divide dp_shard x cp x tp = 1 x 1 x 1: the "
-            "experts fold from the attention's sharded data, context and tensor ranks",
+            "train.ep=2 does not divide dp_shard x cp x tp = 1 x 1 x 1: the experts fold from "
+            "the attention's sharded data, context and tensor ranks",
         ),
     ],
 )

@@ -2,7 +2,7 @@
 model, the contract's records, the guide and the plan -> trainer overrides share (issue 38).
 
     world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
-    experts:   dp_shard * cp * tp = efsdp * ep * etp   (torchtitan's folding; etp = 1 or tp)
+    expert folding (torchtitan, Megatron's "parallel folding"):  fold = efsdp * ep * etp
 
 Names are torchtitan's: ``dp_replicate`` ranks hold whole replicas (DDP, or HSDP's replica
 groups), ``dp_shard`` ranks split one replica's states (FSDP / ZeRO). ``zero_stage`` says what is
@@ -61,22 +61,6 @@ _SCHEDULE_OF_TRAINER = {
 }
 
 
-def folding_error(dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> str | None:
-    """Why expert parallelism cannot fold into these ranks (None when it can): torchtitan's rule
-    dp_shard·cp·tp = efsdp·ep·etp, expert TP either 1 or the attention's tp (Megatron's "parallel
-    folding": the experts' ranks are the attention's data, context and tensor ranks, regrouped)."""
-    if ep < 1 or etp < 1:
-        return f"ep={ep} and etp={etp} must be >= 1"
-    if etp not in (1, tp):
-        return f"etp={etp} must be 1 or tp={tp} (expert tensor parallelism folds from tp)"
-    if (dp_shard * cp * tp) % (ep * etp):
-        return (
-            f"ep x etp = {ep} x {etp} does not divide dp_shard x cp x tp = {dp_shard} x {cp} x "
-            f"{tp}: the experts fold from the attention's sharded data, context and tensor ranks"
-        )
-    return None
-
-
 def split_dp(strategy: str, dp: int, hsdp_replicate: int = 1) -> tuple[int, int]:
     """(dp_replicate, dp_shard) a strategy gives dp ranks: ddp replicates, zero2 / zero3 shard,
     hsdp does both (hsdp_replicate groups), single has dp = 1."""
@@ -132,7 +116,7 @@ class Layout:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallelism: ranks the experts are split over (folded, see efsdp)
+    ep: int = 1  # expert parallelism, folded from the ranks attention uses (``expert_fold``)
     etp: int = 1  # expert tensor parallelism: 1 or tp
     zero_stage: int = 0
     recompute: str = "none"
@@ -150,9 +134,7 @@ class Layout:
             object.__setattr__(self, "dp_replicate", self.dp_replicate * self.dp_shard)
             object.__setattr__(self, "dp_shard", 1)
         if self.ep != 1 or self.etp != 1:
-            why = folding_error(self.dp_shard, self.cp, self.tp, self.ep, self.etp)
-            if why:
-                raise ValueError(why)
+            self._check_experts()
         if min(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.pp_virtual) < 1:
             raise ValueError(f"every degree must be >= 1, got {self.describe()}")
         if self.dp_replicate != 1 and self.zero_stage == 1:
@@ -176,6 +158,17 @@ class Layout:
             raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+
+    def _check_experts(self) -> None:
+        if min(self.ep, self.etp) < 1 or self.etp not in (1, self.tp):
+            raise ValueError(
+                f"ep must be >= 1 and etp 1 or tp={self.tp}, got {self.ep}, {self.etp}"
+            )
+        if self.expert_fold % (self.ep * self.etp):
+            raise ValueError(
+                f"ep·etp = {self.ep * self.etp} must divide the ranks experts fold from, "
+                f"dp_shard·cp·tp = {self.expert_fold} (torchtitan's dp_shard·cp·tp = efsdp·ep)"
+            )
 
     @classmethod
     def from_strategy(cls, strategy: str, *, dp: int, hsdp_replicate: int = 1, **rest) -> Layout:
@@ -214,10 +207,23 @@ class Layout:
         return self.dp_shard * self.cp if self.zero_stage else self.data_shards
 
     @property
+    def expert_fold(self) -> int:
+        """Ranks one expert layer is spread over, folded from the attention's data and context
+        shards and its tp: dp_shard·cp·tp (torchtitan's ``ParallelDims``; with ZeRO 0, whose
+        dp_shard is stored as dp_replicate, dp·cp·tp as Megatron folds EP from DP)."""
+        shards = self.dp_shard if self.zero_stage else self.dp
+        return shards * self.cp * self.tp
+
+    @property
     def efsdp(self) -> int:
-        """Ranks FSDP shards each expert over: dp_shard·cp·tp / (ep·etp) (torchtitan's
-        dp_shard_mod_ep; the expert states shard over these, not over every data shard)."""
-        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+        """The expert-data-parallel shards inside a fold: fold / (ep·etp). Expert gradients and
+        states reduce and shard over ``expert_dp`` = efsdp x the HSDP replicas."""
+        return self.expert_fold // (self.ep * self.etp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same expert shard: gpus / (pp·ep·etp)."""
+        return self.gpus // (self.pp * self.ep * self.etp)
 
     @property
     def hsdp_replicate(self) -> int:
@@ -241,8 +247,8 @@ class Layout:
         return self.pp_schedule
 
     def describe(self) -> str:
-        """Its degrees, e.g. dp8xtp2xpp4 (cp, ep, etp when > 1)."""
-        extra = "".join(
-            f"x{k}{getattr(self, k)}" for k in ("cp", "ep", "etp") if getattr(self, k) > 1
+        """Its degrees, e.g. dp8xtp2xpp4 (cp when > 1)."""
+        ep = f"xep{self.ep}" if self.ep > 1 else ""
+        return (
+            f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "") + ep
         )
-        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + extra

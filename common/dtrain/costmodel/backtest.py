@@ -38,7 +38,7 @@ from .links import default_links
 from .stack import Stack
 from .hardware import LINK_EFFICIENCY, Cluster, GiB, get_profile
 from .shapes import Layout, ModelShape
-from .memory import memory_for
+from .stack_memory import memory_for
 from .search import describe_layout, search
 from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .timemodel import StepTime, model_flops_per_token, step_time
@@ -507,10 +507,22 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--no-rank", action="store_true", help="skip the search for each row's rank (faster)"
     )
+    p.add_argument(
+        "--measured",
+        nargs="?",
+        const="measured",
+        metavar="DIR",
+        help="instead: this project's own CUDA runs under DIR (default measured/): predicted vs "
+        "measured step time, peak memory and step-profile terms (costmodel/backtest_measured.py)",
+    )
     p.set_defaults(func=run)
 
 
 def run(a) -> int:
+    if getattr(a, "measured", None) is not None:
+        from .backtest_measured import run as run_measured
+
+        return run_measured(a.measured, a.json)
     rows = backtest(loo=not a.in_sample, rank=not a.no_rank)
     if a.json:
         print(

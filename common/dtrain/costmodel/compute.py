@@ -263,6 +263,7 @@ class Device:
     fp8_weight_gather: bool = (
         False  # FSDP gathers the block linears' weights in FP8 (Stack.fp8_all_gather tp+fsdp)
     )
+    optimizer: str | None = None  # Stack.optimizer: the AdamW the stack names (None: as kernels)
 
     def gemm_s(self, g: Gemm, dtype: str = "bf16", value_bytes: int = 2) -> float:
         curve = self.kernels.gemm.get(dtype) or self.kernels.gemm["bf16"]
@@ -502,6 +503,13 @@ def optimizer_s(params_with_states: float, params_local: float, dev: Device) -> 
     """AdamW over the rank's optimizer shard plus clipping over its gradients (memory-bound)."""
     if not dev.kernels.memory:
         return 0.0
+    if dev.optimizer is not None:
+        # a named AdamW (the eager FSDP stack): its own measured rate; clipping's two foreach
+        # passes (the norms read 4 B, the scaling reads and writes 8) stream as an add does
+        kind = "optimizer" if dev.optimizer == "fused" else "optimizer_foreach"
+        return dev.mem_s(OPTIMIZER_BYTES * params_with_states, kind) + dev.mem_s(
+            CLIP_BYTES * params_local, "add"
+        )
     kind = (
         "optimizer"
         if dev.fused or "optimizer_foreach" not in dev.kernels.memory

@@ -29,6 +29,8 @@ from .hardware import Cluster, get_profile, load_profiles
 from .compute import EAGER_BYTES, published
 from .software import SOFTWARE, software, unsupported
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, FP8_SCALINGS, STATE_DTYPES, Stack
+from .stack import OPTIMIZERS
+from .eager import SOFTWARE as EAGER_SOFTWARE, STACK_DEFAULTS
 from .shapes import (
     CP_IMPLS,
     PP_SCHEDULES,
@@ -53,6 +55,8 @@ from .plan_report import (
     to_json,
 )
 from .search import SearchResult, search
+from .explain_tp import explain_tp, explain_tp_json
+from . import moe_cli
 
 GLOBAL_BATCH_TOKENS = 1024 * 4096  # the default batch: 1,024 sequences at --seq 4096
 
@@ -215,9 +219,10 @@ def add_parser(sub) -> None:
     )
     r.add_argument(
         "--precision",
-        choices=("bf16", "fp8"),
+        choices=("bf16", "fp8", "mxfp8"),
         default="bf16",
-        help="compute precision (default bf16)",
+        help="compute precision (default bf16); mxfp8: Blackwell's block-scaled FP8, priced at "
+        "the FP8 rate; fp8 and mxfp8 also dispatch MoE tokens in FP8",
     )
     r.add_argument(
         "--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)"
@@ -225,18 +230,27 @@ def add_parser(sub) -> None:
     r.add_argument(
         "--attention",
         choices=ATTENTION_KERNELS,
-        default="flash",
-        help="flash (default): the GPU's best fused attention (FlashAttention-2 on A100; cuDNN / "
-        "FlashAttention-3 class on H100, PyTorch SDPA's default there); flash2: FlashAttention-2 "
+        default=None,
+        help="flash (default; flash2 with --software fsdp-eager): the GPU's best fused attention "
+        "(FlashAttention-2 on A100; cuDNN / FlashAttention-3 class on H100, PyTorch SDPA's "
+        "default there); flash2: FlashAttention-2 "
         "(PyTorch's flash backend, flash-attn 2) on any GPU; eager: scores stored (5*a*s/h per "
         "layer) and the softmax run over them, selective recompute then pays",
     )
     r.add_argument(
         "--kernels",
         choices=("fused", "eager"),
-        default="fused",
-        help="fused (default): fused norm/activation/cast kernels (Megatron, torch.compile); "
-        "eager: PyTorch without compile, %gx the memory-bound bytes" % EAGER_BYTES,
+        default=None,
+        help="fused (default; eager with --software fsdp-eager): fused norm/activation/cast "
+        "kernels (Megatron, torch.compile); eager: PyTorch without compile, %gx the memory-bound "
+        "bytes" % EAGER_BYTES,
+    )
+    r.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="the AdamW: foreach (PyTorch's default) or fused (fused=True); default: as --kernels "
+        "(foreach with --software fsdp-eager)",
     )
     r.add_argument(
         "--loss",
@@ -308,7 +322,9 @@ def add_parser(sub) -> None:
         "every layout; megatron-core; megatron-2021: no SP, selective recompute or "
         "distributed optimizer; megatron-deepspeed: DeepSpeed's pipeline engine, no "
         "interleaving, ZeRO-0/1 with PP; torchtitan: DDP or FSDP, SP with TP, PyTorch's "
-        "context_parallel; dtrain: this project's trainer, whose overrides the plan prints); "
+        "context_parallel; dtrain: this project's trainer, whose overrides the plan prints; "
+        "fsdp-eager: FSDP without compile (Accelerate, Lightning, Composer), ZeRO-2/3 only, "
+        "its kernel launches and dispatch floor priced, costmodel/eager.py); "
         "costmodel/software.py",
     )
     p.add_argument(
@@ -330,6 +346,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--top", type=NONNEG_INT, default=5, help="runners-up to explain (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--explain-tp",
+        action="store_true",
+        help="also print the best plan against the best plan at TP 8, term by term (compute, TP "
+        "traffic exposed and hidden, the overlap's SM cost, DP/ZeRO, bubble, memory)",
+    )
+    moe_cli.add_arguments(p, POS_INT, NONNEG_INT, POS_FLOAT)
     p.set_defaults(func=run)
 
 
@@ -339,10 +362,17 @@ def stack_of(a) -> Stack:
             "--tp-overlap (Megatron / TransformerEngine) and --async-tp (torchtitan) are two "
             "stacks: give the one the run used"
         )
+    own = STACK_DEFAULTS if a.software == EAGER_SOFTWARE else {}
+    for flag, kind in (("tp_overlap", "te"), ("async_tp", "async")):
+        if getattr(a, flag) and kind not in software(a.software).tp_overlaps:
+            raise UserError(
+                f"--{flag.replace('_', '-')}: --software {a.software} does not run it: drop it, "
+                f"or pass --software {'megatron-core' if kind == 'te' else 'torchtitan'} or any"
+            )
     return Stack(
-        a.attention,
-        a.kernels,
-        a.loss,
+        a.attention or own.get("attention", "flash"),
+        a.kernels or own.get("kernels", "fused"),
+        a.loss or own.get("loss"),
         a.tp_overlap,
         a.async_tp,
         a.fp8_all_gather,
@@ -351,6 +381,7 @@ def stack_of(a) -> Stack:
         a.dp_sync,
         a.software,
         a.fp8_scaling,
+        a.optimizer or own.get("optimizer"),
     )
 
 
@@ -468,6 +499,8 @@ LAYOUT_KEYS = {
     "cp_impl": "cp_impl",
     "hsdp": "dp_replicate",
     "split": "pp_split",
+    "ep": "ep",  # MoE plans (--experts) only
+    "etp": "etp",
 }
 LAYOUT_CHOICES = {
     "recompute": RECOMPUTE,
@@ -648,7 +681,8 @@ def runnable(result: SearchResult, a, calib, cluster) -> Runnable:
         calib,
         precision=a.precision,
         headroom=a.headroom,
-        stack=replace(stack_of(a), software="dtrain"),
+        # the trainer runs neither TE's overlap nor AsyncTP
+        stack=replace(stack_of(a), software="dtrain", tp_overlap=False, async_tp=False),
     )
     return Runnable(why, alt)
 
@@ -658,6 +692,10 @@ def run(a) -> int:
 
     a.global_batch = global_batch_of(a)
     shape, datasheet = shape_from_args(a), cluster_from_args(a)
+    moe_cli.check_precision(a.precision, datasheet.gpu.name)
+    if a.experts is None:
+        moe_cli.refuse_moe_flags(a)
+        a.precision = "fp8" if a.precision == "mxfp8" else a.precision  # priced as FP8
     if a.precision == "fp8" and datasheet.gpu.fp8_tflops is None:
         raise UserError(f"{datasheet.gpu.name} has no FP8 tensor cores: use --precision bf16")
     notes = ["calibration: datasheet/published values (pass --results DIR to use measured ones)"]
@@ -674,6 +712,8 @@ def run(a) -> int:
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
     stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus, shape)
+    if a.experts is not None:
+        return moe_cli.run(a, shape, cluster, calib, stack, fixed)
     result = search(
         shape,
         cluster,
@@ -708,6 +748,8 @@ def run(a) -> int:
             }
         if mine is not None:
             out["layout"] = layout_json(mine, gap, a.layout, tight)
+        if a.explain_tp:
+            out["explain_tp"] = explain_tp_json(result)
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         lines = text_report(result, a.top, notes, runnable_text(result, run_it))
@@ -715,6 +757,8 @@ def run(a) -> int:
             lines += [""] + framework_text(result, free)
         if mine is not None:
             lines += [""] + layout_text(mine, gap, a.layout, res_usable(mine), tight)
+        if a.explain_tp:
+            lines += [""] + explain_tp(result)[0]
         print("\n".join(fit_lines(lines, terminal.width())))
     if mine is not None and mine.best is None:
         print(

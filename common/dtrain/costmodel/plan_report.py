@@ -259,7 +259,8 @@ def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[st
             else ""
         )
         + ")"
-        + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else ""),
+        + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else "")
+        + ("; launch-bound: the dispatch floor below, not this sum" if t.launch_bound else ""),
         f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + "
         f"memory-bound {c.memory:.3f} + output layer & loss {c.head:.3f} + recompute "
         f"{c.recompute:.3f} + optimizer {c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
@@ -274,6 +275,25 @@ def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[st
         f"  memory/GPU  {m.total / GiB:.1f} GiB of {usable_gib:.1f} GiB usable: params "
         f"{m.params / GiB:.1f}, grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, "
         f"activations {m.activations / GiB:.1f}, ZeRO-3 buffers {m.buffers / GiB:.1f}",
+        *eager_lines(t, res.stack if res is not None else None),
+    ]
+
+
+def eager_lines(t, stack=None) -> list[str]:
+    """The eager stack's launch terms (costmodel/eager.py): its dispatch floor and optimizer."""
+    if not t.kernels:
+        return []
+    opt = (stack.optimizer if stack is not None else None) or "foreach"
+    bound = (
+        "launch-bound: the host, not the GPU, sets the step"
+        if t.launch_bound
+        else (f"GPU-bound: the GPU's work is {t.total / t.dispatch_floor:.1f}x the floor")
+    )
+    return [
+        f"  dispatch    floor {t.dispatch_floor:.3f} s = {t.kernels:,} kernel launches x the "
+        f"host's cost per op (costmodel/eager.yaml); {bound}",
+        f"  optimizer   {opt} AdamW + gradient clipping {t.terms.optimizer:.3f} s over the rank's "
+        "shard (costmodel/eager.py)",
     ]
 
 
@@ -402,7 +422,10 @@ def plan_dict(p, res: SearchResult | None = None) -> dict:
             "dp_contention": t.dp_contention,
             "overhead": t.overhead,
             "compute_terms": t.terms.as_dict(),
+            "dispatch_floor": t.dispatch_floor,
         },
+        "kernels_per_step": t.kernels,
+        "launch_bound": t.launch_bound,
         "tokens_per_s": t.tokens_per_s,
         "tflops_per_gpu": t.tflops_per_gpu,
         "mfu": t.mfu,
@@ -450,6 +473,7 @@ def to_json(res: SearchResult, top: int, notes: list[str], run: Runnable = Runna
         "fp8_scaling": res.stack.fp8_casts,
         "grad_reduce": res.stack.grad_reduce,
         "optimizer_states": res.stack.optimizer_states,
+        "optimizer": res.stack.optimizer,
         "dp_sync": res.stack.dp_sync,
         "software": res.stack.software,
         "fits": res.best is not None,

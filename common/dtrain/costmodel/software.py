@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dtrain.core.checks import one_of
 from dtrain.core.errors import UserError
-from dtrain.core.layout import CP_IMPLS
+from dtrain.core.layout import CP_IMPLS, PP_SCHEDULES
 from dtrain.parallel.feasibility import OWN_CP_IMPLS, check_cp_layout
 
 from .shapes import pipeline_refusal
@@ -43,7 +43,14 @@ class Software:
     without it (dtrain, "any") a tp above the KV heads replicates them; ``trainer_rules``: its
     pipeline rules are this project's trainer's (``dtrain.parallel.feasibility.check_pipeline``,
     called through ``shapes.pipeline_refusal``: pp·v stage chunks of at least one layer each,
-    enough micro-batches for the schedule)."""
+    enough micro-batches for the schedule); ``model_parallel``: it runs TP and PP (the eager FSDP
+    stacks shard data only); ``pipeline_engine`` (``pipeline_engine.ENGINES``): whose
+    engine runs its pipeline, "megatron" (batched send-and-receive pairs; torchtitan's and dtrain's
+    price the same) or "deepspeed" (DeepSpeed's TrainSchedule and blocking transfers, priced by
+    ``pipeline_engine``); ``tp_overlaps``: the TP overlaps it runs, "te" (TransformerEngine's
+    userbuffers, ``Stack.tp_overlap``) and "async" (torchtitan's AsyncTP, ``Stack.async_tp``);
+    ``schedules``: the pipeline schedules it runs (``Layout.pp_schedule``; 1f1b: interleaved when
+    v > 1)."""
 
     name: str
     zero: tuple[int, ...]
@@ -61,6 +68,10 @@ class Software:
     interleaved_groups: bool = False
     kv_shards: bool = False
     trainer_rules: bool = False
+    model_parallel: bool = True
+    pipeline_engine: str = "megatron"
+    tp_overlaps: tuple[str, ...] = ()
+    schedules: tuple[str, ...] = PP_SCHEDULES
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -97,6 +108,7 @@ SOFTWARE = {
             "for)",
             hsdp=True,
             cp_pinned=("torch",),
+            tp_overlaps=("te", "async"),
         ),
         Software(
             "megatron-core",
@@ -117,6 +129,8 @@ SOFTWARE = {
             even_split="interleaved",
             interleaved_groups=True,
             kv_shards=True,
+            tp_overlaps=("te",),
+            schedules=("1f1b",),  # pipeline_parallel/schedules.py: 1F1B, interleaved or not
         ),
         Software(
             "megatron-2021",
@@ -135,6 +149,7 @@ SOFTWARE = {
             even_split="always",
             interleaved_groups=True,
             kv_shards=True,
+            schedules=("1f1b",),
         ),
         Software(
             "megatron-deepspeed",
@@ -146,8 +161,10 @@ SOFTWARE = {
             False,
             "DeepSpeed's pipeline engine with Megatron's TP (MT-NLG, BLOOM, GPT-NeoX; "
             "runtime/pipe/engine.py): ZeRO-2/3 refused with PP, TrainSchedule's 1F1B without "
-            "interleaving, full checkpointing",
+            "interleaving, full checkpointing; blocking p2p transfers (runtime/pipe/p2p.py)",
             kv_shards=True,
+            pipeline_engine="deepspeed",
+            schedules=("1f1b",),  # TrainSchedule
         ),
         Software(
             "torchtitan",
@@ -165,6 +182,7 @@ SOFTWARE = {
             hsdp=True,
             zero2_regathers=True,
             kv_shards=True,
+            tp_overlaps=("async",),
         ),
         Software(
             "dtrain",
@@ -183,6 +201,22 @@ SOFTWARE = {
             hsdp=True,
             zero2_regathers=True,
             trainer_rules=True,
+        ),
+        Software(
+            "fsdp-eager",
+            (2, 3),
+            (),
+            (),
+            (False,),
+            ("none", "full"),
+            False,
+            "the eager FSDP stack (Hugging Face Accelerate / Trainer with FSDP, Lightning, "
+            "Composer, dtrain's trainer without compile): FSDP FULL_SHARD (ZeRO-3) or "
+            "SHARD_GRAD_OP "
+            "(ZeRO-2) only, activation checkpointing of whole blocks or none, no TP, PP or CP; "
+            "its costs: costmodel/eager.py",
+            zero2_regathers=True,
+            model_parallel=False,
         ),
     )
 }
@@ -207,6 +241,8 @@ def unsupported(
             f"zero={zero}{' with pp > 1' if pp and pp > 1 else ''} (it runs "
             f"zero={', '.join(map(str, zeros))})"
         )
+    if not sw.model_parallel and (fields.get("tp", 1) > 1 or (pp or 1) > 1):
+        return "tp > 1 or pp > 1 (it shards data only: FSDP)"
     if fields.get("cp", 1) > 1 and not sw.cp_impls:
         return "cp > 1 (it has no context parallelism)"
     if fields.get("cp", 1) > 1 and (pp or 1) > 1 and not sw.cp_with_pp:
@@ -224,6 +260,9 @@ def unsupported(
         return f"recompute={fields['recompute']} (it runs {', '.join(sw.recompute)})"
     if fields.get("dp_replicate", 1) > 1 and not sw.hsdp:
         return f"hsdp={fields['dp_replicate']} (it has no hybrid sharding)"
+    sched = fields.get("pp_schedule")
+    if sched is not None and (pp or 2) > 1 and sched not in sw.schedules:
+        return f"schedule={sched} (it runs schedule={', '.join(sw.schedules)})"
     if fields.get("virtual_stages", 1) > 1 and not sw.interleaved:
         return f"v={fields['virtual_stages']} (it has no interleaved schedule)"
     tp = fields.get("tp", 1)

@@ -20,6 +20,7 @@ STATE_DTYPES = ("fp32", "bf16")  # see Stack.grad_reduce, Stack.optimizer_states
 DP_SYNCS = ("overlap", "flush")  # see Stack.dp_sync
 FP8_SCALINGS = ("delayed", "dynamic")  # see Stack.fp8_scaling
 DYNAMIC_FP8_SOFTWARE = ("torchtitan", "dtrain")  # torchao's float8 training: dynamic scales only
+OPTIMIZERS = ("foreach", "fused")  # see Stack.optimizer
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,18 @@ class Stack:
     "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues ReduceTiedGrads, ReduceGrads and
     OptimizerStep after the pipeline's last step, and ZeRO-1 all-gathers the updated weights inside
     the optimizer step: nothing hidden). ``software``: the framework, which decides which layouts
-    exist, not what they cost (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
+    exist, which TP overlaps it has (``Software.tp_overlaps``: ``tp_overlap`` and ``async_tp`` are
+    refused elsewhere) and whose pipeline engine runs them (``Software.pipeline_engine``)
+    (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
     (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost
     (``compute.FP8_CAST_BYTES``):
     "dynamic", a global amax of each tensor before its cast (torchao's float8 training,
     torchtitan's and dtrain's), or "delayed", the scale from an amax history with the cast fused
     into the kernel that produces the tensor (TransformerEngine's recipe, Megatron's); default
-    (None) the software's own."""
+    (None) the software's own. ``optimizer`` (OPTIMIZERS): which AdamW runs, "foreach" (PyTorch's
+    default) or "fused" (``fused=True``), priced by ``compute.optimizer_s``; None: as the kernels
+    (fused kernels with fused AdamW, eager ones with foreach), the rate every row had before the
+    field. ``eager.STACK_DEFAULTS``: what ``--software fsdp-eager`` sets unless told otherwise."""
 
     __hash__ = cached_hash
 
@@ -73,9 +79,11 @@ class Stack:
     dp_sync: str = "overlap"
     software: str = "any"
     fp8_scaling: str | None = None
+    optimizer: str | None = None
 
     def __post_init__(self) -> None:
         software(self.software)  # raises for an unknown name
+        one_of("optimizer", self.optimizer, (*OPTIMIZERS, None), error=ValueError)
         one_of("fp8_scaling", self.fp8_scaling, (*FP8_SCALINGS, None), error=ValueError)
         one_of("dp_sync", self.dp_sync, DP_SYNCS, error=ValueError)
         for name in ("grad_reduce", "optimizer_states"):
@@ -89,6 +97,10 @@ class Stack:
                 "tp_overlap (TransformerEngine's) and async_tp (torchtitan's) are two stacks: "
                 "give one"
             )
+        for flag, kind in (("tp_overlap", "te"), ("async_tp", "async")):
+            if getattr(self, flag) and kind not in self.runs.tp_overlaps:
+                runs = ", ".join(self.runs.tp_overlaps) or "none"
+                raise ValueError(f"{self.software} has no {flag} (its TP overlaps: {runs})")
 
     @property
     def fused(self) -> bool:
@@ -129,6 +141,7 @@ class Stack:
         )
         flush = ", DP sync at the pipeline flush" if self.dp_sync == "flush" else ""
         flush += f", FP8 {self.fp8_scaling} scaling" if self.fp8_scaling else ""
+        flush += f", {self.optimizer} AdamW" if self.optimizer else ""
         sw = f"{self.software}: " if self.software != "any" else ""
         return (
             f"{sw}{self.attention} attention, {self.kernels} "

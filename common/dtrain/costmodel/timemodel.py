@@ -51,6 +51,7 @@ from .collectives import (
     group_link,
     overlap_cost,
     p2p_time,
+    reduce_scatter_time,
 )
 from .compute import ComputeTerms, Device, KernelModel, _micro_terms, optimizer_s, published
 from .stack import Stack
@@ -58,6 +59,9 @@ from .efficiency import GemmCurve
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .memory import params_per_gpu
 from .comm_time import dp_comm_time, dp_link, tp_comm_time
+from . import eager
+from .tp_overlap import TPOverlap, gpu_sms, step_overlap
+from .pipeline_engine import engine_comm
 from dtrain.parallel import traffic as volume
 
 __all__ = [
@@ -108,6 +112,13 @@ class StepTime:
     dp_contention: float = (
         0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
     )
+    kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
+    dispatch_floor: float = 0.0  # launches x the host's cost per op: total is at least this
+
+    @property
+    def launch_bound(self) -> bool:
+        """The host issuing kernels, not the GPU, sets the step (eager stacks)."""
+        return self.dispatch_floor > 0 and self.dispatch_floor >= self.total
 
     @property
     def tokens_per_s(self) -> float:
@@ -217,6 +228,7 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
         stack.fused_loss,
         stack.fp8_casts,
         stack.fp8_gathers("fp8")[1],
+        stack.optimizer,
     )
 
 
@@ -238,11 +250,12 @@ def step_time(
     overhead  calib.step_overhead_s, fixed per step (measured by the gemm-probe on the local CPU; 0
               on GPUs, whose memory-bound work is modelled term by term) [/ fp8_speedup there too]
     tp_comm   L' · m · (4, or 6 with full recompute) all-reduces of b·s·h·2 bytes over TP; with
-              ``stack.tp_overlap`` (TE's userbuffers: copy engines) hidden behind the GEMMs but for
-              the HBM its copies take (``collectives.overlap_cost``), with ``stack.async_tp``
-              (torchtitan's AsyncTP) ``calib.async_tp_hidden`` of it; an FP8 run's SP all-gathers at
+              ``stack.tp_overlap`` and SP, TE's overlaps per GEMM (``tp_overlap.step_overlap``:
+              exposed share, SM margin, the copies' HBM), with ``stack.async_tp`` (torchtitan's
+              AsyncTP) ``calib.async_tp_hidden`` of it hidden; an FP8 run's SP all-gathers at
               1 byte per value with ``stack.fp8_all_gather`` "tp" or "tp+fsdp"
-    pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed
+    pp_comm   2·v·m sends of b·s·h·2/tp bytes (scatter/gather), fully exposed; on DeepSpeed's
+              engine (``Software.pipeline_engine``) ``pipeline_engine.engine_comm``
     bubble    bubble_fraction(p, m, v, L) · (compute − optimizer + tp_comm) · calib.pp_overhead; the
               zero-bubble V schedule (``Layout.pp_schedule == "zbv"``) a third of it
     dp_comm   over the DP group (group_link, Ψ = params_per_gpu, fp32 grads = 4Ψ bytes (2Ψ with
@@ -337,6 +350,8 @@ class StepModel:
         self._dp: dict = {}
         self._p2p: dict = {}
         self._loss: dict = {}
+        self.eager = stack.software == eager.SOFTWARE  # eager.py's launch and FSDP terms
+        self.host_s = eager.host_op_s(cluster.gpu.name)[0] if self.eager else 0.0
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
@@ -377,11 +392,16 @@ class StepModel:
         with_states = psi / lay.shard_group if lay.zero_stage >= 1 else psi
         local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
         opt = optimizer_s(with_states, local, self.dev) / self.fp8_factor
-        return self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+        terms = self.micro_terms(lay).times(lay.grad_accum, optimizer=opt)
+        if self.eager:  # mixed precision's weight and weight-gradient casts (eager.weight_cast_s)
+            terms = replace(
+                terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
+            )
+        return terms
 
-    def tp_comm(self, lay: Layout, gemm_s: float) -> float:
-        if lay.tp <= 1:
-            return 0.0
+    def _tp_parts(self, lay: Layout) -> tuple[float, float, float, float]:
+        """(TP traffic of one micro-batch, one all-gather, one reduce-scatter of a layer's
+        activation, the copy engines' HBM share of a hidden transfer)."""
         key = (
             lay.tp,
             lay.pp,
@@ -408,18 +428,38 @@ class StepModel:
                 else replace(self.shape, seq_len=self.shape.seq_len // lay.cp)
             )
             gather = 1 if self.fp8_tp_gather else None
-            # Megatron's --tp-comm-overlap: TE's userbuffers copy the chunks with the copy engines
-            # behind the GEMMs (its ring-exchange overlaps: no SMs held), paying the HBM those
-            # copies take; its pipelined and bulk overlaps also hold ~16 SMs, left out
+            k = self.calib.tp_overhead.value
+            values = volume.tp_activation_bytes(lay.micro_batch, local.seq_len, local.d_model, 1)
             cached = self._tp[key] = (
-                tp_comm_time(local, one, link, self.vb, gather) * self.calib.tp_overhead.value,
+                tp_comm_time(local, one, link, self.vb, gather) * k,
+                # TE's overlaps (tp_overlap.py): one gather and one reduce-scatter, the HBM the
+                # copy engines' copies take
+                all_gather_time(values * (gather or self.vb), lay.tp, link) * k,
+                reduce_scatter_time(values * self.vb, lay.tp, link) * k,
                 self.overlap_cost(link, None, COPY_ENGINE_HBM_PASSES),
             )
-        per_micro, copy_cost = cached
-        t = per_micro * lay.grad_accum
+        return cached
+
+    def tp_overlap(self, lay: Layout, gemm_s: float) -> TPOverlap:
+        """The step's TP traffic split into exposed, hidden, SM and copy costs: TE's overlaps by
+        their mechanism (``tp_overlap.step_overlap``) with ``stack.tp_overlap`` and sequence
+        parallelism (Megatron asserts it for --tp-comm-overlap), else all exposed."""
+        if lay.tp <= 1:
+            return TPOverlap()
+        per_micro, gather, scatter, copy_share = self._tp_parts(lay)
+        if not (self.stack.tp_overlap and lay.sequence_parallel):
+            return TPOverlap(exposed=per_micro * lay.grad_accum)
+        layers = stage_layers(self.shape, lay.pp, lay.pp_split)
+        sms = gpu_sms(self.cluster.gpu.name) if self.gpu_table else None
+        return step_overlap(self.shape, lay, layers, gemm_s, gather, scatter, sms, copy_share)
+
+    def tp_comm(self, lay: Layout, gemm_s: float) -> float:
+        if lay.tp <= 1:
+            return 0.0
         if self.stack.tp_overlap:
-            t -= (1 - copy_cost) * min(t, gemm_s)
-        elif self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
+            return self.tp_overlap(lay, gemm_s).total
+        t = self._tp_parts(lay)[0] * lay.grad_accum
+        if self.stack.async_tp:  # torchtitan's AsyncTP: its own measured share
             t -= min(self.calib.async_tp_hidden.value * t, gemm_s)
         return t
 
@@ -500,6 +540,26 @@ class StepModel:
             t = self._p2p[key] = p2p_time(act, self.cluster.nvlink if intra else self.cluster.ib)
         return t
 
+    def _engine_extras(self, lay: Layout) -> tuple[float, float]:
+        """DeepSpeed's pipeline engine: (one all-gather over TP of a partitioned activation,
+        ReduceTiedGrads' all-reduce of a tied embedding's gradient between the end stages)."""
+        key = ("engine", lay.tp, lay.micro_batch, lay.cp, lay.gpus <= self.cluster.node_size)
+        if key not in self._p2p:
+            self._p2p[key] = self._engine_parts(lay)
+        return self._p2p[key]
+
+    def _engine_parts(self, lay: Layout) -> tuple[float, float]:
+        shape = self.shape
+        full = volume.pp_activation_bytes(lay.micro_batch, shape.seq_len, shape.d_model, self.vb)
+        tp_link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
+        gather = all_gather_time(full / lay.cp, lay.tp, tp_link) if lay.tp > 1 else 0.0
+        tied = 0.0
+        if shape.tied_embeddings:
+            grads = shape.vocab * shape.d_model / lay.tp * self.stack.grad_bytes
+            ends = self.cluster.nvlink if lay.gpus <= self.cluster.node_size else self.cluster.ib
+            tied = allreduce_time(grads, 2, ends)
+        return gather, tied
+
     def dp(self, lay: Layout) -> tuple[float, float, float, float]:
         """(gradient traffic, weight traffic, the loss all-reduce) per step over DP, and the
         overlap cost of that traffic on its link (``overlap_cost``)."""
@@ -552,7 +612,10 @@ class StepModel:
         if lay.pp <= 1:
             return 0.0, 0.0
         m = lay.grad_accum
-        pp_comm = volume.pp_sends_per_step(lay.virtual_stages, m) * self.p2p(lay)
+        if self.stack.runs.pipeline_engine == "deepspeed":  # its blocking transfers: see the module
+            pp_comm = engine_comm(lay.pp, m, self.p2p(lay), *self._engine_extras(lay))
+        else:
+            pp_comm = volume.pp_sends_per_step(lay.virtual_stages, m) * self.p2p(lay)
         frac = bubble_fraction(lay.pp, m, lay.virtual_stages, pipeline_slots(self.shape, lay))
         if lay.pp_schedule == "zbv":
             frac /= 3
@@ -569,7 +632,10 @@ class StepModel:
         bubble = pipe - pp_comm
         grad_comm, param_comm, loss, cost = self.dp(lay)
         dp_comm = grad_comm + param_comm
-        if lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
+        if self.eager and lay.zero_stage == 3:  # FSDP2 block by block (eager.fsdp_hidden)
+            units = stage_layers(self.shape, lay.pp, lay.pp_split) + 1
+            hidden = eager.fsdp_hidden(param_comm, grad_comm, work, units, m)
+        elif lay.zero_stage == 3 and lay.pp == 1 or lay.zero_stage == 2:
             hidden = min(dp_comm, work)
         # once per step: behind the last backward (+ the pipeline cooldown) and the first forward
         else:
@@ -590,6 +656,11 @@ class StepModel:
             dp_comm - hidden + contention + loss
         )  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
+        kernels = floor = 0
+        if self.eager:  # the host issues the kernels one by one: the step is never shorter
+            kernels = eager.kernels_per_step(self.shape, lay, self.stack.optimizer or "foreach")
+            floor = eager.dispatch_floor_s(kernels, self.host_s)
+            total = max(total, floor)
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(
             compute=compute,
@@ -607,4 +678,6 @@ class StepModel:
             terms=terms,
             cp_comm=cp_comm,
             dp_contention=contention,
+            kernels=kernels,
+            dispatch_floor=floor,
         )

@@ -22,9 +22,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from dtrain.gpucheck.report import Step, render
+from dtrain.gpucheck.report import Step, loss_falls, plot_losses, render
 
 BUDGET_S = 28 * 60
+# Training steps that must learn: a learning rate for widths 768-4096 with a warm-up of a few
+# steps (the trainer's default 3e-3 with 2 warm-up steps, tuned for the tiny CPU models, made
+# the first checks' loss rise from 11.2 to 13.4); report.loss_falls fails a step whose loss
+# did not fall.
+LEARN = ["train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=6"]
 QUIET_FP8 = [
     "fp8_debug.enabled=false",
     "health.enabled=false",
@@ -37,6 +42,7 @@ def steps(runs: Path) -> list[Step]:
     """(name, what, command, time limit); {runs} is filled per step with its results folder."""
     m = [sys.executable, "-m", "dtrain.gpucheck.measure"]
     k = [sys.executable, "-m", "dtrain.gpucheck.kernels"]
+    sp = [sys.executable, "-m", "dtrain.gpucheck.stepprof"]
     pr = [sys.executable, "-m", "dtrain.gpucheck.probes"]
     one_gpu = ["world_size=1", "device=cuda"]
     mfu = [
@@ -47,9 +53,10 @@ def steps(runs: Path) -> list[Step]:
         "model.n_layer=8",
         "train.precision=bf16",
         "train.micro_batch=8",
-        "train.steps=14",
-        "train.timing_warmup=4",
+        "train.steps=30",
+        "train.timing_warmup=6",
         "profile.enabled=false",
+        *LEARN,
     ]
     fp8_4096 = [
         "-m",
@@ -59,9 +66,38 @@ def steps(runs: Path) -> list[Step]:
         "model.preset=7b",
         "model.n_layer=4",
         "train.micro_batch=2",
-        "train.steps=14",
-        "train.timing_warmup=5",
+        "train.steps=30",
+        "train.timing_warmup=6",
+        *LEARN,
         *QUIET_FP8,
+    ]
+    # FP8 where GEMMs dominate (issue 42): the same d_model 4096 model compiled, 4 micro-batches
+    # of 2 x 2048 a step, so the fp32 AdamW step is a small share; 100 steps for both loss curves
+    fp8_scale = [
+        *(a for a in fp8_4096 if not a.startswith(("train.steps=", "train.timing_warmup="))),
+        "train.grad_accum=4",
+        "train.compile=true",
+        "train.steps=100",
+        "train.timing_warmup=10",
+    ]
+    # the eager trainer (FSDP2 zero3 on one rank, no compile) at the small-model and long-sequence
+    # end, for the cost model's eager stack (issue 39): `dtrain backtest --measured` scores them
+    eager = [
+        "-m",
+        "fsdp_scaling",
+        *one_gpu,
+        "train.strategy=zero3",
+        "train.precision=bf16",
+        "profile.enabled=false",
+        "train.timing_warmup=6",
+        *LEARN,
+    ]
+    eager_runs = [
+        ("eager_125m_2k", "125m", [], 2048, 8, 30),
+        ("eager_125m_8k", "125m", [], 8192, 2, 30),
+        ("eager_125m_32k", "125m", [], 32768, 1, 20),
+        ("eager_1b8l_8k", "1b", ["model.n_layer=8"], 8192, 2, 20),
+        ("eager_1b8l_16k", "1b", ["model.n_layer=8"], 16384, 1, 20),
     ]
     py = [sys.executable]
     out = [
@@ -95,8 +131,22 @@ def steps(runs: Path) -> list[Step]:
         Step(
             "step_profile",
             "GPU time per kernel category of one GPT training step (profiler)",
-            [*k, "step_profile"],
+            [*sp, "step_profile"],
             240,
+        ),
+        Step(
+            "eager_sweep",
+            "the eager step at 125M-1B and 2K-32K tokens: host issue time, kernels, GPU busy, "
+            "peak memory; foreach vs fused AdamW",
+            [*sp, "eager_sweep"],
+            300,
+        ),
+        Step(
+            "grouped_gemm",
+            "MoE expert GEMM: torch._grouped_mm vs a per-expert loop vs dense, by tokens per "
+            "expert (bf16; FP8 row-wise on Hopper)",
+            [sys.executable, "-m", "dtrain.gpucheck.grouped"],
+            180,
         ),
         Step(
             "layer_probe",
@@ -173,6 +223,35 @@ def steps(runs: Path) -> list[Step]:
                     kind="fp8",
                 )
             )
+    for recipe in ("bf16", "torchao_tensorwise"):
+        out.append(
+            Step(
+                f"fp8_scale_{recipe}",
+                f"d_model 4096 (7B shape, 4 layers), compiled, grad_accum 4, 100 steps: {recipe}",
+                [*py, *fp8_scale, f"recipe={recipe}"],
+                300,
+                kind="fp8",
+            )
+        )
+    for name, preset, over, seq, mb, n in eager_runs:
+        out.append(
+            Step(
+                name,
+                f"eager trainer, FSDP2 zero3 on one rank: {preset} {' '.join(over)} seq {seq}, "
+                f"mb {mb}",
+                [
+                    *py,
+                    *eager,
+                    f"model.preset={preset}",
+                    *over,
+                    f"model.seq_len={seq}",
+                    f"train.micro_batch={mb}",
+                    f"train.steps={n}",
+                ],
+                240,
+                kind="fsdp",
+            )
+        )
     out += [
         Step(
             "tp_attention",
@@ -247,6 +326,9 @@ def run_step(step: Step, run_dir: Path, deadline: float) -> Step:
     (folder / "output.txt").write_text(stdout + "\n--- stderr ---\n" + stderr)
     if step.status == "ok":
         step.collect(stdout, folder)
+        why = loss_falls(step.data) if step.kind in ("fsdp", "fp8") else None
+        if why:  # a training step that does not learn proves nothing about speed or numerics
+            step.status, step.note = "failed (loss)", why
     return step
 
 
@@ -335,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         report = write_report(done, run_dir)
     print(report)
     print(f"report written to {run_dir / 'report.md'}", file=sys.stderr)
+    try:
+        plot = plot_losses(done, run_dir / "losses.png")
+        if plot:
+            print(f"loss curves written to {plot}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a missing plotting library costs the plot only
+        print(f"gpu-check: no loss plot ({type(e).__name__}: {e})", file=sys.stderr)
     return 0 if all(s.status == "ok" for s in done) else 1
 
 

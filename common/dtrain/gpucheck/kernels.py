@@ -4,6 +4,8 @@ length, memory-bound kernels against HBM bandwidth). One process each, one JSON 
 
     python -m dtrain.gpucheck.kernels gemm_sweep | attention_sweep | membound [--small]
 
+(training steps under the profiler: `dtrain.gpucheck.stepprof`)
+
 `--small` runs the same code at CPU-sized shapes (the tests); only GPU numbers go into a report.
 
 Timing: `dtrain.model.timing.queued_s`, CUDA events around R back-to-back calls (R chosen so a
@@ -31,7 +33,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from dtrain.model.timing import queued_s, time_fn
+from dtrain.model.timing import queued_s
 
 
 def _device() -> torch.device:
@@ -351,78 +353,13 @@ def gpu_time_by_category(events) -> tuple[dict[str, float], dict[str, int]]:
     launches: dict[str, int] = {}
     for ev in events:
         t = getattr(ev, "device_time_total", 0.0)
-        if t and ev.device_type.name == "CUDA":
+        # a GPU user annotation (a record_function scope on the GPU timeline) spans kernels
+        # counted on their own rows: summing it too double-counts them
+        if t and ev.device_type.name == "CUDA" and not getattr(ev, "is_user_annotation", False):
             cat = _category(ev.key)
             seconds[cat] = seconds.get(cat, 0.0) + t / 1e6
             launches[cat] = launches.get(cat, 0) + int(ev.count)
     return seconds, launches
-
-
-def step_profile(small: bool = False) -> dict:
-    """One training step of dtrain's GPT (bf16 autocast, fused=False AdamW foreach, grad
-    clipping: what ``dtrain.train`` runs on one GPU) under torch.profiler: GPU time and kernel
-    launches per kernel category, the step's wall time and the GPU idle share, for the models
-    `make gpu-check` trains."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from dtrain.model.gpt import GPT, GPTConfig
-
-    dev = _device()
-    cases = (
-        [("tiny", {}, 2)]
-        if small
-        else [
-            ("125m", {}, 8),
-            ("1b", {"n_layer": 8}, 8),
-            ("7b", {"n_layer": 4}, 2),
-            ("7b", {"n_layer": 4}, 1),
-        ]
-    )
-    out = []
-    for preset, over, mb in cases:
-        torch.manual_seed(0)
-        cfg = GPTConfig.from_preset(preset, **over)
-        model = GPT(cfg).to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        x = torch.randint(0, cfg.vocab_size, (mb, cfg.seq_len), device=dev)
-        amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with amp:
-                loss = model(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            loss.item()
-
-        for _ in range(3):
-            step()
-        wall = time_fn(step, warmup=0, iters=5, device=dev).median
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            step()
-        per, launches = gpu_time_by_category(prof.key_averages() if dev.type == "cuda" else [])
-        out.append(
-            {
-                "preset": preset,
-                "overrides": over,
-                "micro_batch": mb,
-                "seq_len": cfg.seq_len,
-                "d_model": cfg.d_model,
-                "n_layer": cfg.n_layer,
-                "params": sum(p.numel() for p in model.parameters()),
-                "step_s": wall,
-                "gpu_s_by_category": per,
-                "gpu_busy_s": sum(per.values()),
-                "kernels_by_category": launches,
-                "kernels": sum(launches.values()),
-            }
-        )
-        model = opt = None  # frees them (a del hides them from the closures)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    return {"device": _name(dev), "cases": out}
 
 
 def _name(dev: torch.device) -> str:
@@ -433,16 +370,20 @@ SWEEPS = {
     "gemm_sweep": gemm_sweep,
     "attention_sweep": attention_sweep,
     "membound": membound,
-    "step_profile": step_profile,
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.kernels")
-    p.add_argument("name", choices=sorted(SWEEPS))
+def sweep_main(prog: str, sweeps: dict, argv: list[str] | None = None) -> None:
+    """The command line of a module of sweeps: run the one named, print its JSON line."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("name", choices=sorted(sweeps))
     p.add_argument("--small", action="store_true", help="CPU-sized shapes (tests)")
     args = p.parse_args(argv)
-    print(json.dumps(SWEEPS[args.name](small=args.small)), flush=True)
+    print(json.dumps(sweeps[args.name](small=args.small)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main("python -m dtrain.gpucheck.kernels", SWEEPS, argv)
 
 
 if __name__ == "__main__":

@@ -47,27 +47,58 @@ def _summary(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _losses(summary: dict) -> list[float]:
+    """The run's loss at every step it recorded (records.jsonl beside its summary)."""
+    run = Path(summary["run_dir"])
+    recs = read_jsonl(run / "records.jsonl")
+    return [r["loss"] for r in recs if r.get("kind") == "step" and r.get("loss") is not None]
+
+
+# A training step of the check must learn: its last losses below its first by this share.
+LOSS_DROP = 0.03
+
+
+def loss_falls(data: dict) -> str | None:
+    """Why a training step's loss did not fall (None when it fell): the mean of its last three
+    losses against its first, which must be LOSS_DROP lower."""
+    losses = data.get("losses") or []
+    if len(losses) < 4:
+        return None if not losses else f"only {len(losses)} losses recorded"
+    last = sum(losses[-3:]) / 3
+    if last < losses[0] * (1 - LOSS_DROP):
+        return None
+    return f"the loss did not fall: {losses[0]:.3f} -> {last:.3f} (mean of the last 3)"
+
+
 def _fsdp(stdout: str, folder: Path) -> dict:
     g = _summary(folder)
+    losses = _losses(g)
     return {
-        k: g.get(k)
-        for k in (
-            "mfu",
-            "tokens_per_s",
-            "tflops_per_rank",
-            "peak_mem_bytes",
-            "peak_flops_source",
-            "model_params",
-            "step_time_s",
-        )
+        "losses": losses,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": g.get("final_loss"),
+        "seq_len": g.get("seq_len"),
+        "tokens_per_step": g.get("tokens_per_step"),
+        **{
+            k: g.get(k)
+            for k in (
+                "mfu",
+                "tokens_per_s",
+                "tflops_per_rank",
+                "peak_mem_bytes",
+                "peak_flops_source",
+                "model_params",
+                "step_time_s",
+            )
+        },
     }
 
 
 def _fp8(stdout: str, folder: Path) -> dict:
     s = _summary(folder)
-    run = Path(s["run_dir"])
-    losses = [r.get("loss") for r in read_jsonl(run / "records.jsonl") if r.get("kind") == "step"]
+    losses = _losses(s)
     return {
+        "losses": losses,
         "tokens_per_s": s.get("tokens_per_s"),
         "mfu": s.get("mfu"),
         "final_loss": s.get("final_loss"),
@@ -244,19 +275,15 @@ def summarize(step: Step) -> str:
             )
             + f"; tiny kernel {d['tiny_kernel_s'] * 1e6:.1f} us"
         )
-    if step.name == "step_profile":
-        return "; ".join(
-            f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c['overrides'] else ''} mb "
-            f"{c['micro_batch']}: step {c['step_s'] * 1e3:.1f} ms, GPU busy "
-            f"{c['gpu_busy_s'] / c['step_s']:.0%}"
-            + (f", {c['kernels']:,} kernels" if "kernels" in c else "")
-            + " ("
-            + ", ".join(
-                f"{k} {v / c['step_s']:.0%}"
-                for k, v in sorted(c["gpu_s_by_category"].items(), key=lambda kv: -kv[1])
-            )
-            + ")"
-            for c in d["cases"]
+    if step.name in ("step_profile", "eager_sweep"):
+        return "; ".join(profile_case_line(c) for c in d["cases"])
+    if step.name == "grouped_gemm":
+        pts = d["points"]
+        return (
+            f"grouped/dense TFLOP/s {pts[0]['grouped_tflops']:.0f}/{pts[0]['dense_tflops']:.0f} "
+            f"at {pts[0]['tokens_per_expert']} tokens per expert, "
+            f"{pts[-1]['grouped_tflops']:.0f}/{pts[-1]['dense_tflops']:.0f} at "
+            f"{pts[-1]['tokens_per_expert']} (table below)"
         )
     if step.name == "layer_probe":
         return "; ".join(layer_line(c) for c in d["cases"])
@@ -280,8 +307,10 @@ def summarize(step: Step) -> str:
     if step.kind == "fsdp":
         return (
             f"MFU {_f(d['mfu'], '.1%')}, {_f(d['tokens_per_s'], ',.0f')} tok/s, "
-            f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, peak mem "
-            f"{_f(d['peak_mem_bytes'] / 2**30, '.1f')} GiB"
+            f"{_f(d['tflops_per_rank'], '.0f')} TFLOP/s, step "
+            f"{_f(d['step_time_s'] and d['step_time_s'] * 1e3, '.1f')} ms, peak mem "
+            f"{_f(d['peak_mem_bytes'] and d['peak_mem_bytes'] / 2**30, '.1f')} GiB, loss "
+            f"{_f(d.get('first_loss'), '.3f')} -> {_f(d.get('final_loss'), '.3f')}"
         )
     if step.kind == "fp8":
         return (
@@ -303,6 +332,67 @@ def summarize(step: Step) -> str:
     if step.kind == "pytest":
         return ", ".join(f"{v} {k}" for k, v in d.items())
     return json.dumps(d)
+
+
+def profile_case_line(c: dict) -> str:
+    """One profiled training step: wall and host-issue time, GPU busy (union of kernel
+    intervals; the kernels' sum where streams overlapped), kernels, peak memory, categories."""
+    name = (
+        f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c.get('overrides') else ''} "
+        f"s{c.get('seq_len', '?')} mb {c.get('micro_batch')}"
+        + (f" {c['optimizer']}" if "optimizer" in c else "")
+    )
+    if "error" in c:
+        return f"{name}: {c['error']}"
+    step = c["step_s"]
+    out = f"{name}: step {step * 1e3:.1f} ms"
+    if "cpu_dispatch_s" in c:
+        out += f" (host issue {c['cpu_dispatch_s'] * 1e3:.1f} ms)"
+    out += f", GPU busy {c['gpu_busy_s'] / step:.0%}"
+    extra = c.get("gpu_kernel_sum_s", c["gpu_busy_s"]) - c["gpu_busy_s"]
+    if extra > 0.01 * step:
+        out += f" (kernels on {len(c.get('streams', {}))} streams overlap {extra / step:.0%})"
+    if "kernels" in c:
+        out += f", {c['kernels']:,} kernels"
+    if c.get("peak_mem_bytes"):
+        out += f", peak {c['peak_mem_bytes'] / 2**30:.1f} GiB"
+    return (
+        out
+        + " ("
+        + ", ".join(
+            f"{k} {v / step:.0%}"
+            for k, v in sorted(c["gpu_s_by_category"].items(), key=lambda kv: -kv[1])
+        )
+        + ")"
+    )
+
+
+def grouped_table(done: list[Step]) -> list[str]:
+    """The MoE grouped-GEMM table: TFLOP/s by tokens per expert."""
+    step = next((s for s in done if s.name == "grouped_gemm" and s.data), None)
+    if step is None:
+        return []
+    d = step.data
+    p0 = d["points"][0]
+    fp8 = any("fp8_grouped_tflops" in p for p in d["points"])
+    rows = [
+        f"MoE expert GEMM, {p0['experts']} local experts, K {p0['k']} -> N {p0['n']}, "
+        f"{d['dtype']} (TFLOP/s):",
+        "",
+        "| tokens per expert | grouped_mm | per-expert loop | dense, same FLOPs |"
+        + (" FP8 grouped (row-wise) |" if fp8 else ""),
+        "|---|---|---|---|" + ("---|" if fp8 else ""),
+    ]
+    for p in d["points"]:
+        rows.append(
+            f"| {p['tokens_per_expert']} | {p['grouped_tflops']:.0f} | {p['loop_tflops']:.0f} | "
+            f"{p['dense_tflops']:.0f} |"
+            + (f" {_f(p.get('fp8_grouped_tflops'), '.0f')} |" if fp8 else "")
+        )
+    errs = [p["fp8_error"] for p in d["points"] if "fp8_error" in p]
+    if errs:
+        rows.append(f"\nFP8 grouped GEMM did not run: {errs[0]}")
+    return rows
 
 
 def layer_line(c: dict) -> str:
@@ -331,6 +421,13 @@ def layer_line(c: dict) -> str:
 def speedups(done: list[Step]) -> list[str]:
     by = {s.name: s.data.get("tokens_per_s") for s in done if s.kind == "fp8"}
     lines = []
+    bf16, fp8 = by.get("fp8_scale_bf16"), by.get("fp8_scale_torchao_tensorwise")
+    if bf16 and fp8:
+        lines.append(
+            f"- torchao tensorwise FP8 vs bf16 at d_model 4096, compiled, grad_accum 4: "
+            f"**{fp8 / bf16:.2f}x** tokens/s ({fp8:,.0f} vs {bf16:,.0f}); loss curves of both in "
+            "losses.png"
+        )
     for c in ("false", "true"):
         bf16, fp8 = by.get(f"fp8_bf16_compile_{c}"), by.get(f"fp8_torchao_tensorwise_compile_{c}")
         if bf16 and fp8:
@@ -358,7 +455,35 @@ def render(done: list[Step], run_dir: Path) -> str:
     extra = speedups(done)
     if extra:
         out += "\n" + "\n".join(extra) + "\n"
+    table = grouped_table(done)
+    if table:
+        out += "\n" + "\n".join(table) + "\n"
     failed = [s for s in done if s.status not in ("ok", "skipped")]
     for s in failed:
         out += f"\n## {s.name}: {s.status}\n\n```\n{s.tail.strip()[-1500:]}\n```\n"
     return out
+
+
+def plot_losses(done: list[Step], path: Path) -> Path | None:
+    """Loss per step of every training step of the check that recorded losses, one panel per
+    model (seaborn); None when none did."""
+    rows = [
+        {"step": i, "loss": v, "run": s.name}
+        for s in done
+        if s.data.get("losses")
+        for i, v in enumerate(s.data["losses"])
+    ]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+    import seaborn as sns
+
+    grid = sns.relplot(
+        data=pd.DataFrame(rows), x="step", y="loss", hue="run", kind="line", height=4, aspect=1.6
+    )
+    grid.set(title="gpu-check training steps: loss per step")
+    grid.savefig(path, dpi=110)
+    return path

@@ -20,9 +20,9 @@ averaged over replicate x shard x cp: the cp ranks of a replica computed the gra
 different tokens, like data-parallel ranks (FSDP2 shards over shard x cp, as torchtitan does).
 
 Expert parallelism (``ep``) is no dimension of this mesh: it folds from the ranks that shard one
-replica's data (torchtitan's rule dp_shard·cp·tp = efsdp·ep with etp = 1;
-`dtrain.core.layout.folding_error`), so the experts get their own mesh, ``expert_mesh``:
-(pp, replicate, efsdp, ep), ep innermost, so an ep group is consecutive ranks.
+replica's data (torchtitan's rule dp_shard·cp·tp = efsdp·ep with etp = 1; `Layout.expert_fold`),
+so the experts get their own mesh, ``build_expert_mesh``: (pp, replicate, efsdp, ep), ep
+innermost, so an ep group is consecutive ranks.
 
 Torch-free at import: the cost model uses `ParallelDims.of` for the dp and shard degrees.
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.core.errors import UserError
-from dtrain.core.layout import Layout, folding_error, split_dp, zero_stage_of
+from dtrain.core.layout import Layout, split_dp, zero_stage_of
 
 ORDER = ("pp", "replicate", "shard", "cp", "tp")  # mesh dimensions, outermost first
 MODEL_DIMS = (
@@ -80,9 +80,13 @@ class ParallelDims:
             raise UserError(
                 f"dp_replicate x dp_shard = {self.dp_replicate} x {self.dp_shard} != dp = {self.dp}"
             )
-        why = self.ep != 1 and folding_error(self.dp_shard, self.cp, self.tp, self.ep, 1)
-        if why:
-            raise UserError(f"train.ep: {why}")
+        fold = self.dp_shard * self.cp * self.tp
+        if self.ep < 1 or fold % self.ep:
+            raise UserError(
+                f"train.ep={self.ep} does not divide dp_shard x cp x tp = {self.dp_shard} x "
+                f"{self.cp} x {self.tp}: the experts fold from the attention's sharded data, "
+                "context and tensor ranks"
+            )
 
     @classmethod
     def of(

@@ -19,7 +19,8 @@ so sequence parallelism (all-gather + reduce-scatter) moves exactly what all-red
               ulysses_all_to_all_payloads, ulysses_passes; cp_all_gather_kv_bytes (PyTorch's)
     DP        dp_grad_bytes, zero_gather_bytes, hsdp_replica_bytes, LOSS_BYTES
     PP        pp_activation_bytes, pp_sends_per_step
-    EP        ep_dispatch_bytes, ep_layer_wire_bytes, ep_uneven_wire_bytes, EP_COUNT_BYTES
+    EP        ep_dispatch_bytes, ep_layer_bytes, ep_nodes_reached; ep_uneven_wire_bytes,
+              EP_COUNT_BYTES (the trainer's uneven dispatch)
 
 Expert parallelism's all-to-alls have uneven splits (``all_to_all_v``): its wire bytes are the
 bytes a rank sends to the other ranks, the payload it keeps for itself left out; with balanced
@@ -239,41 +240,45 @@ def pp_sends_per_step(virtual_stages: int, micro_batches: int) -> int:
     return 2 * virtual_stages * micro_batches
 
 
-# ---------------------------------------------------------------- expert parallel
+# ---------------------------------------------------------------- expert parallel (MoE)
 
-# the token counts exchanged before each dispatch: one int64 per expert (what each rank sends
-# every other rank for its local experts), an even all-to-all
+
+def ep_dispatch_bytes(tokens: float, top_k: int, d_model: int, elem_bytes: float) -> float:
+    """A rank's dispatch all-to-all input: each of its ``tokens`` sent to its top_k experts, a
+    d_model row each (the combine's output has the same size, at the combine's element bytes)."""
+    return tokens * top_k * d_model * elem_bytes
+
+
+def ep_layer_bytes(
+    tokens: float, top_k: int, d_model: int, ep: int, dispatch_bytes: float, combine_bytes: float
+) -> float:
+    """Wire bytes one rank sends per MoE layer and micro-batch, forward + backward, with an
+    all-to-all dispatcher: 2·(b_dispatch + b_combine)·T·k·h·(ep−1)/ep (forward dispatch and
+    combine, backward their gradients; the (ep−1)/ep share leaves the rank). FP8 dispatch
+    (``dispatch_bytes`` 1) halves the first term."""
+    per = tokens * top_k * d_model * (ep - 1) / ep
+    return 2 * (dispatch_bytes + combine_bytes) * per
+
+
+def ep_nodes_reached(top_k: int, nodes: int, node_limit: int | None = None) -> float:
+    """Distinct nodes a token's top_k experts sit on, uniform routing over ``nodes`` nodes:
+    nodes·(1 − (1 − 1/nodes)^k), at most ``node_limit`` (DeepSeek-V3's node-limited routing: 4).
+    DeepEP's internode dispatch sends a token once per target node, then forwards it over
+    NVLink (DeepEP README)."""
+    if nodes <= 1:
+        return 1.0
+    reached = nodes * (1 - (1 - 1 / nodes) ** top_k)
+    return min(reached, node_limit) if node_limit else reached
+
+
+# the trainer's dispatch (dtrain.parallel.ep): its CommCounter tags, and the token counts it
+# exchanges before each dispatch, one int64 per expert (an even all-to-all)
 EP_COUNT_BYTES = 8
 DISPATCH, COMBINE, COUNTS = "dispatch", "combine", "counts"
 
 
-def ep_dispatch_bytes(tokens: int, top_k: int, d_model: int, elem_bytes: int, ep: int) -> float:
-    """Bytes one rank sends in one balanced dispatch (and as many in the combine) of an MoE layer:
-    each of its T tokens goes to top_k experts, (ep-1)/ep of them on other ranks: T·k·h·b·(ep-1)/ep
-    (DeepEP's node-limited routing, which sends a token once per node, is not modelled here)."""
-    return tokens * top_k * d_model * elem_bytes * (ep - 1) / ep
-
-
-def ep_layer_wire_bytes(
-    tokens: int,
-    top_k: int,
-    d_model: int,
-    elem_bytes: int,
-    ep: int,
-    recompute: str = "none",
-    dispatch_elem_bytes: int | None = None,
-) -> float:
-    """One MoE layer's forward + backward bytes per rank, balanced routing: the dispatch and the
-    combine in forward, their reverses in backward, 2·(b_dispatch + b_combine)·T·k·h·(ep-1)/ep;
-    full recompute runs the forward's two again. ``dispatch_elem_bytes``: FP8 dispatch (1) moves
-    the forward dispatch in fewer bytes; the combine and the gradients keep ``elem_bytes``."""
-    one = ep_dispatch_bytes(tokens, top_k, d_model, 1, ep)
-    forward = one * ((dispatch_elem_bytes or elem_bytes) + elem_bytes)
-    backward = one * 2 * elem_bytes
-    return forward * (2 if recompute == "full" else 1) + backward
-
-
 def ep_uneven_wire_bytes(rows_to: list[int], rank: int, d_model: int, elem_bytes: int) -> int:
-    """Bytes one all_to_all_v sends from ``rank``: rows_to[j] rows of d_model values to rank j, its
-    own rows staying."""
+    """Bytes one uneven all-to-all (``all_to_all_v``) sends from ``rank``: rows_to[j] rows of
+    d_model values to rank j, its own rows staying. Balanced, it is ``wire_bytes("all_to_all",
+    ep_dispatch_bytes(...), ep)``."""
     return sum(n for j, n in enumerate(rows_to) if j != rank) * d_model * elem_bytes

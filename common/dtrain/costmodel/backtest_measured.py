@@ -1,0 +1,260 @@
+"""`dtrain backtest --measured [DIR]`: the cost model against this project's own GPU runs.
+
+Every CUDA measurement under DIR (default ``measured/``; ``measured_cases``) is predicted with the
+cost model as it stands (kernel tables, ``eager.py``'s launch terms, no number taken from the runs'
+step times): the step time and peak memory against the measured ones, and, where a step profile
+measured them, the predicted GPU seconds and kernel launches by the profile's categories:
+
+  gemm         the layers' GEMMs + the output projection's (``compute.head_s``'s GEMM part)
+  attention    the attention term
+  elementwise  the memory-bound term (the profile's memcpy / memset folded in)
+  loss         the output layer's cross-entropy (``head_s`` less its GEMMs)
+  optimizer    AdamW and gradient clipping
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import textwrap
+from dataclasses import dataclass, field
+
+from .calibration import Calibration
+from .compute import head_s
+from .eager import dispatch_floor_s, host_op_s, kernel_counts
+from .efficiency import head_gemm
+from .hardware import GiB, Cluster, get_profile
+from .measured_cases import Case, measured_cases
+from .stack_memory import memory_for
+from .shapes import Layout
+from .timemodel import device_of, step_time
+
+WITHIN = 0.10  # the issue's goal: every run within 10% on time and memory
+CATEGORIES = ("gemm", "attention", "elementwise", "loss", "optimizer")
+
+
+@dataclass(frozen=True)
+class Scored:
+    case: Case
+    predicted_s: float | None
+    predicted_mem_bytes: float
+    launch_bound: bool = False
+    dispatch_floor_s: float = 0.0
+    by_category: dict = field(default_factory=dict)  # category -> (measured s, predicted s)
+    kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
+    gpu_work_s: float = 0.0  # the predicted GPU seconds (every category's, summed)
+
+    @property
+    def host_per_launch_s(self) -> float | None:
+        """The host's measured seconds per kernel launch (a new profile's cpu_dispatch_s)."""
+        n = sum(int(v) for v in self.case.kernels.values())
+        return self.case.cpu_dispatch_s / n if self.case.cpu_dispatch_s and n else None
+
+    @property
+    def error(self) -> float | None:
+        return None if self.predicted_s is None else self.predicted_s / self.case.step_s - 1
+
+    @property
+    def memory_error(self) -> float | None:
+        m = self.case.peak_mem_bytes
+        return self.predicted_mem_bytes / m - 1 if m else None
+
+
+def categories(case: Case, cluster: Cluster, t) -> dict[str, float]:
+    """Predicted GPU seconds of one step by the step profile's categories."""
+    dev = device_of(cluster, Calibration(), case.stack)
+    one = Layout(micro_batch=case.layout.micro_batch)
+    m = case.layout.grad_accum
+    gemm_head = 3 * dev.gemm_s(head_gemm(case.shape, one)) * m
+    loss = head_s(case.shape, one, dev) * m - gemm_head
+    c = t.terms
+    return {
+        "gemm": c.gemm + gemm_head,
+        "attention": c.attention,
+        "elementwise": c.memory,
+        "loss": loss,
+        "optimizer": c.optimizer,
+    }
+
+
+def measured_categories(case: Case, values: dict) -> dict[str, float]:
+    out = {k: float(values.get(k, 0.0)) for k in CATEGORIES}
+    out["elementwise"] += float(values.get("memcpy", 0.0))
+    return out
+
+
+def score(case: Case) -> Scored:
+    cluster = Cluster.from_profile(get_profile(case.gpu), case.layout.gpus, 8)
+    mem = memory_for(case.shape, case.layout, case.stack).total
+    if case.not_modelled:
+        return Scored(case, None, mem)
+    t = step_time(case.shape, case.layout, cluster, Calibration(), case.precision, stack=case.stack)
+    pred = categories(case, cluster, t)
+    by_cat = (
+        {k: (v, pred[k]) for k, v in measured_categories(case, case.gpu_s).items()}
+        if case.gpu_s
+        else {}
+    )
+    # the floor with the case's own structure (biases, learned positions), as the plan cannot
+    counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
+    floor = dispatch_floor_s(sum(counts.values()), host_op_s(case.gpu)[0]) if t.kernels else 0.0
+    total = max(t.total, floor)
+    kernels = {}
+    if case.kernels:
+        got = measured_categories(case, case.kernels)
+        kernels = {k: (int(got[k]), counts.get(k, 0)) for k in CATEGORIES}
+        kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
+    bound = bool(floor) and floor >= total
+    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
+
+
+def summary(rows: list[Scored]) -> dict:
+    errs = [abs(r.error) for r in rows if r.error is not None]
+    mems = [abs(r.memory_error) for r in rows if r.memory_error is not None]
+    return {
+        "runs": len(rows),
+        "time_scored": len(errs),
+        "time_within_10pct": sum(e <= WITHIN for e in errs),
+        "time_median_abs_error": statistics.median(errs) if errs else None,
+        "memory_scored": len(mems),
+        "memory_within_10pct": sum(e <= WITHIN for e in mems),
+        "memory_median_abs_error": statistics.median(mems) if mems else None,
+        "not_modelled": sum(bool(r.case.not_modelled) for r in rows),
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:+.0%}"
+
+
+SHORT = {
+    "gemm": "gemm",
+    "attention": "attn",
+    "elementwise": "elem",
+    "loss": "loss",
+    "optimizer": "opt",
+    "total": "all",
+}
+
+
+def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
+    """The table (within ``width`` columns) and its one-line summary."""
+    wrap = textwrap.TextWrapper(
+        width, break_long_words=False, initial_indent="  ", subsequent_indent="    "
+    )
+    out = [
+        f"{'run':<46} {'gpu':<8} {'ms':>6} {'pred':>6} {'err':>5} {'GiB':>5} {'pred':>5} "
+        f"{'err':>5} {'b':>1}"
+    ]
+    for r in rows:
+        c = r.case
+        mem = f"{c.peak_mem_bytes / GiB:5.1f}" if c.peak_mem_bytes else f"{'':>5}"
+        pred = f"{r.predicted_s * 1e3:6.1f}" if r.predicted_s is not None else f"{'-':>6}"
+        ms = f"{c.step_s * 1e3:6.1f}" if c.step_s else f"{'OOM':>6}"
+        out.append(
+            f"{c.name[:46]:<46} {c.gpu:<8} {ms} {pred} {_pct(r.error):>5} {mem} "
+            f"{r.predicted_mem_bytes / GiB:5.1f} {_pct(r.memory_error):>5} "
+            f"{'L' if r.launch_bound else ''}"
+        )
+        if c.not_modelled and not c.step_s:  # the case did not run: does the model say so?
+            fits = r.predicted_mem_bytes <= get_profile(c.gpu).hbm_bytes
+            out += wrap.wrap(
+                f"{c.not_modelled}; the model: {r.predicted_mem_bytes / GiB:.1f} GiB, "
+                + ("fits (wrong)" if fits else "does not fit (right)")
+            )
+        elif c.not_modelled:
+            out.append(f"  not predicted: {c.not_modelled}")
+        out += wrap.wrap(f"note: {c.note}") if c.note else []
+        if r.by_category:
+            out += wrap.wrap(
+                "GPU ms m/p: "
+                + " ".join(
+                    f"{SHORT[k]} {m * 1e3:.1f}/{p * 1e3:.1f}" for k, (m, p) in r.by_category.items()
+                )
+            )
+        if r.kernels:
+            out += wrap.wrap(
+                "kernels m/p: "
+                + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
+                + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
+            )
+        if c.gpu_kernel_sum_s is not None and c.gpu_busy_s is not None:  # a new profile's union
+            out.append(
+                f"  GPU busy {c.gpu_busy_s * 1e3:.1f} ms of the step measured (kernels "
+                f"{c.gpu_kernel_sum_s * 1e3:.1f} ms summed); predicted GPU work "
+                f"{r.gpu_work_s * 1e3:.1f} ms"
+            )
+        if r.host_per_launch_s is not None:
+            out.append(
+                f"  host: {r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
+                f"launches) against {host_op_s(c.gpu)[0] * 1e6:.1f} us (eager.yaml)"
+            )
+    s = summary(rows)
+    med, mmed = s["time_median_abs_error"], s["memory_median_abs_error"]
+    notes = (
+        "ms: measured step, pred: the cost model's (eager stack: costmodel/eager.py); GiB: the "
+        "run's peak memory (CUDA max allocated) where recorded; b: L = launch-bound. Step "
+        "profiles (m/p: measured/predicted): elem includes memcpy/memset, loss includes the "
+        "logits' fp32 cast on the model's side (the profile files it under elem); an old profile "
+        "sums some kernels twice (its "
+        "categories can add up to more than the step: the optimizer's, by about 2x); floor = "
+        "kernel launches x the host's cost per op (eager.yaml)."
+    )
+    summary_line = (
+        f"summary: time within {WITHIN:.0%}: {s['time_within_10pct']} of {s['time_scored']}"
+        + (f" (median |error| {med:.1%})" if med is not None else "")
+        + f"; memory within {WITHIN:.0%}: {s['memory_within_10pct']} of {s['memory_scored']}"
+        + (f" (median |error| {mmed:.1%})" if mmed is not None else "")
+        + (f"; {s['not_modelled']} not predicted" if s["not_modelled"] else "")
+    )
+    tail = textwrap.TextWrapper(width, break_long_words=False, subsequent_indent="  ")
+    return out + [""] + tail.wrap(notes) + tail.wrap(summary_line)
+
+
+def as_json(rows: list[Scored]) -> dict:
+    def one(r: Scored) -> dict:
+        c = r.case
+        return {
+            "name": c.name,
+            "source": c.source,
+            "gpu": c.gpu,
+            "stack": c.stack.describe(),
+            "layout": {"micro_batch": c.layout.micro_batch, "gpus": c.layout.gpus},
+            "seq_len": c.shape.seq_len,
+            "measured_step_s": c.step_s,
+            "predicted_step_s": r.predicted_s,
+            "error": r.error,
+            "measured_peak_mem_bytes": c.peak_mem_bytes,
+            "predicted_mem_bytes": r.predicted_mem_bytes,
+            "memory_error": r.memory_error,
+            "launch_bound": r.launch_bound,
+            "dispatch_floor_s": r.dispatch_floor_s,
+            "host_per_launch_s": r.host_per_launch_s,
+            "predicted_gpu_work_s": r.gpu_work_s,
+            "gpu_busy_s": c.gpu_busy_s,
+            "gpu_kernel_sum_s": c.gpu_kernel_sum_s,
+            "cpu_dispatch_s": c.cpu_dispatch_s,
+            "gpu_s_by_category": {
+                k: {"measured": m, "predicted": p} for k, (m, p) in r.by_category.items()
+            },
+            "kernels_by_category": {
+                k: {"measured": m, "predicted": p} for k, (m, p) in r.kernels.items()
+            },
+            "not_modelled": c.not_modelled or None,
+            "note": c.note or None,
+        }
+
+    return {"runs": [one(r) for r in rows], "summary": summary(rows)}
+
+
+def backtest_measured(folder: str) -> list[Scored]:
+    return [score(c) for c in measured_cases(folder)]
+
+
+def run(folder: str, as_json_out: bool = False) -> int:
+    rows = backtest_measured(folder)
+    if as_json_out:
+        print(json.dumps(as_json(rows), indent=2, sort_keys=True))
+    else:
+        print("\n".join(text_lines(rows)))
+    return 0

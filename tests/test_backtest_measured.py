@@ -1,0 +1,142 @@
+"""`dtrain backtest --measured`: a fabricated results folder (a gpu-check report with an old and a
+new step-profile case, a CUDA trainer run, a CPU run) written, read back and scored; and `dtrain
+plan --software fsdp-eager` printing its dispatch-floor and optimizer terms."""
+
+import json
+
+import pytest
+import yaml
+
+from dtrain.cli.main import main
+from dtrain.costmodel.backtest_measured import backtest_measured, text_lines
+from dtrain.costmodel.calibration import Calibration
+from dtrain.costmodel.hardware import Cluster, get_profile
+from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape
+from dtrain.costmodel.shapes import Layout
+from dtrain.costmodel.timemodel import step_time
+from dtrain.model.args import GPTConfig
+from dtrain.results import contract
+from dtrain.results.metrics import write_summary
+
+H100 = "NVIDIA H100 80GB HBM3"
+OLD = {  # the first profiles' fields
+    "preset": "1b",
+    "overrides": {"n_layer": 2},
+    "micro_batch": 2,
+    "seq_len": 2048,
+    "step_s": 0.040,
+    "gpu_s_by_category": {"gemm": 0.02, "elementwise": 0.01, "memcpy": 0.001},
+    "gpu_busy_s": 0.031,
+}
+NEW = {  # the fields the new gpu-check adds
+    **OLD,
+    "overrides": {"n_layer": 2, "seq_len": 8192},
+    "seq_len": 8192,
+    "micro_batch": 1,
+    "attention": "cudnn",  # SDPA's backend name: cuDNN's fused attention, the table's "flash"
+    "optimizer": "fused",
+    "step_s": 0.060,
+    "peak_mem_bytes": 9 * 2**30,
+    "gpu_kernel_sum_s": 0.05,
+    "cpu_dispatch_s": 0.01,
+    "kernels_by_category": {"gemm": 39, "attention": 8, "elementwise": 300, "memcpy": 20},
+}
+
+
+OOM = {  # a case that did not run (the new gpu-check's record of it)
+    "preset": "7b",
+    "overrides": {"seq_len": 32768},
+    "micro_batch": 8,
+    "error": "out of memory: CUDA out of memory. Tried to allocate 64.00 GiB",
+}
+
+
+def _fabricate(root):
+    check = root / "gpu-check-1"
+    check.mkdir(parents=True)
+    steps = [
+        {"name": "env", "status": "ok", "data": {}},
+        {"name": "step_profile", "status": "ok", "data": {"device": H100, "cases": [OLD]}},
+        {"name": "eager_sweep", "status": "ok", "data": {"device": H100, "cases": [NEW, OOM]}},
+        {"name": "eager_sweep", "status": "failed", "data": {}},
+    ]
+    (check / "report.json").write_text(json.dumps(steps))
+    cfg = GPTConfig.from_preset("1b", n_layer=2)
+    for device, gpu, name in (("cuda", H100, "gpu"), ("cpu", None, "cpu")):
+        run = root / "runs" / name / "fsdp-scaling" / "20261127-000000"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(
+            yaml.safe_dump({"subproject": "fsdp-scaling", "train": {"compile": False}})
+        )
+        rec = contract.TrainingMeasurement(
+            model={k: getattr(cfg, k) for k in contract.MODEL_SHAPE}
+            | {"norm": cfg.norm, "bias": cfg.bias, "tie_embeddings": cfg.tie_embeddings},
+            layout=Layout(micro_batch=4),
+            strategy="single",
+            precision="bf16",
+            step_time_s=0.1,
+            tokens_per_s=4 * 2048 / 0.1,
+            peak_mem_bytes=12 * 2**30,
+            where=contract.where_of(device, "nccl" if gpu else "gloo", gpu),
+        )
+        write_summary(run, {"status": "complete", "guide_inputs": [rec]})
+    return cfg
+
+
+def test_measured_backtest_on_a_fabricated_folder(tmp_path):
+    cfg = _fabricate(tmp_path)
+    rows = backtest_measured(str(tmp_path))
+    names = [r.case.name.split()[0] for r in rows]
+    assert names == ["step_profile", "eager_sweep", "eager_sweep", "gpu"]
+    old, new, oom, run = rows
+    assert oom.predicted_s is None and oom.case.not_modelled.startswith("measured: out of memory")
+    # each prediction is the cost model's step for that case, the error against the measured step
+    shape, _ = gpt_case_shape(cfg)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    t = step_time(shape, Layout(micro_batch=4), cluster, Calibration(), stack=eager_stack())
+    assert run.predicted_s == pytest.approx(max(t.total, run.dispatch_floor_s))
+    assert run.error == pytest.approx(run.predicted_s / 0.1 - 1)
+    assert run.memory_error == pytest.approx(run.predicted_mem_bytes / (12 * 2**30) - 1)
+    # an old profile case: no memory, no launch counts; its memcpy folded into elementwise
+    assert old.memory_error is None and not old.kernels
+    assert old.by_category["elementwise"][0] == pytest.approx(0.011)
+    # a new case: its fields read (8K tokens, cuDNN attention, fused AdamW) and scored
+    assert new.case.shape.seq_len == 8192 and new.case.stack.optimizer == "fused"
+    assert new.case.stack.attention == "flash" and new.case.cpu_dispatch_s == 0.01
+    assert new.memory_error is not None
+    assert new.kernels["elementwise"][0] == 320 and new.kernels["total"][0] == 367
+    assert new.host_per_launch_s == pytest.approx(0.01 / 367) and old.host_per_launch_s is None
+    lines = text_lines(rows)
+    assert any(x.startswith("  GPU busy 31.0 ms of the step measured") for x in lines)
+    assert any("does not fit (right)" in x for x in lines)  # 7B at 8 x 32K tokens on one H100
+    assert max(len(x) for x in lines) <= 100
+    assert lines[-1].startswith("summary: time within 10%:") or "summary:" in " ".join(lines[-3:])
+
+
+def test_measured_backtest_cli_json_and_errors(tmp_path, capsys):
+    _fabricate(tmp_path)
+    assert main(["backtest", "--measured", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["runs"] == 4 and out["summary"]["time_scored"] == 3
+    assert out["summary"]["memory_scored"] == 2
+    assert {r["gpu"] for r in out["runs"]} == {"h100-sxm"}
+    assert main(["backtest", "--measured", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --measured") and err.count("\n") == 1
+
+
+def test_plan_fsdp_eager_prints_dispatch_floor_and_optimizer(capsys):
+    argv = ["plan", "--software", "fsdp-eager", "--params", "1e9", "--seq", "8192", "--gpus", "8"]
+    assert main([*argv, "--gpu", "h100-sxm"]) == 0
+    text = capsys.readouterr().out
+    assert "flash2 attention, eager kernels, foreach AdamW" in text
+    assert "  dispatch    floor " in text and "kernel launches x the host's cost per op" in text
+    assert "GPU-bound" in text
+    assert "  optimizer   foreach AdamW + gradient clipping" in text
+    assert main([*argv, "--gpu", "h100-sxm", "--json", "--optimizer", "fused"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["optimizer"] == "fused" and plan["attention"] == "flash2"
+    choice = plan["choice"]
+    assert choice["kernels_per_step"] > 0 and choice["launch_bound"] is False
+    assert choice["step_time_s"]["dispatch_floor"] > 0
+    assert choice["tp"] == 1 and choice["pp"] == 1 and choice["zero_stage"] in (2, 3)

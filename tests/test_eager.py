@@ -1,0 +1,154 @@
+"""The eager FSDP stack (costmodel/eager.py): launch counts against the measured step profiles,
+the foreach chunking, the dispatch floor, FSDP's block-by-block overlap and the eager peak memory,
+each against a hand count."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dtrain.costmodel import eager
+from dtrain.costmodel.calibration import Calibration
+from dtrain.costmodel.hardware import Cluster, get_profile
+from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape
+from dtrain.costmodel.memory import memory_per_gpu, params_per_gpu
+from dtrain.costmodel.stack_memory import memory_for
+from dtrain.costmodel.search import search
+from dtrain.costmodel.shapes import Layout, ModelShape
+from dtrain.costmodel.software import software, unsupported
+from dtrain.costmodel.stack import Stack
+from dtrain.costmodel.timemodel import step_time
+from dtrain.model.args import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "measured/h200/probe-20261126-0510/step_profile.json"
+
+
+def _cases():
+    return json.loads(PROBE.read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c['preset']}-mb{c['micro_batch']}")
+def test_launch_counts_match_the_measured_profile(case):
+    """gemm, attention, loss and the optimizer's foreach launches exactly; elementwise (with
+    memcpy/memset) within 1%: the count formula against the committed H200 profile."""
+    cfg = GPTConfig.from_preset(case["preset"], **case["overrides"])
+    shape, structure = gpt_case_shape(cfg)
+    counts = eager.kernel_counts(shape, Layout(micro_batch=case["micro_batch"]), structure)
+    got = case["kernels_by_category"]
+    for cat in ("gemm", "attention", "loss", "optimizer"):
+        assert counts[cat] == got[cat], cat
+    measured = got["elementwise"] + got["memcpy"]
+    assert abs(counts["elementwise"] - measured) <= 0.01 * measured
+    assert abs(sum(counts.values()) - case["kernels"]) <= 0.01 * case["kernels"]
+
+
+def test_foreach_launches_by_hand():
+    full = eager.CHUNK * eager.MAX_BLOCKS  # one launch's worth of chunks
+    assert eager.foreach_launches([full], 1, False) == 1
+    assert eager.foreach_launches([full + 1], 1, False) == 2
+    assert eager.foreach_launches([1] * 110, 1, False) == 1  # 110 tensor slots at depth 1
+    assert eager.foreach_launches([1] * 111, 1, False) == 2
+    assert eager.foreach_launches([1] * 97, 1, True) == 2  # a scalar list leaves 96
+    assert eager.foreach_launches([1] * 49, 3, False) == 2  # depth 3: 48 slots
+    assert eager.foreach_launches([0, 0], 1, False) == 0  # empty tensors launch nothing
+    # AdamW's 8 ops + clipping's 2 over one small tensor: one launch each, plus the extra one
+    assert eager.optimizer_launches((10,), "foreach") == 8 + 2 + 1
+    assert eager.optimizer_launches((10,), "fused") == 1 + 2 + 1
+
+
+def test_dispatch_floor_by_hand():
+    """A small model at a small batch is launch-bound: the step is launches x the host's cost."""
+    shape = ModelShape(4, 256, 4, 4, 1000, 128, rotary=False)
+    lay = Layout(micro_batch=1)
+    stack = eager_stack("flash2")
+    host, source = eager.host_op_s("h100-sxm")
+    assert host == pytest.approx(16.1e-6) and "tiny_kernel_s" in source
+    counts = eager.kernel_counts(shape, lay)
+    # per micro-batch: 4 layers x (18 GEMMs + 4 attention + 40 elementwise) + 3 head GEMMs + 4
+    # loss kernels; per step 155 elementwise and the optimizer's foreach launches
+    tensors = 1 + 4 * 8 + 1 + 1  # embedding, 8 per block, final norm, untied head
+    assert counts["gemm"] == 4 * 18 + 3 and counts["attention"] == 16 and counts["loss"] == 4
+    assert counts["elementwise"] == 4 * 40 + 155
+    assert counts["optimizer"] == 10 + 1 and tensors < 96  # every op one launch
+    kernels = sum(counts.values())
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    t = step_time(shape, lay, cluster, Calibration(), stack=stack)
+    assert t.kernels == kernels
+    assert t.dispatch_floor == pytest.approx(kernels * host)
+    assert t.launch_bound and t.total == pytest.approx(t.dispatch_floor)
+    # the same step on the fused default stack has no floor
+    fused = step_time(shape, lay, cluster, Calibration())
+    assert fused.kernels == 0 and not fused.launch_bound
+
+
+def test_fsdp_hidden_by_hand():
+    # 2 units, 1 micro-batch: gathers 4 s (1 per pass per unit), reduce-scatters 2 s (1 per unit)
+    # forward: 1 unit's gather behind the other's forward (work/2/3 = 1): 1
+    # backward: the first unit's gather + RS behind 2/3 of 3 = 2: 2; the last unit's gather only: 1
+    assert eager.fsdp_hidden(4.0, 2.0, 6.0, 2, 1) == pytest.approx(1 + 2 + 1)
+    # compute much longer than the traffic: all but the first gather and the last RS hide
+    assert eager.fsdp_hidden(4.0, 2.0, 600.0, 2, 1) == pytest.approx(6.0 - 1 - 1)
+    assert eager.fsdp_hidden(0.0, 0.0, 1.0, 2, 1) == 0.0
+
+
+def test_peak_memory_by_hand():
+    """One GPU, foreach AdamW: the larger of the end of forward (fp32 params 4 + m, v 8 + the bf16
+    casts of the linears 2 + activations) and the optimizer step (4 + 4 + 8 + its 4 B temporary)."""
+    shape = ModelShape(2, 512, 8, 8, 1000, 256, rotary=False)
+    lay = Layout(micro_batch=1)
+    base = memory_per_gpu(shape, lay, 1.0, True, False)
+    psi = params_per_gpu(shape, 1, 1)  # the states' count (memory.py's)
+    linear = 2 * shape.param_count.matmul_per_layer + shape.param_count.lm_head
+    forward = 12 * psi + 2 * linear + base.activations
+    step = 20 * psi
+    got = memory_for(shape, lay, eager_stack()).total
+    assert got == pytest.approx(max(forward, step))
+    fused = memory_for(shape, lay, eager_stack(optimizer="fused")).total
+    assert fused == pytest.approx(max(forward, 16 * psi))
+
+
+def test_fsdp_eager_runs_fsdp_only():
+    sw = software("fsdp-eager")
+    assert unsupported(sw, {"tp": 2}) and unsupported(sw, {"pp": 2})
+    assert unsupported(sw, {"zero_stage": 1, "dp": 8})
+    assert unsupported(sw, {"zero_stage": 3, "dp": 8}) is None
+    shape = replace(ModelShape.from_params(1e9, seq_len=2048), name="1b")
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 8, 8)
+    stack = Stack("flash2", "eager", "eager", software="fsdp-eager", optimizer="foreach")
+    res = search(shape, cluster, 64, Calibration(), stack=stack)
+    assert res.ranked and all(p.tp == 1 and p.pp == 1 for p in res.ranked)
+    assert {p.zero_stage for p in res.ranked} <= {2, 3}
+    assert all(p.time.kernels > 0 for p in res.ranked)
+
+
+def test_full_recompute_adds_the_forward_launches():
+    shape = ModelShape(4, 256, 4, 4, 1000, 128, rotary=False)
+    base = eager.kernel_counts(shape, Layout(micro_batch=1))
+    full = eager.kernel_counts(shape, Layout(micro_batch=1, recompute="full"))
+    assert full["gemm"] - base["gemm"] == 4 * 6  # one forward GEMM per linear and block
+    assert full["attention"] - base["attention"] == 4
+    assert full["elementwise"] - base["elementwise"] == 4 * 16
+
+
+def test_fsdp_unit_overlap_never_hides_more_than_the_window():
+    """Unit by unit FSDP hides at most what the whole-step window would (min(traffic, work)), and
+    strictly less when a unit's traffic outlasts its compute (a small per-rank batch)."""
+    import random
+
+    seed = 39
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(200):
+        gather, reduce, work = (rng.uniform(0.001, 1.0) for _ in range(3))
+        units, m = rng.randint(1, 40), rng.randint(1, 8)
+        hidden = eager.fsdp_hidden(gather, reduce, work, units, m)
+        assert 0.0 <= hidden <= min(gather + reduce, work) + 1e-12
+    # 17 units, traffic twice the compute: the window would hide all the work, units cannot
+    assert eager.fsdp_hidden(2.0, 1.0, 1.5, 17, 1) < 1.5
+    shape = replace(ModelShape.from_params(1e9, seq_len=1024), name="1b")
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 64, 8)
+    lay = Layout(dp_shard=64, zero_stage=3, micro_batch=1, grad_accum=1)
+    t = step_time(shape, lay, cluster, Calibration(), stack=eager_stack())
+    assert t.dp_comm_exposed > t.dp_comm - (t.compute - t.terms.optimizer)  # more than the window

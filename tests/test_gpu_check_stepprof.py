@@ -1,0 +1,165 @@
+"""The eager-step profiler of `make gpu-check` (dtrain.gpucheck.stepprof), its grouped-GEMM sweep
+and the check's learning rule, on CPU: the GPU accounting from hand-made kernel records, the loss
+rule from hand-made curves, the sweeps at CPU sizes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from types import SimpleNamespace as NS
+
+import pytest
+
+from conftest import run_cmd
+from dtrain.gpucheck.kernels import gpu_time_by_category
+from dtrain.gpucheck.report import Step, loss_falls, profile_case_line, render
+from dtrain.gpucheck.stepprof import KernelRecord, account, kernel_records, union_ns
+
+
+class Dev(Enum):
+    CPU = 0
+    CUDA = 1
+
+
+def _ev(name, start, dur, stream=7, device=Dev.CUDA, activity="kernel", annotation=False):
+    return NS(
+        name=lambda: name,
+        start_ns=lambda: start,
+        duration_ns=lambda: dur,
+        device_resource_id=lambda: stream,
+        device_type=lambda: device,
+        activity_type=lambda: activity,
+        is_user_annotation=lambda: annotation,
+    )
+
+
+def test_union_of_intervals_by_hand():
+    assert union_ns([]) == 0
+    assert union_ns([(0, 10), (5, 15), (20, 30)]) == 25  # [0,15) + [20,30)
+    assert union_ns([(0, 100), (10, 20), (30, 40)]) == 100  # nested
+    assert union_ns([(5, 6), (0, 5)]) == 6  # touching, unsorted
+
+
+def test_kernel_records_drop_annotations_cpu_ops_and_repeats():
+    """The bug of the first checks: the GPU annotation `Optimizer.step#AdamW.step` spans the
+    optimizer's kernels and was summed with them (GPU busy 120-128% of the step)."""
+    events = [
+        _ev("sm90_xmma_gemm_bf16", 0, 4_000),
+        _ev("sm90_xmma_gemm_bf16", 0, 4_000),  # the same record twice counts once
+        _ev("multi_tensor_apply_kernel", 5_000, 2_000),
+        _ev(
+            "Optimizer.step#AdamW.step",
+            5_000,
+            2_000,
+            activity="gpu_user_annotation",
+            annotation=True,
+        ),
+        _ev("aten::mm", 0, 9_000, device=Dev.CPU, activity="cpu_op"),
+        _ev("Memset (Device)", 7_000, 500, activity="gpu_memset"),
+        _ev("flash_fwd_kernel", 2_000, 3_000, stream=13),  # another stream, overlapping the GEMM
+    ]
+    recs = kernel_records(events)
+    assert sorted(r.name for r in recs) == [
+        "Memset (Device)",
+        "flash_fwd_kernel",
+        "multi_tensor_apply_kernel",
+        "sm90_xmma_gemm_bf16",
+    ]
+    acc = account(recs)
+    assert acc["gpu_s_by_category"] == pytest.approx(
+        {"gemm": 4e-6, "optimizer": 2e-6, "memcpy": 5e-7, "attention": 3e-6}
+    )
+    assert acc["kernels"] == 4 and acc["kernels_by_category"]["gemm"] == 1
+    assert acc["gpu_kernel_sum_s"] == pytest.approx(9.5e-6)
+    assert acc["gpu_busy_s"] == pytest.approx(7.5e-6)  # [0, 7000) + [7000, 7500)
+    assert acc["streams"] == pytest.approx({"7": 6.5e-6, "13": 3e-6})
+
+
+def test_per_name_rows_skip_gpu_annotations():
+    cuda = NS(name="CUDA")
+    rows = [
+        NS(key="multi_tensor_apply_kernel", device_type=cuda, device_time_total=2000.0, count=9),
+        NS(
+            key="Optimizer.step#AdamW.step",
+            device_type=cuda,
+            device_time_total=2000.0,
+            count=1,
+            is_user_annotation=True,
+        ),
+    ]
+    seconds, launches = gpu_time_by_category(rows)
+    assert seconds == pytest.approx({"optimizer": 2e-3}) and launches == {"optimizer": 9}
+
+
+def test_loss_rule_by_hand():
+    assert loss_falls({"losses": [10.0, 9.0, 8.0, 7.0, 6.0]}) is None
+    why = loss_falls({"losses": [11.2, 12.0, 13.0, 13.4, 13.4]})
+    assert why == "the loss did not fall: 11.200 -> 13.267 (mean of the last 3)"
+    # 2% lower is not enough: LOSS_DROP is 3%
+    assert "did not fall" in loss_falls({"losses": [10.0, 9.8, 9.8, 9.8]})
+    assert loss_falls({"losses": [10.0, 9.0]}) == "only 2 losses recorded"
+    assert loss_falls({}) is None  # a step that records no losses is not judged
+
+
+def test_eager_sweep_and_grouped_gemm_at_cpu_sizes():
+    out = run_cmd([sys.executable, "-m", "dtrain.gpucheck.stepprof", "eager_sweep", "--small"])
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [c["seq_len"] for c in d["cases"]] == [64, 128]
+    for c in d["cases"]:
+        # host issue time is part of the step's wall time
+        assert 0 < c["cpu_dispatch_s"] <= c["step_s"] and c["params"] > 0
+        assert c["gpu_busy_s"] == 0 and c["kernels"] == 0  # no GPU: no kernel records
+    line = profile_case_line(d["cases"][0])
+    assert line.startswith("tiny s64 mb 2 foreach: step ") and "host issue" in line
+    out = run_cmd([sys.executable, "-m", "dtrain.gpucheck.grouped", "--small"])
+    g = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [p["tokens_per_expert"] for p in g["points"]] == [16, 32]
+    for p in g["points"]:
+        # the grouped kernel against the per-expert loop: the same rows, the same weights
+        assert p["grouped_vs_loop_max_abs_err"] < 1e-4
+        assert p["flops"] == 2 * p["experts"] * p["tokens_per_expert"] * p["k"] * p["n"]
+    report = render(
+        [Step("grouped_gemm", "g", [], 1, status="ok", data=g)], __import__("pathlib").Path(".")
+    )
+    assert "| tokens per expert | grouped_mm | per-expert loop | dense, same FLOPs |" in report
+
+
+def test_profile_line_names_stream_overlap():
+    c = {
+        "preset": "1b",
+        "overrides": {"n_layer": 8},
+        "n_layer": 8,
+        "seq_len": 2048,
+        "micro_batch": 8,
+        "optimizer": "foreach",
+        "step_s": 0.1,
+        "cpu_dispatch_s": 0.04,
+        "gpu_busy_s": 0.09,
+        "gpu_kernel_sum_s": 0.1,
+        "streams": {"7": 0.08, "13": 0.02},
+        "kernels": 1234,
+        "peak_mem_bytes": 2**31,
+        "gpu_s_by_category": {"gemm": 0.06},
+    }
+    assert profile_case_line(c) == (
+        "1b/8L s2048 mb 8 foreach: step 100.0 ms (host issue 40.0 ms), GPU busy 90% (kernels on "
+        "2 streams overlap 10%), 1,234 kernels, peak 2.0 GiB (gemm 60%)"
+    )
+    assert KernelRecord("k", 0, 1, 7).stream == 7
+
+
+def test_kernel_records_on_torch_without_activity_type():
+    """torch 2.11 (the GPU image's) has no ``activity_type`` on its events: annotations are then
+    known by ``is_user_annotation`` or, lacking that too, by their ``record_function`` names."""
+    kernel = NS(
+        **{k: v for k, v in vars(_ev("sm90_xmma_gemm", 0, 10)).items() if k != "activity_type"}
+    )
+    ann = NS(
+        **{
+            k: v
+            for k, v in vars(_ev("Optimizer.step#AdamW.step", 0, 10, annotation=True)).items()
+            if k not in ("activity_type", "is_user_annotation")
+        }
+    )
+    assert [r.name for r in kernel_records([kernel, ann])] == ["sm90_xmma_gemm"]
