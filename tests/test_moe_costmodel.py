@@ -15,12 +15,15 @@ from dtrain.costmodel.memory import MemoryBreakdown
 from dtrain.costmodel.moe_cost import MoEModel, MoESpec, ep_comm, moe_memory
 from dtrain.costmodel.moe_search import moe_search
 from dtrain.costmodel.shapes import Layout, ModelShape
+from dtrain.model.args import GPTConfig
 from dtrain.model.flops import (
     MLA,
     attention_matmul_params,
+    flops_per_token,
     moe_flops_per_token,
     transformer_flops_per_token,
 )
+from dtrain.model.moe_args import MoEArgs
 from dtrain.parallel import traffic
 
 QWEN3_30B = [
@@ -50,6 +53,59 @@ def test_moe_flop_rule_by_hand():
         4, 64, 4, 4, 100, 32, dense_ffn=128, dense_layers=1, top_k=2, expert_ffn=32, shared_ffn=32
     )
     assert got == 910848 + 98304
+
+
+def test_moe_flop_rule_ungated_by_hand():
+    # the same shape with 2-matrix (GELU) MLPs, dtrain's GPT: FFN 2·64·(128 + 3·(2·32 + 32))
+    # = 53248 -> 6·(4·16384 + 53248 + 6400) = 751104; the core as above
+    got = moe_flops_per_token(
+        4,
+        64,
+        4,
+        4,
+        100,
+        32,
+        dense_ffn=128,
+        dense_layers=1,
+        top_k=2,
+        expert_ffn=32,
+        shared_ffn=32,
+        gated=False,
+    )
+    assert got == 751104 + 98304
+
+
+def test_the_gpt_counts_its_experts_by_the_one_rule():
+    """``flops_per_token`` of an MoE GPTConfig is ``moe_flops_per_token`` with gated=False:
+    tiny (L 2, d 64, 4 heads, vocab 256, s 64, dense hidden 256), 4 experts of 256, top-2, one
+    shared, the first layer dense: attention 4·64·64 = 16384 per layer; FFN 2·64·(256 + (2 + 1)
+    ·256) = 131072; lm_head 16384 -> 6·(2·16384 + 131072 + 16384) = 1081344; core
+    6·2·4·(16 + 16)·64 = 98304."""
+    cfg = GPTConfig.from_preset(
+        "tiny", moe=MoEArgs(experts=4, top_k=2, shared_experts=1, dense_layers=1)
+    )
+    assert (cfg.n_layer, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size, cfg.seq_len) == (
+        2,
+        64,
+        256,
+        256,
+        64,
+    )
+    assert flops_per_token(cfg) == 1081344 + 98304
+    assert flops_per_token(cfg) == moe_flops_per_token(
+        2,
+        64,
+        4,
+        4,
+        256,
+        64,
+        dense_ffn=256,
+        dense_layers=1,
+        top_k=2,
+        expert_ffn=256,
+        shared_ffn=256,
+        gated=False,
+    )
 
 
 def test_moe_flop_rule_is_the_dense_formula_for_a_dense_model():

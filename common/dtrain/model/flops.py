@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from dtrain.model.args import GPTConfig, transformer_params
-from dtrain.model.moe_args import moe_active_matmul_delta
 
 
 def transformer_flops_per_token(
@@ -49,20 +48,35 @@ def transformer_flops_per_token(
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token of GPT(cfg): ``transformer_flops_per_token`` (6·N_matmul +
     12·L·H·hd·T, lm_head included when tied, full non-causal attention), equal to torchtitan's
-    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``. An MoE model counts
-    the weights a token multiplies (Megatron's MoE rule: top_k routed + shared experts, the router
-    left out): ``dtrain.model.moe_args.moe_active_matmul_delta``."""
-    moe = 0
-    if cfg.moe is not None:
-        moe = 6 * moe_active_matmul_delta(cfg.moe, cfg.n_layer, cfg.d_model, cfg.mlp_hidden)
-    return moe + transformer_flops_per_token(
+    ``6*N + 12*L*H*Q*T`` and to ``6 * num_matmul_params(cfg) + attention``. An MoE model is
+    ``moe_flops_per_token`` (Megatron's MoE rule: top_k routed + shared experts, the router left
+    out) with the GPT's 2-matrix GELU MLPs (``gated=False``)."""
+    seq = seq_len or cfg.seq_len
+    if cfg.moe is not None and cfg.moe.enabled:
+        m, ffn = cfg.moe, cfg.moe.ffn(cfg.mlp_hidden)
+        return moe_flops_per_token(
+            cfg.n_layer,
+            cfg.d_model,
+            cfg.n_head,
+            cfg.n_kv_head,
+            cfg.vocab_size,
+            seq,
+            dense_ffn=cfg.mlp_hidden,
+            dense_layers=m.dense_layers,
+            top_k=m.top_k,
+            expert_ffn=ffn,
+            shared_ffn=m.shared_experts * ffn,
+            head_dim=cfg.head_dim,
+            gated=False,
+        )
+    return transformer_flops_per_token(
         cfg.n_layer,
         cfg.d_model,
         cfg.n_head,
         cfg.n_kv_head,
         cfg.mlp_hidden,
         cfg.vocab_size,
-        seq_len or cfg.seq_len,
+        seq,
         False,
         cfg.head_dim,
     )
@@ -110,12 +124,15 @@ def moe_flops_per_token(
     shared_ffn: int = 0,
     head_dim: int | None = None,
     mla: MLA | None = None,
+    gated: bool = True,
 ) -> int:
     """Training model FLOPs per token of an MoE transformer by Megatron-LM's rule
     (``training.num_floating_point_operations``): the same 6 per weight per token as
-    ``transformer_flops_per_token`` over the weights a token meets, SwiGLU MLPs (3 matrices):
+    ``transformer_flops_per_token`` over the weights a token meets, its MLPs (dense, routed and
+    shared) of c matrices: 3 gated (SwiGLU, ``gated``: the cost model's MoE shapes), 2 not (GELU:
+    dtrain's GPT, ``flops_per_token``):
 
-        6 · (L·attention + 3·d·(D·dense_ffn + (L−D)·(top_k·expert_ffn + shared_ffn)) + V·d)
+        6 · (L·attention + c·d·(D·dense_ffn + (L−D)·(top_k·expert_ffn + shared_ffn)) + V·d)
         + 6·L·s·H·(d_qk + d_v)                      (d_qk = d_v = head dim without MLA)
 
     ``shared_ffn`` is the shared experts' total width (S x their ffn; Megatron's
@@ -127,6 +144,10 @@ def moe_flops_per_token(
     qk, v = (hd, hd) if mla is None else (mla.qk_nope_dim + mla.qk_rope_dim, mla.v_head_dim)
     attention = attention_matmul_params(d_model, n_head, n_kv_head, hd, mla)
     moe_layers = n_layer - dense_layers
-    ffn = 3 * d_model * (dense_layers * dense_ffn + moe_layers * (top_k * expert_ffn + shared_ffn))
+    ffn = (
+        (3 if gated else 2)
+        * d_model
+        * (dense_layers * dense_ffn + moe_layers * (top_k * expert_ffn + shared_ffn))
+    )
     matmul = n_layer * attention + ffn + vocab * d_model
     return 6 * matmul + 6 * n_layer * n_head * (qk + v) * seq_len

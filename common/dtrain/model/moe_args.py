@@ -1,6 +1,7 @@
 """The MoE feed-forward's configuration (``model.moe.*``) and what follows from it alone, without
 torch: the one home of its defaults (the Hydra node ``model.moe`` is this dataclass) and of its
-parameter and FLOP terms (``dtrain.model.args`` / ``dtrain.model.flops`` add them to the GPT's).
+parameter terms (``dtrain.model.args`` adds them to the GPT's; the FLOPs:
+``dtrain.model.flops.moe_flops_per_token``, the one MoE FLOP rule).
 
     experts          routed experts per MoE layer (0: the model is dense)
     top_k            experts each token is sent to
@@ -104,11 +105,3 @@ def moe_params_delta(moe: MoEArgs, n_layer: int, d_model: int, dense_hidden: int
     dense = dense_matmul + ((dense_hidden + d_model) if bias else 0)
     moe_layer = moe_layer_params(moe, d_model, dense_hidden)
     return layers * (moe_layer - dense), layers * (moe_layer - dense_matmul)
-
-
-def moe_active_matmul_delta(moe: MoEArgs, n_layer: int, d_model: int, dense_hidden: int) -> int:
-    """Matmul weights a token multiplies beyond its dense twin, Megatron's MoE FLOP rule: the
-    top_k routed experts and the shared ones; the router is not counted."""
-    f = moe.ffn(dense_hidden)
-    active = (moe.top_k + moe.shared_experts) * 2 * d_model * f
-    return moe.moe_layers(n_layer) * (active - 2 * d_model * dense_hidden)
