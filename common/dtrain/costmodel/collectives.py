@@ -51,8 +51,9 @@ def all_to_all_time(nbytes: float, n: int, link: LinkModel) -> float:
 def all_to_all_uneven_time(sends: Sequence[Sequence[float]], link: LinkModel) -> float:
     """All-to-all with uneven splits: ``sends[i][j]`` bytes go from rank i to rank j (the diagonal
     stays on the rank). Every rank sends and receives at once, so the busiest rank sets the time:
-    max over ranks of max(bytes it sends, bytes it receives) / β + (n−1)·α, the all_to_all α–β as
-    in ``all_to_all_time`` (which this equals for even splits)."""
+    max over ranks of max(bytes it sends, bytes it receives) / β + (n−1)·α, the α–β of the
+    link's uneven all-to-all (``all_to_all_v``) where allreduce-bench fitted one, else its
+    all_to_all's as in ``all_to_all_time`` (which this then equals for even splits)."""
     n = len(sends)
     if any(len(row) != n for row in sends) or any(b < 0 for row in sends for b in row):
         raise ValueError(f"all_to_all sends must be a square matrix of bytes >= 0, got {sends}")
@@ -60,7 +61,8 @@ def all_to_all_uneven_time(sends: Sequence[Sequence[float]], link: LinkModel) ->
         return 0.0
     out = [sum(row) - row[i] for i, row in enumerate(sends)]
     into = [sum(sends[i][j] for i in range(n)) - sends[j][j] for j in range(n)]
-    link = link.of("all_to_all")
+    uneven = any(name == "all_to_all_v" for name, _, _ in link.collectives)
+    link = link.of("all_to_all_v" if uneven else "all_to_all")
     return max(max(out), max(into)) / link.beta_Bps + (n - 1) * link.alpha_s
 
 

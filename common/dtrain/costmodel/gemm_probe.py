@@ -34,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from dtrain.core.errors import UserError
 from dtrain.model import perf
+from dtrain.model.args import GPTConfig
 from dtrain.model.timing import queued_s
 from dtrain.results import contract
 from dtrain.results.derived import claim_output, write_derived_run
@@ -47,6 +49,7 @@ from dtrain.results.loader import complete_runs
 from dtrain.run import envinfo, hostload
 
 from . import hardware
+from .gpt_shape import moe_model_of
 from .efficiency import Gemm, GemmCurve, fit_curve, gemm_time, head_gemm, layer_gemms
 from .shapes import Layout, ModelShape
 
@@ -65,7 +68,10 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
             threads.append(int(run.env["threads_per_rank"]))
         used = False
         for m in contract.read(run.summary):
-            if isinstance(m, contract.TrainingMeasurement):
+            # an MoE run (``moe_run``) too: its model's step on one process (ep 1, every expert
+            # local) gives its own fixed overhead (routing, the experts' permutation) to the
+            # guide's MoE row
+            if isinstance(m, (contract.TrainingMeasurement, contract.MoeMeasurement)):
                 ds = [
                     {
                         "kind": "gpt",
@@ -104,7 +110,11 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
 
 
 def shape_of_target(t: dict) -> ModelShape:
+    """The target as a dense shape; an MoE GPT as its dense proxy (every layer's MLP the width a
+    token meets: ``moe_cost.MoEModel.proxy``), whose GEMMs are its balanced FLOPs."""
     c = t["config"]
+    if t["kind"] == "gpt" and c.get("moe"):
+        return replace(moe_model_of(GPTConfig(**c)).proxy, name="")
     if t["kind"] == "gpt":
         return ModelShape(
             c["n_layer"],
@@ -221,7 +231,7 @@ def gemm_seconds(g: Gemm, device: torch.device, dtype: torch.dtype, timer: Timer
 def step_s(t: dict, device: torch.device, timer: Timer) -> float:
     """One training step (forward, backward, clipping, AdamW, loss read-back) of the model at its
     real size."""
-    from dtrain.model.gpt import GPT, Block, GPTConfig
+    from dtrain.model.gpt import GPT, Block
 
     c = dict(t["config"])
     torch.manual_seed(0)

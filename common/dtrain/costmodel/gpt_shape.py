@@ -7,6 +7,7 @@ calibration readers both call it, so no cost-model module reaches up into them f
 
 from __future__ import annotations
 
+from .moe_cost import MoEModel, MoESpec
 from .shapes import ModelShape
 
 
@@ -24,3 +25,15 @@ def shape_of(g) -> ModelShape:
         g.tie_embeddings,
         name="run",
     )
+
+
+def moe_model_of(g) -> MoEModel:
+    """An MoE GPTConfig (``g.moe`` set) as the cost model's ``MoEModel``: its dense shape
+    (``shape_of``: GELU, so every MLP of 2 matrices), the experts of ``g.moe.ffn`` (the dense
+    hidden width when unset), the shared experts as the GPT builds them (one MLP of
+    shared_experts x that width), balanced routing (ρ 1.0) and the all-to-all dispatcher the
+    trainer runs."""
+    m = g.moe
+    ffn = m.ffn(g.mlp_hidden)
+    spec = MoESpec(m.experts, m.top_k, ffn, m.shared_experts, ffn, m.dense_layers)
+    return MoEModel(shape_of(g), spec, name="run")

@@ -16,7 +16,8 @@ An MoE model is priced as its *dense proxy* plus the routed experts' own terms:
              d/H head dim misses (``--head-dim``, MLA)
   all_to_all dispatch + combine per MoE layer and micro-batch (``dtrain.parallel.traffic``:
              2·(b_dispatch + b_combine)·T·k·h·(ep−1)/ep per rank), four all-to-alls (forward and
-             backward), the busiest rank receiving ρ x the even share
+             backward) after the token counts' exchange (one even all-to-all of E int64), the
+             busiest rank receiving ρ x the even share
              (``collectives.all_to_all_uneven_time``), over the EP group's real link: NVLink
              when the group fits a node, else each rank's NIC for the share that leaves the
              node. DeepEP sends a token once per target node (``traffic.ep_nodes_reached``), the
@@ -45,6 +46,7 @@ from dtrain.parallel import traffic as volume
 
 from .collectives import (
     all_gather_time,
+    all_to_all_time,
     all_to_all_uneven_time,
     allreduce_time,
     group_link,
@@ -75,7 +77,7 @@ GROUP_ALIGN = 128
 
 @dataclass(frozen=True)
 class MoESpec:
-    """The routed feed-forward: ``experts`` of width ``expert_ffn`` (SwiGLU), ``top_k`` per token,
+    """The routed feed-forward: ``experts`` of width ``expert_ffn``, ``top_k`` per token,
     ``shared_experts`` always on (each ``shared_ffn`` wide; 0: ``expert_ffn``), the first
     ``dense_layers`` dense. ``imbalance`` ρ: the busiest rank's tokens over the balanced count
     (Megatron's overload factor). ``dispatcher``: alltoall, allgather or deepep;
@@ -114,7 +116,9 @@ class MoESpec:
 @dataclass(frozen=True)
 class MoEModel:
     """An MoE decoder: ``base`` holds the attention, the vocabulary, the layers and the dense
-    layers' FFN (``base.ffn_hidden``, SwiGLU); ``head_dim`` when heads x head dim is not d_model
+    layers' FFN (``base.ffn_hidden``); every MLP, dense, routed and shared, of ``mlp_matrices``
+    (``base.gated_mlp``: SwiGLU's 3, as the released MoE models; else GELU's 2, as dtrain's GPT,
+    ``gpt_shape.moe_model_of``); ``head_dim`` when heads x head dim is not d_model
     (Qwen3, GPT-OSS); ``mla`` DeepSeek's latent attention."""
 
     __hash__ = cached_hash
@@ -147,7 +151,12 @@ class MoEModel:
         active = m.dense_layers * b.ffn_hidden + self.moe_layers * (
             m.top_k * m.expert_ffn + m.shared_total
         )
-        return replace(b, ffn_mult=active / b.n_layer / b.d_model, gated_mlp=True)
+        return replace(b, ffn_mult=active / b.n_layer / b.d_model)
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of each MLP: 3 gated (SwiGLU), 2 not (GELU)."""
+        return 3 if self.base.gated_mlp else 2
 
     def attention_params(self) -> int:
         b = self.base
@@ -159,21 +168,22 @@ class MoEModel:
         return self.attention_params() - attention_matmul_params(b.d_model, b.n_head, b.n_kv_head)
 
     def expert_params(self) -> int:
-        """One MoE layer's routed experts: E x 3·d·F."""
-        return self.moe.experts * 3 * self.base.d_model * self.moe.expert_ffn
+        """One MoE layer's routed experts: E x c·d·F (c = ``mlp_matrices``)."""
+        return self.moe.experts * self.mlp_matrices * self.base.d_model * self.moe.expert_ffn
 
     def routed_active_params(self) -> int:
         """One MoE layer's routed weights a token meets (what the proxy holds for them)."""
-        return self.moe.top_k * 3 * self.base.d_model * self.moe.expert_ffn
+        return self.moe.top_k * self.mlp_matrices * self.base.d_model * self.moe.expert_ffn
 
     def num_params(self) -> int:
         """Total parameters (Megatron's count: every expert; norms, router included)."""
         b, m = self.base, self.moe
         d = b.d_model
         router = d * m.experts
-        dense_layer = self.attention_params() + 3 * d * b.ffn_hidden + 2 * d
+        c = self.mlp_matrices
+        dense_layer = self.attention_params() + c * d * b.ffn_hidden + 2 * d
         moe_layer = (
-            self.attention_params() + self.expert_params() + 3 * d * m.shared_total + 2 * d + router
+            self.attention_params() + self.expert_params() + c * d * m.shared_total + 2 * d + router
         )
         embed = b.vocab * d * (1 if b.tied_embeddings else 2)
         return m.dense_layers * dense_layer + self.moe_layers * moe_layer + embed + d
@@ -201,6 +211,7 @@ class MoEModel:
             shared_ffn=m.shared_total,
             head_dim=self.hd,
             mla=self.mla,
+            gated=self.base.gated_mlp,
         )
 
 
@@ -260,7 +271,8 @@ def moe_memory(
     """The proxy's memory with its routed weights replaced by the experts (sharded over
     ``expert_shard_group``), MLA / head-dim attention weights added, and the routed activations:
     per MoE layer and micro-batch held, the k permuted copies of each token and the experts'
-    outputs before the combine (2·2·T·k·h bytes), ρ x the k·3·F SwiGLU rows the proxy counts once
+    outputs before the combine (2·2·T·k·h bytes), ρ x the k·c·F MLP rows the proxy counts once
+    (SwiGLU's 3 F-wide tensors, GELU's 2)
     (the extra (ρ−1)), none with full recompute (a layer's input alone is kept)."""
     m, d = model.moe, model.base.d_model
     expert = expert_params_per_gpu(model, lay)
@@ -292,7 +304,7 @@ def moe_memory(
         t = rank_tokens(model, lay)
         r = rho(model, lay)
         per_layer = 2 * t * d * (2 * m.top_k * r - 1) + (r - 1) * t * m.top_k * (
-            2 * 3 * m.expert_ffn / lay.etp
+            2 * model.mlp_matrices * m.expert_ffn / lay.etp
         )
         held = held_layer_microbatches(model.proxy, lay)
         share = stage_moe_layers(model, lay) / max(
@@ -377,9 +389,12 @@ def ep_comm(
         )
         return EpComm(s, 2 * (dispatch_bytes + combine_bytes) * t * d * (ep - 1), link.name)
     passes = (dispatch_bytes, combine_bytes, combine_bytes, dispatch_bytes)
+    # before the dispatch each rank tells every other how many rows it sends each expert (one
+    # small even all-to-all, forward: latency-bound, Megatron's and DeepEP's too)
+    counts = all_to_all_time(volume.ep_counts_bytes(m.experts), ep, link)
     if g == ep:  # one node: NVLink
         s = sum(_a2a(volume.ep_dispatch_bytes(t, m.top_k, d, b), ep, rho, link) for b in passes)
-        return EpComm(s, wire, link.name)
+        return EpComm(s + counts, wire, link.name)
     nodes = ep // g
     cross = (ep - g) / ep
     copies = m.top_k
@@ -391,7 +406,7 @@ def ep_comm(
         ib = t * copies * d * b * cross * rho / link.beta_Bps + (nodes - 1) * link.alpha_s
         nv = t * m.top_k * d * b * (g - 1) / ep * rho / nvlink.beta_Bps
         s += max(ib, nv + (g - 1) * nvlink.alpha_s)
-    return EpComm(s, wire, f"{link.name} ({g} per node)")
+    return EpComm(s + counts, wire, f"{link.name} ({g} per node)")
 
 
 def _dp_time(
@@ -447,9 +462,11 @@ class MoETerms:
 
 
 def _routed_gemms(model: MoEModel, rows: float, width: int, count: int) -> list[Gemm]:
-    """Forward GEMMs of ``count`` experts' SwiGLU slices of ``width`` columns for ``rows`` each."""
+    """Forward GEMMs of ``count`` experts' slices of ``width`` columns for ``rows`` each: SwiGLU's
+    w1 and w3 as one GEMM, GELU's w1, then w2."""
     d, rows = model.base.d_model, max(1, round(rows))
-    return [Gemm(rows, 2 * width, d, count, "w13"), Gemm(rows, d, width, count, "w2")]
+    up = (model.mlp_matrices - 1) * width
+    return [Gemm(rows, up, d, count, "w13"), Gemm(rows, d, width, count, "w2")]
 
 
 def moe_terms(

@@ -93,9 +93,11 @@ def price(
     stack: Stack = Stack(),
     act_factor: float = 1.0,
     memory: tuple[MemoryBreakdown, dict] | None = None,
+    value_bytes: int = 2,
 ) -> MoEPlan:
-    """One layout's MoE plan (its memory is not checked against HBM here)."""
-    steps = step_model(model.proxy, cluster, calib, _gemm_precision(precision), 2, stack)
+    """One layout's MoE plan (its memory is not checked against HBM here). ``value_bytes``: 4 for
+    an fp32 run (the guide's local check), its weights, activations and dispatched rows."""
+    steps = step_model(model.proxy, cluster, calib, _gemm_precision(precision), value_bytes, stack)
     st = steps.time(lay)
     dp_share = st.dp_comm_exposed / st.dp_comm if st.dp_comm > 0 else 1.0
     dtype = "fp8" if steps.fp8_gemms else "bf16"
@@ -109,8 +111,9 @@ def price(
         proxy_work_s=st.compute - st.terms.optimizer,
         dp_exposed_share=min(dp_share, 1.0),
         dtype=dtype,
-        dispatch_bytes=DISPATCH_BYTES[precision],
-        combine_bytes=2,
+        dispatch_bytes=DISPATCH_BYTES[precision] if value_bytes == 2 else value_bytes,
+        combine_bytes=value_bytes,
+        value_bytes=value_bytes,
         grad_bytes=stack.grad_bytes,
     )
     mem, mem_terms = memory or memory_of(model, lay, stack, act_factor)

@@ -167,9 +167,9 @@ def generate(
         if (
             report.runs
         ):  # the local checks read runs with dtrain's model (torch): only when there are runs
-            from .local_check import local_checks
+            from .moe_check import all_checks
 
-            checks = local_checks(report, base)
+            checks = all_checks(report, base)
         # the plot shows the judged rows only: a loaded run's spread would only mislead
         plot_paths = draw_all(cells, [c for c in checks if c.judged], plots_dir, pool)
         backtest_rows = backtest_async.get() if backtest_async else None

@@ -215,6 +215,7 @@ class _Probe:
                 o["kind"] == kind
                 and o["micro_batch"] == micro_batch
                 and all(c.get(k) == v for k, v in match.items())
+                and c.get("moe") == match.get("moe")  # an MoE model's overhead is its own
             ):
                 return float(o["overhead_s"]) * self.peak / run_peak
         return None

@@ -260,6 +260,13 @@ def ep_layer_bytes(
     return 2 * (dispatch_bytes + combine_bytes) * per
 
 
+def ep_counts_bytes(experts: int) -> int:
+    """A rank's token-count exchange before each dispatch (``parallel.ep.dispatch``, step 1): an
+    even all-to-all of its rows per expert, ``experts`` int64 values, forward only (the backward's
+    all-to-alls reuse the splits)."""
+    return 8 * experts
+
+
 def ep_nodes_reached(top_k: int, nodes: int, node_limit: int | None = None) -> float:
     """Distinct nodes a token's top_k experts sit on, uniform routing over ``nodes`` nodes:
     nodes·(1 − (1 − 1/nodes)^k), at most ``node_limit`` (DeepSeek-V3's node-limited routing: 4).
