@@ -136,3 +136,24 @@ def test_the_gemm_probe_times_an_moe_runs_own_model(tmp_path):
     # its GEMMs are the active model's: the dense proxy, each MLP k x the expert width
     proxy = shape_of_target(moe)
     assert proxy.ffn_hidden == 2 * 256 and not proxy.gated_mlp
+
+
+def test_memory_fit_counts_the_experts_and_routed_activations():
+    """tiny, 4 experts of 256, top-2, zero3 on 2 ranks with ep 2: rank 0 holds half the non-expert
+    weights and its 2 experts of each layer whole (efsdp 1), 166,304 fp32 parameters, as the
+    trainer measured (fsdp-scaling's state table: 665,216 bytes of parameters on rank 0); 16 bytes
+    each with grads and Adam. The dense twin counts one MLP per layer and no routed rows."""
+    from dtrain.train.config import TrainConfig
+    from dtrain.train.memory_fit import moe_need, training_need
+
+    train = TrainConfig(micro_batch=2, strategy="zero3", ep=2).resolved(2, "cpu")
+    need = training_need(TINY_MOE, train, 2)
+    experts = 2 * 4 * 2 * 64 * 256 / 2
+    assert (num_params(TINY_MOE) - 2 * experts) / 2 + experts == 166_304
+    assert need.states == pytest.approx(16 * 166_304)
+    assert LAYOUT.efsdp == 1
+    # activations: the dense proxy's (each MLP k x the expert width) and the routed rows
+    dense_train = TrainConfig(micro_batch=2, strategy="zero3").resolved(2, "cpu")
+    dense = training_need(GPTConfig.from_preset("tiny"), dense_train, 2)
+    _, routed = moe_need(moe_model_of(TINY_MOE), LAYOUT, 2.0)  # fp32: 2 x the 16-bit bytes
+    assert routed > 0 and need.activations > dense.activations + routed

@@ -19,6 +19,12 @@ Activations are the cost model's (Korthikanti et al. per layer / tp, 1F1B in-fli
 interleaving), with the logits
 of a replicated lm_head (each tp rank computes all V of them) and, with kv_heads < tp, the k and
 v of the one head each rank computes with.
+
+An MoE model (``model.moe``; the trainer runs it with tp = pp = 1) holds its non-expert weights
+sharded as a dense model's and, of each MoE layer, E/ep experts sharded over efsdp
+(``dtrain.parallel.ep.trainer_ep``); its activations are its dense proxy's (every MLP the width a
+token meets) plus the routed rows, the experts (``expert_params_per_gpu``) and the routed
+activations (``routed_activation_bytes``) as the cost model's ``moe_cost.moe_memory`` counts them.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from dtrain.core.errors import UserError
-from dtrain.costmodel.gpt_shape import shape_of
-from dtrain.costmodel.memory import fsdp2_state_bytes, memory_per_gpu
+from dtrain.costmodel.gpt_shape import moe_model_of, shape_of
+from dtrain.costmodel.memory import MemoryBreakdown, fsdp2_state_bytes, memory_per_gpu
+from dtrain.costmodel.moe_cost import moe_memory
 from dtrain.model.args import GPTConfig, num_params
 from dtrain.parallel.pipeline import split_layers, stages_of_rank
 
@@ -90,8 +97,9 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
     # The cost model's head is vocab-parallel (V/tp logits per rank); the trainer's computes all V
     # on every tp rank, which is that formula with tp*V entries (vocab enters the activations only
     # there). With kv_heads < tp each rank stores k and v of one head, as if there were tp of them.
+    moe = moe_model_of(model) if model.moe is not None else None
     shape = replace(
-        shape_of(model),
+        moe.proxy if moe else shape_of(model),
         vocab=model.vocab_size * tp,
         n_kv_head=max(model.n_kv_head, tp),
         seq_len=model.seq_len // run.cp,
@@ -101,10 +109,26 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
         shape, layout, activation_bytes_factor=factor, flash_attention=True, fused_loss=False
     )
     psi = params_per_rank(model, tp, pp, train.pp_schedule, train.pp_virtual)
-    states = sum(fsdp2_state_bytes(psi, layout.zero_stage, shards))
-    m = replace(m, params=states, grads=0.0, optimizer=0.0)  # the trainer's states, not Megatron's
+    routed = 0.0
+    if moe is not None:
+        experts, routed = moe_need(moe, layout, factor)
+        psi = num_params(model) - moe.moe_layers * moe.expert_params()  # all but the experts
+        states = sum(fsdp2_state_bytes(psi, layout.zero_stage, shards))
+        states += sum(fsdp2_state_bytes(experts, layout.zero_stage, layout.efsdp))
+    else:
+        states = sum(fsdp2_state_bytes(psi, layout.zero_stage, shards))
+    # the trainer's states, not Megatron's
+    m = replace(m, params=states, grads=0.0, optimizer=0.0, activations=m.activations + routed)
     init = 4.0 * num_params(model)  # every rank builds the whole model before splitting it
     return Need(max(m.total, init), states, m.activations + m.buffers, init)
+
+
+def moe_need(moe, layout, activation_factor: float) -> tuple[float, float]:
+    """(expert weights the busiest rank holds, its routed activation bytes): the cost model's MoE
+    memory terms (``moe_cost.moe_memory``) at ``layout``."""
+    empty = MemoryBreakdown(params=0.0, grads=0.0, optimizer=0.0, activations=0.0)
+    _, terms = moe_memory(moe, layout, empty, activation_factor=activation_factor)
+    return terms["expert_params_per_gpu"], terms["routed_activation_bytes"]
 
 
 def available_host_bytes() -> float:
