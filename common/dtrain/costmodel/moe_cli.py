@@ -2,7 +2,9 @@
 
 ``add_arguments`` adds the MoE flags to ``dtrain plan``; ``run`` answers when --experts is given:
 the best layout with its ep (and etp), the routed experts' terms (``moe_cost.MoETerms``) and memory,
-the best with EP = 1 beside it, and ``--json`` naming every MoE term.
+the best with EP = 1 beside it, the trainer's overrides (``overrides.moe_overrides``) for the best
+layout it runs (its refusal of the best, when it refuses it: ``trainer_refusal``, whose MoE rules
+are ``feasibility.check_moe``), and ``--json`` naming every MoE term.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .hardware import GiB
 from .plan_report import fit_lines
 from .moe_cost import DISPATCHERS, MoEModel, MoESpec
 from .moe_search import MoEPlan, MoESearchResult, moe_search
+from .overrides import moe_overrides, trainer_refusal
 from .shapes import ModelShape
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
@@ -200,6 +203,62 @@ def model_json(model: MoEModel) -> dict:
     }
 
 
+# plans tried for the best one the trainer runs when it refuses the best (each check builds the
+# model's config: bounded)
+RUNNABLE_TRIES = 50
+
+
+def trainer_run(res: MoESearchResult) -> dict:
+    """Whether dtrain's trainer runs the best plan (``dtrain_runs``; ``dtrain_refusal``: its
+    reason, e.g. an MoE model with tp or pp > 1, or etp > 1) and the overrides of the plan it runs:
+    the best's, else the best-ranked plan it runs (``train_overrides_for``: choice or
+    ``dtrain_choice``, a describe() of it)."""
+    out = {"dtrain_runs": None, "dtrain_refusal": None, "dtrain_choice": None}
+    none = {"train_overrides": None, "train_overrides_notes": [], "train_overrides_for": None}
+    if res.best is None:
+        return out | none
+    args = (res.model, res.global_batch, res.precision)
+    overrides, notes = moe_overrides(res.best.layout, *args)
+    why = trainer_refusal(overrides)
+    out |= {"dtrain_runs": why is None, "dtrain_refusal": why}
+    if why is None:
+        return out | {
+            "train_overrides": overrides,
+            "train_overrides_notes": notes,
+            "train_overrides_for": "choice",
+        }
+    # the trainer's MoE rules first (tp = pp = etp = 1), then its own check of each
+    near = [p for p in res.ranked if p.layout.tp * p.layout.pp * p.layout.etp == 1]
+    for p in near[:RUNNABLE_TRIES]:
+        overrides, notes = moe_overrides(p.layout, *args)
+        if trainer_refusal(overrides) is None:
+            slower = 100 * (1 - p.time.tokens_per_s / res.best.time.tokens_per_s)
+            return out | {
+                "dtrain_choice": {"describe": p.describe(), "slower_than_best_pct": slower},
+                "train_overrides": overrides,
+                "train_overrides_notes": notes,
+                "train_overrides_for": "dtrain_choice",
+            }
+    return out | none
+
+
+def trainer_lines(run: dict) -> list[str]:
+    """The plan's dtrain line: runs it (its overrides), or why not and the plan it runs."""
+    if run["dtrain_runs"] is None:
+        return []
+    cmd = "python -m fsdp_scaling " + " ".join(run["train_overrides"] or [])
+    if run["dtrain_runs"]:
+        return [f"dtrain:   runs it: {cmd}"]
+    out = [f"dtrain:   cannot run it ({run['dtrain_refusal']})"]
+    alt = run["dtrain_choice"]
+    if alt is None:
+        return out + ["          no plan dtrain runs fits"]
+    return out + [
+        f"          best it runs: {alt['describe']}, {alt['slower_than_best_pct']:.0f}% slower: "
+        + cmd
+    ]
+
+
 def to_json(res: MoESearchResult, top: int) -> dict:
     out = {
         "model": model_json(res.model),
@@ -213,7 +272,7 @@ def to_json(res: MoESearchResult, top: int) -> dict:
     }
     one = res.best_at(ep=1)
     out["best_ep1"] = plan_json(one, res) if one else None
-    return out
+    return out | trainer_run(res)
 
 
 def text(res: MoESearchResult) -> list[str]:
@@ -266,5 +325,6 @@ def run(a, base: ModelShape, cluster, calib, stack, fixed: dict | None) -> int:
     if a.json:
         print(json.dumps(to_json(res, a.top), indent=2, sort_keys=True))
     else:
-        print("\n".join(fit_lines(text(res), terminal.width())))
+        lines = text(res) + trainer_lines(trainer_run(res))
+        print("\n".join(fit_lines(lines, terminal.width())))
     return 0 if res.best else 1

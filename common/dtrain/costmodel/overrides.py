@@ -16,6 +16,8 @@
     seq_len
 
     sequence_parallel -> train.sequence_parallel
+    an MoE model (``moe_overrides``) -> train.ep, train.etp, model.moe.experts, top_k,
+                      expert_ffn, shared_experts, dense_layers
 
 What the trainer cannot express is listed in `notes` instead of being silently dropped: ZeRO-1,
 selective recompute, FP8, a vocabulary other than the fsdp-scaling preset's, a gated MLP, cp
@@ -100,6 +102,37 @@ def train_overrides(
     return out, notes
 
 
+def moe_overrides(
+    layout: Layout, model, global_batch: int, precision: str = "bf16", preset: str = "small"
+) -> tuple[list[str], list[str]]:
+    """``train_overrides`` of an MoE model (``moe_cost.MoEModel``): its dense base's, plus the
+    layout's ep and etp and the ``model.moe`` keys; what the trainer's MoE layer does not run
+    (a shared expert of another width, DeepEP or allgather dispatch, A2A overlap, a head dim
+    other than d / heads, MLA) goes to the notes."""
+    out, notes = train_overrides(layout, model.base, global_batch, precision, preset)
+    m = model.moe
+    out += [
+        f"train.ep={layout.ep}",
+        f"train.etp={layout.etp}",
+        f"model.moe.experts={m.experts}",
+        f"model.moe.top_k={m.top_k}",
+        f"model.moe.expert_ffn={m.expert_ffn}",
+        f"model.moe.shared_experts={m.shared_experts}",
+        f"model.moe.dense_layers={m.dense_layers}",
+    ]
+    if m.shared_experts and m.shared_ffn not in (0, m.expert_ffn):
+        notes.append(
+            f"the trainer's shared experts are expert_ffn ({m.expert_ffn}) wide, not {m.shared_ffn}"
+        )
+    if m.dispatcher != "alltoall":
+        notes.append(f"the {m.dispatcher} dispatcher runs as the trainer's uneven all-to-all")
+    if m.a2a_overlap:
+        notes.append("the trainer does not overlap the all-to-all with other micro-batches")
+    if model.mla is not None or model.hd != model.base.d_model // model.base.n_head:
+        notes.append("the trainer's attention has d_model / n_head head dim (no MLA)")
+    return out, notes
+
+
 def trainer_refusal(overrides: list[str]) -> str | None:
     """Why the trainer refuses ``overrides`` (``train_overrides``' list, read as printed); None
     when it runs them. The trainer's own rules, called: ``dtrain.parallel.feasibility`` (cp with
@@ -116,8 +149,12 @@ def trainer_refusal(overrides: list[str]) -> str | None:
     model = {
         k.removeprefix("model."): v if k == "model.preset" else int(v)
         for k, v in values.items()
-        if k.startswith("model.")
+        if k.startswith("model.") and not k.startswith("model.moe.")
     }
+    moe = {k.removeprefix("model.moe."): int(v) for k, v in values.items() if "model.moe." in k}
+    if moe:
+        model["moe"] = moe
+    ep, etp = int(train.get("ep", 1)), int(train.get("etp", 1))
     tp, pp, cp = (int(train.get(k, 1)) for k in ("tp", "pp", "cp"))
     impl, sp = train.get("cp_impl", "ring"), train["sequence_parallel"] == "true"
     micro, batch = int(train["micro_batch"]), int(train["global_batch"])
@@ -131,6 +168,10 @@ def trainer_refusal(overrides: list[str]) -> str | None:
             strategy=train["strategy"],
             hsdp_replicate=int(train.get("hsdp_replicate", 1)),
             cp=cp,
+            ep=ep,
+        )
+        f.check_moe(
+            cfg, ep, etp, tp, pp, train["strategy"], train.get("activation_checkpointing", "none")
         )
         if batch % (micro * dims.dp):
             return (
