@@ -157,3 +157,21 @@ def test_memory_fit_counts_the_experts_and_routed_activations():
     dense = training_need(GPTConfig.from_preset("tiny"), dense_train, 2)
     _, routed = moe_need(moe_model_of(TINY_MOE), LAYOUT, 2.0)  # fp32: 2 x the 16-bit bytes
     assert routed > 0 and need.activations > dense.activations + routed
+
+
+def test_a_probe_overhead_is_its_own_models():
+    """The probe's overhead of an MoE model and of its dense twin (same dims, same micro-batch):
+    each row reads its own."""
+    from dtrain.costmodel.efficiency import GemmCurve
+    from dtrain.guide.local_check import _Probe
+
+    dense_cfg = model_dict(GPTConfig.from_preset("tiny"))
+    moe_cfg = model_dict(TINY_MOE)
+    overheads = [
+        {"kind": "gpt", "config": moe_cfg, "micro_batch": 2, "overhead_s": 0.005},
+        {"kind": "gpt", "config": dense_cfg, "micro_batch": 2, "overhead_s": 0.003},
+    ]
+    probe = _Probe(GemmCurve(0.9, 1e5), overheads, "probe", 1e11)
+    match = {k: dense_cfg[k] for k in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")}
+    assert probe.overhead("gpt", match, 2, 1e11) == 0.003
+    assert probe.overhead("gpt", {**match, "moe": moe_cfg["moe"]}, 2, 1e11) == 0.005
