@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .calibration import Calibration
 from .compute import head_s
-from .eager import dispatch_floor_s, host_op_s, kernel_counts
+from .eager import dispatch_floor_s, host_launches, host_op_s, kernel_counts, launch_tail_s
 from .efficiency import head_gemm
 from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
@@ -97,7 +97,11 @@ def score(case: Case) -> Scored:
     )
     # the floor with the case's own structure (biases, learned positions), as the plan cannot
     counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
-    floor = dispatch_floor_s(sum(counts.values()), host_op_s(case.gpu)[0]) if t.kernels else 0.0
+    host = host_op_s(case.gpu)[0]
+    floor = 0.0
+    if t.kernels:  # as timemodel.step_time prices it: the host's issue, then the optimizer's tail
+        floor = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
+        floor += launch_tail_s(t.terms.optimizer, counts["optimizer"], host)
     total = max(t.total, floor)
     kernels = {}
     if case.kernels:

@@ -14,8 +14,11 @@ adds:
                    (``foreach_launches``); checked against the measured counts in
                    measured/h200/probe-20261126-0510/step_profile.json (tests/test_eager.py)
   dispatch floor   ``dispatch_floor_s``: the host issues kernels one after another, so a step
-                   takes at least launches x the measured host cost of one op (eager.yaml); when
-                   that floor exceeds the GPU's work the step is launch-bound
+                   takes at least launches x the host's measured seconds per launch (eager.yaml:
+                   a host's issue time of whole eager steps, cpu_dispatch_s, over these counts:
+                   Python, autograd and autocast per op, not the bare launch), plus FSDP2's hooks
+                   per wrapped unit (``host_launches``); when that floor exceeds the GPU's work
+                   the step is launch-bound (``host_bound_step_s``)
   FSDP overlap     ``fsdp_hidden``: FSDP2 gathers one block's weights while the previous block
                    computes; at a small per-rank batch a block's compute is shorter than its
                    gather and the difference is exposed, block by block, with the first gather
@@ -217,6 +220,30 @@ def host_op_s(gpu: str) -> tuple[float, str]:
 def dispatch_floor_s(kernels: int, host_s: float) -> float:
     """The shortest step the host can issue ``kernels`` launches in, one ``host_s`` each."""
     return kernels * host_s
+
+
+def fsdp_unit_launches() -> tuple[float, str]:
+    """(FSDP2's host work per wrapped unit and micro-batch in launch equivalents, its source)."""
+    row = _hosts()["fsdp2_unit"]
+    return float(row["launches"]), " ".join(row["source"].split())
+
+
+def host_launches(shape: ModelShape, layout: Layout, counts: dict[str, int]) -> float:
+    """What the host issues in one step, in launches: the kernels (``kernel_counts``) and, where
+    FSDP2 wraps the model (ZeRO-2/3, on one rank too), its hooks' work per unit (each block and
+    the root) and micro-batch (``fsdp_unit_launches``)."""
+    n = float(sum(counts.values()))
+    if layout.zero_stage >= 2:
+        units = stage_layers(shape, layout.pp, layout.pp_split) + 1
+        n += units * layout.grad_accum * fsdp_unit_launches()[0]
+    return n
+
+
+def launch_tail_s(optimizer_gpu_s: float, optimizer_launches: int, host_s: float) -> float:
+    """What a host-bound step adds to its issue time: the host issues the optimizer last, so its
+    GPU work cannot start earlier, and where it outlasts its own issue the step ends that much
+    after the host (125M's foreach AdamW: 4.3 ms of GPU against 71 launches' issue)."""
+    return max(0.0, optimizer_gpu_s - optimizer_launches * host_s)
 
 
 def fsdp_hidden(gather: float, reduce: float, work: float, units: int, micro_batches: int) -> float:

@@ -114,11 +114,12 @@ class StepTime:
     )
     kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
     dispatch_floor: float = 0.0  # launches x the host's cost per op: total is at least this
+    launch_tail: float = 0.0  # the optimizer's GPU work past its issue, where the host sets it
 
     @property
     def launch_bound(self) -> bool:
         """The host issuing kernels, not the GPU, sets the step (eager stacks)."""
-        return self.dispatch_floor > 0 and self.dispatch_floor >= self.total
+        return self.dispatch_floor > 0 and self.dispatch_floor + self.launch_tail >= self.total
 
     @property
     def tokens_per_s(self) -> float:
@@ -656,11 +657,13 @@ class StepModel:
             dp_comm - hidden + contention + loss
         )  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
-        kernels = floor = 0
+        kernels = floor = tail = 0
         if self.eager:  # the host issues the kernels one by one: the step is never shorter
-            kernels = eager.kernels_per_step(self.shape, lay, self.stack.optimizer or "foreach")
-            floor = eager.dispatch_floor_s(kernels, self.host_s)
-            total = max(total, floor)
+            counts = eager.kernel_counts(self.shape, lay, optimizer=self.stack.optimizer or "foreach")
+            kernels = sum(counts.values())
+            floor = eager.dispatch_floor_s(eager.host_launches(self.shape, lay, counts), self.host_s)
+            tail = eager.launch_tail_s(terms.optimizer, counts["optimizer"], self.host_s)
+            total = max(total, floor + tail)
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(
             compute=compute,
@@ -680,4 +683,5 @@ class StepModel:
             dp_contention=contention,
             kernels=kernels,
             dispatch_floor=floor,
+            launch_tail=tail,
         )
