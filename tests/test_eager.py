@@ -63,7 +63,7 @@ def test_dispatch_floor_by_hand():
     lay = Layout(micro_batch=1)
     stack = eager_stack("flash2")
     host, source = eager.host_op_s("h100-sxm")
-    assert host == pytest.approx(16.1e-6) and "tiny_kernel_s" in source
+    assert host == pytest.approx(38.1e-6) and "cpu_dispatch_s" in source
     counts = eager.kernel_counts(shape, lay)
     # per micro-batch: 4 layers x (18 GEMMs + 4 attention + 40 elementwise) + 3 head GEMMs + 4
     # loss kernels; per step 155 elementwise and the optimizer's foreach launches
@@ -76,10 +76,47 @@ def test_dispatch_floor_by_hand():
     t = step_time(shape, lay, cluster, Calibration(), stack=stack)
     assert t.kernels == kernels
     assert t.dispatch_floor == pytest.approx(kernels * host)
-    assert t.launch_bound and t.total == pytest.approx(t.dispatch_floor)
+    # the optimizer's GPU work past its own issue ends the step after the host
+    tail = max(0.0, t.terms.optimizer - 11 * host)
+    assert t.launch_tail == pytest.approx(tail)
+    assert t.launch_bound and t.total == pytest.approx(t.dispatch_floor + tail)
     # the same step on the fused default stack has no floor
     fused = step_time(shape, lay, cluster, Calibration())
     assert fused.kernels == 0 and not fused.launch_bound
+
+
+def test_fsdp_hooks_host_work_by_hand():
+    """FSDP2 (ZeRO-2/3, one rank too) adds its hooks' host work per unit (blocks + root) and
+    micro-batch; a plain step has none."""
+    shape = ModelShape(4, 256, 4, 4, 1000, 128, rotary=False)
+    per_unit, source = eager.fsdp_unit_launches()
+    assert per_unit == 94 and "fsdp_host" in source
+    plain = Layout(micro_batch=1)
+    counts = eager.kernel_counts(shape, plain)
+    assert eager.host_launches(shape, plain, counts) == sum(counts.values())
+    z3 = Layout(micro_batch=1, grad_accum=2, zero_stage=3)
+    counts = eager.kernel_counts(shape, z3)
+    assert eager.host_launches(shape, z3, counts) == sum(counts.values()) + (4 + 1) * 2 * 94
+    # the tail: only the optimizer's GPU time beyond its launches' issue
+    assert eager.launch_tail_s(4.3e-3, 71, 38.1e-6) == pytest.approx(4.3e-3 - 71 * 38.1e-6)
+    assert eager.launch_tail_s(1e-3, 71, 38.1e-6) == 0.0
+
+
+def test_host_cost_is_the_measured_issue_time_per_launch():
+    """eager.yaml's H100 host cost is what its source says: the median over the eager_sweep
+    cases of the report of cpu_dispatch_s / kernel_counts' launches."""
+    import statistics
+
+    from dtrain.costmodel.measured_cases import report_cases
+
+    report = Path(__file__).parents[1] / "measured/h100-sxm/gpu-check-20261127-085952/report.json"
+    cases = [c for c in report_cases(report) if c.name.startswith("eager_sweep")]
+    assert len(cases) == 13 and all(c.cpu_dispatch_s for c in cases)
+    per = [
+        c.cpu_dispatch_s / eager.kernels_per_step(c.shape, c.layout, c.stack.optimizer, c.structure)
+        for c in cases
+    ]
+    assert eager.host_op_s("h100-sxm")[0] == pytest.approx(statistics.median(per), rel=2e-3)
 
 
 def test_fsdp_hidden_by_hand():

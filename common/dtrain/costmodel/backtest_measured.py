@@ -43,6 +43,7 @@ class Scored:
     by_category: dict = field(default_factory=dict)  # category -> (measured s, predicted s)
     kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
     gpu_work_s: float = 0.0  # the predicted GPU seconds (every category's, summed)
+    host_issue_s: float = 0.0  # the predicted host issue time (the floor less the optimizer's tail)
 
     @property
     def host_per_launch_s(self) -> float | None:
@@ -98,10 +99,10 @@ def score(case: Case) -> Scored:
     # the floor with the case's own structure (biases, learned positions), as the plan cannot
     counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
     host = host_op_s(case.gpu)[0]
-    floor = 0.0
+    floor = issue = 0.0
     if t.kernels:  # as timemodel.step_time prices it: the host's issue, then the optimizer's tail
-        floor = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
-        floor += launch_tail_s(t.terms.optimizer, counts["optimizer"], host)
+        issue = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
+        floor = issue + launch_tail_s(t.terms.optimizer, counts["optimizer"], host)
     total = max(t.total, floor)
     kernels = {}
     if case.kernels:
@@ -109,7 +110,7 @@ def score(case: Case) -> Scored:
         kernels = {k: (int(got[k]), counts.get(k, 0)) for k in CATEGORIES}
         kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
     bound = bool(floor) and floor >= total
-    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
+    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()), issue)
 
 
 def summary(rows: list[Scored]) -> dict:
@@ -180,7 +181,7 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             out.append(
                 "  kernels m/p: "
                 + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
-                + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
+                + f"; floor {r.dispatch_floor_s * 1e3:.0f} ms"
             )
         if c.gpu_kernel_sum_s is not None and c.gpu_busy_s is not None:  # a new profile's union
             out.append(
@@ -190,8 +191,9 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             )
         if r.host_per_launch_s is not None:
             out.append(
-                f"  host: {r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
-                f"launches) against {host_op_s(c.gpu)[0] * 1e6:.1f} us (eager.yaml)"
+                f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/{r.host_issue_s * 1e3:.1f} ms; "
+                f"{r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
+                f"launches)"
             )
     s = summary(rows)
     med, mmed = s["time_median_abs_error"], s["memory_median_abs_error"]
@@ -202,7 +204,8 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         "logits' fp32 cast on the model's side (the profile files it under elem); an old profile "
         "sums some kernels twice (its "
         "categories can add up to more than the step: the optimizer's, by about 2x); floor = "
-        "kernel launches x the host's cost per op (eager.yaml)."
+        "the host's issue (kernel launches, + FSDP2's hooks per unit, x the host's seconds "
+        "per launch, eager.yaml) + the optimizer's GPU work past its issue."
     )
     summary_line = (
         f"summary: time within {WITHIN:.0%}: {s['time_within_10pct']} of {s['time_scored']}"
@@ -234,6 +237,7 @@ def as_json(rows: list[Scored]) -> dict:
             "launch_bound": r.launch_bound,
             "dispatch_floor_s": r.dispatch_floor_s,
             "host_per_launch_s": r.host_per_launch_s,
+            "predicted_host_issue_s": r.host_issue_s,
             "predicted_gpu_work_s": r.gpu_work_s,
             "gpu_busy_s": c.gpu_busy_s,
             "gpu_kernel_sum_s": c.gpu_kernel_sum_s,

@@ -659,9 +659,13 @@ class StepModel:
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         kernels = floor = tail = 0
         if self.eager:  # the host issues the kernels one by one: the step is never shorter
-            counts = eager.kernel_counts(self.shape, lay, optimizer=self.stack.optimizer or "foreach")
+            counts = eager.kernel_counts(
+                self.shape, lay, optimizer=self.stack.optimizer or "foreach"
+            )
             kernels = sum(counts.values())
-            floor = eager.dispatch_floor_s(eager.host_launches(self.shape, lay, counts), self.host_s)
+            floor = eager.dispatch_floor_s(
+                eager.host_launches(self.shape, lay, counts), self.host_s
+            )
             tail = eager.launch_tail_s(terms.optimizer, counts["optimizer"], self.host_s)
             total = max(total, floor + tail)
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
