@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .calibration import Calibration
 from .compute import head_s
-from .eager import dispatch_floor_s, host_launches, host_op_s, kernel_counts, launch_tail_s
+from .eager import dispatch_floor_s, host_launches, host_op_s, kernel_counts
 from .efficiency import head_gemm
 from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
@@ -43,7 +43,6 @@ class Scored:
     by_category: dict = field(default_factory=dict)  # category -> (measured s, predicted s)
     kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
     gpu_work_s: float = 0.0  # the predicted GPU seconds (every category's, summed)
-    host_issue_s: float = 0.0  # the predicted host issue time (the floor less the optimizer's tail)
 
     @property
     def host_per_launch_s(self) -> float | None:
@@ -99,10 +98,9 @@ def score(case: Case) -> Scored:
     # the floor with the case's own structure (biases, learned positions), as the plan cannot
     counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
     host = host_op_s(case.gpu)[0]
-    floor = issue = 0.0
-    if t.kernels:  # as timemodel.step_time prices it: the host's issue, then the optimizer's tail
-        issue = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
-        floor = issue + launch_tail_s(t.terms.optimizer, counts["optimizer"], host)
+    floor = 0.0
+    if t.kernels:  # as timemodel.step_time prices it: kernels and FSDP2's hooks
+        floor = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
     total = max(t.total, floor)
     kernels = {}
     if case.kernels:
@@ -110,7 +108,7 @@ def score(case: Case) -> Scored:
         kernels = {k: (int(got[k]), counts.get(k, 0)) for k in CATEGORIES}
         kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
     bound = bool(floor) and floor >= total
-    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()), issue)
+    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
 
 
 def summary(rows: list[Scored]) -> dict:
@@ -191,7 +189,7 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             )
         if r.host_per_launch_s is not None:
             out.append(
-                f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/{r.host_issue_s * 1e3:.1f} ms; "
+                f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/{r.dispatch_floor_s * 1e3:.1f} ms; "
                 f"{r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
                 f"launches)"
             )
@@ -205,7 +203,7 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         "sums some kernels twice (its "
         "categories can add up to more than the step: the optimizer's, by about 2x); floor = "
         "the host's issue (kernel launches, + FSDP2's hooks per unit, x the host's seconds "
-        "per launch, eager.yaml) + the optimizer's GPU work past its issue."
+        "per launch, eager.yaml)."
     )
     summary_line = (
         f"summary: time within {WITHIN:.0%}: {s['time_within_10pct']} of {s['time_scored']}"
@@ -237,7 +235,6 @@ def as_json(rows: list[Scored]) -> dict:
             "launch_bound": r.launch_bound,
             "dispatch_floor_s": r.dispatch_floor_s,
             "host_per_launch_s": r.host_per_launch_s,
-            "predicted_host_issue_s": r.host_issue_s,
             "predicted_gpu_work_s": r.gpu_work_s,
             "gpu_busy_s": c.gpu_busy_s,
             "gpu_kernel_sum_s": c.gpu_kernel_sum_s,

@@ -114,12 +114,11 @@ class StepTime:
     )
     kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
     dispatch_floor: float = 0.0  # launches x the host's cost per op: total is at least this
-    launch_tail: float = 0.0  # the optimizer's GPU work past its issue, where the host sets it
 
     @property
     def launch_bound(self) -> bool:
         """The host issuing kernels, not the GPU, sets the step (eager stacks)."""
-        return self.dispatch_floor > 0 and self.dispatch_floor + self.launch_tail >= self.total
+        return self.dispatch_floor > 0 and self.dispatch_floor >= self.total
 
     @property
     def tokens_per_s(self) -> float:
@@ -657,7 +656,7 @@ class StepModel:
             dp_comm - hidden + contention + loss
         )  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
-        kernels = floor = tail = 0
+        kernels = floor = 0
         if self.eager:  # the host issues the kernels one by one: the step is never shorter
             counts = eager.kernel_counts(
                 self.shape, lay, optimizer=self.stack.optimizer or "foreach"
@@ -666,8 +665,7 @@ class StepModel:
             floor = eager.dispatch_floor_s(
                 eager.host_launches(self.shape, lay, counts), self.host_s
             )
-            tail = eager.launch_tail_s(terms.optimizer, counts["optimizer"], self.host_s)
-            total = max(total, floor + tail)
+            total = max(total, floor)
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(
             compute=compute,
@@ -687,5 +685,4 @@ class StepModel:
             dp_contention=contention,
             kernels=kernels,
             dispatch_floor=floor,
-            launch_tail=tail,
         )
