@@ -189,7 +189,8 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             )
         if r.host_per_launch_s is not None:
             out.append(
-                f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/{r.dispatch_floor_s * 1e3:.1f} ms; "
+                f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/"
+                f"{r.dispatch_floor_s * 1e3:.1f} ms; "
                 f"{r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
                 f"launches)"
             )
