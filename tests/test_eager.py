@@ -139,6 +139,27 @@ def test_peak_memory_by_hand():
     assert fused == pytest.approx(max(forward, 16 * psi))
 
 
+def test_peak_memory_logits_and_autocast_norms_by_hand():
+    """At the end of forward the eager model holds 12 B per logit, not the unfused 14 (its bf16
+    logits die with the forward); without FSDP autocast keeps the residual stream fp32, 2 B more
+    per element for each norm's saved input (two per block and the final one); FSDP2's
+    MixedPrecisionPolicy runs all in bf16 (no such term)."""
+    shape = ModelShape(2, 512, 8, 8, 32000, 4096, rotary=False)
+    s, h, v = 4096, 512, 32000
+    lay = Layout(micro_batch=1)
+    base = memory_per_gpu(shape, lay, 1.0, True, False)
+    psi = params_per_gpu(shape, 1, 1)
+    linear = 2 * shape.param_count.matmul_per_layer + shape.param_count.lm_head
+    acts = base.activations - 1.05 * 2 * s * v + 1.05 * 2 * s * h * (2 * 2 + 1)
+    forward = 12 * psi + 2 * linear + acts
+    assert forward > 20 * psi  # the end of forward is the peak here
+    assert memory_for(shape, lay, eager_stack()).total == pytest.approx(forward)
+    z3 = Layout(micro_batch=1, zero_stage=3)
+    base3 = memory_per_gpu(shape, z3, 1.0, True, False)
+    got = memory_for(shape, z3, eager_stack())
+    assert got.activations == pytest.approx(base3.activations - 1.05 * 2 * s * v)
+
+
 def test_fsdp_eager_runs_fsdp_only():
     sw = software("fsdp-eager")
     assert unsupported(sw, {"tp": 2}) and unsupported(sw, {"pp": 2})
