@@ -203,3 +203,24 @@ def test_fsdp_unit_overlap_never_hides_more_than_the_window():
     lay = Layout(dp_shard=64, zero_stage=3, micro_batch=1, grad_accum=1)
     t = step_time(shape, lay, cluster, Calibration(), stack=eager_stack())
     assert t.dp_comm_exposed > t.dp_comm - (t.compute - t.terms.optimizer)  # more than the window
+
+
+def test_grad_accumulation_adds_by_hand():
+    """dtrain's trainer and the eager stack add each micro-batch's weight gradients after the
+    first into the fp32 .grad: 12 B per local parameter at the add rate; a stack that does not
+    (here "any") has no such term."""
+    from dtrain.costmodel.timemodel import device_of
+
+    shape = ModelShape(4, 512, 8, 8, 1000, 256, rotary=False)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    lay = Layout(micro_batch=1, grad_accum=4)
+    dtrain_stack = Stack("flash", "fused", "fused", software="dtrain")
+    other = Stack("flash", "fused", "fused", software="any")
+    dev = device_of(cluster, Calibration(), dtrain_stack)
+    psi = params_per_gpu(shape, 1, 1)
+    expected = 3 * dev.mem_s(12 * psi, "add")
+    assert eager.grad_accum_s(psi, 4, dev) == pytest.approx(expected)
+    assert eager.grad_accum_s(psi, 1, dev) == 0.0
+    with_adds = step_time(shape, lay, cluster, Calibration(), stack=dtrain_stack)
+    without = step_time(shape, lay, cluster, Calibration(), stack=other)
+    assert with_adds.terms.memory - without.terms.memory == pytest.approx(expected)

@@ -277,6 +277,21 @@ def weight_cast_s(shape: ModelShape, layout: Layout, dev) -> float:
     return layout.grad_accum * dev.mem_s(WEIGHT_CAST_BYTES * linear_params(shape, layout), "add")
 
 
+# Gradient accumulation through PyTorch's AccumulateGrad: each micro-batch after the first adds
+# its weight gradients into the fp32 .grad (FSDP2: into the reduced shard), read 4 + 4, write 4,
+# at the add kernel's rate. Priced on the stacks this project measures (the eager stack, dtrain's
+# trainer); Megatron fuses the accumulation into the weight-gradient GEMM
+# (gradient_accumulation_fusion: no pass of its own); torchtitan's published rows keep their
+# calibration (dtrain backtest unchanged), though FSDP2 accumulates there the same way
+GRAD_ACCUM_BYTES = 12.0
+ACCUMULATING_SOFTWARE = (SOFTWARE, "dtrain")
+
+
+def grad_accum_s(local_params: float, micro_batches: int, dev) -> float:
+    """The step's gradient-accumulation adds over ``local_params`` (the rank's gradient)."""
+    return max(0, micro_batches - 1) * dev.mem_s(GRAD_ACCUM_BYTES * local_params, "add")
+
+
 # memory.LOSS_BYTES_PER_LOGIT's unfused 14 B per logit holds the bf16 logits to the end (as
 # torchtitan's reserved memory shows them). The eager stack's model returns the loss alone: the bf16
 # logits (2 B) and their fp32 copy die with the forward (the head's GEMM saves its input, the cast

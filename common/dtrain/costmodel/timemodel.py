@@ -397,6 +397,9 @@ class StepModel:
             terms = replace(
                 terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
             )
+        if lay.grad_accum > 1 and self.stack.software in eager.ACCUMULATING_SOFTWARE:
+            add = eager.grad_accum_s(local, lay.grad_accum, self.dev)
+            terms = replace(terms, memory=terms.memory + add)
         return terms
 
     def _tp_parts(self, lay: Layout) -> tuple[float, float, float, float]:
