@@ -113,7 +113,7 @@ class StepTime:
         0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
     )
     kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
-    dispatch_floor: float = 0.0  # launches x the host's cost per op: total is at least this
+    dispatch_floor: float = 0.0  # the host's issue time (eager.host_launches): at least this
 
     @property
     def launch_bound(self) -> bool:
