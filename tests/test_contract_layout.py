@@ -222,11 +222,11 @@ def test_the_fixture_records_are_schema_2_layouts():
 def test_a_schema_2_layout_the_type_refuses_is_a_contract_error():
     path = FIXTURES / "cpu/fsdp-scaling/20250301-100100-000001/summary.json"
     value = copy.deepcopy(json.loads(path.read_text())["guide_inputs"])
-    value["records"][0]["layout"]["ep"] = 2
+    value["records"][0]["layout"]["ep"] = 4  # dp_shard 2 cannot fold 4 expert ranks
     with pytest.raises(contract.ContractError) as e:
         contract.decode(value)
-    assert str(e.value) == (
-        "guide_inputs.records[0] (training).layout: expert parallelism is not implemented yet"
+    assert str(e.value).startswith(
+        "guide_inputs.records[0] (training).layout: ep·etp = 4 must divide the ranks"
     )
 
 

@@ -45,6 +45,11 @@ def test_profiles_load_with_sources_and_dense_peaks():
         "h100-nvl",
         "h200",
         "b200",
+        "b300",
+        "gb200",
+        "gb300",
+        "h800",
+        "h20",
     }
     for p in profiles.values():
         assert "NVIDIA" in p.source
@@ -120,7 +125,18 @@ def test_from_params_uses_known_shapes_and_interpolates():
         8,
         2048,
     )
-    assert llama70.num_params() == pytest.approx(69e9, rel=0.01)
+    # Llama 3 70B (the guide's 70B): its 128256-token vocabulary, 70.6e9 parameters
+    assert (llama70.name, llama70.vocab, llama70.ffn_hidden) == ("Llama-3-70B", 128256, 28672)
+    assert llama70.num_params() == pytest.approx(70.6e9, rel=0.001)
+    llama8 = ModelShape.from_params(8e9)
+    assert (llama8.n_layer, llama8.d_model, llama8.n_kv_head, llama8.ffn_hidden) == (
+        32,
+        4096,
+        8,
+        14336,
+    )
+    assert llama8.num_params() == pytest.approx(8.03e9, rel=0.001)
+    assert ModelShape.from_params(7e9).name == "Llama-2-7B"  # Llama 3 has no 7B: Llama 2 kept
     for target in (3e9, 20e9, 120e9, 250e9, 60e6, 200e6, 500e6):
         assert ModelShape.from_params(target).num_params() == pytest.approx(target, rel=0.05)
     # below 1B: GPT-3's small models (Brown et al. 2020, Table 2.1), not a Llama-vocabulary shape

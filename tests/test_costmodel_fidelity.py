@@ -48,7 +48,7 @@ def test_uneven_interleaved_bubble():
 
 def test_activations_gqa_swiglu_by_hand():
     s, b, h, a, t = 4096, 1, 8192, 64, 8
-    # Llama-2-70B: 8 KV heads (r = 1/8), SwiGLU with F = 3.5 h (3 stored F-wide tensors), TP 8 + SP
+    # Llama-3-70B: 8 KV heads (r = 1/8), SwiGLU with F = 3.5 h (3 stored F-wide tensors), TP 8 + SP
     got = activation_bytes_per_layer(
         s, b, h, a, t, True, "none", True, ffn_mult=3.5, gated_mlp=True, kv_ratio=1 / 8
     )
@@ -64,7 +64,7 @@ def test_activations_gqa_swiglu_by_hand():
 
 
 def test_memory_per_stage_fp32_grads_and_full_recompute_working_set():
-    shape = ModelShape.from_params(70e9)  # Llama-2-70B, 80 layers
+    shape = ModelShape.from_params(70e9)  # Llama-3-70B, 80 layers
     lay = Layout(dp_shard=4, tp=2, pp=8, zero_stage=1, grad_accum=16, sequence_parallel=True)
     psi = params_per_gpu(shape, 2, 8)
     m = memory_per_gpu(shape, lay)
@@ -203,7 +203,7 @@ def test_activations_without_dropout_by_hand():
     assert activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == sbh * (
         8 + (24 + 2 * a * s / h) / 4
     )
-    # Llama-2-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 /
+    # Llama-3-70B shard (GQA 1/8, SwiGLU 3.5h, TP 8 + SP, FlashAttention): 8 + 4 + 0.5 + 21 = 33.5 /
     # 8
     got = activation_bytes_per_layer(
         4096,

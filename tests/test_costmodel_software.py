@@ -245,12 +245,13 @@ def test_plan_flag_and_its_error(capsys):
         rc == 2
         and "megatron-deepspeed does not run v=2 (it has no interleaved schedule)" in out.err
     )
-    layers = ModelShape.from_params(8e9).n_layer  # 38: pp=2 splits them evenly, pp=4 does not
-    rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=2")
-    assert layers == 38 and rc == 0 and out.err == ""
-    rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=4")
+    # an interpolated ~11B has 34 layers: pp=2 splits them evenly, pp=4 does not (8B's 32 both)
+    layers = ModelShape.from_params(11e9).n_layer
+    rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=2", "--params", "11e9")
+    assert layers == 34 and rc == 0 and out.err == ""
+    rc, out = _plan(capsys, "--software", "megatron-2021", "--layout", "pp=4", "--params", "11e9")
     assert (
-        rc == 2 and "megatron-2021 does not run pp=4 for 38 layers (it splits the layers" in out.err
+        rc == 2 and "megatron-2021 does not run pp=4 for 34 layers (it splits the layers" in out.err
     )
     rc, out = _plan(capsys, "--software", "megatron-deepspeed", "--layout", "pp=1 zero=3 hsdp=4")
     assert (

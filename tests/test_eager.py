@@ -12,7 +12,8 @@ from dtrain.costmodel import eager
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.hardware import Cluster, get_profile
 from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape
-from dtrain.costmodel.memory import memory_for, memory_per_gpu, params_per_gpu
+from dtrain.costmodel.memory import memory_per_gpu, params_per_gpu
+from dtrain.costmodel.stack_memory import memory_for
 from dtrain.costmodel.search import search
 from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.software import software, unsupported

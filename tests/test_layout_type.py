@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dtrain.core.layout import NO_EXPERTS, Layout
+from dtrain.core.layout import Layout
 from dtrain.costmodel import shapes
 import dtrain.costmodel
 from dtrain.costmodel.overrides import train_overrides
@@ -32,11 +32,16 @@ def test_keyword_only_and_frozen():
         lay.tp = 4
 
 
-@pytest.mark.parametrize("field", ["ep", "etp"])
-def test_expert_parallelism_is_refused_in_one_line(field):
+def test_expert_parallelism_folds_from_dp_shard_cp_tp():
+    lay = Layout(dp_shard=4, tp=2, zero_stage=3, ep=8)
+    assert (lay.expert_fold, lay.efsdp, lay.expert_dp) == (8, 1, 1)
+    assert Layout(dp_shard=8, zero_stage=1, ep=4).efsdp == 2
+    assert Layout(dp_replicate=8, ep=8).expert_fold == 8  # ZeRO 0: folded from DDP's replicas
     with pytest.raises(ValueError) as e:
-        Layout(**{field: 2})
-    assert str(e.value) == "expert parallelism is not implemented yet" == NO_EXPERTS
+        Layout(dp_shard=2, zero_stage=3, ep=4)
+    assert str(e.value).startswith("ep·etp = 4 must divide the ranks experts fold from")
+    with pytest.raises(ValueError):
+        Layout(tp=4, dp_shard=2, zero_stage=3, etp=2)  # etp is 1 or tp
 
 
 def test_derived_values():

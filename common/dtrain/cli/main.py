@@ -24,11 +24,11 @@ from dtrain.core.errors import UserError
 SUBCOMMAND_MODULES = [
     "dtrain.cli.runs",
     "dtrain.costmodel.plan_cli",
-    "dtrain.costmodel.backtest",
+    "dtrain.costmodel.moe_backtest",  # `dtrain backtest`, with --moe
     "dtrain.guide.guide_cli",
     "dtrain.cli.capstone",
 ]
-SUBCOMMAND_OF = {"plan": "dtrain.costmodel.plan_cli", "backtest": "dtrain.costmodel.backtest"}
+SUBCOMMAND_OF = {"plan": "dtrain.costmodel.plan_cli", "backtest": "dtrain.costmodel.moe_backtest"}
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -1,7 +1,8 @@
 """Layout: how one training step is spread over ranks, the one type the trainer, the mesh, the cost
 model, the contract's records, the guide and the plan -> trainer overrides share (issue 38).
 
-    world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard   (ep, etp: room for experts)
+    world_size = pp * dp * cp * tp,   dp = dp_replicate * dp_shard
+    expert folding (torchtitan, Megatron's "parallel folding"):  fold = efsdp * ep * etp
 
 Names are torchtitan's: ``dp_replicate`` ranks hold whole replicas (DDP, or HSDP's replica
 groups), ``dp_shard`` ranks split one replica's states (FSDP / ZeRO). ``zero_stage`` says what is
@@ -58,7 +59,6 @@ _SCHEDULE_OF_TRAINER = {
     "interleaved_zb": "1f1b",
     "zbv": "zbv",
 }
-NO_EXPERTS = "expert parallelism is not implemented yet"
 
 
 def split_dp(strategy: str, dp: int, hsdp_replicate: int = 1) -> tuple[int, int]:
@@ -116,8 +116,8 @@ class Layout:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallelism: refused until it exists
-    etp: int = 1
+    ep: int = 1  # expert parallelism, folded from the ranks attention uses (``expert_fold``)
+    etp: int = 1  # expert tensor parallelism: 1 or tp
     zero_stage: int = 0
     recompute: str = "none"
     micro_batch: int = 1
@@ -134,7 +134,7 @@ class Layout:
             object.__setattr__(self, "dp_replicate", self.dp_replicate * self.dp_shard)
             object.__setattr__(self, "dp_shard", 1)
         if self.ep != 1 or self.etp != 1:
-            raise ValueError(NO_EXPERTS)
+            self._check_experts()
         if min(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.pp_virtual) < 1:
             raise ValueError(f"every degree must be >= 1, got {self.describe()}")
         if self.dp_replicate != 1 and self.zero_stage == 1:
@@ -158,6 +158,17 @@ class Layout:
             raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+
+    def _check_experts(self) -> None:
+        if min(self.ep, self.etp) < 1 or self.etp not in (1, self.tp):
+            raise ValueError(
+                f"ep must be >= 1 and etp 1 or tp={self.tp}, got {self.ep}, {self.etp}"
+            )
+        if self.expert_fold % (self.ep * self.etp):
+            raise ValueError(
+                f"ep·etp = {self.ep * self.etp} must divide the ranks experts fold from, "
+                f"dp_shard·cp·tp = {self.expert_fold} (torchtitan's dp_shard·cp·tp = efsdp·ep)"
+            )
 
     @classmethod
     def from_strategy(cls, strategy: str, *, dp: int, hsdp_replicate: int = 1, **rest) -> Layout:
@@ -196,6 +207,25 @@ class Layout:
         return self.dp_shard * self.cp if self.zero_stage else self.data_shards
 
     @property
+    def expert_fold(self) -> int:
+        """Ranks one expert layer is spread over, folded from the attention's data and context
+        shards and its tp: dp_shard·cp·tp (torchtitan's ``ParallelDims``; with ZeRO 0, whose
+        dp_shard is stored as dp_replicate, dp·cp·tp as Megatron folds EP from DP)."""
+        shards = self.dp_shard if self.zero_stage else self.dp
+        return shards * self.cp * self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """The expert-data-parallel shards inside a fold: fold / (ep·etp). Expert gradients and
+        states reduce and shard over ``expert_dp`` = efsdp x the HSDP replicas."""
+        return self.expert_fold // (self.ep * self.etp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same expert shard: gpus / (pp·ep·etp)."""
+        return self.gpus // (self.pp * self.ep * self.etp)
+
+    @property
     def hsdp_replicate(self) -> int:
         """HSDP's replica groups (train.hsdp_replicate): dp_replicate when the states are
         sharded, else 1."""
@@ -218,4 +248,7 @@ class Layout:
 
     def describe(self) -> str:
         """Its degrees, e.g. dp8xtp2xpp4 (cp when > 1)."""
-        return f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "")
+        ep = f"xep{self.ep}" if self.ep > 1 else ""
+        return (
+            f"dp{self.dp}xtp{self.tp}xpp{self.pp}" + (f"xcp{self.cp}" if self.cp > 1 else "") + ep
+        )

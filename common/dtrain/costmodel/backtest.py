@@ -38,7 +38,7 @@ from .links import default_links
 from .stack import Stack
 from .hardware import LINK_EFFICIENCY, Cluster, GiB, get_profile
 from .shapes import Layout, ModelShape
-from .memory import memory_for
+from .stack_memory import memory_for
 from .search import describe_layout, search
 from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .timemodel import StepTime, model_flops_per_token, step_time

@@ -25,7 +25,7 @@ from .eager import dispatch_floor_s, host_launches, host_op_s, kernel_counts
 from .efficiency import head_gemm
 from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
-from .memory import memory_for
+from .stack_memory import memory_for
 from .shapes import Layout
 from .timemodel import device_of, step_time
 
@@ -169,15 +169,15 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             out.append(f"  not predicted: {c.not_modelled}")
         out += wrap.wrap(f"note: {c.note}") if c.note else []
         if r.by_category:
-            out.append(
-                "  GPU ms m/p: "
+            out += wrap.wrap(
+                "GPU ms m/p: "
                 + " ".join(
                     f"{SHORT[k]} {m * 1e3:.1f}/{p * 1e3:.1f}" for k, (m, p) in r.by_category.items()
                 )
             )
         if r.kernels:
-            out.append(
-                "  kernels m/p: "
+            out += wrap.wrap(
+                "kernels m/p: "
                 + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
                 + f"; floor {r.dispatch_floor_s * 1e3:.0f} ms"
             )

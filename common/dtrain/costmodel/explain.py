@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .collectives import group_link
 from .hardware import GiB, Cluster
-from .memory import memory_for
+from .stack_memory import memory_for
 from .search import Plan, SearchResult, describe_layout
 from .timemodel import step_time
 

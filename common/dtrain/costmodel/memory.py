@@ -27,7 +27,6 @@ from functools import lru_cache
 from dtrain.core.checks import one_of
 
 from .shapes import RECOMPUTE, Layout, ModelShape, end_stage_layers, last_stage_layers, stage_layers
-from .stack import Stack
 
 
 @dataclass(frozen=True)
@@ -410,25 +409,3 @@ def memory_per_gpu(
         )
     act = activation_bytes(shape, layout, activation_bytes_factor, flash_attention, fused_loss)
     return MemoryBreakdown(params=p, grads=g, optimizer=o, activations=act, buffers=buffers)
-
-
-def memory_for(
-    shape: ModelShape, layout: Layout, stack: Stack, activation_bytes_factor: float = 1.0
-) -> MemoryBreakdown:
-    """``memory_per_gpu`` on ``stack``: the one place that knows which of its fields move memory
-    (the attention kernel, the loss, the gradient and optimizer-state dtypes); the eager FSDP
-    stack's peak is ``eager.peak_memory``'s."""
-    base = memory_per_gpu(
-        shape,
-        layout,
-        activation_bytes_factor,
-        stack.flash,
-        stack.fused_loss,
-        stack.grad_bytes,
-        stack.optimizer_states,
-    )
-    if stack.software != "fsdp-eager":
-        return base
-    from .eager import peak_memory  # eager.py reads memory.py's state counts
-
-    return peak_memory(shape, layout, base, stack.optimizer)

@@ -56,6 +56,7 @@ from .plan_report import (
 )
 from .search import SearchResult, search
 from .explain_tp import explain_tp, explain_tp_json
+from . import moe_cli
 
 GLOBAL_BATCH_TOKENS = 1024 * 4096  # the default batch: 1,024 sequences at --seq 4096
 
@@ -218,9 +219,10 @@ def add_parser(sub) -> None:
     )
     r.add_argument(
         "--precision",
-        choices=("bf16", "fp8"),
+        choices=("bf16", "fp8", "mxfp8"),
         default="bf16",
-        help="compute precision (default bf16)",
+        help="compute precision (default bf16); mxfp8: Blackwell's block-scaled FP8, priced at "
+        "the FP8 rate; fp8 and mxfp8 also dispatch MoE tokens in FP8",
     )
     r.add_argument(
         "--headroom", type=NONNEG_FLOAT, default=0.1, help="share of HBM kept free (default 0.1)"
@@ -352,6 +354,7 @@ def add_parser(sub) -> None:
         help="also print the best plan against the best plan at TP 8, term by term (compute, TP "
         "traffic exposed and hidden, the overlap's SM cost, DP/ZeRO, bubble, memory)",
     )
+    moe_cli.add_arguments(p, POS_INT, NONNEG_INT, POS_FLOAT)
     p.set_defaults(func=run)
 
 
@@ -498,6 +501,8 @@ LAYOUT_KEYS = {
     "cp_impl": "cp_impl",
     "hsdp": "dp_replicate",
     "split": "pp_split",
+    "ep": "ep",  # MoE plans (--experts) only
+    "etp": "etp",
 }
 LAYOUT_CHOICES = {
     "recompute": RECOMPUTE,
@@ -689,6 +694,10 @@ def run(a) -> int:
 
     a.global_batch = global_batch_of(a)
     shape, datasheet = shape_from_args(a), cluster_from_args(a)
+    moe_cli.check_precision(a.precision, datasheet.gpu.name)
+    if a.experts is None:
+        moe_cli.refuse_moe_flags(a)
+        a.precision = "fp8" if a.precision == "mxfp8" else a.precision  # priced as FP8
     if a.precision == "fp8" and datasheet.gpu.fp8_tflops is None:
         raise UserError(f"{datasheet.gpu.name} has no FP8 tensor cores: use --precision bf16")
     notes = ["calibration: datasheet/published values (pass --results DIR to use measured ones)"]
@@ -705,6 +714,8 @@ def run(a) -> int:
         calib, cluster = report.cluster, report.cluster_links.apply(datasheet)
         notes = calibration_notes(report) + [f"  skipped: {m}" for m in skipped]
     stack, fixed = stack_of(a), pinned_layout(a, datasheet.gpus, shape)
+    if a.experts is not None:
+        return moe_cli.run(a, shape, cluster, calib, stack, fixed)
     result = search(
         shape,
         cluster,

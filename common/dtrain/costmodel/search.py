@@ -29,7 +29,8 @@ from .hardware import GiB, Cluster
 from .software import SOFTWARE, Software
 from .stack import Stack
 from .shapes import RECOMPUTE, Layout, ModelShape, parallel_refusal, pipeline_refusal, run_schedule
-from .memory import MemoryBreakdown, memory_for, model_state_bytes
+from .memory import MemoryBreakdown, model_state_bytes
+from .stack_memory import memory_for
 from .calibration import Calibration
 from .timemodel import StepTime, step_model, step_time
 

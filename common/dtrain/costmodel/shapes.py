@@ -119,7 +119,7 @@ class ModelShape:
         """A standard shape with about ``params`` parameters (``KNOWN_SHAPES`` table).
 
         Within ±10 % of a known model's nominal size its shape is returned as is (seq_len
-        replaced), so ``from_params(70e9)`` is Llama-2-70B (69.0e9 parameters). Otherwise d_model is
+        replaced), so ``from_params(70e9)`` is Llama-3-70B (70.6e9 parameters). Otherwise d_model is
         interpolated geometrically (log-linear in parameter count) between the two neighbouring
         known shapes, rounded to a multiple of 8 heads; head size, KV-head count, MLP ratio (the
         width rounded to a multiple of 256) and vocabulary come from the nearer neighbour, and
@@ -165,26 +165,14 @@ class ModelShape:
         return cls.from_params(1.0)
 
 
-# Known shapes for ModelShape.from_params (published configs; seq_len is replaced by the caller's).
-#   125M  GPT-3 Small      12 x 768, 12 heads, GELU 4h, vocab 50257, tied
-#                          (1.25e8)
-#   350M  GPT-3 Medium     24 x 1024, 16 heads                                              (3.55e8)
-#   760M  GPT-3 Large      24 x 1536, 16 heads                                              (7.58e8)
-#   1B    Llama 3.2 1B     16 x 2048, 32 heads / 8 KV, SwiGLU 8192, vocab 128256, tied   (1.24e9)
-#   7B    Llama 2 7B       32 x 4096, 32 / 32, SwiGLU 11008, vocab 32000                  (6.74e9)
-#   13B   Llama 2 13B      40 x 5120, 40 / 40, SwiGLU 13824, vocab 32000                  (13.0e9)
-#   34B   Code Llama 34B   48 x 8192, 64 / 8,  SwiGLU 22016, vocab 32000                  (33.7e9)
-#   70B   Llama 2 70B      80 x 8192, 64 / 8,  SwiGLU 28672, vocab 32000                  (69.0e9)
-#   175B  GPT-3 175B       96 x 12288, 96 / 96, GELU 4h, vocab 50257, tied                (174.6e9)
-#   405B  Llama 3.1 405B  126 x 16384, 128 / 8, SwiGLU 53248, vocab 128256                (405.9e9)
-# GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022 model) and
-# learned positions (no RoPE); the Llama family trains without dropout. Below 1B the table has
-# GPT-3's small
-# models:
-# the Llama family's smallest (3.2 1B) has a 128256-token vocabulary, whose embedding alone would
-# leave a 125M-parameter model one layer. Sources: Touvron et al. 2023 (Llama 2), Rozière et al.
-# 2023 (Code Llama), Brown et al. 2020 (GPT-3, Table 2.1), Llama Team 2024 "The Llama 3 Herd of
-# Models" (Table 3), Meta's Llama 3.2 model card; ffn sizes as in the released config.json files.
+# The one table of named models: `dtrain plan --params`, and the guide's decision matrix, its
+# long-context table and its rules (dtrain.guide.models), so "70B" is one model everywhere. Where
+# Llama 3 has a size (8B, 70B, 405B) it is that shape; the other sizes keep the models they were
+# (GPT-3's below 1B and at 175B, Llama 2's 7B and 13B, Code Llama's 34B). seq_len is replaced by
+# the caller's. GPT-3 keeps dropout (the Megatron-LM-trained GPT-3 shapes Korthikanti et al. 2022
+# model) and learned positions (no RoPE); the Llama family trains without dropout. Below 1B the
+# table has GPT-3's small models: the Llama family's smallest (3.2 1B) has a 128256-token
+# vocabulary, whose embedding alone would leave a 125M-parameter model one layer.
 _GPT3 = dict(
     vocab=50257,
     seq_len=2048,
@@ -194,19 +182,43 @@ _GPT3 = dict(
     dropout=True,
     rotary=False,
 )
-KNOWN_SHAPES = {  # nominal size -> shape
-    125e6: ModelShape(12, 768, 12, 12, name="GPT-3-Small", **_GPT3),
-    350e6: ModelShape(24, 1024, 16, 16, name="GPT-3-Medium", **_GPT3),
-    760e6: ModelShape(24, 1536, 16, 16, name="GPT-3-Large", **_GPT3),
-    1e9: ModelShape(16, 2048, 32, 8, 128256, 4096, 8192 / 2048, True, True, "Llama-3.2-1B"),
-    7e9: ModelShape(32, 4096, 32, 32, 32000, 4096, 11008 / 4096, True, False, "Llama-2-7B"),
-    13e9: ModelShape(40, 5120, 40, 40, 32000, 4096, 13824 / 5120, True, False, "Llama-2-13B"),
-    34e9: ModelShape(48, 8192, 64, 8, 32000, 4096, 22016 / 8192, True, False, "CodeLlama-34B"),
-    70e9: ModelShape(80, 8192, 64, 8, 32000, 4096, 28672 / 8192, True, False, "Llama-2-70B"),
-    175e9: ModelShape(96, 12288, 96, 96, name="GPT-3-175B", **_GPT3),
-    405e9: ModelShape(
-        126, 16384, 128, 8, 128256, 8192, 53248 / 16384, True, False, "Llama-3.1-405B"
-    ),
+_L2, _L3 = dict(vocab=32000, seq_len=4096), dict(vocab=128256, seq_len=8192)
+
+
+def _llama(layers: int, d: int, heads: int, kv: int, ffn: int, name: str, vocab: dict, **kw):
+    """A Llama-family shape (SwiGLU, RoPE, no dropout) from its config's integers."""
+    return ModelShape(
+        layers, d, heads, kv, ffn_mult=ffn / d, gated_mlp=True, name=name, **vocab, **kw
+    )
+
+
+KNOWN_SHAPES = {  # nominal size -> shape (parameters as counted here in KNOWN_SOURCES' comments)
+    125e6: ModelShape(12, 768, 12, 12, name="GPT-3-Small", **_GPT3),  # 1.25e8
+    350e6: ModelShape(24, 1024, 16, 16, name="GPT-3-Medium", **_GPT3),  # 3.55e8
+    760e6: ModelShape(24, 1536, 16, 16, name="GPT-3-Large", **_GPT3),  # 7.58e8
+    1e9: _llama(16, 2048, 32, 8, 8192, "Llama-3.2-1B", _L3, tied_embeddings=True),  # 1.24e9
+    7e9: _llama(32, 4096, 32, 32, 11008, "Llama-2-7B", _L2),  # 6.74e9
+    8e9: _llama(32, 4096, 32, 8, 14336, "Llama-3-8B", _L3),  # 8.03e9
+    13e9: _llama(40, 5120, 40, 40, 13824, "Llama-2-13B", _L2),  # 13.0e9
+    34e9: _llama(48, 8192, 64, 8, 22016, "CodeLlama-34B", _L2),  # 33.7e9
+    70e9: _llama(80, 8192, 64, 8, 28672, "Llama-3-70B", _L3),  # 70.6e9
+    175e9: ModelShape(96, 12288, 96, 96, name="GPT-3-175B", **_GPT3),  # 174.6e9
+    405e9: _llama(126, 16384, 128, 8, 53248, "Llama-3.1-405B", _L3),  # 405.9e9
+}
+# Where each row's integers (layers, d_model, heads, KV heads, MLP width, vocabulary, gated MLP)
+# come from: the guide prints this beside its table of models.
+KNOWN_SOURCES = {
+    125e6: "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1",
+    350e6: "Brown et al. 2020, Table 2.1",
+    760e6: "Brown et al. 2020, Table 2.1",
+    1e9: "Meta's Llama 3.2 model card; meta-llama/Llama-3.2-1B config.json",
+    7e9: "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-7b-hf config.json",
+    8e9: "Llama Team 2024, The Llama 3 Herd of Models, Table 3; Meta-Llama-3-8B config.json",
+    13e9: "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-13b-hf config.json",
+    34e9: "Rozière et al. 2023 (Code Llama); codellama/CodeLlama-34b-hf config.json",
+    70e9: "Llama Team 2024, Table 3; Meta-Llama-3-70B config.json",
+    175e9: "Brown et al. 2020, Table 2.1",
+    405e9: "Llama Team 2024, Table 3; Llama-3.1-405B config.json",
 }
 
 

@@ -373,12 +373,17 @@ SWEEPS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.kernels")
-    p.add_argument("name", choices=sorted(SWEEPS))
+def sweep_main(prog: str, sweeps: dict, argv: list[str] | None = None) -> None:
+    """The command line of a module of sweeps: run the one named, print its JSON line."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("name", choices=sorted(sweeps))
     p.add_argument("--small", action="store_true", help="CPU-sized shapes (tests)")
     args = p.parse_args(argv)
-    print(json.dumps(SWEEPS[args.name](small=args.small)), flush=True)
+    print(json.dumps(sweeps[args.name](small=args.small)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep_main("python -m dtrain.gpucheck.kernels", SWEEPS, argv)
 
 
 if __name__ == "__main__":

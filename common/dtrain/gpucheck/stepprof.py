@@ -18,8 +18,6 @@ only where kernels of different streams overlap, which ``streams`` shows.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from contextlib import nullcontext
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtrain.gpucheck.kernels import _category, _device, _name
+from dtrain.gpucheck.kernels import _category, _device, _name, sweep_main
 
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -238,11 +236,7 @@ SWEEPS = {"step_profile": step_profile, "eager_sweep": eager_sweep}
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.stepprof")
-    p.add_argument("name", choices=sorted(SWEEPS))
-    p.add_argument("--small", action="store_true", help="CPU-sized shapes (tests)")
-    args = p.parse_args(argv)
-    print(json.dumps(SWEEPS[args.name](small=args.small)), flush=True)
+    sweep_main("python -m dtrain.gpucheck.stepprof", SWEEPS, argv)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def generate(
     from .figures import draw_all
     from . import long_context as lc
     from .long_context import long_search, long_tasks
+    from . import moe_guide as moe
     from .matrix import compute_matrix
     from .render import render
     from .rules import derive_rules
@@ -133,6 +134,13 @@ def generate(
             if pool
             else None
         )
+        moe_async = (
+            pool.map_async(
+                moe.moe_cell, moe.moe_tasks(report.cluster, report.cluster_links), chunksize=1
+            )
+            if pool
+            else None
+        )
         with bar:
             task = bar.add_task("matrix", total=None)
             cells = compute_matrix(
@@ -149,6 +157,11 @@ def generate(
             lc.long_cells(long_async.get())
             if long_async
             else lc.compute_long(report.cluster, report.cluster_links, gpu)
+        )
+        moe_cells = (
+            moe.moe_cells(moe_async.get())
+            if moe_async
+            else moe.compute_moe(report.cluster, report.cluster_links)
         )
         checks = []
         if (
@@ -179,6 +192,7 @@ def generate(
         long_cells,
         backtest_rows,
         stored,
+        moe_cells,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text)

@@ -1,9 +1,10 @@
 """The guide's sequence-length axis: the layout the cost model picks for long sequences, with and
 without context parallelism, and the rule of when CP beats more TP or PP, computed from those cells.
 
-Grid: Llama 3 8B, 70B, 405B shapes x sequence 4K, 32K, 128K x 64 and 512 GPUs (8 per node on NVLink,
-400 Gbit/s per GPU), a batch of about 4M tokens per step (4M / seq sequences; at least one per DP
-rank), BF16. Each cell is searched twice: freely (CP allowed) and with cp = 1.
+Grid: the Llama 3 8B, 70B, 405B shapes of ``dtrain.guide.models`` x sequence 4K, 32K, 128K x 64
+and 512 GPUs (8 per node on NVLink, 400 Gbit/s per GPU), a batch of about 4M tokens per step
+(4M / seq sequences; at least one per DP rank), BF16. Each cell is searched twice: freely (CP
+allowed) and with cp = 1.
 """
 
 from __future__ import annotations
@@ -12,21 +13,16 @@ import multiprocessing
 import os
 from dataclasses import dataclass, replace
 
-from dtrain.costmodel import Calibration, ModelShape, search
+from dtrain.costmodel import Calibration, search
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.links import LinkCalibration
 from dtrain.costmodel.search import MIN_CP_CHUNK
 from dtrain.costmodel.uncertainty import ErrorBand
 
 from .matrix import cluster_for
+from .models import LONG_MODELS, model_label, shape
 
-SHAPES = {
-    "8B": ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True, name="Llama-3-8B"),
-    "70B": ModelShape(80, 8192, 64, 8, 128256, 4096, 28672 / 8192, True, name="Llama-3-70B"),
-    "405B": ModelShape(
-        126, 16384, 128, 8, 128256, 4096, 53248 / 16384, True, name="Llama-3.1-405B"
-    ),
-}
+SHAPES = {model_label(p): shape(p, 4096) for p in LONG_MODELS}  # the guide's one set of models
 SEQS = (4096, 32768, 131072)
 GPUS = (64, 512)
 TOKENS_PER_STEP = 4 * 1024 * 1024
@@ -189,8 +185,9 @@ def long_context_section(
     out = [
         "## Long context: sequence length and context parallelism",
         "",
-        "The layout the cost model picks for Llama 3 shapes at 4K, 32K and 128K tokens per "
-        "sequence on H100 (8 per node, NVLink, 400 Gbit/s per GPU), about "
+        "The layout the cost model picks for the Llama 3 models of *Models* (8B, 70B, 405B: the "
+        "matrix's shapes) at 4K, 32K and 128K tokens per sequence on H100 (8 per node, NVLink, "
+        "400 Gbit/s per GPU), about "
         f"{TOKENS_PER_STEP // 2**20}M tokens per step, BF16, with context parallelism allowed "
         "(`dtrain plan --seq ...`) and without it (`--layout cp=1`). Layout: dp×cp×tp×pp, ZeRO "
         "stage, recompute; MFU counts the full (non-causal) attention FLOPs, as PaLM and "

@@ -1,10 +1,11 @@
 """The decision matrix: the cost model's best layout for every (model, GPUs, topology, IB) cell.
 
-Grid: 7 published model shapes (1B–405B) × 6 GPU counts (8–4096) × 2 node topologies (8 GPUs on
-NVLink, 8 GPUs on PCIe only) × 4 InfiniBand rates (100–800 Gbit/s per GPU) = 336 searches, one
-GPU type (H100 SXM by default), a global batch of 1024 sequences of 4096 tokens (4M tokens, the
-order of Llama-scale pre-training batches), BF16. The PCIe node has the same GPU with GPU-to-GPU
-traffic over its PCIe x16 link instead of NVLink, so the two topologies differ only in the link.
+Grid: the 7 published model shapes of ``dtrain.guide.models`` (1B–405B) × 6 GPU counts
+(8–4096) × 2 node topologies (8 GPUs on NVLink, 8 GPUs on PCIe only) × 4 InfiniBand rates
+(100–800 Gbit/s per GPU) = 336 searches, one GPU type (H100 SXM by default), a global batch of 1024
+sequences of 4096 tokens (4M tokens, the order of Llama-scale pre-training batches), BF16. The PCIe
+node has the same GPU with GPU-to-GPU traffic over its PCIe x16 link instead of NVLink, so the two
+topologies differ only in the link.
 ``search(prune=True)`` keeps it to seconds.
 """
 
@@ -14,12 +15,14 @@ import multiprocessing
 import os
 from dataclasses import dataclass, replace
 
-from dtrain.costmodel import Calibration, Cluster, LinkModel, ModelShape, search
+from dtrain.costmodel import Calibration, Cluster, LinkModel, search
 from dtrain.costmodel.calibrate import LinkCalibration
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.uncertainty import ErrorBand
 
-MODELS = (1e9, 7e9, 13e9, 34e9, 70e9, 175e9, 405e9)
+from .models import MATRIX_MODELS as MODELS
+from .models import model_label, shape as model_shape
+
 GPU_COUNTS = (8, 16, 64, 256, 1024, 4096)
 TOPOLOGIES = ("NVLink", "PCIe")
 IB_GBITS = (100, 200, 400, 800)
@@ -61,10 +64,6 @@ class Cell:
         return f"{self.dp}×{self.tp}×{self.pp}"
 
 
-def model_label(params: float) -> str:
-    return f"{params / 1e9:g}B"
-
-
 def cluster_for(
     gpu: str, gpus: int, topology: str, ib_gbit: float, links: LinkCalibration | None
 ) -> Cluster:
@@ -85,7 +84,7 @@ def cell(
     calib: Calibration,
     links: LinkCalibration | None,
 ) -> Cell:
-    shape = ModelShape.from_params(params, seq_len=SEQ_LEN)
+    shape = model_shape(params, SEQ_LEN)
     res = search(
         shape,
         cluster_for(gpu, gpus, topology, ib, links),

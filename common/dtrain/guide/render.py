@@ -10,7 +10,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from dtrain.costmodel import ModelShape, search
+from dtrain.costmodel import search
 from dtrain.costmodel.calibrate import CalibrationReport
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.stack import Stack
@@ -39,6 +39,8 @@ from .matrix import (
     cluster_for,
     model_label,
 )
+from .models import models_section
+from .models import shape as model_shape
 
 
 # (name, label, format) of every Calibration field, in its order: a new field gets its row here
@@ -163,7 +165,7 @@ def matrix_tables(cells: list[Cell], band: ErrorBand | None = None) -> list[str]
     cols = [(t, ib) for t in TOPOLOGIES for ib in IB_GBITS]
     out = ["## Decision matrix", ""] + (uncertainty_note(band, cells) if band else [])
     for p in MODELS:
-        shape = ModelShape.from_params(p, seq_len=SEQ_LEN)
+        shape = model_shape(p, SEQ_LEN)
         out += [
             f"### {model_label(p)} — {shape.name} ({shape.num_params() / 1e9:.1f}B parameters, "
             f"{shape.n_layer} layers, d_model {shape.d_model}, {shape.n_head} heads / "
@@ -402,7 +404,7 @@ def fp8_section(report: CalibrationReport, cells: list[Cell], gpu: str) -> list[
         "delayed | gain | FP8 tokens/s, dynamic | gain |",
         "|---|---:|---|---:|---|---:|---:|---:|---:|",
     ]
-    for p, g in ((7e9, 64), (70e9, 1024), (405e9, 4096)):
+    for p, g in ((8e9, 64), (70e9, 1024), (405e9, 4096)):
         c = next(
             (
                 x
@@ -413,7 +415,7 @@ def fp8_section(report: CalibrationReport, cells: list[Cell], gpu: str) -> list[
         )
         if c is None or not c.fits:
             continue
-        shape = ModelShape.from_params(p, seq_len=SEQ_LEN)
+        shape = model_shape(p, SEQ_LEN)
         cluster = cluster_for(gpu, g, "NVLink", 400, report.cluster_links)
         delayed, dynamic = (
             search(
@@ -555,8 +557,9 @@ def render(
     long_cells: list | None = None,
     backtest_rows: list | None = None,
     stored_verdict: Verdict | None = None,
+    moe_cells: list | None = None,
 ) -> str:
-    lines = header(report, results_label, skipped, gpu) + how_to_read(gpu)
+    lines = header(report, results_label, skipped, gpu) + how_to_read(gpu) + models_section()
     lines += (
         [
             "## Rules the matrix shows",
@@ -578,6 +581,10 @@ def render(
         from .long_context import long_context_section
 
         lines += long_context_section(long_cells, band, max(c.hbm_gib for c in cells))
+    if moe_cells:
+        from .moe_guide import moe_section
+
+        lines += moe_section(moe_cells)
     lines += (
         calibration_table(report)
         + checks_table(checks, report, stored_verdict)

@@ -3,6 +3,8 @@ guide and the backtest (no torch import, so the cost model stays light)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from dtrain.model.args import GPTConfig, transformer_params
 
 
@@ -58,3 +60,67 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
         False,
         cfg.head_dim,
     )
+
+
+class MLA(NamedTuple):
+    """DeepSeek's multi-head latent attention as a shape (DeepSeek-V2 report §2.1; V3 config:
+    q_lora_rank 1536, kv_lora_rank 512, qk_rope_dim 64, qk_nope_dim 128, v_head_dim 128)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_rope_dim: int
+    qk_nope_dim: int
+    v_head_dim: int
+
+
+def attention_matmul_params(
+    d_model: int, n_head: int, n_kv_head: int, head_dim: int | None = None, mla: MLA | None = None
+) -> int:
+    """One layer's attention projection weights. Standard: wq, wo (d x H·hd) and wk, wv
+    (d x KV·hd); MLA as Megatron's ``theoretical_memory_usage.py`` counts it, norms left out
+    (no matmul): q_lora·(d + H·(nope+rope)) + kv_lora·(d + H·(nope+v)) + d·rope + H·v·d (without
+    a q LoRA, d·H·(nope+rope))."""
+    if mla is None:
+        hd = head_dim or d_model // n_head
+        return 2 * d_model * n_head * hd + 2 * d_model * n_kv_head * hd
+    qk = mla.qk_nope_dim + mla.qk_rope_dim
+    q = mla.q_lora_rank * (d_model + n_head * qk) if mla.q_lora_rank else d_model * n_head * qk
+    kv = mla.kv_lora_rank * (d_model + n_head * (mla.qk_nope_dim + mla.v_head_dim))
+    return q + kv + d_model * mla.qk_rope_dim + n_head * mla.v_head_dim * d_model
+
+
+def moe_flops_per_token(
+    n_layer: int,
+    d_model: int,
+    n_head: int,
+    n_kv_head: int,
+    vocab: int,
+    seq_len: int,
+    *,
+    dense_ffn: int,
+    dense_layers: int,
+    top_k: int,
+    expert_ffn: int,
+    shared_ffn: int = 0,
+    head_dim: int | None = None,
+    mla: MLA | None = None,
+) -> int:
+    """Training model FLOPs per token of an MoE transformer by Megatron-LM's rule
+    (``training.num_floating_point_operations``): the same 6 per weight per token as
+    ``transformer_flops_per_token`` over the weights a token meets, SwiGLU MLPs (3 matrices):
+
+        6 · (L·attention + 3·d·(D·dense_ffn + (L−D)·(top_k·expert_ffn + shared_ffn)) + V·d)
+        + 6·L·s·H·(d_qk + d_v)                      (d_qk = d_v = head dim without MLA)
+
+    ``shared_ffn`` is the shared experts' total width (S x their ffn; Megatron's
+    moe_shared_expert_intermediate_size). The router (d x E per token) is not counted, as
+    Megatron does not, so model TFLOP/s compares with published MoE figures. Attention is
+    non-causal, as in ``transformer_flops_per_token``, which this equals for a dense model
+    (top_k = 0, D = L)."""
+    hd = head_dim or d_model // n_head
+    qk, v = (hd, hd) if mla is None else (mla.qk_nope_dim + mla.qk_rope_dim, mla.v_head_dim)
+    attention = attention_matmul_params(d_model, n_head, n_kv_head, hd, mla)
+    moe_layers = n_layer - dense_layers
+    ffn = 3 * d_model * (dense_layers * dense_ffn + moe_layers * (top_k * expert_ffn + shared_ffn))
+    matmul = n_layer * attention + ffn + vocab * d_model
+    return 6 * matmul + 6 * n_layer * n_head * (qk + v) * seq_len

@@ -232,3 +232,34 @@ def pp_sends_per_step(virtual_stages: int, micro_batches: int) -> int:
     """Activation sends and gradient sends of a stage per step: one each per virtual chunk and
     micro-batch."""
     return 2 * virtual_stages * micro_batches
+
+
+# ---------------------------------------------------------------- expert parallel (MoE)
+
+
+def ep_dispatch_bytes(tokens: float, top_k: int, d_model: int, elem_bytes: float) -> float:
+    """A rank's dispatch all-to-all input: each of its ``tokens`` sent to its top_k experts, a
+    d_model row each (the combine's output has the same size, at the combine's element bytes)."""
+    return tokens * top_k * d_model * elem_bytes
+
+
+def ep_layer_bytes(
+    tokens: float, top_k: int, d_model: int, ep: int, dispatch_bytes: float, combine_bytes: float
+) -> float:
+    """Wire bytes one rank sends per MoE layer and micro-batch, forward + backward, with an
+    all-to-all dispatcher: 2·(b_dispatch + b_combine)·T·k·h·(ep−1)/ep (forward dispatch and
+    combine, backward their gradients; the (ep−1)/ep share leaves the rank). FP8 dispatch
+    (``dispatch_bytes`` 1) halves the first term."""
+    per = tokens * top_k * d_model * (ep - 1) / ep
+    return 2 * (dispatch_bytes + combine_bytes) * per
+
+
+def ep_nodes_reached(top_k: int, nodes: int, node_limit: int | None = None) -> float:
+    """Distinct nodes a token's top_k experts sit on, uniform routing over ``nodes`` nodes:
+    nodes·(1 − (1 − 1/nodes)^k), at most ``node_limit`` (DeepSeek-V3's node-limited routing: 4).
+    DeepEP's internode dispatch sends a token once per target node, then forwards it over
+    NVLink (DeepEP README)."""
+    if nodes <= 1:
+        return 1.0
+    reached = nodes * (1 - (1 - 1 / nodes) ** top_k)
+    return min(reached, node_limit) if node_limit else reached
