@@ -130,7 +130,9 @@ def test_plan_fsdp_eager_prints_dispatch_floor_and_optimizer(capsys):
     assert main([*argv, "--gpu", "h100-sxm"]) == 0
     text = capsys.readouterr().out
     assert "flash2 attention, eager kernels, foreach AdamW" in text
-    assert "  dispatch    floor " in text and "kernel launches x the host's cost per op" in text
+    assert (
+        "  dispatch    floor " in text and "kernel launches (+ FSDP2's hooks) x the host's" in text
+    )
     assert "GPU-bound" in text
     assert "  optimizer   foreach AdamW + gradient clipping" in text
     assert main([*argv, "--gpu", "h100-sxm", "--json", "--optimizer", "fused"]) == 0

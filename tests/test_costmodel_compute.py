@@ -178,6 +178,8 @@ def test_fp8_scaling_follows_the_software_unless_given():
     assert [
         Stack(software=s).fp8_casts for s in ("torchtitan", "dtrain", "megatron-core", "any")
     ] == ["dynamic", "dynamic", "delayed", "delayed"]
+    # the eager stack runs the same recipe without compile: its casts op by op
+    assert Stack(software="fsdp-eager").fp8_casts == "eager"
     assert Stack(software="torchtitan", fp8_scaling="delayed").fp8_casts == "delayed"
     assert (
         device_of(
@@ -186,7 +188,7 @@ def test_fp8_scaling_follows_the_software_unless_given():
         == "dynamic"
     )
     with pytest.raises(
-        ValueError, match="fp8_scaling='per-row' must be one of delayed, dynamic, None"
+        ValueError, match="fp8_scaling='per-row' must be one of delayed, dynamic, eager, None"
     ):
         Stack(fp8_scaling="per-row")
 

@@ -174,5 +174,5 @@ def test_plan_prices_fp8_casts_by_the_softwares_scaling(capsys):
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--fp8-scaling", "per-row"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: dtrain plan: argument --fp8-scaling: invalid choice: 'per-row' "
-        "(choose from 'delayed', 'dynamic') (see dtrain plan --help)"
+        "(choose from 'delayed', 'dynamic', 'eager') (see dtrain plan --help)"
     )

@@ -16,9 +16,9 @@ from dtrain.costmodel.memory import (
     held_layer_microbatches,
     in_flight,
     layer_activation_bytes,
-    memory_for,
 )
 from dtrain.costmodel.overrides import train_overrides
+from dtrain.costmodel.stack_memory import memory_for
 from dtrain.costmodel.shapes import (
     end_stage_layers,
     last_stage_layers,

@@ -64,7 +64,7 @@ def test_dispatch_floor_by_hand():
     lay = Layout(micro_batch=1)
     stack = eager_stack("flash2")
     host, source = eager.host_op_s("h100-sxm")
-    assert host == pytest.approx(16.1e-6) and "tiny_kernel_s" in source
+    assert host == pytest.approx(38.1e-6) and "cpu_dispatch_s" in source
     counts = eager.kernel_counts(shape, lay)
     # per micro-batch: 4 layers x (18 GEMMs + 4 attention + 40 elementwise) + 3 head GEMMs + 4
     # loss kernels; per step 155 elementwise and the optimizer's foreach launches
@@ -81,6 +81,37 @@ def test_dispatch_floor_by_hand():
     # the same step on the fused default stack has no floor
     fused = step_time(shape, lay, cluster, Calibration())
     assert fused.kernels == 0 and not fused.launch_bound
+
+
+def test_fsdp_hooks_host_work_by_hand():
+    """FSDP2 (ZeRO-2/3, one rank too) adds its hooks' host work per unit (blocks + root) and
+    micro-batch; a plain step has none."""
+    shape = ModelShape(4, 256, 4, 4, 1000, 128, rotary=False)
+    per_unit, source = eager.fsdp_unit_launches()
+    assert per_unit == 94 and "fsdp_host" in source
+    plain = Layout(micro_batch=1)
+    counts = eager.kernel_counts(shape, plain)
+    assert eager.host_launches(shape, plain, counts) == sum(counts.values())
+    z3 = Layout(micro_batch=1, grad_accum=2, zero_stage=3)
+    counts = eager.kernel_counts(shape, z3)
+    assert eager.host_launches(shape, z3, counts) == sum(counts.values()) + (4 + 1) * 2 * 94
+
+
+def test_host_cost_is_the_measured_issue_time_per_launch():
+    """eager.yaml's H100 host cost is what its source says: the median over the eager_sweep
+    cases of the report of cpu_dispatch_s / kernel_counts' launches."""
+    import statistics
+
+    from dtrain.costmodel.measured_cases import report_cases
+
+    report = Path(__file__).parents[1] / "measured/h100-sxm/gpu-check-20261127-085952/report.json"
+    cases = [c for c in report_cases(report) if c.name.startswith("eager_sweep")]
+    assert len(cases) == 13 and all(c.cpu_dispatch_s for c in cases)
+    per = [
+        c.cpu_dispatch_s / eager.kernels_per_step(c.shape, c.layout, c.stack.optimizer, c.structure)
+        for c in cases
+    ]
+    assert eager.host_op_s("h100-sxm")[0] == pytest.approx(statistics.median(per), rel=2e-3)
 
 
 def test_fsdp_hidden_by_hand():
@@ -107,6 +138,27 @@ def test_peak_memory_by_hand():
     assert got == pytest.approx(max(forward, step))
     fused = memory_for(shape, lay, eager_stack(optimizer="fused")).total
     assert fused == pytest.approx(max(forward, 16 * psi))
+
+
+def test_peak_memory_logits_and_autocast_norms_by_hand():
+    """At the end of forward the eager model holds 12 B per logit, not the unfused 14 (its bf16
+    logits die with the forward); without FSDP autocast keeps the residual stream fp32, 2 B more
+    per element for each norm's saved input (two per block and the final one); FSDP2's
+    MixedPrecisionPolicy runs all in bf16 (no such term)."""
+    shape = ModelShape(2, 512, 8, 8, 32000, 4096, rotary=False)
+    s, h, v = 4096, 512, 32000
+    lay = Layout(micro_batch=1)
+    base = memory_per_gpu(shape, lay, 1.0, True, False)
+    psi = params_per_gpu(shape, 1, 1)
+    linear = 2 * shape.param_count.matmul_per_layer + shape.param_count.lm_head
+    acts = base.activations - 1.05 * 2 * s * v + 1.05 * 2 * s * h * (2 * 2 + 1)
+    forward = 12 * psi + 2 * linear + acts
+    assert forward > 20 * psi  # the end of forward is the peak here
+    assert memory_for(shape, lay, eager_stack()).total == pytest.approx(forward)
+    z3 = Layout(micro_batch=1, zero_stage=3)
+    base3 = memory_per_gpu(shape, z3, 1.0, True, False)
+    got = memory_for(shape, z3, eager_stack())
+    assert got.activations == pytest.approx(base3.activations - 1.05 * 2 * s * v)
 
 
 def test_fsdp_eager_runs_fsdp_only():
@@ -152,3 +204,24 @@ def test_fsdp_unit_overlap_never_hides_more_than_the_window():
     lay = Layout(dp_shard=64, zero_stage=3, micro_batch=1, grad_accum=1)
     t = step_time(shape, lay, cluster, Calibration(), stack=eager_stack())
     assert t.dp_comm_exposed > t.dp_comm - (t.compute - t.terms.optimizer)  # more than the window
+
+
+def test_grad_accumulation_adds_by_hand():
+    """dtrain's trainer and the eager stack add each micro-batch's weight gradients after the
+    first into the fp32 .grad: 12 B per local parameter at the add rate; a stack that does not
+    (here "any") has no such term."""
+    from dtrain.costmodel.timemodel import device_of
+
+    shape = ModelShape(4, 512, 8, 8, 1000, 256, rotary=False)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    lay = Layout(micro_batch=1, grad_accum=4)
+    dtrain_stack = Stack("flash", "fused", "fused", software="dtrain")
+    other = Stack("flash", "fused", "fused", software="any")
+    dev = device_of(cluster, Calibration(), dtrain_stack)
+    psi = params_per_gpu(shape, 1, 1)
+    expected = 3 * dev.mem_s(12 * psi, "add")
+    assert eager.grad_accum_s(psi, 4, dev) == pytest.approx(expected)
+    assert eager.grad_accum_s(psi, 1, dev) == 0.0
+    with_adds = step_time(shape, lay, cluster, Calibration(), stack=dtrain_stack)
+    without = step_time(shape, lay, cluster, Calibration(), stack=other)
+    assert with_adds.terms.memory - without.terms.memory == pytest.approx(expected)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .calibration import Calibration
 from .compute import head_s
-from .eager import dispatch_floor_s, host_op_s, kernel_counts
+from .eager import dispatch_floor_s, host_launches, host_op_s, kernel_counts
 from .efficiency import head_gemm
 from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
@@ -97,7 +97,10 @@ def score(case: Case) -> Scored:
     )
     # the floor with the case's own structure (biases, learned positions), as the plan cannot
     counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
-    floor = dispatch_floor_s(sum(counts.values()), host_op_s(case.gpu)[0]) if t.kernels else 0.0
+    host = host_op_s(case.gpu)[0]
+    floor = 0.0
+    if t.kernels:  # as timemodel.step_time prices it: kernels and FSDP2's hooks
+        floor = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
     total = max(t.total, floor)
     kernels = {}
     if case.kernels:
@@ -176,7 +179,7 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             out += wrap.wrap(
                 "kernels m/p: "
                 + " ".join(f"{SHORT[k]} {m}/{p}" for k, (m, p) in r.kernels.items())
-                + f"; floor {r.dispatch_floor_s * 1e3:.1f} ms"
+                + f"; floor {r.dispatch_floor_s * 1e3:.0f} ms"
             )
         if c.gpu_kernel_sum_s is not None and c.gpu_busy_s is not None:  # a new profile's union
             out.append(
@@ -186,8 +189,10 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             )
         if r.host_per_launch_s is not None:
             out.append(
-                f"  host: {r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
-                f"launches) against {host_op_s(c.gpu)[0] * 1e6:.1f} us (eager.yaml)"
+                f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/"
+                f"{r.dispatch_floor_s * 1e3:.1f} ms; "
+                f"{r.host_per_launch_s * 1e6:.1f} us per launch measured (cpu_dispatch_s / "
+                f"launches)"
             )
     s = summary(rows)
     med, mmed = s["time_median_abs_error"], s["memory_median_abs_error"]
@@ -198,7 +203,8 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         "logits' fp32 cast on the model's side (the profile files it under elem); an old profile "
         "sums some kernels twice (its "
         "categories can add up to more than the step: the optimizer's, by about 2x); floor = "
-        "kernel launches x the host's cost per op (eager.yaml)."
+        "the host's issue (kernel launches, + FSDP2's hooks per unit, x the host's seconds "
+        "per launch, eager.yaml)."
     )
     summary_line = (
         f"summary: time within {WITHIN:.0%}: {s['time_within_10pct']} of {s['time_scored']}"

@@ -56,7 +56,15 @@ EAGER_BYTES = 2.5
 #            about 3 B per element by the kernels' count (read 2, write 1 and 1 transposed, less the
 #            bf16 write it replaces). Not measured here: TransformerEngine cannot be brought to the
 #            GPU machine.
-FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0}
+#   eager    the same recipe without compile (torchao's matmul_with_hp_or_float8_args run op by
+#            op): each tensor is cast twice, once per GEMM that reads it (the input for the
+#            output and again for the weight gradient, the output gradient for the input and
+#            the weight gradients), each cast unfused: the amax (abs: read 2, write 2; max: read
+#            2), the scale, then to fp32 (read 2, write 4), times the scale (read 4, write 4),
+#            the saturating clamp (read 4, write 4) and the fp8 cast (read 4, write 1): 33 B;
+#            and one transposed copy for the weight-gradient GEMM (_scaled_mm wants its second
+#            operand column-major: read 1, write 1): 2 x 33 + 2 = 68 B. Counted, not measured.
+FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0, "eager": 68.0}
 # Dynamic scaling casts the block linears' weights at each use, per parameter of the rank's shard
 # and micro-batch:
 # forward 5 (amax: read 2; cast: read 2, write 1), backward 3 (the transposed cast with the
@@ -65,6 +73,9 @@ FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0}
 # before the gather), nor with delayed scaling (TransformerEngine casts a weight once per step, its
 # first micro-batch, and keeps it).
 FP8_WEIGHT_CAST_BYTES = 8.0
+# Eager (no compile): the weight is cast at both its uses (forward, input gradient), 33 B each
+# from fp32 (abs 8, max 4, scale 8, clamp 8, fp8 cast 5), and copied transposed once (2): 68 B
+EAGER_FP8_WEIGHT_CAST_BYTES = 68.0
 # AdamW per parameter: reads param, grad, m, v and writes param, m, v (fp32): 28 B; clipping reads
 # the gradients and scales them: 12 B.
 OPTIMIZER_BYTES, CLIP_BYTES = 28.0, 12.0
@@ -355,6 +366,8 @@ def memory_bytes(
     if precision == "fp8":
         q, kv = heads * hd, kv_heads * hd
         elems = (h + (q + 2 * kv)) + (q + h) + (h + (2 if shape.gated_mlp else 1) * f) + (f + h)
+        if fp8_scaling == "eager":  # eager models run q, k, v as three linears: three inputs
+            elems += 2 * h
         out["fp8_cast"] = FP8_CAST_BYTES[fp8_scaling] * elems
     if layout.cp > 1 and layout.cp_impl == "torch":
         out["cp_merge_fwd"], out["cp_merge_bwd"] = cp_merge_bytes(layout.cp, heads * hd)
@@ -431,7 +444,7 @@ def layer_terms(
     # FSDP (ZeRO 2/3) gathering the weights in FP8 casts them on the shard, off the layer
     weight_casts = (
         precision == "fp8"
-        and dev.fp8_scaling == "dynamic"
+        and dev.fp8_scaling in ("dynamic", "eager")
         and not (dev.fp8_weight_gather and layout.zero_stage >= 2)
     )
     return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts)
@@ -468,8 +481,11 @@ def _layer_terms(
         else {}
     )
     if weight_casts and mem:
+        per_param = (
+            EAGER_FP8_WEIGHT_CAST_BYTES if dev.fp8_scaling == "eager" else FP8_WEIGHT_CAST_BYTES
+        )
         mem["fp8_weight_cast"] = dev.mem_s(
-            FP8_WEIGHT_CAST_BYTES * shape.params_per_layer_on_rank(layout.tp), "add"
+            per_param * shape.params_per_layer_on_rank(layout.tp), "add"
         )
     rc = 0.0
     if layout.recompute == "full":

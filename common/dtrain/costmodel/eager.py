@@ -14,8 +14,13 @@ adds:
                    (``foreach_launches``); checked against the measured counts in
                    measured/h200/probe-20261126-0510/step_profile.json (tests/test_eager.py)
   dispatch floor   ``dispatch_floor_s``: the host issues kernels one after another, so a step
-                   takes at least launches x the measured host cost of one op (eager.yaml); when
-                   that floor exceeds the GPU's work the step is launch-bound
+                   takes at least launches x the host's measured seconds per launch (eager.yaml:
+                   a host's issue time of whole eager steps, cpu_dispatch_s, over these counts:
+                   Python, autograd and autocast per op, not the bare launch), plus FSDP2's hooks
+                   per wrapped unit (``host_launches``); when that floor exceeds the GPU's work
+                   the step is launch-bound and takes the host's time: the measured steps end
+                   0.5-2.3 ms after their host issue (125M at 1 x 2K and 8 x 1K tokens), the
+                   optimizer's GPU work running while the host still issues it
   FSDP overlap     ``fsdp_hidden``: FSDP2 gathers one block's weights while the previous block
                    computes; at a small per-rank batch a block's compute is shorter than its
                    gather and the difference is exposed, block by block, with the first gather
@@ -219,6 +224,23 @@ def dispatch_floor_s(kernels: int, host_s: float) -> float:
     return kernels * host_s
 
 
+def fsdp_unit_launches() -> tuple[float, str]:
+    """(FSDP2's host work per wrapped unit and micro-batch in launch equivalents, its source)."""
+    row = _hosts()["fsdp2_unit"]
+    return float(row["launches"]), " ".join(row["source"].split())
+
+
+def host_launches(shape: ModelShape, layout: Layout, counts: dict[str, int]) -> float:
+    """What the host issues in one step, in launches: the kernels (``kernel_counts``) and, where
+    FSDP2 wraps the model (ZeRO-2/3, on one rank too), its hooks' work per unit (each block and
+    the root) and micro-batch (``fsdp_unit_launches``)."""
+    n = float(sum(counts.values()))
+    if layout.zero_stage >= 2:
+        units = stage_layers(shape, layout.pp, layout.pp_split) + 1
+        n += units * layout.grad_accum * fsdp_unit_launches()[0]
+    return n
+
+
 def fsdp_hidden(gather: float, reduce: float, work: float, units: int, micro_batches: int) -> float:
     """How much of a ZeRO-3 step's FSDP traffic runs behind ``work`` (the step's compute less the
     optimizer), unit by unit: ``gather`` the step's all-gathers (per unit and micro-batch one in
@@ -253,3 +275,18 @@ def linear_params(shape: ModelShape, layout: Layout) -> float:
 def weight_cast_s(shape: ModelShape, layout: Layout, dev) -> float:
     """``WEIGHT_CAST_BYTES`` over the step's micro-batches, at the add kernel's rate."""
     return layout.grad_accum * dev.mem_s(WEIGHT_CAST_BYTES * linear_params(shape, layout), "add")
+
+
+# Gradient accumulation through PyTorch's AccumulateGrad: each micro-batch after the first adds
+# its weight gradients into the fp32 .grad (FSDP2: into the reduced shard), read 4 + 4, write 4,
+# at the add kernel's rate. Priced on the stacks this project measures (the eager stack, dtrain's
+# trainer); Megatron fuses the accumulation into the weight-gradient GEMM
+# (gradient_accumulation_fusion: no pass of its own); torchtitan's published rows keep their
+# calibration (dtrain backtest unchanged), though FSDP2 accumulates there the same way
+GRAD_ACCUM_BYTES = 12.0
+ACCUMULATING_SOFTWARE = (SOFTWARE, "dtrain")
+
+
+def grad_accum_s(local_params: float, micro_batches: int, dev) -> float:
+    """The step's gradient-accumulation adds over ``local_params`` (the rank's gradient)."""
+    return max(0, micro_batches - 1) * dev.mem_s(GRAD_ACCUM_BYTES * local_params, "add")

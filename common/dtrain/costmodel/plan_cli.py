@@ -285,9 +285,11 @@ def add_parser(sub) -> None:
         choices=FP8_SCALINGS,
         default=None,
         help="with --precision fp8, how the casts are scaled, which sets their cost: dynamic "
-        "(torchao's float8 training: a global amax per tensor before its cast) or delayed "
+        "(torchao's float8 training: a global amax per tensor before its cast), eager (the "
+        "same without compile, op by op) or delayed "
         "(TransformerEngine: amax history, casts fused into the producing kernels); default: "
-        "the --software's own (dynamic for torchtitan and dtrain, else delayed)",
+        "the --software's own (dynamic for torchtitan and dtrain, eager for fsdp-eager, else "
+        "delayed)",
     )
     r.add_argument(
         "--grad-reduce",

@@ -290,8 +290,8 @@ def eager_lines(t, stack=None) -> list[str]:
         else (f"GPU-bound: the GPU's work is {t.total / t.dispatch_floor:.1f}x the floor")
     )
     return [
-        f"  dispatch    floor {t.dispatch_floor:.3f} s = {t.kernels:,} kernel launches x the "
-        f"host's cost per op (costmodel/eager.yaml); {bound}",
+        f"  dispatch    floor {t.dispatch_floor:.3f} s = {t.kernels:,} kernel launches (+ FSDP2's "
+        f"hooks) x the host's issue time per launch (costmodel/eager.yaml); {bound}",
         f"  optimizer   {opt} AdamW + gradient clipping {t.terms.optimizer:.3f} s over the rank's "
         "shard (costmodel/eager.py)",
     ]

@@ -18,8 +18,9 @@ ATTENTION_KERNELS = ("flash", "flash2", "eager")
 FP8_ALL_GATHERS = ("none", "tp", "tp+fsdp")  # see Stack.fp8_all_gather
 STATE_DTYPES = ("fp32", "bf16")  # see Stack.grad_reduce, Stack.optimizer_states
 DP_SYNCS = ("overlap", "flush")  # see Stack.dp_sync
-FP8_SCALINGS = ("delayed", "dynamic")  # see Stack.fp8_scaling
+FP8_SCALINGS = ("delayed", "dynamic", "eager")  # see Stack.fp8_scaling
 DYNAMIC_FP8_SOFTWARE = ("torchtitan", "dtrain")  # torchao's float8 training: dynamic scales only
+EAGER_FP8_SOFTWARE = ("fsdp-eager",)  # the same without compile: its casts run op by op
 OPTIMIZERS = ("foreach", "fused")  # see Stack.optimizer
 
 
@@ -59,7 +60,8 @@ class Stack:
     (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost
     (``compute.FP8_CAST_BYTES``):
     "dynamic", a global amax of each tensor before its cast (torchao's float8 training,
-    torchtitan's and dtrain's), or "delayed", the scale from an amax history with the cast fused
+    torchtitan's and dtrain's), "eager", the same run op by op without compile (the fsdp-eager
+    stack's), or "delayed", the scale from an amax history with the cast fused
     into the kernel that produces the tensor (TransformerEngine's recipe, Megatron's); default
     (None) the software's own. ``optimizer`` (OPTIMIZERS): which AdamW runs, "foreach" (PyTorch's
     default) or "fused" (``fused=True``), priced by ``compute.optimizer_s``; None: as the kernels
@@ -114,9 +116,11 @@ class Stack:
     def fp8_casts(self) -> str:
         """The FP8 scaling this stack's casts run (FP8_SCALINGS): the one given, else the
         software's."""
-        return self.fp8_scaling or (
-            "dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed"
-        )
+        if self.fp8_scaling:
+            return self.fp8_scaling
+        if self.software in EAGER_FP8_SOFTWARE:
+            return "eager"
+        return "dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed"
 
     @property
     def runs(self) -> Software:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .eager import linear_params
 from .memory import MemoryBreakdown, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
-from .shapes import Layout, ModelShape
+from .shapes import Layout, ModelShape, stage_layers
 from .stack import Stack
 
 
@@ -30,6 +30,20 @@ def memory_for(
     return eager_peak(shape, layout, base, stack.optimizer)
 
 
+# memory.LOSS_BYTES_PER_LOGIT's unfused 14 B per logit holds the bf16 logits to the end (as
+# torchtitan's reserved memory shows them). The eager stack's model returns the loss alone: the bf16
+# logits (2 B) and their fp32 copy die with the forward (the head's GEMM saves its input, the cast
+# and log-softmax their outputs only), so backward's first step holds 12 B (the fp32 log-softmax,
+# its gradient, the input gradient) and the forward's cross-entropy 2 + 4 + 4 = 10.
+LOGITS_FREED_BYTES = 2.0
+# Without FSDP the eager stack runs bf16 under autocast (dtrain.train.trainer: FSDP2's
+# MixedPrecisionPolicy casts the parameters itself, else autocast does): the parameters stay fp32,
+# so the embedding's output and every residual add are fp32 and each norm saves a 4-byte input
+# where memory.activation_bytes_per_layer counts 2 (its "2 LayerNorm inputs 4"): 2 more bytes per
+# element for each of a block's two norms, and the final norm's
+AUTOCAST_NORM_INPUT_BYTES = 2.0
+
+
 def eager_peak(shape: ModelShape, layout: Layout, base, optimizer: str | None):
     """The eager stack's peak bytes per GPU (a ``memory.MemoryBreakdown``): the larger of two
     moments, as PyTorch's allocator sees them with ``zero_grad(set_to_none=True)``:
@@ -50,7 +64,14 @@ def eager_peak(shape: ModelShape, layout: Layout, base, optimizer: str | None):
     casts = 0.0 if layout.zero_stage >= 2 else 2 * linear_params(shape, layout)
     units = (base.buffers or 3 * 2 * shape.params_per_layer() / layout.tp) if sharded else 0.0
     held = g if layout.grad_accum > 1 else 0.0
-    forward = MemoryBreakdown(p + casts, held, o, base.activations, units)
+    # the last stage's logits (memory.activation_bytes' count, its 5% of temporaries included)
+    logits = layout.micro_batch * shape.seq_len * shape.vocab / layout.tp
+    acts = max(0.0, base.activations - 1.05 * LOGITS_FREED_BYTES * logits)
+    if layout.zero_stage < 2:  # autocast: fp32 residual stream
+        layers = stage_layers(shape, layout.pp, layout.pp_split)
+        tokens = layout.micro_batch * shape.seq_len
+        acts += 1.05 * AUTOCAST_NORM_INPUT_BYTES * tokens * shape.d_model * (2 * layers + 1)
+    forward = MemoryBreakdown(p + casts, held, o, acts, units)
     shard = psi / layout.shard_group if layout.zero_stage >= 1 else psi
     temp = 0.0 if optimizer == "fused" else 4 * shard
     step = MemoryBreakdown(p, g, o + temp, 0.0)

@@ -113,7 +113,7 @@ class StepTime:
         0.0  # of dp_comm_exposed: what the overlapped DP traffic takes from compute (SMs, HBM)
     )
     kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
-    dispatch_floor: float = 0.0  # launches x the host's cost per op: total is at least this
+    dispatch_floor: float = 0.0  # the host's issue time (eager.host_launches): at least this
 
     @property
     def launch_bound(self) -> bool:
@@ -397,6 +397,9 @@ class StepModel:
             terms = replace(
                 terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
             )
+        if lay.grad_accum > 1 and self.stack.software in eager.ACCUMULATING_SOFTWARE:
+            add = eager.grad_accum_s(local, lay.grad_accum, self.dev)
+            terms = replace(terms, memory=terms.memory + add)
         return terms
 
     def _tp_parts(self, lay: Layout) -> tuple[float, float, float, float]:
@@ -658,8 +661,13 @@ class StepModel:
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         kernels = floor = 0
         if self.eager:  # the host issues the kernels one by one: the step is never shorter
-            kernels = eager.kernels_per_step(self.shape, lay, self.stack.optimizer or "foreach")
-            floor = eager.dispatch_floor_s(kernels, self.host_s)
+            counts = eager.kernel_counts(
+                self.shape, lay, optimizer=self.stack.optimizer or "foreach"
+            )
+            kernels = sum(counts.values())
+            floor = eager.dispatch_floor_s(
+                eager.host_launches(self.shape, lay, counts), self.host_s
+            )
             total = max(total, floor)
         tokens = lay.dp * lay.micro_batch * m * self.shape.seq_len
         return StepTime(

@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
         "--gpu",
         default="h100-sxm",
         choices=sorted(load_profiles()),
-        help="GPU of the decision matrix (default h100-sxm)",
+        metavar="GPU",
+        help=f"GPU of the decision matrix: {', '.join(sorted(load_profiles()))} (default h100-sxm)",
     )
     p.set_defaults(func=run)
 
