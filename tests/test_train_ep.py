@@ -57,7 +57,8 @@ def many(ctx) -> dict:
     for name, spec in ctx.cfg.specs.items():
         spec = OmegaConf.to_container(spec)
         seen = Seen()
-        trainer = Trainer(ctx, train_of(**spec), model_of(**spec.pop("moe", {})), callbacks=[seen])
+        moe = spec.pop("moe", {})  # before train_of(**spec), which takes no model keys
+        trainer = Trainer(ctx, train_of(**spec), model_of(**moe), callbacks=[seen])
         result = trainer.run()
         out[name] = {
             "losses": seen.losses,

@@ -70,10 +70,13 @@ def parallelize_block(module: nn.Module, mesh, sequence_parallel: bool) -> nn.Mo
     )
 
     if hasattr(module, "mlp"):  # a Block
-        plan = {
-            **_region_plan("attn.", ["wq", "wk", "wv"], "wo", sequence_parallel),
-            **_region_plan("mlp.", ["w1"], "w2", sequence_parallel),
-        }
+        plan = _region_plan("attn.", ["wq", "wk", "wv"], "wo", sequence_parallel)
+        if hasattr(module.mlp, "w1"):
+            plan.update(_region_plan("mlp.", ["w1"], "w2", sequence_parallel))
+        elif sequence_parallel:  # an MoE layer runs on this rank's tokens (dtrain.parallel.ep.moe_tp)
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
         if sequence_parallel:
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         return parallelize_module(module, mesh, plan)

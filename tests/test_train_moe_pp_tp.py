@@ -1,0 +1,81 @@
+"""An MoE model under pipeline parallelism and tensor parallelism of the attention (expert TP 1)
+equals world_size=1 (fp32, gloo, dropless: losses and grad norms within 1e-6 relative):
+
+    pp=2            the stages' MoE layers, the Switch auxiliary loss gathered from every stage
+                    (the reported loss and its gradient), the MoE metrics from every stage
+    tp=2            each tp rank routes its share of the tokens (with and without sequence
+                    parallelism, hand-rolled and DTensor TP), ep = 1 and ep = 2 folded from tp
+    4 ranks (slow)  pp=2 x ep=2, tp=2 x ep=2 with efsdp=2, tp=2 x ep=4
+
+The trainings run inside one launch per world size (test_train_ep's helpers): the tiny GPT with 2
+layers, 4 experts, top-2, global batch 4 = micro-batches of 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_train_ep import REL, max_rel, run_specs
+
+AUX = {"aux_loss_coef": 0.01}
+
+
+def _compare(runs: dict, refs: dict) -> None:
+    for name, res in runs.items():
+        ref = refs["aux" if "aux" in name else "single"]
+        for key in ("losses", "grad_norms"):
+            err = max_rel(res[key], ref[key])
+            print(f"{name} {key} max rel diff {err:.1e}")
+            assert err <= REL, (name, key, res[key], ref[key])
+
+
+def _references(tmp_path) -> dict:
+    return run_specs(
+        tmp_path,
+        1,
+        {"single": {"strategy": "single"}, "aux": {"strategy": "single", "moe": AUX}},
+    )
+
+
+def test_moe_pp2_and_tp2_match_one_rank(tmp_path):
+    refs = _references(tmp_path)
+    assert refs["aux"]["losses"][0] > refs["single"]["losses"][0]  # the aux loss is in it
+    assert refs["aux"]["grad_norms"][0] != refs["single"]["grad_norms"][0]  # and its gradient
+    two = run_specs(
+        tmp_path,
+        2,
+        {
+            "pp2": {"pp": 2},
+            "pp2_aux": {"pp": 2, "moe": AUX},
+            "pp2_gpipe_aux": {"pp": 2, "pp_schedule": "gpipe", "moe": AUX},
+            "tp2": {"tp": 2},
+            "tp2_sp": {"tp": 2, "sequence_parallel": True},
+            "tp2_dtensor_sp": {"tp": 2, "tp_impl": "dtensor", "sequence_parallel": True},
+            "tp2_ep2": {"tp": 2, "ep": 2},  # ep folded from the tp ranks
+            "tp2_sp_ep2": {"tp": 2, "ep": 2, "sequence_parallel": True},
+        },
+    )
+    _compare(two, refs)
+    assert two["tp2_ep2"]["result"]["ep"] == 2
+    # every stage's layers and every tp rank's tokens counted once: at ep = 1 the overload factor
+    # (the busiest expert's) is the one-rank run's, step by step
+    for name in ("pp2", "pp2_gpipe_aux", "tp2", "tp2_sp", "tp2_dtensor_sp"):
+        ref = refs["aux" if "aux" in name else "single"]
+        assert two[name]["overload"] == ref["overload"], name
+    assert all(o >= 1.0 for o in two["tp2_ep2"]["overload"])
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores: ~60 s; the 2-rank test above is the fast one
+def test_four_ranks_moe_pp_and_tp_with_ep_match_one_rank(tmp_path):
+    refs = _references(tmp_path)
+    four = run_specs(
+        tmp_path,
+        4,
+        {
+            "pp2_ep2": {"pp": 2, "ep": 2},
+            "pp2_ep2_aux": {"pp": 2, "ep": 2, "moe": AUX},
+            "tp2_ep2_efsdp2": {"tp": 2, "ep": 2},
+            "tp2_ep4": {"tp": 2, "ep": 4},
+            "tp2_dp2": {"tp": 2},
+        },
+    )
+    _compare(four, refs)
