@@ -5,7 +5,8 @@ equals world_size=1 (fp32, gloo, dropless: losses and grad norms within 1e-6 rel
                     (the reported loss and its gradient), the MoE metrics from every stage
     tp=2            each tp rank routes its share of the tokens (with and without sequence
                     parallelism, hand-rolled and DTensor TP), ep = 1 and ep = 2 folded from tp
-    4 ranks (slow)  pp=2 x ep=2, tp=2 x ep=2 with efsdp=2, tp=2 x ep=4
+    4 ranks (slow)  pp=2 x ep=2, tp=2 x ep=2 with efsdp=2, tp=2 x ep=4, tp=2 x dp=2,
+                    pp=2 x tp=2, pp=2 x tp=2 x ep=2
 
 The trainings run inside one launch per world size (test_train_ep's helpers): the tiny GPT with 2
 layers, 4 experts, top-2, global batch 4 = micro-batches of 1."""
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 import pytest
 
+from dtrain.core.errors import UserError
+from dtrain.model.gpt import GPTConfig
+from dtrain.model.moe_args import MoEArgs
+from dtrain.parallel.feasibility import check_moe
 from test_train_ep import REL, max_rel, run_specs
 
 AUX = {"aux_loss_coef": 0.01}
@@ -47,9 +52,12 @@ def test_moe_pp2_and_tp2_match_one_rank(tmp_path):
             "pp2": {"pp": 2},
             "pp2_aux": {"pp": 2, "moe": AUX},
             "pp2_gpipe_aux": {"pp": 2, "pp_schedule": "gpipe", "moe": AUX},
+            "pp2_block_ac_aux": {"pp": 2, "activation_checkpointing": "block", "moe": AUX},
             "tp2": {"tp": 2},
             "tp2_sp": {"tp": 2, "sequence_parallel": True},
+            "tp2_dtensor": {"tp": 2, "tp_impl": "dtensor"},
             "tp2_dtensor_sp": {"tp": 2, "tp_impl": "dtensor", "sequence_parallel": True},
+            "tp2_block_ac": {"tp": 2, "activation_checkpointing": "block"},
             "tp2_ep2": {"tp": 2, "ep": 2},  # ep folded from the tp ranks
             "tp2_sp_ep2": {"tp": 2, "ep": 2, "sequence_parallel": True},
         },
@@ -76,6 +84,20 @@ def test_four_ranks_moe_pp_and_tp_with_ep_match_one_rank(tmp_path):
             "tp2_ep2_efsdp2": {"tp": 2, "ep": 2},
             "tp2_ep4": {"tp": 2, "ep": 4},
             "tp2_dp2": {"tp": 2},
+            "pp2_tp2": {"pp": 2, "tp": 2},
+            "pp2_tp2_sp_ep2": {"pp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
         },
     )
     _compare(four, refs)
+
+
+def test_moe_tp_needs_a_sequence_the_tp_ranks_share_evenly():
+    """Each tp rank routes seq_len / (cp x tp) tokens of a sequence: one line otherwise."""
+    model = GPTConfig.from_preset("tiny", seq_len=40, moe=MoEArgs(experts=4, top_k=2))
+    check_moe(model, ep=1, etp=1, tp=4, pp=2, strategy="zero3", cp=2)  # 40 / 2 / 4 = 5
+    with pytest.raises(UserError) as e:
+        check_moe(model, ep=1, etp=1, tp=4, pp=1, strategy="zero3", cp=4)
+    assert str(e.value) == (
+        "train.tp=4 with an MoE model: each tp rank routes its share of a rank's 10 tokens "
+        "(model.seq_len / train.cp), which tp does not divide: pick seq_len a multiple of 16"
+    )

@@ -12,6 +12,9 @@ kv_heads < tp: wk and wv are whole on every tp rank (attention.py's one layout),
 Replicate DTensors (the model's own shape, so FSDP2, which takes only 1-D TP placements, and DCP
 need nothing special).
 
+An MoE feed-forward is not split (expert TP 1): the block keeps it whole, and
+dtrain.parallel.ep.moe_tp gives each tp rank its share of the tokens.
+
 async_grad_allreduce: the column-parallel layers' input-grad collective overlaps their weight-grad
 GEMMs (q, k, v share one collective: `linears_async_grad_reduce`), parameters unchanged.
 """
