@@ -179,12 +179,22 @@ def check_pipeline(cfg, pp: int, schedule: str, virtual: int, micro_batches: int
 
 
 def check_moe(
-    model, ep: int, etp: int, tp: int, pp: int, strategy: str, checkpointing: str = "none"
+    model,
+    ep: int,
+    etp: int,
+    tp: int,
+    pp: int,
+    strategy: str,
+    checkpointing: str = "none",
+    cp: int = 1,
 ) -> None:
     """What the trainer runs an MoE model (model.moe.experts > 0) and expert parallelism with:
     experts divisible by ep, expert TP 1, a sharded strategy for ep > 1 (the experts' FSDP2 over
-    efsdp), and (not yet) tensor or pipeline parallelism of an MoE model, or selective op
-    activation checkpointing with ep > 1 (its policy would replay the dispatch's collectives)."""
+    efsdp), tensor parallelism of the attention only where each tp rank can route its own share of
+    the tokens (dtrain.parallel.ep.moe_tp: the sequence divisible by cp x tp; no Switch auxiliary
+    loss, whose means would be over a tp rank's share), and not selective op activation
+    checkpointing with ep > 1 (its policy would replay the dispatch's collectives). Pipeline
+    parallelism runs any of these."""
     integer_at_least("train.ep", ep, 1)
     integer_at_least("train.etp", etp, 1)
     if etp != 1:
@@ -199,10 +209,17 @@ def check_moe(
             f"model.moe.experts={moe.experts} is not divisible by train.ep={ep}: every ep rank "
             "holds the same number of experts"
         )
-    if tp > 1 or pp > 1:
+    if tp > 1 and (model.seq_len // cp) % tp:
         raise UserError(
-            f"an MoE model runs with train.tp=1 and train.pp=1 (got tp={tp}, pp={pp}): split it "
-            "with train.ep and the data ranks"
+            f"train.tp={tp} with an MoE model: each tp rank routes its share of a rank's "
+            f"{model.seq_len // cp} tokens (model.seq_len / train.cp), which tp does not divide: "
+            f"pick seq_len a multiple of {cp * tp}"
+        )
+    if tp > 1 and moe.aux_loss_coef:
+        raise UserError(
+            f"model.moe.aux_loss_coef={moe.aux_loss_coef} does not run with train.tp={tp} (each tp "
+            "rank routes its share of the tokens): use 0 (the sigmoid router balances without "
+            "it) or train.tp=1"
         )
     if ep > 1 and checkpointing == "op":
         raise UserError(

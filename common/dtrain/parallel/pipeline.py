@@ -17,6 +17,12 @@ Schedules (train.pp_schedule) and stages per rank (train.pp_virtual):
 One optimizer step is one schedule step over the rank's whole local batch, cut into
 grad_accum micro-batches; with scale_grads the gradients are the mean over micro-batches, which
 is what gradient accumulation computes (loss / grad_accum per micro-step).
+
+MoE: a stage's MoE layers' Switch auxiliary losses (model.moe.aux_loss_coef) are not in the last
+stage's loss, so each stage attaches their sum to its output (`AttachAuxLoss`, Megatron's
+MoEAuxLossAutoScaler): forward returns the output unchanged, backward also sends the aux loss a
+gradient of 1 per micro-batch (the schedule's scale_grads then takes the mean, as the loss's). The
+values are kept per micro-batch (`take_aux_losses`) so the reported loss adds every stage's.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtrain.model.gpt import GPT
+from dtrain.model.gpt import GPT, moe_layers
 from dtrain.parallel.feasibility import SINGLE_STAGE
 
 
@@ -45,6 +51,20 @@ def stages_of_rank(pp_rank: int, pp: int, schedule: str, virtual: int) -> list[i
     return [pp_rank + v * pp for v in range(virtual)]
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """y = x in forward; in backward the aux loss gets d(loss)/d(aux) = 1 (it is added to the
+    micro-batch's loss), x its output's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_shape = aux.shape
+        return x  # unchanged, as Megatron's
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_ones(ctx.aux_shape, dtype=torch.float32)
+
+
 class PipelineStageModule(nn.Module):
     """Blocks `layers` of a GPT, with the embeddings if first and the norm + lm_head if last."""
 
@@ -58,13 +78,33 @@ class PipelineStageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in layers})
         if last:
             self.norm, self.lm_head = gpt.norm, gpt.lm_head
+        self.aux_losses: list[torch.Tensor] = []  # per micro-batch: this stage's MoE aux losses
+        # forwards that train nothing: build_schedule sets 1 for the schedule's metadata inference
+        # (its first step runs the stage once to learn the shapes); their MoE counts are dropped
+        self.metadata_forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
-        return self.lm_head(self.norm(x)) if self.last else x
+        x = self.lm_head(self.norm(x)) if self.last else x
+        if self.metadata_forwards:
+            self.metadata_forwards -= 1
+            for m in moe_layers(self):
+                m.reset_stats()
+            return x
+        aux = [m.aux_loss for m in moe_layers(self) if m.aux_loss is not None]
+        if aux and torch.is_grad_enabled():
+            total = torch.stack([a.float() for a in aux]).sum()
+            self.aux_losses.append(total.detach())
+            x = AttachAuxLoss.apply(x, total)
+        return x
+
+    def take_aux_losses(self) -> list[torch.Tensor]:
+        """This stage's aux losses since the last call, one per micro-batch forward."""
+        taken, self.aux_losses = self.aux_losses, []
+        return taken
 
 
 def split_model(
@@ -99,6 +139,8 @@ def build_schedule(
         pl.PipelineStage(module, index, num_stages, device, group=pp_group)
         for index, module in parts
     ]
+    for _, module in parts:  # no input_args: the first step infers the shapes with one forward
+        module.metadata_forwards = 1
     cls = {
         "gpipe": pl.ScheduleGPipe,
         "1f1b": pl.Schedule1F1B,

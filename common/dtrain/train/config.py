@@ -261,6 +261,7 @@ class TrainConfig:
             self.pp,
             self.strategy,
             self.activation_checkpointing,
+            self.cp,
         )
         check_tp_model(
             model_cfg, self.tp, self.sequence_parallel, self.async_grad_allreduce, self.tp_impl

@@ -2,8 +2,10 @@
 auxiliary-loss-free balancing), as one trainer callback.
 
 Each step, every MoE layer's counts (dtrain.model.moe: assignments per expert, dropped ones, rows
-its rank's experts computed, summed over the micro-batches) are summed over the ranks (a tp = pp =
-1 layout: every rank holds every layer and different tokens), and the step record gets
+its rank's experts computed, summed over the micro-batches) are summed over the ranks, one row per
+global layer index, so a pipeline stage's layers reach every rank (a rank fills only its stages'
+rows; tp ranks route disjoint tokens, dtrain.parallel.ep.moe_tp, so their counts add too), and the
+step record gets
 
     moe_tokens_per_expert  assignments per expert, summed over the MoE layers
     moe_overload           Megatron's overload factor, the worst layer's: with ep > 1 the busiest
@@ -25,7 +27,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from dtrain.model.gpt import moe_layers
+from dtrain.model.moe import MoE
 from dtrain.train.callbacks import Callback
 
 
@@ -34,20 +36,41 @@ def overload(busiest: float, balanced: float) -> float:
     return busiest / balanced if balanced else math.nan
 
 
+def _layer_index(name: str, position: int) -> int:
+    """The global block index in an MoE module's name (``blocks.{i}.mlp``, wrappers between);
+    its position among the layers for a module outside a GPT's blocks."""
+    parts = name.split(".")
+    return int(parts[parts.index("blocks") + 1]) if "blocks" in parts[:-1] else position
+
+
 class MoEMetrics(Callback):
-    def __init__(self, parts, ep: int):
-        self.layers = [m for part in parts for m in moe_layers(part)]
-        self.ep = ep
+    """`model_cfg` (the GPTConfig): the model's MoE layers, whichever rank holds them; without
+    it, the layers in `parts` are all of them."""
+
+    def __init__(self, parts, ep: int, model_cfg=None, pp: int = 1):
+        named = [(n, m) for part in parts for n, m in part.named_modules() if isinstance(m, MoE)]
+        self.index = [_layer_index(n, j) for j, (n, _) in enumerate(named)]  # global indices
+        self.layers = [m for _, m in named]
+        if model_cfg is None:
+            self.n_layer, self.E = len(self.layers), self.layers[0].moe.experts
+            self.moe_rows = list(range(self.n_layer))
+        else:
+            self.n_layer, self.E = model_cfg.n_layer, model_cfg.moe.experts
+            self.moe_rows = [i for i in range(self.n_layer) if model_cfg.moe.is_moe_layer(i)]
+        self.ep, self.pp = ep, pp
         self.history: list[dict] = []
 
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
         stats = [m.take_stats() for m in self.layers]
-        E = self.layers[0].moe.experts
-        # per layer: E counts, dropped, rows computed here (summed), rows (max over ranks)
-        summed = torch.tensor(
-            [[*s["tokens_per_expert"].tolist(), s["dropped"], s["rank_rows"]] for s in stats],
-            dtype=torch.float64,
-        )
+        E = self.E
+        # per global layer: E counts, dropped, rows computed here (summed), rows (max over ranks)
+        summed = torch.zeros(self.n_layer, E + 2, dtype=torch.float64)
+        for i, s in zip(self.index, stats):
+            if s["tokens_per_expert"] is not None:
+                summed[i] = torch.tensor(
+                    [*s["tokens_per_expert"].tolist(), s["dropped"], s["rank_rows"]],
+                    dtype=torch.float64,
+                )
         busiest = summed[:, -1].clone()
         world = trainer.world_size
         if world > 1 and dist.is_initialized():
@@ -56,10 +79,12 @@ class MoEMetrics(Callback):
             dist.all_reduce(summed)
             dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
             summed, busiest = summed.cpu(), busiest.cpu()
+        summed, busiest = summed[self.moe_rows], busiest[self.moe_rows]
         counts, dropped = summed[:, :E], summed[:, E]
         routed = counts.sum(1)
+        ranks = world // self.pp  # the ranks that hold (and compute) one layer
         expert_over = [overload(float(c.max()), float(r) / E) for c, r in zip(counts, routed)]
-        rank_over = [overload(float(b), float(r) / world) for b, r in zip(busiest, routed)]
+        rank_over = [overload(float(b), float(r) / ranks) for b, r in zip(busiest, routed)]
         m = {
             "moe_tokens_per_expert": [int(v) for v in counts.sum(0).tolist()],
             "moe_overload": max(rank_over if self.ep > 1 else expert_over),
@@ -75,7 +100,9 @@ class MoEMetrics(Callback):
     def _update_bias(self, counts: torch.Tensor) -> None:
         """DeepSeek-V3 §2.1.2: b_i += gamma · sign(mean load - load_i), from the global counts, so
         every rank takes the same step."""
-        for moe, c in zip(self.layers, counts):
+        rows = {i: c for i, c in zip(self.moe_rows, counts)}
+        for i, moe in zip(self.index, self.layers):
+            c = rows[i]
             rate = moe.moe.bias_update_rate
             if moe.moe.router != "sigmoid" or not rate:
                 continue

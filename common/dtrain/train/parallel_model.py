@@ -204,8 +204,21 @@ class ParallelModel:
                     return_outputs=False,
                 )
             losses = [t.detach() for t in losses] if losses is not None else None
+            losses = self._add_stage_aux_losses(losses, len(batches))
         self._sync_grads()
         return torch.stack(losses).float().mean() if losses else None
+
+    def _add_stage_aux_losses(self, losses: list | None, micro_batches: int) -> list | None:
+        """With pp, the MoE aux losses of this rank's stages (dtrain.parallel.pipeline), each a
+        mean over the step's micro-batches, join the loss this rank reports: `global_loss` sums
+        every rank's, so the reported loss holds every stage's (as GPT.forward's does)."""
+        aux = [a for part in self.parts for a in part.take_aux_losses()]
+        if not aux:
+            return losses
+        extra = torch.stack(aux).sum() / micro_batches
+        if not losses:
+            return [extra]
+        return [t.float() + extra for t in losses]
 
     @contextlib.contextmanager
     def _tokens(self, x: torch.Tensor, y: torch.Tensor):
@@ -230,10 +243,13 @@ class ParallelModel:
                 pl.is_partial() for pl in getattr(p.grad, "placements", ())
             ):
                 p.grad = p.grad.redistribute(placements=p.placements)
-        if self.dims.ep > 1:  # the experts' efsdp average is ep x the data mean (trainer_ep)
+        if self.dims.ep > 1:  # the experts' efsdp average is ep / tp x the data mean (trainer_ep)
+            from dtrain.parallel.ep.trainer_ep import expert_grad_scale
+
+            scale = expert_grad_scale(self.dims.tp, self.dims.ep)
             for p in self._expert_params():
-                if p.grad is not None:
-                    local_shard(p.grad).mul_(1 / self.dims.ep)
+                if p.grad is not None and scale != 1:
+                    local_shard(p.grad).mul_(scale)
         if self.all_reduce_grads:
             grads = [local_shard(p.grad) for p in self.parameters() if p.grad is not None]
             ddist.all_reduce_flat(

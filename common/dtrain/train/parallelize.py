@@ -157,15 +157,22 @@ def apply_tp(
     parameters whose gradients are partial sums over tp (name -> (group, rows))."""
     if dims.tp == 1:
         return {}
+    from dtrain.parallel.ep.moe_tp import split_tokens_over_tp
+
+    tp_mesh = dims.submesh("tp")
     if train.tp_impl == "dtensor":
         from dtrain.parallel.tp.dtensor_plan import apply_dtensor_tp
 
-        return apply_dtensor_tp(part, dims.submesh("tp"), train.sequence_parallel, n_layer)
-    from dtrain.parallel.tp.megatron import apply_megatron_tp
+        partial = apply_dtensor_tp(part, tp_mesh, train.sequence_parallel, n_layer)
+    else:
+        from dtrain.parallel.tp.megatron import apply_megatron_tp
 
-    return apply_megatron_tp(
-        part, dims.submesh("tp"), train.sequence_parallel, n_layer, train.async_grad_allreduce
-    )
+        partial = apply_megatron_tp(
+            part, tp_mesh, train.sequence_parallel, n_layer, train.async_grad_allreduce
+        )
+    # MoE layers: each tp rank routes its share of the tokens (expert TP 1)
+    moe = split_tokens_over_tp(part, tp_mesh.get_group(), train.sequence_parallel, dims.ep)
+    return {**partial, **moe}
 
 
 def apply_cp(

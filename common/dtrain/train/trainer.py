@@ -147,7 +147,7 @@ class Trainer:
         )
         self.moe_metrics = None
         if model_cfg.moe is not None:  # first, so every other callback sees the MoE metrics
-            self.moe_metrics = MoEMetrics(self.model_parts, self.dims.ep)
+            self.moe_metrics = MoEMetrics(self.model_parts, self.dims.ep, model_cfg, self.dims.pp)
             self.callbacks.insert(1 if self.requeue else 0, self.moe_metrics)
         self.optimizer = OptimizerParts(
             self.model_parts,

@@ -88,6 +88,11 @@ class AllToAllDispatch:
         key = (block % local) * self.ep + block // local  # its (expert, source) block index
         perm = torch.argsort(key, stable=True)
         out = experts(got[perm], received.sum(0).tolist())
+        if out.grad_fn is None and got.requires_grad:
+            # no rows reached this rank's experts (their output is a fresh empty tensor): keep it
+            # in the graph, so backward runs the dispatch's reverse all-to-all here too, which the
+            # other ranks wait for
+            out = out + got[perm] * 0
         restored = out[torch.argsort(perm)]
         back = AllToAllV.apply(
             restored, in_splits, out_splits, self.group, COMBINE, COMBINE + "_grad"

@@ -7,8 +7,10 @@ torchtitan's, so the global gradient norm counts each expert once and DCP saves 
 tensors: a checkpoint resumes on another ep.
 
 Gradients: an expert's gradient on its ep rank is already the sum over the ep group's tokens (the
-combine's backward brings every rank's), so the efsdp average leaves it ep times the data-parallel
-mean; `EXPERT_PARAMS` names the parameters the trainer scales by 1/ep.
+combine's backward brings every rank's), so the efsdp average (over dp_shard·cp·tp / ep ranks)
+leaves it ep / tp times the data-parallel mean (the tp ranks of a replica route disjoint shares of
+its tokens, moe_tp.py); `EXPERT_PARAMS` names the parameters the trainer scales by
+`expert_grad_scale` = tp / ep.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ EXPERT_PARAMS = (".experts.w1", ".experts.w2")
 
 def is_expert_param(name: str) -> bool:
     return name.endswith(EXPERT_PARAMS)
+
+
+def expert_grad_scale(tp: int, ep: int) -> float:
+    """What the experts' gradients are multiplied by after their efsdp average (ep > 1)."""
+    return tp / ep
 
 
 @torch.no_grad()

@@ -266,9 +266,11 @@ class TensorParallelBlock(nn.Module):
             fused_qkv=fused_qkv,
             async_grad_allreduce=async_grad_allreduce,
         )
-        mlp = TensorParallelMLP.from_full(
-            block.mlp, groups, sequence_parallel, async_grad_allreduce
-        )
+        mlp = block.mlp  # an MoE layer stays whole: dtrain.parallel.ep.moe_tp splits its tokens
+        if isinstance(block.mlp, MLP):
+            mlp = TensorParallelMLP.from_full(
+                block.mlp, groups, sequence_parallel, async_grad_allreduce
+            )
         return cls(norms[0], attn, norms[1], mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ tp-attention's DTensor baseline (the hand-rolled layers' reference) both use it:
     attn.wo, mlp.w2         RowwiseParallel          (partial sums reduced; Shard(1) out with SP)
     attn_norm, mlp_norm     SequenceParallel         (SP only: norms on the local tokens)
     attn, mlp               PrepareModuleInput       (SP only: all-gather Shard(1) -> Replicate)
+    an MoE mlp              not split                (SP: its input stays this rank's local
+                                                     Shard(1) tokens; dtrain.parallel.ep.moe_tp)
 
 In a whole GPT (`apply_dtensor_tp`) the embeddings, final norm and lm_head stay replicated on
 every tp rank, as with the hand-rolled layers; with SP the first block takes the replicated
@@ -70,10 +72,13 @@ def parallelize_block(module: nn.Module, mesh, sequence_parallel: bool) -> nn.Mo
     )
 
     if hasattr(module, "mlp"):  # a Block
-        plan = {
-            **_region_plan("attn.", ["wq", "wk", "wv"], "wo", sequence_parallel),
-            **_region_plan("mlp.", ["w1"], "w2", sequence_parallel),
-        }
+        plan = _region_plan("attn.", ["wq", "wk", "wv"], "wo", sequence_parallel)
+        if hasattr(module.mlp, "w1"):
+            plan.update(_region_plan("mlp.", ["w1"], "w2", sequence_parallel))
+        elif sequence_parallel:  # MoE: runs on this rank's tokens (dtrain.parallel.ep.moe_tp)
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
         if sequence_parallel:
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         return parallelize_module(module, mesh, plan)

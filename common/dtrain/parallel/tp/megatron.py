@@ -12,6 +12,9 @@ kv_heads < tp: wk and wv are whole on every tp rank (attention.py's one layout),
 Replicate DTensors (the model's own shape, so FSDP2, which takes only 1-D TP placements, and DCP
 need nothing special).
 
+An MoE feed-forward is not split (expert TP 1): the block keeps it whole, and
+dtrain.parallel.ep.moe_tp gives each tp rank its share of the tokens.
+
 async_grad_allreduce: the column-parallel layers' input-grad collective overlaps their weight-grad
 GEMMs (q, k, v share one collective: `linears_async_grad_reduce`), parameters unchanged.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from dtrain.parallel.tp.attention import TensorParallelBlock, TPGroups
+from dtrain.parallel.tp.attention import TensorParallelBlock, TensorParallelMLP, TPGroups
 from dtrain.parallel.tp.layers import partial_grads
 
 
@@ -88,11 +91,14 @@ def apply_megatron_tp(
             )
         attn = tp_block.attn
         kv = (attn.wk, attn.wv)
-        for layer in (attn.wq, tp_block.mlp.w1) + (() if attn.replicated_kv else kv):
+        # an MoE layer is not split by tp (dtrain.parallel.ep.moe_tp)
+        dense = isinstance(tp_block.mlp, TensorParallelMLP)
+        w1, w2 = ((tp_block.mlp.w1,), (tp_block.mlp.w2,)) if dense else ((), ())
+        for layer in (attn.wq, *w1) + (() if attn.replicated_kv else kv):
             _as_dtensor(layer, tp_mesh, 0)
         for layer in kv if attn.replicated_kv else ():
             _as_replicated(layer, tp_mesh)
-        for layer in (attn.wo, tp_block.mlp.w2):
+        for layer in (attn.wo, *w2):
             _as_dtensor(layer, tp_mesh, 1)
         setattr(model.blocks, name, tp_block)
     return partial
