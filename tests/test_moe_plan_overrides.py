@@ -33,7 +33,6 @@ def test_the_overrides_of_an_ep_layout_run_in_the_trainer():
 @pytest.mark.parametrize(
     "lay, why",
     [
-        (Layout(tp=2, zero_stage=3, ep=2, micro_batch=2), "runs with train.tp=1 and train.pp=1"),
         (
             Layout(dp_shard=2, tp=2, zero_stage=3, ep=2, etp=2, micro_batch=2),
             "train.etp=2: expert tensor parallelism is not implemented",
@@ -47,6 +46,14 @@ def test_the_overrides_of_an_ep_layout_run_in_the_trainer():
 def test_the_trainers_moe_refusals(lay, why):
     overrides, _ = moe_overrides(lay, TINY, 8)
     assert why in trainer_refusal(overrides)
+
+
+def test_moe_with_tp_on_attention_runs_as_printed():
+    """MoE composes with TP on attention (each tp rank routes its share of the tokens, etp 1), so
+    tp2 x ep2 passes the trainer's own checks."""
+    overrides, _ = moe_overrides(Layout(tp=2, zero_stage=3, ep=2, micro_batch=2), TINY, 8)
+    assert "train.tp=2" in overrides and "train.ep=2" in overrides
+    assert trainer_refusal(overrides) is None
 
 
 def test_plan_json_names_the_refusal_and_the_overrides_the_trainer_runs(capsys):
