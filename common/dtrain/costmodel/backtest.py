@@ -129,9 +129,10 @@ def load_rows() -> tuple[dict, ...]:
     return tuple(yaml.safe_load(text))
 
 
-def row_setup(row: dict) -> Setup:
-    m, lay = row["model"], row["layout"]
-    shape = ModelShape(
+def row_shape(row: dict) -> ModelShape:
+    """A published row's model (its ``model`` entry), dense and MoE rows alike."""
+    m = row["model"]
+    return ModelShape(
         m["layers"],
         m["hidden"],
         m["heads"],
@@ -144,13 +145,23 @@ def row_setup(row: dict) -> Setup:
         dropout=bool(m.get("dropout")),
         rotary=m.get("rotary", True),
     )
+
+
+def row_cluster(row: dict) -> Cluster:
+    """A published row's GPUs: the profile with the row's own HBM and power where it gives them."""
     prof = replace(
         get_profile(row["gpu"]),
         **{k: row[k] for k in ("hbm_gib", "hbm_tbps", "power_w") if k in row},
     )
-    cluster = Cluster.from_profile(
+    return Cluster.from_profile(
         prof, row["gpus"], row["gpus_per_node"], ib_gbit_per_gpu=row.get("ib_gbit_per_gpu")
     )
+
+
+def row_setup(row: dict) -> Setup:
+    lay = row["layout"]
+    shape = row_shape(row)
+    cluster = row_cluster(row)
     gb = lay["global_batch"]
     layout = Layout(
         dp_shard=lay["dp"],

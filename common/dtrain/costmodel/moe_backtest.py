@@ -26,10 +26,10 @@ from dtrain.model.flops import MLA
 
 from . import backtest as dense
 from .backtest import FIT_GRID, WITHIN, _best, _log_errors, calibration, load_rows
-from .hardware import Cluster, GiB, get_profile
+from .hardware import Cluster, GiB
 from .moe_cost import MoEModel, MoESpec
 from .moe_search import MoEPlan, price
-from .shapes import Layout, ModelShape
+from .shapes import Layout
 from .stack import Stack
 
 
@@ -68,18 +68,8 @@ def load_moe_rows() -> tuple[dict, ...]:
 
 
 def moe_setup(row: dict) -> MoESetup:
-    m, e, lay = row["model"], row["moe"], row["layout"]
-    base = ModelShape(
-        m["layers"],
-        m["hidden"],
-        m["heads"],
-        m["kv_heads"],
-        m["vocab"],
-        m["seq"],
-        m["ffn"] / m["hidden"],
-        True,
-        name=row["name"],
-    )
+    e, lay = row["moe"], row["layout"]
+    base = dense.row_shape(row)
     spec = MoESpec(
         e["experts"],
         e["top_k"],
@@ -93,12 +83,7 @@ def moe_setup(row: dict) -> MoESetup:
     )
     mla = MLA(**e["mla"]) if "mla" in e else None
     model = MoEModel(base, spec, e.get("head_dim", 0), mla, row["name"])
-    cluster = Cluster.from_profile(
-        get_profile(row["gpu"]),
-        row["gpus"],
-        row["gpus_per_node"],
-        ib_gbit_per_gpu=row.get("ib_gbit_per_gpu"),
-    )
+    cluster = dense.row_cluster(row)
     gb = lay["global_batch"]
     layout = Layout(
         dp_shard=lay["dp"],
