@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from dtrain.costmodel import Layout, ModelShape, bubble_fraction, memory_per_gpu, params_per_gpu
-from dtrain.costmodel.backtest import backtest, summary, text_lines
+from dtrain.costmodel.backtest import backtest, summary
+from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.efficiency import GemmCurve, fit_curve
 from dtrain.costmodel.memory import activation_bytes_per_layer
 from dtrain.costmodel.timemodel import model_flops_per_token
@@ -107,7 +108,7 @@ def test_backtest_rows_cite_sources_and_report_goals():
     assert s["rows"] == sum(not r.expect_oom for r in rows) and 0 <= s["median_abs_error"] < 1
     # a TFLOP/s row is converted with its source's FLOP count: SC'21 eq. (3) counts the recompute
     # forward
-    from dtrain.costmodel.backtest import load_rows, reported_tps, row_setup
+    from dtrain.costmodel.published_runs import load_rows, reported_tps, row_setup
 
     [row] = [r for r in load_rows() if r["name"].startswith("Megatron SC'21 1.7B")]
     n_layer, h, s_, v = 24, 2304, 2048, 51200
@@ -236,7 +237,8 @@ def test_model_shape_dropout_reaches_memory():
 
 
 def test_backtest_leave_one_source_out_never_uses_the_source_itself():
-    from dtrain.costmodel.backtest import fit, load_rows, loso_fits
+    from dtrain.costmodel.backtest_fit import fit, loso_fits
+    from dtrain.costmodel.published_runs import load_rows
 
     rows = list(load_rows())
     fits = loso_fits(tuple(rows))
@@ -443,7 +445,7 @@ def test_neox_tflops_read_with_the_count_gpt_neox_logged_in_2022():
     (a42805b4):
     6 x every parameter + 60·s·h·L per token, by hand for the 20B shape (44 x 6144, s 2048, V
     50432)."""
-    from dtrain.costmodel.backtest import load_rows, reported_tps, row_setup
+    from dtrain.costmodel.published_runs import load_rows, reported_tps, row_setup
 
     row = next(r for r in load_rows() if r["name"].startswith("GPT-NeoX-20B"))
     shape = row_setup(row).shape
@@ -469,7 +471,8 @@ def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
 def test_fitted_defaults_are_the_fit_to_every_development_row():
     """GPU_DP_OVERLAP, LINK_EFFICIENCY and ASYNC_TP_HIDDEN are not hand-picked: they are the
     backtest's fit to all its rows and AsyncTP pairs (re-fit them when a row or a term changes)."""
-    from dtrain.costmodel.backtest import fit, load_rows
+    from dtrain.costmodel.backtest_fit import fit
+    from dtrain.costmodel.published_runs import load_rows
     from dtrain.costmodel.calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP
     from dtrain.costmodel.hardware import LINK_EFFICIENCY
 
@@ -484,7 +487,8 @@ def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
     """A pair (the row with AsyncTP, its `without` twin) measures the share of TP traffic AsyncTP
     hides: the reported step time it saved over the TP traffic the model prices, by hand; a
     source's rows are predicted with the other sources' pairs only."""
-    from dtrain.costmodel.backtest import async_tp_shares, load_rows, loso_fits, predict, row_setup
+    from dtrain.costmodel.backtest_fit import async_tp_shares, loso_fits, predict
+    from dtrain.costmodel.published_runs import load_rows, row_setup
 
     rows = load_rows()
     by_name = {r["name"]: r for r in rows}

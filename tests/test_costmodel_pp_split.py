@@ -10,7 +10,7 @@ import pytest
 
 from dtrain.cli.main import main
 from dtrain.costmodel import Layout, ModelShape, bubble_fraction, params_per_gpu
-from dtrain.costmodel.backtest import load_rows, row_setup
+from dtrain.costmodel.published_runs import load_rows, row_setup
 from dtrain.costmodel.memory import (
     activation_bytes,
     held_layer_microbatches,

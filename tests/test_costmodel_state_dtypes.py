@@ -11,7 +11,7 @@ import pytest
 
 from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, Layout, ModelShape, memory_per_gpu, params_per_gpu, step_time
-from dtrain.costmodel.backtest import load_rows, row_setup
+from dtrain.costmodel.published_runs import load_rows, row_setup
 from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
 from dtrain.costmodel.links import default_links
 from dtrain.costmodel.memory import activation_bytes, model_state_bytes

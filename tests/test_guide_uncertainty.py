@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dtrain.costmodel.backtest import backtest, summary, text_lines
+from dtrain.costmodel.backtest import backtest, summary
+from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.plan_report import uncertainty_lines
 from dtrain.costmodel.uncertainty import PLAN_BAND, ErrorBand

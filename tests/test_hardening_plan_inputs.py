@@ -17,7 +17,8 @@ from conftest import TEST_SEED, py
 from dtrain.cli.main import main
 from dtrain.core.errors import UserError
 from dtrain.costmodel import Cluster, ModelShape, search
-from dtrain.costmodel.backtest import backtest, text_lines
+from dtrain.costmodel.backtest import backtest
+from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.shapes import params_text
 from dtrain.guide.local_check import local_checks

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from dtrain.cli.main import main
-from dtrain.costmodel.backtest import backtest, load_rows
+from dtrain.costmodel.backtest import backtest
+from dtrain.costmodel.published_runs import load_rows
 
 ROWS = [r for r in load_rows() if not r.get("expect_oom")]
 # The fast path scores each source's first row (dropout and learned positions, a GPU variant, FP8,

@@ -5,7 +5,7 @@ Per row: the predicted tokens/s per GPU of the published layout (ep included) ag
 one (a reported TFLOP/s converted with Megatron's MoE FLOP rule, GPU hours per trillion tokens
 inverted), whether it is predicted to fit, and the MoE terms of its step. Leave-one-source-out as
 for the dense rows (``backtest``): a row is predicted with the two fitted numbers (``dp_overlap``,
-``link_efficiency``, over ``backtest.FIT_GRID``) that minimise the squared log error over every
+``link_efficiency``, over ``backtest_fit.FIT_GRID``) that minimise the squared log error over every
 dense row and the OTHER sources' MoE rows, so no source tunes its own prediction.
 """
 
@@ -24,11 +24,13 @@ import yaml
 from dtrain.core import terminal
 from dtrain.model.flops import MLA
 
-from . import backtest as dense
-from .backtest import FIT_GRID, WITHIN, _best, _log_errors, calibration, load_rows
+from . import backtest_cli as dense_cli
+from .backtest import WITHIN
+from .backtest_fit import FIT_GRID, _best, _log_errors, calibration
 from .hardware import Cluster, GiB
 from .moe_cost import MoEModel, MoESpec
 from .moe_search import MoEPlan, price
+from .published_runs import load_rows, row_cluster, row_shape
 from .shapes import Layout
 from .stack import Stack
 
@@ -69,7 +71,7 @@ def load_moe_rows() -> tuple[dict, ...]:
 
 def moe_setup(row: dict) -> MoESetup:
     e, lay = row["moe"], row["layout"]
-    base = dense.row_shape(row)
+    base = row_shape(row)
     spec = MoESpec(
         e["experts"],
         e["top_k"],
@@ -83,7 +85,7 @@ def moe_setup(row: dict) -> MoESetup:
     )
     mla = MLA(**e["mla"]) if "mla" in e else None
     model = MoEModel(base, spec, e.get("head_dim", 0), mla, row["name"])
-    cluster = dense.row_cluster(row)
+    cluster = row_cluster(row)
     gb = lay["global_batch"]
     layout = Layout(
         dp_shard=lay["dp"],
@@ -146,7 +148,7 @@ def _moe_log_errors(rows: tuple[dict, ...]) -> dict:
 
 @lru_cache(maxsize=1)
 def _dense_errors() -> dict:
-    """Every dense row's log errors over the grid (``backtest._log_errors``), AsyncTP's share at
+    """Every dense row's log errors over the grid (``backtest_fit._log_errors``), AsyncTP's share at
     its default."""
     return _log_errors(tuple(r for r in load_rows() if not r.get("expect_oom")))
 
@@ -251,12 +253,12 @@ def run(a) -> int:
 
 
 def add_parser(sub) -> None:
-    """`dtrain backtest` (``backtest.add_parser``) with ``--moe``: the MoE rows instead."""
-    dense.add_parser(sub)
+    """`dtrain backtest` (``backtest_cli.add_parser``) with ``--moe``: the MoE rows instead."""
+    dense_cli.add_parser(sub)
     p = sub.choices["backtest"]
     p.add_argument(
         "--moe",
         action="store_true",
         help="the MoE rows instead (moe_backtest_runs.yaml: dtrain plan --experts against them)",
     )
-    p.set_defaults(func=lambda a: run(a) if a.moe else dense.run(a))
+    p.set_defaults(func=lambda a: run(a) if a.moe else dense_cli.run(a))
