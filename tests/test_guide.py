@@ -286,7 +286,7 @@ def test_backtest_table_has_one_header_per_row_width():
     cells (the header was once printed twice in one line, 16 cells over 8, which no Markdown
     renderer shows as a table)."""
     from dtrain.costmodel.backtest import backtest
-    from dtrain.guide.render import backtest_section
+    from dtrain.guide.backtest_section import backtest_section
 
     widths = _table_widths(backtest_section(backtest(loo=False, rank=False)))
     assert widths == [{8}]

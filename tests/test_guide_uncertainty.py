@@ -12,7 +12,7 @@ from dtrain.costmodel.plan_report import uncertainty_lines
 from dtrain.costmodel.uncertainty import PLAN_BAND, ErrorBand
 from dtrain.guide.long_context import LongCell, long_context_section
 from dtrain.guide.matrix import Cell, cell_text
-from dtrain.guide.render import uncertainty_note
+from dtrain.guide.matrix_section import uncertainty_note
 
 BAND = ErrorBand(time=0.087, memory_low=-0.21, memory_high=0.08, rows=55, memory_rows=18)
 

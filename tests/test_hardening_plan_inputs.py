@@ -22,7 +22,7 @@ from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.shapes import params_text
 from dtrain.guide.local_check import local_checks
-from dtrain.guide.render import checks_table
+from dtrain.guide.checks_section import checks_table
 from dtrain.parallel.feasibility import check_cp_model, check_tp_model
 
 search_module = importlib.import_module("dtrain.costmodel.search")  # (the package's is search())

@@ -22,7 +22,7 @@ from dtrain.guide.check import (
 from dtrain.guide.figures import MANIFEST, ours
 from dtrain.guide.guide_cli import keep_verdict
 from dtrain.guide.local_check import local_checks
-from dtrain.guide.render import checks_table
+from dtrain.guide.checks_section import checks_table
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 QUIET = (1.03, 1.01, 1.66)  # the real idle capstone's widest: judged
