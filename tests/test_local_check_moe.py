@@ -18,7 +18,7 @@ from dtrain.costmodel.collectives import all_to_all_uneven_time
 from dtrain.costmodel.gemm_probe import shape_of_target, targets
 from dtrain.costmodel.gpt_shape import moe_model_of
 from dtrain.costmodel.hardware import Cluster, GPUProfile, LinkModel
-from dtrain.costmodel.moe_cost import ep_comm
+from dtrain.costmodel.moe_comm import ep_comm
 from dtrain.guide.moe_check import all_checks, moe_checks
 from dtrain.model.args import GPTConfig, model_dict, num_params
 from dtrain.model.flops import flops_per_token
