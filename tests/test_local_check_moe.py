@@ -163,7 +163,7 @@ def test_a_probe_overhead_is_its_own_models():
     """The probe's overhead of an MoE model and of its dense twin (same dims, same micro-batch):
     each row reads its own."""
     from dtrain.costmodel.efficiency import GemmCurve
-    from dtrain.guide.local_check import _Probe
+    from dtrain.guide.local_inputs import _Probe
 
     dense_cfg = model_dict(GPTConfig.from_preset("tiny"))
     moe_cfg = model_dict(TINY_MOE)
