@@ -27,7 +27,7 @@ from dtrain.model.flops import MLA
 from . import backtest as dense
 from .backtest import FIT_GRID, WITHIN, _best, _log_errors, calibration, load_rows
 from .hardware import Cluster, GiB
-from .moe_cost import MoEModel, MoESpec
+from .moe_model import MoEModel, MoESpec
 from .moe_search import MoEPlan, price
 from .shapes import Layout
 from .stack import Stack
