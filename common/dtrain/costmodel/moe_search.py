@@ -11,7 +11,8 @@ from .calibration import Calibration
 from .hardware import Cluster
 from .memory import MemoryBreakdown
 from .moe_cost import MoEModel, MoETerms, ep_degrees, moe_memory, moe_terms
-from .search import MICRO_BATCHES, _layouts, _memory, describe_layout
+from .layout_enumeration import _layouts
+from .search import MICRO_BATCHES, _memory, describe_layout
 from .shapes import RECOMPUTE, Layout
 from .stack import Stack
 from .timemodel import StepTime, step_model
