@@ -10,11 +10,12 @@ from dataclasses import dataclass, field, replace
 from .calibration import Calibration
 from .hardware import Cluster
 from .memory import MemoryBreakdown
+from .layout_enumeration import _layouts
 from .moe_cost import MoETerms, moe_terms
 from .moe_layout import ep_degrees
 from .moe_memory import moe_memory
 from .moe_model import MoEModel
-from .search import MICRO_BATCHES, _layouts, _memory, describe_layout
+from .search import MICRO_BATCHES, _memory, describe_layout
 from .shapes import RECOMPUTE, Layout
 from .stack import Stack
 from .timemodel import StepTime, step_model
