@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from dtrain.cli.main import main
-from dtrain.costmodel.backtest_measured import backtest_measured, text_lines
+from dtrain.costmodel.backtest_measured import backtest_measured, summary, text_lines
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.hardware import Cluster, get_profile
 from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape
@@ -110,7 +110,15 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     assert any(x.startswith("  GPU busy 31.0 ms of the step measured") for x in lines)
     assert any("does not fit (right)" in x for x in lines)  # 7B at 8 x 32K tokens on one H100
     assert max(len(x) for x in lines) <= 100
-    assert lines[-1].startswith("summary: time within 10%:") or "summary:" in " ".join(lines[-3:])
+    assert any(x.startswith("summary: time within 10%:") for x in lines[-5:])
+    # the GPU's idle time in a GPU-bound step (host issue 10 ms < GPU busy 31 ms): the step less
+    # the kernels' union, reported per counted launch and beside the predicted GPU work
+    assert new.gpu_idle_s == pytest.approx(0.060 - 0.031) and old.gpu_idle_s is None
+    assert new.gpu_work_excess == pytest.approx(new.gpu_work_s / 0.031 - 1)
+    s = summary(rows)
+    assert s["gpu_bound_profiles"] == 1
+    assert s["gpu_idle_per_launch_median_s"] == pytest.approx(0.029 / new.kernels["total"][1])
+    assert any(x.startswith("GPU idle in the 1 GPU-bound profiles") for x in lines[-3:])
 
 
 def test_measured_backtest_cli_json_and_errors(tmp_path, capsys):

@@ -263,7 +263,7 @@ def test_backtest_leave_one_source_out_never_uses_the_source_itself():
 
 def test_zero3_pays_latency_per_fsdp_unit_by_hand():
     from dtrain.costmodel import LinkModel, step_time
-    from dtrain.guide.local_check import host_cluster
+    from dtrain.guide.local_host import host_cluster
 
     shape = ModelShape(6, 512, 8, 8, 1000, 128)
     alpha, beta = 1e-3, 1e9
@@ -289,7 +289,7 @@ def test_fsdp_under_pp_reduces_after_the_last_backward_by_hand():
     term)."""
     from dtrain.costmodel import LinkModel, step_time
     from dtrain.costmodel.calibration import Calibration
-    from dtrain.guide.local_check import host_cluster
+    from dtrain.guide.local_host import host_cluster
 
     shape = ModelShape(6, 512, 8, 8, 1000, 128)
     cluster = host_cluster(1e11, 8, LinkModel(1e-5, 1e8))
@@ -398,7 +398,7 @@ def test_dp_sync_at_the_flush_hides_nothing(capsys):
     from dtrain.cli.main import main
     from dtrain.costmodel import LinkModel, step_time
     from dtrain.costmodel.stack import Stack
-    from dtrain.guide.local_check import host_cluster
+    from dtrain.guide.local_host import host_cluster
 
     shape = ModelShape(6, 512, 8, 8, 1000, 128)
     cluster = host_cluster(1e11, 8, LinkModel(1e-5, 1e8))

@@ -12,7 +12,7 @@ import pytest
 from dtrain.costmodel import Cluster, Layout, ModelShape, search, step_time
 from dtrain.costmodel.collectives import all_gather_time, group_link, p2p_time
 from dtrain.costmodel.pipeline_engine import schedule, simulate, transfers
-from dtrain.costmodel.search import layout_fields
+from dtrain.costmodel.layout_enumeration import layout_fields
 from dtrain.costmodel.software import SOFTWARE, unsupported
 from dtrain.costmodel.stack import Stack
 from dtrain.parallel import traffic

@@ -10,8 +10,8 @@ import pytest
 from dtrain.cli.main import main
 from dtrain.costmodel import Cluster, ModelShape, search
 from dtrain.costmodel.backtest import backtest
+from dtrain.costmodel.layout_enumeration import layout_fields
 from dtrain.costmodel.published_runs import load_rows, row_setup
-from dtrain.costmodel.search import layout_fields
 from dtrain.costmodel.software import SOFTWARE, unsupported
 from dtrain.costmodel.stack import Stack
 

@@ -212,7 +212,7 @@ def test_integer_at_least_error_type():
 
 
 def test_converted_sites_say_the_one_form():
-    from dtrain.costmodel.plan_cli import parse_layout
+    from dtrain.costmodel.plan_layout import parse_layout
     from dtrain.parallel.feasibility import check_cp_layout
     from dtrain.run import dist
 

@@ -1,5 +1,6 @@
-"""The FSDP2 host-work probe (dtrain.gpucheck.fsdp_host) on the CPU: what it reports is what its
-rows give, by its formula (timings are the machine's: only their arithmetic is checked)."""
+"""The FSDP host-work probe (dtrain.gpucheck.fsdp_host) on the CPU, FSDP2 and FSDP1: what it reports
+is what its rows give, by its formula (timings are the machine's: only their arithmetic is
+checked)."""
 
 import json
 import socket
@@ -20,16 +21,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp_host_probe_reports_its_slope_in_launches(monkeypatch):
+@pytest.mark.parametrize("fsdp", [2, 1])
+def test_fsdp_host_probe_reports_its_slope_in_launches(monkeypatch, fsdp):
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    probe = [sys.executable, "-m", "dtrain.gpucheck.fsdp_host", "--layers", "1", "3"]
     out = subprocess.run(
-        [sys.executable, "-m", "dtrain.gpucheck.fsdp_host", "--layers", "1", "3", "--steps", "2"],
+        [*probe, "--steps", "2", "--fsdp", str(fsdp)],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
     data = json.loads(out.stdout)
+    assert data["fsdp"] == fsdp
     lo, hi = data["rows"]
     assert (lo["layers"], lo["units"], hi["layers"], hi["units"]) == (1, 2, 3, 4)
     for row in (lo, hi):  # the launches are the cost model's count for the probe's model

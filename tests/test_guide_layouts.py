@@ -136,7 +136,7 @@ def test_pp_factor_is_measured_share_over_the_bubble_formula(tmp_path):
 
 
 def test_oversubscribed_run_computes_slower():
-    from dtrain.guide.local_check import oversubscription
+    from dtrain.guide.local_host import oversubscription
 
     assert oversubscription({"cpu_count": 2, "threads_per_rank": 1}, 4) == 2.0
     assert oversubscription({"cpu_count": 2, "threads_per_rank": 1}, 2) == 1.0

@@ -4,7 +4,6 @@ the numbers."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import shutil
@@ -16,7 +15,7 @@ import pytest
 from conftest import TEST_SEED, py
 from dtrain.cli.main import main
 from dtrain.core.errors import UserError
-from dtrain.costmodel import Cluster, ModelShape, search
+from dtrain.costmodel import Cluster, ModelShape, layout_enumeration, layout_space, search
 from dtrain.costmodel.backtest import backtest
 from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.calibrate import calibrate
@@ -25,7 +24,6 @@ from dtrain.guide.local_check import local_checks
 from dtrain.guide.checks_section import checks_table
 from dtrain.parallel.feasibility import check_cp_model, check_tp_model
 
-search_module = importlib.import_module("dtrain.costmodel.search")  # (the package's is search())
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 
 
@@ -215,7 +213,7 @@ def test_no_searched_layout_breaks_a_rule_of_the_trainer():
         seq, ffn = rng.choice([4096, 8192, 16384, 12288 + 2]), rng.choice([7, 96, 100, 1536])
         shape = ModelShape(rng.choice([2, 4, 6]), heads * 64, heads, kv, 32000, seq, ffn / 64)
         gpus = rng.choice([8, 16, 64])
-        layouts = search_module._enumerate(shape, gpus, 8, 1024, (1,), ("none",))
+        layouts = layout_enumeration._enumerate(shape, gpus, 8, 1024, (1,), ("none",))
         candidates = [lay for lay, why in layouts if why is None]
         assert all(not _trainer_refuses(shape, lay) for lay in candidates), shape
 
@@ -236,27 +234,27 @@ def _old_rules(shape, tp=1, cp=1, cp_impl="ring", sequence_parallel=False):
 
 
 def _without_rules(monkeypatch):
-    monkeypatch.setattr(search_module, "parallel_refusal", _old_rules)
-    search_module._enumerated.cache_clear()
+    monkeypatch.setattr(layout_space, "parallel_refusal", _old_rules)
+    layout_enumeration._enumerated.cache_clear()
 
 
 @pytest.mark.parametrize("params, gpus", [(7e9, 64), (70e9, 512), (405e9, 2048)])
 def test_plans_for_published_models_are_unchanged(monkeypatch, params, gpus):
     shape, cluster = ModelShape.from_params(params), Cluster.from_profile("h100-sxm", gpus)
-    search_module._enumerated.cache_clear()
+    layout_enumeration._enumerated.cache_clear()
     ruled = search(shape, cluster, 1024, prune=True)
     _without_rules(monkeypatch)
     free = search(shape, cluster, 1024, prune=True)
-    search_module._enumerated.cache_clear()
+    layout_enumeration._enumerated.cache_clear()
     assert ruled.best == free.best and ruled.ranked == free.ranked
 
 
 def test_backtest_figures_are_unchanged(monkeypatch):
-    search_module._enumerated.cache_clear()
+    layout_enumeration._enumerated.cache_clear()
     ruled = text_lines(backtest())
     _without_rules(monkeypatch)
     free = text_lines(backtest())
-    search_module._enumerated.cache_clear()
+    layout_enumeration._enumerated.cache_clear()
     assert ruled == free and len(ruled) > 55
 
 

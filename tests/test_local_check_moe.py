@@ -18,7 +18,7 @@ from dtrain.costmodel.collectives import all_to_all_uneven_time
 from dtrain.costmodel.gemm_probe import shape_of_target, targets
 from dtrain.costmodel.gpt_shape import moe_model_of
 from dtrain.costmodel.hardware import Cluster, GPUProfile, LinkModel
-from dtrain.costmodel.moe_cost import ep_comm
+from dtrain.costmodel.moe_comm import ep_comm
 from dtrain.guide.moe_check import all_checks, moe_checks
 from dtrain.model.args import GPTConfig, model_dict, num_params
 from dtrain.model.flops import flops_per_token
@@ -163,7 +163,7 @@ def test_a_probe_overhead_is_its_own_models():
     """The probe's overhead of an MoE model and of its dense twin (same dims, same micro-batch):
     each row reads its own."""
     from dtrain.costmodel.efficiency import GemmCurve
-    from dtrain.guide.local_check import _Probe
+    from dtrain.guide.local_inputs import _Probe
 
     dense_cfg = model_dict(GPTConfig.from_preset("tiny"))
     moe_cfg = model_dict(TINY_MOE)

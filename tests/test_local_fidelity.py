@@ -16,7 +16,7 @@ from dtrain.costmodel.collectives import (
     reduce_scatter_time,
 )
 from dtrain.costmodel.shapes import Layout, ModelShape
-from dtrain.guide.local_check import free_core_share, host_cluster
+from dtrain.guide.local_host import free_core_share, host_cluster
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
 

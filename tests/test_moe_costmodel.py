@@ -12,7 +12,9 @@ import pytest
 from dtrain.cli.main import main
 from dtrain.costmodel.hardware import Cluster
 from dtrain.costmodel.memory import MemoryBreakdown
-from dtrain.costmodel.moe_cost import MoEModel, MoESpec, ep_comm, moe_memory
+from dtrain.costmodel.moe_comm import ep_comm
+from dtrain.costmodel.moe_memory import moe_memory
+from dtrain.costmodel.moe_model import MoEModel, MoESpec
 from dtrain.costmodel.moe_search import moe_search
 from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.model.args import GPTConfig

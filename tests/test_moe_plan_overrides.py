@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dtrain.cli.main import main
-from dtrain.costmodel.moe_cost import MoEModel, MoESpec
+from dtrain.costmodel.moe_model import MoEModel, MoESpec
 from dtrain.costmodel.overrides import moe_overrides, trainer_refusal
 from dtrain.costmodel.shapes import Layout, ModelShape
 

@@ -292,7 +292,7 @@ def test_bench_refuses_to_time_a_command_that_failed(tmp_path, monkeypatch, caps
     "written, count", [("70B", 70e9), ("1.3b", 1.3e9), ("350M", 350e6), ("2T", 2e12), ("7e9", 7e9)]
 )
 def test_params_takes_the_size_as_people_write_it(written, count):
-    from dtrain.costmodel.plan_cli import param_count
+    from dtrain.costmodel.plan_args import param_count
 
     assert param_count(written) == pytest.approx(count, rel=1e-12)
 

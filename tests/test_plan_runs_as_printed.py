@@ -13,7 +13,7 @@ import pytest
 
 from conftest import py
 from dtrain.costmodel.overrides import train_overrides, trainer_refusal
-from dtrain.costmodel.plan_cli import global_batch_of
+from dtrain.costmodel.plan_inputs import global_batch_of
 from dtrain.costmodel.search import search
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.costmodel.hardware import Cluster

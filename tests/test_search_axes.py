@@ -1,34 +1,26 @@
 """The layout search as a product of named axes (issue 38): the same candidates in the same order.
 
-``search._enumerate`` was nine nested loops; it is now a tuple of ``Axis`` and one of ``Filter``.
-The frozen values below were computed with the nested-loop code (this repository before the
-rewrite): the count and a SHA-256 of the whole sequence of (layout, rejection) it yielded. Any
-change of the set OR the order of the candidates changes the hash, and the plans (ties are
-ranked in enumeration order) could change with it.
+``layout_enumeration._enumerate`` was nine nested loops; it is now a tuple of ``Axis`` and one of
+``Filter``. The frozen values below were computed with the nested-loop code (this repository
+before the rewrite): the count and a SHA-256 of the whole sequence of (layout, rejection) it
+yielded. Any change of the set OR the order of the candidates changes the hash, and the plans
+(ties are ranked in enumeration order) could change with it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 
 import pytest
 
-from dtrain.costmodel.search import (
-    AXES,
-    FILTERS,
-    LAYOUT_FIELDS,
-    MICRO_BATCHES,
-    Axis,
-    Filter,
-    _checks_per_axis,
-    _enumerate,
-)
+from dtrain.costmodel import layout_enumeration
+from dtrain.costmodel.layout_enumeration import _checks_per_axis, _enumerate
+from dtrain.costmodel.layout_space import AXES, FILTERS, LAYOUT_FIELDS, Axis, Filter
+from dtrain.costmodel.search import MICRO_BATCHES
 from dtrain.core.layout import RECOMPUTE
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.costmodel.software import SOFTWARE
 
-search_module = sys.modules["dtrain.costmodel.search"]  # the package exports search() by that name
 
 # Every field a layout is told apart by (ep, etp: always 1 until expert parallelism exists)
 KEY_FIELDS = (
@@ -310,7 +302,9 @@ def test_no_axis_is_expanded_under_a_rejected_choice(monkeypatch):
 
         return Axis(axis.name, values)
 
-    monkeypatch.setattr(search_module, "AXES", tuple(watched(i, a) for i, a in enumerate(AXES)))
+    monkeypatch.setattr(
+        layout_enumeration, "AXES", tuple(watched(i, a) for i, a in enumerate(AXES))
+    )
     for name in ("70B on 512", "8B 128K on 64, dtrain", "13B on 96, megatron-core, eager"):
         assert sequence_digest(enumerate_case(name)) == FROZEN[name]
     assert asked["tp"] == 3 and asked["sequence_parallel"] > 0

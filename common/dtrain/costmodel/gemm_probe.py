@@ -111,7 +111,7 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
 
 def shape_of_target(t: dict) -> ModelShape:
     """The target as a dense shape; an MoE GPT as its dense proxy (every layer's MLP the width a
-    token meets: ``moe_cost.MoEModel.proxy``), whose GEMMs are its balanced FLOPs."""
+    token meets: ``moe_model.MoEModel.proxy``), whose GEMMs are its balanced FLOPs."""
     c = t["config"]
     if t["kind"] == "gpt" and c.get("moe"):
         return replace(moe_model_of(GPTConfig(**c)).proxy, name="")

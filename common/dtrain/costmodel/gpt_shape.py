@@ -7,7 +7,7 @@ calibration readers both call it, so no cost-model module reaches up into them f
 
 from __future__ import annotations
 
-from .moe_cost import MoEModel, MoESpec
+from .moe_model import MoEModel, MoESpec
 from .shapes import ModelShape
 
 

@@ -28,7 +28,7 @@ from . import backtest_cli as dense_cli
 from .backtest import WITHIN
 from .backtest_fit import FIT_GRID, _best, _log_errors, calibration
 from .hardware import Cluster, GiB
-from .moe_cost import MoEModel, MoESpec
+from .moe_model import MoEModel, MoESpec
 from .moe_search import MoEPlan, price
 from .published_runs import load_rows, row_cluster, row_shape
 from .shapes import Layout

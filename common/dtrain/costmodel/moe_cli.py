@@ -19,7 +19,7 @@ from dtrain.core import terminal
 
 from .hardware import GiB
 from .plan_report import fit_lines
-from .moe_cost import DISPATCHERS, MoEModel, MoESpec
+from .moe_model import DISPATCHERS, MoEModel, MoESpec
 from .moe_search import MoEPlan, MoESearchResult, moe_search
 from .overrides import moe_overrides, trainer_refusal
 from .shapes import ModelShape

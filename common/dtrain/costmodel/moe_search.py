@@ -1,7 +1,7 @@
 """The layout search for an MoE model: every layout ``search`` enumerates for the dense proxy,
-times each ep (and etp) it can fold (``moe_cost.ep_degrees``), priced as the proxy's step plus the
+times each ep (and etp) it can fold (``moe_layout.ep_degrees``), priced as the proxy's step plus the
 routed experts' terms (``moe_cost.moe_terms``) and its memory with the experts
-(``moe_cost.moe_memory``)."""
+(``moe_memory.moe_memory``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from dataclasses import dataclass, field, replace
 from .calibration import Calibration
 from .hardware import Cluster
 from .memory import MemoryBreakdown
-from .moe_cost import MoEModel, MoETerms, ep_degrees, moe_memory, moe_terms
-from .search import MICRO_BATCHES, _layouts, _memory, describe_layout
+from .layout_enumeration import _layouts
+from .moe_cost import MoETerms, moe_terms
+from .moe_layout import ep_degrees
+from .moe_memory import moe_memory
+from .moe_model import MoEModel
+from .search import MICRO_BATCHES, _memory, describe_layout
 from .shapes import RECOMPUTE, Layout
 from .stack import Stack
 from .timemodel import StepTime, step_model
@@ -79,7 +83,7 @@ def _gemm_precision(precision: str) -> str:
 def memory_of(
     model: MoEModel, lay: Layout, stack: Stack = Stack(), act_factor: float = 1.0
 ) -> tuple[MemoryBreakdown, dict]:
-    """A layout's memory per GPU with the experts (``moe_cost.moe_memory`` over the proxy's)."""
+    """A layout's memory per GPU with the experts (``moe_memory.moe_memory`` over the proxy's)."""
     proxy_mem = _memory(model.proxy, lay, stack, act_factor)
     return moe_memory(model, lay, proxy_mem, stack.grad_bytes, stack.optimizer_states, act_factor)
 

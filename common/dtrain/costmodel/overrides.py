@@ -105,7 +105,7 @@ def train_overrides(
 def moe_overrides(
     layout: Layout, model, global_batch: int, precision: str = "bf16", preset: str = "small"
 ) -> tuple[list[str], list[str]]:
-    """``train_overrides`` of an MoE model (``moe_cost.MoEModel``): its dense base's, plus the
+    """``train_overrides`` of an MoE model (``moe_model.MoEModel``): its dense base's, plus the
     layout's ep and etp and the ``model.moe`` keys; what the trainer's MoE layer does not run
     (a shared expert of another width, DeepEP or allgather dispatch, A2A overlap, a head dim
     other than d / heads, MLA) goes to the notes."""

@@ -1,6 +1,6 @@
-"""FSDP2's host work per wrapped unit, against the plain eager step of the same model.
+"""FSDP's host work per wrapped unit, against the plain eager step of the same model.
 
-    python -m dtrain.gpucheck.fsdp_host [--layers 2 8] [--steps 20]
+    python -m dtrain.gpucheck.fsdp_host [--layers 2 8] [--steps 20] [--fsdp 2|1]
 
 The eager stack's host floor (``dtrain.costmodel.eager``) prices a step's host time as its kernel
 launches x the host's seconds per launch. The trainer wraps each block and the root in FSDP2's
@@ -11,6 +11,10 @@ times one training step of dtrain's GPT at a width where the kernels cost next t
 over the wrapped units is FSDP2's host time per unit, reported in units of the plain step's host
 time per modelled launch (``launch_equivalents``), which is how ``eager.yaml`` carries it to a
 GPU host. Runs on the CPU (no GPU needed); medians of ``steps`` timed steps.
+
+``--fsdp 1`` wraps the same units in FSDP1 (``FullyShardedDataParallel`` with a module wrap
+policy on the blocks, ``use_orig_params``, the same bf16/fp32 mixed precision): one flat
+parameter per unit, gathered and reduced whole, where FSDP2 copies each parameter in and out.
 """
 
 from __future__ import annotations
@@ -50,9 +54,31 @@ def _model(layers: int):
     return cfg, GPT(cfg)
 
 
-def measure(layers: int, steps: int) -> dict:
+def _fsdp2(model):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = list(model.blocks.children())
+    for i, block in enumerate(blocks):  # as dtrain.train.parallelize.apply_fsdp wraps them
+        fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    return fully_shard(model, mp_policy=policy)
+
+
+def _fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    block = type(next(model.blocks.children()))
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({block}),  # each block a unit, the root the rest
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+
+
+def measure(layers: int, steps: int, fsdp: int = 2) -> dict:
     from dtrain.costmodel.eager import kernels_per_step
     from dtrain.costmodel.measured_cases import gpt_case_shape
     from dtrain.costmodel.shapes import Layout
@@ -61,12 +87,7 @@ def measure(layers: int, steps: int) -> dict:
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=True)
     t_plain = _step_time(plain, opt, x, steps)
-    _, model = _model(layers)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    blocks = list(model.blocks.children())
-    for i, block in enumerate(blocks):  # as dtrain.train.parallelize.apply_fsdp wraps them
-        fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mp_policy=policy)
+    model = (_fsdp2 if fsdp == 2 else _fsdp1)(_model(layers)[1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     t_fsdp = _step_time(model, opt, x, steps)
     shape, structure = gpt_case_shape(cfg)
@@ -84,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.fsdp_host")
     p.add_argument("--layers", type=int, nargs=2, default=[2, 8])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="FSDP2 or FSDP1")
     args = p.parse_args(argv)
     import torch.distributed as dist
 
@@ -92,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        rows = [measure(n, args.steps) for n in args.layers]
+        rows = [measure(n, args.steps, args.fsdp) for n in args.layers]
     finally:
         dist.destroy_process_group()
     lo, hi = rows
@@ -103,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {
         "device": "cpu",
         "torch": torch.__version__,
+        "fsdp": args.fsdp,
         "rows": rows,
         "fsdp_host_s_per_unit": per_unit,
         "plain_host_s_per_launch": per_launch,

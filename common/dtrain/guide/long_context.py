@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from dtrain.costmodel import Calibration, search
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.links import LinkCalibration
-from dtrain.costmodel.search import MIN_CP_CHUNK
+from dtrain.costmodel.layout_space import MIN_CP_CHUNK
 from dtrain.costmodel.uncertainty import ErrorBand
 
 from .matrix import cluster_for

@@ -2,7 +2,7 @@
 (``train.ep=2``) publishes a ``moe_run`` record (``contract.MoeMeasurement``); its step time is
 predicted with the MoE cost model's own terms (``moe_search.price``: the dense proxy's step plus
 ``moe_cost.moe_terms``, the memory aside) on this host, as the dense rows are
-(``local_check.host_cluster``: one 'GPU' per rank, allreduce-bench's α–β as the link, whose
+(``local_host.host_cluster``: one 'GPU' per rank, allreduce-bench's α–β as the link, whose
 ``all_to_all_v`` fit, else its ``all_to_all`` one, prices the dispatch and combine), and its
 measured all-to-all time and share stand beside the model's in the row's detail.
 
@@ -33,22 +33,9 @@ from dtrain.model.args import GPTConfig
 from dtrain.results import contract
 
 from .check import Check
-from .local_check import (
-    PROBE_BASIS,
-    TRAINER,
-    _calib,
-    _gpt_match,
-    _median,
-    _probe,
-    _Probe,
-    _spread,
-    distinct_runs,
-    _fsdp_runs,
-    free_core_share,
-    host_cluster,
-    local_checks,
-    oversubscription,
-)
+from .local_check import distinct_runs, local_checks
+from .local_host import TRAINER, _spread, free_core_share, host_cluster, oversubscription
+from .local_inputs import PROBE_BASIS, _calib, _fsdp_runs, _gpt_match, _median, _probe, _Probe
 
 
 def moe_step(

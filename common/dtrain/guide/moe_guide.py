@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from dtrain.costmodel import Calibration
 from dtrain.costmodel.hardware import GiB
 from dtrain.costmodel.links import LinkCalibration
-from dtrain.costmodel.moe_cost import MoEModel, MoESpec
+from dtrain.costmodel.moe_model import MoEModel, MoESpec
 from dtrain.costmodel.moe_search import memory_of, moe_search, price
 from dtrain.costmodel.shapes import ModelShape
 from dtrain.model.flops import MLA

@@ -24,7 +24,7 @@ An MoE model (``model.moe``; the trainer runs it with tp = pp = 1) holds its non
 sharded as a dense model's and, of each MoE layer, E/ep experts sharded over efsdp
 (``dtrain.parallel.ep.trainer_ep``); its activations are its dense proxy's (every MLP the width a
 token meets) plus the routed rows, the experts (``expert_params_per_gpu``) and the routed
-activations (``routed_activation_bytes``) as the cost model's ``moe_cost.moe_memory`` counts them.
+activations (``routed_activation_bytes``) as the cost model's ``moe_memory.moe_memory`` counts them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from dtrain.core.errors import UserError
 from dtrain.costmodel.gpt_shape import moe_model_of, shape_of
 from dtrain.costmodel.memory import MemoryBreakdown, fsdp2_state_bytes, memory_per_gpu
-from dtrain.costmodel.moe_cost import moe_memory
+from dtrain.costmodel.moe_memory import moe_memory
 from dtrain.model.args import GPTConfig, num_params
 from dtrain.parallel.pipeline import split_layers, stages_of_rank
 
@@ -125,7 +125,7 @@ def training_need(model: GPTConfig, train, world_size: int) -> Need:
 
 def moe_need(moe, layout, activation_factor: float) -> tuple[float, float]:
     """(expert weights the busiest rank holds, its routed activation bytes): the cost model's MoE
-    memory terms (``moe_cost.moe_memory``) at ``layout``."""
+    memory terms (``moe_memory.moe_memory``) at ``layout``."""
     empty = MemoryBreakdown(params=0.0, grads=0.0, optimizer=0.0, activations=0.0)
     _, terms = moe_memory(moe, layout, empty, activation_factor=activation_factor)
     return terms["expert_params_per_gpu"], terms["routed_activation_bytes"]
