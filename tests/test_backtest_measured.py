@@ -150,3 +150,43 @@ def test_plan_fsdp_eager_prints_dispatch_floor_and_optimizer(capsys):
     assert choice["kernels_per_step"] > 0 and choice["launch_bound"] is False
     assert choice["step_time_s"]["dispatch_floor"] > 0
     assert choice["tp"] == 1 and choice["pp"] == 1 and choice["zero_stage"] in (2, 3)
+
+
+def test_measured_backtest_reads_an_fp8_profile_with_phases_and_gaps(tmp_path):
+    """The eager sweep's torchao float8 case is priced as FP8 on the eager stack; its phases'
+    host/GPU times and its longest GPU gaps are printed under it."""
+    phases = {"forward": {"host_s": 0.001, "gpu_s": 0.002}, "clip": {"host_s": 0.0005}}
+    case = {
+        **NEW,
+        "precision": "fp8",
+        "phases": phases,
+        "largest_gaps": [{"gap_s": 0.0012, "after": "amax_kernel", "before": "Memcpy DtoH"}],
+    }
+    check = tmp_path / "gpu-check-1"
+    check.mkdir()
+    steps = [{"name": "eager_sweep", "status": "ok", "data": {"device": H100, "cases": [case]}}]
+    (check / "report.json").write_text(json.dumps(steps))
+    (row,) = backtest_measured(str(tmp_path))
+    assert row.case.precision == "fp8" and row.case.name.endswith(" fused fp8")
+    assert "casts' launches are not in the model's count" in row.case.note
+    lines = text_lines([row])
+    assert "  phases host/GPU ms: forward 1.0/2.0 clip 0.5/-" in lines
+    assert "  longest GPU gaps: 1.20 ms after amax_kernel before Memcpy DtoH" in lines
+    bf16 = backtest_measured_case_without_fp8(tmp_path, case)
+    assert row.predicted_s > bf16.predicted_s  # FP8's casts cost more than its GEMMs save here
+
+
+def backtest_measured_case_without_fp8(tmp_path, case):
+    other = tmp_path / "bf16" / "gpu-check-1"
+    other.mkdir(parents=True)
+    steps = [
+        {
+            "name": "eager_sweep",
+            "status": "ok",
+            "data": {"device": H100, "cases": [{**case, "precision": "bf16"}]},
+        }
+    ]
+    (other / "report.json").write_text(json.dumps(steps))
+    (row,) = backtest_measured(str(other.parent))
+    assert row.case.precision == "bf16"
+    return row

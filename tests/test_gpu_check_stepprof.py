@@ -14,7 +14,14 @@ import pytest
 from conftest import run_cmd
 from dtrain.gpucheck.kernels import gpu_time_by_category
 from dtrain.gpucheck.report import Step, loss_falls, profile_case_line, render
-from dtrain.gpucheck.stepprof import KernelRecord, account, kernel_records, union_ns
+from dtrain.gpucheck.stepprof import PHASES, median_phases
+from dtrain.gpucheck.timeline import (
+    KernelRecord,
+    account,
+    gap_profile,
+    kernel_records,
+    union_ns,
+)
 
 
 class Dev(Enum):
@@ -105,11 +112,17 @@ def test_loss_rule_by_hand():
 def test_eager_sweep_and_grouped_gemm_at_cpu_sizes():
     out = run_cmd([sys.executable, "-m", "dtrain.gpucheck.stepprof", "eager_sweep", "--small"])
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [c["seq_len"] for c in d["cases"]] == [64, 128]
+    assert [c["seq_len"] for c in d["cases"]] == [64, 128, 64]
+    assert [c["precision"] for c in d["cases"]] == ["bf16", "bf16", "fp8"]
     for c in d["cases"]:
-        # host issue time is part of the step's wall time
+        # host issue time is part of the step's wall time, and each phase's host time part of
+        # the issue time (in every step, so in the medians)
         assert 0 < c["cpu_dispatch_s"] <= c["step_s"] and c["params"] > 0
+        assert list(c["phases"]) == list(PHASES)
+        assert all(0 < p["host_s"] <= c["cpu_dispatch_s"] for p in c["phases"].values())
+        assert all(p["gpu_s"] is None for p in c["phases"].values())  # no GPU: no CUDA events
         assert c["gpu_busy_s"] == 0 and c["kernels"] == 0  # no GPU: no kernel records
+        assert c["gaps"] == 0 and c["largest_gaps"] == []
     line = profile_case_line(d["cases"][0])
     assert line.startswith("tiny s64 mb 2 foreach: step ") and "host issue" in line
     out = run_cmd([sys.executable, "-m", "dtrain.gpucheck.grouped", "--small"])
@@ -163,3 +176,52 @@ def test_kernel_records_on_torch_without_activity_type():
         }
     )
     assert [r.name for r in kernel_records([kernel, ann])] == ["sm90_xmma_gemm"]
+
+
+def test_gap_profile_by_hand():
+    """Busy stretches merge across streams; a gap is the time between two stretches, binned by
+    length, the longest named by the records on either side."""
+    recs = [
+        KernelRecord("gemm_a", 0, 10_000, 7),
+        KernelRecord("flash_fwd", 5_000, 12_000, 13),  # overlaps gemm_a: one stretch to 12 us
+        KernelRecord("add", 13_000, 14_000, 7),  # 1 us gap
+        KernelRecord("norm", 19_000, 20_000, 7),  # 5 us gap
+        KernelRecord("Memcpy DtoH", 620_000, 621_000, 7),  # 600 us gap
+        KernelRecord("adam", 641_000, 650_000, 7),  # 20 us gap
+    ]
+    g = gap_profile(recs, largest=2)
+    assert g["gaps"] == 4 and g["gap_s"] == pytest.approx((1 + 5 + 600 + 20) * 1e-6)
+    assert g["span_s"] == pytest.approx(650e-6)
+    assert g["gap_bins"] == {
+        "0-2us": {"count": 1, "s": pytest.approx(1e-6)},
+        "2-10us": {"count": 1, "s": pytest.approx(5e-6)},
+        "10-50us": {"count": 1, "s": pytest.approx(20e-6)},
+        ">=500us": {"count": 1, "s": pytest.approx(600e-6)},
+    }
+    assert g["largest_gaps"] == [
+        {"gap_s": pytest.approx(600e-6), "after": "norm", "before": "Memcpy DtoH"},
+        {"gap_s": pytest.approx(20e-6), "after": "Memcpy DtoH", "before": "adam"},
+    ]
+    # the stretch that gemm_a opens is closed by flash_fwd, which ends last
+    assert gap_profile(recs[:3])["largest_gaps"][0] == {
+        "gap_s": pytest.approx(1e-6),
+        "after": "flash_fwd",
+        "before": "add",
+    }
+    assert gap_profile([]) == {
+        "gaps": 0,
+        "gap_s": 0.0,
+        "span_s": 0.0,
+        "gap_bins": {},
+        "largest_gaps": [],
+    }
+
+
+def test_median_phases_by_hand():
+    def step(k):
+        return {p: {"host_s": k * (i + 1), "gpu_s": 2 * k * (i + 1)} for i, p in enumerate(PHASES)}
+
+    m = median_phases([step(1), step(3), step(2)])
+    assert m["forward"] == {"host_s": 4, "gpu_s": 8}  # forward is the 2nd phase: 2 x median 2
+    cpu = [{p: {"host_s": 1.0, "gpu_s": None} for p in PHASES}]
+    assert median_phases(cpu)["optimizer"] == {"host_s": 1.0, "gpu_s": None}

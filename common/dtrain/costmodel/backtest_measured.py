@@ -132,6 +132,15 @@ def score(case: Case) -> Scored:
     return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
 
 
+def phase_text(phases: dict) -> str:
+    """A profile's phases as 'forward 12.0/30.1 ...' (host ms / GPU ms; '-' where no GPU)."""
+
+    def ms(v) -> str:
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    return " ".join(f"{k} {ms(v.get('host_s'))}/{ms(v.get('gpu_s'))}" for k, v in phases.items())
+
+
 def summary(rows: list[Scored]) -> dict:
     errs = [abs(r.error) for r in rows if r.error is not None]
     mems = [abs(r.memory_error) for r in rows if r.memory_error is not None]
@@ -221,6 +230,16 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
                     else ""
                 )
             )
+        if c.phases:
+            out += wrap.wrap("phases host/GPU ms: " + phase_text(c.phases))
+        if c.largest_gaps:
+            out += wrap.wrap(
+                "longest GPU gaps: "
+                + "; ".join(
+                    f"{g['gap_s'] * 1e3:.2f} ms after {g['after'][:32]} before {g['before'][:32]}"
+                    for g in c.largest_gaps[:3]
+                )
+            )
         if r.host_per_launch_s is not None:
             out.append(
                 f"  host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/"
@@ -296,6 +315,8 @@ def as_json(rows: list[Scored]) -> dict:
             "kernels_by_category": {
                 k: {"measured": m, "predicted": p} for k, (m, p) in r.kernels.items()
             },
+            "phases": c.phases or None,
+            "largest_gaps": c.largest_gaps or None,
             "not_modelled": c.not_modelled or None,
             "note": c.note or None,
         }

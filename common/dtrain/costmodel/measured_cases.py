@@ -71,6 +71,8 @@ class Case:
     cpu_dispatch_s: float | None = None
     not_modelled: str = ""  # why the time is not predicted (a recipe the model has no terms for)
     note: str = ""  # what the prediction prices only in part
+    phases: dict = field(default_factory=dict)  # phase -> {host_s, gpu_s} (stepprof's phases)
+    largest_gaps: list = field(default_factory=list)  # the profile's longest GPU idle gaps
 
 
 def gpt_case_shape(cfg: GPTConfig, seq_len: int | None = None) -> tuple[ModelShape, Structure]:
@@ -97,17 +99,19 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
     named = str(c.get("attention", "default")).lower()
     attention = ATTENTION.get(named, DEFAULT_ATTENTION)
     optimizer = c.get("optimizer") if c.get("optimizer") in ("foreach", "fused") else "foreach"
+    precision = "fp8" if c.get("precision") == "fp8" else "bf16"  # torchao float8, eager
     over_text = "".join(f" {k}={v}" for k, v in over.items())
     return Case(
         f"{step} {c['preset']}{over_text} mb={c['micro_batch']} s={shape.seq_len}"
-        + (f" {optimizer}" if c.get("optimizer") else ""),
+        + (f" {optimizer}" if c.get("optimizer") else "")
+        + (" fp8" if precision == "fp8" else ""),
         source,
         gpu,
         shape,
         structure,
         Layout(micro_batch=int(c["micro_batch"])),
         eager_stack(attention, optimizer),
-        "bf16",
+        precision,
         float(c.get("step_s") or 0.0),  # 0: the case did not run (``error``)
         _num(c, "peak_mem_bytes"),
         dict(c.get("gpu_s_by_category") or {}),
@@ -116,9 +120,20 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         _num(c, "gpu_kernel_sum_s"),
         _num(c, "cpu_dispatch_s"),
         not_modelled=f"measured: {c['error']}" if c.get("error") else "",
-        note=""
-        if named in ATTENTION
-        else f"attention {named!r} has no kernel-table entry: priced as SDPA's default",
+        note=" ".join(
+            n
+            for n in (
+                ""
+                if named in ATTENTION
+                else f"attention {named!r} has no kernel-table entry: priced as SDPA's default",
+                "FP8 without compile: the casts' launches are not in the model's count"
+                if precision == "fp8"
+                else "",
+            )
+            if n
+        ),
+        phases=dict(c.get("phases") or {}),
+        largest_gaps=list(c.get("largest_gaps") or []),
     )
 
 

@@ -3,17 +3,17 @@
     python -m dtrain.gpucheck.stepprof step_profile | eager_sweep [--small]
 
 One case is one step of what `dtrain.train` runs on one GPU without compile (bf16 autocast, SDPA
-attention, AdamW foreach or fused, grad clipping). Per case: the step's wall time (median of timed
-steps), the host time to issue it (``cpu_dispatch_s``: the step is launch-bound when that is most
-of the wall time), GPU time per kernel category with kernel launches, the GPU's busy time, peak
-memory.
+attention, AdamW foreach or fused, grad clipping; or torchao's tensorwise float8 on the blocks'
+linears). Per case: the step's wall time (median of timed steps), the host time to issue it
+(``cpu_dispatch_s``: the step is launch-bound when that is most of the wall time), each phase's
+host and GPU time (``phases``, below), GPU time per kernel category with kernel launches, the
+GPU's busy time and its idle gaps (``dtrain.gpucheck.timeline``), peak memory.
 
-GPU accounting comes from the profiler's kernel records (``kernel_records``), not its per-name
-averages: those also hold the GPU user annotations that ``record_function`` scopes leave on the GPU
-timeline (``Optimizer.step#AdamW.step`` spans every optimizer kernel), which the first checks
-summed with the kernels and so reported a GPU busy 120-128% of the step. ``gpu_busy_s`` is the
-union of the kernel intervals (at most the step), ``gpu_kernel_sum_s`` their sum; the two differ
-only where kernels of different streams overlap, which ``streams`` shows.
+Phases: zero_grad, forward, backward, clip, optimizer. In every timed step the host's clock is
+read and a CUDA event recorded on the stream at each boundary, so a phase's GPU time is the span
+from the end of the previous phase's GPU work to the end of its own (its kernels and the GPU's
+idle time between them); the step's GPU time starts at the first boundary, when the GPU is idle.
+A phase whose GPU time is well above its kernels' is where the step idles.
 """
 
 from __future__ import annotations
@@ -21,83 +21,13 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
-from dtrain.gpucheck.kernels import _category, _device, _name, sweep_main
+from dtrain.gpucheck.kernels import _device, _name, sweep_main
+from dtrain.gpucheck.timeline import account, gap_profile, kernel_records
 
-GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-@dataclass(frozen=True)
-class KernelRecord:
-    name: str
-    start_ns: int
-    end_ns: int
-    stream: int
-
-
-def kernel_records(events) -> list[KernelRecord]:
-    """The GPU work among the profiler's kineto events (``prof.profiler.kineto_results.events()``):
-    kernels, copies and memsets, without GPU user annotations; one record per distinct
-    (name, start, end, stream), so a record reported twice counts once."""
-    seen: dict[tuple, KernelRecord] = {}
-    for e in events:
-        if e.device_type().name != "CUDA" or not _gpu_work(e):
-            continue
-        r = KernelRecord(
-            e.name(), e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id()
-        )
-        seen.setdefault((r.name, r.start_ns, r.end_ns, r.stream), r)
-    return list(seen.values())
-
-
-def _gpu_work(e) -> bool:
-    """A GPU event that is work, not an annotation. torch 2.11's events have neither
-    ``activity_type`` nor (before 2.5) ``is_user_annotation``: then an annotation is known by its
-    name (``record_function`` scopes such as ``Optimizer.step#AdamW.step``, ``ProfilerStep#3``)."""
-    annotation = getattr(e, "is_user_annotation", None)
-    if annotation is not None and annotation():
-        return False
-    activity = getattr(e, "activity_type", None)
-    if activity is not None:
-        return str(activity()).lower().split(".")[-1] in GPU_ACTIVITIES
-    name = e.name()
-    return "#" not in name and not name.startswith(("ProfilerStep", "## "))
-
-
-def union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
-def account(records: list[KernelRecord]) -> dict:
-    """GPU seconds and launches per category, their sum, the busy union, and per-stream seconds."""
-    by_cat: dict[str, float] = {}
-    launches: dict[str, int] = {}
-    streams: dict[str, float] = {}
-    for r in records:
-        cat = _category(r.name)
-        by_cat[cat] = by_cat.get(cat, 0.0) + (r.end_ns - r.start_ns) / 1e9
-        launches[cat] = launches.get(cat, 0) + 1
-        streams[str(r.stream)] = streams.get(str(r.stream), 0.0) + (r.end_ns - r.start_ns) / 1e9
-    return {
-        "gpu_s_by_category": by_cat,
-        "kernels_by_category": launches,
-        "kernels": sum(launches.values()),
-        "gpu_kernel_sum_s": sum(by_cat.values()),
-        "gpu_busy_s": union_ns([(r.start_ns, r.end_ns) for r in records]) / 1e9,
-        "streams": streams,
-    }
+PHASES = ("zero_grad", "forward", "backward", "clip", "optimizer")
 
 
 def _sync(dev: torch.device) -> None:
@@ -105,12 +35,67 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+class PhaseClock:
+    """The host time and (on CUDA) the GPU time of each phase of one step: ``mark`` at each
+    boundary reads ``time.perf_counter`` and records a CUDA event on the current stream."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+        self.host: list[float] = []
+        self.events: list = []
+
+    def mark(self) -> None:
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+
+    def seconds(self) -> dict[str, dict[str, float | None]]:
+        """Per phase: host seconds and GPU seconds (None off CUDA); call after a sync."""
+        out = {}
+        for i, phase in enumerate(PHASES):
+            gpu = self.events[i].elapsed_time(self.events[i + 1]) / 1e3 if self.cuda else None
+            out[phase] = {"host_s": self.host[i + 1] - self.host[i], "gpu_s": gpu}
+        return out
+
+
+def median_phases(steps: list[dict]) -> dict[str, dict[str, float | None]]:
+    """Each phase's median host and GPU seconds over the timed steps."""
+    out = {}
+    for phase in PHASES:
+        gpu = [s[phase]["gpu_s"] for s in steps if s[phase]["gpu_s"] is not None]
+        out[phase] = {
+            "host_s": statistics.median(s[phase]["host_s"] for s in steps),
+            "gpu_s": statistics.median(gpu) if gpu else None,
+        }
+    return out
+
+
+def _float8(model, dev: torch.device) -> None:
+    """torchao's tensorwise float8 (its default recipe) on the blocks' linears, as fp8-train's
+    torchao recipe converts them (the output projection stays in bf16); emulated off CUDA."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(
+        model,
+        module_filter_fn=lambda _mod, fqn: fqn.startswith("blocks."),
+        config=Float8LinearConfig(emulate=dev.type != "cuda"),
+    )
+
+
 def profile_case(
-    preset: str, over: dict, mb: int, optimizer: str = "foreach", timed: int = 5
+    preset: str,
+    over: dict,
+    mb: int,
+    optimizer: str = "foreach",
+    precision: str = "bf16",
+    timed: int = 5,
 ) -> dict:
     """One eager training step of ``preset`` (+ ``over``, e.g. seq_len, n_layer) at micro-batch
-    ``mb``: wall and host-issue time (medians of ``timed`` steps), peak memory, and the GPU
-    accounting of one more step under the profiler."""
+    ``mb``, in bf16 or torchao float8 (``precision`` "fp8"): wall and host-issue time and each
+    phase's host and GPU time (medians of ``timed`` steps), peak memory, and the GPU accounting
+    and idle gaps of one more step under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from dtrain.model.gpt import GPT, GPTConfig
@@ -119,6 +104,8 @@ def profile_case(
     torch.manual_seed(0)
     cfg = GPTConfig.from_preset(preset, **over)
     model = GPT(cfg).to(dev)
+    if precision == "fp8":
+        _float8(model, dev)
     fused = optimizer == "fused" and dev.type == "cuda"
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-4, fused=fused or None, foreach=None if fused else True
@@ -126,34 +113,43 @@ def profile_case(
     x = torch.randint(0, cfg.vocab_size, (mb, cfg.seq_len), device=dev)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
 
-    def issue():
+    def issue(clock: PhaseClock | None = None):
+        mark = clock.mark if clock is not None else (lambda: None)
+        mark()
         opt.zero_grad(set_to_none=True)
+        mark()
         with amp:
             loss = model(x, x)
+        mark()
         loss.backward()
+        mark()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        mark()
         opt.step()
+        mark()
         return loss
 
     for _ in range(3):
         issue().item()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    walls, hosts = [], []
+    walls, hosts, phases = [], [], []
     for _ in range(timed):
         _sync(dev)
+        clock = PhaseClock(dev)
         t0 = time.perf_counter()
-        loss = issue()
+        loss = issue(clock)
         t1 = time.perf_counter()  # every op of the step issued; the GPU may still be working
         loss.item()
         _sync(dev)
         walls.append(time.perf_counter() - t0)
         hosts.append(t1 - t0)
+        phases.append(clock.seconds())
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         issue().item()
-    gpu = account(kernel_records(prof.profiler.kineto_results.events()))
+    records = kernel_records(prof.profiler.kineto_results.events())
     out = {
         "preset": preset,
         "overrides": {k: v for k, v in over.items() if k != "seq_len"},
@@ -165,10 +161,13 @@ def profile_case(
         "params": sum(p.numel() for p in model.parameters()),
         "attention": "sdpa",
         "optimizer": "fused" if fused else "foreach",
+        "precision": precision,
         "step_s": statistics.median(walls),
         "cpu_dispatch_s": statistics.median(hosts),
+        "phases": median_phases(phases),
         "peak_mem_bytes": peak,
-        **gpu,
+        **account(records),
+        **gap_profile(records),
     }
     return out
 
@@ -179,13 +178,14 @@ def _run(cases: list[tuple]) -> dict:
     for preset, over, mb, *opt in cases:
         try:
             out.append(profile_case(preset, over, mb, *opt))
-        except torch.OutOfMemoryError as e:  # a case that does not fit is a result, not a crash
+        except (torch.OutOfMemoryError, ImportError) as e:  # a result, not a crash
+            why = "out of memory" if isinstance(e, torch.OutOfMemoryError) else "not installed"
             out.append(
                 {
                     "preset": preset,
                     "overrides": over,
                     "micro_batch": mb,
-                    "error": f"out of memory: {str(e)[:120]}",
+                    "error": f"{why}: {str(e)[:120]}",
                 }
             )
         if dev.type == "cuda":
@@ -208,7 +208,9 @@ def step_profile(small: bool = False) -> dict:
 
 
 # The eager stack where it is launch- or memory-bound: small models, long sequences, ~16K tokens a
-# step where it fits; foreach against fused AdamW at the two smallest steps.
+# step where it fits; foreach against fused AdamW at the two smallest steps; torchao float8
+# without compile at the shape of gpu-check's fp8_torchao_tensorwise_compile_false run (7B, 4
+# layers, 2 x 4K tokens), whose casts the cost model counts op by op but no profile has measured.
 EAGER_CASES = [
     ("125m", {"seq_len": 2048}, 8),
     ("125m", {"seq_len": 2048}, 8, "fused"),
@@ -223,12 +225,19 @@ EAGER_CASES = [
     ("1b", {"n_layer": 8, "seq_len": 8192}, 2),
     ("1b", {"n_layer": 8, "seq_len": 16384}, 1),
     ("1b", {"n_layer": 8, "seq_len": 32768}, 1),
+    ("7b", {"n_layer": 4}, 2, "foreach", "fp8"),
 ]
 
 
 def eager_sweep(small: bool = False) -> dict:
     if small:
-        return _run([("tiny", {"seq_len": 64}, 2), ("tiny", {"seq_len": 128}, 1, "fused")])
+        return _run(
+            [
+                ("tiny", {"seq_len": 64}, 2),
+                ("tiny", {"seq_len": 128}, 1, "fused"),
+                ("tiny", {"seq_len": 64}, 2, "foreach", "fp8"),
+            ]
+        )
     return _run(EAGER_CASES)
 
 

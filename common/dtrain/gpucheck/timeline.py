@@ -1,0 +1,136 @@
+"""The GPU timeline of one profiled training step: which records are GPU work, how busy the GPU
+was, and where it sat idle.
+
+GPU accounting comes from the profiler's kernel records (``kernel_records``), not its per-name
+averages: those also hold the GPU user annotations that ``record_function`` scopes leave on the GPU
+timeline (``Optimizer.step#AdamW.step`` spans every optimizer kernel), which the first checks
+summed with the kernels and so reported a GPU busy 120-128% of the step. ``gpu_busy_s`` is the
+union of the kernel intervals (at most the step), ``gpu_kernel_sum_s`` their sum; the two differ
+only where kernels of different streams overlap, which ``streams`` shows.
+
+``gap_profile`` says where the rest of the step went: the idle gaps between busy stretches, by
+length, and the longest with the kernels on either side. The eager steps of 2026-11-27 left the
+GPU idle 12-34 ms a step although the host had issued every op long before (costmodel/eager.yaml);
+the gaps' places tell a launch gap from a wait on the host or a synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtrain.gpucheck.kernels import _category
+
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    name: str
+    start_ns: int
+    end_ns: int
+    stream: int
+
+
+def kernel_records(events) -> list[KernelRecord]:
+    """The GPU work among the profiler's kineto events (``prof.profiler.kineto_results.events()``):
+    kernels, copies and memsets, without GPU user annotations; one record per distinct
+    (name, start, end, stream), so a record reported twice counts once."""
+    seen: dict[tuple, KernelRecord] = {}
+    for e in events:
+        if e.device_type().name != "CUDA" or not _gpu_work(e):
+            continue
+        r = KernelRecord(
+            e.name(), e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id()
+        )
+        seen.setdefault((r.name, r.start_ns, r.end_ns, r.stream), r)
+    return list(seen.values())
+
+
+def _gpu_work(e) -> bool:
+    """A GPU event that is work, not an annotation. torch 2.11's events have neither
+    ``activity_type`` nor (before 2.5) ``is_user_annotation``: then an annotation is known by its
+    name (``record_function`` scopes such as ``Optimizer.step#AdamW.step``, ``ProfilerStep#3``)."""
+    annotation = getattr(e, "is_user_annotation", None)
+    if annotation is not None and annotation():
+        return False
+    activity = getattr(e, "activity_type", None)
+    if activity is not None:
+        return str(activity()).lower().split(".")[-1] in GPU_ACTIVITIES
+    name = e.name()
+    return "#" not in name and not name.startswith(("ProfilerStep", "## "))
+
+
+def union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def account(records: list[KernelRecord]) -> dict:
+    """GPU seconds and launches per category, their sum, the busy union, and per-stream seconds."""
+    by_cat: dict[str, float] = {}
+    launches: dict[str, int] = {}
+    streams: dict[str, float] = {}
+    for r in records:
+        cat = _category(r.name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + (r.end_ns - r.start_ns) / 1e9
+        launches[cat] = launches.get(cat, 0) + 1
+        streams[str(r.stream)] = streams.get(str(r.stream), 0.0) + (r.end_ns - r.start_ns) / 1e9
+    return {
+        "gpu_s_by_category": by_cat,
+        "kernels_by_category": launches,
+        "kernels": sum(launches.values()),
+        "gpu_kernel_sum_s": sum(by_cat.values()),
+        "gpu_busy_s": union_ns([(r.start_ns, r.end_ns) for r in records]) / 1e9,
+        "streams": streams,
+    }
+
+
+# gap lengths the histogram counts, in microseconds: < 2, 2-10, 10-50, 50-500, >= 500
+GAP_EDGES_US = (2, 10, 50, 500)
+LARGEST_GAPS = 10
+
+
+def _gap_bin(gap_ns: int) -> str:
+    us = gap_ns / 1e3
+    lo = 0
+    for edge in GAP_EDGES_US:
+        if us < edge:
+            return f"{lo}-{edge}us"
+        lo = edge
+    return f">={lo}us"
+
+
+def gap_profile(records: list[KernelRecord], largest: int = LARGEST_GAPS) -> dict:
+    """The idle gaps between the GPU's busy stretches (the union of the records' intervals, every
+    stream), from the first record's start to the last one's end: their number and seconds, a
+    histogram by length (``GAP_EDGES_US``; each bin's count and seconds), and the ``largest``
+    gaps with the names of the record that ends before each and the one that starts after."""
+    spans: list[list] = []  # [start, end, name ending the stretch last, name starting it]
+    for r in sorted(records, key=lambda r: (r.start_ns, r.end_ns)):
+        if spans and r.start_ns <= spans[-1][1]:
+            if r.end_ns >= spans[-1][1]:
+                spans[-1][1], spans[-1][2] = r.end_ns, r.name
+        else:
+            spans.append([r.start_ns, r.end_ns, r.name, r.name])
+    gaps = [(b[0] - a[1], a[2], b[3]) for a, b in zip(spans, spans[1:])]
+    bins: dict[str, dict] = {}
+    for g, _, _ in gaps:
+        row = bins.setdefault(_gap_bin(g), {"count": 0, "s": 0.0})
+        row["count"] += 1
+        row["s"] += g / 1e9
+    top = sorted(gaps, key=lambda g: -g[0])[:largest]
+    return {
+        "gaps": len(gaps),
+        "gap_s": sum(g for g, _, _ in gaps) / 1e9,
+        "span_s": (spans[-1][1] - spans[0][0]) / 1e9 if spans else 0.0,
+        "gap_bins": bins,
+        "largest_gaps": [{"gap_s": g / 1e9, "after": a, "before": b} for g, a, b in top],
+    }
