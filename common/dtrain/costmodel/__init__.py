@@ -28,7 +28,8 @@ from .explain import explain
 from .search import Plan, SearchResult, search
 from .calibration import Calibration, Param
 from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, reduce_scatter_time
-from .timemodel import StepTime, bubble_fraction, step_time
+from .step_breakdown import StepTime
+from .timemodel import bubble_fraction, step_time
 
 __all__ = [
     "Cluster",
