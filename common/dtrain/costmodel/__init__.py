@@ -7,9 +7,10 @@ over DP×TP×PP, ZeRO stage, recompute, micro-batch and sequence parallelism.
     print("\\n".join(explain(result)))
 
 Modules: ``hardware`` (GPU datasheets, links, cluster), ``shapes`` (``ModelShape``, ``Layout``),
-``memory`` (bytes per GPU), ``compute`` + ``kernels.yaml`` (the compute terms and each GPU's kernel
-rates), ``efficiency`` (GEMM roofline × achieved-fraction curve), ``collectives`` (α–β times),
-``calibration`` (the empirical inputs, with provenance), ``timemodel`` (seconds per step),
+``memory`` (bytes per GPU), ``compute`` (the compute terms), ``kernel_rates`` + ``kernels.yaml``
+(each GPU's kernel rates), ``efficiency`` (GEMM roofline × achieved-fraction curve),
+``collectives`` (α–β times), ``calibration`` (the empirical inputs, with provenance),
+``timemodel`` (seconds per step; its traffic ``step_comm``, its result ``step_breakdown``),
 ``search`` (the chooser), ``gemm_probe`` (the matmul probe that fits the curve), ``backtest``
 (published GPU
 runs). Model FLOPs: ``dtrain.model.flops``.

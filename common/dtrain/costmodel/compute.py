@@ -22,6 +22,9 @@ kernel benchmark's share of the datasheet peak (``kernels.yaml`` per GPU, ``Kern
 A device without a kernel table (the local CPU check) is a GEMM-only model: its GEMM curve comes
 from the gemm-probe, attention runs as batched GEMMs, and the probe's measured fixed overhead stands
 for everything memory-bound (``Calibration.step_overhead_s``).
+
+The rates: ``device_rates.Device`` (on ``kernel_rates``' table); the attention core:
+``attention_time``; the memory-bound kernels' bytes: ``memory_bound``.
 """
 
 from __future__ import annotations
