@@ -15,22 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.costmodel.compute import (
-    CLIP_BYTES,
-    EAGER_BYTES,
-    OPTIMIZER_BYTES,
-    attention_s,
-    memory_bytes,
-    optimizer_s,
-    published,
-)
+from dtrain.costmodel.attention_time import attention_s
+from dtrain.costmodel.compute import CLIP_BYTES, OPTIMIZER_BYTES, optimizer_s
+from dtrain.costmodel.kernel_rates import published
+from dtrain.costmodel.memory_bound import EAGER_BYTES, memory_bytes
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.efficiency import Gemm
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.costmodel.hardware import Cluster
 from dtrain.costmodel.shapes import Layout, ModelShape
 from dtrain.costmodel.stack import Stack
-from dtrain.costmodel.timemodel import device_of, step_time
+from dtrain.costmodel.device_rates import device_of
+from dtrain.costmodel.timemodel import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_PROFILE = "measured/h100-sxm/gpu-check-20261125-105450"  # make gpu-check reports, committed
@@ -216,7 +212,8 @@ def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
     full AC: FP8_WEIGHT_CAST_BYTES 8 plus the recompute's forward 5), over the model's cast time
     per byte (cast elements x tokens x 1.5 for the full-AC recompute of the forward's half), both
     at the H200's add rate; then the geometric mean of the six."""
-    from dtrain.costmodel.compute import FP8_CAST_BYTES, FP8_WEIGHT_CAST_BYTES, published
+    from dtrain.costmodel.kernel_rates import published
+    from dtrain.costmodel.memory_bound import FP8_CAST_BYTES, FP8_WEIGHT_CAST_BYTES
 
     bw = 4.8e12 * published("h200").memory["add"]
     xs = []
@@ -277,14 +274,14 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
     assert zero0.memory == pytest.approx(
         titan.memory
     )  # nothing gathers the weights: cast at each use
-    from dtrain.costmodel.compute import (
-        _KIND,
+    from dtrain.costmodel.memory_bound import (
+        MEMORY_KIND,
     )  # delayed: the per-token bytes alone, no weight cast on the layer
 
     mega = device_of(cluster, Calibration(), Stack(software="megatron-core"))
     lay0 = dc_replace(lay, zero_stage=0)
     per_token = sum(
-        mega.mem_s(v, _KIND[k])
+        mega.mem_s(v, MEMORY_KIND[k])
         for k, v in memory_bytes(LLAMA8B, lay0, "fp8", True, "delayed").items()
     )
     assert layer_terms(LLAMA8B, lay0, mega, "fp8").memory == pytest.approx(per_token)
@@ -294,7 +291,7 @@ def test_hopper_fp8_gemm_share_is_the_probes_median_against_bf16():
     """kernels.yaml's Hopper gemm_fp8 e_max = the bf16 e_max x the median over the probe's six
     blocks of the FP8 GEMMs' share of their (doubled) peak against the bf16 GEMMs': (bf16 GEMM
     time / FP8 GEMM time) / 2."""
-    from dtrain.costmodel.compute import published
+    from dtrain.costmodel.kernel_rates import published
 
     ratio = statistics.median(
         b["gpu_s_by_category"]["gemm"] / f["gpu_s_by_category"]["gemm"] / 2

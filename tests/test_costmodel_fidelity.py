@@ -12,7 +12,7 @@ from dtrain.costmodel.backtest import backtest, summary
 from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.efficiency import GemmCurve, fit_curve
 from dtrain.costmodel.memory import activation_bytes_per_layer
-from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.costmodel.token_flops import model_flops_per_token
 from dtrain.model.gpt import GPTConfig, flops_per_token
 from dtrain.results import contract
 

@@ -210,7 +210,7 @@ def test_grad_accumulation_adds_by_hand():
     """dtrain's trainer and the eager stack add each micro-batch's weight gradients after the
     first into the fp32 .grad: 12 B per local parameter at the add rate; a stack that does not
     (here "any") has no such term."""
-    from dtrain.costmodel.timemodel import device_of
+    from dtrain.costmodel.device_rates import device_of
 
     shape = ModelShape(4, 512, 8, 8, 1000, 256, rotary=False)
     cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)

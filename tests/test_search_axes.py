@@ -315,7 +315,8 @@ def test_step_time_is_a_plain_class():
     isinstance failed; the cache of step times is step_model's."""
     from dtrain.costmodel.hardware import Cluster
     from dtrain.costmodel.shapes import Layout
-    from dtrain.costmodel.timemodel import StepTime, step_model, step_time
+    from dtrain.costmodel.step_breakdown import StepTime
+    from dtrain.costmodel.timemodel import step_model, step_time
 
     shape, cluster = ModelShape.from_params(7e9), Cluster.from_profile("h100-sxm", 8)
     t = step_time(shape, Layout(dp_shard=8, zero_stage=3), cluster)

@@ -7,9 +7,10 @@ over DP×TP×PP, ZeRO stage, recompute, micro-batch and sequence parallelism.
     print("\\n".join(explain(result)))
 
 Modules: ``hardware`` (GPU datasheets, links, cluster), ``shapes`` (``ModelShape``, ``Layout``),
-``memory`` (bytes per GPU), ``compute`` + ``kernels.yaml`` (the compute terms and each GPU's kernel
-rates), ``efficiency`` (GEMM roofline × achieved-fraction curve), ``collectives`` (α–β times),
-``calibration`` (the empirical inputs, with provenance), ``timemodel`` (seconds per step),
+``memory`` (bytes per GPU), ``compute`` (the compute terms), ``kernel_rates`` + ``kernels.yaml``
+(each GPU's kernel rates), ``efficiency`` (GEMM roofline × achieved-fraction curve),
+``collectives`` (α–β times), ``calibration`` (the empirical inputs, with provenance),
+``timemodel`` (seconds per step; its traffic ``step_comm``, its result ``step_breakdown``),
 ``search`` (the chooser), ``gemm_probe`` (the matmul probe that fits the curve), ``backtest``
 (published GPU
 runs). Model FLOPs: ``dtrain.model.flops``.
@@ -28,7 +29,8 @@ from .explain import explain
 from .search import Plan, SearchResult, search
 from .calibration import Calibration, Param
 from .collectives import all_gather_time, allreduce_time, group_link, p2p_time, reduce_scatter_time
-from .timemodel import StepTime, bubble_fraction, step_time
+from .step_breakdown import StepTime
+from .timemodel import bubble_fraction, step_time
 
 __all__ = [
     "Cluster",

@@ -17,7 +17,8 @@ from .links import default_links
 from .hardware import LINK_EFFICIENCY, Cluster
 from .calibration import ASYNC_TP_HIDDEN, GPU_DP_OVERLAP, Calibration, Param
 from .published_runs import Setup, reported_tps, row_setup
-from .timemodel import StepTime, step_time
+from .step_breakdown import StepTime
+from .timemodel import step_time
 
 # The grids the two fitted numbers are chosen from: their physical ranges. NCCL's kernel takes at
 # most half of the time it overlaps through its SMs (16-32 CTAs of 108-132 SMs; its HBM traffic is

@@ -455,7 +455,7 @@ def from_probe(g: dict, src: Source) -> list[Candidate]:
 
 def _table_w_half(gpu_name: str | None) -> tuple[float | None, str]:
     """W_half of the GPU's published bf16 GEMM curve (kernels.yaml), and where it is from."""
-    from .compute import published
+    from .kernel_rates import published
     from .hardware import gpu_profile_name
 
     profile = gpu_profile_name(gpu_name) if gpu_name else None

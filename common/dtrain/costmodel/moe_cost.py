@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .collectives import allreduce_time, group_link
-from .compute import Device, optimizer_s
+from .compute import optimizer_s
+from .device_rates import Device
 from .efficiency import Gemm
 from .hardware import Cluster
 from .moe_comm import _dp_time, ep_comm

@@ -18,7 +18,8 @@ from .moe_model import MoEModel
 from .search import MICRO_BATCHES, _memory, describe_layout
 from .shapes import RECOMPUTE, Layout
 from .stack import Stack
-from .timemodel import StepTime, step_model
+from .step_breakdown import StepTime
+from .timemodel import step_model
 
 # bytes per value of the dispatch by precision (FP8 dispatch: DeepEP, Megatron's
 # --moe-router-... fp8 dispatch); the combine stays bf16

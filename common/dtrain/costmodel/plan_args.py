@@ -8,7 +8,7 @@ import argparse
 import math
 
 from .hardware import load_profiles
-from .compute import EAGER_BYTES
+from .memory_bound import EAGER_BYTES
 from .software import SOFTWARE
 from .stack import ATTENTION_KERNELS, DP_SYNCS, FP8_ALL_GATHERS, FP8_SCALINGS, STATE_DTYPES
 from .stack import OPTIMIZERS

@@ -10,7 +10,7 @@ from dataclasses import replace
 from dtrain.core.errors import UserError
 
 from .hardware import Cluster, get_profile
-from .compute import published
+from .kernel_rates import published
 from .software import software
 from .stack import Stack
 from .eager import SOFTWARE as EAGER_SOFTWARE, STACK_DEFAULTS

@@ -9,15 +9,15 @@ import textwrap
 from dataclasses import dataclass
 
 from .calibration import calibration_inputs
-from .compute import published
 from .explain import runners_up, explain
+from .device_rates import device_of
 from .hardware import GiB, Cluster
+from .kernel_rates import published
 from .search import SearchResult
 from .shapes import Layout, ModelShape, params_text
-from .timemodel import (
+from .token_flops import (
     EXECUTED_CONVENTION,
     FLOP_CONVENTION,
-    device_of,
     executed_flops_per_token,
     model_flops_per_token,
 )

@@ -15,7 +15,7 @@ import yaml
 from .stack import Stack
 from .hardware import Cluster, get_profile
 from .shapes import Layout, ModelShape
-from .timemodel import model_flops_per_token
+from .token_flops import model_flops_per_token
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from .shapes import RECOMPUTE, Layout, ModelShape
 from .memory import MemoryBreakdown, model_state_bytes
 from .stack_memory import memory_for
 from .calibration import Calibration
-from .timemodel import StepTime, step_model, step_time
+from .step_breakdown import StepTime
+from .timemodel import step_model, step_time
 from .layout_space import MIN_CP_CHUNK
 from .layout_enumeration import _layouts
 

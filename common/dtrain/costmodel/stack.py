@@ -58,7 +58,7 @@ class Stack:
     refused elsewhere) and whose pipeline engine runs them (``Software.pipeline_engine``)
     (``software.SOFTWARE``; default "any": every layout). ``fp8_scaling``
     (FP8_SCALINGS): how an FP8 run scales its casts, which sets what they cost
-    (``compute.FP8_CAST_BYTES``):
+    (``memory_bound.FP8_CAST_BYTES``):
     "dynamic", a global amax of each tensor before its cast (torchao's float8 training,
     torchtitan's and dtrain's), "eager", the same run op by op without compile (the fsdp-eager
     stack's), or "delayed", the scale from an amax history with the cast fused

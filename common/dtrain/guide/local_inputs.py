@@ -15,7 +15,7 @@ from dtrain.results import contract
 from dtrain.costmodel.calibration_records import Candidate, training_entries
 from dtrain.costmodel.efficiency import GemmCurve
 from dtrain.costmodel.gpt_shape import shape_of
-from dtrain.costmodel.timemodel import model_flops_per_token
+from dtrain.costmodel.token_flops import model_flops_per_token
 from dtrain.model.args import GPTConfig
 
 from .local_host import free_core_share, oversubscription
