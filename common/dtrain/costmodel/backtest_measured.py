@@ -31,7 +31,8 @@ from .hardware import GiB, Cluster, get_profile
 from .measured_cases import Case, measured_cases
 from .stack_memory import memory_for
 from .shapes import Layout
-from .timemodel import device_of, step_time
+from .device_rates import device_of
+from .timemodel import step_time
 
 WITHIN = 0.10  # the goal: every run within 10% on time and memory
 CATEGORIES = ("gemm", "attention", "elementwise", "loss", "optimizer")
