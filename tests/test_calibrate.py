@@ -11,7 +11,7 @@ import yaml
 
 from dtrain.costmodel import Cluster, LinkModel
 from dtrain.costmodel.calibrate import calibrate
-from dtrain.costmodel.calibration_records import tp_modelled_comm_s
+from dtrain.costmodel.calibration_tp import tp_modelled_comm_s
 from dtrain.guide.local_check import local_checks
 from dtrain.results import contract
 from dtrain.results.derived import write_derived_run
@@ -271,7 +271,8 @@ def test_a_cuda_gemm_probe_measures_the_plateau_under_the_kernel_tables_w_half()
     W_half)/W with W_half the table's (4.8 GFLOP on h100-sxm): the runs' GEMMs sit on the plateau
     and do not pin W_half. Shorter and batched GEMMs are left out; a GPU without a table keeps
     the two-parameter fit."""
-    from dtrain.costmodel.calibration_records import Source, from_probe
+    from dtrain.costmodel.calibration_probe import from_probe
+    from dtrain.costmodel.calibration_records import Source
 
     pts = [
         {"flops": 1.1e12, "count": 1, "fraction": 0.74, "seconds": 1.5e-3},

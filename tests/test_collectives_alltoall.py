@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dtrain.costmodel.calibrate import calibrate
-from dtrain.costmodel.calibration_records import Source, from_allreduce
+from dtrain.costmodel.calibration_links import from_allreduce
+from dtrain.costmodel.calibration_records import Source
 from dtrain.costmodel.collectives import all_to_all_time, all_to_all_uneven_time
 from dtrain.costmodel.hardware import LinkModel
 from dtrain.results import contract

@@ -89,7 +89,7 @@ def test_the_dropout_multipliers_are_the_h200_attention_sweep_medians():
     """kernels.yaml's numbers are what gpu-check's report reads from the committed H200 sweep:
     the median time ratio over s = 1024 ... 16384, cuDNN's for the Hopper `flash` curve,
     FlashAttention-2's for `flash2`."""
-    from dtrain.gpucheck.report import dropout_slowdown
+    from dtrain.gpucheck.attention_dropout import dropout_slowdown
 
     steps = {s["name"]: s for s in json.loads((ROOT / H200_PROFILE / "report.json").read_text())}
     slow = dropout_slowdown(steps["attention_sweep"]["data"]["points"])
@@ -99,7 +99,7 @@ def test_the_dropout_multipliers_are_the_h200_attention_sweep_medians():
 
 
 def test_gpu_check_reads_the_dropout_multiplier_as_the_median_over_training_lengths():
-    from dtrain.gpucheck.report import dropout_slowdown
+    from dtrain.gpucheck.attention_dropout import dropout_slowdown
 
     pt = lambda backend, seq, p, t, causal=True, hd=128: {  # noqa: E731
         "backend": backend,

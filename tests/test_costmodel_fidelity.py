@@ -458,7 +458,7 @@ def test_neox_tflops_read_with_the_count_gpt_neox_logged_in_2022():
 def test_probe_gemm_time_is_the_model_flops_on_a_flat_curve():
     # the probe's overhead = measured step - this GEMM time; on a curve with f(W) = 1 every GEMM
     # runs at the peak, so the time is exactly model FLOPs / peak (6·N_matmul + 12·L·h·s per token)
-    from dtrain.costmodel.gemm_probe import gemm_step_s
+    from dtrain.costmodel.gemm_targets import gemm_step_s
 
     cfg = GPTConfig.from_preset("tiny")
     t = {"kind": "gpt", "config": vars(cfg), "micro_batch": 8, "tp": 1}

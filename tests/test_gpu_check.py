@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, run_cmd
 from dtrain.gpucheck import measure
 from dtrain.gpucheck.__main__ import run_step, steps
-from dtrain.gpucheck.report import Step, loss_falls, render
+from dtrain.gpucheck.check_step import Step
+from dtrain.gpucheck.report import loss_falls, render
 
 NO_GPU = (
     "error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() "
@@ -220,7 +221,7 @@ def test_report_of_a_failed_and_a_skipped_step(tmp_path):
 
 
 def test_pytest_summary_line_is_parsed():
-    from dtrain.gpucheck.report import _pytest
+    from dtrain.gpucheck.check_step import _pytest
 
     assert _pytest("....\n5 passed, 2 skipped, 1 failed in 12.3s\n", Path(".")) == {
         "passed": 5,

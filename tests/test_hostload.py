@@ -108,9 +108,9 @@ def test_a_gemm_above_the_roofline_is_left_out(tmp_path, monkeypatch):
     """A point faster than the reference matmul is timed again, then left out of the fit and
     listed."""
     from dtrain.costmodel import gemm_probe
+    from dtrain.costmodel.probe_timing import gemm_seconds as real
 
     shutil.copytree(CPU, tmp_path / "r")
-    real = gemm_probe.gemm_seconds
     calls = []
 
     def fake(g, device, dtype, timer):
@@ -140,6 +140,8 @@ def test_local_check_scales_each_run_by_its_measured_load(tmp_path, monkeypatch)
     take 3x as long, and the samples' 10th-90th percentile (factors 2 and 4) as its spread."""
     from dtrain.costmodel import gemm_probe
     from dtrain.costmodel.calibrate import calibrate
+    from dtrain.costmodel.probe_timing import Reference
+    from dtrain.costmodel.run_loads import LOAD_FILE
     from dtrain.guide.local_check import local_checks
 
     res = tmp_path / "r"
@@ -150,15 +152,13 @@ def test_local_check_scales_each_run_by_its_measured_load(tmp_path, monkeypatch)
     monkeypatch.setattr(gemm_probe, "step_s", lambda t, dev, timer: 0.05)
     # the reference matmul at one fixed rate: the two probes then differ only by the load timeline
     # (a live reference on a busy CI host made the second probe's curve differ from the first's)
-    monkeypatch.setattr(
-        gemm_probe.Reference, "now", lambda self: (self.rates.append(1e11), 1e11)[1]
-    )
+    monkeypatch.setattr(Reference, "now", lambda self: (self.rates.append(1e11), 1e11)[1])
     gemm_probe.probe(res)
     idle = {(c.run, c.what): c for c in local_checks(calibrate([res], warn=False))}
     shutil.rmtree(res / "gemm-probe")
     # two samples covering every run's window: factors 2 and 4, 3 over both
     now = time.time()
-    (res / gemm_probe.LOAD_FILE).write_text(
+    (res / LOAD_FILE).write_text(
         json.dumps({"t": now + 10, "dt": now, "cpu": now, "wait": now})
         + "\n"  # since 1970: a core busy
         + json.dumps({"t": now + 11, "dt": now, "cpu": now, "wait": 3 * now})

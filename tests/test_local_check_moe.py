@@ -15,7 +15,7 @@ import pytest
 from dtrain.core.layout import Layout
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.collectives import all_to_all_uneven_time
-from dtrain.costmodel.gemm_probe import shape_of_target, targets
+from dtrain.costmodel.gemm_targets import shape_of_target, targets
 from dtrain.costmodel.gpt_shape import moe_model_of
 from dtrain.costmodel.hardware import Cluster, GPUProfile, LinkModel
 from dtrain.costmodel.moe_comm import ep_comm

@@ -315,7 +315,8 @@ def results_folder(explicit: str | None) -> Path:
 
 def run(args) -> int:
     from dtrain.core import terminal
-    from dtrain.costmodel.gemm_probe import LOAD_FILE, probe
+    from dtrain.costmodel.gemm_probe import probe
+    from dtrain.costmodel.run_loads import LOAD_FILE
     from dtrain.guide import inputs as guide_inputs
     from dtrain.guide.guide_cli import check_outputs, generate
     from dtrain.results.loader import find_runs

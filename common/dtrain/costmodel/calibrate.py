@@ -48,22 +48,11 @@ from pathlib import Path
 from dtrain.results import contract
 from dtrain.results.loader import Run, complete_runs
 
-from .calibration_records import (
-    OWN_FIT_HOPS,
-    Candidate,
-    RunInputs,
-    Source,
-    from_allreduce,
-    from_cp,
-    from_fp8,
-    from_fsdp,
-    from_layout,
-    from_probe,
-    from_tp,
-    probe_entry,
-    tp_rows,
-    training_entries,
-)
+from .calibration_links import OWN_FIT_HOPS, from_allreduce
+from .calibration_probe import from_probe, probe_entry
+from .calibration_records import Candidate, RunInputs, Source, training_entries
+from .calibration_tp import from_cp, from_tp, tp_rows
+from .calibration_training import from_fp8, from_fsdp, from_layout
 from .hardware import LinkModel
 
 # re-exported: calibrate's callers use them

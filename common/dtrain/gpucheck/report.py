@@ -1,57 +1,15 @@
-"""One step of `make gpu-check` (a command with a time limit), what it measured, and the markdown
-report of all steps. Numbers come from each run's own summary.json (or a measurement's JSON
-line)."""
+"""The markdown report of `make gpu-check`: each step's one-cell result (``summarize``), the
+speedups and the grouped-GEMM table below the steps, the failed steps' output (``render``), and the
+loss plot of its training steps (``plot_losses``); ``loss_falls`` says whether a training step
+learned (the check fails one that did not). The steps and their numbers: ``check_step``."""
 
 from __future__ import annotations
 
 import json
-import re
-import statistics
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dtrain.results.loader import read_jsonl
-
-
-@dataclass
-class Step:
-    name: str
-    what: str
-    command: list[str]
-    limit_s: float
-    kind: str = "measure"  # measure | fsdp | fp8 | tp | allreduce | pytest
-    status: str = "not run"
-    seconds: float = 0.0
-    note: str = ""
-    tail: str = ""
-    data: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def collect(self, stdout: str, folder: Path) -> None:
-        """Pull the numbers out of what the step printed or wrote."""
-        try:
-            self.data = COLLECT[self.kind](stdout, folder)
-        except Exception as e:  # noqa: BLE001
-            # a step that ran but wrote nothing readable is reported, not fatal
-            self.note = f"no result to read ({type(e).__name__}: {e})"[:300]
-
-
-def _json_line(stdout: str, folder: Path) -> dict:
-    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
-
-
-def _summary(folder: Path) -> dict:
-    [path] = [p for p in folder.rglob("summary.json") if ".hydra" not in p.parts]
-    return json.loads(path.read_text())
-
-
-def _losses(summary: dict) -> list[float]:
-    """The run's loss at every step it recorded (records.jsonl beside its summary)."""
-    run = Path(summary["run_dir"])
-    recs = read_jsonl(run / "records.jsonl")
-    return [r["loss"] for r in recs if r.get("kind") == "step" and r.get("loss") is not None]
+from dtrain.gpucheck.attention_dropout import dropout_slowdown
+from dtrain.gpucheck.check_step import Step
 
 
 # A training step of the check must learn: its last losses below its first by this share.
@@ -68,137 +26,6 @@ def loss_falls(data: dict) -> str | None:
     if last < losses[0] * (1 - LOSS_DROP):
         return None
     return f"the loss did not fall: {losses[0]:.3f} -> {last:.3f} (mean of the last 3)"
-
-
-def _fsdp(stdout: str, folder: Path) -> dict:
-    g = _summary(folder)
-    losses = _losses(g)
-    return {
-        "losses": losses,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": g.get("final_loss"),
-        "seq_len": g.get("seq_len"),
-        "tokens_per_step": g.get("tokens_per_step"),
-        **{
-            k: g.get(k)
-            for k in (
-                "mfu",
-                "tokens_per_s",
-                "tflops_per_rank",
-                "peak_mem_bytes",
-                "peak_flops_source",
-                "model_params",
-                "step_time_s",
-            )
-        },
-    }
-
-
-def _fp8(stdout: str, folder: Path) -> dict:
-    s = _summary(folder)
-    losses = _losses(s)
-    return {
-        "losses": losses,
-        "tokens_per_s": s.get("tokens_per_s"),
-        "mfu": s.get("mfu"),
-        "final_loss": s.get("final_loss"),
-        "first_loss": losses[0] if losses else None,
-        "precision": s.get("precision"),
-        "peak_mem_bytes": s.get("peak_mem_bytes"),
-        "notes": s.get("notes"),
-    }
-
-
-def _tp(stdout: str, folder: Path) -> dict:
-    e = _summary(folder)["entries"][0]
-    return {
-        k: e.get(k)
-        for k in ("tp", "tokens", "single_s", "handrolled_s", "handrolled_async_s", "dtensor_s")
-    }
-
-
-def _allreduce(stdout: str, folder: Path) -> dict:
-    s = _summary(folder)
-    return {
-        "backend": s["backend"],
-        "cases": s["cases"],
-        "wrong_total": s["wrong_total"],
-        "skipped": len(s["skipped"]),
-    }
-
-
-def _probe(stdout: str, folder: Path) -> dict:
-    from dtrain.results import contract
-
-    [summary] = list(
-        folder.parent.glob("gemm-probe/summary.json")
-    )  # the probe's derived run, beside the steps
-    [g] = [
-        r
-        for r in contract.read(json.loads(summary.read_text()))
-        if isinstance(r, contract.GemmProbe)
-    ]
-    return {
-        "run": str(summary.parent),
-        "dtype": g.dtype,
-        "e_max": g.e_max,
-        "w_half": g.w_half,
-        "points": len(g.points),
-        "overheads": [(o.config.get("d_model"), o.step_s, o.overhead_s) for o in g.overheads],
-    }
-
-
-def _pytest(stdout: str, folder: Path) -> dict:
-    last = [
-        line
-        for line in stdout.splitlines()
-        if re.search(r"\d+ (passed|failed|error|skipped)", line)
-    ][-1]
-    return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last)}
-
-
-COLLECT = {
-    "measure": _json_line,
-    "probe": _probe,
-    "fsdp": _fsdp,
-    "fp8": _fp8,
-    "tp": _tp,
-    "allreduce": _allreduce,
-    "pytest": _pytest,
-}
-
-
-TRAINING_SEQS = (
-    1024,
-    16384,
-)  # the sequence lengths dropout-trained models run at, for the dropout median
-
-
-def dropout_slowdown(points: list[dict]) -> dict[str, tuple[tuple[int, ...], float]]:
-    """Per backend: (sequences, median of fwd+bwd time with dropout_p > 0 / without) over the
-    causal sequences of TRAINING_SEQS measured both ways with the same heads: kernels.yaml's
-    attention ``dropout``."""
-
-    def key(
-        p: dict,
-    ) -> tuple:  # the KV heads too: a GQA point of the same head dim is another kernel
-        return p["backend"], p["head_dim"], p.get("kv_heads"), p["seq"]
-
-    base = {
-        key(p): p["fwd_bwd_s"]
-        for p in points
-        if p["causal"] and not p.get("dropout_p") and "fwd_bwd_s" in p
-    }
-    ratios: dict[str, dict[int, float]] = {}
-    for p in points:
-        if (
-            p.get("dropout_p")
-            and "fwd_bwd_s" in p
-            and key(p) in base
-            and TRAINING_SEQS[0] <= p["seq"] <= TRAINING_SEQS[1]
-        ):
-            ratios.setdefault(p["backend"], {})[p["seq"]] = p["fwd_bwd_s"] / base[key(p)]
-    return {b: (tuple(sorted(r)), statistics.median(r.values())) for b, r in ratios.items()}
 
 
 def _f(v, spec: str, unit: str = "") -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dtrain.costmodel import Layout, LinkModel, ModelShape
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
-from dtrain.costmodel.calibration_records import leave_one_out, tp_modelled_comm_s, tp_rows
+from dtrain.costmodel.calibration_records import leave_one_out
+from dtrain.costmodel.calibration_tp import tp_modelled_comm_s, tp_rows
 from dtrain.costmodel.efficiency import gemm_time, layer_gemms
 from dtrain.model.flops import transformer_flops_per_token
 
