@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass
 
 from dtrain.core.layout import SHARDED
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.results.loader import Run
 
 from .efficiency import fit_curve
@@ -103,7 +103,7 @@ OWN_FIT_HOPS = {
 }
 
 
-def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Candidate]:
+def from_allreduce(fits: list[contract_records.CollectiveFit], src: Source) -> list[Candidate]:
     out = []
     for fit in map(dataclasses.asdict, fits):
         cls = LINK_CLASSES.get(fit.get("link_class"))
@@ -142,13 +142,19 @@ def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Cand
     return out
 
 
-def training_entries(inputs: RunInputs, recipe: bool = False) -> list[contract.TrainingMeasurement]:
+def training_entries(
+    inputs: RunInputs, recipe: bool = False
+) -> list[contract_records.TrainingMeasurement]:
     """The run's plain training records (they measure compute efficiency), or with ``recipe`` its
     numerics-recipe runs (fp8-train's)."""
-    return [m for m in inputs.of(contract.TrainingMeasurement) if (m.recipe is not None) == recipe]
+    return [
+        m
+        for m in inputs.of(contract_records.TrainingMeasurement)
+        if (m.recipe is not None) == recipe
+    ]
 
 
-def from_fsdp(runs: list[contract.TrainingMeasurement], src: Source) -> list[Candidate]:
+def from_fsdp(runs: list[contract_records.TrainingMeasurement], src: Source) -> list[Candidate]:
     out = []
     for m in runs:
         lay = m.layout
@@ -179,7 +185,7 @@ def from_fsdp(runs: list[contract.TrainingMeasurement], src: Source) -> list[Can
 
 
 def from_layout(
-    runs: list[contract.TrainingMeasurement], src: Source, link: LinkModel | None
+    runs: list[contract_records.TrainingMeasurement], src: Source, link: LinkModel | None
 ) -> list[Candidate]:
     """TP and PP factors of DP x TP x PP layout runs (``training_entries``: the record's layout and
     its profiled step breakdown):
@@ -292,7 +298,7 @@ def tp_rows(inputs: RunInputs) -> list[tuple[dict, int]]:
             },
             tp_regions(m.module),
         )
-        for m in inputs.of(contract.TpMeasurement)
+        for m in inputs.of(contract_records.TpMeasurement)
     ]
 
 
@@ -325,7 +331,7 @@ def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -
     ]
 
 
-def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate]:
+def from_cp(layers: list[contract_records.CpMeasurement], src: Source) -> list[Candidate]:
     """cp_overlap: the median over the ring rows of the share of the overlapped K/V sends hidden
     behind attention (tp-attention's CP study: (serial − overlapped) / the sends alone)."""
     shares = sorted(
@@ -346,7 +352,7 @@ def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate
 
 
 def from_fp8(
-    comparisons: list[contract.Fp8Comparison], src: Source
+    comparisons: list[contract_records.Fp8Comparison], src: Source
 ) -> tuple[list[Candidate], list[str] | None]:
     if not comparisons:
         return [], None
@@ -376,7 +382,7 @@ def from_fp8(
 # ---------------------------------------------------------------- assembling
 
 
-def probe_entry(m: contract.GemmProbe) -> dict:
+def probe_entry(m: contract_records.GemmProbe) -> dict:
     """A GEMM probe record as the dict the local checks read."""
     g = dataclasses.asdict(m)
     g["overheads"] = [

@@ -14,7 +14,7 @@ time the fitted curve gives its GEMMs: the cost of Python, autograd, elementwise
 (norms, activations, softmax, residuals: work that grows with d_model, so it is measured at the
 real width, not on a shrunk model) and the optimizer. Writes a derived run
 ``<results>/gemm-probe/`` (``dtrain.results.derived``: config.yaml, env.json, summary.json with one
-``dtrain.results.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
+``dtrain.results.contract_records.GemmProbe``) that ``calibrate`` reads like any experiment's.
 
 Load cancels (``dtrain.run.hostload``): on CPU every timing has the time its threads waited for a
 CPU taken out (the kernel's per-thread run-queue delay), and is paired with the reference matmul
@@ -43,7 +43,7 @@ from dtrain.core.errors import UserError
 from dtrain.model import perf
 from dtrain.model.args import GPTConfig
 from dtrain.model.timing import queued_s
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.derived import claim_output, write_derived_run
 from dtrain.results.loader import complete_runs
 from dtrain.run import envinfo, hostload
@@ -71,7 +71,9 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
             # an MoE run (``moe_run``) too: its model's step on one process (ep 1, every expert
             # local) gives its own fixed overhead (routing, the experts' permutation) to the
             # guide's MoE row
-            if isinstance(m, (contract.TrainingMeasurement, contract.MoeMeasurement)):
+            if isinstance(
+                m, (contract_records.TrainingMeasurement, contract_records.MoeMeasurement)
+            ):
                 ds = [
                     {
                         "kind": "gpt",
@@ -80,7 +82,7 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
                         "tp": 1,
                     }
                 ]
-            elif isinstance(m, contract.TpMeasurement):
+            elif isinstance(m, contract_records.TpMeasurement):
                 ds = [
                     {
                         "kind": m.module,
@@ -324,7 +326,9 @@ def run_window(run) -> tuple[float, float]:
     return (end - timed, end) if timed > 0 else ((run.path / "env.json").stat().st_mtime, end)
 
 
-def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> list[contract.RunLoad]:
+def run_loads(
+    results: Path, runs: list, timeline: list[hostload.Sample]
+) -> list[contract_records.RunLoad]:
     """Each run's load factor over its timed window, its own oversubscription divided out (busy
     threads = ranks x threads per rank, against env.json's cores)."""
     out = []
@@ -334,7 +338,7 @@ def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> lis
         lf = hostload.load_factor(timeline, *run_window(run), busy, cores or None)
         if lf is not None:
             out.append(
-                contract.RunLoad(
+                contract_records.RunLoad(
                     str(run.path.resolve().relative_to(results.resolve())),
                     busy,
                     lf.median,
@@ -418,7 +422,7 @@ def probe(results: Path, device: str = "auto") -> Path:
         step = step * rate / peak if rate else step
         gemm = gemm_step_s(t, curve, peak, vb) if curve else 0.0
         overheads.append(
-            contract.StepOverhead(
+            contract_records.StepOverhead(
                 t["kind"],
                 t["config"],
                 t["micro_batch"],
@@ -434,16 +438,16 @@ def probe(results: Path, device: str = "auto") -> Path:
         if r.path.resolve() in {s.resolve() for s in sources}
     ]
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
-    record = contract.GemmProbe(
+    record = contract_records.GemmProbe(
         dtype=str(dtype).replace("torch.", ""),
         peak_flops=peak,
         peak_flops_source=peak_source,
-        points=[contract.GemmPoint(**p) for p in points],
+        points=[contract_records.GemmPoint(**p) for p in points],
         overheads=overheads,
         e_max=curve.e_max if curve else None,
         w_half=curve.w_half if curve else None,
-        where=contract.where_of(dev, "none", gpu_name),
-        rejected=[contract.GemmPoint(**p) for p in rejected],
+        where=contract_records.where_of(dev, "none", gpu_name),
+        rejected=[contract_records.GemmPoint(**p) for p in rejected],
         probe_load=timer.load(),
         loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)),
     )
