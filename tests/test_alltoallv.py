@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from allreduce_bench import alltoallv, busbw, spec
 from dtrain.core.errors import UserError
 from dtrain.costmodel.calibrate import calibrate
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
@@ -98,8 +98,8 @@ def test_two_ranks_hot_expert_run_is_checked_and_records_its_imbalance(tmp_path)
     assert all(r["bus_factor"] == 0.5 for r in cases)
 
 
-def _fit(collective: str, alpha_us: float, beta: float) -> contract.CollectiveFit:
-    return contract.CollectiveFit(
+def _fit(collective: str, alpha_us: float, beta: float) -> contract_records.CollectiveFit:
+    return contract_records.CollectiveFit(
         collective=collective,
         link_class="intra_node",
         alpha_us=alpha_us,
@@ -111,7 +111,7 @@ def _fit(collective: str, alpha_us: float, beta: float) -> contract.CollectiveFi
         world_size=4,
         theoretical_GBps=None,
         beta_pct_of_theoretical=None,
-        where=contract.where_of("cpu", "gloo"),
+        where=contract_records.where_of("cpu", "gloo"),
     )
 
 

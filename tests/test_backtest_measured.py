@@ -15,7 +15,7 @@ from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape
 from dtrain.costmodel.shapes import Layout
 from dtrain.costmodel.timemodel import step_time
 from dtrain.model.args import GPTConfig
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.results.metrics import write_summary
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -68,8 +68,8 @@ def _fabricate(root):
         (run / "config.yaml").write_text(
             yaml.safe_dump({"subproject": "fsdp-scaling", "train": {"compile": False}})
         )
-        rec = contract.TrainingMeasurement(
-            model={k: getattr(cfg, k) for k in contract.MODEL_SHAPE}
+        rec = contract_records.TrainingMeasurement(
+            model={k: getattr(cfg, k) for k in contract_records.MODEL_SHAPE}
             | {"norm": cfg.norm, "bias": cfg.bias, "tie_embeddings": cfg.tie_embeddings},
             layout=Layout(micro_batch=4),
             strategy="single",
@@ -77,7 +77,7 @@ def _fabricate(root):
             step_time_s=0.1,
             tokens_per_s=4 * 2048 / 0.1,
             peak_mem_bytes=12 * 2**30,
-            where=contract.where_of(device, "nccl" if gpu else "gloo", gpu),
+            where=contract_records.where_of(device, "nccl" if gpu else "gloo", gpu),
         )
         write_summary(run, {"status": "complete", "guide_inputs": [rec]})
     return cfg

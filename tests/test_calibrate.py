@@ -13,7 +13,7 @@ from dtrain.costmodel import Cluster, LinkModel
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.costmodel.calibration_tp import tp_modelled_comm_s
 from dtrain.guide.local_check import local_checks
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.derived import write_derived_run
 from dtrain.results.metrics import write_summary
 
@@ -231,12 +231,12 @@ def test_missing_results_path_raises():
 
 def test_gemm_probe_overheads_give_the_local_step_overhead(tmp_path):
     over = [
-        contract.StepOverhead(
+        contract_records.StepOverhead(
             "gpt", {"n_layer": n, "d_model": 64}, 1, 1, s, step_s=s + 0.001, gemm_s=0.001
         )
         for n, s in ((2, 0.004), (4, 0.010), (8, 0.030))
     ]
-    record = contract.GemmProbe(
+    record = contract_records.GemmProbe(
         dtype="float32",
         peak_flops=1e10,
         peak_flops_source="probe",
@@ -244,7 +244,7 @@ def test_gemm_probe_overheads_give_the_local_step_overhead(tmp_path):
         overheads=over,
         e_max=0.9,
         w_half=1e5,
-        where=contract.where_of("cpu", "none"),
+        where=contract_records.where_of("cpu", "none"),
     )
     write_derived_run(
         tmp_path / "gemm-probe",

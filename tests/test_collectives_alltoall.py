@@ -15,7 +15,7 @@ from dtrain.costmodel.calibration_links import from_allreduce
 from dtrain.costmodel.calibration_records import Source
 from dtrain.costmodel.collectives import all_to_all_time, all_to_all_uneven_time
 from dtrain.costmodel.hardware import LinkModel
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
@@ -68,9 +68,9 @@ def test_uneven_all_to_all_refuses_a_bad_matrix(sends):
         all_to_all_uneven_time(sends, LINK)
 
 
-def _a2a_fit(world_size: int = 4) -> contract.CollectiveFit:
-    where = contract.where_of("cpu", "gloo", None)
-    return contract.CollectiveFit(
+def _a2a_fit(world_size: int = 4) -> contract_records.CollectiveFit:
+    where = contract_records.where_of("cpu", "gloo", None)
+    return contract_records.CollectiveFit(
         collective="all_to_all",
         link_class="intra_node",
         dtype="float32",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.metrics import write_summary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
@@ -51,7 +51,7 @@ def test_every_fixture_summary_round_trips():
         assert contract.encode(records) == summary["guide_inputs"], path
         kinds |= {r.kind for r in records}
     # the probe runs on the host (test_costmodel_fidelity); moe_run: tests/test_moe_contract.py
-    assert kinds == set(contract.RECORDS) - {"gemm_probe", "moe_run"}
+    assert kinds == set(contract_records.RECORDS) - {"gemm_probe", "moe_run"}
 
 
 def _fit(**changes) -> dict:
@@ -111,12 +111,12 @@ def _fit(**changes) -> dict:
 def test_decode_checks_kind_fields_and_types(value, message):
     if message is None:
         [fit] = contract.decode(value)
-        assert fit == contract.CollectiveFit(
+        assert fit == contract_records.CollectiveFit(
             **{k: v for k, v in _fit().items() if k not in ("kind", "where")},
-            where=contract.Where("cpu", "gloo"),
+            where=contract_records.Where("cpu", "gloo"),
         )
         return
-    with pytest.raises(contract.ContractError) as e:
+    with pytest.raises(contract_records.ContractError) as e:
         contract.decode(value)
     assert message in str(e.value)
 
@@ -131,11 +131,11 @@ def test_write_summary_encodes_records_and_refuses_what_a_reader_would_refuse(tm
         contract.read(back) == m
         and back["guide_inputs"]["schema_version"] == contract.SCHEMA_VERSION
     )
-    with pytest.raises(contract.ContractError, match="dict is not a guide-input record"):
+    with pytest.raises(contract_records.ContractError, match="dict is not a guide-input record"):
         write_summary(tmp_path / "x", {"guide_inputs": [{"kind": "training"}]})
     assert not (tmp_path / "x").exists()
-    with pytest.raises(contract.ContractError, match="model is not a GPTConfig"):
-        contract.TrainingMeasurement(
+    with pytest.raises(contract_records.ContractError, match="model is not a GPTConfig"):
+        contract_records.TrainingMeasurement(
             model={"d_model": 10, "n_head": 3},
             layout=m[0].layout,
             strategy="zero3",

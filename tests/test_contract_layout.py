@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.core.layout import Layout
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.metrics import write_summary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "results"
@@ -30,7 +30,7 @@ WHERE = {"device": "cpu", "backend": "gloo", "gpu_name": None}
 
 
 def _v1(**layout) -> dict:
-    """A schema-1 training record as `contract.training_inputs` wrote it before schema 2."""
+    """A schema-1 training record as `trainer_inputs.training_inputs` wrote it before schema 2."""
     lay = {
         "world_size": 2,
         "dp": 2,
@@ -148,7 +148,7 @@ def test_a_schema_1_record_written_before_cp_reads_with_cp_1():
     ],
 )
 def test_a_bad_schema_1_layout_is_refused_saying_where(v1_layout, message):
-    with pytest.raises(contract.ContractError) as e:
+    with pytest.raises(contract_records.ContractError) as e:
         _decode(1, _v1(**v1_layout))
     assert str(e.value) == f"guide_inputs.{message}"
 
@@ -161,7 +161,9 @@ def test_the_committed_schema_1_measurements_read_as_layouts():
         if summary.get("guide_inputs", {}).get("schema_version") != 1:
             continue
         raw = [r for r in summary["guide_inputs"]["records"] if r.get("kind") == "training"]
-        records = [r for r in contract.read(summary) if isinstance(r, contract.TrainingMeasurement)]
+        records = [
+            r for r in contract.read(summary) if isinstance(r, contract_records.TrainingMeasurement)
+        ]
         for old, new in zip(raw, records, strict=True):
             assert isinstance(new.layout, Layout) and new.strategy == old["layout"]["strategy"]
             assert (new.layout.world_size, new.layout.dp, new.layout.micro_batch) == (
@@ -193,7 +195,7 @@ def test_a_schema_2_record_round_trips_through_summary_json(tmp_path):
             cp_impl=rng.choice(["ring", "ulysses", "torch"]),
             pp_split=rng.choice(["layers", "balanced"]),
         )
-        m = contract.TrainingMeasurement(
+        m = contract_records.TrainingMeasurement(
             model=dict(MODEL),
             layout=lay,
             strategy=lay.strategy,
@@ -201,7 +203,7 @@ def test_a_schema_2_record_round_trips_through_summary_json(tmp_path):
             step_time_s=1.5,
             tokens_per_s=10.0,
             peak_mem_bytes=7,
-            where=contract.Where("cpu", "gloo"),
+            where=contract_records.Where("cpu", "gloo"),
         )
         (tmp_path / str(i)).mkdir()
         write_summary(tmp_path / str(i), {"status": "complete", "guide_inputs": [m]})
@@ -223,7 +225,7 @@ def test_a_schema_2_layout_the_type_refuses_is_a_contract_error():
     path = FIXTURES / "cpu/fsdp-scaling/20250301-100100-000001/summary.json"
     value = copy.deepcopy(json.loads(path.read_text())["guide_inputs"])
     value["records"][0]["layout"]["ep"] = 4  # dp_shard 2 cannot fold 4 expert ranks
-    with pytest.raises(contract.ContractError) as e:
+    with pytest.raises(contract_records.ContractError) as e:
         contract.decode(value)
     assert str(e.value).startswith(
         "guide_inputs.records[0] (training).layout: ep·etp = 4 must divide the ranks"
@@ -231,7 +233,7 @@ def test_a_schema_2_layout_the_type_refuses_is_a_contract_error():
 
 
 def test_a_newer_schema_is_refused_in_one_line():
-    with pytest.raises(contract.ContractError) as e:
+    with pytest.raises(contract_records.ContractError) as e:
         _decode(3, _v1())
     assert str(e.value) == "guide_inputs.schema_version=3: this dtrain reads schema 1..2"
     assert "\n" not in str(e.value)

@@ -14,7 +14,7 @@ from dtrain.costmodel.efficiency import GemmCurve, fit_curve
 from dtrain.costmodel.memory import activation_bytes_per_layer
 from dtrain.costmodel.token_flops import model_flops_per_token
 from dtrain.model.gpt import GPTConfig, flops_per_token
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 
 GiB = 1024**3
 
@@ -172,7 +172,7 @@ def test_gemm_probe_run_calibrates_the_local_check(tmp_path):
     out = probe(res)
     summary = json.loads((out / "summary.json").read_text())
     [g] = contract.read(summary)
-    assert isinstance(g, contract.GemmProbe) and g.points and g.overheads and g.e_max > 0
+    assert isinstance(g, contract_records.GemmProbe) and g.points and g.overheads and g.e_max > 0
     assert all(
         p.seconds > 0 and p.fraction == pytest.approx(p.flops / p.seconds / g.peak_flops)
         for p in g.points

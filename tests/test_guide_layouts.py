@@ -12,7 +12,7 @@ import pytest
 
 from dtrain.costmodel.calibrate import calibrate
 from dtrain.guide.local_check import local_checks
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
@@ -34,7 +34,7 @@ def test_layout_run_gets_its_own_row_and_does_not_calibrate(tmp_path):
         mfu=m.mfu / 5,
         step_time_s=m.step_time_s * 5,
         tokens_per_s=m.tokens_per_s / 5,
-        breakdown=contract.StepBreakdown(
+        breakdown=contract_records.StepBreakdown(
             step_s=4.3,
             compute_s=2.0,
             tp_comm_s=1.5,
@@ -78,7 +78,7 @@ def _layout_fixture(tmp_path, pp: int = 1):
         layout=dataclasses.replace(m.layout, tp=tp, pp=pp, dp_replicate=1, grad_accum=2),
         step_time_s=4.3,
         tokens_per_s=2381.3953488372094 / 5,
-        breakdown=contract.StepBreakdown(
+        breakdown=contract_records.StepBreakdown(
             step_s=4.3,
             compute_s=2.0,
             tp_comm_s=1.5 if tp > 1 else 0.0,

@@ -8,7 +8,7 @@ import pytest
 from dtrain.costmodel.backtest import backtest, summary
 from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.hardware import GiB
-from dtrain.costmodel.plan_report import uncertainty_lines
+from dtrain.costmodel.plan_text import uncertainty_lines
 from dtrain.costmodel.uncertainty import PLAN_BAND, ErrorBand
 from dtrain.guide.long_context import LongCell, long_context_section
 from dtrain.guide.matrix import Cell, cell_text

@@ -23,7 +23,7 @@ from dtrain.guide.moe_check import all_checks, moe_checks
 from dtrain.model.args import GPTConfig, model_dict, num_params
 from dtrain.model.flops import flops_per_token
 from dtrain.model.moe_args import MoEArgs
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.results.metrics import write_summary
 
 CPU = Path(__file__).parent / "fixtures" / "results" / "cpu"
@@ -32,7 +32,7 @@ LAYOUT = Layout(dp_shard=2, zero_stage=3, ep=2, micro_batch=2)
 
 
 def _moe_record(step=0.0525, a2a=0.0193, profiled=0.0549, overload=1.125):
-    return contract.MoeMeasurement(
+    return contract_records.MoeMeasurement(
         model=model_dict(TINY_MOE),
         layout=LAYOUT,
         precision="fp32",
@@ -44,7 +44,7 @@ def _moe_record(step=0.0525, a2a=0.0193, profiled=0.0549, overload=1.125):
         overload=overload,
         expert_overload=1.25,
         dropped_frac=0.0,
-        where=contract.where_of("cpu", "gloo"),
+        where=contract_records.where_of("cpu", "gloo"),
     )
 
 

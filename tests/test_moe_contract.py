@@ -1,6 +1,6 @@
-"""The moe_run record (dtrain.results.contract.MoeMeasurement): what an MoE training run publishes
-for the guide's local check of expert parallelism, round-tripped through summary.json; a dense
-run publishes none; and the issue's check command, `python -m fsdp_scaling world_size=2
+"""The moe_run record (dtrain.results.contract_records.MoeMeasurement): what an MoE training run
+publishes for the guide's local check of expert parallelism, round-tripped through summary.json; a
+dense run publishes none; and the issue's check command, `python -m fsdp_scaling world_size=2
 train.ep=2 model.preset=tiny model.moe.experts=4 model.moe.top_k=2 train.steps=8`, completes and
 records ep, the overload factor and the all-to-all share."""
 
@@ -15,7 +15,7 @@ import pytest
 from dtrain.core.layout import Layout
 from dtrain.model.args import GPTConfig, model_dict
 from dtrain.model.moe_args import MoEArgs
-from dtrain.results import contract
+from dtrain.results import contract, contract_records, trainer_inputs
 
 MODEL = model_dict(GPTConfig.from_preset("tiny", moe=MoEArgs(experts=4, top_k=2)))
 LAYOUT = Layout(dp_shard=2, zero_stage=3, ep=2, micro_batch=2)
@@ -28,11 +28,11 @@ RESULT = {
     "moe_dropped_frac_mean": 0.0,
 }
 BREAKDOWN = {"step_s": 0.08, "ep_comm_s": 0.02, "compute_s": 0.03}
-WHERE = contract.where_of("cpu", "gloo")
+WHERE = contract_records.where_of("cpu", "gloo")
 
 
 def test_an_moe_run_record_round_trips():
-    [m] = contract.moe_inputs(RESULT, MODEL, LAYOUT, WHERE, BREAKDOWN)
+    [m] = trainer_inputs.moe_inputs(RESULT, MODEL, LAYOUT, WHERE, BREAKDOWN)
     assert (m.a2a_s, m.a2a_share, m.overload, m.layout.ep) == (0.02, 0.25, 1.125, 2)
     encoded = contract.encode([m])
     assert encoded["records"][0]["kind"] == "moe_run"
@@ -43,15 +43,15 @@ def test_an_moe_run_record_round_trips():
 
 def test_no_record_without_experts_or_a_profile():
     dense = model_dict(GPTConfig.from_preset("tiny"))
-    assert contract.moe_inputs(RESULT, dense, LAYOUT, WHERE, BREAKDOWN) == []
-    assert contract.moe_inputs(RESULT, MODEL, LAYOUT, WHERE, None) == []
+    assert trainer_inputs.moe_inputs(RESULT, dense, LAYOUT, WHERE, BREAKDOWN) == []
+    assert trainer_inputs.moe_inputs(RESULT, MODEL, LAYOUT, WHERE, None) == []
 
 
 def test_a_record_outside_the_folding_rule_is_a_contract_error():
-    [m] = contract.moe_inputs(RESULT, MODEL, LAYOUT, WHERE, BREAKDOWN)
+    [m] = trainer_inputs.moe_inputs(RESULT, MODEL, LAYOUT, WHERE, BREAKDOWN)
     value = json.loads(json.dumps(contract.encode([m])))
     value["records"][0]["layout"]["ep"] = 4
-    with pytest.raises(contract.ContractError) as e:
+    with pytest.raises(contract_records.ContractError) as e:
         contract.decode(value)
     assert "ep·etp = 4 must divide the ranks experts fold from" in str(e.value)
 

@@ -79,7 +79,7 @@ def test_printed_overrides_validate_in_the_trainer(name):
 
 def train_overrides_of(answer: dict) -> tuple[list[str], list[str]]:
     """The overrides of the plan's own choice (not necessarily the printed ones)."""
-    from dtrain.costmodel.plan_report import layout_of
+    from dtrain.costmodel.plan_json import layout_of
 
     layout = layout_of(answer["choice"])
     m = answer["model"]

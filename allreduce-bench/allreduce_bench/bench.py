@@ -2,8 +2,8 @@
 
 Ranks: topology report (rank 0), then the sweep (sweep.py). After them, `finalize` prints the
 nccl-tests table and the fits, writes the CSV and plots, and returns the summary whose
-`guide_inputs` (dtrain.results.contract.CollectiveFit, one per intra/inter-node fit) the parallelism
-guide reads.
+`guide_inputs` (dtrain.results.contract_records.CollectiveFit, one per intra/inter-node fit) the
+parallelism guide reads.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from allreduce_bench import groups, report, spec, sweep, topology_report
 from dtrain.core.terminal import WIDTH
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.results.metrics import ENV
 from dtrain.run.launch import RankContext
 
@@ -78,9 +78,9 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     gpus = env.get("gpus") or []
     peak = report.peak_busbw(df)
     gpu_name = gpus[0]["name"] if gpus else None
-    where = contract.where_of(device, env.get("backend"), gpu_name)
+    where = contract_records.where_of(device, env.get("backend"), gpu_name)
     inputs = [
-        contract.CollectiveFit(**{k: f[k] for k in GUIDE_FIT_KEYS}, where=where)
+        contract_records.CollectiveFit(**{k: f[k] for k in GUIDE_FIT_KEYS}, where=where)
         for f in fitted
         if f["link_class"] in ("intra_node", "inter_node")
     ]  # the world fits are not a link

@@ -10,7 +10,7 @@ import pytest
 from allreduce_bench import busbw
 from allreduce_bench.bench import GUIDE_FIT_KEYS
 from conftest import py
-from dtrain.results import contract, loader
+from dtrain.results import contract, contract_records, loader
 
 SMALL = ["min_bytes=1K", "max_bytes=64K", "step_factor=8", "iters=3", "timing_warmup=1"]
 
@@ -67,8 +67,8 @@ def test_summary_guide_inputs_contract(full_run):
     fits = contract.read(
         run.summary
     )  # the typed records calibration reads: one per intra/inter-node fit
-    assert fits and all(isinstance(f, contract.CollectiveFit) for f in fits)
-    assert {f.where for f in fits} == {contract.Where("cpu", "gloo", None)}
+    assert fits and all(isinstance(f, contract_records.CollectiveFit) for f in fits)
+    assert {f.where for f in fits} == {contract_records.Where("cpu", "gloo", None)}
     # every collective is fitted, or listed with the reason (3 noisy CPU sizes may not define a
     # line)
     unfitted = {u["collective"] for u in run.summary["unfitted"]}

@@ -3,9 +3,9 @@
 Trains the high-precision baseline and each FP8 recipe over several seeds (a Hydra multirun of
 `python -m fp8_train` underneath, so `hydra/launcher=submitit_slurm` sends it to Slurm), then
 writes a derived run directory results/fp8-train/compare-<time>/ (dtrain.results.derived: it names
-the sweep's runs under runs/) with report.md, plots, and one dtrain.results.contract.Fp8Comparison
-per recipe
-in its summary's "guide_inputs", which the cost model reads.
+the sweep's runs under runs/) with report.md, plots, and one
+dtrain.results.contract_records.Fp8Comparison per recipe in its summary's "guide_inputs", which the
+cost model reads.
 
 The within-noise test, stated: a recipe is within noise when its mean final loss (mean of the
 last 5 steps, averaged over seeds) lies in the baseline's seed band, |mean_r - mean_b| <=
@@ -29,7 +29,7 @@ import torch
 from dtrain.core.checks import one_of
 from dtrain.core.errors import UserError
 from dtrain.core.terminal import WIDTH, shell_command
-from dtrain.results import contract, plots
+from dtrain.results import contract_records, plots
 from dtrain.results.derived import claim_fresh, write_derived_run
 from dtrain.results.loader import complete_runs, load, load_events, load_runs
 from dtrain.results.metrics import SUMMARY, write_json_atomic
@@ -270,10 +270,10 @@ def main(argv: list[str]) -> dict:
     )
     backend = str(runs["summary.backend"].iloc[0])
     gpu = next((n for n in runs.get("summary.gpu_name", []) if isinstance(n, str)), None)
-    where = contract.where_of(device, backend, gpu)
+    where = contract_records.where_of(device, backend, gpu)
     # "emulated": the speed-up is emulation overhead, not FP8 hardware (every FP8 recipe on CPU)
     fp8 = [
-        contract.Fp8Comparison(
+        contract_records.Fp8Comparison(
             recipe=k,
             baseline=baseline,
             speedup=v["speedup"],

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtrain.core import nodes as dtrain_config
 from dtrain.costmodel import hardware
 from dtrain.model.args import model_dict
-from dtrain.results import contract
+from dtrain.results import contract_records, trainer_inputs
 from dtrain.results.loader import read_jsonl
 from dtrain.results.metrics import RECORDS
 from dtrain.train import Trainer, TrainConfig
@@ -155,9 +155,9 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
     for note in result.get("notes", []):
         print(textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     dashboard.render([run_dir], run_dir)
-    where = contract.where_of(result["device"], result["backend"], result["gpu_name"])
+    where = contract_records.where_of(result["device"], result["backend"], result["gpu_name"])
     layout = TrainConfig(**result.pop("train")).layout(result["world_size"], where.device)
-    inputs = contract.training_inputs(
+    inputs = trainer_inputs.training_inputs(
         result,
         result.pop("model"),
         layout,

@@ -8,7 +8,7 @@ import pytest
 from conftest import py
 
 from dtrain.model.gpt import GPTConfig, num_params
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.loader import find_runs, load, load_events, read_jsonl
 
 SUMMARY_KEYS = {
@@ -60,7 +60,7 @@ def test_run_writes_guide_debug_records_and_dashboard(trained):
     )  # ln(256) = 5.55 at init
     assert {"tok_emb", "pos_emb", "lm_head"} <= set(g["high_precision_layers"])
     [m] = contract.read(summary)  # the typed guide input, as calibration reads it
-    assert isinstance(m, contract.TrainingMeasurement) and (m.recipe, m.precision) == (
+    assert isinstance(m, contract_records.TrainingMeasurement) and (m.recipe, m.precision) == (
         "emulated_delayed",
         "fp32",
     )
@@ -204,7 +204,7 @@ def test_compare_writes_report_and_guide(tmp_path):
     out = next((tmp_path / "fp8-train").glob("compare-*"))
     summary = json.loads((out / "summary.json").read_text())
     [rec] = contract.read(summary)  # one comparison per FP8 recipe
-    assert isinstance(rec, contract.Fp8Comparison) and (rec.recipe, rec.baseline) == (
+    assert isinstance(rec, contract_records.Fp8Comparison) and (rec.recipe, rec.baseline) == (
         "emulated_current",
         "fp32",
     )

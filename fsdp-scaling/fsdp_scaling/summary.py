@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.core import terminal
-from dtrain.results import contract, loader, plots
+from dtrain.results import contract_records, loader, plots, trainer_inputs
 from dtrain.results.plots import human_bytes
 from dtrain.train import TrainConfig
 
@@ -174,9 +174,9 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
                 ]
             )
     plot_steps(run_dir)
-    where = contract.where_of(result["device"], result["backend"], result["gpu_name"])
+    where = contract_records.where_of(result["device"], result["backend"], result["gpu_name"])
     layout = TrainConfig(**result["train"]).layout(result["world_size"], where.device)
-    inputs = contract.training_inputs(
+    inputs = trainer_inputs.training_inputs(
         result,
         result["model"],
         layout,
@@ -185,7 +185,7 @@ def finalize(run_dir: Path, cfg: DictConfig, result: dict) -> dict:
         breakdown=result.get("breakdown"),
     )
     if result["model"].get("moe"):  # its own record only: dense calibration never reads it
-        inputs = contract.moe_inputs(
+        inputs = trainer_inputs.moe_inputs(
             result, result["model"], layout, where, result.get("breakdown")
         )
     return {

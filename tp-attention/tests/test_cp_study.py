@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from conftest import py
 from dtrain.core.nodes import defaults
 from dtrain.parallel.cp.exchange import expected_wire_bytes
-from dtrain.results import contract, loader, metrics
+from dtrain.results import contract, contract_records, loader, metrics
 from dtrain.run.launch import launch
 
 TINY = {
@@ -52,7 +52,9 @@ def test_study_measures_every_layout_and_publishes_cp_records(tmp_path):
         (s, i) for s in (32, 64) for i in ("ring", "ulysses")
     ]
     for m in records:
-        assert isinstance(m, contract.CpMeasurement) and m.where == contract.Where("cpu", "gloo")
+        assert isinstance(m, contract_records.CpMeasurement) and m.where == contract_records.Where(
+            "cpu", "gloo"
+        )
         assert (m.cp, m.d_model, m.n_head, m.n_kv_head, m.micro_batch) == (2, 32, 4, 2, 1)
         assert m.comm_bytes_per_layer == expected_wire_bytes(
             m.impl, batch=1, seq=m.seq_len, n_head=4, n_kv_head=2, head_dim=8, cp=2

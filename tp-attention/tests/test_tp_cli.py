@@ -8,7 +8,7 @@ import pytest
 
 from conftest import py
 from dtrain.parallel.tp import tp_collectives
-from dtrain.results import contract, loader
+from dtrain.results import contract, contract_records, loader
 
 TINY = [
     "train.micro_batch=1",
@@ -29,7 +29,9 @@ def test_tiny_run_writes_the_guide_inputs(tmp_path):
     rows = contract.read(run.summary)  # the typed records calibration reads, one per (tp, SP)
     assert [(r.tp, r.sequence_parallel) for r in rows] == [(2, False), (2, True)]
     for r in rows:
-        assert isinstance(r, contract.TpMeasurement) and r.where == contract.Where("cpu", "gloo")
+        assert isinstance(r, contract_records.TpMeasurement) and r.where == contract_records.Where(
+            "cpu", "gloo"
+        )
         assert (r.module, r.micro_batch, r.seq_len, r.d_model, r.n_head, r.n_kv_head) == (
             "block",
             1,

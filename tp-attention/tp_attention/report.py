@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtrain.results import contract, plots
+from dtrain.results import contract_records, plots
 from tp_attention.config import model_config
 
 TARGET_VS_DTENSOR = 0.75  # hand-rolled / DTensor step time at tp = 2
@@ -24,13 +24,13 @@ def _ratio(a, b):
     return None if a is None or not b else a / b
 
 
-def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract.TpMeasurement]:
-    """One dtrain.results.contract.TpMeasurement per (tp, SP) entry: exactly what the cost model
-    reads."""
+def guide_inputs(cfg, entries: list[dict], result: dict) -> list[contract_records.TpMeasurement]:
+    """One dtrain.results.contract_records.TpMeasurement per (tp, SP) entry: exactly what the cost
+    model reads."""
     m = model_config(cfg)
-    where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
+    where = contract_records.where_of(result["device"], result["backend"], result.get("gpu_name"))
     return [
-        contract.TpMeasurement(
+        contract_records.TpMeasurement(
             module=cfg.module,
             tp=e["tp"],
             sequence_parallel=e["sequence_parallel"],

@@ -45,7 +45,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.loader import Run, complete_runs
 
 from .calibration_links import OWN_FIT_HOPS, from_allreduce
@@ -108,7 +108,7 @@ def read_inputs(runs: list[Run], base: Path | None = None, warn: bool = True) ->
     for run in runs:
         try:
             records = tuple(contract.read(run.summary))
-        except contract.ContractError as e:
+        except contract_records.ContractError as e:
             if warn:
                 warnings.warn(f"skipping run {run.path}: summary.json {e}", stacklevel=3)
             continue
@@ -190,14 +190,14 @@ def calibrate(
     probes: list[tuple[Source, dict]] = []
     kept: list[tuple[Source, list[str]]] = []
     for ri in inputs:
-        cands += from_allreduce(ri.of(contract.CollectiveFit), ri.source)
+        cands += from_allreduce(ri.of(contract_records.CollectiveFit), ri.source)
         cands += from_fsdp(training_entries(ri), ri.source)
-        cands += from_cp(ri.of(contract.CpMeasurement), ri.source)
-        for m in ri.of(contract.GemmProbe):
+        cands += from_cp(ri.of(contract_records.CpMeasurement), ri.source)
+        for m in ri.of(contract_records.GemmProbe):
             g = probe_entry(m)
             cands += from_probe(g, ri.source)
             probes.append((ri.source, g))
-        found, layers = from_fp8(ri.of(contract.Fp8Comparison), ri.source)
+        found, layers = from_fp8(ri.of(contract_records.Fp8Comparison), ri.source)
         cands += found
         if layers is not None:
             kept.append((ri.source, layers))

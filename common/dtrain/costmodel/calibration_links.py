@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtrain.results import contract
+from dtrain.results import contract_records
 
 from .calibration_records import Candidate, Source, finite_number
 
@@ -24,7 +24,7 @@ OWN_FIT_HOPS = {
 }
 
 
-def from_allreduce(fits: list[contract.CollectiveFit], src: Source) -> list[Candidate]:
+def from_allreduce(fits: list[contract_records.CollectiveFit], src: Source) -> list[Candidate]:
     out = []
     for fit in map(dataclasses.asdict, fits):
         cls = LINK_CLASSES.get(fit.get("link_class"))

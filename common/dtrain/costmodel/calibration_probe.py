@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from dtrain.results import contract
+from dtrain.results import contract_records
 
 from .calibration_records import Candidate, Source, finite_number
 from .efficiency import fit_curve
 
 
-def probe_entry(m: contract.GemmProbe) -> dict:
+def probe_entry(m: contract_records.GemmProbe) -> dict:
     """A GEMM probe record as the dict the local checks read."""
     g = dataclasses.asdict(m)
     g["overheads"] = [

@@ -4,7 +4,7 @@ hidden share of the K/V sends (``from_cp``)."""
 
 from __future__ import annotations
 
-from dtrain.results import contract
+from dtrain.results import contract_records
 
 from .calibration_records import Candidate, RunInputs, Source, finite_number
 from .hardware import LinkModel
@@ -48,7 +48,7 @@ def tp_rows(inputs: RunInputs) -> list[tuple[dict, int]]:
             },
             tp_regions(m.module),
         )
-        for m in inputs.of(contract.TpMeasurement)
+        for m in inputs.of(contract_records.TpMeasurement)
     ]
 
 
@@ -81,7 +81,7 @@ def from_tp(rows: list[tuple[dict, int]], src: Source, link: LinkModel | None) -
     ]
 
 
-def from_cp(layers: list[contract.CpMeasurement], src: Source) -> list[Candidate]:
+def from_cp(layers: list[contract_records.CpMeasurement], src: Source) -> list[Candidate]:
     """cp_overlap: the median over the ring rows of the share of the overlapped K/V sends hidden
     behind attention (tp-attention's CP study: (serial − overlapped) / the sends alone)."""
     shares = sorted(

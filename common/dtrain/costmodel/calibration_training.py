@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dtrain.core.layout import SHARDED
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 
 from .calibration_records import Candidate, Source, finite_number
 from .collectives import p2p_time
@@ -106,7 +106,7 @@ def from_layout(
 
 
 def from_fp8(
-    comparisons: list[contract.Fp8Comparison], src: Source
+    comparisons: list[contract_records.Fp8Comparison], src: Source
 ) -> tuple[list[Candidate], list[str] | None]:
     if not comparisons:
         return [], None

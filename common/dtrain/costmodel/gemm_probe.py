@@ -14,7 +14,7 @@ curve gives its GEMMs: the cost of Python, autograd, elementwise kernels (norms,
 softmax, residuals: work that grows with d_model, so it is measured at the real width, not on a
 shrunk model) and the optimizer. Writes a derived run ``<results>/gemm-probe/``
 (``dtrain.results.derived``: config.yaml, env.json, summary.json with one
-``dtrain.results.contract.GemmProbe``) that ``calibrate`` reads like any experiment's.
+``dtrain.results.contract_records.GemmProbe``) that ``calibrate`` reads like any experiment's.
 
 Load cancels (``probe_timing``, over ``dtrain.run.hostload``): on CPU every timing has the time its
 threads waited for a CPU taken out (the kernel's per-thread run-queue delay), and is paired with the
@@ -38,7 +38,7 @@ import torch
 
 from dtrain.core.errors import UserError
 from dtrain.model import perf
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.results.derived import claim_output, write_derived_run
 from dtrain.results.loader import complete_runs
 from dtrain.run import envinfo, hostload
@@ -144,7 +144,7 @@ def probe(results: Path, device: str = "auto") -> Path:
         step = step * rate / peak if rate else step
         gemm = gemm_step_s(t, curve, peak, vb) if curve else 0.0
         overheads.append(
-            contract.StepOverhead(
+            contract_records.StepOverhead(
                 t["kind"],
                 t["config"],
                 t["micro_batch"],
@@ -160,16 +160,16 @@ def probe(results: Path, device: str = "auto") -> Path:
         if r.path.resolve() in {s.resolve() for s in sources}
     ]
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
-    record = contract.GemmProbe(
+    record = contract_records.GemmProbe(
         dtype=str(dtype).replace("torch.", ""),
         peak_flops=peak,
         peak_flops_source=peak_source,
-        points=[contract.GemmPoint(**p) for p in points],
+        points=[contract_records.GemmPoint(**p) for p in points],
         overheads=overheads,
         e_max=curve.e_max if curve else None,
         w_half=curve.w_half if curve else None,
-        where=contract.where_of(dev, "none", gpu_name),
-        rejected=[contract.GemmPoint(**p) for p in rejected],
+        where=contract_records.where_of(dev, "none", gpu_name),
+        rejected=[contract_records.GemmPoint(**p) for p in rejected],
         probe_load=timer.load(),
         loads=run_loads(results, runs, hostload.read(results / LOAD_FILE)),
     )

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dtrain.model.args import GPTConfig
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.loader import complete_runs
 
 from .gpt_shape import moe_model_of
@@ -33,7 +33,7 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
             # an MoE run (``moe_run``) too: its model's step on one process (ep 1, every expert
             # local) gives its own fixed overhead (routing, the experts' permutation) to the
             # guide's MoE row
-            if isinstance(m, (contract.TrainingMeasurement, contract.MoeMeasurement)):
+            if isinstance(m, (contract.TrainingMeasurement, contract_records.MoeMeasurement)):
                 ds = [
                     {
                         "kind": "gpt",
@@ -42,7 +42,7 @@ def targets(results: Path) -> tuple[list[dict], int, list[Path]]:
                         "tp": 1,
                     }
                 ]
-            elif isinstance(m, contract.TpMeasurement):
+            elif isinstance(m, contract_records.TpMeasurement):
                 ds = [
                     {
                         "kind": m.module,

@@ -23,7 +23,7 @@ from pathlib import Path
 from dtrain.core.errors import UserError
 from dtrain.core.files import files_named
 from dtrain.model.args import GPTConfig
-from dtrain.results import contract
+from dtrain.results import contract, contract_records
 from dtrain.results.loader import complete_runs
 
 from .eager import SOFTWARE as EAGER, Structure
@@ -174,9 +174,9 @@ def run_case(run) -> Case | None:
     """The trainer run's training record as a Case (None: not a CUDA training run)."""
     try:
         records = contract.read(run.summary)
-    except contract.ContractError:
+    except contract_records.ContractError:
         return None
-    rec = next((r for r in records if isinstance(r, contract.TrainingMeasurement)), None)
+    rec = next((r for r in records if isinstance(r, contract_records.TrainingMeasurement)), None)
     if rec is None or rec.where.device != "cuda":
         return None
     gpu = gpu_profile_name(rec.where.gpu_name or "")

@@ -18,7 +18,7 @@ from dtrain.model.flops import MLA
 from dtrain.core import terminal
 
 from .hardware import GiB
-from .plan_report import fit_lines
+from .plan_wrap import fit_lines
 from .moe_model import DISPATCHERS, MoEModel, MoESpec
 from .moe_search import MoEPlan, MoESearchResult, moe_search
 from .overrides import moe_overrides, trainer_refusal

@@ -23,20 +23,11 @@ from dataclasses import replace
 from dtrain.core import terminal
 from dtrain.core.errors import UserError
 
-from .plan_report import (
-    calibration_notes,
-    framework_gap,
-    fit_lines,
-    framework_text,
-    layout_json,
-    layout_text,
-    Runnable,
-    plan_dict,
-    res_usable,
-    runnable_text,
-    text_report,
-    to_json,
-)
+from .plan_header import calibration_notes
+from .plan_json import layout_json, plan_dict, to_json
+from .plan_runnable import Runnable, runnable_text
+from .plan_text import framework_gap, framework_text, layout_text, res_usable, text_report
+from .plan_wrap import fit_lines
 from .search import SearchResult, search
 from .explain_tp import explain_tp, explain_tp_json
 from .plan_args import EPILOG, add_arguments

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.run import hostload
 
 # the capstone's timeline of its processes' CPU and wait times (dtrain.run.hostload)
@@ -31,7 +31,9 @@ def run_window(run) -> tuple[float, float]:
     return (end - timed, end) if timed > 0 else ((run.path / "env.json").stat().st_mtime, end)
 
 
-def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> list[contract.RunLoad]:
+def run_loads(
+    results: Path, runs: list, timeline: list[hostload.Sample]
+) -> list[contract_records.RunLoad]:
     """Each run's load factor over its timed window, its own oversubscription divided out (busy
     threads = ranks x threads per rank, against env.json's cores)."""
     out = []
@@ -41,7 +43,7 @@ def run_loads(results: Path, runs: list, timeline: list[hostload.Sample]) -> lis
         lf = hostload.load_factor(timeline, *run_window(run), busy, cores or None)
         if lf is not None:
             out.append(
-                contract.RunLoad(
+                contract_records.RunLoad(
                     str(run.path.resolve().relative_to(results.resolve())),
                     busy,
                     lf.median,

@@ -111,7 +111,7 @@ def _allreduce(stdout: str, folder: Path) -> dict:
 
 
 def _probe(stdout: str, folder: Path) -> dict:
-    from dtrain.results import contract
+    from dtrain.results import contract, contract_records
 
     [summary] = list(
         folder.parent.glob("gemm-probe/summary.json")
@@ -119,7 +119,7 @@ def _probe(stdout: str, folder: Path) -> dict:
     [g] = [
         r
         for r in contract.read(json.loads(summary.read_text()))
-        if isinstance(r, contract.GemmProbe)
+        if isinstance(r, contract_records.GemmProbe)
     ]
     return {
         "run": str(summary.parent),

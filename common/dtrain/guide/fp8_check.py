@@ -9,7 +9,7 @@ from functools import partial
 
 from dtrain.costmodel import Calibration, Layout, LinkModel, ModelShape, Param, StepTime
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.costmodel.calibration_records import RunInputs, training_entries
 from dtrain.costmodel.gpt_shape import shape_of
 from dtrain.model.args import GPTConfig
@@ -75,7 +75,7 @@ def fp8_checks(
 
 def fp8_check(
     ri: RunInputs,
-    m: contract.TrainingMeasurement,
+    m: contract_records.TrainingMeasurement,
     calib: Calibration,
     *,
     eff: float,

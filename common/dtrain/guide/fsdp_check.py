@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 from dtrain.costmodel import Calibration, LinkModel, StepTime
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.costmodel.calibration_records import Candidate, leave_one_out
 
 from .check import Check
@@ -121,14 +121,14 @@ def fsdp_check(
     )
 
 
-def _fsdp_what(m: contract.TrainingMeasurement) -> str:
+def _fsdp_what(m: contract_records.TrainingMeasurement) -> str:
     lay = m.layout
     if lay.tp * lay.pp == 1:
         return f"{m.strategy} x{lay.dp} step"
     return f"dp{lay.dp} x tp{lay.tp} x pp{lay.pp} step"
 
 
-def _fsdp_detail(m: contract.TrainingMeasurement, t: StepTime) -> str:
+def _fsdp_detail(m: contract_records.TrainingMeasurement, t: StepTime) -> str:
     """The parts of the step the run measured against their predictions."""
     b, lay = m.breakdown, m.layout
     if lay.tp * lay.pp > 1 and b:  # the parts a layout run measured (CPU profile)

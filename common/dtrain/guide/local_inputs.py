@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dtrain.costmodel import Calibration, Layout, ModelShape, Param
 from dtrain.costmodel.calibrate import CalibrationReport, display_path
-from dtrain.results import contract
+from dtrain.results import contract_records
 from dtrain.costmodel.calibration_records import Candidate, training_entries
 from dtrain.costmodel.efficiency import GemmCurve
 from dtrain.costmodel.gpt_shape import shape_of
@@ -32,7 +32,7 @@ class _Fsdp:
 
     run: str
     on_gpu: bool
-    record: contract.TrainingMeasurement
+    record: contract_records.TrainingMeasurement
     shape: ModelShape
     value_bytes: int
     efficiency: float  # compute-only, cost-model FLOP convention
@@ -82,7 +82,9 @@ class _Probe:
     overheads: list
     label: str
     peak: float  # the probe's own 512^3 matmul rate (with load factors: the idle host's)
-    loads: dict = field(default_factory=dict)  # run (display path) -> contract.RunLoad fields
+    loads: dict = field(
+        default_factory=dict
+    )  # run (display path) -> contract_records.RunLoad fields
 
     def speed(
         self, run: str, run_peak: float

@@ -1,6 +1,6 @@
 """The local check's row for an MoE run (issue 41): the capstone's ``fsdp-scaling moe`` step
-(``train.ep=2``) publishes a ``moe_run`` record (``contract.MoeMeasurement``); its step time is
-predicted with the MoE cost model's own terms (``moe_search.price``: the dense proxy's step plus
+(``train.ep=2``) publishes a ``moe_run`` record (``contract_records.MoeMeasurement``); its step time
+is predicted with the MoE cost model's own terms (``moe_search.price``: the dense proxy's step plus
 ``moe_cost.moe_terms``, the memory aside) on this host, as the dense rows are
 (``local_host.host_cluster``: one 'GPU' per rank, allreduce-bench's α–β as the link, whose
 ``all_to_all_v`` fit, else its ``all_to_all`` one, prices the dispatch and combine), and its
@@ -30,7 +30,7 @@ from dtrain.costmodel.gpt_shape import moe_model_of
 from dtrain.costmodel.hardware import LinkModel
 from dtrain.costmodel.moe_search import MoEPlan, price
 from dtrain.model.args import GPTConfig
-from dtrain.results import contract
+from dtrain.results import contract_records
 
 from .check import Check
 from .local_check import distinct_runs, local_checks
@@ -39,7 +39,7 @@ from .local_inputs import PROBE_BASIS, _calib, _fsdp_runs, _gpt_match, _median, 
 
 
 def moe_step(
-    m: contract.MoeMeasurement,
+    m: contract_records.MoeMeasurement,
     calib,
     *,
     peak: float,
@@ -61,7 +61,12 @@ def moe_step(
 
 
 def moe_check(
-    ri, m: contract.MoeMeasurement, fsdp: list, link: LinkModel | None, probe: _Probe | None, base
+    ri,
+    m: contract_records.MoeMeasurement,
+    fsdp: list,
+    link: LinkModel | None,
+    probe: _Probe | None,
+    base,
 ) -> Check:
     """One MoE run's row (module docstring); ``fsdp``: the local dense runs (``_fsdp_runs``)."""
     run, lay = display_path(ri.run.path, base), m.layout
@@ -139,7 +144,7 @@ def moe_checks(report: CalibrationReport, base=None) -> list[Check]:
     for ri in report.inputs:
         if ri.source.on_gpu:
             continue
-        for m in ri.of(contract.MoeMeasurement):
+        for m in ri.of(contract_records.MoeMeasurement):
             if link is None and m.layout.world_size > 1:
                 continue
             c = moe_check(ri, m, fsdp, link, probe, base)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtrain.parallel.feasibility import OWN_CP_IMPLS
-from dtrain.results import contract, plots
+from dtrain.results import contract_records, plots
 from dtrain.results.plots import human_bytes
 from tp_attention.cp.bench import model_at
 
@@ -23,9 +23,10 @@ LABELS = {
 }
 
 
-def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.CpMeasurement]:
-    """One dtrain.results.contract.CpMeasurement per (seq_len, cp, impl) of this package's CP."""
-    where = contract.where_of(result["device"], result["backend"], result.get("gpu_name"))
+def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract_records.CpMeasurement]:
+    """One dtrain.results.contract_records.CpMeasurement per (seq_len, cp, impl) of this package's
+    CP."""
+    where = contract_records.where_of(result["device"], result["backend"], result.get("gpu_name"))
     single = {r["seq_len"]: r["median_s"] for r in rows if r["impl"] == "single"}
     tp_sp = {(r["seq_len"], r["cp"]): r["median_s"] for r in rows if r["impl"] == "tp_sp"}
     out = []
@@ -34,7 +35,7 @@ def guide_inputs(cfg, rows: list[dict], result: dict) -> list[contract.CpMeasure
             continue
         m = model_at(cfg, r["seq_len"])
         out.append(
-            contract.CpMeasurement(
+            contract_records.CpMeasurement(
                 impl=r["impl"],
                 cp=r["cp"],
                 seq_len=r["seq_len"],
