@@ -160,9 +160,10 @@ def test_readme_local_commands_run_in_a_new_shell(tmp_path):
     if not (REPO / ".venv" / "bin" / "activate").exists():
         pytest.skip(".venv is made by make test / make capstone (scripts/setup-venv)")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
-    (tmp_path / "scripts").symlink_to(
-        REPO / "scripts"
-    )  # the README's scripts/ commands, as from the checkout
+    # the README's scripts/ commands and the measurements `dtrain backtest --measured` reads,
+    # as from the checkout (read only)
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    (tmp_path / "measured").symlink_to(REPO / "measured")
     ran = []
     for i, cmd in enumerate(commands()):
         if is_state(cmd) or not_local(cmd):
