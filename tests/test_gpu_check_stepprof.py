@@ -160,6 +160,24 @@ def test_profile_line_names_stream_overlap():
         "2 streams overlap 10%), 1,234 kernels, peak 2.0 GiB (gemm 60%)"
     )
     assert KernelRecord("k", 0, 1, 7).stream == 7
+    # an FP8 case with its idle gaps and phases (the GPU's times from CUDA events)
+    fp8 = {
+        **c,
+        "precision": "fp8",
+        "gaps": 700,
+        "gap_s": 0.012,
+        "largest_gaps": [{"gap_s": 0.0015, "after": "cast_kernel", "before": "gemm"}],
+        "phases": {
+            "forward": {"host_s": 0.01, "gpu_s": 0.03},
+            "optimizer": {"host_s": 0.005, "gpu_s": 0.02},
+        },
+    }
+    line = profile_case_line(fp8)
+    assert line.startswith("1b/8L s2048 mb 8 foreach fp8: step 100.0 ms")
+    assert line.endswith(
+        "(gemm 60%); GPU idle in 700 gaps, 12.0 ms, the longest 1.50 ms after cast_kernel; "
+        "phases host/GPU ms: forward 10.0/30.0 optimizer 5.0/20.0"
+    )
 
 
 def test_kernel_records_on_torch_without_activity_type():

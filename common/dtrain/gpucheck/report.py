@@ -168,6 +168,7 @@ def profile_case_line(c: dict) -> str:
         f"{c['preset']}{'/' + str(c['n_layer']) + 'L' if c.get('overrides') else ''} "
         f"s{c.get('seq_len', '?')} mb {c.get('micro_batch')}"
         + (f" {c['optimizer']}" if "optimizer" in c else "")
+        + (f" {c['precision']}" if c.get("precision", "bf16") != "bf16" else "")
     )
     if "error" in c:
         return f"{name}: {c['error']}"
@@ -183,15 +184,26 @@ def profile_case_line(c: dict) -> str:
         out += f", {c['kernels']:,} kernels"
     if c.get("peak_mem_bytes"):
         out += f", peak {c['peak_mem_bytes'] / 2**30:.1f} GiB"
-    return (
-        out
-        + " ("
+    out += (
+        " ("
         + ", ".join(
             f"{k} {v / step:.0%}"
             for k, v in sorted(c["gpu_s_by_category"].items(), key=lambda kv: -kv[1])
         )
         + ")"
     )
+    if c.get("gaps"):  # the GPU's idle gaps (gpucheck/timeline.gap_profile): the longest
+        g = c["largest_gaps"][0]
+        out += (
+            f"; GPU idle in {c['gaps']:,} gaps, {c['gap_s'] * 1e3:.1f} ms, the longest "
+            f"{g['gap_s'] * 1e3:.2f} ms after {g['after'][:40]}"
+        )
+    phases = c.get("phases") or {}
+    if any(p.get("gpu_s") is not None for p in phases.values()):
+        out += "; phases host/GPU ms: " + " ".join(
+            f"{k} {p['host_s'] * 1e3:.1f}/{p['gpu_s'] * 1e3:.1f}" for k, p in phases.items()
+        )
+    return out
 
 
 def grouped_table(done: list[Step]) -> list[str]:
