@@ -206,23 +206,23 @@ def test_a_second_ctrl_c_during_clean_up_still_removes_the_launch_temp_folder(
 ):
     import torch.multiprocessing as mp
 
-    from dtrain.run import launch, liveness
+    from dtrain.run import interrupts, local_launch, local_supervisor
 
     side = tmp_path / "dtrain-launch-x"
-    monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda prefix: str(side.mkdir() or side))
+    monkeypatch.setattr(local_launch.tempfile, "mkdtemp", lambda prefix: str(side.mkdir() or side))
     monkeypatch.setattr(mp, "start_processes", lambda *a, **k: type("Ctx", (), {"processes": []})())
 
     def first_ctrl_c(ctx, side_dir, timeout):
-        raise liveness.Interrupted(signal.SIGINT)
+        raise interrupts.Interrupted(signal.SIGINT)
 
     def second_ctrl_c(procs):  # arrives while the ranks are being killed
         os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(liveness, "supervise_local", first_ctrl_c)
-    monkeypatch.setattr(liveness, "kill_all", second_ctrl_c)
+    monkeypatch.setattr(local_supervisor, "supervise_local", first_ctrl_c)
+    monkeypatch.setattr(local_supervisor, "kill_all", second_ctrl_c)
     cfg = OmegaConf.create({"world_size": 2, "heartbeat_timeout_s": None})
-    with pytest.raises(liveness.Interrupted), liveness.catch_interrupts():
-        launch._launch_local(None, cfg, tmp_path, "cpu")
+    with pytest.raises(interrupts.Interrupted), interrupts.catch_interrupts():
+        local_launch.launch_local(None, cfg, tmp_path, "cpu")
     assert not side.exists()
 
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, py
 from dtrain.core.errors import UserError
 from dtrain.run import app, requeue, rundir
-from dtrain.run.launch import SlurmTask
+from dtrain.run.slurm_launch import SlurmTask
 from test_hardening_runs import _cfg, _stub_launch
 
 TINY = [

@@ -25,7 +25,7 @@ from dtrain.core.nodes import BaseConfig, defaults
 from dtrain.results import loader
 from dtrain.results.metrics import RunWriter, write_config, write_summary
 from dtrain.run import app, precheck, rundir
-from dtrain.run.launch import RankFailed
+from dtrain.run.rank_failure import RankFailed
 
 BASE = defaults(BaseConfig)
 

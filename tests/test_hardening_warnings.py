@@ -1,8 +1,9 @@
 """Issue: hardening, third round, area D (noise). A finished multi-rank run prints no warning that
 is not about the run: no "leaked semaphore objects" from multiprocessing's resource tracker (each
-spawned rank's tqdm lock, now unlinked before the rank's os._exit: dtrain.run.launch._leave) and no
-FSDP2 "returned a view tensor" (sequence parallelism gathered the last block's output into a
-movedim view: dtrain.parallel.tp.ops._GatherSequenceToReplicated now returns its own tensor)."""
+spawned rank's tqdm lock, now unlinked before the rank's os._exit:
+dtrain.run.local_launch._leave) and no FSDP2 "returned a view tensor" (sequence parallelism
+gathered the last block's output into a movedim view:
+dtrain.parallel.tp.ops._GatherSequenceToReplicated now returns its own tensor)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO
 from dtrain.core.files import files_named
-from dtrain.run import liveness
+from dtrain.run import job_watch, liveness, local_supervisor, rank_failure
 
 START_TIMEOUT_S = 60  # two spawned ranks import torch and rendezvous; slow on a loaded 2-core host
 
@@ -232,7 +232,7 @@ def test_root_cause_is_the_real_error_not_the_peer_symptom(tmp_path):
     (tmp_path / "error.0").write_text(CLOSED)
     os.utime(tmp_path / "error.0", (1000, 1000))  # the peer's symptom even landed first
     os.utime(tmp_path / "error.1", (2000, 2000))
-    err = liveness._root_cause([_Proc(1), _Proc(1)], tmp_path, survivors=set(), stopped=[])
+    err = local_supervisor._root_cause([_Proc(1), _Proc(1)], tmp_path, survivors=set(), stopped=[])
     text = str(err)
     assert text.startswith("rank 1 failed:\n" + REAL)
     assert text.index("ValueError") < text.index("Connection closed")
@@ -241,7 +241,7 @@ def test_root_cause_is_the_real_error_not_the_peer_symptom(tmp_path):
 
 def test_root_cause_killed_rank_before_peer_symptom(tmp_path):
     (tmp_path / "error.0").write_text(CLOSED)
-    err = liveness._root_cause([_Proc(1), _Proc(-9)], tmp_path, survivors=set(), stopped=[])
+    err = local_supervisor._root_cause([_Proc(1), _Proc(-9)], tmp_path, survivors=set(), stopped=[])
     assert str(err).startswith("rank 1 exited with code -9 (killed by SIGKILL) (out of memory?")
     assert err.error.startswith("rank 1 exited with code -9")
 
@@ -250,7 +250,9 @@ def test_root_cause_blames_the_stopped_rank_not_the_waiting_peer(tmp_path):
     (tmp_path / "error.0").write_text(
         CLOSED.replace("Connection closed by peer", "Timed out waiting 300000ms")
     )
-    err = liveness._root_cause([_Proc(1), _Proc(None)], tmp_path, survivors={1}, stopped=[1])
+    err = local_supervisor._root_cause(
+        [_Proc(1), _Proc(None)], tmp_path, survivors={1}, stopped=[1]
+    )
     assert err.error == "rank 1 is stopped (SIGSTOP); its peers failed waiting for it"
 
 
@@ -262,9 +264,9 @@ def test_error_line_finds_the_exception_in_a_submitit_message():
         "'job.stdout(1)'or at paths:\n  - /tmp/x/slurm/12_1_log.err\n  - "
         "/tmp/x/slurm/12_1_log.out\n"
     )
-    assert liveness.error_line(text) == "ValueError: loss is nan at step 3"
+    assert rank_failure.error_line(text) == "ValueError: loss is nan at step 3"
     assert (
-        liveness.error_line("srun: error: task 1: Exited with exit code 1\n")
+        rank_failure.error_line("srun: error: task 1: Exited with exit code 1\n")
         == "srun: error: task 1: Exited with exit code 1"
     )
 
@@ -327,8 +329,8 @@ def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp
         "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by "
         "peer [10.0.0.2]:1\n"
     )
-    assert liveness.job_root_cause(tmp_path, 1, own) is None  # a rank's own error stays as it is
-    line = liveness.job_root_cause(tmp_path, 0, symptom, wait_s=0)
+    assert job_watch.job_root_cause(tmp_path, 1, own) is None  # a rank's own error stays as it is
+    line = job_watch.job_root_cause(tmp_path, 0, symptom, wait_s=0)
     assert line == (
         "rank 1 failed first: ValueError: bad batch on purpose (rank 0 then lost its peer: "
         "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1)"
@@ -337,10 +339,10 @@ def test_in_a_job_the_peer_symptom_is_replaced_by_the_rank_that_failed_first(tmp
     alone.mkdir()
     t0 = time.monotonic()
     assert (
-        liveness.job_root_cause(alone, 0, symptom, wait_s=0.5) is None
+        job_watch.job_root_cause(alone, 0, symptom, wait_s=0.5) is None
     )  # nobody else wrote: the symptom stays
     assert 0.5 <= time.monotonic() - t0 < 5
-    assert (alone / liveness.JOB_ERRORS / "rank0.txt").read_text() == symptom
+    assert (alone / job_watch.JOB_ERRORS / "rank0.txt").read_text() == symptom
 
 
 def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_session):
@@ -369,7 +371,7 @@ def test_torchrun_job_names_a_stopped_rank_by_heartbeat(tmp_path, launcher_sessi
     )
     launcher_session(proc)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not (beats := files_named(tmp_path, f"{liveness.JOB_HEARTBEATS}/heartbeat.rank1")):
+    while not (beats := files_named(tmp_path, f"{job_watch.JOB_HEARTBEATS}/heartbeat.rank1")):
         assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start in time"
         time.sleep(0.2)
     time.sleep(0.5)  # the beat's text is written after the file is created

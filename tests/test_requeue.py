@@ -16,7 +16,7 @@ from dtrain.results.loader import read_jsonl
 from dtrain.results.metrics import RunWriter
 from dtrain.run import dist as ddist
 from dtrain.run import requeue
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from dtrain.train import Callback, Trainer, TrainConfig
 
 TINY = GPTConfig.from_preset("tiny")
@@ -163,7 +163,7 @@ def test_slurm_keys_reach_sbatch(requeue_on, slurm_cluster):
     from pathlib import Path
 
     from dtrain.core.nodes import BaseConfig, defaults
-    from dtrain.run.launch import slurm_executor
+    from dtrain.run.slurm_launch import slurm_executor
 
     cfg = defaults(BaseConfig)
     cfg.subproject, cfg.slurm.requeue, cfg.slurm.signal_delay_s, cfg.slurm.max_requeues = (

@@ -57,7 +57,7 @@ def test_no_configuration_says_how_to_point_at_the_cluster(monkeypatch):
 def test_launcher_slurm_without_configuration_is_refused_before_submitting(monkeypatch, tmp_path):
     """sinfo (asked before sbatch) fails for want of a configuration: one UserError, nothing
     submitted."""
-    from dtrain.run.launch import slurm_executor
+    from dtrain.run.slurm_launch import slurm_executor
 
     monkeypatch.setenv("PATH", fake_tools(tmp_path / "bin", NO_CONF))
     monkeypatch.delenv("SLURM_CONF", raising=False)

@@ -19,7 +19,7 @@ from dtrain.model.gpt import GPTConfig
 from dtrain.results.loader import read_jsonl
 from dtrain.results.metrics import RunWriter, run_name
 from dtrain.run import dist as ddist
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from dtrain.train import Trainer, TrainConfig
 from dtrain.train.trainer import SCALARS
 

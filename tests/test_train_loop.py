@@ -14,7 +14,7 @@ from dtrain.model.gpt import GPTConfig
 from dtrain.results.loader import read_jsonl
 from dtrain.results.metrics import RunWriter
 from dtrain.run import dist as ddist
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from dtrain.train import Callback, Trainer, TrainConfig
 
 TINY = GPTConfig.from_preset("tiny")

@@ -19,7 +19,7 @@ from allreduce_bench import groups, report, spec, sweep, topology_report
 from dtrain.core.terminal import WIDTH
 from dtrain.results import contract_records
 from dtrain.results.metrics import ENV
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 
 GUIDE_FIT_KEYS = (
     "collective",

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from dtrain.model.gpt import GPTConfig
 from dtrain.results.metrics import RunWriter
 from dtrain.run.dist import DistEnv
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from dtrain.train import TrainConfig, Trainer
 from fp8_train import backends
 from fp8_train.conf import Fp8DebugConfig

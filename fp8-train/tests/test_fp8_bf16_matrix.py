@@ -20,7 +20,8 @@ from dtrain.core.nodes import defaults
 from dtrain.model.gpt import GPT, GPTConfig
 from dtrain.results.loader import read_jsonl
 from dtrain.results.metrics import RunWriter
-from dtrain.run.launch import RankContext, launch
+from dtrain.run.launch import launch
+from dtrain.run.rank import RankContext
 from fp8_train import backends
 from fp8_train import train as fp8_train_run
 from fp8_train.conf import Fp8TrainConfig

@@ -15,7 +15,7 @@ from dtrain.core.errors import UserError
 from dtrain.model.gpt import GPT, GPTConfig
 from dtrain.results.metrics import RunWriter
 from dtrain.run.dist import DistEnv
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from dtrain.train import TrainConfig, Trainer
 from fp8_train import backends, compare, faults, inspect, te_backend
 from fp8_train.conf import GuardConfig

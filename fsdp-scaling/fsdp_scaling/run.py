@@ -14,7 +14,7 @@ from __future__ import annotations
 from dtrain.core import nodes as dtrain_config
 from dtrain.model.args import model_dict
 from dtrain.parallel.ep.trainer_ep import is_expert_param
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from dtrain.train import Trainer, TrainConfig
 from fsdp_scaling import memory
 from fsdp_scaling.probes import ProfileWindow, StateBytes

@@ -30,7 +30,7 @@ from dtrain.parallel.tp.attention import (
     make_tp_groups,
 )
 from dtrain.parallel.tp.layers import allreduce_partial_grads
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from tp_attention.config import as_list, model_config, torch_dtype, tp_degrees
 
 

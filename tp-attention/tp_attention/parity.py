@@ -39,7 +39,7 @@ from dtrain.parallel.tp.layers import (
     allreduce_partial_grads,
 )
 from dtrain.run.app import hydra_main
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from tp_attention.config import as_list, check_tp
 
 VARIANTS = (

@@ -32,8 +32,9 @@ from dtrain.core.errors import UserError, fail
 from dtrain.results.metrics import RunWriter, write_summary
 from dtrain.run import dist as ddist
 from dtrain.run import local_sweep, requeue, rundir
-from dtrain.run.launch import LAUNCHERS, RankFailed, launch, mode_of
-from dtrain.run.liveness import Interrupted, JobEnded, catch_interrupts
+from dtrain.run.interrupts import Interrupted, catch_interrupts
+from dtrain.run.launch import LAUNCHERS, launch, mode_of
+from dtrain.run.rank_failure import JobEnded, RankFailed
 from dtrain.run.rundir import RunDirTaken, claim
 from dtrain.slurm import submitit_sweep
 
@@ -307,7 +308,7 @@ def _record_failure(run_dir: Path, error: str) -> None:
 def _finalize_crashed(run_dir: Path) -> None:
     """Every rank finished but the summary could not be made: a failed run, said as one (exits
     1)."""
-    from dtrain.run.liveness import error_line
+    from dtrain.run.rank_failure import error_line
 
     text = traceback.format_exc()
     error = f"finalize: {error_line(text)}"

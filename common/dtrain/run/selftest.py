@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dtrain.core.errors import UserError
 from dtrain.run.app import hydra_main
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 
 
 def validate(cfg) -> None:

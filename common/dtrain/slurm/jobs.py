@@ -102,7 +102,7 @@ def error_tail(log: Path, n: int = 3) -> str:
 
 def _rank(tail: str) -> int:
     """Which task's error to show: a real one before a peer's "connection closed", before noise."""
-    from dtrain.run.liveness import is_peer_symptom
+    from dtrain.run.rank_failure import is_peer_symptom
 
     if "error" not in tail.lower():
         return 2

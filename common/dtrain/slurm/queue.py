@@ -35,7 +35,7 @@ def no_cluster(text: str) -> str | None:
     None."""
     if not any(s in text for s in NO_CLUSTER):
         return None
-    from dtrain.run.liveness import error_line
+    from dtrain.run.rank_failure import error_line
 
     conf = os.environ.get("SLURM_CONF")
     return (
@@ -47,7 +47,7 @@ def no_cluster(text: str) -> str | None:
 def refused(text: str, what: str, fix: str) -> UserError:
     """sbatch's refusal (its stderr in `text`) as one line: the missing cluster when that is the
     cause."""
-    from dtrain.run.liveness import error_line
+    from dtrain.run.rank_failure import error_line
 
     return UserError(no_cluster(text) or f"Slurm refused the {what} ({error_line(text)}): {fix}")
 

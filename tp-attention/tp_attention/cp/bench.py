@@ -27,7 +27,7 @@ from dtrain.parallel.cp import exchange
 from dtrain.parallel.cp import sharding
 from dtrain.parallel.cp.trainer_cp import ContextParallelCore
 from dtrain.parallel.tp.attention import TensorParallelAttention, make_tp_groups
-from dtrain.run.launch import RankContext
+from dtrain.run.rank import RankContext
 from tp_attention.bench import Turns, progress
 from tp_attention.config import as_list, torch_dtype
 from tp_attention.cp.parity import build_reference, check_case, failures
