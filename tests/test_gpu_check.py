@@ -12,9 +12,10 @@ import pytest
 
 from conftest import REPO, run_cmd
 from dtrain.gpucheck import measure
-from dtrain.gpucheck.__main__ import run_step, steps
+from dtrain.gpucheck.__main__ import run_step
 from dtrain.gpucheck.check_step import Step
 from dtrain.gpucheck.report import loss_falls, render
+from dtrain.gpucheck.step_list import steps
 
 NO_GPU = (
     "error: make gpu-check needs a CUDA GPU, and torch here sees none (torch.cuda.is_available() "
@@ -324,7 +325,7 @@ def test_layer_probe_shard_counts_and_its_plan_price_on_cpu():
     head and the optimizer)."""
     import json as _json
 
-    from dtrain.gpucheck.probes import (
+    from dtrain.gpucheck.layer_probe import (
         LAYER_CASES,
         ShardBlock,
         layer_flops,
@@ -356,7 +357,7 @@ def test_layer_probe_shard_counts_and_its_plan_price_on_cpu():
 
 
 def test_probe_report_lines_and_contention_without_a_gpu():
-    from dtrain.gpucheck.probes import contention
+    from dtrain.gpucheck.contention import contention
     from dtrain.gpucheck.report import layer_line, summarize
 
     if not __import__("torch").cuda.is_available():

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from conftest import py
 from dtrain.core.errors import UserError, clip, clip_words
-from dtrain.run import precheck, rundir
+from dtrain.run import precheck, precheck_sweep, rundir
+from dtrain.run.hydra_argv import parse_overrides
 from dtrain.run.selftest import validate as selftest_validate
 
 
@@ -55,7 +56,8 @@ def test_a_huge_sweep_is_refused_at_once_from_its_sizes(tmp_path):
         "the sweep has 1,001 points (seed: 1,001 values)"
     )
     assert (
-        precheck.sweep_size(precheck._parse(["seed=range(0,1000)"])[0]) == precheck.MAX_SWEEP_POINTS
+        precheck_sweep.sweep_size(parse_overrides(["seed=range(0,1000)"])[0])
+        == precheck_sweep.MAX_SWEEP_POINTS
     )
 
 
@@ -81,7 +83,7 @@ def test_grouping_1000_errors_and_differing_kinds():
         (1000 + n, f"model.preset=p{n}", f"model: unknown model preset 'p{n}'") for n in range(2)
     ]
     errors += [(2000 + n, "x=1", f"kind {n}: bad") for n in range(6)]
-    assert precheck.group_errors(errors, 3000) == [
+    assert precheck_sweep.group_errors(errors, 3000) == [
         "sweep points #0, #1, #2, ... (1,000 points): train.lr=... must be a finite number > 0",
         "sweep points #1000, #1001 (2 points): model: unknown model preset '...'",
         "sweep point #2000 (x=1): kind 0: bad",
@@ -93,7 +95,7 @@ def test_grouping_1000_errors_and_differing_kinds():
 
 
 def test_progress_off_a_terminal_is_a_line_every_so_many_points(monkeypatch, capsys):
-    monkeypatch.setattr(precheck, "PROGRESS_EVERY", 10)
+    monkeypatch.setattr(precheck_sweep, "PROGRESS_EVERY", 10)
     _selftest(["-m", "world_size=1", "numel=range(1,26)"])
     assert capsys.readouterr().err.splitlines() == [
         "checked 10 of 25 sweep points",

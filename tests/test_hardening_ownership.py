@@ -22,7 +22,7 @@ from conftest import py
 from dtrain.core import checks
 from dtrain.core.errors import UserError
 from dtrain.results.metrics import write_json_atomic, write_summary
-from dtrain.run import app, precheck, rundir
+from dtrain.run import app, precheck, precheck_dirs, rundir
 from test_hardening_runs import _cfg, _stub_launch, one_error_line
 
 TINY_RUN = ["-m", "fsdp_scaling", "model.preset=tiny", "world_size=2", "train.steps=6"]
@@ -49,14 +49,14 @@ def test_current_directory_and_sweep_dirs_with_files_are_refused(tmp_path, monke
     (tmp_path / "notes.md").write_text("mine")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"hydra.run.dir=\. is not empty \(it holds notes.md\)"):
-        precheck.check_run_dirs(["hydra.run.dir=."])
+        precheck_dirs.check_run_dirs(["hydra.run.dir=."])
     with pytest.raises(UserError, match="hydra.sweep.dir=.* is not empty"):
-        precheck.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
+        precheck_dirs.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
     (tmp_path / "hydra-only" / ".hydra").mkdir(
         parents=True
     )  # Hydra's bookkeeping alone (a torchrun peer's): fine
     (tmp_path / "hydra-only" / "fsdp-scaling.log").write_text("")
-    precheck.check_run_dirs(
+    precheck_dirs.check_run_dirs(
         [f"hydra.run.dir={tmp_path / 'hydra-only'}", f"hydra.run.dir={tmp_path / 'new'}"]
     )
 

@@ -24,7 +24,7 @@ from dtrain.core.errors import UserError
 from dtrain.core.nodes import BaseConfig, defaults
 from dtrain.results import loader
 from dtrain.results.metrics import RunWriter, write_config, write_summary
-from dtrain.run import app, precheck, rundir
+from dtrain.run import app, precheck_dirs, rundir
 from dtrain.run.rank_failure import RankFailed
 
 BASE = defaults(BaseConfig)
@@ -130,8 +130,8 @@ def test_explicit_sweep_dir_with_runs_is_refused_before_hydra(tmp_path):
     (tmp_path / "0").mkdir()
     rundir.claim(tmp_path / "0")
     with pytest.raises(UserError, match="hydra.sweep.dir=.* already holds a run"):
-        precheck.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
-    precheck.check_run_dirs([f"hydra.run.dir={tmp_path / 'fresh'}"])  # unused: fine
+        precheck_dirs.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
+    precheck_dirs.check_run_dirs([f"hydra.run.dir={tmp_path / 'fresh'}"])  # unused: fine
 
 
 def test_requeued_slurm_job_may_continue_its_own_run_dir(tmp_path, monkeypatch):

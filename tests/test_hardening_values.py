@@ -21,7 +21,7 @@ from conftest import py
 from dtrain.core import checks
 from dtrain.core.errors import UserError
 from dtrain.results import loader
-from dtrain.run import app, precheck
+from dtrain.run import app, hydra_argv, precheck, precheck_job
 from dtrain.run import dist as ddist
 from dtrain.train import TrainConfig
 from dtrain.train.checkpoint import check_resume
@@ -274,15 +274,15 @@ def test_launcher_local_ignores_a_leftover_torchrun_environment(monkeypatch):
     assert (
         mode_of(OmegaConf.create({"launcher": "auto"})) == "job"
     )  # auto: this process is that rank
-    job = ddist.detect_job(precheck.literal_override(["launcher=auto"], "launcher"))
+    job = ddist.detect_job(hydra_argv.literal_override(["launcher=auto"], "launcher"))
     with pytest.raises(
         UserError,
         match="world_size=4 but this process is rank 1 of a 2-rank job .* pass "
         "launcher=local to start 4 ranks here",
     ):
-        precheck.check_job_size(["world_size=4"], job)
-    precheck.check_job_size(["world_size=2"], job)  # agrees with the job
-    precheck.check_job_size(["world_size=4", "launcher=local"], ddist.detect_job("local"))
+        precheck_job.check_job_size(["world_size=4"], job)
+    precheck_job.check_job_size(["world_size=2"], job)  # agrees with the job
+    precheck_job.check_job_size(["world_size=4", "launcher=local"], ddist.detect_job("local"))
 
 
 def _broken_copies(tmp_path) -> tuple[Path, Path]:

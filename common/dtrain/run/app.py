@@ -330,7 +330,7 @@ def hydra_main(
 
     import hydra
 
-    from dtrain.run import precheck
+    from dtrain.run import hydra_argv, precheck, precheck_dirs, precheck_job
 
     importlib.import_module(config_module)  # registers its typed config in Hydra's ConfigStore
 
@@ -353,17 +353,17 @@ def hydra_main(
     def main() -> None:
         argv = sys.argv[1:]
         try:
-            precheck.check_literal_paths(argv)  # before Hydra creates a folder from them
-            job = ddist.detect_job(precheck.literal_override(argv, "launcher"))
-            precheck.check_job_size(argv, job)
+            precheck_dirs.check_literal_paths(argv)  # before Hydra creates a folder from them
+            job = ddist.detect_job(hydra_argv.literal_override(argv, "launcher"))
+            precheck_job.check_job_size(argv, job)
             if job is None or job.rank == 0:  # ranks > 0 of a job never claim (rank 0's dir wins)
-                precheck.check_run_dirs(argv)
+                precheck_dirs.check_run_dirs(argv)
             precheck.check_overrides(config_module, config_name, argv, validate_point)
         except UserError as e:
             fail(str(e), 2)
         except KeyboardInterrupt:  # before Hydra: nothing was written yet
             fail("interrupted before the run started; nothing written", 130)
-        precheck.note_job_environment(argv, job)
+        precheck_job.note_job_environment(argv, job)
         submitit_sweep.install(
             sys.argv[1:]
         )  # a submitit sweep: one line when sbatch refuses, run dirs when done

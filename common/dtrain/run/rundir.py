@@ -179,7 +179,7 @@ def check_command_line(literal) -> None:
     """The paths of a command line, before Hydra creates a folder from them (`literal(key)`: the
     key's plain value, or None): no folder inside another run's, no checkpoint dir that is the run
     dir or a file, no resume from a live run, no hydra.job.chdir (a requeued job whose run is
-    complete has exited 0 before: dtrain.run.precheck calls dtrain.run.requeue.exit_if_complete
+    complete has exited 0 before: dtrain.run.precheck_dirs calls dtrain.run.requeue.exit_if_complete
     first). run_app checks the composed values again."""
     from dtrain.core.checks import check_path
 
