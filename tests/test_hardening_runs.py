@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, py
 from dtrain.core.errors import UserError
+from dtrain.core.files import made_path
 from dtrain.core.nodes import BaseConfig, defaults
 from dtrain.results import loader
 from dtrain.results.metrics import RunWriter, write_config, write_summary
@@ -132,6 +133,26 @@ def test_explicit_sweep_dir_with_runs_is_refused_before_hydra(tmp_path):
     with pytest.raises(UserError, match="hydra.sweep.dir=.* already holds a run"):
         precheck_dirs.check_run_dirs(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"])
     precheck_dirs.check_run_dirs([f"hydra.run.dir={tmp_path / 'fresh'}"])  # unused: fine
+
+
+def test_run_dir_through_a_folder_not_made_yet_is_the_folder_above(tmp_path, monkeypatch):
+    """`mine/new/..` is `mine` once Hydra makes `new`: the user's folder, refused before Hydra
+    writes anything (found by running `hydra.run.dir=<D>/mine/../mine/x/..`: the run went into
+    the user's folder beside their file)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    assert made_path(f"{mine}/../mine/x/..") == mine
+    assert made_path(f"{mine}/x/y/../..") == mine
+    assert made_path(f"{mine}/x/./y") == mine / "x" / "y"
+    (tmp_path / "link").symlink_to(mine)  # an existing symlink's `..`: its target's parent
+    assert made_path(f"{tmp_path}/link/..") == tmp_path.resolve()
+    monkeypatch.chdir(tmp_path)
+    assert made_path("mine/new/..") == Path("mine")
+    with pytest.raises(UserError, match=r"hydra.run.dir=.*/x/.. is not empty \(it holds notes"):
+        precheck_dirs.check_run_dirs([f"hydra.run.dir={mine}/../mine/x/.."])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "mine"]  # nothing made
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
 def test_requeued_slurm_job_may_continue_its_own_run_dir(tmp_path, monkeypatch):

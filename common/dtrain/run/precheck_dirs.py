@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtrain.core.errors import UserError, clip
+from dtrain.core.files import made_path
 from dtrain.run import requeue, rundir
 from dtrain.run.hydra_argv import NO_RUN, literal_override, split_argv
 from dtrain.run.rundir import OWNER, foreign_entries, owner_text
@@ -29,7 +30,7 @@ def check_run_dirs(argv: list[str]) -> None:
             or "," in value
         ):
             continue
-        path = Path(value)
+        path = made_path(value)  # what Hydra will write into: `new/..` is the folder above
         if key == "hydra.run.dir" and rundir.same_job_restarted(path / OWNER):
             continue  # the same Slurm job requeued: its own run (rundir.claim lets it in)
         owned = [path / OWNER] if key == "hydra.run.dir" else sorted(path.glob(f"*/{OWNER}"))
