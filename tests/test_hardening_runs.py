@@ -153,6 +153,10 @@ def test_run_dir_through_a_folder_not_made_yet_is_the_folder_above(tmp_path, mon
         precheck_dirs.check_run_dirs([f"hydra.run.dir={mine}/../mine/x/.."])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "mine"]  # nothing made
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    # a folder a run claims (train.checkpoint_dir, ...) is looked at the same way: no `x` is left
+    with pytest.raises(UserError, match=r"train.checkpoint_dir=.*/mine is not empty"):
+        rundir.claim_folder(Path(f"{mine}/x/.."), "train.checkpoint_dir", tmp_path / "run")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
 def test_requeued_slurm_job_may_continue_its_own_run_dir(tmp_path, monkeypatch):

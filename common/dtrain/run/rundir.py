@@ -32,6 +32,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from dtrain.core.errors import UserError, clip
+from dtrain.core.files import made_path
 
 OWNER = ".run-owner"
 HYDRA_BOOKKEEPING = (
@@ -251,8 +252,9 @@ def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -
     """Make `folder` (the value of `key`) this run's own: create it, or take a new or empty one, and
     write its `.run-owner` naming `run_dir` atomically. Another run's folder, or one holding
     anything else, is a UserError; one claimed for the same `run_dir` (a requeued run) is this
-    run's again. Returns True when this call created the folder (see `release_folder`)."""
-    folder = Path(folder)
+    run's again. Returns True when this call created the folder (see `release_folder`). The
+    folder is the one `folder` names once made (``made_path``: `mine/new/..` is `mine`)."""
+    folder = made_path(folder)
     owner = folder / OWNER
     created = not folder.exists()
     if os.path.lexists(folder) and not folder.is_dir():  # mkdir: "exists", not another run's
@@ -295,7 +297,7 @@ def claim_folder(folder: Path, key: str, run_dir: Path | None, hint: str = "") -
 def release_folder(folder: Path, created: bool) -> None:
     """Undo `claim_folder` for a run that never started: its owner file, and the folder if it
     created it."""
-    folder = Path(folder)
+    folder = made_path(folder)
     (folder / OWNER).unlink(missing_ok=True)
     if created:
         with contextlib.suppress(OSError):  # only when empty
