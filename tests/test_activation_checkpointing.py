@@ -1,6 +1,6 @@
 """Activation checkpointing levels of the shared trainer (train.activation_checkpointing): the same
 gradients as no checkpointing, and saved bytes that order none > op > block, matching the cost
-model's op count (memory.op_checkpoint_bytes) for the tensors the policy saves."""
+model's op count (activations.op_checkpoint_bytes) for the tensors the policy saves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.costmodel.memory import op_checkpoint_bytes
+from dtrain.costmodel.activations import op_checkpoint_bytes
 from dtrain.model.gpt import GPT, GPTConfig
 from dtrain.train.parallelize import apply_activation_checkpointing
 

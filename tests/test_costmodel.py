@@ -26,7 +26,7 @@ from dtrain.costmodel import (
     search,
     step_time,
 )
-from dtrain.costmodel.memory import activation_bytes_per_layer
+from dtrain.costmodel.activations import activation_bytes_per_layer
 from dtrain.costmodel.search import Plan, SearchResult
 
 GiB = 1024**3
@@ -443,7 +443,7 @@ def test_in_flight_micro_batches_by_schedule():
     """The first stage's peak: 1F1B min(pp, m); interleaved x (1 + (pp-1)/(pp v)) but never more
     than the m micro-batches there are (pp=8, v=2, m=8: the warm-up's 2*7 + 8 = 22 chunk forwards
     cover all 16); GPipe m."""
-    from dtrain.costmodel.memory import in_flight
+    from dtrain.costmodel.activations import in_flight
 
     assert in_flight(Layout(pp=8, grad_accum=32)) == 8
     assert in_flight(Layout(pp=8, grad_accum=4)) == 4

@@ -11,7 +11,8 @@ import pytest
 
 from dtrain.costmodel.calibration import Calibration, Param
 from dtrain.costmodel.hardware import Cluster
-from dtrain.costmodel.memory import activation_bytes, cp_buffer_bytes, memory_per_gpu
+from dtrain.costmodel.activations import activation_bytes, cp_buffer_bytes
+from dtrain.costmodel.memory import memory_per_gpu
 from dtrain.costmodel.overrides import train_overrides
 from dtrain.costmodel.layout_space import context_parallel_degrees
 from dtrain.costmodel.shapes import Layout, ModelShape

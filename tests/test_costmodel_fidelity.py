@@ -11,7 +11,7 @@ from dtrain.costmodel import Layout, ModelShape, bubble_fraction, memory_per_gpu
 from dtrain.costmodel.backtest import backtest, summary
 from dtrain.costmodel.backtest_cli import text_lines
 from dtrain.costmodel.efficiency import GemmCurve, fit_curve
-from dtrain.costmodel.memory import activation_bytes_per_layer
+from dtrain.costmodel.activations import activation_bytes_per_layer
 from dtrain.costmodel.token_flops import model_flops_per_token
 from dtrain.model.gpt import GPTConfig, flops_per_token
 from dtrain.results import contract, contract_records

@@ -17,7 +17,7 @@ from dtrain.costmodel.collectives import (
     reduce_scatter_time,
 )
 from dtrain.costmodel.links import default_links
-from dtrain.costmodel.memory import embedding_params_per_gpu
+from dtrain.costmodel.model_states import embedding_params_per_gpu
 from dtrain.costmodel.stack import Stack
 
 SHAPE = ModelShape(32, 4096, 32, 8, 32000, 4096, 3.5, True)

@@ -11,7 +11,7 @@ import pytest
 from dtrain.cli.main import main
 from dtrain.costmodel import Layout, ModelShape, bubble_fraction, params_per_gpu
 from dtrain.costmodel.published_runs import load_rows, row_setup
-from dtrain.costmodel.memory import (
+from dtrain.costmodel.activations import (
     activation_bytes,
     held_layer_microbatches,
     in_flight,

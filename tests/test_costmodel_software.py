@@ -314,7 +314,7 @@ def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
     from dtrain.costmodel import Layout, step_time
     from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
     from dtrain.costmodel.comm_time import dp_comm_time
-    from dtrain.costmodel.memory import params_per_gpu
+    from dtrain.costmodel.model_states import params_per_gpu
 
     shape, cluster = (
         ModelShape(32, 4096, 32, 8, 128256, 4096, 14336 / 4096, True),

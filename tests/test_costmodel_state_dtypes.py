@@ -14,7 +14,8 @@ from dtrain.costmodel import Cluster, Layout, ModelShape, memory_per_gpu, params
 from dtrain.costmodel.published_runs import load_rows, row_setup
 from dtrain.costmodel.collectives import all_gather_time, group_link, reduce_scatter_time
 from dtrain.costmodel.links import default_links
-from dtrain.costmodel.memory import activation_bytes, model_state_bytes
+from dtrain.costmodel.activations import activation_bytes
+from dtrain.costmodel.model_states import model_state_bytes
 from dtrain.costmodel.stack import Stack
 
 SHAPE = ModelShape(32, 4096, 32, 8, 32000, 4096, 3.5, True)

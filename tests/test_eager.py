@@ -12,7 +12,8 @@ from dtrain.costmodel import eager
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.hardware import Cluster, get_profile
 from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape
-from dtrain.costmodel.memory import memory_per_gpu, params_per_gpu
+from dtrain.costmodel.memory import memory_per_gpu
+from dtrain.costmodel.model_states import params_per_gpu
 from dtrain.costmodel.stack_memory import memory_for
 from dtrain.costmodel.search import search
 from dtrain.costmodel.shapes import Layout, ModelShape
@@ -130,7 +131,7 @@ def test_peak_memory_by_hand():
     shape = ModelShape(2, 512, 8, 8, 1000, 256, rotary=False)
     lay = Layout(micro_batch=1)
     base = memory_per_gpu(shape, lay, 1.0, True, False)
-    psi = params_per_gpu(shape, 1, 1)  # the states' count (memory.py's)
+    psi = params_per_gpu(shape, 1, 1)  # the states' count (model_states.py's)
     linear = 2 * shape.param_count.matmul_per_layer + shape.param_count.lm_head
     forward = 12 * psi + 2 * linear + base.activations
     step = 20 * psi

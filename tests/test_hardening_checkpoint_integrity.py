@@ -29,7 +29,7 @@ from conftest import py
 from dtrain.core import diskfull
 from dtrain.core.errors import UserError
 from dtrain.results.loader import read_jsonl
-from dtrain.train import TrainConfig, Trainer, checkpoint
+from dtrain.train import TrainConfig, Trainer, checkpoint_folders, checkpoint_integrity
 from dtrain.train.checkpoint import check_resume
 from test_hardening_runs import one_error_line
 
@@ -79,13 +79,13 @@ def _flip_tok_emb(step: Path) -> str:
 def test_every_checkpoint_has_manifests_covering_every_file(tmp_path):
     ck = _trained(tmp_path)
     step = ck / "step-000004"
-    saved = checkpoint.read_manifests(step)
+    saved = checkpoint_integrity.read_manifests(step)
     files = {p.name for p in step.iterdir() if not p.name.startswith(".checksums")}
     assert set(saved) == files == {".metadata", "__0_0.distcp"}
     for name, entry in saved.items():
         assert entry["size"] == (step / name).stat().st_size
-        assert entry["sha256"] == checkpoint.digest(step / name)
-    assert checkpoint.damage(step) is None
+        assert entry["sha256"] == checkpoint_integrity.digest(step / name)
+    assert checkpoint_integrity.damage(step) is None
     check_resume(TrainConfig(steps=6, resume_from=str(ck)))  # intact: fine
 
 
@@ -123,12 +123,12 @@ def test_a_lost_or_unreadable_manifest_is_damage_but_a_checkpoint_without_any_is
     ck = _trained(tmp_path)
     last = ck / "step-000004"
     (last / ".checksums.rank0.json").unlink()
-    assert checkpoint.damage(last) == "shard __0_0.distcp is in no checksum manifest"
+    assert checkpoint_integrity.damage(last) == "shard __0_0.distcp is in no checksum manifest"
     (last / ".checksums.json").write_text("{not json")
     want = "checksum manifest .checksums.json cannot be read: JSONDecodeError"
-    assert checkpoint.damage(last) == want
+    assert checkpoint_integrity.damage(last) == want
     (last / ".checksums.json").unlink()  # saved before manifests existed: unverified, allowed
-    assert checkpoint.damage(last) is None
+    assert checkpoint_integrity.damage(last) is None
     check_resume(TrainConfig(steps=6, resume_from=str(last)))
 
 
@@ -207,7 +207,7 @@ def test_a_requeued_attempt_passes_over_a_damaged_latest_checkpoint(tmp_path, in
     assert [e["step"] for e in events if e["kind"] == "resumed"] == [4] and result["steps"] == 8
     # every checkpoint damaged: the line, not a silent start from scratch
     for step in ck.glob("step-*"):
-        if checkpoint.is_complete(step):
+        if checkpoint_folders.is_complete(step):
             _flip_tok_emb(step)
     in_slurm_job.setenv("SLURM_RESTART_COUNT", "2")
     all_bad = (
@@ -255,7 +255,9 @@ def _one_line_failed_run(out, results: Path, prefix: str, event: str) -> None:
             [json.loads(line) for line in (run / name).read_text().splitlines()]
     events = read_jsonl(run / "events.jsonl")
     assert events[-1]["kind"] == "run_failed" and events[-1]["error"].startswith(event), events
-    assert not [p for p in (run / "checkpoints").glob("step-*") if not checkpoint.is_complete(p)]
+    assert not [
+        p for p in (run / "checkpoints").glob("step-*") if not checkpoint_folders.is_complete(p)
+    ]
 
 
 @contextlib.contextmanager

@@ -182,7 +182,7 @@ def test_a_diverged_run_fails_and_publishes_nothing(tmp_path):
     from test_train_loop import TINY, make_ctx, train_cfg
 
     from dtrain.train import Trainer
-    from dtrain.train.trainer import NonFiniteLoss
+    from dtrain.train.train_metrics import NonFiniteLoss
 
     t = Trainer(make_ctx(tmp_path), train_cfg(steps=3, lr=1e30, min_lr=0.0, grad_clip=None), TINY)
     with pytest.raises(

@@ -21,7 +21,7 @@ from dtrain.results.metrics import RunWriter, run_name
 from dtrain.run import dist as ddist
 from dtrain.run.rank import RankContext
 from dtrain.train import Trainer, TrainConfig
-from dtrain.train.trainer import SCALARS
+from dtrain.train.train_metrics import SCALARS
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,9 @@ over DP×TP×PP, ZeRO stage, recompute, micro-batch and sequence parallelism.
     print("\\n".join(explain(result)))
 
 Modules: ``hardware`` (GPU datasheets, links, cluster), ``shapes`` (``ModelShape``, ``Layout``),
-``memory`` (bytes per GPU), ``compute`` (the compute terms), ``kernel_rates`` + ``kernels.yaml``
-(each GPU's kernel rates), ``efficiency`` (GEMM roofline × achieved-fraction curve),
+``memory`` (bytes per GPU; its ``model_states`` and ``activations``), ``compute`` (the compute
+terms), ``kernel_rates`` + ``kernels.yaml`` (each GPU's kernel rates), ``efficiency`` (GEMM
+roofline × achieved-fraction curve),
 ``collectives`` (α–β times), ``calibration`` (the empirical inputs, with provenance),
 ``timemodel`` (seconds per step; its traffic ``step_comm``, its result ``step_breakdown``),
 ``search`` (the chooser), ``gemm_probe`` (the matmul probe that fits the curve), ``backtest``
@@ -18,13 +19,9 @@ runs). Model FLOPs: ``dtrain.model.flops``.
 
 from .hardware import Cluster, GPUProfile, LinkModel, get_profile, load_profiles
 from .shapes import KNOWN_SHAPES, Layout, ModelShape
-from .memory import (
-    MemoryBreakdown,
-    activation_bytes_per_layer,
-    memory_per_gpu,
-    model_state_bytes,
-    params_per_gpu,
-)
+from .activations import activation_bytes_per_layer
+from .memory import MemoryBreakdown, memory_per_gpu
+from .model_states import model_state_bytes, params_per_gpu
 from .explain import explain
 from .search import Plan, SearchResult, search
 from .calibration import Calibration, Param

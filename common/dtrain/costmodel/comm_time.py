@@ -12,7 +12,7 @@ from dtrain.parallel import traffic as volume
 
 from .collectives import all_gather_time, allreduce_time, group_link, reduce_scatter_time
 from .hardware import Cluster, LinkModel
-from .memory import embedding_params_per_gpu, params_per_gpu
+from .model_states import embedding_params_per_gpu, params_per_gpu
 from .shapes import Layout, ModelShape, stage_layers
 
 

@@ -93,7 +93,7 @@ def layer_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
 def op_recompute_gemms(shape: ModelShape, layout: Layout) -> list[Gemm]:
     """The forward GEMMs torchtitan's selective op AC re-runs in backward (every even-numbered
     matmul of a block: wk, wo, and w3 of a gated MLP or w2 of a GELU one; see
-    ``memory.op_checkpoint_bytes``)."""
+    ``activations.op_checkpoint_bytes``)."""
     t, s, h = layout.tp, shape.seq_len, shape.d_model
     tokens = layout.micro_batch * s
     kv = shape.n_kv_head * (h // shape.n_head)

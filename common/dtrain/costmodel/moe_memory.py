@@ -7,7 +7,9 @@ rows)."""
 
 from __future__ import annotations
 
-from .memory import MemoryBreakdown, held_layer_microbatches, model_state_bytes
+from .activations import held_layer_microbatches
+from .memory import MemoryBreakdown
+from .model_states import model_state_bytes
 from .moe_layout import rank_tokens, rho, stage_moe_layers
 from .moe_model import MoEModel
 from .shapes import Layout, stage_layers

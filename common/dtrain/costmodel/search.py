@@ -14,7 +14,8 @@ from functools import lru_cache
 from .hardware import GiB, Cluster
 from .stack import Stack
 from .shapes import RECOMPUTE, Layout, ModelShape
-from .memory import MemoryBreakdown, model_state_bytes
+from .memory import MemoryBreakdown
+from .model_states import model_state_bytes
 from .stack_memory import memory_for
 from .calibration import Calibration
 from .step_breakdown import StepTime

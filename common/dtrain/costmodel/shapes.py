@@ -239,7 +239,7 @@ def stage_layers(shape: ModelShape, pp: int, split: str = "layers") -> int:
 
 def end_stage_layers(shape: ModelShape, layout: Layout) -> tuple[int, float]:
     """(transformer layers on the first stage, those of them in its first virtual chunk): the chunk
-    the interleaved warm-up's extra micro-batches run (``memory.held_layer_microbatches``).
+    the interleaved warm-up's extra micro-batches run (``activations.held_layer_microbatches``).
     "layers": ceil(L/pp), the chunk 1/v of it; "balanced": one slot fewer, the first chunk
     ceil((L+2)/(pp·v)) − 1 (the embedding is its missing layer:
     Llama 3 405B's 126 layers on 16 stages of 8 chunks leave the first chunk the embedding

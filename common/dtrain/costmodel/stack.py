@@ -47,8 +47,9 @@ class Stack:
     ``grad_sync_dtype``, torchtitan ``mixed_precision_reduce=bfloat16``); ``optimizer_states``:
     "fp32" (default: fp32 master weights, Adam moments) or "bf16" (Adam moments in bf16 and no fp32
     master copy: apex DistributedFusedAdam with ``dtype`` the model's bf16, which NeMo then runs
-    with ``store_params=False``), see ``memory.model_state_bytes``. ``dp_sync`` (DP_SYNCS): when the
-    once-per-step DP collectives run (ZeRO-0/1; ZeRO-3 under PP gathers its weights once too):
+    with ``store_params=False``), see ``model_states.model_state_bytes``. ``dp_sync``
+    (DP_SYNCS): when the once-per-step DP collectives run (ZeRO-0/1; ZeRO-3 under PP gathers its
+    weights once too):
     "overlap" (default; Megatron's ``--overlap-grad-reduce`` / ``--overlap-param-gather``: the
     gradients behind the last micro-batch's backward, the weights behind the first forward) or
     "flush" (DeepSpeed's pipeline engine: its TrainSchedule issues ReduceTiedGrads, ReduceGrads and

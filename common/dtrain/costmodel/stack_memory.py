@@ -5,7 +5,8 @@ the eager stack's terms (eager.py) and the memory model import neither each othe
 from __future__ import annotations
 
 from .eager import linear_params
-from .memory import MemoryBreakdown, fsdp2_state_bytes, memory_per_gpu, params_per_gpu
+from .memory import MemoryBreakdown, memory_per_gpu
+from .model_states import fsdp2_state_bytes, params_per_gpu
 from .shapes import Layout, ModelShape, stage_layers
 from .stack import Stack
 

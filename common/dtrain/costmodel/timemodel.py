@@ -45,7 +45,7 @@ from .calibration import Calibration
 from .compute import ComputeTerms, _micro_terms, optimizer_s
 from .device_rates import device_of
 from .hardware import Cluster
-from .memory import params_per_gpu
+from .model_states import params_per_gpu
 from .pipeline_engine import engine_comm
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .stack import Stack

@@ -37,7 +37,8 @@ import torch
 
 from dtrain.core.errors import UserError
 from dtrain.costmodel.gpt_shape import moe_model_of, shape_of
-from dtrain.costmodel.memory import MemoryBreakdown, fsdp2_state_bytes, memory_per_gpu
+from dtrain.costmodel.memory import MemoryBreakdown, memory_per_gpu
+from dtrain.costmodel.model_states import fsdp2_state_bytes
 from dtrain.costmodel.moe_memory import moe_memory
 from dtrain.model.args import GPTConfig, num_params
 from dtrain.parallel.pipeline import split_layers, stages_of_rank

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dtrain.core.errors import UserError
 from dtrain.results.loader import read_jsonl
 from dtrain.run import requeue
-from dtrain.train import checkpoint
+from dtrain.train import checkpoint_folders, checkpoint_integrity
 from dtrain.train.callbacks import Callback
 
 NONE, TERM, PREEMPT = 0, 1, 2  # agreed as a max over ranks: USR2 (requeue ourselves) wins over TERM
@@ -64,7 +64,7 @@ class StopOnSignal(Callback):
         self.restore()
         saved = trainer.last_checkpoint
         if trainer.step > 0 and not (
-            saved and Path(saved).name == checkpoint.step_dir("", trainer.step).name
+            saved and Path(saved).name == checkpoint_folders.step_dir("", trainer.step).name
         ):
             saved = trainer.save_checkpoint()
         reason = "terminated"  # TERM: a requeue, a preemption or a cancel, decided by Slurm
@@ -99,7 +99,7 @@ def resume(trainer) -> str | None:
     root = Path(trainer.train.checkpoint_dir or trainer.ctx.run_dir / "checkpoints")
     if not root.is_dir():
         return None
-    path, skipped = _agreed(trainer, lambda: checkpoint.latest_intact(root))
+    path, skipped = _agreed(trainer, lambda: checkpoint_integrity.latest_intact(root))
     for bad, problem in skipped if trainer.ctx.is_main else ():
         trainer.ctx.writer.event(
             "checkpoint_damaged",

@@ -14,68 +14,38 @@ micro-batches run as gradient accumulation (pp = 1) or as one pipeline-schedule 
 
 Extension points: `linear_factory` (which linear class each layer uses), `autocast` (a context
 around forward), `grad_scaler` (fp16), and `Callback`s (see callbacks.py).
+What a step and a run report (their metrics, MFU's peak): train_metrics.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import resource
-import statistics
 from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dtrain.core.errors import UserError
-from dtrain.costmodel import hardware
 from dtrain.model import perf
 from dtrain.model.gpt import GPT, GPTConfig, flops_per_token, num_params
 from dtrain.model.timing import Stopwatch
 from dtrain.results.metrics import finite_or_none
 from dtrain.run import requeue
-from dtrain.train import checkpoint, preemption
+from dtrain.train import checkpoint, checkpoint_folders, preemption
 from dtrain.train.callbacks import Callback
 from dtrain.train.config import TrainConfig
 from dtrain.train.data import TokenBatcher, make_dataset
 from dtrain.train.moe_metrics import MoEMetrics
 from dtrain.train.parallel_model import OptimizerParts
 from dtrain.train.parallelize import parallelize
-
-
-# the per-step numbers shown in TensorBoard too, as `train/<name>` (records.jsonl holds them all)
-SCALARS = (
-    "loss",
-    "step_time_s",
-    "tokens_per_s",
-    "tflops",
-    "mfu",
-    "peak_mem_bytes",
-    "grad_norm",
-    "lr",
+from dtrain.train.train_metrics import (
+    SCALARS,
+    agreed_peak_flops,
+    final_metrics,
+    require_finite_end,
+    step_metrics,
 )
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA allocator peak on GPU; the process's peak RSS on CPU (Linux reports KiB)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-class NonFiniteLoss(RuntimeError):
-    """Training ended on a NaN/Inf loss: the run failed (never `complete`, nothing calibrates
-    from it)."""
-
-
-def require_finite_end(last: dict) -> None:
-    """A run is complete only when its last step's loss is finite (records store NaN/Inf as
-    null)."""
-    if last and last.get("loss") is None:
-        raise NonFiniteLoss(
-            f"the loss is non-finite at the last step ({last.get('step')}): the run diverged; "
-            "lower train.lr, set train.grad_clip, or check the data and model.init_std"
-        )
 
 
 class Trainer:
@@ -163,7 +133,9 @@ class Trainer:
         self.tf32 = train.precision == "fp32" and perf.enable_tf32(
             self.device
         )  # in the summary: matmul_tf32
-        self.peak_flops, self.peak_flops_source = peak_flops or self._peak_flops()
+        self.peak_flops, self.peak_flops_source = peak_flops or agreed_peak_flops(
+            self.device, train.precision, self.world_size
+        )
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -172,23 +144,6 @@ class Trainer:
         if self.train.precision == "bf16" and not self.parallel.fsdp:
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext
-
-    def _peak_flops(self) -> tuple[float, str]:
-        peak, source = hardware.peak_flops(
-            self.device, "fp32" if self.train.precision == "fp32" else "bf16"
-        )
-        if (
-            source == perf.CPU_PROBE_SOURCE
-        ):  # every rank probed its own cores at once; agree on the mean
-            peak = self._all_mean(peak)
-        return peak, source
-
-    def _all_mean(self, value: float) -> float:
-        if self.world_size == 1 or not dist.is_initialized():
-            return float(value)
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t.item()) / self.world_size
 
     def _call(self, hook: str, *args) -> list:
         return [getattr(cb, hook)(self, *args) for cb in self.callbacks]
@@ -257,7 +212,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_time = watch.stop()
         self.step = step
-        metrics = self._step_metrics(step, loss, grad_norm, lr, step_time, take)
+        metrics = step_metrics(self, step, loss, grad_norm, lr, step_time, take)
         self._call("on_step_end", step, metrics)
         if not (metrics["warmup_step"] or metrics.get("timing_excluded")):  # e.g. a profiled step
             self.step_times.append(step_time)
@@ -272,27 +227,6 @@ class Trainer:
         """How far the records go at the checkpoint of this step: a requeued run cuts back to it."""
         requeue.note_offset(self.ctx.run_dir, self.ctx.rank, self.step)
         self._offset_due = None
-
-    def _step_metrics(self, step, loss, grad_norm, lr, step_time, took) -> dict:
-        warmup = step <= self.train.timing_warmup
-        tokens_per_s = self.tokens_per_step / step_time
-        m = {
-            "step": step,
-            "loss": finite_or_none(loss),
-            "grad_norm": finite_or_none(grad_norm),
-            "lr": lr,
-            "lr_scale": self.lr_scale,
-            "step_time_s": step_time,
-            "tokens_per_s": tokens_per_s,
-            "tflops": perf.tflops_per_device(self.flops_per_token, tokens_per_s, self.world_size),
-            "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-            "warmup_step": warmup,
-            "skipped": not took,
-        }
-        if self.grad_scaler is not None:
-            m["grad_scale"] = float(self.grad_scaler.get_scale())
-        return m
 
     def skip_batch(self) -> None:
         """Advance the data position one optimizer step without training on it (step count
@@ -313,7 +247,7 @@ class Trainer:
             if self._recorded == self.step:
                 self._note_offset()
         path = checkpoint.save(
-            checkpoint.step_dir(root, self.step),
+            checkpoint_folders.step_dir(root, self.step),
             self.model_parts,
             self.optimizer,
             self._trainer_state(),
@@ -321,13 +255,13 @@ class Trainer:
         self.last_checkpoint = str(path)
         self.ctx.writer.event("checkpoint_saved", step=self.step, path=str(path))
         if self.ctx.is_main:  # every rank has finished its shards when dcp.save returns
-            checkpoint.prune(
+            checkpoint_folders.prune(
                 root, self.train.keep_checkpoints, {*self.pinned, self.last_checkpoint}
             )
         return self.last_checkpoint
 
     def load_checkpoint(self, path) -> None:
-        path = checkpoint.resolve(path)
+        path = checkpoint_folders.resolve(path)
         checkpoint.check_compatible(path, self.model_parts, self.train.steps)
         state = checkpoint.load(path, self.model_parts, self.optimizer, self._trainer_state())
         try:
@@ -374,7 +308,7 @@ class Trainer:
         progress.close()
         self._call("on_train_end")
         require_finite_end(last)
-        return self.final_metrics(last)
+        return final_metrics(self, last)
 
     def _progress(self):
         from dtrain.core.terminal import bar
@@ -387,40 +321,3 @@ class Trainer:
             show=self.ctx.is_main,
             leave=True,
         )
-
-    def final_metrics(self, last: dict | None = None) -> dict:
-        """Run-level numbers: step time is the median over steps after timing_warmup."""
-        times = self.step_times or ([last["step_time_s"]] if last else [])
-        step_time = statistics.median(times) if times else float("nan")
-        tokens_per_s = self.tokens_per_step / step_time
-        return {
-            "steps": self.step,
-            "final_loss": (last or {}).get("loss"),
-            "step_time_s": step_time,
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_step": self.tokens_per_step,
-            "tflops_per_rank": perf.tflops_per_device(
-                self.flops_per_token, tokens_per_s, self.world_size
-            ),
-            "mfu": perf.mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_flops),
-            "peak_flops": self.peak_flops,
-            "peak_flops_source": self.peak_flops_source,
-            "flops_per_token": self.flops_per_token,
-            "model_params": self.model_params,
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-            "global_batch": self.batcher.global_batch,
-            "grad_accum": self.train.grad_accum,
-            "strategy": self.train.strategy,
-            "tp": self.dims.tp,
-            "pp": self.dims.pp,
-            "dp": self.dims.dp,
-            "cp": self.dims.cp,
-            "cp_impl": self.parallel.cp_impl,
-            "ep": self.dims.ep,
-            **(self.moe_metrics.summary() if self.moe_metrics else {}),
-            "pp_schedule": self.train.pp_schedule if self.dims.pp > 1 else None,
-            "mixed_precision": self.train.precision,
-            "matmul_tf32": self.tf32,
-            "world_size": self.world_size,
-            "last_checkpoint": self.last_checkpoint,
-        }
