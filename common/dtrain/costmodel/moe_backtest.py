@@ -30,7 +30,7 @@ from .backtest_fit import FIT_GRID, _best, _log_errors, calibration
 from .hardware import Cluster, GiB
 from .moe_model import MoEModel, MoESpec
 from .moe_search import MoEPlan, price
-from .published_runs import load_rows, row_cluster, row_shape
+from .published_runs import load_rows, row_cluster, row_layout, row_shape
 from .shapes import Layout
 from .stack import Stack
 
@@ -86,23 +86,8 @@ def moe_setup(row: dict) -> MoESetup:
     mla = MLA(**e["mla"]) if "mla" in e else None
     model = MoEModel(base, spec, e.get("head_dim", 0), mla, row["name"])
     cluster = row_cluster(row)
-    gb = lay["global_batch"]
-    layout = Layout(
-        dp_shard=lay["dp"],
-        tp=lay["tp"],
-        pp=lay["pp"],
-        ep=lay["ep"],
-        etp=lay.get("etp", 1),
-        zero_stage=lay["zero"],
-        recompute=lay["recompute"],
-        micro_batch=lay["mb"],
-        grad_accum=gb // (lay["dp"] * lay["mb"]),
-        sequence_parallel=bool(lay.get("sp", False)),
-        pp_schedule=lay.get("schedule", "1f1b"),
-        pp_virtual=lay.get("v", 1),
-    )
     return MoESetup(
-        model, cluster, layout, row.get("precision", "bf16"), Stack(**row.get("stack", {}))
+        model, cluster, row_layout(lay), row.get("precision", "bf16"), Stack(**row.get("stack", {}))
     )
 
 

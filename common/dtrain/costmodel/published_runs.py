@@ -70,23 +70,36 @@ def row_setup(row: dict) -> Setup:
     shape = row_shape(row)
     cluster = row_cluster(row)
     gb = lay["global_batch"]
-    layout = Layout(
+    return Setup(
+        shape,
+        cluster,
+        row_layout(lay),
+        gb,
+        row.get("precision", "bf16"),
+        Stack(**row.get("stack", {})),
+    )
+
+
+def row_layout(lay: dict) -> Layout:
+    """A published row's ``layout`` (dp, tp, pp, zero, recompute, mb, global_batch; cp, ep, etp,
+    sp, schedule, v, cp_impl, split where the row gives them) as the one Layout type, dense and
+    MoE rows alike."""
+    return Layout(
         dp_shard=lay["dp"],
         cp=lay.get("cp", 1),
         tp=lay["tp"],
         pp=lay["pp"],
+        ep=lay.get("ep", 1),
+        etp=lay.get("etp", 1),
         zero_stage=lay["zero"],
         recompute=lay["recompute"],
         micro_batch=lay["mb"],
-        grad_accum=gb // (lay["dp"] * lay["mb"]),
+        grad_accum=lay["global_batch"] // (lay["dp"] * lay["mb"]),
         sequence_parallel=bool(lay.get("sp", False)),
         pp_schedule=lay.get("schedule", "1f1b"),
         pp_virtual=lay.get("v", 1),
         cp_impl=lay.get("cp_impl", "ring"),
         pp_split=lay.get("split", "layers"),
-    )
-    return Setup(
-        shape, cluster, layout, gb, row.get("precision", "bf16"), Stack(**row.get("stack", {}))
     )
 
 
