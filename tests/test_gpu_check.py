@@ -33,6 +33,12 @@ def test_gpu_check_without_a_gpu_is_one_line(tmp_path):
         [sys.executable, "-m", "dtrain.gpucheck", "--results", str(tmp_path)], timeout=120
     )
     assert out.returncode == 2 and out.stderr.strip() == NO_GPU and not any(tmp_path.iterdir())
+    # its options are read without a GPU (and without the wheel bundle)
+    out = run_cmd(
+        [str(REPO / "scripts" / "gpu-check"), "--help"], env={"PYTHON": sys.executable}, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m dtrain.gpucheck")
+    assert "--only ONLY" in out.stdout and out.stderr == ""
 
 
 def test_only_runs_the_steps_in_the_order_asked_and_refuses_an_unknown_one(
