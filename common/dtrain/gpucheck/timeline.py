@@ -10,7 +10,7 @@ only where kernels of different streams overlap, which ``streams`` shows.
 
 ``gap_profile`` says where the rest of the step went: the idle gaps between busy stretches, by
 length, and the longest with the kernels on either side. The eager steps of 2026-11-27 left the
-GPU idle 12-34 ms a step although the host had issued every op long before (costmodel/eager.yaml);
+GPU idle 11-34 ms a step although the host had issued every op long before;
 the gaps' places tell a launch gap from a wait on the host or a synchronisation.
 """
 
