@@ -13,6 +13,10 @@ from dtrain.core.checks import integer_at_least, one_of
 from dtrain.model.moe_args import MoEArgs, moe_params_delta
 
 
+# GPTConfig's shape fields (each an integer >= 1): what a training record keeps of the model
+MODEL_SHAPE = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio")
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
@@ -35,15 +39,7 @@ class GPTConfig:
             self.moe = None  # experts=0: one value for a dense model
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        for key in (
-            "vocab_size",
-            "seq_len",
-            "n_layer",
-            "n_head",
-            "n_kv_head",
-            "d_model",
-            "mlp_ratio",
-        ):
+        for key in MODEL_SHAPE:
             integer_at_least(key, getattr(self, key), 1, error=ValueError)
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")

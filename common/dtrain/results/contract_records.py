@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dtrain.core.layout import Layout
+from dtrain.model.args import MODEL_SHAPE
 
 
 class ContractError(ValueError):
@@ -81,17 +82,6 @@ class StepBreakdown:
         0.0  # context parallelism's ring sends / all-to-alls, exposed (0 in records before it)
     )
     ep_comm_s: float = 0.0  # expert parallelism's dispatch / combine all-to-alls (0 before it)
-
-
-MODEL_SHAPE = (
-    "vocab_size",
-    "seq_len",
-    "n_layer",
-    "n_head",
-    "n_kv_head",
-    "d_model",
-    "mlp_ratio",
-)  # GPTConfig's
 
 
 @dataclass(frozen=True)
