@@ -29,6 +29,20 @@ from .stack import Stack
 from .tp_overlap import TPOverlap, gpu_sms, step_overlap
 
 
+def micro_layout(lay: Layout, context_parallel: bool = True) -> Layout:
+    """The fields of ``lay`` that price one micro-batch on one rank (its compute, its TP
+    traffic): the layout the per-micro-batch terms are computed at and cached by."""
+    return Layout(
+        tp=lay.tp,
+        pp=lay.pp,
+        recompute=lay.recompute,
+        micro_batch=lay.micro_batch,
+        sequence_parallel=lay.sequence_parallel,
+        pp_split=lay.pp_split,
+        **({"cp": lay.cp, "cp_impl": lay.cp_impl} if context_parallel else {}),
+    )
+
+
 class StepComm:
     """The traffic of ``step_time`` for one model on one cluster; each piece is kept per the layout
     fields it depends on."""
@@ -61,26 +75,11 @@ class StepComm:
     def _tp_parts(self, lay: Layout) -> tuple[float, float, float, float]:
         """(TP traffic of one micro-batch, one all-gather, one reduce-scatter of a layer's
         activation, the copy engines' HBM share of a hidden transfer)."""
-        key = (
-            lay.tp,
-            lay.pp,
-            lay.micro_batch,
-            lay.recompute,
-            lay.sequence_parallel,
-            lay.cp,
-            lay.pp_split,
-        )
+        one = micro_layout(lay, context_parallel=False)  # CP enters as the local sequence
+        key = (one, lay.cp)
         cached = self._tp.get(key)
         if cached is None:
             link = group_link(self.cluster, lay.tp, 1, multi_rail=False)
-            one = Layout(
-                tp=lay.tp,
-                pp=lay.pp,
-                recompute=lay.recompute,
-                micro_batch=lay.micro_batch,
-                sequence_parallel=lay.sequence_parallel,
-                pp_split=lay.pp_split,
-            )
             local = (
                 self.shape
                 if lay.cp == 1

@@ -50,7 +50,7 @@ from .pipeline_engine import engine_comm
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .stack import Stack
 from .step_breakdown import StepTime
-from .step_comm import StepComm
+from .step_comm import StepComm, micro_layout
 from .token_flops import model_flops_per_token
 
 __all__ = [
@@ -184,28 +184,9 @@ class StepModel(StepComm):
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
-        key = (
-            lay.tp,
-            lay.pp,
-            lay.micro_batch,
-            lay.recompute,
-            lay.sequence_parallel,
-            lay.cp,
-            lay.cp_impl,
-            lay.pp_split,
-        )
-        t = self._micro.get(key)
+        one = micro_layout(lay)
+        t = self._micro.get(one)
         if t is None:
-            one = Layout(
-                tp=lay.tp,
-                pp=lay.pp,
-                recompute=lay.recompute,
-                micro_batch=lay.micro_batch,
-                sequence_parallel=lay.sequence_parallel,
-                cp=lay.cp,
-                cp_impl=lay.cp_impl,
-                pp_split=lay.pp_split,
-            )
             t = _micro_terms(
                 self.shape, one, self.dev, self.precision if self.fp8_gemms else "bf16", self.vb
             )
@@ -213,7 +194,7 @@ class StepModel(StepComm):
                 self.fp8_factor != 1.0
             ):  # no FP8 kernel table (local check): the measured whole-step factor
                 t = t.scaled(1 / self.fp8_factor)
-            self._micro[key] = t
+            self._micro[one] = t
         return t
 
     def compute(self, lay: Layout) -> ComputeTerms:
