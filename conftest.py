@@ -1,5 +1,5 @@
-"""Shared fixtures: run a project command in a subprocess, find the local Slurm cluster, seed
-every test."""
+"""Shared fixtures: run a project command in a subprocess, the config of ranks launched on this
+CPU and of a few training steps, find the local Slurm cluster, seed every test."""
 
 from __future__ import annotations
 
@@ -27,6 +27,44 @@ def run_cmd(
 
 def py(*args: str, timeout: float = 120, **kw):
     return run_cmd([sys.executable, *args], timeout=timeout, **kw)
+
+
+def local_cpu_run(world_size: int, timeout_s: int = 120, seed: int = 0, **extra):
+    """The config `dtrain.run.launch.launch` takes for `world_size` gloo ranks on this CPU, one
+    thread each, plus `extra` (what the test's rank function reads)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {
+            "launcher": "local",
+            "world_size": world_size,
+            "backend": "gloo",
+            "device": "cpu",
+            "seed": seed,
+            "dist_timeout_s": timeout_s,
+            "threads_per_rank": 1,
+            "subproject": "test",
+            **extra,
+        }
+    )
+
+
+def few_steps(steps: int, **kw):
+    """A TrainConfig of `steps` small steps (micro-batch 1, global batch 4, no logging or timing
+    warm-up, 20K tokens of data), `kw` overriding any field."""
+    from dtrain.train import TrainConfig
+
+    return TrainConfig(
+        **{
+            "steps": steps,
+            "micro_batch": 1,
+            "global_batch": 4,
+            "log_every": 0,
+            "dataset_tokens": 20_000,
+            "timing_warmup": 0,
+            **kw,
+        }
+    )
 
 
 def slurm_available() -> str | None:

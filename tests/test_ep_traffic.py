@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
+from conftest import local_cpu_run
 from dtrain.model.gpt import GPT, GPTConfig, moe_layers
 from dtrain.model.moe_args import MoEArgs
 from dtrain.parallel import traffic
@@ -64,18 +64,7 @@ def count(ctx) -> dict:
 
 
 def test_counted_ep_bytes_equal_the_traffic_formulas(tmp_path):
-    cfg = OmegaConf.create(
-        {
-            "launcher": "local",
-            "world_size": 2,
-            "backend": "gloo",
-            "device": "cpu",
-            "seed": 0,
-            "dist_timeout_s": 120,
-            "threads_per_rank": 1,
-            "subproject": "test",
-        }
-    )
+    cfg = local_cpu_run(2)
     got = launch(count, cfg, tmp_path)[0]  # rank 0's counts
     bal, uneven = got[True], got[False]
     row = D * 4  # fp32

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import few_steps, local_cpu_run
 from dtrain.core.errors import UserError
 from dtrain.model.gpt import GPTConfig
 from dtrain.model.moe_args import MoEArgs
@@ -28,18 +29,7 @@ def model_of(**moe) -> GPTConfig:
 
 
 def train_of(**kw) -> TrainConfig:
-    return TrainConfig(
-        **{
-            "steps": STEPS,
-            "micro_batch": 1,
-            "global_batch": 4,
-            "log_every": 0,
-            "dataset_tokens": 20_000,
-            "timing_warmup": 0,
-            "strategy": "zero3",
-            **kw,
-        }
-    )
+    return few_steps(STEPS, **{"strategy": "zero3", **kw})
 
 
 class Seen(Callback):
@@ -70,19 +60,7 @@ def many(ctx) -> dict:
 
 
 def run_specs(tmp_path, world_size: int, specs: dict, name: str = "") -> dict:
-    cfg = OmegaConf.create(
-        {
-            "launcher": "local",
-            "world_size": world_size,
-            "backend": "gloo",
-            "device": "cpu",
-            "seed": 0,
-            "dist_timeout_s": 300,
-            "threads_per_rank": 1,
-            "subproject": "test",
-            "specs": specs,
-        }
-    )
+    cfg = local_cpu_run(world_size, timeout_s=300, specs=specs)
     run_dir = tmp_path / f"ws{world_size}{name}"
     run_dir.mkdir()
     return launch(many, cfg, run_dir)[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import few_steps, local_cpu_run
 from dtrain.core.errors import UserError
 from dtrain.model.gpt import GPTConfig
 from dtrain.run.launch import launch
@@ -24,34 +25,11 @@ GQA = {"n_kv_head": 1}  # a spec's "model": overrides of MODEL (here one k/v hea
 
 
 def base_cfg(world_size: int, **extra):
-    return OmegaConf.create(
-        {
-            "launcher": "local",
-            "world_size": world_size,
-            "backend": "gloo",
-            "device": "cpu",
-            "seed": 0,
-            "dist_timeout_s": 300,
-            "threads_per_rank": 1,
-            "subproject": "test",
-            **extra,
-        }
-    )
+    return local_cpu_run(world_size, timeout_s=300, **extra)
 
 
 def train_of(**kw) -> TrainConfig:
-    return TrainConfig(
-        **{
-            "steps": STEPS,
-            "micro_batch": 1,
-            "global_batch": 4,
-            "log_every": 0,
-            "dataset_tokens": 20_000,
-            "timing_warmup": 0,
-            "strategy": "zero3",
-            **kw,
-        }
-    )
+    return few_steps(STEPS, **{"strategy": "zero3", **kw})
 
 
 class Losses(Callback):

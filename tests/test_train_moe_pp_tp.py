@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from conftest import local_cpu_run
 from dtrain.core.errors import UserError
 from dtrain.model.gpt import GPTConfig
 from dtrain.model.moe_args import MoEArgs
@@ -166,18 +166,7 @@ def _linear(name, n_in, n_out, bias):
 
 
 def test_ep_backward_finishes_when_a_rank_gets_no_rows(tmp_path):
-    cfg = OmegaConf.create(
-        {
-            "launcher": "local",
-            "world_size": 2,
-            "backend": "gloo",
-            "device": "cpu",
-            "seed": 0,
-            "dist_timeout_s": 60,
-            "threads_per_rank": 1,
-            "subproject": "test",
-        }
-    )
+    cfg = local_cpu_run(2, timeout_s=60)
     (tmp_path / "run").mkdir()
     grad_norm, rows = launch(_one_rank_gets_no_rows, cfg, tmp_path / "run")[0]
     assert grad_norm > 0 and rows == [0, 2 * (2 * 8 * 2)]  # one rank computed both ranks' rows

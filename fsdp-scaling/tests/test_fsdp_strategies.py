@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import few_steps, local_cpu_run
 from dtrain.model.gpt import GPTConfig
 from dtrain.run.launch import launch
 from dtrain.train import Trainer, TrainConfig
@@ -17,33 +18,11 @@ STEPS = 5
 
 
 def base_cfg(world_size: int, **extra):
-    return OmegaConf.create(
-        {
-            "launcher": "local",
-            "world_size": world_size,
-            "backend": "gloo",
-            "device": "cpu",
-            "seed": 0,
-            "dist_timeout_s": 120,
-            "threads_per_rank": 1,
-            "subproject": "test",
-            **extra,
-        }
-    )
+    return local_cpu_run(world_size, **extra)
 
 
 def train_of(**kw) -> TrainConfig:
-    return TrainConfig(
-        **{
-            "steps": STEPS,
-            "micro_batch": 1,
-            "global_batch": 4,
-            "log_every": 0,
-            "dataset_tokens": 20_000,
-            "timing_warmup": 0,
-            **kw,
-        }
-    )
+    return few_steps(STEPS, **kw)
 
 
 def losses_of(trainer: Trainer) -> tuple[list[float], list[float]]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import local_cpu_run
 from dtrain.parallel.cp.trainer_cp import ContextParallelCore
 from dtrain.run.launch import launch
 from tp_attention.cp.parity import check_case, draw_case, failures
@@ -68,19 +69,7 @@ def run_cases(tmp_path, cp: int, n_random: int) -> list[dict]:
     }
     cases.append({"case": gqa, "seed": rng.randrange(1 << 30), "planted": False})
     cases.append({"case": gqa, "seed": rng.randrange(1 << 30), "planted": True})
-    cfg = OmegaConf.create(
-        {
-            "launcher": "local",
-            "world_size": cp,
-            "backend": "gloo",
-            "device": "cpu",
-            "seed": seed,
-            "dist_timeout_s": 120,
-            "threads_per_rank": 1,
-            "subproject": "test",
-            "cases": cases,
-        }
-    )
+    cfg = local_cpu_run(cp, seed=seed, cases=cases)
     run_dir = tmp_path / f"cp{cp}"
     run_dir.mkdir()
     got = launch(parity_cases, cfg, run_dir)[0]
