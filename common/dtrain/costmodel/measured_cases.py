@@ -101,6 +101,11 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
     optimizer = c.get("optimizer") if c.get("optimizer") in ("foreach", "fused") else "foreach"
     precision = "fp8" if c.get("precision") == "fp8" else "bf16"  # torchao float8, eager
     over_text = "".join(f" {k}={v}" for k, v in over.items())
+    notes = []  # what the prediction prices only in part
+    if named not in ATTENTION:
+        notes.append(f"attention {named!r} has no kernel-table entry: priced as SDPA's default")
+    if precision == "fp8":
+        notes.append("FP8 without compile: the casts' launches are not in the model's count")
     return Case(
         f"{step} {c['preset']}{over_text} mb={c['micro_batch']} s={shape.seq_len}"
         + (f" {optimizer}" if c.get("optimizer") else "")
@@ -120,18 +125,7 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         _num(c, "gpu_kernel_sum_s"),
         _num(c, "cpu_dispatch_s"),
         not_modelled=f"measured: {c['error']}" if c.get("error") else "",
-        note=" ".join(
-            n
-            for n in (
-                ""
-                if named in ATTENTION
-                else f"attention {named!r} has no kernel-table entry: priced as SDPA's default",
-                "FP8 without compile: the casts' launches are not in the model's count"
-                if precision == "fp8"
-                else "",
-            )
-            if n
-        ),
+        note=" ".join(notes),
         phases=dict(c.get("phases") or {}),
         largest_gaps=list(c.get("largest_gaps") or []),
     )
