@@ -110,7 +110,7 @@ def backtest(loo: bool = True, rank: bool = True) -> list[BacktestRow]:
         t, cluster, calib = predict(s, fitted)
         gpus = s.layout.gpus
         act = calib.fp8_memory_factor.value if s.precision == "fp8" else 1.0
-        mem = memory_for(s.shape, s.layout, s.stack, act)
+        mem = memory_for(s.shape, s.layout, s.stack, act, s.precision)
         terms = {
             **t.terms.as_dict(),
             "tp_comm": t.tp_comm,

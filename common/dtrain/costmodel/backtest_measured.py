@@ -107,7 +107,7 @@ def measured_categories(case: Case, values: dict) -> dict[str, float]:
 
 def score(case: Case) -> Scored:
     cluster = Cluster.from_profile(get_profile(case.gpu), case.layout.gpus, 8)
-    mem = memory_for(case.shape, case.layout, case.stack).total
+    mem = memory_for(case.shape, case.layout, case.stack, precision=case.precision).total
     if case.not_modelled:
         return Scored(case, None, mem)
     t = step_time(case.shape, case.layout, cluster, Calibration(), case.precision, stack=case.stack)

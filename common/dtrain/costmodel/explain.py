@@ -146,7 +146,7 @@ def _faster_but_too_big(result: SearchResult, k: int) -> list[str]:
         ).tokens_per_s
         if tps <= target:
             continue
-        need = memory_for(result.model, lay, result.stack, act).total
+        need = memory_for(result.model, lay, result.stack, act, result.precision).total
         g = groups.setdefault((lay.cp, lay.tp, lay.pp, lay.recompute), [0.0, float("inf"), lay])
         g[0] = max(g[0], tps)
         if need < g[1]:

@@ -180,8 +180,10 @@ def run_case(run) -> Case | None:
     shape, structure = gpt_case_shape(cfg)
     compiled = bool((run.config.get("train") or {}).get("compile"))
     precision = RECIPES.get(rec.recipe) if rec.precision in ("bf16", "fp16") else None
+    # train.compile compiles each block (train/parallelize.apply_compile): the final norm, the
+    # head and the loss run eager, as torchtitan's do
     stack = (
-        Stack(DEFAULT_ATTENTION, "fused", "fused", software="dtrain", optimizer="foreach")
+        Stack(DEFAULT_ATTENTION, "fused", "eager", software="dtrain", optimizer="foreach")
         if compiled
         else eager_stack()
     )

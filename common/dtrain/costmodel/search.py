@@ -183,7 +183,7 @@ def search(
         group = _design(lay)
         if prune and group in timed and lay.zero_stage < 3:
             continue
-        mem = _memory(model, lay, stack, act_factor)
+        mem = _memory(model, lay, stack, act_factor, precision)
         if mem.total > usable:
             rejected.append((lay, NoFit(mem.total, usable, cluster.gpu.hbm_gib, headroom)))
             if smallest is None or mem.total < smallest[0]:
