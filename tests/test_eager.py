@@ -161,7 +161,8 @@ def test_peak_memory_logits_and_autocast_norms_by_hand():
     z3 = Layout(micro_batch=1, zero_stage=3)
     base3 = memory_per_gpu(shape, z3, 1.0, True, False)
     got = memory_for(shape, z3, eager_stack())
-    assert got.activations == pytest.approx(base3.activations - 1.05 * 2 * s * v)
+    # a count of tensors (stack_memory.counted_block): without activations.py's 5%
+    assert got.activations == pytest.approx((base3.activations - 1.05 * 2 * s * v) / 1.05)
 
 
 def test_fsdp_eager_runs_fsdp_only():

@@ -34,6 +34,16 @@ def test_grouped_kv_heads_shrink_k_and_v():
     )
 
 
+def test_counted_where_the_trainer_runs_eager():
+    from dtrain.costmodel.stack_memory import counted_block
+
+    z3 = Layout(micro_batch=1, zero_stage=3, dp_shard=2)
+    assert counted_block(GPT, z3, eager_stack())
+    assert not counted_block(GPT, z3, COMPILED)  # compiled under FSDP2: not counted
+    llama = ModelShape(2, 512, 8, 8, 32000, 4096, gated_mlp=True)
+    assert not counted_block(llama, z3, eager_stack())
+
+
 def test_traced_only_under_autocast_without_recompute():
     one = Layout(micro_batch=1)
     assert traced_layer(GPT, one, eager_stack()) and traced_layer(GPT, one, COMPILED)
@@ -102,9 +112,9 @@ def test_compiled_saved_tensors_match_the_count():
     assert fp8["weight_casts_per_d"] == 0
 
 
-def test_fsdp2_step_peak_holds_12_bytes_per_logit(monkeypatch):
-    """Under FSDP2 (one gloo rank, bf16 parameters, no autocast) the loss holds the same 12 B per
-    logit at the peak."""
+def test_fsdp2_step_peak_is_the_count(monkeypatch):
+    """Under FSDP2 (one gloo rank, bf16 parameters, no autocast) the step peaks at the count: the
+    loss's 12 B per logit and Korthikanti's 32h a block, no 5% for temporaries."""
     import json
     import socket
     import subprocess
@@ -124,3 +134,5 @@ def test_fsdp2_step_peak_holds_12_bytes_per_logit(monkeypatch):
     print(data["peak"])
     assert data["peak"]["fsdp"] == 2
     assert data["peak"]["per_logit"] == pytest.approx(12.0, abs=0.1)
+    # two blocks at Korthikanti's 32h (bf16 throughout) and the head's 4h: 68h counted
+    assert data["peak"]["per_token_per_d"] == pytest.approx(68.0, abs=1.5)

@@ -11,6 +11,8 @@ from .model_states import fsdp2_state_bytes, params_per_gpu
 from .shapes import Layout, ModelShape, stage_layers
 from .stack import Stack
 
+TRAINER_SOFTWARE = ("fsdp-eager", "dtrain")  # the eager stack and dtrain's own trainer
+
 
 def memory_for(
     shape: ModelShape,
@@ -44,6 +46,21 @@ def memory_for(
         precision if traced else "",
         stack.kernels == "fused",
         stack.flash,
+        exact=traced or counted_block(shape, layout, stack),
+    )
+
+
+def counted_block(shape: ModelShape, layout: Layout, stack: Stack) -> bool:
+    """True where the step's peak is the count of its tensors (``dtrain.gpucheck.saved_tensors
+    --peak``, with ``--fsdp`` under FSDP2: per token 2 x 32h + 4h for two of dtrain's GPT blocks
+    and the head, against 69.2h measured at two widths, and 12.0 B per logit): dtrain's trainer
+    or the eager stack, eager kernels, no recompute, a dense GELU block. Elsewhere
+    ``activations.py`` keeps Megatron's 5% for temporaries."""
+    return (
+        stack.software in TRAINER_SOFTWARE
+        and stack.kernels == "eager"
+        and layout.recompute == "none"
+        and not shape.gated_mlp
     )
 
 
@@ -53,7 +70,7 @@ def traced_layer(shape: ModelShape, layout: Layout, stack: Stack) -> bool:
     like dtrain's GPT; compiled blocks are counted for this model only."""
     if layout.zero_stage >= 2 or layout.recompute != "none" or shape.gated_mlp:
         return False
-    return stack.software in ("fsdp-eager", "dtrain")
+    return stack.software in TRAINER_SOFTWARE
 
 
 def autocast_layer_bytes(shape: ModelShape, layout: Layout, compiled: bool, precision: str):
@@ -107,6 +124,7 @@ def eager_peak(
     precision: str = "",
     compiled: bool = False,
     flash: bool = True,
+    exact: bool = False,
 ):
     """The trainer's peak bytes per GPU (a ``memory.MemoryBreakdown``): the larger of two
     moments, as PyTorch's allocator sees them with ``zero_grad(set_to_none=True)``:
@@ -121,7 +139,8 @@ def eager_peak(
     ``base``: ``memory.memory_per_gpu`` of the layout (its activations and ZeRO-3 buffers).
     ``precision`` ("bf16", "fp8"; "" where not ``traced_layer``: the eager stack's own count,
     Korthikanti's plus the fp32 norm inputs) and ``compiled`` choose the block's saved tensors
-    under autocast (``autocast_layer_bytes``)."""
+    under autocast (``autocast_layer_bytes``); ``exact``: the activations are a count of tensors
+    (``counted_block``), without ``activations.py``'s 5% for temporaries."""
     psi = params_per_gpu(shape, layout.tp, layout.pp, layout.pp_split)
     p, g, o = fsdp2_state_bytes(psi, layout.zero_stage, layout.shard_group)
     # FSDP (ZeRO-3) casts per unit and frees the unit after its forward, on one GPU too: the
@@ -144,11 +163,10 @@ def eager_peak(
             own = autocast_layer_bytes(shape, layout, compiled, precision)
             acts += 1.05 * tokens * layers * (own - counted)
             acts += 1.05 * AUTOCAST_NORM_INPUT_BYTES * tokens * shape.d_model  # the final norm
-            # a count of the tensors PyTorch allocates (``dtrain.gpucheck.saved_tensors --peak``:
-            # the step peaks at the count, 12 B per logit): no 5% for temporaries
-            acts /= 1.05
         else:
             acts += 1.05 * AUTOCAST_NORM_INPUT_BYTES * tokens * shape.d_model * (2 * layers + 1)
+    if exact:  # the step peaks at the count (``dtrain.gpucheck.saved_tensors --peak``)
+        acts /= 1.05
     forward = MemoryBreakdown(p + casts, held, o, acts, units)
     shard = psi / layout.shard_group if layout.zero_stage >= 1 else psi
     temp = 0.0 if optimizer == "fused" else 4 * shard
