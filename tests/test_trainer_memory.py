@@ -4,6 +4,8 @@ by hand, and against what PyTorch itself saves and allocates on this CPU
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dtrain.costmodel.measured_cases import eager_stack
@@ -50,6 +52,8 @@ def test_traced_only_under_autocast_without_recompute():
     assert not traced_layer(GPT, Layout(micro_batch=1, zero_stage=3), COMPILED)
     assert not traced_layer(GPT, Layout(micro_batch=1, recompute="full"), COMPILED)
     assert not traced_layer(GPT, one, Stack("flash", "fused", software="torchtitan"))
+    for other in (replace(GPT, rotary=True), replace(GPT, dropout=True)):  # not dtrain's block
+        assert not traced_layer(other, one, COMPILED)
 
 
 def test_fp8_keeps_no_bf16_block_weights():

@@ -54,23 +54,23 @@ def counted_block(shape: ModelShape, layout: Layout, stack: Stack) -> bool:
     """True where the step's peak is the count of its tensors (``dtrain.gpucheck.saved_tensors
     --peak``, with ``--fsdp`` under FSDP2: per token 2 x 32h + 4h for two of dtrain's GPT blocks
     and the head, against 69.2h measured at two widths, and 12.0 B per logit): dtrain's trainer
-    or the eager stack, eager kernels, no recompute, a dense GELU block. Elsewhere
+    or the eager stack, eager kernels, no recompute, a block like dtrain's GPT. Elsewhere
     ``activations.py`` keeps Megatron's 5% for temporaries."""
-    return (
-        stack.software in TRAINER_SOFTWARE
-        and stack.kernels == "eager"
-        and layout.recompute == "none"
-        and not shape.gated_mlp
-    )
+    return stack.kernels == "eager" and _gpt_block(shape, layout, stack)
+
+
+def _gpt_block(shape: ModelShape, layout: Layout, stack: Stack) -> bool:
+    """dtrain's trainer (or the eager stack) without recompute on a block like dtrain's GPT: a
+    dense GELU MLP, learned positions (no RoPE), no dropout: the block the counts are of."""
+    dense_gpt = not (shape.gated_mlp or shape.rotary or shape.dropout)
+    return stack.software in TRAINER_SOFTWARE and layout.recompute == "none" and dense_gpt
 
 
 def traced_layer(shape: ModelShape, layout: Layout, stack: Stack) -> bool:
     """True where ``autocast_layer_bytes`` counts a block's saved tensors: dtrain's trainer (or the
     eager stack) under autocast (no FSDP: ZeRO below 2), without recompute, on a dense GELU block
     like dtrain's GPT; compiled blocks are counted for this model only."""
-    if layout.zero_stage >= 2 or layout.recompute != "none" or shape.gated_mlp:
-        return False
-    return stack.software in TRAINER_SOFTWARE
+    return layout.zero_stage < 2 and _gpt_block(shape, layout, stack)
 
 
 def autocast_layer_bytes(shape: ModelShape, layout: Layout, compiled: bool, precision: str):
