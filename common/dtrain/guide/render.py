@@ -129,7 +129,9 @@ def limits() -> list[str]:
         "`timemodel.py`, `step_comm.py` (ring α–β collectives, Megatron TP, uneven interleaved "
         "bubble, zero-bubble V, ZeRO-3 latency per FSDP unit, DP overlap windows per ZeRO stage), "
         "`pipeline_engine.py` (DeepSpeed's pipeline engine: its schedule and blocking transfers), "
-        "`eager.py` (the eager stack's launches and host floor), `moe_cost.py` (experts).",
+        "`eager.py` (the eager stack's launches and host floor), `stack_memory.py` (the "
+        "trainer's peak: its blocks' saved tensors as PyTorch keeps them, counted on a CPU by "
+        "`python -m dtrain.gpucheck.saved_tensors`), `moe_cost.py` (experts).",
         "* Not modelled: NCCL tree/NVLS algorithms, network congestion and topology beyond one "
         "NIC per GPU (rail-optimised), stragglers, the GPU's idle time between an eager step's "
         "kernels (measured on this project's H100: `dtrain backtest --measured`). Modelled but "
