@@ -40,6 +40,7 @@ NEW = {  # the fields the new gpu-check adds
     "gpu_kernel_sum_s": 0.05,
     "cpu_dispatch_s": 0.01,
     "kernels_by_category": {"gemm": 39, "attention": 8, "elementwise": 300, "memcpy": 20},
+    "kernel_records": 2,  # every kernel (timeline.RECORDS_VERSION)
 }
 
 
@@ -105,7 +106,9 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     assert new.case.stack.attention == "flash" and new.case.cpu_dispatch_s == 0.01
     assert new.memory_error is not None
     assert new.kernels["elementwise"][0] == 320 and new.kernels["total"][0] == 367
-    assert new.host_per_launch_s == pytest.approx(0.01 / 367) and old.host_per_launch_s is None
+    # the host's issue time per launch the model counts (as eager.yaml's host_op_s)
+    assert new.host_per_launch_s == pytest.approx(0.01 / new.kernels["total"][1])
+    assert old.host_per_launch_s is None
     lines = text_lines(rows)
     assert any(x.startswith("  GPU busy 31.0 ms of the step measured") for x in lines)
     assert any("does not fit (right)" in x for x in lines)  # 7B at 8 x 32K tokens on one H100
@@ -119,6 +122,24 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     assert s["gpu_bound_profiles"] == 1
     assert s["gpu_idle_per_launch_median_s"] == pytest.approx(0.029 / new.kernels["total"][1])
     assert any(x.startswith("GPU idle in the 1 GPU-bound profiles") for x in lines[-3:])
+
+
+def test_records_without_lambda_kernels_measure_no_idle(tmp_path):
+    """The records of 2026-11-27 (no ``kernel_records`` version) lack every kernel named after a
+    lambda: their busy union is a lower bound, so the step less it is no idle time."""
+    report = tmp_path / "gpu-check-1"
+    report.mkdir()
+    first = {k: v for k, v in NEW.items() if k != "kernel_records"}
+    steps = [{"name": "eager_sweep", "status": "ok", "data": {"device": H100, "cases": [first]}}]
+    (report / "report.json").write_text(json.dumps(steps))
+    (row,) = backtest_measured(str(tmp_path))
+    assert row.case.lambdas_dropped and row.gpu_idle_s is None and row.gpu_work_excess is None
+    s = summary([row])
+    assert s["gpu_bound_profiles"] == 0 and s["profiles_lacking_lambda_kernels"] == 1
+    lines = text_lines([row])
+    assert any(x.startswith("  GPU busy at least 31.0 ms") for x in lines)
+    lacking = "1 profiles' kernel records lack every kernel named after a lambda"
+    assert any(x.startswith(lacking) for x in lines[-4:])
 
 
 def test_measured_backtest_cli_json_and_errors(tmp_path, capsys):

@@ -18,6 +18,7 @@ from dtrain.gpucheck.stepprof import PHASES, median_phases
 from dtrain.gpucheck.timeline import (
     KernelRecord,
     account,
+    annotation_name,
     gap_profile,
     kernel_records,
     union_ns,
@@ -180,6 +181,33 @@ def test_profile_line_names_stream_overlap():
     )
 
 
+LAMBDA_KERNEL = (  # a cast as kineto names it: the demangled lambda carries '#'
+    "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::"
+    "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+    "{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul> >(int, "
+    "at::native::(anonymous namespace)::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
+    "{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, "
+    "std::array<char*, 2ul>)"
+)
+
+
+@pytest.mark.parametrize(
+    "name, annotation",
+    [
+        ("Optimizer.step#AdamW.step", True),
+        ("Optimizer.zero_grad#AdamW.zero_grad", True),
+        ("ProfilerStep#3", True),
+        ("## forward ##", True),
+        (LAMBDA_KERNEL, False),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", False),
+        ("void at::native::(anonymous namespace)::GeluCUDAKernelImpl{lambda()#1}", False),
+    ],
+)
+def test_annotation_names_against_kernel_names(name, annotation):
+    """The 2026-11-27 records took any '#' for an annotation and dropped every lambda kernel."""
+    assert annotation_name(name) is annotation
+
+
 def test_kernel_records_on_torch_without_activity_type():
     """torch 2.11 (the GPU image's) has no ``activity_type`` on its events: annotations are then
     known by ``is_user_annotation`` or, lacking that too, by their ``record_function`` names."""
@@ -193,7 +221,11 @@ def test_kernel_records_on_torch_without_activity_type():
             if k not in ("activity_type", "is_user_annotation")
         }
     )
-    assert [r.name for r in kernel_records([kernel, ann])] == ["sm90_xmma_gemm"]
+    cast = NS(**{**vars(kernel), "name": lambda: LAMBDA_KERNEL})
+    assert [r.name for r in kernel_records([kernel, ann, cast])] == [
+        "sm90_xmma_gemm",
+        LAMBDA_KERNEL,
+    ]
 
 
 def test_gap_profile_by_hand():

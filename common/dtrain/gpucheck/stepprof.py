@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from dtrain.gpucheck.kernels import _device, _name, sweep_main
-from dtrain.gpucheck.timeline import account, gap_profile, kernel_records
+from dtrain.gpucheck.timeline import RECORDS_VERSION, account, gap_profile, kernel_records
 
 PHASES = ("zero_grad", "forward", "backward", "clip", "optimizer")
 
@@ -165,6 +165,7 @@ def profile_case(
         "step_s": statistics.median(walls),
         "cpu_dispatch_s": statistics.median(hosts),
         "phases": median_phases(phases),
+        "kernel_records": RECORDS_VERSION,
         "peak_mem_bytes": peak,
         **account(records),
         **gap_profile(records),

@@ -9,9 +9,10 @@ union of the kernel intervals (at most the step), ``gpu_kernel_sum_s`` their sum
 only where kernels of different streams overlap, which ``streams`` shows.
 
 ``gap_profile`` says where the rest of the step went: the idle gaps between busy stretches, by
-length, and the longest with the kernels on either side. The eager steps of 2026-11-27 left the
-GPU idle 11-34 ms a step although the host had issued every op long before;
-the gaps' places tell a launch gap from a wait on the host or a synchronisation.
+length, and the longest with the kernels on either side. The eager steps of 2026-11-27 seemed to
+leave the GPU idle 11-34 ms a step although the host had issued every op long before: their records
+lacked every kernel named after a lambda (``annotation_name``), so most of that "idle" was GPU work
+not counted. The gaps' places tell a launch gap from a wait on the host or a synchronisation.
 """
 
 from __future__ import annotations
@@ -49,15 +50,32 @@ def kernel_records(events) -> list[KernelRecord]:
 def _gpu_work(e) -> bool:
     """A GPU event that is work, not an annotation. torch 2.11's events have neither
     ``activity_type`` nor (before 2.5) ``is_user_annotation``: then an annotation is known by its
-    name (``record_function`` scopes such as ``Optimizer.step#AdamW.step``, ``ProfilerStep#3``)."""
+    name (``annotation_name``)."""
     annotation = getattr(e, "is_user_annotation", None)
     if annotation is not None and annotation():
         return False
     activity = getattr(e, "activity_type", None)
     if activity is not None:
         return str(activity()).lower().split(".")[-1] in GPU_ACTIVITIES
-    name = e.name()
-    return "#" not in name and not name.startswith(("ProfilerStep", "## "))
+    return not annotation_name(e.name())
+
+
+def annotation_name(name: str) -> bool:
+    """True for a ``record_function`` scope's name (``Optimizer.step#AdamW.step``,
+    ``ProfilerStep#3``, ``## forward ##``), False for a kernel's. A '#' alone does not tell them
+    apart: the profiler names a kernel built from a lambda by its demangled C++ name, '#' and all
+    (``...direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const...``:
+    every dtype cast, GELU, most reductions). The records of 2026-11-27 (RECORDS_VERSION 1) took
+    '#' for an annotation and so dropped those kernels; a kernel's name has a space, '(', '<' or
+    '::', a scope's none of them."""
+    if name.startswith(("ProfilerStep", "## ")):
+        return True
+    return "#" in name and not any(mark in name for mark in (" ", "(", "<", "::"))
+
+
+# the kernel records' version in a profile case (``stepprof``'s "kernel_records"): 1 (absent) the
+# 2026-11-27 records, which dropped every kernel named after a lambda (``annotation_name``); 2 all
+RECORDS_VERSION = 2
 
 
 def union_ns(intervals: list[tuple[int, int]]) -> int:

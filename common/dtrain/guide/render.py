@@ -134,7 +134,8 @@ def limits() -> list[str]:
         "`python -m dtrain.gpucheck.saved_tensors`), `moe_cost.py` (experts).",
         "* Not modelled: NCCL tree/NVLS algorithms, network congestion and topology beyond one "
         "NIC per GPU (rail-optimised), stragglers, the GPU's idle time between an eager step's "
-        "kernels (measured on this project's H100: `dtrain backtest --measured`). Modelled but "
+        "kernels (not measured yet: the 2026-11-27 kernel records lack every kernel named after "
+        "a lambda, `dtrain backtest --measured`). Modelled but "
         "still predicted too fast in the backtest above: DeepSpeed's pipeline engine (MT-NLG, "
         "GPT-NeoX) and PyTorch's ring attention at cp 4 and 8 (torchtitan's CP rows).",
         "* The two fitted numbers (DP overlap, link efficiency) are the development set's; "
