@@ -116,6 +116,7 @@ def test_compiled_saved_tensors_match_the_count():
     assert fp8["weight_casts_per_d"] == 0
 
 
+@pytest.mark.slow
 def test_fsdp2_step_peak_is_the_count(monkeypatch):
     """Under FSDP2 (one gloo rank, bf16 parameters, no autocast) the step peaks at the count: the
     loss's 12 B per logit and Korthikanti's 32h a block, no 5% for temporaries."""
