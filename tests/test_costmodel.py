@@ -276,7 +276,12 @@ def test_recompute_costs_extra_forward():
     """Full recompute re-runs every layer's forward (GEMMs, attention forward, the forward's
     memory-bound passes); selective the attention forward alone; no recompute none of it."""
     from dtrain.costmodel.attention_time import attention_s
-    from dtrain.costmodel.memory_bound import FORWARD_SHARE, MEMORY_KIND, memory_bytes
+    from dtrain.costmodel.memory_bound import (
+        FORWARD_SHARE,
+        MEMORY_KIND,
+        memory_bytes,
+        memory_widths,
+    )
     from dtrain.costmodel.efficiency import layer_gemms
     from dtrain.costmodel.stack import Stack
     from dtrain.costmodel.device_rates import device_of
@@ -285,8 +290,9 @@ def test_recompute_costs_extra_forward():
     dev = device_of(cluster, Calibration(), Stack("eager"))
     lay = Layout(dp_shard=64)
     fwd = sum(dev.gemm_s(g) for g in layer_gemms(shape, lay) if g.name not in ("scores", "av"))
+    widths = memory_widths(shape, lay)  # each kind at its rows' width (kernels.yaml by_width)
     mem_fwd = sum(
-        dev.mem_s(b, MEMORY_KIND[k]) * FORWARD_SHARE[k]
+        dev.mem_s(b, MEMORY_KIND[k], widths.get(k)) * FORWARD_SHARE[k]
         for k, b in memory_bytes(shape, lay, "bf16", True).items()
     )
     L = shape.n_layer

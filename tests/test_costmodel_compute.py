@@ -276,12 +276,14 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
     )  # nothing gathers the weights: cast at each use
     from dtrain.costmodel.memory_bound import (
         MEMORY_KIND,
+        memory_widths,
     )  # delayed: the per-token bytes alone, no weight cast on the layer
 
     mega = device_of(cluster, Calibration(), Stack(software="megatron-core"))
     lay0 = dc_replace(lay, zero_stage=0)
+    widths = memory_widths(LLAMA8B, lay0)
     per_token = sum(
-        mega.mem_s(v, MEMORY_KIND[k])
+        mega.mem_s(v, MEMORY_KIND[k], widths.get(k))
         for k, v in memory_bytes(LLAMA8B, lay0, "fp8", True, "delayed").items()
     )
     assert layer_terms(LLAMA8B, lay0, mega, "fp8").memory == pytest.approx(per_token)

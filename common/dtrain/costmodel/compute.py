@@ -41,6 +41,7 @@ from .memory_bound import (
     FP8_WEIGHT_CAST_BYTES,
     MEMORY_KIND,
     memory_bytes,
+    memory_widths,
 )
 from .shapes import Layout, ModelShape, last_stage_layers, stage_layers
 
@@ -141,9 +142,10 @@ def _layer_terms(
     )
     fwd_gemm = sum(dev.gemm_s(g, dtype, value_bytes) for g in gemms)
     attn = attention_s(attention, layout, dev)
+    widths = memory_widths(shape, layout)
     mem = (
         {
-            k: dev.mem_s(v, MEMORY_KIND[k])
+            k: dev.mem_s(v, MEMORY_KIND[k], widths.get(k))
             for k, v in memory_bytes(shape, layout, precision, dev.fused, dev.fp8_scaling).items()
         }
         if dev.kernels.memory

@@ -44,9 +44,12 @@ class Device:
         )
         return gemm_time(g, peak, self.hbm_Bps, curve, value_bytes) * scale
 
-    def mem_s(self, nbytes: float, kind: str) -> float:
-        mem = self.kernels.memory
-        return 0.0 if mem is None else nbytes / (self.hbm_Bps * mem[kind])
+    def mem_s(self, nbytes: float, kind: str, width: float | None = None) -> float:
+        """Seconds to move ``nbytes`` in kernels of ``kind`` walking rows of ``width`` elements
+        (None: the kind's median share over the measured widths)."""
+        if self.kernels.memory is None:
+            return 0.0
+        return nbytes / (self.hbm_Bps * self.kernels.memory_share(kind, width))
 
 
 def device_of(cluster: Cluster, calib: Calibration, stack: Stack = Stack()) -> Device:

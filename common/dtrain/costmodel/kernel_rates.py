@@ -4,6 +4,7 @@ shares of HBM bandwidth, sustained clocks and the board power (``KernelModel``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
@@ -74,9 +75,11 @@ class KernelModel:
         False  # the GEMM curve was measured on this GPU (gemm-probe): its clocks are in it
     )
     idle_w: float = 0.0  # board draw at idle, which a lower power cap cannot take from (W)
+    # kernel kind -> ((row width, share of HBM bandwidth), ...) ascending: kernels.yaml by_width
+    memory_by_width: FrozenMap = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "memory", "sources"):
+        for name in ("gemm", "memory", "sources", "memory_by_width"):
             value = getattr(self, name)
             if isinstance(value, dict):
                 object.__setattr__(self, name, FrozenMap(value))
@@ -88,6 +91,22 @@ class KernelModel:
             sources={**self.sources.as_dict(), f"gemm_{dtype}": source},
             gemm_measured=True,
         )
+
+    def memory_share(self, kind: str, width: float | None = None) -> float:
+        """The share of HBM bandwidth a memory-bound kernel of ``kind`` reaches: at ``width``
+        (the rows it walks) where the table has the kind by width, interpolated in log2(width)
+        between the measured widths and held at the end values beyond them; else the median of
+        the widths."""
+        points = self.memory_by_width.get(kind) if width else None
+        if not points:
+            return self.memory[kind]
+        if width <= points[0][0]:
+            return points[0][1]
+        for (w0, s0), (w1, s1) in zip(points, points[1:]):
+            if width <= w1:
+                f = math.log2(width / w0) / math.log2(w1 / w0)
+                return s0 + f * (s1 - s0)
+        return points[-1][1]
 
     def power_scale(self, cap_w: float | None) -> float:
         """Time multiplier of compute-bound kernels under a board power cap below the table's:
@@ -123,7 +142,11 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
         if attention == "eager"
         else AttentionCurve(a["e_max"], a["s_half"], a.get("hd64", 0.8), a.get("dropout", 1.0))
     )
-    mem = {k: v for k, v in e["memory"].items() if k != "source"}
+    mem = {k: v for k, v in e["memory"].items() if k not in ("source", "by_width")}
+    by_width = {
+        kind: tuple(sorted((float(w), float(v)) for w, v in points.items()))
+        for kind, points in (e["memory"].get("by_width") or {}).items()
+    }
     return KernelModel(
         gpu,
         gemm,
@@ -139,4 +162,5 @@ def published(gpu: str, attention: str = "flash") -> KernelModel | None:
             "idle": e.get("idle_source", ""),
         },
         idle_w=e.get("idle_w", 0.0),
+        memory_by_width=by_width,
     )

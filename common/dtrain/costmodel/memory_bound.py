@@ -37,7 +37,9 @@ EAGER_BYTES = 2.5
 #            2), the scale, then to fp32 (read 2, write 4), times the scale (read 4, write 4),
 #            the saturating clamp (read 4, write 4) and the fp8 cast (read 4, write 1): 33 B;
 #            and one transposed copy for the weight-gradient GEMM (_scaled_mm wants its second
-#            operand column-major: read 1, write 1): 2 x 33 + 2 = 68 B. Counted, not measured.
+#            operand column-major: read 1, write 1): 2 x 33 + 2 = 68 B. Counted, not measured:
+#            gpu-check's membound times the cast alone (fp8_cast_eager_fp32, _bf16: torchao's
+#            own, 33 B per element by the ops it dispatches, tests/test_eager_fp8_cast.py).
 FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0, "eager": 68.0}
 # Dynamic scaling casts the block linears' weights at each use, per parameter of the rank's shard
 # and micro-batch:
@@ -130,6 +132,19 @@ MEMORY_KIND = {
     "cp_merge_fwd": "add",
     "cp_merge_bwd": "add",
 }
+
+
+def memory_widths(shape: ModelShape, layout: Layout) -> dict[str, float]:
+    """The row width each by-width kind of ``memory_bytes`` walks on one TP rank (the key of
+    kernels.yaml's ``by_width`` shares): the norms, residual adds and dropout the model width
+    (h/t with sequence parallelism), the MLP activation its hidden width over TP. The other kinds
+    (RoPE, FP8 casts, ring-attention merges) take their kind's median share."""
+    t, h = layout.tp, shape.d_model
+    h_r = h / t if layout.sequence_parallel else h
+    act = "act_swiglu" if shape.gated_mlp else "act_gelu"
+    return {"norm": h_r, "add": h_r, "dropout": h_r, act: shape.ffn_hidden / t}
+
+
 # share of each kind's bytes that the forward moves (what full recompute runs again)
 FORWARD_SHARE = {
     "norm": 0.4,

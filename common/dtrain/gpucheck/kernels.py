@@ -229,6 +229,26 @@ def eager_attention(small: bool = False) -> list[dict]:
     return out
 
 
+# torchao's dynamic tensorwise cast of one tensor run op by op (no compile), per element of a 16-
+# or 32-bit input: the amax (abs: read, write; max: read), a bf16 input's upcast to fp32 (read 2,
+# write 4), times the scale (read 4, write 4), the saturating clamp (read 4, write 4), the fp8 cast
+# (read 4, write 1): 33 bytes either way; its scale's scalar ops (5 one-element kernels) on top.
+# costmodel/memory_bound.py FP8_CAST_BYTES["eager"] counts two of these per tensor
+EAGER_FP8_CAST_BYTES = 33
+
+
+def eager_fp8_cast(t: torch.Tensor):
+    """A call that casts ``t`` to float8 e4m3 as torchao's float8 training does it for a linear's
+    input (``hp_tensor_to_float8_dynamic``), or None where torchao is not installed."""
+    try:
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+    except ImportError:
+        return None
+    config = LinearMMConfig()
+    return lambda: hp_tensor_to_float8_dynamic(t, torch.float8_e4m3fn, config)
+
+
 def membound(small: bool = False) -> dict:
     """Achieved GB/s of the memory-bound kernels a transformer step runs, at LLM widths, bf16 (fp32
     for the optimizer), against a plain copy of the same bytes."""
@@ -287,6 +307,13 @@ def membound(small: bool = False) -> dict:
             d=d,
         )
         add("dropout_fwd", 2 * n + tokens * d, lambda: F.dropout(x.detach(), 0.1, True), d=d)
+        # a linear's input under autocast is fp32 (the norm's output), its output gradient bf16
+        casts = (("fp8_cast_eager_fp32", torch.float32), ("fp8_cast_eager_bf16", torch.bfloat16))
+        for name, cast_dtype in casts:
+            src = x.detach().to(cast_dtype)
+            cast = eager_fp8_cast(src)
+            if cast is not None:  # torchao's cast, unfused, at EAGER_FP8_CAST_BYTES per element
+                add(name, EAGER_FP8_CAST_BYTES * src.numel(), cast, d=d)
         x = w = dy = a = b = dh = None  # frees them (a del hides them from the closures)
     for vocab in (128,) if small else (32768, 128256):
         logits = torch.randn(

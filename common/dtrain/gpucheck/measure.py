@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -34,6 +35,8 @@ def env() -> dict:
         "cuda": torch.version.cuda,
         "nccl": envinfo.nccl_version(),
         "python": sys.version.split()[0],
+        "cpu_model": envinfo.cpu_model(),  # the host whose issue time a profile's floor is
+        "cpu_count": os.cpu_count(),
         "device": str(dev),
         "gpus": envinfo.gpu_facts(),
     }

@@ -30,6 +30,19 @@ def gpu_facts() -> list[dict]:
     return out
 
 
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
+    """The host CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``): eager
+    PyTorch's issue time per op is the host's, so a launch-bound step is traced to its CPU too."""
+    try:
+        for line in Path(cpuinfo).read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def nccl_version() -> str | None:
     import torch
 
@@ -90,6 +103,7 @@ def collect(
         "cuda": torch.version.cuda,
         "nccl": nccl_version(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "threads_per_rank": threads_per_rank,
         "gpus": gpu_facts(),
         "backend": backend,
