@@ -241,8 +241,10 @@ def test_fp8_cast_bytes_are_the_h200_probes_geometric_mean():
 def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them_in_fp8():
     """Llama-3-8B, one layer, tp=1, full recompute, on an H100: dynamic scaling (torchtitan) adds
     8 B per block weight (forward 5, backward 3) at the add rate, and the recompute's forward 5
-    again; FSDP gathering the weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer, and
-    delayed scaling (TransformerEngine) has none."""
+    again; FSDP gathering the weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer and
+    leaves the input gradient's transposed copy, 2 B, which the recompute does not repeat; delayed
+    scaling (TransformerEngine) has none. step_time applies it (its per-micro-batch layout keeps
+    the ZeRO stage)."""
     from dataclasses import replace as dc_replace
 
     from dtrain.costmodel.compute import layer_terms
@@ -262,9 +264,21 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
         terms(software="torchtitan", fp8_all_gather="tp+fsdp"),
     )
     dev = device_of(cluster, Calibration(), Stack(software="torchtitan"))
-    cast = dev.mem_s(8.0 * weights, "add")
-    assert titan.memory - gathered.memory == pytest.approx(cast)
+    cast, copy = dev.mem_s(8.0 * weights, "add"), dev.mem_s(2.0 * weights, "add")
+    assert titan.memory - gathered.memory == pytest.approx(cast - copy)
     assert titan.recompute - gathered.recompute == pytest.approx(cast * 5 / 8)
+    step = {
+        gather: step_time(
+            LLAMA8B,
+            lay,
+            cluster,
+            Calibration(),
+            "fp8",
+            stack=Stack(software="torchtitan", fp8_all_gather=gather),
+        ).terms
+        for gather in ("tp", "tp+fsdp")
+    }
+    assert step["tp"].memory - step["tp+fsdp"].memory == pytest.approx(32 * (cast - copy))
     zero0 = layer_terms(
         LLAMA8B,
         dc_replace(lay, zero_stage=0),

@@ -38,6 +38,7 @@ from .efficiency import head_gemm, layer_gemms, op_recompute_gemms
 from .memory_bound import (
     EAGER_FP8_WEIGHT_CAST_BYTES,
     FORWARD_SHARE,
+    FP8_GATHERED_WEIGHT_BYTES,
     FP8_WEIGHT_CAST_BYTES,
     MEMORY_KIND,
     memory_bytes,
@@ -111,13 +112,15 @@ def layer_terms(
         sequence_parallel=layout.sequence_parallel,
         cp_impl=layout.cp_impl,
     )
-    # FSDP (ZeRO 2/3) gathering the weights in FP8 casts them on the shard, off the layer
-    weight_casts = (
-        precision == "fp8"
-        and dev.fp8_scaling in ("dynamic", "eager")
-        and not (dev.fp8_weight_gather and layout.zero_stage >= 2)
-    )
-    return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts)
+    # dynamic scaling casts the weights on the layer at each use; FSDP (ZeRO 2/3) gathering them
+    # in FP8 casts them on the shard, off the layer, and leaves the backward's transposed copy
+    weight_casts = ""
+    if precision == "fp8" and dev.fp8_scaling in ("dynamic", "eager"):
+        gathered = dev.fp8_weight_gather and layout.zero_stage >= 2
+        weight_casts = "gathered" if gathered else "layer"
+    # the trainer under FSDP computes in bf16 parameters without autocast (BF16_PARAMS_BYTES)
+    bf16_params = dev.bf16_params_sharded and layout.zero_stage >= 2
+    return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts, bf16_params)
 
 
 @lru_cache(maxsize=1 << 14)
@@ -127,7 +130,8 @@ def _layer_terms(
     dev: Device,
     precision: str,
     value_bytes: int,
-    weight_casts: bool = False,
+    weight_casts: str = "",
+    bf16_params: bool = False,
 ) -> ComputeTerms:
     local = replace(
         shape, seq_len=shape.seq_len // layout.cp
@@ -146,18 +150,21 @@ def _layer_terms(
     mem = (
         {
             k: dev.mem_s(v, MEMORY_KIND[k], widths.get(k))
-            for k, v in memory_bytes(shape, layout, precision, dev.fused, dev.fp8_scaling).items()
+            for k, v in memory_bytes(
+                shape, layout, precision, dev.fused, dev.fp8_scaling, bf16_params
+            ).items()
         }
         if dev.kernels.memory
         else {}
     )
-    if weight_casts and mem:
+    weights = shape.params_per_layer_on_rank(layout.tp)
+    if weight_casts == "layer" and mem:
         per_param = (
             EAGER_FP8_WEIGHT_CAST_BYTES if dev.fp8_scaling == "eager" else FP8_WEIGHT_CAST_BYTES
         )
-        mem["fp8_weight_cast"] = dev.mem_s(
-            per_param * shape.params_per_layer_on_rank(layout.tp), "add"
-        )
+        mem["fp8_weight_cast"] = dev.mem_s(per_param * weights, "add")
+    elif weight_casts == "gathered" and mem:
+        mem["fp8_weight_copy"] = dev.mem_s(FP8_GATHERED_WEIGHT_BYTES * weights, "add")
     rc = 0.0
     if layout.recompute == "full":
         rc = (

@@ -35,6 +35,7 @@ class Device:
         False  # FSDP gathers the block linears' weights in FP8 (Stack.fp8_all_gather tp+fsdp)
     )
     optimizer: str | None = None  # Stack.optimizer: the AdamW the stack names (None: as kernels)
+    bf16_params_sharded: bool = False  # Stack.bf16_params_sharded: bf16 compute under FSDP
 
     def gemm_s(self, g: Gemm, dtype: str = "bf16", value_bytes: int = 2) -> float:
         curve = self.kernels.gemm.get(dtype) or self.kernels.gemm["bf16"]
@@ -81,4 +82,5 @@ def _device(gpu: GPUProfile, mfu: Param, gemm_half_flops: Param, stack: Stack) -
         stack.fp8_casts,
         stack.fp8_gathers("fp8")[1],
         stack.optimizer,
+        stack.bf16_params_sharded,
     )

@@ -44,6 +44,14 @@ per micro-batch, outside the blocks: the output projection's 3 GEMMs, the loss's
 per step: ``STEP_ELEMENTWISE`` (embeddings and their backward, the final norm, the logits' fp32
 cast and its gradient, clipping's scalar math, the loss read back), the one number here taken from
 the measured counts: the 1B/8-layer and 7B/4-layer profiles less 40 per block (157 and 154).
+
+Under FSDP2 the trainer runs no autocast (bf16 parameters): ``dtrain.gpucheck.eager_bytes`` counts
+22 (RMSNorm, no bias) to 34 (LayerNorm, biases) fewer elementwise ops per block than under autocast,
+and its GPU time prices that (``memory_bound.BF16_PARAMS_BYTES``). The launch count keeps
+autocast's: with it the trainer's launch-bound FSDP2 steps (125M at 8 x 2K and 2 x 8K tokens on the
+H100) are predicted at -1% and -7%, without it at -18% and -23%, so FSDP2's hooks cost a
+GPU's host more per unit than ``fsdp2_unit``'s CPU probe shows (it runs gloo, no CUDA streams or
+events), by about those ops. Not measured on a GPU host yet: the count stands in for it.
 """
 
 from __future__ import annotations

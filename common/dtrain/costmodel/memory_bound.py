@@ -15,6 +15,13 @@ from .shapes import Layout, ModelShape
 # kernels on the H100 against 95 ps for the count below;
 # measured/h100-sxm/gpu-check-20261125-105450, step_profile).
 EAGER_BYTES = 2.5
+# The same eager step in bf16 parameters without autocast (FSDP2's MixedPrecisionPolicy: dtrain's
+# trainer and the eager stack under ZeRO-2/3) moves this share of autocast's bytes: no casts of the
+# linears' inputs and of their gradients, a bf16 residual stream, bf16 norms. Counted from the ops
+# PyTorch dispatches (python -m dtrain.gpucheck.eager_bytes, per token and layer: 125m and 350m
+# 114 of 226 x d_model B, 0.504; 1b and 7b 96 of 208, 0.462), the geometric mean. The autocast
+# count itself is 2.48-2.69x the fused one, the GPU's EAGER_BYTES 2.5 (tests/test_eager_bytes.py).
+BF16_PARAMS_BYTES = 0.48
 # FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add
 # kernel's rate, by how the run scales them (``Stack.fp8_scaling``):
 #   dynamic  torchao's tensorwise float8 (torchtitan, dtrain), compiled: what it adds to the
@@ -49,13 +56,24 @@ FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0, "eager": 68.0}
 # before the gather), nor with delayed scaling (TransformerEngine casts a weight once per step, its
 # first micro-batch, and keeps it).
 FP8_WEIGHT_CAST_BYTES = 8.0
+# FSDP gathering the weights in FP8 (torchao enable_fsdp_float8_all_gather): the shard is cast
+# before the gather and the forward GEMM reads the gathered FP8 weight as it is; the input-gradient
+# GEMM wants it column-major, a transposed copy per micro-batch (read 1, write 1; torchao
+# float8_mm's ``b_data.t().contiguous().t()``), which a recompute does not repeat. The shard's
+# cast (5 B per shard element per gather) is left out
+FP8_GATHERED_WEIGHT_BYTES = 2.0
 # Eager (no compile): the weight is cast at both its uses (forward, input gradient), 33 B each
 # from fp32 (abs 8, max 4, scale 8, clamp 8, fp8 cast 5), and copied transposed once (2): 68 B
 EAGER_FP8_WEIGHT_CAST_BYTES = 68.0
 
 
 def memory_bytes(
-    shape: ModelShape, layout: Layout, precision: str, fused: bool, fp8_scaling: str = "delayed"
+    shape: ModelShape,
+    layout: Layout,
+    precision: str,
+    fused: bool,
+    fp8_scaling: str = "delayed",
+    bf16_params: bool = False,
 ) -> dict:
     """Bytes the memory-bound kernels of one layer move per micro-batch, forward+backward, by kind.
 
@@ -93,7 +111,8 @@ def memory_bytes(
     if layout.cp > 1 and layout.cp_impl == "torch":
         out["cp_merge_fwd"], out["cp_merge_bwd"] = cp_merge_bytes(layout.cp, heads * hd)
     tokens = layout.micro_batch * shape.seq_len
-    scale = 1.0 if fused else EAGER_BYTES
+    # eager: EAGER_BYTES x the count, under autocast, or BF16_PARAMS_BYTES of it in bf16 parameters
+    scale = 1.0 if fused else EAGER_BYTES * (BF16_PARAMS_BYTES if bf16_params else 1.0)
     return {k: v * tokens * (1.0 if k in _COUNTED_AS_RUN else scale) for k, v in out.items()}
 
 
@@ -155,6 +174,7 @@ FORWARD_SHARE = {
     "dropout": 0.5,
     "fp8_cast": 0.5,
     "fp8_weight_cast": 5 / 8,
+    "fp8_weight_copy": 0.0,
     "cp_merge_fwd": 1.0,
     "cp_merge_bwd": 0.0,
 }

@@ -22,6 +22,9 @@ FP8_SCALINGS = ("delayed", "dynamic", "eager")  # see Stack.fp8_scaling
 DYNAMIC_FP8_SOFTWARE = ("torchtitan", "dtrain")  # torchao's float8 training: dynamic scales only
 EAGER_FP8_SOFTWARE = ("fsdp-eager",)  # the same without compile: its casts run op by op
 OPTIMIZERS = ("foreach", "fused")  # see Stack.optimizer
+# the eager stack and dtrain's own trainer: bf16 under autocast without FSDP, and in FSDP2's bf16
+# parameters without autocast under it (ZeRO-2/3; dtrain.train.trainer._default_autocast)
+TRAINER_SOFTWARE = ("fsdp-eager", "dtrain")
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,12 @@ class Stack:
         if self.software in EAGER_FP8_SOFTWARE:
             return "eager"
         return "dynamic" if self.software in DYNAMIC_FP8_SOFTWARE else "delayed"
+
+    @property
+    def bf16_params_sharded(self) -> bool:
+        """Under FSDP (ZeRO-2/3) the blocks compute in bf16 parameters without autocast
+        (``memory_bound.BF16_PARAMS_BYTES``): dtrain's trainer and the eager stack."""
+        return self.software in TRAINER_SOFTWARE
 
     @property
     def runs(self) -> Software:

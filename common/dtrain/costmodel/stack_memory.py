@@ -11,9 +11,7 @@ from .eager import linear_params
 from .memory import MemoryBreakdown, memory_per_gpu
 from .model_states import fsdp2_state_bytes, params_per_gpu
 from .shapes import Layout, ModelShape, stage_layers
-from .stack import Stack
-
-TRAINER_SOFTWARE = ("fsdp-eager", "dtrain")  # the eager stack and dtrain's own trainer
+from .stack import TRAINER_SOFTWARE, Stack
 
 
 def memory_for(

@@ -185,6 +185,8 @@ class StepModel(StepComm):
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
         one = micro_layout(lay)
+        if lay.zero_stage >= 2:  # FSDP's bf16 parameters and FP8 weight gather: layer_terms
+            one = replace(one, zero_stage=2)
         t = self._micro.get(one)
         if t is None:
             t = _micro_terms(
