@@ -244,7 +244,8 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
     again; FSDP gathering the weights in FP8 (tp+fsdp, ZeRO 3) moves the cast off the layer and
     leaves the input gradient's transposed copy, 2 B, which the recompute does not repeat; delayed
     scaling (TransformerEngine) has none. step_time applies it (its per-micro-batch layout keeps
-    the ZeRO stage)."""
+    the ZeRO stage) and adds the shard's cast before each gather, 5 B per element of the rank's
+    eighth, twice a micro-batch under ZeRO-3."""
     from dataclasses import replace as dc_replace
 
     from dtrain.costmodel.compute import layer_terms
@@ -278,7 +279,10 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
         ).terms
         for gather in ("tp", "tp+fsdp")
     }
-    assert step["tp"].memory - step["tp+fsdp"].memory == pytest.approx(32 * (cast - copy))
+    shard_casts = 2 * dev.mem_s(5.0 * 32 * weights / 8, "add")
+    assert step["tp"].memory - step["tp+fsdp"].memory == pytest.approx(
+        32 * (cast - copy) - shard_casts
+    )
     zero0 = layer_terms(
         LLAMA8B,
         dc_replace(lay, zero_stage=0),
@@ -491,3 +495,16 @@ def test_a_model_whose_sharded_states_exceed_hbm_is_refused_without_timing_a_lay
     floor = 16 * shape.num_params() / 64 / 2**30
     assert f"need {floor:.1f} GiB per GPU > 72.0 GiB usable" in fast.reason
     assert search(shape, cluster, 1024).best is None
+
+
+def test_weight_gathers_per_step_by_zero_stage():
+    """One home for how often a step gathers the weights (the DP traffic and FSDP's FP8 shard
+    casts both count them): 4 micro-batches."""
+    from dtrain.costmodel.comm_time import weight_gathers_per_step as gathers
+
+    def lay(zero, pp=1):
+        return Layout(dp_shard=8, zero_stage=zero, pp=pp, grad_accum=4)
+
+    assert [gathers(lay(z)) for z in (0, 1, 2, 3)] == [0, 1, 1, 8]
+    assert gathers(lay(2), zero2_regathers=True) == 4  # FSDP2 without resharding after forward
+    assert gathers(lay(3, pp=2)) == 1  # a stage keeps its weights gathered across micro-batches

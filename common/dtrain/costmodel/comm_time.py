@@ -82,19 +82,31 @@ def dp_comm_time(
         across = group_link(cluster, r, lay.tp * n, multi_rail=True)
         rs += allreduce_time(volume.hsdp_replica_bytes(grads, n), r, across)
     m = lay.grad_accum
+    gathers = weight_gathers_per_step(lay, zero2_regathers)
     if lay.zero_stage == 0:
         return allreduce_time(grads, lay.dp, link), 0.0
     if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
-        return (
-            rs,
-            ag,
-        )  # once per step (ZeRO-3 under PP keeps a stage's weights gathered across micro-batches)
+        return rs, gathers * ag
     if lay.zero_stage == 2:
-        return m * rs, (m if zero2_regathers else 1) * ag
+        return m * rs, gathers * ag
     units = (
         stage_layers(shape, lay.pp, lay.pp_split) + 1
     )  # FSDP: a unit per block + the root; α per unit
     lat_ag, lat_rs = (
         (units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter")
     )
-    return m * (rs + lat_rs), m * 2 * (ag + lat_ag)
+    return m * (rs + lat_rs), gathers * (ag + lat_ag)
+
+
+def weight_gathers_per_step(lay: Layout, zero2_regathers: bool = False) -> int:
+    """How often one step gathers each weight over the shard group: ZeRO-1 once (after the
+    optimizer), and ZeRO-3 under PP (a stage keeps its weights gathered across micro-batches);
+    ZeRO-2 once, or for every micro-batch where FSDP2 runs it (``zero2_regathers``); ZeRO-3 twice a
+    micro-batch (forward, and again for backward); ZeRO-0 never."""
+    if lay.zero_stage == 0:
+        return 0
+    if lay.zero_stage == 1 or (lay.zero_stage == 3 and lay.pp > 1):
+        return 1
+    if lay.zero_stage == 2:
+        return lay.grad_accum if zero2_regathers else 1
+    return 2 * lay.grad_accum

@@ -39,6 +39,7 @@ from .memory_bound import (
     EAGER_FP8_WEIGHT_CAST_BYTES,
     FORWARD_SHARE,
     FP8_GATHERED_WEIGHT_BYTES,
+    FP8_SHARD_CAST_BYTES,
     FP8_WEIGHT_CAST_BYTES,
     MEMORY_KIND,
     memory_bytes,
@@ -191,6 +192,14 @@ def head_s(shape: ModelShape, layout: Layout, dev: Device, value_bytes: int = 2)
         logits = layout.micro_batch * shape.seq_len // layout.cp * g.n
         t += dev.mem_s(6 * logits, "softmax" if dev.fused_loss else "cross_entropy")
     return t
+
+
+def fp8_shard_cast_s(shape: ModelShape, layout: Layout, dev: Device, gathers: int) -> float:
+    """FSDP's FP8 all-gather casts the rank's shard of its stage's block weights before each of
+    the step's ``gathers`` (``comm_time.weight_gathers_per_step``): FP8_SHARD_CAST_BYTES each."""
+    layers = stage_layers(shape, layout.pp, layout.pp_split)
+    shard = layers * shape.params_per_layer_on_rank(layout.tp) / layout.shard_group
+    return gathers * dev.mem_s(FP8_SHARD_CAST_BYTES * shard, "add")
 
 
 def optimizer_s(params_with_states: float, params_local: float, dev: Device) -> float:

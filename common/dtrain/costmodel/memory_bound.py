@@ -59,9 +59,12 @@ FP8_WEIGHT_CAST_BYTES = 8.0
 # FSDP gathering the weights in FP8 (torchao enable_fsdp_float8_all_gather): the shard is cast
 # before the gather and the forward GEMM reads the gathered FP8 weight as it is; the input-gradient
 # GEMM wants it column-major, a transposed copy per micro-batch (read 1, write 1; torchao
-# float8_mm's ``b_data.t().contiguous().t()``), which a recompute does not repeat. The shard's
-# cast (5 B per shard element per gather) is left out
+# float8_mm's ``b_data.t().contiguous().t()``), which a recompute does not repeat; and before each
+# gather the shard's cast to FP8 (read 4, write 1 per element of the rank's shard; the scale's amax
+# precomputed once a step), FP8_SHARD_CAST_BYTES per shard element and gather
+# (compute.fp8_shard_cast_s)
 FP8_GATHERED_WEIGHT_BYTES = 2.0
+FP8_SHARD_CAST_BYTES = 5.0
 # Eager (no compile): the weight is cast at both its uses (forward, input gradient), 33 B each
 # from fp32 (abs 8, max 4, scale 8, clamp 8, fp8 cast 5), and copied transposed once (2): 68 B
 EAGER_FP8_WEIGHT_CAST_BYTES = 68.0

@@ -42,7 +42,8 @@ from dtrain.parallel import traffic as volume
 
 from . import eager
 from .calibration import Calibration
-from .compute import ComputeTerms, _micro_terms, optimizer_s
+from .comm_time import weight_gathers_per_step
+from .compute import ComputeTerms, _micro_terms, fp8_shard_cast_s, optimizer_s
 from .device_rates import device_of
 from .hardware import Cluster
 from .model_states import params_per_gpu
@@ -209,6 +210,16 @@ class StepModel(StepComm):
             terms = replace(
                 terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
             )
+        dev = self.dev  # torchao's FSDP FP8 all-gather (dynamic scales): its shard casts
+        if (
+            self.fp8_gemms
+            and dev.fp8_weight_gather
+            and dev.fp8_scaling in ("dynamic", "eager")
+            and lay.zero_stage >= 2
+        ):
+            gathers = weight_gathers_per_step(lay, self.stack.runs.zero2_regathers)
+            cast = fp8_shard_cast_s(self.shape, lay, self.dev, gathers)
+            terms = replace(terms, memory=terms.memory + cast)
         if lay.grad_accum > 1 and self.stack.software in eager.ACCUMULATING_SOFTWARE:
             add = eager.grad_accum_s(local, lay.grad_accum, self.dev)
             terms = replace(terms, memory=terms.memory + add)
