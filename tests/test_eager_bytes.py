@@ -76,3 +76,33 @@ def test_the_trainer_under_fsdp_moves_bf16_params_bytes(software):
     other = Stack("flash2", "eager", "eager", software="torchtitan")
     odev = device_of(cluster, Calibration(), other)
     assert layer_terms(GPT_1B, sharded, odev).memory == layer_terms(GPT_1B, plain, odev).memory
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "nope"], "error: --preset nope: choose one of tiny, small, 125m"),
+        (["--width", "6"], "error: --width 6: give a positive multiple of 4"),
+        (["--widthx", "6"], "unrecognized arguments: --widthx 6"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args, message, capsys):
+    from dtrain.gpucheck.eager_bytes import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_cli_prints_the_counts(capsys):
+    import json
+
+    from dtrain.gpucheck.eager_bytes import main
+
+    assert main(["--preset", "tiny", "--width", "64", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["bf16"]["bytes_per_d"] == pytest.approx(hand_count(False, False), abs=0.3)
+    assert got["bf16_over_autocast_bytes"] == pytest.approx(
+        got["bf16"]["bytes_per_d"] / got["autocast"]["bytes_per_d"]
+    )

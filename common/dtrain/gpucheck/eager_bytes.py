@@ -27,7 +27,6 @@ bytes.
 
 from __future__ import annotations
 
-import argparse
 import json
 from contextlib import nullcontext
 
@@ -134,11 +133,22 @@ def count(preset: str, width: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dtrain.gpucheck.eager_bytes", description=__doc__)
-    p.add_argument("--preset", default="125m", help="dtrain's GPT preset (its norms, bias)")
-    p.add_argument("--width", type=int, default=256, help="d_model of the counted model")
+    from dtrain.cli.main import OneLineParser
+    from dtrain.core.errors import UserError, fail
+    from dtrain.model.args import PRESETS
+
+    p = OneLineParser(prog="python -m dtrain.gpucheck.eager_bytes", description=__doc__)
+    p.add_argument("--preset", default="125m", help=f"dtrain's GPT preset: {', '.join(PRESETS)}")
+    p.add_argument("--width", type=int, default=256, help="d_model counted (a multiple of 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    a = p.parse_args(argv)
+    try:
+        a = p.parse_args(argv)
+        if a.preset not in PRESETS:
+            raise UserError(f"--preset {a.preset}: choose one of {', '.join(PRESETS)}")
+        if a.width < 4 or a.width % 4:  # 4 heads
+            raise UserError(f"--width {a.width}: give a positive multiple of 4 (the model's heads)")
+    except UserError as e:
+        fail(str(e))
     got = count(a.preset, a.width)
     if a.json:
         print(json.dumps(got))
