@@ -211,3 +211,23 @@ def backtest_measured_case_without_fp8(tmp_path, case):
     (row,) = backtest_measured(str(other.parent))
     assert row.case.precision == "bf16"
     return row
+
+
+def test_a_launch_bound_floor_on_an_unmeasured_host_is_named():
+    """Only the profiles from hosts whose issue time no record measured (the 2026-11-25 H100's,
+    the H200's) are priced with another host's: the table says so where the floor sets the step."""
+    from pathlib import Path
+
+    from dtrain.costmodel.backtest_measured import host_measured
+
+    rows = backtest_measured(Path(__file__).parents[1] / "measured")
+
+    def folder(r):  # the gpu-check or probe session a case came from
+        return next(p for p in Path(r.case.source).parts if p.startswith(("gpu-check-", "probe-")))
+
+    flagged = {(r.case.gpu, folder(r)) for r in rows if not host_measured(r.case)}
+    assert ("h100-sxm", "gpu-check-20261127-085952") not in flagged
+    assert {("h100-sxm", "gpu-check-20261125-105450"), ("h200", "probe-20261126-0510")} <= flagged
+    text = "\n".join(text_lines(rows))
+    named = [r for r in rows if r.launch_bound and not host_measured(r.case)]
+    assert len(named) == text.count("floor: this host's issue time was not measured") == 3

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 import textwrap
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from .calibration import Calibration
@@ -139,6 +140,13 @@ def score(case: Case) -> Scored:
     return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
 
 
+def host_measured(case: Case) -> bool:
+    """The case ran on the host eager.yaml's issue time for its GPU was measured on: its gpu-check
+    folder (``gpu-check-<date>-<time>``) is the one that source names."""
+    source = host_op_s(case.gpu)[1]
+    return any(p.startswith("gpu-check-") and p in source for p in Path(case.source).parts)
+
+
 def phase_text(phases: dict) -> str:
     """A profile's phases as 'forward 12.0/30.1 ...' (host ms / GPU ms; '-' where no GPU)."""
 
@@ -215,6 +223,11 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         elif c.not_modelled:
             out.append(f"  not predicted: {c.not_modelled}")
         out += wrap.wrap(f"note: {c.note}") if c.note else []
+        if r.launch_bound and not host_measured(c):
+            out += wrap.wrap(
+                "floor: this host's issue time was not measured; priced at eager.yaml's "
+                f"{host_op_s(c.gpu)[0] * 1e6:.1f} us per launch, another host's"
+            )
         if r.by_category:
             out += wrap.wrap(
                 "GPU ms m/p: "
@@ -328,6 +341,7 @@ def as_json(rows: list[Scored]) -> dict:
             "predicted_mem_bytes": r.predicted_mem_bytes,
             "memory_error": r.memory_error,
             "launch_bound": r.launch_bound,
+            "host_measured": host_measured(c),
             "dispatch_floor_s": r.dispatch_floor_s,
             "host_per_launch_s": r.host_per_launch_s,
             "predicted_gpu_work_s": r.gpu_work_s,
