@@ -109,6 +109,19 @@ def test_measured_backtest_on_a_fabricated_folder(tmp_path):
     # the host's issue time per launch the model counts (as eager.yaml's host_op_s)
     assert new.host_per_launch_s == pytest.approx(0.01 / new.kernels["total"][1])
     assert old.host_per_launch_s is None
+    # its session's host issue time floors the session's cases: the one timed case's floor is its
+    # own cpu_dispatch_s; the trainer run outside any session takes eager.yaml's, another host's
+    from dtrain.costmodel.backtest_measured import counted_launches
+    from dtrain.costmodel.eager import host_op_s
+
+    assert new.host_measured and old.host_measured and not run.host_measured
+    assert new.dispatch_floor_s == pytest.approx(0.01)
+    assert old.dispatch_floor_s == pytest.approx(
+        0.01 / counted_launches(new.case) * counted_launches(old.case)
+    )
+    assert run.dispatch_floor_s == pytest.approx(
+        counted_launches(run.case) * host_op_s("h100-sxm")[0]
+    )
     lines = text_lines(rows)
     assert any(x.startswith("  GPU busy 31.0 ms of the step measured") for x in lines)
     assert any("does not fit (right)" in x for x in lines)  # 7B at 8 x 32K tokens on one H100
@@ -213,21 +226,27 @@ def backtest_measured_case_without_fp8(tmp_path, case):
     return row
 
 
-def test_a_launch_bound_floor_on_an_unmeasured_host_is_named():
-    """Only the profiles from hosts whose issue time no record measured (the 2026-11-25 H100's,
-    the H200's) are priced with another host's: the table says so where the floor sets the step."""
+def test_each_session_is_floored_with_its_own_hosts_issue_time():
+    """A session whose profiles timed the host (cpu_dispatch_s) floors every case of it, its
+    trainer runs too, with that host's issue time: the 2026-11-27 H100's is eager.yaml's. The
+    sessions that timed none (the 2026-11-25 H100's, the H200's) take eager.yaml's, another
+    host's: the table says so where that floor sets the step."""
     from pathlib import Path
 
-    from dtrain.costmodel.backtest_measured import host_measured
+    from dtrain.costmodel.backtest_measured import session_host_s, session_of
+    from dtrain.costmodel.eager import host_op_s
+    from dtrain.costmodel.measured_cases import measured_cases
 
-    rows = backtest_measured(Path(__file__).parents[1] / "measured")
-
-    def folder(r):  # the gpu-check or probe session a case came from
-        return next(p for p in Path(r.case.source).parts if p.startswith(("gpu-check-", "probe-")))
-
-    flagged = {(r.case.gpu, folder(r)) for r in rows if not host_measured(r.case)}
-    assert ("h100-sxm", "gpu-check-20261127-085952") not in flagged
-    assert {("h100-sxm", "gpu-check-20261125-105450"), ("h200", "probe-20261126-0510")} <= flagged
+    folder = Path(__file__).parents[1] / "measured"
+    hosts = session_host_s(measured_cases(folder))
+    assert list(hosts) == ["gpu-check-20261127-085952"]
+    assert hosts["gpu-check-20261127-085952"] == pytest.approx(host_op_s("h100-sxm")[0], rel=2e-3)
+    rows = backtest_measured(folder)
+    own = {(r.case.gpu, session_of(r.case)) for r in rows if r.host_measured}
+    other = {(r.case.gpu, session_of(r.case)) for r in rows if not r.host_measured}
+    assert own == {("h100-sxm", "gpu-check-20261127-085952")}
+    assert {("h100-sxm", "gpu-check-20261125-105450"), ("h200", "probe-20261126-0510")} <= other
+    assert all(r.host_measured for r in rows if r.case.name.startswith("eager_125m"))  # trainer
     text = "\n".join(text_lines(rows))
-    named = [r for r in rows if r.launch_bound and not host_measured(r.case)]
+    named = [r for r in rows if r.launch_bound and not r.host_measured]
     assert len(named) == text.count("floor: this host's issue time was not measured") == 3

@@ -52,6 +52,7 @@ class Scored:
     by_category: dict = field(default_factory=dict)  # category -> (measured s, predicted s)
     kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
     gpu_work_s: float = 0.0  # the predicted GPU seconds (every category's, summed)
+    host_measured: bool = False  # the floor is its own session's host issue time (session_host_s)
 
     @property
     def host_per_launch_s(self) -> float | None:
@@ -112,7 +113,35 @@ def measured_categories(case: Case, values: dict) -> dict[str, float]:
     return out
 
 
-def score(case: Case) -> Scored:
+def session_of(case: Case) -> str:
+    """The gpu-check or probe session a case was measured in (its folder's name), '' if none."""
+    parts = Path(case.source).parts
+    return next((p for p in parts if p.startswith(("gpu-check-", "probe-"))), "")
+
+
+def counted_launches(case: Case) -> float:
+    """What the model says the case's host issues in one step (``eager.host_launches``)."""
+    counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
+    return host_launches(case.shape, case.layout, counts)
+
+
+def session_host_s(cases: list[Case]) -> dict[str, float]:
+    """Each session's host issue time per launch where its profiles timed the host
+    (``cpu_dispatch_s``): the median over its eager_sweep cases (else its other profile cases) of
+    cpu_dispatch_s / ``counted_launches``, as eager.yaml's ``host_op_s`` is derived. Every case of
+    that session, its trainer runs too, is floored with it: a host's issue time, not another's."""
+    timed: dict[str, dict[bool, list[float]]] = {}
+    for c in cases:
+        if c.cpu_dispatch_s and session_of(c):
+            sweep = c.name.startswith("eager_sweep")
+            per = c.cpu_dispatch_s / counted_launches(c)
+            timed.setdefault(session_of(c), {}).setdefault(sweep, []).append(per)
+    return {s: statistics.median(by.get(True) or by[False]) for s, by in timed.items()}
+
+
+def score(case: Case, host_s: float | None = None) -> Scored:
+    """``host_s``: the case's own host's issue time per launch (``session_host_s``); None:
+    eager.yaml's for its GPU, another host's."""
     cluster = Cluster.from_profile(get_profile(case.gpu), case.layout.gpus, 8)
     mem = memory_for(case.shape, case.layout, case.stack, precision=case.precision).total
     if case.not_modelled:
@@ -126,10 +155,10 @@ def score(case: Case) -> Scored:
     )
     # the floor with the case's own structure (biases, learned positions), as the plan cannot
     counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer)
-    host = host_op_s(case.gpu)[0]
+    host = host_s or host_op_s(case.gpu)[0]
     floor = 0.0
     if t.kernels:  # as timemodel.step_time prices it: kernels and FSDP2's hooks
-        floor = dispatch_floor_s(host_launches(case.shape, case.layout, counts), host)
+        floor = dispatch_floor_s(counted_launches(case), host)
     total = max(t.total, floor)
     kernels = {}
     if case.kernels:
@@ -137,14 +166,8 @@ def score(case: Case) -> Scored:
         kernels = {k: (int(got[k]), counts.get(k, 0)) for k in CATEGORIES}
         kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
     bound = bool(floor) and floor >= total
-    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()))
-
-
-def host_measured(case: Case) -> bool:
-    """The case ran on the host eager.yaml's issue time for its GPU was measured on: its gpu-check
-    folder (``gpu-check-<date>-<time>``) is the one that source names."""
-    source = host_op_s(case.gpu)[1]
-    return any(p.startswith("gpu-check-") and p in source for p in Path(case.source).parts)
+    measured = host_s is not None
+    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()), measured)
 
 
 def phase_text(phases: dict) -> str:
@@ -223,7 +246,7 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         elif c.not_modelled:
             out.append(f"  not predicted: {c.not_modelled}")
         out += wrap.wrap(f"note: {c.note}") if c.note else []
-        if r.launch_bound and not host_measured(c):
+        if r.launch_bound and not r.host_measured:
             out += wrap.wrap(
                 "floor: this host's issue time was not measured; priced at eager.yaml's "
                 f"{host_op_s(c.gpu)[0] * 1e6:.1f} us per launch, another host's"
@@ -341,7 +364,7 @@ def as_json(rows: list[Scored]) -> dict:
             "predicted_mem_bytes": r.predicted_mem_bytes,
             "memory_error": r.memory_error,
             "launch_bound": r.launch_bound,
-            "host_measured": host_measured(c),
+            "host_measured": r.host_measured,
             "dispatch_floor_s": r.dispatch_floor_s,
             "host_per_launch_s": r.host_per_launch_s,
             "predicted_gpu_work_s": r.gpu_work_s,
@@ -364,7 +387,9 @@ def as_json(rows: list[Scored]) -> dict:
 
 
 def backtest_measured(folder: str) -> list[Scored]:
-    return [score(c) for c in measured_cases(folder)]
+    cases = measured_cases(folder)
+    hosts = session_host_s(cases)
+    return [score(c, hosts.get(session_of(c))) for c in cases]
 
 
 def run(folder: str, as_json_out: bool = False) -> int:
