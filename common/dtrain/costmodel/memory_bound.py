@@ -21,6 +21,9 @@ EAGER_BYTES = 2.5
 # PyTorch dispatches (python -m dtrain.gpucheck.eager_bytes, per token and layer: 125m and 350m
 # 114 of 226 x d_model B, 0.504; 1b and 7b 96 of 208, 0.462), the geometric mean. The autocast
 # count itself is 2.48-2.69x the fused one, the GPU's EAGER_BYTES 2.5 (tests/test_eager_bytes.py).
+# A stack that keeps autocast on over FSDP's bf16 parameters (Accelerate's FSDP with
+# mixed_precision="bf16") moves more: CUDA autocast runs LayerNorm in fp32 (casts in and out), which
+# the CPU's autocast, where this is counted, does not.
 BF16_PARAMS_BYTES = 0.48
 # FP8 casts per element of a linear layer's input and output gradient, in HBM bytes at the add
 # kernel's rate, by how the run scales them (``Stack.fp8_scaling``):
