@@ -113,15 +113,20 @@ def layer_terms(
         sequence_parallel=layout.sequence_parallel,
         cp_impl=layout.cp_impl,
     )
-    # dynamic scaling casts the weights on the layer at each use; FSDP (ZeRO 2/3) gathering them
-    # in FP8 casts them on the shard, off the layer, and leaves the backward's transposed copy
-    weight_casts = ""
-    if precision == "fp8" and dev.fp8_scaling in ("dynamic", "eager"):
-        gathered = dev.fp8_weight_gather and layout.zero_stage >= 2
-        weight_casts = "gathered" if gathered else "layer"
+    weight_casts = fp8_weight_casts(dev, precision, layout.zero_stage)
     # the trainer under FSDP computes in bf16 parameters without autocast (BF16_PARAMS_BYTES)
     bf16_params = dev.bf16_params_sharded and layout.zero_stage >= 2
     return _layer_terms(shape, key, dev, precision, value_bytes, weight_casts, bf16_params)
+
+
+def fp8_weight_casts(dev: Device, precision: str, zero_stage: int) -> str:
+    """Where the block weights are cast to FP8: "layer" (dynamic scaling, at each use), "gathered"
+    (FSDP, ZeRO 2/3, gathering them in FP8: on the shard before each gather, ``fp8_shard_cast_s``,
+    and the backward's transposed copy on the layer) or "" (bf16, or delayed scaling, whose casts
+    are TransformerEngine's own)."""
+    if precision != "fp8" or dev.fp8_scaling not in ("dynamic", "eager"):
+        return ""
+    return "gathered" if dev.fp8_weight_gather and zero_stage >= 2 else "layer"
 
 
 @lru_cache(maxsize=1 << 14)

@@ -43,7 +43,13 @@ from dtrain.parallel import traffic as volume
 from . import eager
 from .calibration import Calibration
 from .comm_time import weight_gathers_per_step
-from .compute import ComputeTerms, _micro_terms, fp8_shard_cast_s, optimizer_s
+from .compute import (
+    ComputeTerms,
+    _micro_terms,
+    fp8_shard_cast_s,
+    fp8_weight_casts,
+    optimizer_s,
+)
 from .device_rates import device_of
 from .hardware import Cluster
 from .model_states import params_per_gpu
@@ -210,13 +216,8 @@ class StepModel(StepComm):
             terms = replace(
                 terms, memory=terms.memory + eager.weight_cast_s(self.shape, lay, self.dev)
             )
-        dev = self.dev  # torchao's FSDP FP8 all-gather (dynamic scales): its shard casts
-        if (
-            self.fp8_gemms
-            and dev.fp8_weight_gather
-            and dev.fp8_scaling in ("dynamic", "eager")
-            and lay.zero_stage >= 2
-        ):
+        precision = "fp8" if self.fp8_gemms else "bf16"
+        if fp8_weight_casts(self.dev, precision, lay.zero_stage) == "gathered":
             gathers = weight_gathers_per_step(lay, self.stack.runs.zero2_regathers)
             cast = fp8_shard_cast_s(self.shape, lay, self.dev, gathers)
             terms = replace(terms, memory=terms.memory + cast)
