@@ -21,19 +21,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("fsdp", [2, 1])
-def test_fsdp_host_probe_reports_its_slope_in_launches(monkeypatch, fsdp):
+@pytest.mark.parametrize("fsdp, plain", [(2, "fp32"), (1, "fp32"), (2, "autocast")])
+def test_fsdp_host_probe_reports_its_slope_in_launches(monkeypatch, fsdp, plain):
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     probe = [sys.executable, "-m", "dtrain.gpucheck.fsdp_host", "--layers", "1", "3"]
     out = subprocess.run(
-        [*probe, "--steps", "2", "--fsdp", str(fsdp)],
+        [*probe, "--steps", "2", "--fsdp", str(fsdp)]
+        + (["--plain-autocast"] if plain == "autocast" else []),
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
     data = json.loads(out.stdout)
-    assert data["fsdp"] == fsdp
+    assert data["fsdp"] == fsdp and data["plain"] == plain
     lo, hi = data["rows"]
     assert (lo["layers"], lo["units"], hi["layers"], hi["units"]) == (1, 2, 3, 4)
     for row in (lo, hi):  # the launches are the cost model's count for the probe's model

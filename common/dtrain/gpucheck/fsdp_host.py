@@ -12,8 +12,13 @@ over the wrapped units is FSDP2's host time per unit, reported in units of the p
 time per modelled launch (``launch_equivalents``), which is how ``eager.yaml`` carries it to a
 GPU host. Runs on the CPU (no GPU needed); medians of ``steps`` timed steps.
 
-``--fsdp 1`` wraps the same units in FSDP1 (``FullyShardedDataParallel`` with a module wrap
-policy on the blocks, ``use_orig_params``, the same bf16/fp32 mixed precision): one flat
+``--plain-autocast``: the plain step under bf16 autocast, as dtrain's trainer runs it without FSDP
+(under FSDP2 it runs none): then the slope is what FSDP2's step costs the host over the trainer's
+single-GPU step, autocast's per-op work netted out (the cost model's floor counts autocast's ops
+for both, ``costmodel.eager``).
+
+``--fsdp 1`` wraps the same units in FSDP1 (``FullyShardedDataParallel`` with a module wrap policy
+on the blocks, ``use_orig_params``, the same bf16/fp32 mixed precision): one flat
 parameter per unit, gathered and reduced whole, where FSDP2 copies each parameter in and out.
 """
 
@@ -28,10 +33,11 @@ import time
 import torch
 
 
-def _step_time(model, opt, x, steps: int) -> float:
+def _step_time(model, opt, x, steps: int, autocast: bool = False) -> float:
     def one():
         opt.zero_grad(set_to_none=True)
-        loss = model(x, x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, x)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -78,7 +84,7 @@ def _fsdp1(model):
     )
 
 
-def measure(layers: int, steps: int, fsdp: int = 2) -> dict:
+def measure(layers: int, steps: int, fsdp: int = 2, plain_autocast: bool = False) -> dict:
     from dtrain.costmodel.eager import kernels_per_step
     from dtrain.costmodel.measured_cases import gpt_case_shape
     from dtrain.costmodel.shapes import Layout
@@ -86,7 +92,7 @@ def measure(layers: int, steps: int, fsdp: int = 2) -> dict:
     cfg, plain = _model(layers)
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=True)
-    t_plain = _step_time(plain, opt, x, steps)
+    t_plain = _step_time(plain, opt, x, steps, autocast=plain_autocast)
     model = (_fsdp2 if fsdp == 2 else _fsdp1)(_model(layers)[1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     t_fsdp = _step_time(model, opt, x, steps)
@@ -106,6 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, nargs=2, default=[2, 8])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="FSDP2 or FSDP1")
+    p.add_argument(
+        "--plain-autocast",
+        action="store_true",
+        help="the plain step under bf16 autocast, as the trainer runs it without FSDP",
+    )
     args = p.parse_args(argv)
     import torch.distributed as dist
 
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        rows = [measure(n, args.steps, args.fsdp) for n in args.layers]
+        rows = [measure(n, args.steps, args.fsdp, args.plain_autocast) for n in args.layers]
     finally:
         dist.destroy_process_group()
     lo, hi = rows
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": "cpu",
         "torch": torch.__version__,
         "fsdp": args.fsdp,
+        "plain": "autocast" if args.plain_autocast else "fp32",
         "rows": rows,
         "fsdp_host_s_per_unit": per_unit,
         "plain_host_s_per_launch": per_launch,
