@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from dtrain.cli.main import main
-from dtrain.costmodel.backtest_measured import backtest_measured, summary, text_lines
+from dtrain.costmodel.backtest_measured import backtest_measured, summary
+from dtrain.costmodel.backtest_measured_text import text_lines
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.hardware import Cluster, get_profile
 from dtrain.costmodel.measured_cases import eager_stack, gpt_case_shape

@@ -6,7 +6,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dtrain.gpucheck.kernels import EAGER_FP8_CAST_BYTES, eager_fp8_cast, membound
+from dtrain.gpucheck.eager_bytes import EAGER_FP8_CAST_BYTES, eager_fp8_cast
+from dtrain.gpucheck.kernels import membound
 
 pytest.importorskip("torchao.float8")
 SEED = 0

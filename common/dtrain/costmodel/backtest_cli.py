@@ -105,7 +105,7 @@ def add_parser(sub) -> None:
 
 def run(a) -> int:
     if getattr(a, "measured", None) is not None:
-        from .backtest_measured import run as run_measured
+        from .backtest_measured_text import run as run_measured
 
         return run_measured(a.measured, a.json)
     rows = backtest(loo=not a.in_sample, rank=not a.no_rank)

@@ -1,7 +1,8 @@
 """The memory-bound work of dtrain's GPT blocks run eagerly, counted from the ops PyTorch
 dispatches: bytes and kernels per token and layer, for the cost model's eager terms
 (``costmodel.memory_bound.EAGER_BYTES`` checked, ``BF16_PARAMS_BYTES`` counted, and the launch
-note in ``costmodel.eager``).
+note in ``costmodel.eager``); and torchao's eager FP8 cast of one tensor (``eager_fp8_cast``),
+which gpu-check's ``membound`` times.
 
     python -m dtrain.gpucheck.eager_bytes [--preset 125m] [--width 256] [--json]
 
@@ -50,6 +51,27 @@ SKIPPED = (
     "empty_strided",
     "_unsafe_view",
 )
+
+
+# torchao's dynamic tensorwise cast of one tensor run op by op (no compile), per element of a 16-
+# or 32-bit input: the amax (abs: read, write; max: read), a bf16 input's upcast to fp32 (read 2,
+# write 4), times the scale (read 4, write 4), the saturating clamp (read 4, write 4), the fp8 cast
+# (read 4, write 1): 33 bytes either way; its scale's scalar ops (5 one-element kernels) on top.
+# costmodel/memory_bound.py FP8_CAST_BYTES["eager"] counts two of these per tensor; gpu-check's
+# membound times it (gpucheck.kernels)
+EAGER_FP8_CAST_BYTES = 33
+
+
+def eager_fp8_cast(t: torch.Tensor):
+    """A call that casts ``t`` to float8 e4m3 as torchao's float8 training does it for a linear's
+    input (``hp_tensor_to_float8_dynamic``), or None where torchao is not installed."""
+    try:
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+    except ImportError:
+        return None
+    config = LinearMMConfig()
+    return lambda: hp_tensor_to_float8_dynamic(t, torch.float8_e4m3fn, config)
 
 
 def _skipped(func) -> bool:

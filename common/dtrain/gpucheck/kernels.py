@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from dtrain.model.timing import queued_s
 
+from .eager_bytes import EAGER_FP8_CAST_BYTES, eager_fp8_cast
+
 
 def _device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -227,26 +229,6 @@ def eager_attention(small: bool = False) -> list[dict]:
         out.append(row)
         q = k = v = scores = dout = mask = None  # frees them (a del hides them from the closures)
     return out
-
-
-# torchao's dynamic tensorwise cast of one tensor run op by op (no compile), per element of a 16-
-# or 32-bit input: the amax (abs: read, write; max: read), a bf16 input's upcast to fp32 (read 2,
-# write 4), times the scale (read 4, write 4), the saturating clamp (read 4, write 4), the fp8 cast
-# (read 4, write 1): 33 bytes either way; its scale's scalar ops (5 one-element kernels) on top.
-# costmodel/memory_bound.py FP8_CAST_BYTES["eager"] counts two of these per tensor
-EAGER_FP8_CAST_BYTES = 33
-
-
-def eager_fp8_cast(t: torch.Tensor):
-    """A call that casts ``t`` to float8 e4m3 as torchao's float8 training does it for a linear's
-    input (``hp_tensor_to_float8_dynamic``), or None where torchao is not installed."""
-    try:
-        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-        from torchao.float8.float8_training_tensor import LinearMMConfig
-    except ImportError:
-        return None
-    config = LinearMMConfig()
-    return lambda: hp_tensor_to_float8_dynamic(t, torch.float8_e4m3fn, config)
 
 
 def membound(small: bool = False) -> dict:
