@@ -34,12 +34,13 @@ def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
     """The host CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``): eager
     PyTorch's issue time per op is the host's, so a launch-bound step is traced to its CPU too."""
     try:
-        for line in Path(cpuinfo).read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return " ".join(value.split())
-    except OSError:
-        pass
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:  # no /proc (macOS, some containers): the platform's name below
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return " ".join(value.split())
     return platform.processor() or None
 
 
