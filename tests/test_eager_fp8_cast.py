@@ -63,3 +63,53 @@ def test_membound_times_both_eager_casts_at_the_counted_bytes():
         row = rows[(op, 64)]
         assert row["bytes"] == EAGER_FP8_CAST_BYTES * tokens * 64
         assert row["GBps"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9)
+
+
+def test_eager_cast_share_is_membounds_measured_rate():
+    """kernels.yaml's fp8_cast_eager shares are the H100 membound's bf16 cast rate over the
+    datasheet HBM bandwidth, width by width, and the median of the widths."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from dtrain.costmodel.hardware import get_profile
+    from dtrain.costmodel.kernel_rates import published
+
+    report = Path(__file__).parents[1] / "measured/h100-sxm/gpu-check-20261127-164510/report.json"
+    step = next(s for s in json.loads(report.read_text()) if s["name"] == "membound")
+    rates = {r["d"]: r["GBps"] for r in step["data"]["ops"] if r["op"] == "fp8_cast_eager_bf16"}
+    assert sorted(rates) == [768, 2048, 4096, 8192]
+    hbm_gbps = get_profile("h100-sxm").hbm_tbps * 1e3
+    model = published("h100-sxm")
+    for d, gbps in rates.items():
+        assert model.memory_share("fp8_cast_eager", d) == pytest.approx(gbps / hbm_gbps, abs=1e-3)
+    median = statistics.median(gbps / hbm_gbps for gbps in rates.values())
+    assert model.memory_share("fp8_cast_eager") == pytest.approx(median, abs=1e-3)
+
+
+def test_eager_fp8_casts_stream_at_the_eager_cast_rate():
+    """Without compile, FP8 adds to a layer's memory-bound time exactly its casts' bytes
+    (FP8_CAST_BYTES['eager'] per element, EAGER_FP8_WEIGHT_CAST_BYTES per parameter) at
+    fp8_cast_eager's share at d_model; the compiled recipes' casts stream at a residual add's."""
+    from dtrain.costmodel.calibration import Calibration
+    from dtrain.costmodel.compute import layer_terms
+    from dtrain.costmodel.device_rates import device_of
+    from dtrain.costmodel.hardware import Cluster, get_profile
+    from dtrain.costmodel.measured_cases import eager_stack
+    from dtrain.costmodel.memory_bound import EAGER_FP8_WEIGHT_CAST_BYTES, memory_bytes, memory_kind
+    from dtrain.costmodel.shapes import Layout, ModelShape
+
+    assert memory_kind("fp8_cast", "eager") == "fp8_cast_eager"
+    assert memory_kind("fp8_cast", "dynamic") == memory_kind("fp8_cast", "delayed") == "add"
+    shape = ModelShape(4, 4096, 32, 32, 32000, 4096)  # the eager_sweep's 7B/4-layer FP8 case
+    lay = Layout(micro_batch=2)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    dev = device_of(cluster, Calibration(), eager_stack())
+    assert dev.fp8_scaling == "eager"
+    fp8 = layer_terms(shape, lay, dev, "fp8").memory
+    bf16 = layer_terms(shape, lay, dev, "bf16").memory
+    cast = memory_bytes(shape, lay, "fp8", dev.fused, "eager")["fp8_cast"]
+    weights = shape.params_per_layer_on_rank(1) * EAGER_FP8_WEIGHT_CAST_BYTES
+    share = dev.kernels.memory_share("fp8_cast_eager", 4096)
+    assert share == pytest.approx(0.747)
+    assert fp8 - bf16 == pytest.approx((cast + weights) / (dev.hbm_Bps * share))

@@ -267,6 +267,26 @@ def test_gap_profile_by_hand():
     }
 
 
+def test_top_kernels_by_gpu_time():
+    from dtrain.gpucheck.timeline import KernelRecord, top_kernels
+
+    recs = [
+        KernelRecord("elementwise_kernel<abs>", 0, 4_000, 7),
+        KernelRecord("sm90_xmma_gemm_bf16", 4_000, 9_000, 7),
+        KernelRecord("elementwise_kernel<abs>", 9_000, 12_000, 7),
+        KernelRecord("reduce_kernel<max>", 12_000, 13_000, 7),
+    ]
+    rows = top_kernels(recs, top=2)["top_kernels"]
+    # abs: 2 launches, 4 + 3 us, ahead of the GEMM's one 5 us; the reduction is cut at top=2
+    assert [(r["name"], r["launches"]) for r in rows] == [
+        ("elementwise_kernel<abs>", 2),
+        ("sm90_xmma_gemm_bf16", 1),
+    ]
+    assert rows[0]["s"] == pytest.approx(7e-6) and rows[1]["s"] == pytest.approx(5e-6)
+    assert rows[1]["category"] == "gemm"
+    assert top_kernels([]) == {"top_kernels": []}
+
+
 def test_median_phases_by_hand():
     def step(k):
         return {p: {"host_s": k * (i + 1), "gpu_s": 2 * k * (i + 1)} for i, p in enumerate(PHASES)}

@@ -127,10 +127,11 @@ def session_host_s(cases: list[Case]) -> dict[str, float]:
     """Each session's host issue time per launch where its profiles timed the host
     (``cpu_dispatch_s``): the median over its eager_sweep cases (else its other profile cases) of
     cpu_dispatch_s / ``counted_launches``, as eager.yaml's ``host_op_s`` is derived. Every case of
-    that session, its trainer runs too, is floored with it: a host's issue time, not another's."""
+    that session, its trainer runs too, is floored with it: a host's issue time, not another's.
+    FP8 cases do not count: torchao's eager casts are launches the model does not count."""
     timed: dict[str, dict[bool, list[float]]] = {}
     for c in cases:
-        if c.cpu_dispatch_s and session_of(c):
+        if c.cpu_dispatch_s and session_of(c) and c.precision != "fp8":
             sweep = c.name.startswith("eager_sweep")
             per = c.cpu_dispatch_s / counted_launches(c)
             timed.setdefault(session_of(c), {}).setdefault(sweep, []).append(per)

@@ -41,8 +41,8 @@ from .memory_bound import (
     FP8_GATHERED_WEIGHT_BYTES,
     FP8_SHARD_CAST_BYTES,
     FP8_WEIGHT_CAST_BYTES,
-    MEMORY_KIND,
     memory_bytes,
+    memory_kind,
     memory_widths,
 )
 from .shapes import Layout, ModelShape, last_stage_layers, stage_layers
@@ -152,10 +152,10 @@ def _layer_terms(
     )
     fwd_gemm = sum(dev.gemm_s(g, dtype, value_bytes) for g in gemms)
     attn = attention_s(attention, layout, dev)
-    widths = memory_widths(shape, layout)
+    widths = memory_widths(shape, layout, dev.fp8_scaling)
     mem = (
         {
-            k: dev.mem_s(v, MEMORY_KIND[k], widths.get(k))
+            k: dev.mem_s(v, memory_kind(k, dev.fp8_scaling), widths.get(k))
             for k, v in memory_bytes(
                 shape, layout, precision, dev.fused, dev.fp8_scaling, bf16_params
             ).items()
@@ -168,7 +168,12 @@ def _layer_terms(
         per_param = (
             EAGER_FP8_WEIGHT_CAST_BYTES if dev.fp8_scaling == "eager" else FP8_WEIGHT_CAST_BYTES
         )
-        mem["fp8_weight_cast"] = dev.mem_s(per_param * weights, "add")
+        eager = dev.fp8_scaling == "eager"  # torchao's unfused cast, at its measured rate
+        mem["fp8_weight_cast"] = dev.mem_s(
+            per_param * weights,
+            memory_kind("fp8_cast", dev.fp8_scaling),
+            shape.d_model if eager else None,
+        )
     elif weight_casts == "gathered" and mem:
         mem["fp8_weight_copy"] = dev.mem_s(FP8_GATHERED_WEIGHT_BYTES * weights, "add")
     rc = 0.0

@@ -213,8 +213,8 @@ def run_case(run) -> Case | None:
         if rec.recipe not in RECIPES
         else f"{rec.precision} training (the model prices bf16 and FP8 steps)",
         note=(
-            "FP8 without compile: its casts counted op by op (memory_bound.FP8_CAST_BYTES 'eager'),"
-            " not measured; their launches are not in the host floor"
+            "FP8 without compile: its casts' bytes counted op by op (memory_bound.FP8_CAST_BYTES"
+            " 'eager') at membound's eager cast rate; their launches are not in the host floor"
             if precision == "fp8" and not compiled
             else ""
         ),

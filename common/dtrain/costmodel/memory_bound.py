@@ -47,9 +47,11 @@ BF16_PARAMS_BYTES = 0.48
 #            2), the scale, then to fp32 (read 2, write 4), times the scale (read 4, write 4),
 #            the saturating clamp (read 4, write 4) and the fp8 cast (read 4, write 1): 33 B;
 #            and one transposed copy for the weight-gradient GEMM (_scaled_mm wants its second
-#            operand column-major: read 1, write 1): 2 x 33 + 2 = 68 B. Counted, not measured:
-#            gpu-check's membound times the cast alone (fp8_cast_eager_fp32, _bf16: torchao's
-#            own, 33 B per element by the ops it dispatches, tests/test_eager_fp8_cast.py).
+#            operand column-major: read 1, write 1): 2 x 33 + 2 = 68 B. The bytes are counted;
+#            their rate is measured: gpu-check's membound times torchao's own cast
+#            (fp8_cast_eager_bf16, 33 B per element by the ops it dispatches,
+#            tests/test_eager_fp8_cast.py), kernels.yaml ``fp8_cast_eager`` (memory_kind), 0.75
+#            of the H100's HBM bandwidth at d_model 4096 where a residual add reaches 0.89.
 FP8_CAST_BYTES = {"dynamic": 11.5, "delayed": 3.0, "eager": 68.0}
 # Dynamic scaling casts the block linears' weights at each use, per parameter of the rank's shard
 # and micro-batch:
@@ -159,15 +161,28 @@ MEMORY_KIND = {
 }
 
 
-def memory_widths(shape: ModelShape, layout: Layout) -> dict[str, float]:
+def memory_kind(key: str, fp8_scaling: str) -> str:
+    """The measured share a ``memory_bytes`` entry streams at: ``MEMORY_KIND``, but FP8 casts run
+    op by op (eager scaling) at the rate gpu-check's membound measured for torchao's unfused cast
+    (kernels.yaml ``fp8_cast_eager``), not a residual add's."""
+    if key == "fp8_cast" and fp8_scaling == "eager":
+        return "fp8_cast_eager"
+    return MEMORY_KIND[key]
+
+
+def memory_widths(shape: ModelShape, layout: Layout, fp8_scaling: str = "") -> dict[str, float]:
     """The row width each by-width kind of ``memory_bytes`` walks on one TP rank (the key of
     kernels.yaml's ``by_width`` shares): the norms, residual adds and dropout the model width
-    (h/t with sequence parallelism), the MLP activation its hidden width over TP. The other kinds
-    (RoPE, FP8 casts, ring-attention merges) take their kind's median share."""
+    (h/t with sequence parallelism), the MLP activation its hidden width over TP, eager FP8 casts
+    the model width. The other kinds (RoPE, fused FP8 casts, ring-attention merges) take their
+    kind's median share."""
     t, h = layout.tp, shape.d_model
     h_r = h / t if layout.sequence_parallel else h
     act = "act_swiglu" if shape.gated_mlp else "act_gelu"
-    return {"norm": h_r, "add": h_r, "dropout": h_r, act: shape.ffn_hidden / t}
+    out = {"norm": h_r, "add": h_r, "dropout": h_r, act: shape.ffn_hidden / t}
+    if fp8_scaling == "eager":
+        out["fp8_cast"] = h_r
+    return out
 
 
 # share of each kind's bytes that the forward moves (what full recompute runs again)

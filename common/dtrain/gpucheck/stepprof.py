@@ -25,7 +25,13 @@ from contextlib import nullcontext
 import torch
 
 from dtrain.gpucheck.kernels import _device, _name, sweep_main
-from dtrain.gpucheck.timeline import RECORDS_VERSION, account, gap_profile, kernel_records
+from dtrain.gpucheck.timeline import (
+    RECORDS_VERSION,
+    account,
+    gap_profile,
+    kernel_records,
+    top_kernels,
+)
 
 PHASES = ("zero_grad", "forward", "backward", "clip", "optimizer")
 
@@ -169,6 +175,7 @@ def profile_case(
         "peak_mem_bytes": peak,
         **account(records),
         **gap_profile(records),
+        **top_kernels(records),
     }
     return out
 

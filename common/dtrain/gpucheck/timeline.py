@@ -111,6 +111,26 @@ def account(records: list[KernelRecord]) -> dict:
     }
 
 
+TOP_KERNELS = 25
+
+
+def top_kernels(records: list[KernelRecord], top: int = TOP_KERNELS) -> dict:
+    """The kernels that took the most GPU time, by name (trimmed to 160 characters): launches and
+    seconds each, largest first. A category's total says how much; this says which kernels (the
+    eager FP8 step's elementwise time is 1.3x what its casts' bytes price at membound's rate)."""
+    by_name: dict[str, list] = {}
+    for r in records:
+        row = by_name.setdefault(r.name[:160], [0, 0.0])
+        row[0] += 1
+        row[1] += (r.end_ns - r.start_ns) / 1e9
+    rows = sorted(by_name.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]
+    return {
+        "top_kernels": [
+            {"name": n, "category": _category(n), "launches": c, "s": s} for n, (c, s) in rows
+        ]
+    }
+
+
 # gap lengths the histogram counts, in microseconds: < 2, 2-10, 10-50, 50-500, >= 500
 GAP_EDGES_US = (2, 10, 50, 500)
 LARGEST_GAPS = 10
