@@ -203,12 +203,15 @@ def test_measured_backtest_reads_an_fp8_profile_with_phases_and_gaps(tmp_path):
     (check / "report.json").write_text(json.dumps(steps))
     (row,) = backtest_measured(str(tmp_path))
     assert row.case.precision == "fp8" and row.case.name.endswith(" fused fp8")
-    assert "casts' launches are not in the model's count" in row.case.note
+    assert row.case.note == ""  # its casts' launches are counted: 80 per block linear
+    fp8_launches = row.kernels["total"][1]  # against the bf16 twin's below
     lines = text_lines([row])
     assert "  phases host/GPU ms: forward 1.0/2.0 clip 0.5/-" in lines
     assert "  longest GPU gaps: 1.20 ms after amax_kernel before Memcpy DtoH" in lines
     bf16 = backtest_measured_case_without_fp8(tmp_path, case)
     assert row.predicted_s > bf16.predicted_s  # FP8's casts cost more than its GEMMs save here
+    linears = row.case.shape.n_layer * 6  # the GPT's q, k, v, o and its two MLP matrices
+    assert fp8_launches - bf16.kernels["total"][1] == 80 * linears
 
 
 def backtest_measured_case_without_fp8(tmp_path, case):

@@ -45,6 +45,30 @@ def test_launch_counts_match_the_measured_profile(case):
     assert abs(sum(counts.values()) - case["kernels"]) <= 0.01 * case["kernels"]
 
 
+def test_fp8_launches_are_the_measured_profiles():
+    """torchao's eager casts: FP8_LAUNCHES_PER_LINEAR per block linear and micro-batch, the
+    difference of the committed 7B/4-layer profiles in FP8 and bf16 over their 24 linears; the
+    FP8 count is the FP8 profile's within 0.1%; a full recompute runs a third of them again."""
+    report = ROOT / "measured/h100-sxm/gpu-check-20261127-164510/report.json"
+    steps = {s["name"]: s["data"].get("cases") for s in json.loads(report.read_text())}
+    fp8 = next(c for c in steps["eager_sweep"] if c.get("precision") == "fp8")
+    bf16 = next(
+        c
+        for c in steps["step_profile"]
+        if c["preset"] == "7b" and c["micro_batch"] == fp8["micro_batch"]
+    )
+    assert (fp8["kernels"] - bf16["kernels"]) / 24 == eager.FP8_LAUNCHES_PER_LINEAR == 80
+    shape, structure = gpt_case_shape(GPTConfig.from_preset("7b", n_layer=4))
+    lay = Layout(micro_batch=2)
+    counts = eager.kernel_counts(shape, lay, structure, fp8=True)
+    assert abs(sum(counts.values()) - fp8["kernels"]) <= 0.001 * fp8["kernels"]
+    plain = eager.kernel_counts(shape, lay, structure)
+    assert counts["elementwise"] - plain["elementwise"] == 4 * 6 * 80
+    full = replace(lay, recompute="full")
+    extra = eager.kernel_counts(shape, full, structure, fp8=True)["elementwise"]
+    assert extra - eager.kernel_counts(shape, full, structure)["elementwise"] == 4 * (480 + 160)
+
+
 def test_foreach_launches_by_hand():
     full = eager.CHUNK * eager.MAX_BLOCKS  # one launch's worth of chunks
     assert eager.foreach_launches([full], 1, False) == 1

@@ -39,6 +39,8 @@ the eager stack's model: pre-norm blocks, q/k/v/o and the MLP as separate linear
               stream (24). With biases each linear adds its bias cast and its gradient's sum and
               cast, and LayerNorm its bias' gradient: 16, the measured difference of the 125M
               (biased) and the 1B/7B (unbiased) profiles per block
+  FP8         torchao's tensorwise casts without compile: 80 elementwise launches per linear
+              (``FP8_LAUNCHES_PER_LINEAR``, the measured FP8 and bf16 profiles' difference)
 per micro-batch, outside the blocks: the output projection's 3 GEMMs, the loss's 4 kernels
 (log-softmax and NLL, forward and backward);
 per step: ``STEP_ELEMENTWISE`` (embeddings and their backward, the final norm, the logits' fp32
@@ -105,6 +107,13 @@ GATED_ELEMENTWISE = 5  # SwiGLU: w3's casts (2), SiLU and the product forward (2
 # what full activation checkpointing runs again per block: the forward's share of the counts above
 # (one GEMM per linear, the flash forward, the forward's 16 elementwise kernels, +6 bias casts)
 FORWARD_ELEMENTWISE, BIAS_FORWARD_ELEMENTWISE = 16, 6
+# torchao's tensorwise FP8 without compile, per block linear and micro-batch: six casts (input,
+# weight and output gradient, each twice), each its amax (abs, max), the scale's one-element ops and
+# the scaled, clamped cast; the transposed copies and scale reciprocals _scaled_mm needs. Counted
+# from the profile, not the ops: the 7B/4-layer step (24 linears) launches 2,849 kernels in FP8 and
+# 929 in bf16 (measured/h100-sxm/gpu-check-20261127-164510: eager_sweep, step_profile): 80 each.
+# The forward runs two of the six casts: a full recompute runs a third of them again.
+FP8_LAUNCHES_PER_LINEAR = 80
 # FSDP2 per unit (block or root) and micro-batch: an all-gather is the copy-in, the collective and
 # the copy-out (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_all_gather,
 # foreach_all_gather_copy_out), a reduce-scatter the chunk_cat copy-in, the collective and the
@@ -176,10 +185,12 @@ def kernel_counts(
     layout: Layout,
     structure: Structure = Structure(),
     optimizer: str = "foreach",
+    fp8: bool = False,
 ) -> dict[str, int]:
     """Kernel launches of one step on the busiest rank by the step profile's categories (the
     module docstring's counts); FSDP2's collectives' kernels under "fsdp" (ZeRO-2/3 with more
-    than one data shard)."""
+    than one data shard); ``fp8``: torchao's eager casts (FP8_LAUNCHES_PER_LINEAR) under
+    "elementwise"."""
     m = layout.grad_accum
     layers = stage_layers(shape, layout.pp, layout.pp_split)
     linears = 7 if shape.gated_mlp else 6
@@ -195,8 +206,11 @@ def kernel_counts(
         "elementwise": m * layers * per_layer + STEP_ELEMENTWISE + (m - 1) * len(numels),
         "optimizer": optimizer_launches(numels, optimizer),
     }
+    if fp8:
+        out["elementwise"] += m * layers * linears * FP8_LAUNCHES_PER_LINEAR
     if layout.recompute == "full":
         fwd = FORWARD_ELEMENTWISE + (BIAS_FORWARD_ELEMENTWISE if structure.bias else 0)
+        fwd += linears * FP8_LAUNCHES_PER_LINEAR // 3 if fp8 else 0
         out["gemm"] += m * layers * linears
         out["attention"] += m * layers
         out["elementwise"] += m * layers * fwd

@@ -107,8 +107,6 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
     notes = []  # what the prediction prices only in part
     if named not in ATTENTION:
         notes.append(f"attention {named!r} has no kernel-table entry: priced as SDPA's default")
-    if precision == "fp8":
-        notes.append("FP8 without compile: the casts' launches are not in the model's count")
     return Case(
         f"{step} {c['preset']}{over_text} mb={c['micro_batch']} s={shape.seq_len}"
         + (f" {optimizer}" if c.get("optimizer") else "")
@@ -214,7 +212,8 @@ def run_case(run) -> Case | None:
         else f"{rec.precision} training (the model prices bf16 and FP8 steps)",
         note=(
             "FP8 without compile: its casts' bytes counted op by op (memory_bound.FP8_CAST_BYTES"
-            " 'eager') at membound's eager cast rate; their launches are not in the host floor"
+            " 'eager') at membound's eager cast rate, their launches per linear"
+            " (eager.FP8_LAUNCHES_PER_LINEAR)"
             if precision == "fp8" and not compiled
             else ""
         ),

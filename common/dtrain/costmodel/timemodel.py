@@ -188,6 +188,8 @@ class StepModel(StepComm):
         self._loss: dict = {}
         self.eager = stack.software == eager.SOFTWARE  # eager.py's launch and FSDP terms
         self.host_s = eager.host_op_s(cluster.gpu.name)[0] if self.eager else 0.0
+        # torchao's casts run op by op: their launches are the host's too
+        self.fp8_eager = self.fp8_gemms and self.dev.fp8_scaling == "eager"
 
     def micro_terms(self, lay: Layout) -> ComputeTerms:
         """One micro-batch's compute on the busiest stage (no optimizer)."""
@@ -287,7 +289,7 @@ class StepModel(StepComm):
         kernels = floor = 0
         if self.eager:  # the host issues the kernels one by one: the step is never shorter
             counts = eager.kernel_counts(
-                self.shape, lay, optimizer=self.stack.optimizer or "foreach"
+                self.shape, lay, optimizer=self.stack.optimizer or "foreach", fp8=self.fp8_eager
             )
             kernels = sum(counts.values())
             floor = eager.dispatch_floor_s(
