@@ -63,6 +63,9 @@ def test_membound_times_both_eager_casts_at_the_counted_bytes():
         row = rows[(op, 64)]
         assert row["bytes"] == EAGER_FP8_CAST_BYTES * tokens * 64
         assert row["GBps"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9)
+    # the byte-wide transposed copy _scaled_mm's column-major operand needs: read 1, write 1
+    row = rows[("fp8_transpose", 64)]
+    assert row["bytes"] == 2 * tokens * 64
 
 
 def test_eager_cast_share_is_membounds_measured_rate():

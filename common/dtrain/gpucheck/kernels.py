@@ -296,7 +296,10 @@ def membound(small: bool = False) -> dict:
             cast = eager_fp8_cast(src)
             if cast is not None:  # torchao's cast, unfused, at EAGER_FP8_CAST_BYTES per element
                 add(name, EAGER_FP8_CAST_BYTES * src.numel(), cast, d=d)
-        x = w = dy = a = b = dh = None  # frees them (a del hides them from the closures)
+        # the transposed FP8 copy a column-major _scaled_mm operand needs (read 1, write 1 byte)
+        f8 = x.detach().to(torch.float8_e4m3fn)
+        add("fp8_transpose", 2 * f8.numel(), lambda: f8.t().contiguous(), d=d)
+        x = w = dy = a = b = dh = f8 = None  # frees them (a del hides them from the closures)
     for vocab in (128,) if small else (32768, 128256):
         logits = torch.randn(
             tokens // 4, vocab, device=dev, dtype=dtype, generator=g, requires_grad=True
