@@ -196,6 +196,9 @@ def test_measured_backtest_reads_an_fp8_profile_with_phases_and_gaps(tmp_path):
         "precision": "fp8",
         "phases": phases,
         "largest_gaps": [{"gap_s": 0.0012, "after": "amax_kernel", "before": "Memcpy DtoH"}],
+        "top_kernels": [
+            {"name": "abs_kernel", "category": "elementwise", "launches": 48, "s": 0.02}
+        ],
     }
     check = tmp_path / "gpu-check-1"
     check.mkdir()
@@ -208,6 +211,7 @@ def test_measured_backtest_reads_an_fp8_profile_with_phases_and_gaps(tmp_path):
     lines = text_lines([row])
     assert "  phases host/GPU ms: forward 1.0/2.0 clip 0.5/-" in lines
     assert "  longest GPU gaps: 1.20 ms after amax_kernel before Memcpy DtoH" in lines
+    assert "  most GPU time: abs_kernel 20.0 ms in 48" in lines
     bf16 = backtest_measured_case_without_fp8(tmp_path, case)
     assert row.predicted_s > bf16.predicted_s  # FP8's casts cost more than its GEMMs save here
     linears = row.case.shape.n_layer * 6  # the GPT's q, k, v, o and its two MLP matrices

@@ -107,6 +107,14 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
                     for g in c.largest_gaps[:3]
                 )
             )
+        if c.top_kernels:
+            out += wrap.wrap(
+                "most GPU time: "
+                + "; ".join(
+                    f"{k['name'][:40]} {k['s'] * 1e3:.1f} ms in {k['launches']}"
+                    for k in c.top_kernels[:5]
+                )
+            )
         if r.host_per_launch_s is not None:
             out += wrap.wrap(
                 f"host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/"
@@ -195,6 +203,7 @@ def as_json(rows: list[Scored]) -> dict:
             },
             "phases": c.phases or None,
             "largest_gaps": c.largest_gaps or None,
+            "top_kernels": c.top_kernels or None,
             "not_modelled": c.not_modelled or None,
             "note": c.note or None,
         }

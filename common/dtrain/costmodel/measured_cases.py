@@ -73,6 +73,7 @@ class Case:
     note: str = ""  # what the prediction prices only in part
     phases: dict = field(default_factory=dict)  # phase -> {host_s, gpu_s} (stepprof's phases)
     largest_gaps: list = field(default_factory=list)  # the profile's longest GPU idle gaps
+    top_kernels: list = field(default_factory=list)  # its kernels with the most GPU time, by name
     # its kernel records lack the kernels named after a lambda (timeline.annotation_name: the
     # 2026-11-27 records): GPU busy, idle and the elementwise and loss seconds are lower bounds
     lambdas_dropped: bool = False
@@ -129,6 +130,7 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         note=" ".join(notes),
         phases=dict(c.get("phases") or {}),
         largest_gaps=list(c.get("largest_gaps") or []),
+        top_kernels=list(c.get("top_kernels") or []),
         # kernel records (a busy union beside the kernel sum) from before RECORDS_VERSION 2
         lambdas_dropped="gpu_kernel_sum_s" in c and int(c.get("kernel_records") or 1) < 2,
     )
