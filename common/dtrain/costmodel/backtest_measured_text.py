@@ -99,22 +99,15 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
             )
         if c.phases:
             out += wrap.wrap("phases host/GPU ms: " + phase_text(c.phases))
-        if c.largest_gaps:
-            out += wrap.wrap(
-                "longest GPU gaps: "
-                + "; ".join(
-                    f"{g['gap_s'] * 1e3:.2f} ms after {g['after'][:32]} before {g['before'][:32]}"
-                    for g in c.largest_gaps[:3]
-                )
-            )
-        if c.top_kernels:
-            out += wrap.wrap(
-                "most GPU time: "
-                + "; ".join(
-                    f"{k['name'][:40]} {k['s'] * 1e3:.1f} ms in {k['launches']}"
-                    for k in c.top_kernels[:5]
-                )
-            )
+        gaps = [
+            f"{g['gap_s'] * 1e3:.2f} ms after {g['after'][:32]} before {g['before'][:32]}"
+            for g in c.largest_gaps[:3]
+        ]
+        tops = [
+            f"{k['name'][:40]} {k['s'] * 1e3:.1f} ms in {k['launches']}" for k in c.top_kernels[:5]
+        ]
+        for label, parts in (("longest GPU gaps: ", gaps), ("most GPU time: ", tops)):
+            out += wrap.wrap(label + "; ".join(parts)) if parts else []
         if r.host_per_launch_s is not None:
             out += wrap.wrap(
                 f"host issue m/p: {c.cpu_dispatch_s * 1e3:.1f}/"

@@ -266,14 +266,8 @@ def membound(small: bool = False) -> dict:
             lambda: torch.autograd.grad(F.layer_norm(x, (d,), w), (x, w), dy),
             d=d,
         )
-        a = torch.randn(
-            tokens,
-            4 * d if not small else 2 * d,
-            device=dev,
-            dtype=dtype,
-            generator=g,
-            requires_grad=True,
-        )
+        wide = 4 * d if not small else 2 * d
+        a = torch.randn(tokens, wide, device=dev, dtype=dtype, generator=g, requires_grad=True)
         b = torch.randn_like(a, requires_grad=True)
         dh = torch.randn_like(a)
         na = a.numel() * vb
