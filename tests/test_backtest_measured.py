@@ -249,8 +249,8 @@ def test_each_session_is_floored_with_its_own_hosts_issue_time():
     hosts = session_host_s(measured_cases(folder))
     assert list(hosts) == ["gpu-check-20261127-085952", "gpu-check-20261127-164510"]
     assert hosts["gpu-check-20261127-085952"] == pytest.approx(host_op_s("h100-sxm")[0], rel=2e-3)
-    # the afternoon's host: the median of its 13 bf16 eager_sweep cases (its FP8 case left out,
-    # 164 us a counted launch), within 1% of the morning's
+    # the afternoon's host: the median of its 13 bf16 eager_sweep cases (its FP8 case left out:
+    # its host waits on the GPU), within 1% of the morning's
     assert hosts["gpu-check-20261127-164510"] == pytest.approx(37.7e-6, rel=3e-3)
     rows = backtest_measured(folder)
     own = {(r.case.gpu, session_of(r.case)) for r in rows if r.host_measured}

@@ -119,11 +119,13 @@ def session_of(case: Case) -> str:
 
 def counted_launches(case: Case) -> float:
     """What the model says the case's host issues in one step (``eager.host_launches``)."""
-    counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer, fp8(case))
+    counts = kernel_counts(
+        case.shape, case.layout, case.structure, case.stack.optimizer, eager_fp8(case)
+    )
     return host_launches(case.shape, case.layout, counts)
 
 
-def fp8(case: Case) -> bool:
+def eager_fp8(case: Case) -> bool:
     """An FP8 case of the eager stack: torchao's casts are launches of its own."""
     return case.precision == "fp8" and case.stack.fp8_casts == "eager"
 
@@ -159,7 +161,9 @@ def score(case: Case, host_s: float | None = None) -> Scored:
         else {}
     )
     # the floor with the case's own structure (biases, learned positions), as the plan cannot
-    counts = kernel_counts(case.shape, case.layout, case.structure, case.stack.optimizer, fp8(case))
+    counts = kernel_counts(
+        case.shape, case.layout, case.structure, case.stack.optimizer, eager_fp8(case)
+    )
     host = host_s or host_op_s(case.gpu)[0]
     floor = 0.0
     if t.kernels:  # as timemodel.step_time prices it: kernels and FSDP2's hooks
