@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dtrain.gpucheck.eager_bytes import EAGER_FP8_CAST_BYTES, eager_fp8_cast
-from dtrain.gpucheck.kernels import membound
+from dtrain.gpucheck.kernels import COLD_OPS, l2_flush, membound
 
 pytest.importorskip("torchao.float8")
 SEED = 0
@@ -66,6 +66,14 @@ def test_membound_times_both_eager_casts_at_the_counted_bytes():
     # the byte-wide transposed copy _scaled_mm's column-major operand needs: read 1, write 1
     row = rows[("fp8_transpose", 64)]
     assert row["bytes"] == 2 * tokens * 64
+    # COLD_OPS again from a cold L2: the same bytes, their own time
+    for op in COLD_OPS:
+        warm, cold = rows[(op, 64)], rows[(f"{op}_l2cold", 64)]
+        assert cold["bytes"] == warm["bytes"] and cold["seconds"] > 0
+        assert cold["GBps"] == pytest.approx(cold["bytes"] / cold["seconds"] / 1e9)
+    assert sum(op.endswith("_l2cold") for op, _ in rows) == len(COLD_OPS)
+    flush = l2_flush(torch.device("cpu"))
+    assert flush.__self__.numel() * 4 == 1 << 20  # off CUDA: 1 MiB (a GPU's: >= 4 x its L2)
 
 
 def test_eager_cast_share_is_membounds_measured_rate():

@@ -14,7 +14,7 @@ import pytest
 from conftest import run_cmd
 from dtrain.gpucheck.kernels import gpu_time_by_category
 from dtrain.gpucheck.report import Step, loss_falls, profile_case_line, render
-from dtrain.gpucheck.stepprof import PHASES, median_phases
+from dtrain.gpucheck.stepprof import ISSUE_TOKENS, PHASES, median_phases
 from dtrain.gpucheck.timeline import (
     KernelRecord,
     account,
@@ -121,11 +121,14 @@ def test_eager_sweep_and_grouped_gemm_at_cpu_sizes():
         assert 0 < c["cpu_dispatch_s"] <= c["step_s"] and c["params"] > 0
         assert list(c["phases"]) == list(PHASES)
         assert all(0 < p["host_s"] <= c["cpu_dispatch_s"] for p in c["phases"].values())
+        # the host-issue probe: one sequence of at most ISSUE_TOKENS of the case's tokens
+        assert c["issue_tokens"] == min(ISSUE_TOKENS, c["seq_len"]) and c["host_issue_s"] > 0
         assert all(p["gpu_s"] is None for p in c["phases"].values())  # no GPU: no CUDA events
         assert c["gpu_busy_s"] == 0 and c["kernels"] == 0  # no GPU: no kernel records
         assert c["gaps"] == 0 and c["largest_gaps"] == []
     line = profile_case_line(d["cases"][0])
     assert line.startswith("tiny s64 mb 2 foreach: step ") and "host issue" in line
+    assert f"{d['cases'][0]['host_issue_s'] * 1e3:.1f} ms at 64 tokens" in line
     out = run_cmd([sys.executable, "-m", "dtrain.gpucheck.grouped", "--small"])
     g = json.loads(out.stdout.strip().splitlines()[-1])
     assert [p["tokens_per_expert"] for p in g["points"]] == [16, 32]

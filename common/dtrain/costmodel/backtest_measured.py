@@ -131,19 +131,22 @@ def eager_fp8(case: Case) -> bool:
 
 
 def session_host_s(cases: list[Case]) -> dict[str, float]:
-    """Each session's host issue time per launch where its profiles timed the host
-    (``cpu_dispatch_s``): the median over its eager_sweep cases (else its other profile cases) of
-    cpu_dispatch_s / ``counted_launches``, as eager.yaml's ``host_op_s`` is derived. Every case of
-    that session, its trainer runs too, is floored with it: a host's issue time, not another's.
-    FP8 cases do not count: their host waits on the GPU (the 7B/4-layer FP8 step issues 2,851
-    launches at 54 us each, more than the driver queues ahead of a GPU-bound step)."""
-    timed: dict[str, dict[bool, list[float]]] = {}
+    """Each session's host issue time per launch where its profiles timed the host: the median
+    over its eager_sweep cases (else its other profile cases) of the host's time per
+    ``counted_launches``, as eager.yaml's ``host_op_s`` is derived. That time is the step's own
+    issue at a short sequence (``host_issue_s``) where the session measured it, else its
+    ``cpu_dispatch_s``, which in a GPU-bound step includes the host's waits on the GPU. Every case
+    of that session, its trainer runs too, is floored with it: a host's issue time, not
+    another's. FP8 cases do not count: their host waits on the GPU (the 7B/4-layer FP8 step issues
+    2,851 launches at 54 us each, more than the driver queues ahead of a GPU-bound step)."""
+    timed: dict[str, dict[tuple[bool, bool], list[float]]] = {}
     for c in cases:
-        if c.cpu_dispatch_s and session_of(c) and c.precision != "fp8":
-            sweep = c.name.startswith("eager_sweep")
-            per = c.cpu_dispatch_s / counted_launches(c)
-            timed.setdefault(session_of(c), {}).setdefault(sweep, []).append(per)
-    return {s: statistics.median(by.get(True) or by[False]) for s, by in timed.items()}
+        host = c.host_issue_s or c.cpu_dispatch_s
+        if host and session_of(c) and c.precision != "fp8":
+            key = (c.host_issue_s is not None, c.name.startswith("eager_sweep"))
+            per = host / counted_launches(c)
+            timed.setdefault(session_of(c), {}).setdefault(key, []).append(per)
+    return {s: statistics.median(by[max(by)]) for s, by in timed.items()}
 
 
 def score(case: Case, host_s: float | None = None) -> Scored:
@@ -179,6 +182,39 @@ def score(case: Case, host_s: float | None = None) -> Scored:
     return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()), measured)
 
 
+# the step profile's categories as the term-by-term summary groups them: the logits' fp32 cast is
+# the model's loss and the profile's elementwise, so the two are compared together
+TERM_GROUPS = {
+    "gemm": ("gemm",),
+    "attention": ("attention",),
+    "elementwise+loss": ("elementwise", "loss"),
+    "optimizer": ("optimizer",),
+}
+
+
+def term_ratios(rows: list[Scored]) -> dict[str, dict]:
+    """Per ``TERM_GROUPS`` group: the predicted GPU seconds over the measured ones, less 1 (median,
+    range, profiles), over the profiles whose records hold every kernel once
+    (``Case.complete_records``): where the model's terms are right and where they offset."""
+    out = {}
+    for group, cats in TERM_GROUPS.items():
+        ratios = []
+        for r in rows:
+            if not (r.case.complete_records and r.by_category):
+                continue
+            m = sum(r.by_category[k][0] for k in cats)
+            p = sum(r.by_category[k][1] for k in cats)
+            if m > 0:
+                ratios.append(p / m - 1)
+        if ratios:
+            out[group] = {
+                "median": statistics.median(ratios),
+                "range": [min(ratios), max(ratios)],
+                "profiles": len(ratios),
+            }
+    return out
+
+
 def summary(rows: list[Scored]) -> dict:
     errs = [abs(r.error) for r in rows if r.error is not None]
     dropped = sum(r.case.lambdas_dropped for r in rows)
@@ -201,6 +237,7 @@ def summary(rows: list[Scored]) -> dict:
         "memory_within_10pct": sum(e <= WITHIN for e in mems),
         "memory_median_abs_error": statistics.median(mems) if mems else None,
         "not_modelled": sum(bool(r.case.not_modelled) for r in rows),
+        "terms": term_ratios(rows),
     }
 
 

@@ -114,6 +114,12 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
                 f"{r.dispatch_floor_s * 1e3:.1f} ms; "
                 f"{r.host_per_launch_s * 1e6:.1f} us per counted launch measured "
                 f"(cpu_dispatch_s / the model's launches)"
+                + (
+                    f"; at a short sequence {c.host_issue_s * 1e3:.1f} ms "
+                    f"({c.host_issue_s / r.kernels['total'][1] * 1e6:.1f} us per launch)"
+                    if c.host_issue_s
+                    else ""
+                )
             )
     s = summary(rows)
     med, mmed = s["time_median_abs_error"], s["memory_median_abs_error"]
@@ -135,7 +141,29 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         + (f"; {s['not_modelled']} not predicted" if s["not_modelled"] else "")
     )
     tail = textwrap.TextWrapper(width, break_long_words=False, subsequent_indent="  ")
-    return out + [""] + tail.wrap(notes) + tail.wrap(summary_line) + tail.wrap(idle_line(s))
+    return (
+        out
+        + [""]
+        + tail.wrap(notes)
+        + tail.wrap(summary_line)
+        + tail.wrap(terms_line(s["terms"]))
+        + tail.wrap(idle_line(s))
+    )
+
+
+def terms_line(terms: dict) -> str:
+    """The model's GPU terms against the complete profiles' categories (``term_ratios``)."""
+    if not terms:
+        return ""
+    n = max(t["profiles"] for t in terms.values())
+    parts = [
+        f"{g} {t['median']:+.0%} ({t['range'][0]:+.0%} to {t['range'][1]:+.0%})"
+        for g, t in terms.items()
+    ]
+    return (
+        f"term by term, predicted over measured GPU seconds in the {n} profiles with complete "
+        f"kernel records (median, range): " + ", ".join(parts)
+    )
 
 
 def idle_line(s: dict) -> str:

@@ -69,6 +69,9 @@ class Case:
     gpu_busy_s: float | None = None
     gpu_kernel_sum_s: float | None = None
     cpu_dispatch_s: float | None = None
+    # the host's issue time of the same step at a short sequence (stepprof.host_issue_s): its
+    # own, where cpu_dispatch_s of a GPU-bound step includes waiting on the GPU
+    host_issue_s: float | None = None
     not_modelled: str = ""  # why the time is not predicted (a recipe the model has no terms for)
     note: str = ""  # what the prediction prices only in part
     phases: dict = field(default_factory=dict)  # phase -> {host_s, gpu_s} (stepprof's phases)
@@ -77,6 +80,8 @@ class Case:
     # its kernel records lack the kernels named after a lambda (timeline.annotation_name: the
     # 2026-11-27 records): GPU busy, idle and the elementwise and loss seconds are lower bounds
     lambdas_dropped: bool = False
+    # its records hold every kernel once (timeline.RECORDS_VERSION 2): categories to compare
+    complete_records: bool = False
 
 
 def gpt_case_shape(cfg: GPTConfig, seq_len: int | None = None) -> tuple[ModelShape, Structure]:
@@ -126,6 +131,7 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         _num(c, "gpu_busy_s"),
         _num(c, "gpu_kernel_sum_s"),
         _num(c, "cpu_dispatch_s"),
+        _num(c, "host_issue_s"),
         not_modelled=f"measured: {c['error']}" if c.get("error") else "",
         note=" ".join(notes),
         phases=dict(c.get("phases") or {}),
@@ -133,6 +139,7 @@ def _profile_case(c: dict, step: str, gpu: str, source: str) -> Case:
         top_kernels=list(c.get("top_kernels") or []),
         # kernel records (a busy union beside the kernel sum) from before RECORDS_VERSION 2
         lambdas_dropped="gpu_kernel_sum_s" in c and int(c.get("kernel_records") or 1) < 2,
+        complete_records=int(c.get("kernel_records") or 1) >= 2,
     )
 
 

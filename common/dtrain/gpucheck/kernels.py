@@ -231,10 +231,36 @@ def eager_attention(small: bool = False) -> list[dict]:
     return out
 
 
+def l2_flush(dev: torch.device):
+    """A write over a buffer four times the GPU's L2 (at least 256 MiB; 1 MiB off CUDA): after it
+    none of an op's inputs is in L2."""
+    size = 1 << 20
+    if dev.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)
+        size = max(256 << 20, 4 * l2)
+    buf = torch.empty(size // 4, dtype=torch.int32, device=dev)
+    return buf.zero_
+
+
+def cold_s(fn, dev: torch.device, flush) -> float:
+    """Seconds per call of ``fn`` with its inputs out of L2: (flush, call) pairs back to back less
+    the flush alone (``queued_s`` each). membound's other rows repeat an op on the same tensors,
+    whose tail stays in L2 between calls (50 MB on an H100; 16K tokens x 2048 in bf16: 64 MiB)."""
+    both = queued_s(lambda: (flush(), fn()), dev)
+    return max(both - queued_s(flush, dev), 1e-9)
+
+
+# the ops membound also times from a cold L2 (``cold_s``), as "<op>_l2cold" rows
+COLD_OPS = ("copy", "residual_add", "layer_norm_fwd_bwd", "fp8_cast_eager_bf16")
+
+
 def membound(small: bool = False) -> dict:
     """Achieved GB/s of the memory-bound kernels a transformer step runs, at LLM widths, bf16 (fp32
-    for the optimizer), against a plain copy of the same bytes."""
+    for the optimizer), against a plain copy of the same bytes; ``COLD_OPS`` again from a cold
+    L2 (a step's elementwise kernels run ~7-25% slower than these rows price them:
+    `dtrain backtest --measured`, term by term)."""
     dev = _device()
+    flush = l2_flush(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     vb = torch.tensor([], dtype=dtype).element_size()
     tokens = 512 if small else 16384
@@ -242,8 +268,11 @@ def membound(small: bool = False) -> dict:
     rows = []
 
     def add(name: str, nbytes: float, fn, **facts):
-        s = queued_s(fn, dev)
-        rows.append({"op": name, "bytes": nbytes, "seconds": s, "GBps": nbytes / s / 1e9, **facts})
+        for op, s in ((name, queued_s(fn, dev)),) + (
+            ((f"{name}_l2cold", cold_s(fn, dev, flush)),) if name in COLD_OPS else ()
+        ):
+            rate = nbytes / s / 1e9
+            rows.append({"op": op, "bytes": nbytes, "seconds": s, "GBps": rate, **facts})
 
     for d in (64,) if small else (768, 2048, 4096, 8192):
         x = torch.randn(tokens, d, device=dev, dtype=dtype, generator=g, requires_grad=True)

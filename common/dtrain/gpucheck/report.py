@@ -175,7 +175,10 @@ def profile_case_line(c: dict) -> str:
     step = c["step_s"]
     out = f"{name}: step {step * 1e3:.1f} ms"
     if "cpu_dispatch_s" in c:
-        out += f" (host issue {c['cpu_dispatch_s'] * 1e3:.1f} ms)"
+        out += f" (host issue {c['cpu_dispatch_s'] * 1e3:.1f} ms"
+        if c.get("host_issue_s"):  # the same launches at a short sequence: the host's own time
+            out += f"; {c['host_issue_s'] * 1e3:.1f} ms at {c.get('issue_tokens', '?')} tokens"
+        out += ")"
     out += f", GPU busy {c['gpu_busy_s'] / step:.0%}"
     extra = c.get("gpu_kernel_sum_s", c["gpu_busy_s"]) - c["gpu_busy_s"]
     if extra > 0.01 * step:

@@ -127,8 +127,8 @@ def steps(runs: Path) -> list[Step]:
         Step(
             "eager_sweep",
             "the eager step at 125M-1B and 2K-32K tokens and torchao FP8 at 7B/4 layers: host "
-            "issue time, each phase's host and GPU time, kernels, GPU busy and idle gaps, peak "
-            "memory; foreach vs fused AdamW",
+            "issue time (and at 128 tokens), each phase's host and GPU time, kernels and the "
+            "costliest by name, GPU busy and idle gaps, peak memory; foreach vs fused AdamW",
             [*sp, "eager_sweep"],
             300,
         ),

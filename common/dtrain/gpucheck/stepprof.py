@@ -14,6 +14,12 @@ read and a CUDA event recorded on the stream at each boundary, so a phase's GPU 
 from the end of the previous phase's GPU work to the end of its own (its kernels and the GPU's
 idle time between them); the step's GPU time starts at the first boundary, when the GPU is idle.
 A phase whose GPU time is well above its kernels' is where the step idles.
+
+``host_issue_s``: the host's time to issue the same step at ``ISSUE_TOKENS`` tokens (one sequence
+of them), where the GPU keeps up and nothing holds the host back: the same kernels launched, a few
+microseconds of GPU work each. A GPU-bound step's ``cpu_dispatch_s`` is not that: the host issues
+slower as the GPU falls behind (gpu-check-20261127-164510: the 125M step's 1,169 launches took
+33 ms at 2K tokens, 59 ms at 32K, its optimizer's phase 3.2 and 6.8 ms for the same kernels).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dtrain.gpucheck.timeline import (
 )
 
 PHASES = ("zero_grad", "forward", "backward", "clip", "optimizer")
+ISSUE_TOKENS = 128  # the host-issue probe's one sequence: every launch of the step, no GPU backlog
 
 
 def _sync(dev: torch.device) -> None:
@@ -119,13 +126,13 @@ def profile_case(
     x = torch.randint(0, cfg.vocab_size, (mb, cfg.seq_len), device=dev)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
 
-    def issue(clock: PhaseClock | None = None):
+    def issue(clock: PhaseClock | None = None, tokens=x):
         mark = clock.mark if clock is not None else (lambda: None)
         mark()
         opt.zero_grad(set_to_none=True)
         mark()
         with amp:
-            loss = model(x, x)
+            loss = model(tokens, tokens)
         mark()
         loss.backward()
         mark()
@@ -156,6 +163,7 @@ def profile_case(
     with profile(activities=acts) as prof:
         issue().item()
     records = kernel_records(prof.profiler.kineto_results.events())
+    host_issue = host_issue_s(issue, x[:1, : min(ISSUE_TOKENS, cfg.seq_len)], dev, timed)
     out = {
         "preset": preset,
         "overrides": {k: v for k, v in over.items() if k != "seq_len"},
@@ -170,6 +178,8 @@ def profile_case(
         "precision": precision,
         "step_s": statistics.median(walls),
         "cpu_dispatch_s": statistics.median(hosts),
+        "host_issue_s": host_issue,
+        "issue_tokens": min(ISSUE_TOKENS, cfg.seq_len),
         "phases": median_phases(phases),
         "kernel_records": RECORDS_VERSION,
         "peak_mem_bytes": peak,
@@ -178,6 +188,23 @@ def profile_case(
         **top_kernels(records),
     }
     return out
+
+
+def host_issue_s(issue, tokens: torch.Tensor, dev: torch.device, timed: int) -> float:
+    """The host's time to issue one step of ``issue`` on ``tokens`` (a short sequence: the GPU
+    idles between kernels), the median of ``timed`` steps, each from an idle GPU (module
+    docstring). Run after the measured steps: its updates change nothing they report."""
+    for _ in range(2):
+        issue(tokens=tokens).item()
+    hosts = []
+    for _ in range(timed):
+        _sync(dev)
+        t0 = time.perf_counter()
+        loss = issue(tokens=tokens)
+        hosts.append(time.perf_counter() - t0)
+        loss.item()
+    _sync(dev)
+    return statistics.median(hosts)
 
 
 def _run(cases: list[tuple]) -> dict:
