@@ -325,3 +325,91 @@ def test_term_by_term_summary_compares_complete_profiles_only(tmp_path):
     line = terms_line(terms)
     assert line.startswith("term by term, predicted over measured GPU seconds in the 1 profiles")
     assert f"gemm {terms['gemm']['median']:+.0%}" in line
+
+
+def _trainer_run(root, cfg, strategy="zero3"):
+    run = root / "runs" / "gpu" / "fsdp-scaling" / "20261127-000000"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"subproject": "fsdp-scaling", "train": {"compile": False}})
+    )
+    rec = contract_records.TrainingMeasurement(
+        model={k: getattr(cfg, k) for k in contract_records.MODEL_SHAPE}
+        | {"norm": cfg.norm, "bias": cfg.bias, "tie_embeddings": cfg.tie_embeddings},
+        layout=Layout(micro_batch=4, zero_stage=3),
+        strategy=strategy,
+        precision="bf16",
+        step_time_s=0.1,
+        tokens_per_s=4 * 2048 / 0.1,
+        peak_mem_bytes=12 * 2**30,
+        where=contract_records.where_of("cuda", "nccl", H100),
+    )
+    write_summary(run, {"status": "complete", "guide_inputs": [rec]})
+
+
+def test_a_session_prices_fsdp2_hooks_with_its_hosts_own_probe(tmp_path):
+    """A session whose GPU's host ran the FSDP2 probe (host/fsdp_host*.json, FSDP2 against the
+    plain autocast step) prices its FSDP2 runs' hooks at that probe's launches per unit, the
+    median over its probes; an FSDP1 or fp32-plain probe and an unreadable file price nothing,
+    and a session without a probe keeps eager.yaml's."""
+    from dtrain.costmodel.backtest_measured import counted_launches, session_unit_launches
+    from dtrain.costmodel.eager import fsdp_unit_launches, host_op_s
+    from dtrain.costmodel.measured_cases import measured_cases
+
+    cfg = GPTConfig.from_preset("125m")  # launch-bound at 4 x 2K tokens in FSDP2
+    check = tmp_path / "gpu-check-1"
+    _trainer_run(check, cfg)
+    host = check / "host"
+    host.mkdir()
+    probes = {
+        "fsdp_host_a.json": {"fsdp": 2, "plain": "autocast", "launch_equivalents": 140.0},
+        "fsdp_host_b.json": {"fsdp": 2, "plain": "autocast", "launch_equivalents": 160.0},
+        "fsdp_host_fp32.json": {"fsdp": 2, "plain": "fp32", "launch_equivalents": 900.0},
+        "fsdp_host_fsdp1.json": {"fsdp": 1, "plain": "autocast", "launch_equivalents": 900.0},
+    }
+    for name, probe in probes.items():
+        (host / name).write_text(json.dumps(probe))
+    (host / "fsdp_host_cut.json").write_text('{"fsdp": 2, "pla')  # cut off mid-write
+    (case,) = measured_cases(tmp_path)
+    assert case.layout.zero_stage == 3
+    assert session_unit_launches([case]) == {"gpu-check-1": 150.0}
+    (row,) = backtest_measured(str(tmp_path))
+    assert row.unit_launches == 150.0
+    units = cfg.n_layer + 1  # each block and the root, one micro-batch
+    assert counted_launches(case, 150.0) - counted_launches(case) == pytest.approx(
+        units * (150.0 - fsdp_unit_launches()[0])
+    )
+    # no profile timed this host's issue: eager.yaml's time per launch, the probe's launches
+    assert row.dispatch_floor_s == pytest.approx(
+        counted_launches(case, 150.0) * host_op_s("h100-sxm")[0]
+    )
+    assert row.launch_bound and row.predicted_s == pytest.approx(row.dispatch_floor_s)
+    assert any("this host's own probe, 150 launches per unit" in x for x in text_lines([row]))
+    # the same run in a session without a probe: eager.yaml's fsdp2_unit
+    bare = tmp_path / "bare"
+    _trainer_run(bare / "gpu-check-2", cfg)
+    (plain,) = backtest_measured(str(bare))
+    assert plain.unit_launches is None
+    assert plain.dispatch_floor_s == pytest.approx(
+        counted_launches(plain.case) * host_op_s("h100-sxm")[0]
+    )
+
+
+def test_the_measured_floor_replaces_the_plans_whatever_its_size():
+    """``StepTime.gpu_work`` is the eager step without the dispatch floor, so a host measured
+    faster than eager.yaml's lowers a launch-bound prediction (``score`` floors the GPU's work,
+    not the plan's already-floored total)."""
+    from dtrain.costmodel.backtest_measured import counted_launches, score
+    from dtrain.costmodel.measured_cases import Case, gpt_case_shape
+
+    cfg = GPTConfig.from_preset("125m")
+    shape, structure = gpt_case_shape(cfg)
+    lay = Layout(micro_batch=1)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    t = step_time(shape, lay, cluster, Calibration(), stack=eager_stack())
+    assert t.launch_bound and t.gpu_work < t.dispatch_floor == t.total
+    case = Case("x", "", "h100-sxm", shape, structure, lay, eager_stack(), "bf16", 0.03)
+    fast = 20e-6  # a host twice as fast as eager.yaml's
+    row = score(case, fast)
+    assert row.predicted_s == pytest.approx(max(t.gpu_work, counted_launches(case) * fast))
+    assert row.predicted_s < t.total

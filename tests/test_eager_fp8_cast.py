@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dtrain.gpucheck.eager_bytes import EAGER_FP8_CAST_BYTES, eager_fp8_cast
-from dtrain.gpucheck.kernels import COLD_OPS, l2_flush, membound
+from dtrain.gpucheck.membound import COLD_OPS, l2_flush, membound
 
 pytest.importorskip("torchao.float8")
 SEED = 0

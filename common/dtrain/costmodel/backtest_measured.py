@@ -11,6 +11,8 @@ measured them, the predicted GPU seconds and kernel launches by the profile's ca
   loss         the output layer's cross-entropy (``head_s`` less its GEMMs)
   optimizer    AdamW and gradient clipping
 
+Launch-bound cases are floored with their own session's host where it was measured: its issue
+time per launch (``session_host_s``) and its FSDP2 hooks per unit (``session_unit_launches``).
 Where a profile's host issued the step faster than the GPU ran it, the step less the kernels'
 union is the GPU's idle time, which the model does not price (``Scored.gpu_idle_s``); the summary
 reports it per counted launch beside the predicted GPU work's excess over the kernels. Not for the
@@ -21,6 +23,7 @@ kernels and the difference is no idle time. What it prints: ``backtest_measured_
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,7 @@ class Scored:
     kernels: dict = field(default_factory=dict)  # category -> (measured, predicted) launches
     gpu_work_s: float = 0.0  # the predicted GPU seconds (every category's, summed)
     host_measured: bool = False  # the floor is its own session's host issue time (session_host_s)
+    unit_launches: float | None = None  # FSDP2's hooks per unit from its host's own probe
 
     @property
     def host_per_launch_s(self) -> float | None:
@@ -117,12 +121,41 @@ def session_of(case: Case) -> str:
     return next((p for p in parts if p.startswith(("gpu-check-", "probe-"))), "")
 
 
-def counted_launches(case: Case) -> float:
-    """What the model says the case's host issues in one step (``eager.host_launches``)."""
+def session_dir(case: Case) -> Path | None:
+    """The folder of the session a case was measured in (``session_of``), None if none."""
+    parts = Path(case.source).parts
+    at = next((i for i, p in enumerate(parts) if p.startswith(("gpu-check-", "probe-"))), None)
+    return None if at is None else Path(*parts[: at + 1])
+
+
+def session_unit_launches(cases: list[Case]) -> dict[str, float]:
+    """Each session's FSDP2 hook work per unit where its GPU's host was probed
+    (``host/fsdp_host*.json``: ``python -m dtrain.gpucheck.fsdp_host --plain-autocast`` on that
+    host's CPU): the launch equivalents, against the plain step under autocast as the model's
+    launch counts are, median over its probes. Cases of that session take it instead of
+    eager.yaml's ``fsdp2_unit``, another CPU's: a host's own measurement, as ``session_host_s``."""
+    out: dict[str, float] = {}
+    for folder in {d for d in map(session_dir, cases) if d is not None}:
+        found = []
+        for f in sorted((folder / "host").glob("fsdp_host*.json")):
+            try:
+                probe = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue  # a probe that cannot be read prices nothing
+            if probe.get("fsdp") == 2 and probe.get("plain") == "autocast":
+                found.append(float(probe["launch_equivalents"]))
+        if found:
+            out[folder.name] = statistics.median(found)
+    return out
+
+
+def counted_launches(case: Case, unit_launches: float | None = None) -> float:
+    """What the model says the case's host issues in one step (``eager.host_launches``;
+    ``unit_launches``: its host's own FSDP2 probe, ``session_unit_launches``)."""
     counts = kernel_counts(
         case.shape, case.layout, case.structure, case.stack.optimizer, eager_fp8(case)
     )
-    return host_launches(case.shape, case.layout, counts)
+    return host_launches(case.shape, case.layout, counts, unit_launches)
 
 
 def eager_fp8(case: Case) -> bool:
@@ -149,9 +182,10 @@ def session_host_s(cases: list[Case]) -> dict[str, float]:
     return {s: statistics.median(by[max(by)]) for s, by in timed.items()}
 
 
-def score(case: Case, host_s: float | None = None) -> Scored:
+def score(case: Case, host_s: float | None = None, unit_launches: float | None = None) -> Scored:
     """``host_s``: the case's own host's issue time per launch (``session_host_s``); None:
-    eager.yaml's for its GPU, another host's."""
+    eager.yaml's for its GPU, another host's. ``unit_launches``: its host's FSDP2 probe
+    (``session_unit_launches``); None: eager.yaml's."""
     cluster = Cluster.from_profile(get_profile(case.gpu), case.layout.gpus, 8)
     mem = memory_for(case.shape, case.layout, case.stack, precision=case.precision).total
     if case.not_modelled:
@@ -168,10 +202,10 @@ def score(case: Case, host_s: float | None = None) -> Scored:
         case.shape, case.layout, case.structure, case.stack.optimizer, eager_fp8(case)
     )
     host = host_s or host_op_s(case.gpu)[0]
-    floor = 0.0
-    if t.kernels:  # as timemodel.step_time prices it: kernels and FSDP2's hooks
-        floor = dispatch_floor_s(counted_launches(case), host)
-    total = max(t.total, floor)
+    floor, total = 0.0, t.total
+    if t.kernels:  # as timemodel.step_time prices it, with this case's structure and host
+        floor = dispatch_floor_s(counted_launches(case, unit_launches), host)
+        total = max(t.gpu_work, floor)
     kernels = {}
     if case.kernels:
         got = measured_categories(case, case.kernels)
@@ -179,7 +213,10 @@ def score(case: Case, host_s: float | None = None) -> Scored:
         kernels["total"] = (sum(int(v) for v in case.kernels.values()), sum(counts.values()))
     bound = bool(floor) and floor >= total
     measured = host_s is not None
-    return Scored(case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()), measured)
+    unit = unit_launches if case.layout.zero_stage >= 2 else None
+    return Scored(
+        case, total, mem, bound, floor, by_cat, kernels, sum(pred.values()), measured, unit
+    )
 
 
 # the step profile's categories as the term-by-term summary groups them: the logits' fp32 cast is
@@ -243,5 +280,5 @@ def summary(rows: list[Scored]) -> dict:
 
 def backtest_measured(folder: str) -> list[Scored]:
     cases = measured_cases(folder)
-    hosts = session_host_s(cases)
-    return [score(c, hosts.get(session_of(c))) for c in cases]
+    hosts, units = session_host_s(cases), session_unit_launches(cases)
+    return [score(c, hosts.get(session_of(c)), units.get(session_of(c))) for c in cases]

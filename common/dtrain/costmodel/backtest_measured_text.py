@@ -62,6 +62,11 @@ def text_lines(rows: list[Scored], width: int = 100) -> list[str]:
         elif c.not_modelled:
             out.append(f"  not predicted: {c.not_modelled}")
         out += wrap.wrap(f"note: {c.note}") if c.note else []
+        if r.launch_bound and r.unit_launches is not None:
+            out += wrap.wrap(
+                f"floor: FSDP2's hooks at this host's own probe, {r.unit_launches:.0f} launches "
+                "per unit (host/fsdp_host*.json; eager.yaml's fsdp2_unit elsewhere)"
+            )
         if r.launch_bound and not r.host_measured:
             out += wrap.wrap(
                 "floor: this host's issue time was not measured; priced at eager.yaml's "

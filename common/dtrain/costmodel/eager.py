@@ -54,7 +54,8 @@ autocast's: with it the trainer's launch-bound FSDP2 steps (125M at 8 x 2K and 2
 H100) are predicted at -1% and -7%, without it at -18% and -23%, so FSDP2's hooks cost a
 GPU's host more per unit than ``fsdp2_unit``'s CPU probe shows (it runs gloo, no CUDA streams or
 events), by about those ops. The probe on an H100 host's CPU gives 132 launches per unit, against
-which the same host's runs vary by a fifth (eager.yaml).
+which the same host's runs vary by a fifth (eager.yaml); ``host_launches`` takes a host's own probe
+where one was run there (``unit_launches``: dtrain backtest --measured).
 """
 
 from __future__ import annotations
@@ -253,14 +254,21 @@ def fsdp_unit_launches() -> tuple[float, str]:
     return float(row["launches"]), " ".join(row["source"].split())
 
 
-def host_launches(shape: ModelShape, layout: Layout, counts: dict[str, int]) -> float:
+def host_launches(
+    shape: ModelShape,
+    layout: Layout,
+    counts: dict[str, int],
+    unit_launches: float | None = None,
+) -> float:
     """What the host issues in one step, in launches: the kernels (``kernel_counts``) and, where
     FSDP2 wraps the model (ZeRO-2/3, on one rank too), its hooks' work per unit (each block and
-    the root) and micro-batch (``fsdp_unit_launches``)."""
+    the root) and micro-batch: ``unit_launches`` (a host's own probe), else
+    ``fsdp_unit_launches``."""
     n = float(sum(counts.values()))
     if layout.zero_stage >= 2:
         units = stage_layers(shape, layout.pp, layout.pp_split) + 1
-        n += units * layout.grad_accum * fsdp_unit_launches()[0]
+        per_unit = fsdp_unit_launches()[0] if unit_launches is None else unit_launches
+        n += units * layout.grad_accum * per_unit
     return n
 
 

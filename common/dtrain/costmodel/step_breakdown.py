@@ -33,6 +33,7 @@ class StepTime:
     )
     kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
     dispatch_floor: float = 0.0  # the host's issue time (eager.host_launches): at least this
+    gpu_work: float = 0.0  # eager stacks: the step without that floor (the GPU's work, exposed)
 
     @property
     def launch_bound(self) -> bool:

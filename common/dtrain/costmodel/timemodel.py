@@ -287,6 +287,7 @@ class StepModel(StepComm):
         )  # + the step's loss averaged over DP for the log (latency)
         total = compute + tp_comm + cp_comm + pp_comm + bubble + exposed + self.overhead
         kernels = floor = 0
+        work = total
         if self.eager:  # the host issues the kernels one by one: the step is never shorter
             counts = eager.kernel_counts(
                 self.shape, lay, optimizer=self.stack.optimizer or "foreach", fp8=self.fp8_eager
@@ -315,4 +316,5 @@ class StepModel(StepComm):
             dp_contention=contention,
             kernels=kernels,
             dispatch_floor=floor,
+            gpu_work=work if self.eager else 0.0,
         )

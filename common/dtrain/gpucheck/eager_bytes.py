@@ -58,7 +58,7 @@ SKIPPED = (
 # write 4), times the scale (read 4, write 4), the saturating clamp (read 4, write 4), the fp8 cast
 # (read 4, write 1): 33 bytes either way; its scale's scalar ops (5 one-element kernels) on top.
 # costmodel/memory_bound.py FP8_CAST_BYTES["eager"] counts two of these per tensor; gpu-check's
-# membound times it (gpucheck.kernels)
+# membound times it (gpucheck.membound)
 EAGER_FP8_CAST_BYTES = 33
 
 
