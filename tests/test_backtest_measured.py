@@ -64,25 +64,33 @@ def _fabricate(root):
     ]
     (check / "report.json").write_text(json.dumps(steps))
     cfg = GPTConfig.from_preset("1b", n_layer=2)
-    for device, gpu, name in (("cuda", H100, "gpu"), ("cpu", None, "cpu")):
-        run = root / "runs" / name / "fsdp-scaling" / "20261127-000000"
-        run.mkdir(parents=True)
-        (run / "config.yaml").write_text(
-            yaml.safe_dump({"subproject": "fsdp-scaling", "train": {"compile": False}})
-        )
-        rec = contract_records.TrainingMeasurement(
-            model={k: getattr(cfg, k) for k in contract_records.MODEL_SHAPE}
-            | {"norm": cfg.norm, "bias": cfg.bias, "tie_embeddings": cfg.tie_embeddings},
-            layout=Layout(micro_batch=4),
-            strategy="single",
-            precision="bf16",
-            step_time_s=0.1,
-            tokens_per_s=4 * 2048 / 0.1,
-            peak_mem_bytes=12 * 2**30,
-            where=contract_records.where_of(device, "nccl" if gpu else "gloo", gpu),
-        )
-        write_summary(run, {"status": "complete", "guide_inputs": [rec]})
+    _trainer_run(root, cfg)
+    _trainer_run(root, cfg, "cpu")
     return cfg
+
+
+def _trainer_run(root, cfg, device="cuda", layout=Layout(micro_batch=4), strategy="single"):
+    """A complete fsdp-scaling run dir under ``root``/runs/gpu (or cpu) that measured 4 x 2048
+    tokens in 0.1 s and 12 GiB."""
+    folder = "gpu" if device == "cuda" else device
+    run = root / "runs" / folder / "fsdp-scaling" / "20261127-000000"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"subproject": "fsdp-scaling", "train": {"compile": False}})
+    )
+    gpu = H100 if device == "cuda" else None
+    rec = contract_records.TrainingMeasurement(
+        model={k: getattr(cfg, k) for k in contract_records.MODEL_SHAPE}
+        | {"norm": cfg.norm, "bias": cfg.bias, "tie_embeddings": cfg.tie_embeddings},
+        layout=layout,
+        strategy=strategy,
+        precision="bf16",
+        step_time_s=0.1,
+        tokens_per_s=4 * 2048 / 0.1,
+        peak_mem_bytes=12 * 2**30,
+        where=contract_records.where_of(device, "nccl" if gpu else "gloo", gpu),
+    )
+    write_summary(run, {"status": "complete", "guide_inputs": [rec]})
 
 
 def test_measured_backtest_on_a_fabricated_folder(tmp_path):
@@ -327,26 +335,6 @@ def test_term_by_term_summary_compares_complete_profiles_only(tmp_path):
     assert f"gemm {terms['gemm']['median']:+.0%}" in line
 
 
-def _trainer_run(root, cfg, strategy="zero3"):
-    run = root / "runs" / "gpu" / "fsdp-scaling" / "20261127-000000"
-    run.mkdir(parents=True)
-    (run / "config.yaml").write_text(
-        yaml.safe_dump({"subproject": "fsdp-scaling", "train": {"compile": False}})
-    )
-    rec = contract_records.TrainingMeasurement(
-        model={k: getattr(cfg, k) for k in contract_records.MODEL_SHAPE}
-        | {"norm": cfg.norm, "bias": cfg.bias, "tie_embeddings": cfg.tie_embeddings},
-        layout=Layout(micro_batch=4, zero_stage=3),
-        strategy=strategy,
-        precision="bf16",
-        step_time_s=0.1,
-        tokens_per_s=4 * 2048 / 0.1,
-        peak_mem_bytes=12 * 2**30,
-        where=contract_records.where_of("cuda", "nccl", H100),
-    )
-    write_summary(run, {"status": "complete", "guide_inputs": [rec]})
-
-
 def test_a_session_prices_fsdp2_hooks_with_its_hosts_own_probe(tmp_path):
     """A session whose GPU's host ran the FSDP2 probe (host/fsdp_host*.json, FSDP2 against the
     plain autocast step) prices its FSDP2 runs' hooks at that probe's launches per unit, the
@@ -358,7 +346,8 @@ def test_a_session_prices_fsdp2_hooks_with_its_hosts_own_probe(tmp_path):
 
     cfg = GPTConfig.from_preset("125m")  # launch-bound at 4 x 2K tokens in FSDP2
     check = tmp_path / "gpu-check-1"
-    _trainer_run(check, cfg)
+    zero3 = Layout(micro_batch=4, zero_stage=3)
+    _trainer_run(check, cfg, layout=zero3, strategy="zero3")
     host = check / "host"
     host.mkdir()
     probes = {
@@ -387,7 +376,7 @@ def test_a_session_prices_fsdp2_hooks_with_its_hosts_own_probe(tmp_path):
     assert any("this host's own probe, 150 launches per unit" in x for x in text_lines([row]))
     # the same run in a session without a probe: eager.yaml's fsdp2_unit
     bare = tmp_path / "bare"
-    _trainer_run(bare / "gpu-check-2", cfg)
+    _trainer_run(bare / "gpu-check-2", cfg, layout=zero3, strategy="zero3")
     (plain,) = backtest_measured(str(bare))
     assert plain.unit_launches is None
     assert plain.dispatch_floor_s == pytest.approx(
