@@ -359,6 +359,8 @@ def test_a_session_prices_fsdp2_hooks_with_its_hosts_own_probe(tmp_path):
     for name, probe in probes.items():
         (host / name).write_text(json.dumps(probe))
     (host / "fsdp_host_cut.json").write_text('{"fsdp": 2, "pla')  # cut off mid-write
+    (host / "fsdp_host_list.json").write_text("[1, 2]")  # not a probe's object
+    (host / "fsdp_host_bare.json").write_text('{"fsdp": 2, "plain": "autocast"}')  # no count
     (case,) = measured_cases(tmp_path)
     assert case.layout.zero_stage == 3
     assert session_unit_launches([case]) == {"gpu-check-1": 150.0}

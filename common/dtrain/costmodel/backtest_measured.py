@@ -140,10 +140,12 @@ def session_unit_launches(cases: list[Case]) -> dict[str, float]:
         for f in sorted((folder / "host").glob("fsdp_host*.json")):
             try:
                 probe = json.loads(f.read_text())
-            except (OSError, ValueError):
+                fsdp2 = probe.get("fsdp") == 2 and probe.get("plain") == "autocast"
+                launches = float(probe["launch_equivalents"]) if fsdp2 else None
+            except (OSError, ValueError, TypeError, KeyError, AttributeError):
                 continue  # a probe that cannot be read prices nothing
-            if probe.get("fsdp") == 2 and probe.get("plain") == "autocast":
-                found.append(float(probe["launch_equivalents"]))
+            if launches is not None and launches > 0:
+                found.append(launches)
         if found:
             out[folder.name] = statistics.median(found)
     return out
