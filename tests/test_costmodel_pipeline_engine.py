@@ -69,8 +69,45 @@ def test_the_engine_term_in_the_step():
     gather = all_gather_time(act * 4, 4, group_link(cluster, 4, 1, multi_rail=False))
     assert mega.pp_comm == pytest.approx(2 * 8 * hop)
     assert ds.pp_comm == pytest.approx(transfers(4, 8) * hop + 2 * 8 * gather)
-    assert ds.total - mega.total == pytest.approx(ds.pp_comm - mega.pp_comm)
-    assert ds.bubble == pytest.approx(mega.bubble)
+    # the rest of the step differs by DeepSpeed's BF16_Optimizer copy (test below), on every
+    # micro-batch: in the compute and, in proportion, in the bubble
+    assert mega.grad_accum == 0.0 and ds.grad_accum > 0
+    assert ds.compute - mega.compute == pytest.approx(ds.grad_accum)
+    per_work = mega.bubble / (mega.compute - mega.terms.optimizer + mega.tp_comm)
+    assert ds.bubble - mega.bubble == pytest.approx(per_work * ds.grad_accum)
+    assert ds.total - mega.total == pytest.approx(
+        ds.pp_comm - mega.pp_comm + ds.grad_accum + ds.bubble - mega.bubble
+    )
+
+
+def test_bf16_optimizer_copy_by_hand():
+    """DeepSpeed with fp32 gradient accumulation (its BF16_Optimizer) upcasts and adds each
+    micro-batch's gradients into the fp32 copy: 18 B per stage parameter, every micro-batch
+    (8 here); with 16-bit gradients (ZeRO-1's own path) autograd adds them in place, 6 B per
+    parameter after the first; ZeRO-2 and Megatron (fused into the GEMM) have neither."""
+    from dtrain.costmodel.calibration import Calibration
+    from dtrain.costmodel.device_rates import device_of
+    from dtrain.costmodel.model_states import params_per_gpu
+    from dtrain.costmodel.pipeline_engine import HP_GRAD_BYTES, hp_grad_update_s
+
+    shape = ModelShape(8, 2048, 16, 16, 32000, 2048, 4.0, False)
+    cluster = Cluster.from_profile("a100-80gb", 32, 8)
+    lay = Layout(dp_shard=2, tp=4, pp=4, zero_stage=1, recompute="full", grad_accum=8)
+    fp32 = Stack(software="megatron-deepspeed")
+    dev = device_of(cluster, Calibration(), fp32)
+    psi = params_per_gpu(shape, 4, 4)
+    assert HP_GRAD_BYTES == 2 + 4 + 3 * 4  # to(fp32): r 2, w 4; add_: r 4 + 4, w 4
+    assert hp_grad_update_s(psi, 8, dev) == pytest.approx(8 * dev.mem_s(18 * psi, "add"))
+    assert step_time(shape, lay, cluster, stack=fp32).grad_accum == pytest.approx(
+        8 * dev.mem_s(18 * psi, "add")
+    )
+    half = Stack(software="megatron-deepspeed", grad_reduce="bf16")
+    assert step_time(shape, lay, cluster, stack=half).grad_accum == pytest.approx(
+        7 * dev.mem_s(6 * psi, "add")
+    )
+    zero2 = Layout(dp_shard=32, zero_stage=2, grad_accum=8)
+    assert step_time(shape, zero2, cluster, stack=fp32).grad_accum == 0.0
+    assert step_time(shape, lay, cluster, stack=Stack(software="megatron-core")).grad_accum == 0
 
 
 @pytest.fixture(scope="module")

@@ -250,6 +250,8 @@ def test_grad_accumulation_adds_by_hand():
     expected = 3 * dev.mem_s(12 * psi, "add")
     assert eager.grad_accum_s(psi, 4, dev) == pytest.approx(expected)
     assert eager.grad_accum_s(psi, 1, dev) == 0.0
+    assert eager.grad_accum_s(psi, 4, dev, grad_bytes=2) == pytest.approx(expected / 2)
     with_adds = step_time(shape, lay, cluster, Calibration(), stack=dtrain_stack)
     without = step_time(shape, lay, cluster, Calibration(), stack=other)
     assert with_adds.terms.memory - without.terms.memory == pytest.approx(expected)
+    assert with_adds.grad_accum == pytest.approx(expected) and without.grad_accum == 0.0

@@ -309,15 +309,19 @@ def weight_cast_s(shape: ModelShape, layout: Layout, dev) -> float:
 
 
 # Gradient accumulation through PyTorch's AccumulateGrad: each micro-batch after the first adds
-# its weight gradients into the fp32 .grad (FSDP2: into the reduced shard), read 4 + 4, write 4,
-# at the add kernel's rate. Priced on the stacks this project measures (the eager stack, dtrain's
-# trainer); Megatron fuses the accumulation into the weight-gradient GEMM
-# (gradient_accumulation_fusion: no pass of its own); torchtitan's published rows keep their
-# calibration (dtrain backtest unchanged), though FSDP2 accumulates there the same way
-GRAD_ACCUM_BYTES = 12.0
+# its weight gradients into the .grad (FSDP2: into the reduced shard), read 2 and write 1 values
+# of the .grad's dtype (fp32 weights 12 bytes, 16-bit weights 6), at the add kernel's
+# rate. Priced on the stacks this project measures (the eager stack, dtrain's trainer) and under
+# DeepSpeed's ZeRO-1 with 16-bit gradients (timemodel ``grad_accum_s``); Megatron fuses the
+# accumulation into the weight-gradient GEMM (gradient_accumulation_fusion: no pass of its own);
+# torchtitan's published rows keep their calibration (dtrain backtest unchanged), though FSDP2
+# accumulates there the same way
+GRAD_ACCUM_VALUES = 3
 ACCUMULATING_SOFTWARE = (SOFTWARE, "dtrain")
 
 
-def grad_accum_s(local_params: float, micro_batches: int, dev) -> float:
-    """The step's gradient-accumulation adds over ``local_params`` (the rank's gradient)."""
-    return max(0, micro_batches - 1) * dev.mem_s(GRAD_ACCUM_BYTES * local_params, "add")
+def grad_accum_s(local_params: float, micro_batches: int, dev, grad_bytes: int = 4) -> float:
+    """The step's gradient-accumulation adds over ``local_params`` (the rank's gradient) of
+    ``grad_bytes`` per value."""
+    nbytes = GRAD_ACCUM_VALUES * grad_bytes * local_params
+    return max(0, micro_batches - 1) * dev.mem_s(nbytes, "add")

@@ -19,13 +19,29 @@ runtime/pipe/schedule.py (TrainSchedule) and runtime/pipe/engine.py, p2p.py:
   stage, then ReduceGrads and OptimizerStep run after the last step (``Stack.dp_sync`` "flush",
   priced with the DP traffic).
 
+* Its BF16_Optimizer (runtime/bf16_optimizer.py): DeepSpeed picks it for bf16 weights whose
+  gradients accumulate in fp32 under ZeRO-0/1 (engine.py ``_do_optimizer_sanity_check``; BLOOM's
+  training, where it was written: DeepSpeed issue 2352). Autograd leaves each micro-batch's
+  gradients in bf16; after every backward the engine calls ``update_hp_grads``, which upcasts them
+  (read 2, write 4) and adds them into the rank's full fp32 copy (read 4 + 4, write 4):
+  ``HP_GRAD_BYTES`` per parameter of the stage, every micro-batch, at the add kernel's rate
+  (``hp_grad_update_s``). Megatron fuses the same accumulation into the weight-gradient GEMM.
+
 Not priced: the engine's Python per instruction (about 6 per step), whose launch cost no
 measurement here gives for these machines.
 """
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "schedule", "simulate", "transfers", "step_to_micro_batch"]
+__all__ = [
+    "ENGINES",
+    "HP_GRAD_BYTES",
+    "hp_grad_update_s",
+    "schedule",
+    "simulate",
+    "step_to_micro_batch",
+    "transfers",
+]
 
 ENGINES = ("megatron", "deepspeed")  # see Software.pipeline_engine
 
@@ -110,3 +126,15 @@ def engine_comm(stages: int, m: int, transfer: float, tp_gather: float, tied: fl
     if stages <= 1:
         return 0.0
     return transfers(stages, m) * transfer + 2 * m * tp_gather + tied
+
+
+# BF16_Optimizer's update_hp_grads per parameter and micro-batch: lp.grad.to(fp32) reads 2 and
+# writes 4 bytes, hp_grad.add_() reads 4 + 4 and writes 4 (see the module)
+HP_GRAD_BYTES = 18.0
+
+
+def hp_grad_update_s(stage_params: float, micro_batches: int, dev) -> float:
+    """Seconds a step spends in BF16_Optimizer's ``update_hp_grads``: ``HP_GRAD_BYTES`` over the
+    rank's ``stage_params`` (its gradients are not sharded: ZeRO-1 shards only the optimizer
+    states) after each of the ``micro_batches`` backwards, at the add kernel's rate."""
+    return micro_batches * dev.mem_s(HP_GRAD_BYTES * stage_params, "add")

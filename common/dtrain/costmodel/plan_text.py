@@ -99,7 +99,9 @@ def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[st
         + (f" + fixed overhead {t.overhead:.3f}" if t.overhead else "")
         + ("; launch-bound: the dispatch floor below, not this sum" if t.launch_bound else ""),
         f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + "
-        f"memory-bound {c.memory:.3f} + output layer & loss {c.head:.3f} + recompute "
+        f"memory-bound {c.memory:.3f}"
+        + (f" (of it gradient accumulation {t.grad_accum:.3f})" if t.grad_accum else "")
+        + f" + output layer & loss {c.head:.3f} + recompute "
         f"{c.recompute:.3f} + optimizer {c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
         *(
             flops_lines(res, p)

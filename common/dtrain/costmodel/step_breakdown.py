@@ -34,6 +34,9 @@ class StepTime:
     kernels: int = 0  # kernel launches per step (the eager stack's count, eager.kernel_counts)
     dispatch_floor: float = 0.0  # the host's issue time (eager.host_launches): at least this
     gpu_work: float = 0.0  # eager stacks: the step without that floor (the GPU's work, exposed)
+    # of terms.memory: the passes that accumulate gradients outside the GEMMs
+    # (TimeModel.grad_accum_s: PyTorch's AccumulateGrad, DeepSpeed's BF16_Optimizer copy)
+    grad_accum: float = 0.0
 
     @property
     def launch_bound(self) -> bool:

@@ -53,7 +53,7 @@ from .compute import (
 from .device_rates import device_of
 from .hardware import Cluster
 from .model_states import params_per_gpu
-from .pipeline_engine import engine_comm
+from .pipeline_engine import engine_comm, hp_grad_update_s
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .stack import Stack
 from .step_breakdown import StepTime
@@ -223,10 +223,25 @@ class StepModel(StepComm):
             gathers = weight_gathers_per_step(lay, self.stack.runs.zero2_regathers)
             cast = fp8_shard_cast_s(self.shape, lay, self.dev, gathers)
             terms = replace(terms, memory=terms.memory + cast)
-        if lay.grad_accum > 1 and self.stack.software in eager.ACCUMULATING_SOFTWARE:
-            add = eager.grad_accum_s(local, lay.grad_accum, self.dev)
-            terms = replace(terms, memory=terms.memory + add)
-        return terms
+        add = self.grad_accum_s(lay)
+        return replace(terms, memory=terms.memory + add) if add else terms
+
+    def grad_accum_s(self, lay: Layout) -> float:
+        """The passes that accumulate a step's gradients outside the GEMMs: PyTorch's
+        AccumulateGrad on the stacks this project measures (``eager.grad_accum_s``); under
+        DeepSpeed's engine (ZeRO-0/1) its BF16_Optimizer's fp32 copy every micro-batch when the
+        gradients accumulate in fp32 (``pipeline_engine.hp_grad_update_s``), else AccumulateGrad
+        in the 16-bit gradients. Megatron fuses them into the weight-gradient GEMM."""
+        m, grad_bytes = lay.grad_accum, self.stack.grad_bytes
+        psi = params_per_gpu(self.shape, lay.tp, lay.pp, lay.pp_split)
+        local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
+        if self.stack.software in eager.ACCUMULATING_SOFTWARE:  # fp32 weights: an fp32 .grad
+            return eager.grad_accum_s(local, m, self.dev)
+        if self.stack.runs.pipeline_engine != "deepspeed" or lay.zero_stage > 1:
+            return 0.0
+        if grad_bytes == 4:
+            return hp_grad_update_s(psi, m, self.dev)
+        return eager.grad_accum_s(psi, m, self.dev, grad_bytes)
 
     def lower_bound(self, lay: Layout) -> float:
         """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble
@@ -317,4 +332,5 @@ class StepModel(StepComm):
             kernels=kernels,
             dispatch_floor=floor,
             gpu_work=work if self.eager else 0.0,
+            grad_accum=self.grad_accum_s(lay),
         )
