@@ -326,3 +326,33 @@ def test_a_power_cap_is_shown_as_its_term(capsys):
     assert code == 0 and json.loads(out)["cluster"]["power_note"] is None
     code, out, _ = plan(capsys, "plan", "--params", "8e9", "--gpus", "8")
     assert not any(x.startswith("power:") for x in out.splitlines())
+
+
+def test_deepspeed_gradient_accumulation_is_named_in_text_and_json(capsys):
+    """`--software megatron-deepspeed` with fp32 gradient accumulation (its BF16_Optimizer) prices
+    an fp32 copy per micro-batch: the text names it inside the memory-bound term, the JSON carries
+    the same seconds as the direct step time of that layout."""
+    from dtrain.costmodel import Layout, step_time
+    from dtrain.costmodel.stack import Stack
+
+    args = [
+        "plan", "--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "2048",
+        "--gpus", "32", "--gpu", "a100-80gb", "--global-batch", "64",
+        "--software", "megatron-deepspeed", "--dp-sync", "flush",
+        "--layout", "dp=2 tp=4 pp=4 zero=1 recompute=full mb=1",
+    ]  # fmt: skip
+    code, out, _ = plan(capsys, *args)
+    assert code == 0
+    accum = re.search(r"memory-bound [\d.]+ \(of it gradient\s+accumulation ([\d.]+)\)", out)
+    assert accum and float(accum[1]) > 0
+    code, out, _ = plan(capsys, *args, "--json")
+    layout = json.loads(out)["layout"]
+    assert layout["grad_accum"] == 32
+    got = layout["step_time_s"]["grad_accum"]
+    assert got == pytest.approx(float(accum[1]), abs=5e-4)
+    # ZeRO-1 keeps every stage parameter's fp32 gradient: 18 B each, all 32 micro-batches
+    shape = ModelShape(8, 2048, 16, 16, 32000, 2048)
+    lay = Layout(dp_shard=2, tp=4, pp=4, zero_stage=1, recompute="full", grad_accum=32)
+    cluster = default_links().apply(Cluster.from_profile("a100-80gb", 32, 8))
+    direct = step_time(shape, lay, cluster, stack=Stack(software="megatron-deepspeed"))
+    assert got == pytest.approx(direct.grad_accum)
