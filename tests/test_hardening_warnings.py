@@ -39,6 +39,7 @@ def _run_quietly(tmp_path, *overrides: str, timeout: float = 300) -> list[float]
     return losses
 
 
+@pytest.mark.slow  # a whole 2-rank run for its stderr; the fast path trains 2 ranks elsewhere
 def test_two_rank_run_leaks_no_semaphores(tmp_path):
     losses = _run_quietly(tmp_path, "world_size=2", "train.steps=3")
     assert len(losses) == 3

@@ -184,7 +184,6 @@ def test_usr2_checkpoints_and_requeues_through_submitit(tmp_path, slurm_cluster)
     """The time-limit signal (USR2, sent here at once): fp8-train saves, submitit requeues it."""
     print(f"seed={SEED}")
     steps = 30
-    reference = reference_losses("fp8_train", steps, tmp_path)
     out = tmp_path / "run"
     proc, log = start("fp8_train", steps, out, "slurm.time_min=10")
     job = None
@@ -192,6 +191,8 @@ def test_usr2_checkpoints_and_requeues_through_submitit(tmp_path, slurm_cluster)
         job = job_id(log, proc, out)
         wait_until("step 5", lambda: steps_recorded(out) >= 5, proc, log, timeout=180)
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        # the uninterrupted run on local ranks while Slurm holds the requeued job (BeginTime)
+        reference = reference_losses("fp8_train", steps, tmp_path)
         ev = finish_and_check(proc, log, out, reference, steps)
     finally:
         stop_all(proc, job)

@@ -110,6 +110,7 @@ def test_moe_tp_needs_a_sequence_the_tp_ranks_share_evenly():
     )
 
 
+@pytest.mark.slow  # the fast path resumes MoE across ep (test_train_ep)
 def test_moe_checkpoints_resume_from_pp2_and_tp2_ep2_on_one_rank(tmp_path):
     """DCP: a pp2 and a tp2 x ep2 checkpoint (the stages' and the ep-sharded experts' global names
     and shapes) resume on one rank and continue the one-rank run within 1e-6."""
