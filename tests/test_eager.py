@@ -255,3 +255,31 @@ def test_grad_accumulation_adds_by_hand():
     without = step_time(shape, lay, cluster, Calibration(), stack=other)
     assert with_adds.terms.memory - without.terms.memory == pytest.approx(expected)
     assert with_adds.grad_accum == pytest.approx(expected) and without.grad_accum == 0.0
+
+
+@pytest.mark.parametrize("software", ["torchtitan", "dtrain"])
+def test_fsdp_under_pp_accumulates_the_stages_unsharded_gradients_by_hand(software):
+    """torch.distributed.pipelining syncs FSDP2 on the last micro-batch only: the stage's whole
+    (unsharded) gradient accumulates in the fp32 reduce dtype, 6 B for the first micro-batch's
+    upcast and 10 B for each later add per stage parameter, not divided over the shard group (as
+    memory_per_gpu holds it); a bf16 reduce dtype adds in bf16, 6 B; one micro-batch adds nothing.
+    Without PP the reduced shard accumulates, 12 B per local parameter."""
+    from dtrain.costmodel.device_rates import device_of
+
+    shape = ModelShape(4, 512, 8, 8, 1000, 256, rotary=False)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 8, 8)
+    stack = Stack("flash", "fused", "fused", software=software)
+    dev = device_of(cluster, Calibration(), stack)
+    lay = Layout(dp_shard=4, pp=2, zero_stage=3, micro_batch=1, grad_accum=4)
+    psi = params_per_gpu(shape, 1, 2)
+    by_hand = dev.mem_s(6 * psi, "add") + 3 * dev.mem_s(10 * psi, "add")
+    t = step_time(shape, lay, cluster, Calibration(), stack=stack)
+    assert t.grad_accum == pytest.approx(by_hand)
+    bf16 = step_time(shape, lay, cluster, Calibration(), stack=replace(stack, grad_reduce="bf16"))
+    assert bf16.grad_accum == pytest.approx(3 * dev.mem_s(6 * psi, "add"))
+    one = step_time(shape, replace(lay, grad_accum=1), cluster, Calibration(), stack=stack)
+    assert one.grad_accum == 0.0
+    flat = Layout(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4)
+    sharded = step_time(shape, flat, cluster, Calibration(), stack=stack)
+    local = params_per_gpu(shape, 1, 1) / 8
+    assert sharded.grad_accum == pytest.approx(3 * dev.mem_s(12 * local, "add"))

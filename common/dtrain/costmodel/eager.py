@@ -311,13 +311,20 @@ def weight_cast_s(shape: ModelShape, layout: Layout, dev) -> float:
 # Gradient accumulation through PyTorch's AccumulateGrad: each micro-batch after the first adds
 # its weight gradients into the .grad (FSDP2: into the reduced shard), read 2 and write 1 values
 # of the .grad's dtype (fp32 weights 12 bytes, 16-bit weights 6), at the add kernel's
-# rate. Priced on the stacks this project measures (the eager stack, dtrain's trainer) and under
-# DeepSpeed's ZeRO-1 with 16-bit gradients (timemodel ``grad_accum_s``); Megatron fuses the
-# accumulation into the weight-gradient GEMM (gradient_accumulation_fusion: no pass of its own);
-# torchtitan's published rows keep their calibration (dtrain backtest unchanged), though FSDP2
-# accumulates there the same way
+# rate. Priced on the PyTorch stacks (the eager stack, dtrain's trainer, torchtitan: FSDP2 or
+# DDP over fp32 weights) and under DeepSpeed's ZeRO-1 with 16-bit gradients (timemodel
+# ``grad_accum_s``); Megatron fuses the accumulation into the weight-gradient GEMM
+# (gradient_accumulation_fusion: no pass of its own)
 GRAD_ACCUM_VALUES = 3
-ACCUMULATING_SOFTWARE = (SOFTWARE, "dtrain")
+ACCUMULATING_SOFTWARE = (SOFTWARE, "dtrain", "torchtitan")
+# Under PP, torch.distributed.pipelining syncs FSDP2's gradients on the last micro-batch only
+# (PipelineStage.backward_maybe_with_nosync): the stage's unsharded gradients accumulate between
+# syncs in the reduce dtype, as memory.memory_per_gpu holds them. FSDPParam's
+# to_accumulated_grad_if_needed upcasts the first micro-batch's bf16 gradient (read 2, write 4
+# bytes), accumulate_unsharded_grad_if_needed adds each later one (read 4 + 2, write 4). A bf16
+# reduce dtype is the parameters' own: AccumulateGrad adds in bf16 (GRAD_ACCUM_VALUES x 2 B).
+UNSHARDED_UPCAST_BYTES = 6
+UNSHARDED_ADD_BYTES = 10
 
 
 def grad_accum_s(local_params: float, micro_batches: int, dev, grad_bytes: int = 4) -> float:
@@ -325,3 +332,17 @@ def grad_accum_s(local_params: float, micro_batches: int, dev, grad_bytes: int =
     ``grad_bytes`` per value."""
     nbytes = GRAD_ACCUM_VALUES * grad_bytes * local_params
     return max(0, micro_batches - 1) * dev.mem_s(nbytes, "add")
+
+
+def unsharded_grad_accum_s(
+    stage_params: float, micro_batches: int, dev, grad_bytes: int = 4
+) -> float:
+    """FSDP2's accumulation of a pipeline stage's unsharded gradients over ``micro_batches``
+    (``UNSHARDED_ADD_BYTES``): nothing for one micro-batch, whose gradients are reduced as they
+    come."""
+    if micro_batches <= 1:
+        return 0.0
+    if grad_bytes == 2:
+        return grad_accum_s(stage_params, micro_batches, dev, grad_bytes)
+    first = dev.mem_s(UNSHARDED_UPCAST_BYTES * stage_params, "add")
+    return first + (micro_batches - 1) * dev.mem_s(UNSHARDED_ADD_BYTES * stage_params, "add")

@@ -227,14 +227,17 @@ class StepModel(StepComm):
 
     def grad_accum_s(self, lay: Layout) -> float:
         """The passes that accumulate a step's gradients outside the GEMMs: PyTorch's
-        AccumulateGrad on the stacks this project measures (``eager.grad_accum_s``); under
-        DeepSpeed's engine (ZeRO-0/1) its BF16_Optimizer's fp32 copy every micro-batch when the
-        gradients accumulate in fp32 (``pipeline_engine.hp_grad_update_s``), else AccumulateGrad
-        in the 16-bit gradients. Megatron fuses them into the weight-gradient GEMM."""
+        AccumulateGrad on the PyTorch stacks (``eager.grad_accum_s``), FSDP2's unsharded
+        accumulation under PP (``eager.unsharded_grad_accum_s``); under DeepSpeed's engine
+        (ZeRO-0/1) its BF16_Optimizer's fp32 copy every micro-batch when the gradients accumulate
+        in fp32 (``pipeline_engine.hp_grad_update_s``), else AccumulateGrad in the 16-bit
+        gradients. Megatron fuses them into the weight-gradient GEMM."""
         m, grad_bytes = lay.grad_accum, self.stack.grad_bytes
         psi = params_per_gpu(self.shape, lay.tp, lay.pp, lay.pp_split)
-        local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
         if self.stack.software in eager.ACCUMULATING_SOFTWARE:  # fp32 weights: an fp32 .grad
+            if lay.pp > 1 and lay.zero_stage >= 2:  # synced on the last micro-batch only
+                return eager.unsharded_grad_accum_s(psi, m, self.dev, grad_bytes)
+            local = psi / lay.shard_group if lay.zero_stage >= 2 else psi
             return eager.grad_accum_s(local, m, self.dev)
         if self.stack.runs.pipeline_engine != "deepspeed" or lay.zero_stage > 1:
             return 0.0
