@@ -19,6 +19,7 @@ from dtrain.costmodel.attention_time import attention_s
 from dtrain.costmodel.compute import CLIP_BYTES, OPTIMIZER_BYTES, optimizer_s
 from dtrain.costmodel.kernel_rates import published
 from dtrain.costmodel.memory_bound import EAGER_BYTES, memory_bytes
+from dtrain.costmodel.model_states import embedding_params_per_gpu, params_per_gpu
 from dtrain.costmodel.calibration import Calibration
 from dtrain.costmodel.efficiency import Gemm
 from dtrain.costmodel.gpt_shape import shape_of
@@ -276,12 +277,16 @@ def test_dynamic_scaling_casts_the_weights_on_the_layer_unless_fsdp_gathers_them
             Calibration(),
             "fp8",
             stack=Stack(software="torchtitan", fp8_all_gather=gather),
-        ).terms
+        )
         for gather in ("tp", "tp+fsdp")
     }
     shard_casts = 2 * dev.mem_s(5.0 * 32 * weights / 8, "add")
-    assert step["tp"].memory - step["tp+fsdp"].memory == pytest.approx(
-        32 * (cast - copy) - shard_casts
+    casts = {k: t.terms.memory - t.fsdp_copy_out for k, t in step.items()}
+    assert casts["tp"] - casts["tp+fsdp"] == pytest.approx(32 * (cast - copy) - shard_casts)
+    # FSDP2's copy-outs of the two gathers: the block linears' weights 1 B each in FP8, not 2
+    linears = params_per_gpu(LLAMA8B, 1, 1) - embedding_params_per_gpu(LLAMA8B, 1, 1)
+    assert step["tp"].fsdp_copy_out - step["tp+fsdp"].fsdp_copy_out == pytest.approx(
+        2 * dev.mem_s(2 * linears, "add")
     )
     zero0 = layer_terms(
         LLAMA8B,

@@ -283,3 +283,55 @@ def test_fsdp_under_pp_accumulates_the_stages_unsharded_gradients_by_hand(softwa
     sharded = step_time(shape, flat, cluster, Calibration(), stack=stack)
     local = params_per_gpu(shape, 1, 1) / 8
     assert sharded.grad_accum == pytest.approx(3 * dev.mem_s(12 * local, "add"))
+
+
+def test_fsdp2_copies_each_gather_out_on_the_compute_stream_by_hand(capsys):
+    """FSDP2 copies every weight all-gather out into the parameters (read and write each gathered
+    bf16 value: 4 B per stage parameter) as often as it gathers: ZeRO-3 twice a micro-batch,
+    FSDP2's ZeRO-2 once, ZeRO-3 under PP once a step; nothing on one rank, nothing on Megatron
+    (its buffers are the parameters). The plan names it, text and JSON."""
+    import json
+
+    from dtrain.cli.main import main
+    from dtrain.costmodel.device_rates import device_of
+
+    shape = ModelShape(4, 512, 8, 8, 1000, 256, rotary=False)
+    cluster = Cluster.from_profile(get_profile("h100-sxm"), 8, 8)
+    stack = Stack("flash", "fused", "fused", software="torchtitan")
+    dev = device_of(cluster, Calibration(), stack)
+    psi = params_per_gpu(shape, 1, 1)
+
+    def copy_out(lay, st=stack):
+        return step_time(shape, lay, cluster, Calibration(), stack=st).fsdp_copy_out
+
+    zero3 = Layout(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=3)
+    assert copy_out(zero3) == pytest.approx(6 * dev.mem_s(4 * psi, "add"))
+    assert copy_out(replace(zero3, zero_stage=2)) == pytest.approx(3 * dev.mem_s(4 * psi, "add"))
+    piped = Layout(dp_shard=4, pp=2, zero_stage=3, micro_batch=1, grad_accum=3)
+    stage = params_per_gpu(shape, 1, 2)
+    assert copy_out(piped) == pytest.approx(dev.mem_s(4 * stage, "add"))
+    one = Cluster.from_profile(get_profile("h100-sxm"), 1, 8)
+    alone = step_time(shape, Layout(zero_stage=3), one, Calibration(), stack=stack)
+    assert alone.fsdp_copy_out == 0.0
+    assert copy_out(zero3, Stack("flash", "fused", "fused", software="megatron-core")) == 0.0
+    args = ["plan", "--software", "torchtitan", "--params", "8e9", "--gpus", "8"]
+    lay = ["--layout", "dp=8 tp=1 pp=1 zero=3 recompute=full mb=1"]
+    assert main([*args, *lay]) == 0
+    assert "FSDP2 copy-out" in capsys.readouterr().out
+    assert main([*args, *lay, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["layout"]["step_time_s"]
+    assert 0 < st["fsdp_copy_out"] < st["compute_terms"]["memory"]
+
+
+@pytest.mark.slow  # two gloo ranks
+def test_fsdp2_copy_out_bytes_counted_on_two_cpu_ranks():
+    """What eager.fsdp2_copy_out_s prices, counted from the ops FSDP2 dispatches on two gloo
+    ranks: each block's bf16 weights copied out of both gathers of a forward and backward, 2 B
+    written per parameter (as many read: FSDP2_COPY_OUT_PASSES x 2 B); the root's once (FSDP2
+    keeps the root gathered after forward: the cost model, like the DP traffic, counts two)."""
+    from dtrain.gpucheck.fsdp_copy_out import count
+
+    got = count(layers=2)
+    assert got["block"] == {"copy_outs": 2.0, "bytes_per_param": 2.0}
+    assert got["root"] == {"copy_outs": 1.0, "bytes_per_param": 2.0}
+    assert eager.FSDP2_COPY_OUT_PASSES * 2 == 2 * got["block"]["bytes_per_param"]

@@ -19,11 +19,11 @@ GPU_W_HALF = 4.8e9
 # Share of an overlapped NCCL collective's time that its kernel's SMs do not take from compute (its
 # HBM traffic is priced apart, collectives.overlap_cost): fitted to dtrain backtest's development
 # set (a test pins it to the fit)
-GPU_DP_OVERLAP = 0.8
+GPU_DP_OVERLAP = 0.9
 # Share of TP traffic torchtitan's AsyncTP hides: the development set's with/without-AsyncTP pairs
 # (torchtitan performance.md 2024-08 and 2024-12), measured time saved over the TP traffic priced (a
 # test pins it to them)
-ASYNC_TP_HIDDEN = 0.31
+ASYNC_TP_HIDDEN = 0.27
 
 
 @dataclass(frozen=True)

@@ -346,3 +346,17 @@ def unsharded_grad_accum_s(
         return grad_accum_s(stage_params, micro_batches, dev, grad_bytes)
     first = dev.mem_s(UNSHARDED_UPCAST_BYTES * stage_params, "add")
     return first + (micro_batches - 1) * dev.mem_s(UNSHARDED_ADD_BYTES * stage_params, "add")
+
+
+# FSDP2 (fully_shard) copies every all-gather out of its flat output into the parameters'
+# unsharded tensors on the compute stream, after waiting for the gather
+# (_fsdp_collectives.py foreach_all_gather_copy_out: split_with_sizes_copy), reading and writing
+# each gathered value: 2 passes over the gathered bytes (counted on this CPU: 2 B written per bf16
+# parameter and gather over 2 gloo ranks). A one-rank FSDP2 gathers nothing (not priced).
+FSDP2_COPY_OUT_PASSES = 2
+
+
+def fsdp2_copy_out_s(gathered_bytes: float, gathers: int, dev) -> float:
+    """The copy-outs of ``gathers`` all-gathers of ``gathered_bytes`` each, at the add kernel's
+    rate."""
+    return gathers * dev.mem_s(FSDP2_COPY_OUT_PASSES * gathered_bytes, "add")

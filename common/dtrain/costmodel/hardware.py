@@ -216,7 +216,7 @@ IB_ALPHA_S = 5e-6
 # Share of the datasheet rate a collective's bus bandwidth reaches (calibrate.default_links applies
 # it; a measured allreduce-bench fit replaces it): fitted to dtrain backtest's development set, a
 # test pins it.
-LINK_EFFICIENCY = 0.8
+LINK_EFFICIENCY = 0.7
 
 
 @dataclass(frozen=True)

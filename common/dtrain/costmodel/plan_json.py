@@ -88,6 +88,7 @@ def plan_dict(p, res: SearchResult | None = None) -> dict:
             "compute_terms": t.terms.as_dict(),
             "dispatch_floor": t.dispatch_floor,
             "grad_accum": t.grad_accum,  # of compute_terms' memory
+            "fsdp_copy_out": t.fsdp_copy_out,  # of compute_terms' memory
         },
         "kernels_per_step": t.kernels,
         "launch_bound": t.launch_bound,

@@ -81,6 +81,20 @@ def flops_lines(res: SearchResult, p) -> list[str]:
     )
 
 
+def memory_parts(t) -> str:
+    """The memory-bound passes a step time names apart (``StepTime.grad_accum``,
+    ``fsdp_copy_out``), as the compute line's "(of it ...)"."""
+    parts = [
+        f"{name} {s:.3f}"
+        for name, s in (
+            ("gradient accumulation", t.grad_accum),
+            ("FSDP2 copy-out", t.fsdp_copy_out),
+        )
+        if s
+    ]
+    return f" (of it {', '.join(parts)})" if parts else ""
+
+
 def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[str]:
     """The step breakdown, throughput and memory of one plan (``res``: its search, for the FLOP
     rates)."""
@@ -100,7 +114,7 @@ def plan_lines(p, usable_gib: float, res: SearchResult | None = None) -> list[st
         + ("; launch-bound: the dispatch floor below, not this sum" if t.launch_bound else ""),
         f"  compute     {t.compute:.3f} s = GEMMs {c.gemm:.3f} + attention {c.attention:.3f} + "
         f"memory-bound {c.memory:.3f}"
-        + (f" (of it gradient accumulation {t.grad_accum:.3f})" if t.grad_accum else "")
+        + memory_parts(t)
         + f" + output layer & loss {c.head:.3f} + recompute "
         f"{c.recompute:.3f} + optimizer {c.optimizer:.3f} (busiest GPU; costmodel/compute.py)",
         *(

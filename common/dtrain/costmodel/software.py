@@ -50,7 +50,8 @@ class Software:
     ``pipeline_engine``); ``tp_overlaps``: the TP overlaps it runs, "te" (TransformerEngine's
     userbuffers, ``Stack.tp_overlap``) and "async" (torchtitan's AsyncTP, ``Stack.async_tp``);
     ``schedules``: the pipeline schedules it runs (``Layout.pp_schedule``; 1f1b: interleaved when
-    v > 1)."""
+    v > 1); ``fsdp2``: its ZeRO-2/3 is FSDP2's ``fully_shard``, whose all-gathers are copied out
+    parameter by parameter on the compute stream (``eager.fsdp2_copy_out_s``)."""
 
     name: str
     zero: tuple[int, ...]
@@ -72,6 +73,7 @@ class Software:
     pipeline_engine: str = "megatron"
     tp_overlaps: tuple[str, ...] = ()
     schedules: tuple[str, ...] = PP_SCHEDULES
+    fsdp2: bool = False
 
     def zeros(self, pp: int) -> tuple[int, ...]:
         return self.zero_pp if pp > 1 else self.zero
@@ -183,6 +185,7 @@ SOFTWARE = {
             zero2_regathers=True,
             kv_shards=True,
             tp_overlaps=("async",),
+            fsdp2=True,
         ),
         Software(
             "dtrain",
@@ -201,6 +204,7 @@ SOFTWARE = {
             hsdp=True,
             zero2_regathers=True,
             trainer_rules=True,
+            fsdp2=True,
         ),
         Software(
             "fsdp-eager",
@@ -217,6 +221,7 @@ SOFTWARE = {
             "its costs: costmodel/eager.py",
             zero2_regathers=True,
             model_parallel=False,
+            fsdp2=True,
         ),
     )
 }

@@ -37,6 +37,7 @@ class StepTime:
     # of terms.memory: the passes that accumulate gradients outside the GEMMs
     # (TimeModel.grad_accum_s: PyTorch's AccumulateGrad, DeepSpeed's BF16_Optimizer copy)
     grad_accum: float = 0.0
+    fsdp_copy_out: float = 0.0  # of terms.memory: FSDP2's all-gather copy-outs (fsdp2_copy_out_s)
 
     @property
     def launch_bound(self) -> bool:

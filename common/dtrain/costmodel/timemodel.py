@@ -52,7 +52,7 @@ from .compute import (
 )
 from .device_rates import device_of
 from .hardware import Cluster
-from .model_states import params_per_gpu
+from .model_states import embedding_params_per_gpu, params_per_gpu
 from .pipeline_engine import engine_comm, hp_grad_update_s
 from .shapes import Layout, ModelShape, pipeline_slots, stage_layers
 from .stack import Stack
@@ -245,6 +245,19 @@ class StepModel(StepComm):
             return hp_grad_update_s(psi, m, self.dev)
         return eager.grad_accum_s(psi, m, self.dev, grad_bytes)
 
+    def fsdp2_copy_out_s(self, lay: Layout) -> float:
+        """FSDP2's copy-outs of the step's weight all-gathers (``eager.fsdp2_copy_out_s``): as
+        often as the weights are gathered (``weight_gathers_per_step``), the bytes gathered (the
+        linears' in FP8 with the FP8 weight gather)."""
+        if not self.stack.runs.fsdp2 or lay.zero_stage < 2 or lay.shard_group <= 1:
+            return 0.0
+        psi = params_per_gpu(self.shape, lay.tp, lay.pp, lay.pp_split)
+        kept = (
+            embedding_params_per_gpu(self.shape, lay.tp, lay.pp) if self.fp8_fsdp_gather else None
+        )
+        gathered = volume.zero_gather_bytes(psi, self.vb, kept)
+        return eager.fsdp2_copy_out_s(gathered, weight_gathers_per_step(lay, True), self.dev)
+
     def lower_bound(self, lay: Layout) -> float:
         """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble
         (what DP overlap cannot shorten): ``search`` orders and prunes by it."""
@@ -271,9 +284,10 @@ class StepModel(StepComm):
     def time(self, lay: Layout) -> StepTime:
         m = lay.grad_accum
         terms = self.compute(lay)
-        accum = self.grad_accum_s(lay)  # a memory-bound pass, named apart in StepTime
-        if accum:
-            terms = replace(terms, memory=terms.memory + accum)
+        # memory-bound passes, named apart in StepTime
+        accum, copy_out = self.grad_accum_s(lay), self.fsdp2_copy_out_s(lay)
+        if accum or copy_out:
+            terms = replace(terms, memory=terms.memory + accum + copy_out)
         compute = terms.total
         work = compute - terms.optimizer
         tp_comm = self.tp_comm(lay, terms.gemm)
@@ -338,4 +352,5 @@ class StepModel(StepComm):
             dispatch_floor=floor,
             gpu_work=work if self.eager else 0.0,
             grad_accum=accum,
+            fsdp_copy_out=copy_out,
         )
