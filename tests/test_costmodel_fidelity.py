@@ -483,6 +483,48 @@ def test_fitted_defaults_are_the_fit_to_every_development_row():
     }
 
 
+def test_fit_margin_is_the_mean_squared_log_error_at_the_fit_and_the_grids_runner_up(capsys):
+    """`dtrain backtest` says how firmly the rows choose the defaults: the mean squared log error at
+    the all-rows fit, recomputed here row by row through predict(), and at the grid's second-best
+    point, another grid point no better than the fit; the text names both and the folds' fits."""
+    import math
+    import statistics
+
+    from dtrain.cli.main import main
+    from dtrain.costmodel.backtest_fit import FIT_GRID, fit, fit_margin, predict
+    from dtrain.costmodel.published_runs import load_rows, reported_tps, row_setup
+
+    rows = [r for r in load_rows() if not r.get("expect_oom")]
+    best, margin = fit(list(load_rows())), fit_margin(list(load_rows()))
+
+    def mse(point):
+        errs = []
+        for r in rows:
+            s = row_setup(r)
+            tps = predict(s, point)[0].tokens_per_s / s.layout.gpus
+            errs.append(math.log(tps / reported_tps(r, s.shape)) ** 2)
+        return statistics.fmean(errs)
+
+    assert margin["mse"] == pytest.approx(mse(best), abs=1e-8)
+    other = {**margin["runner_up"], "async_tp_hidden": None}
+    assert (other["dp_overlap"], other["link_efficiency"]) != (
+        best["dp_overlap"],
+        best["link_efficiency"],
+    )
+    assert margin["mse"] <= margin["runner_up_mse"]
+    assert other["dp_overlap"] in FIT_GRID["dp_overlap"]
+    assert other["link_efficiency"] in FIT_GRID["link_efficiency"]
+    assert main(["backtest", "--no-rank"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"the fit to every row (the defaults): dp_overlap {best['dp_overlap']:g}, "
+        f"link_efficiency {best['link_efficiency']:g}, mean squared log error "
+        f"{margin['mse']:.5f}; the grid's next, {other['dp_overlap']:g} / "
+        f"{other['link_efficiency']:g}: {margin['runner_up_mse']:.5f}" in text
+    )
+    assert "the leave-one-source-out folds: " in text
+
+
 def test_async_tp_share_is_the_time_its_pairs_saved_and_left_out_per_source():
     """A pair (the row with AsyncTP, its `without` twin) measures the share of TP traffic AsyncTP
     hides: the reported step time it saved over the TP traffic the model prices, by hand; a

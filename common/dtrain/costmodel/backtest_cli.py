@@ -11,7 +11,7 @@ import textwrap
 from dtrain.core import terminal
 
 from .backtest import ERROR_GOAL, GAP_GOAL, WITHIN, WITHIN_SHARE, BacktestRow, backtest, summary
-from .backtest_fit import fit
+from .backtest_fit import fit, fit_margin
 from .published_runs import load_rows
 
 
@@ -66,6 +66,7 @@ def text_lines(rows: list[BacktestRow], loso: bool = True) -> list[str]:
         f"{s['ran']} layouts that ran ({'met' if s['fit_goal_met'] else 'NOT met'}); "
         f"{s['oom_predicted']} of {s['oom_rows']} reported OOM predicted not to fit; {ranked}",
     ]
+    out.append(fit_line(rows if loso else []))
     if s["memory_rows"]:
         lo, hi = s["memory_error_range"]
         out.append(
@@ -74,6 +75,31 @@ def text_lines(rows: list[BacktestRow], loso: bool = True) -> list[str]:
             f"{lo:+.0%} to {hi:+.0%}, {s['memory_within_10pct']} within 10%"
         )
     return out
+
+
+def fit_line(rows: list[BacktestRow]) -> str:
+    """The all-rows fit (the defaults), how near the grid's runner-up comes, and the folds' of
+    ``rows`` (predicted leave-one-source-out; none: in sample)."""
+    rows_all = list(load_rows())
+    best, margin = fit(rows_all), fit_margin(rows_all)
+    folds: dict[tuple, set] = {}
+    for r in rows:
+        if r.fitted:
+            folds.setdefault((r.fitted["dp_overlap"], r.fitted["link_efficiency"]), set()).add(
+                r.group
+            )
+    other = margin["runner_up"]
+    line = (
+        f"the fit to every row (the defaults): dp_overlap {best['dp_overlap']:g}, link_efficiency "
+        f"{best['link_efficiency']:g}, mean squared log error {margin['mse']:.5f}; the grid's "
+        f"next, {other['dp_overlap']:g} / {other['link_efficiency']:g}: "
+        f"{margin['runner_up_mse']:.5f} ({margin['runner_up_mse'] / margin['mse'] - 1:+.1%})"
+    )
+    if folds:
+        line += "; the leave-one-source-out folds: " + ", ".join(
+            f"{ov:g} / {eff:g} for {len(g)}" for (ov, eff), g in sorted(folds.items())
+        )
+    return line
 
 
 def add_parser(sub) -> None:
@@ -116,6 +142,7 @@ def run(a) -> int:
                     "rows": [dict(vars(r), error=r.error, dominant=r.dominant) for r in rows],
                     "summary": summary(rows),
                     "fit_all_rows": fit(list(load_rows())),
+                    "fit_margin": fit_margin(list(load_rows())),
                 },
                 indent=2,
                 sort_keys=True,

@@ -125,20 +125,37 @@ def _log_errors(
     return out
 
 
+def _ranked(errors: dict, keep: list[bool]) -> list[tuple[float, tuple[float, float]]]:
+    """(mean squared log error over the kept rows, grid point), best first (ties: the larger
+    values)."""
+    scored = [
+        (round(statistics.fmean(e * e for e, k2 in zip(errors[k], keep) if k2), 9), k)
+        for k in errors
+    ]
+    return sorted(scored, key=lambda m_k: (m_k[0], -m_k[1][0], -m_k[1][1]))
+
+
 def _best(errors: dict, keep: list[bool]) -> dict:
     """The grid point minimising the mean squared log error over the kept rows (least squares;
     ties: the larger values). Every row pulls on it: a median is flat over a wide band (the
     middle row barely moves), so the leave-one-source-out fits would jump between the band's
     corners from one left-out source to the next."""
-    (ov, eff) = min(
-        errors,
-        key=lambda k: (
-            round(statistics.fmean(e * e for e, k2 in zip(errors[k], keep) if k2), 9),
-            -k[0],
-            -k[1],
-        ),
-    )
+    ov, eff = _ranked(errors, keep)[0][1]
     return {"dp_overlap": ov, "link_efficiency": eff}
+
+
+def fit_margin(rows: list[dict]) -> dict:
+    """How firmly every row chooses the defaults: the all-rows fit's mean squared log error and
+    the grid's runner-up with its own (a near tie: a small change to any term can flip the fit,
+    and the leave-one-source-out folds with it)."""
+    ran = tuple(r for r in rows if not r.get("expect_oom"))
+    shares = _async_tp_by_efficiency(ran, None, _pair_shares(ran))
+    (mse, best), (next_mse, runner_up) = _ranked(_log_errors(ran, shares), [True] * len(ran))[:2]
+    return {
+        "mse": mse,
+        "runner_up": {"dp_overlap": runner_up[0], "link_efficiency": runner_up[1]},
+        "runner_up_mse": next_mse,
+    }
 
 
 def fit(rows: list[dict]) -> dict:
