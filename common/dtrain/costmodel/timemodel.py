@@ -256,7 +256,8 @@ class StepModel(StepComm):
             embedding_params_per_gpu(self.shape, lay.tp, lay.pp) if self.fp8_fsdp_gather else None
         )
         gathered = volume.zero_gather_bytes(psi, self.vb, kept)
-        return eager.fsdp2_copy_out_s(gathered, weight_gathers_per_step(lay, True), self.dev)
+        gathers = weight_gathers_per_step(lay, self.stack.runs.zero2_regathers)
+        return eager.fsdp2_copy_out_s(gathered, gathers, self.dev)
 
     def lower_bound(self, lay: Layout) -> float:
         """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble
