@@ -11,7 +11,7 @@ import textwrap
 from dtrain.core import terminal
 
 from .backtest import ERROR_GOAL, GAP_GOAL, WITHIN, WITHIN_SHARE, BacktestRow, backtest, summary
-from .backtest_fit import fit, fit_margin
+from .backtest_fit import fit_with_margin
 from .published_runs import load_rows
 
 
@@ -81,7 +81,7 @@ def fit_line(rows: list[BacktestRow]) -> str:
     """The all-rows fit (the defaults), how near the grid's runner-up comes, and the folds' of
     ``rows`` (predicted leave-one-source-out; none: in sample)."""
     rows_all = list(load_rows())
-    best, margin = fit(rows_all), fit_margin(rows_all)
+    best, margin = fit_with_margin(rows_all)
     folds: dict[tuple, set] = {}
     for r in rows:
         if r.fitted:
@@ -136,13 +136,14 @@ def run(a) -> int:
         return run_measured(a.measured, a.json)
     rows = backtest(loo=not a.in_sample, rank=not a.no_rank)
     if a.json:
+        fitted, margin = fit_with_margin(list(load_rows()))
         print(
             json.dumps(
                 {
                     "rows": [dict(vars(r), error=r.error, dominant=r.dominant) for r in rows],
                     "summary": summary(rows),
-                    "fit_all_rows": fit(list(load_rows())),
-                    "fit_margin": fit_margin(list(load_rows())),
+                    "fit_all_rows": fitted,
+                    "fit_margin": margin,
                 },
                 indent=2,
                 sort_keys=True,

@@ -144,27 +144,35 @@ def _best(errors: dict, keep: list[bool]) -> dict:
     return {"dp_overlap": ov, "link_efficiency": eff}
 
 
-def fit_margin(rows: list[dict]) -> dict:
-    """How firmly every row chooses the defaults: the all-rows fit's mean squared log error and
-    the grid's runner-up with its own (a near tie: a small change to any term can flip the fit,
-    and the leave-one-source-out folds with it)."""
+def fit_with_margin(rows: list[dict]) -> tuple[dict, dict]:
+    """(``fit``, how firmly the rows choose it) from one pass over the grid: the fit's mean squared
+    log error and the grid's runner-up with its own (a near tie: a small change to any term can
+    flip the fit, and the leave-one-source-out folds with it)."""
     ran = tuple(r for r in rows if not r.get("expect_oom"))
     shares = _async_tp_by_efficiency(ran, None, _pair_shares(ran))
     (mse, best), (next_mse, runner_up) = _ranked(_log_errors(ran, shares), [True] * len(ran))[:2]
-    return {
+    fitted = {
+        "dp_overlap": best[0],
+        "link_efficiency": best[1],
+        "async_tp_hidden": dict(shares)[best[1]],
+    }
+    margin = {
         "mse": mse,
         "runner_up": {"dp_overlap": runner_up[0], "link_efficiency": runner_up[1]},
         "runner_up_mse": next_mse,
     }
+    return fitted, margin
+
+
+def fit_margin(rows: list[dict]) -> dict:
+    """``fit_with_margin``'s margin."""
+    return fit_with_margin(rows)[1]
 
 
 def fit(rows: list[dict]) -> dict:
     """The grid point minimising the mean squared log error over ``rows`` (ties: the larger
     values), with AsyncTP's share from every pair at its link efficiency."""
-    ran = tuple(r for r in rows if not r.get("expect_oom"))
-    shares = _async_tp_by_efficiency(ran, None, _pair_shares(ran))
-    best = _best(_log_errors(ran, shares), [True] * len(ran))
-    return {**best, "async_tp_hidden": dict(shares)[best["link_efficiency"]]}
+    return fit_with_margin(rows)[0]
 
 
 def loso_fits(rows: tuple[dict, ...]) -> dict[str, dict]:
