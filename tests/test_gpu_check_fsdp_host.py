@@ -21,7 +21,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("fsdp, plain", [(2, "fp32"), (1, "fp32"), (2, "autocast")])
+# the fast path probes FSDP2 on 2 ranks; one rank and the autocast baseline are slow (~3 s each)
+@pytest.mark.parametrize(
+    "fsdp, plain",
+    [
+        (2, "fp32"),
+        pytest.param(1, "fp32", marks=pytest.mark.slow),
+        pytest.param(2, "autocast", marks=pytest.mark.slow),
+    ],
+)
 def test_fsdp_host_probe_reports_its_slope_in_launches(monkeypatch, fsdp, plain):
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     probe = [sys.executable, "-m", "dtrain.gpucheck.fsdp_host", "--layers", "1", "3"]

@@ -306,6 +306,7 @@ def _file_size_limit():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as Python does: a write then fails with EFBIG
 
 
+@pytest.mark.slow  # the fast path has the real full disk (ENOSPC); EFBIG takes the same path
 def test_a_file_size_limit_during_a_checkpoint_is_one_line(tmp_path):
     import sys
 

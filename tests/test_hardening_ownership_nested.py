@@ -162,6 +162,7 @@ def test_what_may_nest_and_what_may_not(tmp_path, monkeypatch):
     assert rundir.owning_run(sweep / "1", include_self=False) is None
 
 
+@pytest.mark.slow  # a whole run, ~7 s: test_what_may_nest_and_what_may_not checks the rule
 def test_a_checkpoint_dir_inside_the_runs_own_dir_still_works(tmp_path):
     run = tmp_path / "own"
     out = py(
@@ -322,6 +323,7 @@ def test_a_requeued_finished_run_exits_0_and_touches_nothing(tmp_path, monkeypat
     requeue.exit_if_complete(run_dir)
 
 
+@pytest.mark.slow  # ~6 s; the fast path: test_a_requeued_finished_run_exits_0_and_touches_nothing
 def test_cli_requeue_of_a_finished_job_exits_0_before_hydra_writes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "RANK"}
     env.update(PYTHONUNBUFFERED="1", SLURM_JOB_ID="41")

@@ -193,6 +193,7 @@ def test_stopped_task_is_named_and_job_cancelled(tmp_path, client):
 
 
 def test_failing_task_real_error_first_and_in_run_failed(tmp_path, slurm_cluster):
+    t0 = time.monotonic()
     out = py(
         "-m",
         "dtrain.run.selftest",
@@ -205,6 +206,8 @@ def test_failing_task_real_error_first_and_in_run_failed(tmp_path, slurm_cluster
         timeout=120,
     )
     assert out.returncode == 1, out.stderr
+    assert time.monotonic() - t0 < 60  # the job ends with its task, not at its time limit
+    assert not list(tmp_path.rglob("summary.json"))
     assert out.stderr.index("fails on purpose") < out.stderr.index(
         "--- task 0"
     )  # not the peer's "connection closed"

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slurm
 ON_TWO_NODES = ["launcher=slurm", "slurm.nodes=2", "slurm.partition=debug", "slurm.time_min=5"]
 
 
+@pytest.mark.slow  # the fast path launches on two nodes in test_allreduce_bench_measures_inter_node
 def test_selftest_across_two_nodes(tmp_path, slurm_two_nodes):
     out = py(
         "-m",
@@ -77,6 +78,7 @@ def test_hsdp_shards_inside_a_node_replicates_across(tmp_path, slurm_two_nodes):
     assert set(state["shards"]) == {2}
 
 
+@pytest.mark.slow  # ~7 s; fast: test_hardening_values' local sweep with a failing point
 def test_sweep_with_one_failing_point_runs_the_others_and_lists_it(tmp_path, slurm_cluster):
     """A point that fails at run time (an invalid point is refused before any point runs,
     dtrain.run.precheck):

@@ -218,6 +218,7 @@ def test_the_job_id_is_printed_as_soon_as_sbatch_answers(monkeypatch, capsys):
     assert job.job_id == "4242" and SlurmExecutor._submit_command(None, "x").job_id == "4242"
 
 
+@pytest.mark.slow  # ~6 s of Slurm; launcher=slurm's job id line is read by every Slurm test
 @pytest.mark.slurm
 def test_submitit_sweep_prints_its_job_id_before_it_finishes(slurm_cluster, tmp_path):
     out = py(

@@ -48,6 +48,7 @@ def _references(tmp_path) -> dict:
     )
 
 
+@pytest.mark.slow  # ~10 s; fast: MoE under EP (test_train_ep), PP and TP (test_train_layouts)
 def test_moe_pp2_and_tp2_match_one_rank(tmp_path):
     refs = _references(tmp_path)
     assert refs["aux"]["losses"][0] > refs["single"]["losses"][0]  # the aux loss is in it
@@ -79,7 +80,7 @@ def test_moe_pp2_and_tp2_match_one_rank(tmp_path):
     assert all(o >= 1.0 for o in two["tp2_ep2"]["overload"])
 
 
-@pytest.mark.slow  # 4 ranks on 2 cores: ~60 s; the 2-rank test above is the fast one
+@pytest.mark.slow  # 4 ranks on 2 cores: ~60 s
 def test_four_ranks_moe_pp_and_tp_with_ep_match_one_rank(tmp_path):
     refs = _references(tmp_path)
     four = run_specs(
