@@ -56,6 +56,7 @@ def test_a_command_line_rule_keeps_the_matching_layers_in_high_precision():
     )
 
 
+@pytest.mark.slow  # a whole run, ~6 s; the rule's resolution is checked in-process above
 def test_a_short_run_records_the_rules_precision(tmp_path):
     out = py(
         "-m",
