@@ -307,6 +307,38 @@ def test_plan_says_what_the_framework_costs(capsys):
     )  # --software any: one search, nothing to compare
 
 
+def test_fsdp2_zero3_gathers_the_root_once_a_micro_batch():
+    """FSDP2 keeps its root unit (embeddings, output projection) gathered from forward to
+    backward: under ZeRO-3 each micro-batch gathers the blocks twice and the root once (the CPU
+    count: dtrain.gpucheck.fsdp_copy_out). Under PP a stage gathers once a step either way."""
+    from dataclasses import replace
+
+    from dtrain.costmodel import Layout, step_time
+    from dtrain.costmodel.collectives import all_gather_time, group_link
+    from dtrain.costmodel.comm_time import dp_comm_time, root_gathers_saved
+    from dtrain.costmodel.model_states import embedding_params_per_gpu, params_per_gpu
+
+    shape = ModelShape(16, 2048, 32, 8, 128256, 4096, 8192 / 2048, True, tied_embeddings=True)
+    cluster = Cluster.from_profile("h100-sxm", 8, 8)
+    lay = Layout(dp_shard=8, zero_stage=3, recompute="none", micro_batch=1, grad_accum=4)
+    psi, root = params_per_gpu(shape, 1, 1), embedding_params_per_gpu(shape, 1, 1)
+    link = group_link(cluster, 8, 1, multi_rail=True)
+    ag_all, ag_blocks = (
+        all_gather_time(2 * psi, 8, link),
+        all_gather_time(2 * (psi - root), 8, link),
+    )
+    grads, plain = dp_comm_time(shape, lay, cluster, 2)
+    assert dp_comm_time(shape, lay, cluster, 2, root_once=True) == pytest.approx(
+        (grads, plain - 4 * (ag_all - ag_blocks)), rel=1e-12
+    )  # 8 gathers of the whole model less 4 of the root's bytes
+    assert root / psi > 0.2  # a small model's root is a fifth of it: the traffic it saves
+    assert [root_gathers_saved(x, True) for x in (lay, replace(lay, pp=2, dp_shard=4))] == [4, 0]
+    assert root_gathers_saved(lay, False) == 0  # FSDP1, DeepSpeed: not priced apart
+    t_fsdp2 = step_time(shape, lay, cluster, stack=Stack(software="torchtitan"))
+    t_any = step_time(shape, lay, cluster)
+    assert t_any.dp_comm - t_fsdp2.dp_comm == pytest.approx(4 * (ag_all - ag_blocks), rel=1e-9)
+
+
 def test_fsdp2_zero2_gathers_the_weights_for_every_micro_batch():
     """torchtitan's and dtrain's ZeRO-2 is FSDP2 without resharding after forward: it reshards
     after each backward, so the weights are gathered m times a step (DeepSpeed's ZeRO-2, "any":

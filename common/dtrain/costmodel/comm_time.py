@@ -59,12 +59,15 @@ def dp_comm_time(
     fp8_weights: bool = False,
     grad_bytes: int = 4,
     zero2_regathers: bool = False,
+    root_once: bool = False,
 ) -> tuple[float, float]:
     """(gradient-side, parameter-side) DP traffic seconds per step over the DP group (see
     ``step_time``); ``fp8_weights``: the block linears' weights are gathered in FP8, 1 byte each
     (``Stack.fp8_all_gather``); ``grad_bytes``: 4 for an fp32 gradient reduction, 2 for a bf16
     one (``Stack.grad_reduce``); ``zero2_regathers``: ZeRO-2 as FSDP2 runs it, the weights
-    gathered for every micro-batch (``Software.zero2_regathers``), not once a step."""
+    gathered for every micro-batch (``Software.zero2_regathers``), not once a step;
+    ``root_once``: FSDP2's root unit gathered once a micro-batch under ZeRO-3
+    (``root_gathers_saved``)."""
     if lay.dp <= 1:
         return 0.0, 0.0
     psi = params_per_gpu(shape, lay.tp, lay.pp, lay.pp_split)
@@ -95,7 +98,14 @@ def dp_comm_time(
     lat_ag, lat_rs = (
         (units - 1) * (n - 1) * link.of(c).alpha_s for c in ("all_gather", "reduce_scatter")
     )
-    return m * (rs + lat_rs), gathers * (ag + lat_ag)
+    saved = root_gathers_saved(lay, root_once)
+    root_share = 0.0  # the root's part of one gather: what each saved gather does not move
+    if saved:
+        root = volume.zero_gather_bytes(
+            embedding_params_per_gpu(shape, lay.tp, lay.pp), value_bytes
+        )
+        root_share = ag - all_gather_time(weights - root, n, link)
+    return m * (rs + lat_rs), gathers * (ag + lat_ag) - saved * root_share
 
 
 def weight_gathers_per_step(lay: Layout, zero2_regathers: bool = False) -> int:
@@ -110,3 +120,13 @@ def weight_gathers_per_step(lay: Layout, zero2_regathers: bool = False) -> int:
     if lay.zero_stage == 2:
         return lay.grad_accum if zero2_regathers else 1
     return 2 * lay.grad_accum
+
+
+def root_gathers_saved(lay: Layout, root_once: bool) -> int:
+    """Gathers of the root unit's weights (the embeddings and output projection: what no block
+    holds) that ``weight_gathers_per_step`` counts but FSDP2 does not make (``root_once``:
+    ``Software.fsdp2``). Its lazy init keeps the root gathered from forward to backward
+    (``post_forward_mesh_info = None``), so under ZeRO-3 without PP the root is gathered once a
+    micro-batch, the blocks twice: counted on two CPU ranks by ``dtrain.gpucheck.fsdp_copy_out``
+    (blocks 2 copy-outs a forward and backward, the root 1)."""
+    return lay.grad_accum if root_once and lay.zero_stage == 3 and lay.pp == 1 else 0

@@ -245,6 +245,7 @@ class StepComm:
                 self.fp8_fsdp_gather,
                 max(self.vb, self.stack.grad_bytes),
                 self.stack.runs.zero2_regathers,
+                self.stack.runs.fsdp2,
             )
             loss_link = group_link(self.cluster, n, lay.tp, multi_rail=True)
             loss = allreduce_time(volume.LOSS_BYTES, n, loss_link) if n > 1 else 0.0

@@ -42,7 +42,7 @@ from dtrain.parallel import traffic as volume
 
 from . import eager
 from .calibration import Calibration
-from .comm_time import weight_gathers_per_step
+from .comm_time import root_gathers_saved, weight_gathers_per_step
 from .compute import (
     ComputeTerms,
     _micro_terms,
@@ -117,7 +117,8 @@ def step_time(
               stage keeps its weights gathered across micro-batches as torchtitan's does); ZeRO-2 m
               reduce- scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``:
               FSDP2's); ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP unit
-              (ceil(L/pp) blocks + the root). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
+              (ceil(L/pp) blocks + the root), FSDP2's root (embeddings, output) gathered once a
+              micro-batch (``comm_time.root_gathers_saved``). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
               reduce-scatters run inside a replica group of dp·cp/R ranks, each reduce-scatter
               followed by an all-reduce of the fp32 gradient shard over the R groups.
     exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, and the part
@@ -247,8 +248,9 @@ class StepModel(StepComm):
 
     def fsdp2_copy_out_s(self, lay: Layout) -> float:
         """FSDP2's copy-outs of the step's weight all-gathers (``eager.fsdp2_copy_out_s``): as
-        often as the weights are gathered (``weight_gathers_per_step``), the bytes gathered (the
-        linears' in FP8 with the FP8 weight gather)."""
+        often as the weights are gathered (``weight_gathers_per_step``, the root once a
+        micro-batch under ZeRO-3), the bytes gathered (the linears' in FP8 with the FP8 weight
+        gather)."""
         if not self.stack.runs.fsdp2 or lay.zero_stage < 2 or lay.shard_group <= 1:
             return 0.0
         psi = params_per_gpu(self.shape, lay.tp, lay.pp, lay.pp_split)
@@ -257,7 +259,12 @@ class StepModel(StepComm):
         )
         gathered = volume.zero_gather_bytes(psi, self.vb, kept)
         gathers = weight_gathers_per_step(lay, self.stack.runs.zero2_regathers)
-        return eager.fsdp2_copy_out_s(gathered, gathers, self.dev)
+        root = volume.zero_gather_bytes(
+            embedding_params_per_gpu(self.shape, lay.tp, lay.pp), self.vb
+        )
+        return eager.fsdp2_copy_out_s(gathered, gathers, self.dev) - eager.fsdp2_copy_out_s(
+            root, root_gathers_saved(lay, True), self.dev
+        )  # the root's copy-out once a micro-batch under ZeRO-3 (root_gathers_saved)
 
     def lower_bound(self, lay: Layout) -> float:
         """A step is never shorter than its micro-batches' compute, TP and PP traffic and bubble
