@@ -118,8 +118,9 @@ def step_time(
               reduce- scatters + one all-gather (m all-gathers where ``Software.zero2_regathers``:
               FSDP2's); ZeRO-3 m · (2 all-gathers + 1 reduce-scatter), α once per FSDP unit
               (ceil(L/pp) blocks + the root), FSDP2's root (embeddings, output) gathered once a
-              micro-batch (``comm_time.root_gathers_saved``). HSDP (``Layout.dp_replicate`` R > 1): the gathers and
-              reduce-scatters run inside a replica group of dp·cp/R ranks, each reduce-scatter
+              micro-batch (``comm_time.root_gathers_saved``). HSDP (``Layout.dp_replicate``
+              R > 1): the gathers and reduce-scatters run inside a replica group of dp·cp/R
+              ranks, each reduce-scatter
               followed by an all-reduce of the fp32 gradient shard over the R groups.
     exposed   what overlap cannot hide: traffic runs behind the compute it can overlap, and the part
               that
