@@ -101,10 +101,9 @@ def dp_comm_time(
     saved = root_gathers_saved(lay, root_once)
     root_share = 0.0  # the root's part of one gather: what each saved gather does not move
     if saved:
-        root = volume.zero_gather_bytes(
-            embedding_params_per_gpu(shape, lay.tp, lay.pp), value_bytes
+        root_share = ag - all_gather_time(
+            weights - root_gather_bytes(shape, lay, value_bytes), n, link
         )
-        root_share = ag - all_gather_time(weights - root, n, link)
     return m * (rs + lat_rs), gathers * (ag + lat_ag) - saved * root_share
 
 
@@ -130,3 +129,8 @@ def root_gathers_saved(lay: Layout, root_once: bool) -> int:
     micro-batch, the blocks twice: counted on two CPU ranks by ``dtrain.gpucheck.fsdp_copy_out``
     (blocks 2 copy-outs a forward and backward, the root 1)."""
     return lay.grad_accum if root_once and lay.zero_stage == 3 and lay.pp == 1 else 0
+
+
+def root_gather_bytes(shape: ModelShape, lay: Layout, value_bytes: int) -> float:
+    """Bytes of one gather of the root unit (the embedding matrices, never in FP8)."""
+    return volume.zero_gather_bytes(embedding_params_per_gpu(shape, lay.tp, lay.pp), value_bytes)

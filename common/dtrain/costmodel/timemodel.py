@@ -42,7 +42,7 @@ from dtrain.parallel import traffic as volume
 
 from . import eager
 from .calibration import Calibration
-from .comm_time import root_gathers_saved, weight_gathers_per_step
+from .comm_time import root_gather_bytes, root_gathers_saved, weight_gathers_per_step
 from .compute import (
     ComputeTerms,
     _micro_terms,
@@ -260,9 +260,7 @@ class StepModel(StepComm):
         )
         gathered = volume.zero_gather_bytes(psi, self.vb, kept)
         gathers = weight_gathers_per_step(lay, self.stack.runs.zero2_regathers)
-        root = volume.zero_gather_bytes(
-            embedding_params_per_gpu(self.shape, lay.tp, lay.pp), self.vb
-        )
+        root = root_gather_bytes(self.shape, lay, self.vb)
         return eager.fsdp2_copy_out_s(gathered, gathers, self.dev) - eager.fsdp2_copy_out_s(
             root, root_gathers_saved(lay, True), self.dev
         )  # the root's copy-out once a micro-batch under ZeRO-3 (root_gathers_saved)
